@@ -1,0 +1,49 @@
+# Flywheel developer entry points. The README's two commands are `make run` and `make test`;
+# both build everything they need from the package registries on a fresh machine.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.flywheel-installed
+
+.PHONY: run test test-unit test-integration venv postgres kafka-jars bench lock clean
+
+venv: $(STAMP)
+
+# A virtualenv with the pinned dependencies (requirements.lock) and the project, editable.
+$(STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=25"
+	$(BIN)/python -m pip install -q -c requirements.lock -e ".[test]"
+	touch $(STAMP)
+
+# Kafka's jars from Maven Central into ~/.cache/flywheel (outside the repo).
+kafka-jars: $(STAMP)
+	$(BIN)/python -c "from app.infra.kafka import ensure_jars; from app.settings import Settings; print(ensure_jars(Settings().kafka_cache_dir))"
+
+# A real PostgreSQL server from Debian's packages, started when it is not running.
+postgres:
+	deploy/postgres/ensure.sh
+
+# First README command: the whole service on its embedded defaults.
+run: $(STAMP)
+	$(BIN)/flywheel run
+
+# Second README command: the full test suite against the real Kafka, PostgreSQL and MLflow.
+test: $(STAMP) postgres kafka-jars
+	$(BIN)/python -m pytest tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+bench: $(STAMP)
+	$(BIN)/python bench/ingest.py
+
+# Re-pin: resolve pyproject.toml's dependencies and freeze them.
+lock:
+	rm -rf /tmp/flywheel-lock && $(PYTHON) -m venv /tmp/flywheel-lock
+	/tmp/flywheel-lock/bin/pip install -q ".[test]"
+	/tmp/flywheel-lock/bin/pip freeze --exclude flywheel > requirements.lock
+
+clean:
+	rm -rf $(VENV) .pytest_cache

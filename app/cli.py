@@ -1,0 +1,163 @@
+"""The `flywheel` command line: one entry point for every role.
+
+Heavy imports (torch, mlflow, faust) happen inside the commands, after argument parsing,
+so `flywheel --help` is instant.
+
+    flywheel run                      # the whole local stack on embedded defaults
+    flywheel kafka start|stop|status  # the embedded Kafka broker
+    flywheel db upgrade               # alembic upgrade head
+    flywheel keys create --scope ingest
+    flywheel api --host 0.0.0.0 --port 8000
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Flywheel: online learning from production feedback.")
+kafka_app = typer.Typer(no_args_is_help=True, help="The embedded single-node Kafka broker (KRaft).")
+db_app = typer.Typer(no_args_is_help=True, help="The app database (SQLAlchemy + Alembic).")
+keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed, with scopes).")
+projections_app = typer.Typer(no_args_is_help=True, help="SQL projections of flywheel.deployments.")
+app.add_typer(kafka_app, name="kafka")
+app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+app.add_typer(projections_app, name="projections")
+
+console = Console(stderr=True)
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
+                        handlers=[RichHandler(console=console, show_path=False)], force=True)
+    for noisy in ("kafka", "aiokafka", "urllib3", "httpx", "alembic.runtime.migration"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _settings():
+    from pydantic import ValidationError
+
+    from app.settings import get_settings
+
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        console.print(f"[red]invalid configuration:[/red]\n{exc}")
+        raise typer.Exit(2) from None
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+    _setup_logging(verbose)
+
+
+# --- kafka -----------------------------------------------------------------------------------
+@kafka_app.command("start")
+def kafka_start() -> None:
+    """Resolve Kafka's jars (once), format storage (first start), start the broker, create the topics."""
+    from app.infra.kafka import LocalKafka, ensure_topics
+
+    s = _settings()
+    broker = LocalKafka.from_settings(s)
+    with console.status(f"starting Kafka on {broker.bootstrap} (first start resolves jars from Maven Central)..."):
+        broker.start()
+        created = ensure_topics(s, broker.bootstrap)
+    console.print(f"kafka running on {broker.bootstrap} (pid {broker.pid()}), logs in {broker.home / 'logs'}")
+    if created:
+        console.print(f"created topics: {', '.join(created)}")
+
+
+@kafka_app.command("stop")
+def kafka_stop() -> None:
+    """Stop the embedded broker (controlled shutdown)."""
+    from app.infra.kafka import LocalKafka
+
+    broker = LocalKafka.from_settings(_settings())
+    console.print("kafka stopped" if broker.stop() else "kafka was not running")
+
+
+@kafka_app.command("status")
+def kafka_status() -> None:
+    """Exit 0 when the embedded broker runs and answers, 1 otherwise."""
+    from app.infra.kafka import LocalKafka
+
+    broker = LocalKafka.from_settings(_settings())
+    pid = broker.pid()
+    if pid is None:
+        console.print(f"kafka not running ({broker.home})")
+        raise typer.Exit(1)
+    try:
+        broker.wait_ready(timeout=5)
+    except Exception as exc:
+        console.print(f"kafka pid {pid} is not answering on {broker.bootstrap}: {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"kafka running: pid {pid}, {broker.bootstrap}, data {broker.home}")
+
+
+# --- db & keys --------------------------------------------------------------------------------
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")] = "head") -> None:
+    """Apply the Alembic migrations to FLYWHEEL_DATABASE_URL (default: SQLite in the data dir)."""
+    from app.db.migrate import upgrade
+
+    s = _settings()
+    s.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(s.db_url, revision)
+    console.print(f"database at {s.db_url} upgraded to {revision}")
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, e.g. base or -1.")]) -> None:
+    """Revert the Alembic migrations down to REVISION."""
+    from app.db.migrate import downgrade
+
+    s = _settings()
+    downgrade(s.db_url, revision)
+    console.print(f"database at {s.db_url} downgraded to {revision}")
+
+
+class Scope(str, enum.Enum):
+    ingest = "ingest"
+    read = "read"
+    admin = "admin"
+
+
+@keys_app.command("create")
+def keys_create(
+    scope: Annotated[list[Scope], typer.Option("--scope", "-s", help="ingest, read or admin; repeat for several.")],
+    name: Annotated[str, typer.Option(help="A label for the key (who or what uses it).")] = "",
+) -> None:
+    """Create an API key. The key is printed alone on the last line of stdout (shown only once)."""
+    from app.db.keys import create_key
+    from app.db.migrate import upgrade
+    from app.db.session import session_scope
+
+    s = _settings()
+    s.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(s.db_url, "head")
+    with session_scope(s.db_url) as session:
+        key, row = create_key(session, [sc.value for sc in scope], name=name)
+        console.print(f"created key {row.prefix} with scopes {row.scopes} (store it now; it is not shown again)")
+    typer.echo(key)
+
+
+# --- roles (each added by the issue that builds it) ---------------------------------------------
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

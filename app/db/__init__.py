@@ -1,0 +1,1 @@
+"""The app database: SQLAlchemy 2.0 models, engine/session helpers, API keys."""

@@ -1,0 +1,111 @@
+"""SQLAlchemy 2.0 models of the app database.
+
+- `ApiKey`: bearer keys, stored as SHA-256 of the key (keys are 256-bit random tokens, so a
+  fast hash is enough), with scopes `ingest`, `read`, `admin`.
+- `DeploymentEvent`: the append-only projection of `flywheel.deployments` (the topic is the
+  source of truth; `flywheel projections rebuild` replays it into these tables).
+- `ModelVersion`: one row per registered model version: lineage, gate results, status.
+- `Replica`: inference replicas with the versions they serve and their last heartbeat.
+
+Schema changes go through Alembic (`migrations/`); `flywheel db upgrade` applies them.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, Index, Integer, String, Text, UniqueConstraint, event
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
+
+
+SCOPES = ("ingest", "read", "admin")
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128), default="")
+    prefix: Mapped[str] = mapped_column(String(16), index=True)  # shown in listings; not secret
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex of the whole key
+    scopes: Mapped[str] = mapped_column(String(64))  # comma-separated subset of SCOPES
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(default=None)
+
+    @property
+    def scope_set(self) -> frozenset[str]:
+        return frozenset(s for s in self.scopes.split(",") if s)
+
+
+class DeploymentEvent(Base):
+    """One deployment decision, as it appeared on `flywheel.deployments` (append-only)."""
+
+    __tablename__ = "deployment_events"
+    __table_args__ = (
+        Index("ix_deployment_events_model_ts", "model", "ts"),
+        UniqueConstraint("kafka_partition", "kafka_offset", name="uq_deployment_events_offset"),
+    )
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(String(64), unique=True)
+    type: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(128))
+    version: Mapped[str | None] = mapped_column(String(32))
+    from_version: Mapped[str | None] = mapped_column(String(32))
+    traffic_pct: Mapped[float | None] = mapped_column(Float)
+    source: Mapped[str] = mapped_column(String(16))  # trainer | controller | api | mlflow-ui
+    actor: Mapped[str] = mapped_column(String(128), default="")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    ts: Mapped[datetime] = mapped_column()
+    kafka_partition: Mapped[int | None] = mapped_column(Integer)
+    kafka_offset: Mapped[int | None] = mapped_column(BigInteger)
+
+
+@event.listens_for(DeploymentEvent, "before_update")
+def _deployment_events_are_append_only(mapper, connection, target) -> None:  # noqa: ANN001
+    raise ValueError(f"deployment_events is append-only; refusing to update event {target.event_id}")
+
+
+@event.listens_for(DeploymentEvent, "before_delete")
+def _deployment_events_are_never_deleted(mapper, connection, target) -> None:  # noqa: ANN001
+    raise ValueError(f"deployment_events is append-only; refusing to delete event {target.event_id}")
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version: Mapped[str] = mapped_column(String(32), primary_key=True)
+    parent_version: Mapped[str | None] = mapped_column(String(32))
+    run_id: Mapped[str | None] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(32), default="registered")
+    rollouts_consumed: Mapped[int | None] = mapped_column(BigInteger)
+    reward_spec: Mapped[str | None] = mapped_column(String(16))
+    lineage: Mapped[dict[str, Any]] = mapped_column(default=dict)  # offsets, parent chain, hashes
+    gate: Mapped[dict[str, Any]] = mapped_column(default=dict)  # gate results
+    online: Mapped[dict[str, Any]] = mapped_column(default=dict)  # online metrics summary
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Replica(Base):
+    __tablename__ = "replicas"
+
+    replica_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    url: Mapped[str | None] = mapped_column(String(512))
+    champion_version: Mapped[str | None] = mapped_column(String(32))
+    candidate_version: Mapped[str | None] = mapped_column(String(32))
+    traffic_pct: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(32), default="starting")
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    last_heartbeat: Mapped[datetime | None] = mapped_column(default=None)

@@ -1,0 +1,148 @@
+"""Process settings: one pydantic-settings `Settings`, environment prefix `FLYWHEEL_`.
+
+The names in DESIGN.md (`FLYWHEEL_DATA_DIR`, `FLYWHEEL_KAFKA_BOOTSTRAP`,
+`FLYWHEEL_DATABASE_URL`, `FLYWHEEL_MLFLOW_URI`, `FLYWHEEL_MODEL_NAME`,
+`FLYWHEEL_SHIP_INTERVAL`, `FLYWHEEL_WAIT_WINDOW`) are a contract. Every other field is
+documented here and listed by `flywheel config` / the README's configuration reference.
+
+Durations accept `90`, `90s`, `15m`, `5h`, `1d` (or combinations such as `1h30m`) and are
+stored as float seconds. A bad value fails at start-up with a message that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: object) -> float:
+    """Parse `90`, `1.5`, `250ms`, `30s`, `15m`, `5h`, `1d`, `1h30m` into seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        pos, seconds = 0, 0.0
+        if not text:
+            raise ValueError("empty duration; use e.g. '30s', '15m' or '5h'")
+        for m in _DURATION_PART.finditer(text):
+            if m.start() != pos:
+                break
+            seconds += float(m.group(1)) * _UNIT_SECONDS[m.group(2)]
+            pos = m.end()
+        if pos != len(text):
+            raise ValueError(f"cannot parse duration {value!r}; use e.g. '30s', '15m', '5h' or '1h30m'")
+    else:
+        raise ValueError(f"duration must be a number of seconds or a string like '15m', got {value!r}")
+    if seconds < 0:
+        raise ValueError(f"duration must be >= 0, got {value!r}")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class Settings(BaseSettings):
+    """Configuration shared by every role. Each field maps to `FLYWHEEL_<NAME>`."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore", validate_default=True)
+
+    # --- contract (DESIGN.md) -------------------------------------------------------
+    data_dir: Path = Field(Path(".flywheel"), description="Directory for local state: broker logs, SQLite DB, MLflow store, checkpoints.")
+    kafka_bootstrap: str = Field("localhost:9092", description="Kafka bootstrap servers, comma-separated host:port.")
+    database_url: str | None = Field(None, description="SQLAlchemy URL of the app database. Default: SQLite file `<data_dir>/flywheel.db`.")
+    mlflow_uri: str = Field("http://127.0.0.1:5000", description="MLflow tracking/registry server URI.")
+    model_name: str = Field("flywheel-policy", description="Registered model name in MLflow.")
+    ship_interval: Duration = Field(5 * 3600.0, description="How often the trainer ships a checkpoint (e.g. `5h`, `2m`, `30s`).")
+    wait_window: Duration = Field(15 * 60.0, description="How long a generation waits for feedback before its label closes.")
+
+    # --- profile & secrets ------------------------------------------------------------
+    profile: Literal["local", "production"] = Field("local", description="`local` allows built-in development secrets; `production` requires every secret to be set.")
+    webhook_secret: str | None = Field(None, description="HMAC secret shared with MLflow webhooks. Required outside the local profile.")
+
+    # --- Kafka ------------------------------------------------------------------------
+    topic_namespace: str = Field("flywheel", description="Prefix of every topic (`<ns>.interactions`, ...). Keep `flywheel` unless several deployments share a cluster.")
+    interactions_partitions: int = Field(6, ge=1, description="Partitions of `<ns>.interactions` (the parallelism of the streams workers).")
+    rollouts_partitions: int = Field(6, ge=1, description="Partitions of `<ns>.rollouts`.")
+    default_partitions: int = Field(1, ge=1, description="Partitions of the other topics (deployments stays ordered on 1 partition per model).")
+    replication_factor: int = Field(1, ge=1, description="Replication factor of created topics (1 for the embedded single-node broker).")
+    kafka_produce_timeout: Duration = Field(5.0, description="Upper bound for one produce+ack round trip before the API answers 503.")
+    kafka_controller_port: int | None = Field(None, description="KRaft controller port of the embedded broker (default: broker port + 1).")
+    kafka_heap: str = Field("512m", description="JVM heap (-Xmx) of the embedded broker.")
+    kafka_cache_dir: Path = Field(Path.home() / ".cache" / "flywheel", description="Where Kafka's jars are cached after the Maven resolve (outside the repo).")
+
+    # --- HTTP API -----------------------------------------------------------------------
+    api_host: str = Field("127.0.0.1", description="Bind address of `flywheel api`.")
+    api_port: int = Field(8000, description="Port of `flywheel api`.")
+    max_batch_events: int = Field(1000, ge=1, description="Maximum events per POST /v1/events (contract: 1000).")
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="Maximum request body of POST /v1/events (contract: 4 MiB).")
+    rate_limit_per_s: float = Field(200.0, gt=0, description="Per-key sustained request rate (token bucket refill, requests/s).")
+    rate_limit_burst: int = Field(400, ge=1, description="Per-key burst size of the token bucket.")
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap_has_ports(cls, v: str) -> str:
+        for part in v.split(","):
+            host, sep, port = part.strip().rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"FLYWHEEL_KAFKA_BOOTSTRAP entry {part!r} must be host:port, e.g. localhost:9092")
+        return v
+
+    @field_validator("topic_namespace")
+    @classmethod
+    def _namespace_is_topic_safe(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", v):
+            raise ValueError(f"FLYWHEEL_TOPIC_NAMESPACE {v!r} may only contain letters, digits, '.', '_' and '-'")
+        return v
+
+    @model_validator(mode="after")
+    def _secrets_outside_local(self) -> "Settings":
+        if self.profile != "local" and not self.webhook_secret:
+            raise ValueError("FLYWHEEL_WEBHOOK_SECRET must be set when FLYWHEEL_PROFILE is not 'local'")
+        return self
+
+    # --- derived --------------------------------------------------------------------------
+    @property
+    def db_url(self) -> str:
+        """The effective SQLAlchemy URL (SQLite in the data dir unless configured)."""
+        return self.database_url or f"sqlite:///{(self.data_dir / 'flywheel.db').resolve()}"
+
+    @property
+    def effective_webhook_secret(self) -> str:
+        return self.webhook_secret or "flywheel-local-webhook-secret"
+
+    def topic(self, name: str) -> str:
+        """Full topic name for a logical topic (`interactions` -> `flywheel.interactions`)."""
+        assert name in TOPICS, f"unknown topic {name!r}; known: {sorted(TOPICS)}"
+        return f"{self.topic_namespace}.{name}"
+
+
+# logical name -> (partitions setting or None for default, extra topic configs)
+TOPICS: dict[str, dict[str, str]] = {
+    "interactions": {},
+    "rollouts": {"cleanup.policy": "compact"},
+    "version-metrics": {},
+    "deployments": {},
+    "late": {},
+    "dlq": {},
+}
+
+
+def topic_partitions(settings: Settings, name: str) -> int:
+    return {
+        "interactions": settings.interactions_partitions,
+        "rollouts": settings.rollouts_partitions,
+    }.get(name, settings.default_partitions)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (read once from the environment)."""
+    return Settings()

@@ -1,0 +1,160 @@
+"""Shared fixtures: the real parts the tests run against.
+
+- `kafka`: a real single-node Apache Kafka 4.x (KRaft) broker, started once per test session
+  on free ports in a temporary data dir (app/infra/kafka.py, jars from Maven Central).
+- `make_settings`: Settings pointing at that broker, each call with its own topic namespace
+  (so tests never see each other's records) and its topics created.
+- `postgres_url`: the real PostgreSQL server that `make test` provisions
+  (deploy/postgres/ensure.sh). Missing server = loud failure, never a skip.
+- `mlflow_server`: a real `mlflow server` (SQLite store, local artifacts) on a free port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from app.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator["LocalKafka"]:  # noqa: F821
+    from app.infra.kafka import LocalKafka
+
+    existing = os.environ.get("FLYWHEEL_TEST_KAFKA_BOOTSTRAP")
+    if existing:  # reuse a broker someone started (e.g. while iterating locally)
+        host, _, port = existing.rpartition(":")
+        broker = LocalKafka(home=tmp_path_factory.mktemp("kafka-ext"), port=int(port), host=host)
+        broker.wait_ready(30)
+        yield broker
+        return
+    broker = LocalKafka(home=tmp_path_factory.mktemp("kafka"), port=free_port(), controller_port=free_port(), heap="768m")
+    broker.start(timeout=120)
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture()
+def make_settings(kafka, tmp_path: Path) -> Callable[..., Settings]:
+    """Build Settings on the test broker with a fresh topic namespace; topics are created."""
+    from app.infra.kafka import ensure_topics
+
+    def _make(create_topics: bool = True, **overrides) -> Settings:
+        values = dict(
+            data_dir=tmp_path / "data",
+            kafka_bootstrap=kafka.bootstrap,
+            topic_namespace=f"t{uuid.uuid4().hex[:10]}",
+            interactions_partitions=3,
+            rollouts_partitions=3,
+        )
+        values.update(overrides)
+        s = Settings(**values)
+        s.data_dir.mkdir(parents=True, exist_ok=True)
+        if create_topics:
+            ensure_topics(s)
+        return s
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """URL of the real PostgreSQL test database; fails loudly when it is not reachable."""
+    import sqlalchemy as sa
+
+    url = os.environ.get("FLYWHEEL_TEST_POSTGRES_URL", "postgresql+psycopg://flywheel:flywheel@127.0.0.1:5432/flywheel_test")
+    try:
+        with sa.create_engine(url).connect() as conn:
+            conn.execute(sa.text("select 1"))
+    except Exception as exc:
+        pytest.fail(f"PostgreSQL is not reachable at {url} ({exc}); run deploy/postgres/ensure.sh (make test does)")
+    return url
+
+
+@pytest.fixture()
+def fresh_postgres_url(postgres_url: str) -> Iterator[str]:
+    """A new, empty PostgreSQL database for one test (dropped afterwards)."""
+    import sqlalchemy as sa
+
+    name = f"fw_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'create database "{name}"'))
+    url = postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    try:
+        yield url
+    finally:
+        sa.create_engine(url).dispose()
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'drop database if exists "{name}" with (force)'))
+        admin.dispose()
+
+
+class MlflowServer:
+    def __init__(self, root: Path, port: int, extra_env: dict[str, str] | None = None):
+        self.root, self.port = root, port
+        self.uri = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, **(extra_env or {}))
+        self.log = open(root / "mlflow.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+             "--artifacts-destination", str(root / "artifacts"), "--workers", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited {self.proc.returncode}; see {self.root / 'mlflow.log'}")
+            try:
+                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"mlflow server not ready after {timeout}s; see {self.root / 'mlflow.log'}")
+
+    def stop(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """A real MLflow tracking + registry server (SQLite backend, local artifact store)."""
+    root = tmp_path_factory.mktemp("mlflow")
+    server = MlflowServer(root, free_port(), {
+        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+    })
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

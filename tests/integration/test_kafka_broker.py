@@ -1,0 +1,79 @@
+"""The embedded Kafka broker: real KRaft node started by the project, topics per DESIGN.md."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from app.infra.kafka import LocalKafka, ensure_topics
+from app.settings import TOPICS
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_topics_are_created_with_configured_partitions_and_rollouts_compacted(make_settings):
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    s = make_settings(create_topics=False, interactions_partitions=4, rollouts_partitions=2)
+    created = ensure_topics(s)
+    assert sorted(created) == sorted(s.topic(t) for t in TOPICS)
+    assert ensure_topics(s) == [], "a second call must create nothing"
+
+    admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+    try:
+        meta = {t["name"]: t for t in admin.describe_topics([s.topic(n) for n in TOPICS])}
+        assert len(meta[s.topic("interactions")]["partitions"]) == 4
+        assert len(meta[s.topic("rollouts")]["partitions"]) == 2
+        assert len(meta[s.topic("deployments")]["partitions"]) == 1
+        res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.topic("rollouts"))])
+        assert res["topic"][s.topic("rollouts")]["cleanup.policy"]["value"] == "compact"
+    finally:
+        admin.close()
+
+
+def test_broker_restarts_on_same_storage_and_keeps_records(tmp_path):
+    from kafka import KafkaConsumer, KafkaProducer
+
+    broker = LocalKafka(home=tmp_path / "kafka", port=free_port(), controller_port=free_port(), heap="384m")
+    broker.start(timeout=120)
+    try:
+        assert (broker.home / "data" / "meta.properties").exists(), "storage must be formatted on first start"
+        producer = KafkaProducer(bootstrap_servers=broker.bootstrap, acks="all")
+        producer.send("restart-check", b"before-restart").get(timeout=30)
+        producer.close()
+        assert broker.stop() is True
+        assert not broker.running()
+        broker.start(timeout=120)  # same storage, no re-format
+        consumer = KafkaConsumer("restart-check", bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
+                                 consumer_timeout_ms=10000)
+        values = [m.value for m in consumer]
+        consumer.close()
+        assert values == [b"before-restart"]
+        assert (broker.home / "logs" / "server.log").stat().st_size > 0, "the broker must log (log4j2 on the classpath)"
+    finally:
+        broker.stop()
+    assert broker.stop() is False
+
+
+def test_cli_kafka_start_status_stop(tmp_path):
+    port = free_port()
+    env = {"FLYWHEEL_DATA_DIR": str(tmp_path), "FLYWHEEL_KAFKA_BOOTSTRAP": f"localhost:{port}",
+           "FLYWHEEL_KAFKA_CONTROLLER_PORT": str(free_port()), "FLYWHEEL_KAFKA_HEAP": "384m"}
+    import os
+
+    env = dict(os.environ, **env)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "app.cli", "kafka", *a], env=env, capture_output=True, text=True, timeout=180)  # noqa: E731
+    assert run("status").returncode == 1
+    started = run("start")
+    try:
+        assert started.returncode == 0, started.stderr
+        assert "flywheel.interactions" in started.stderr
+        assert run("status").returncode == 0
+    finally:
+        stopped = run("stop")
+    assert stopped.returncode == 0 and "stopped" in stopped.stderr
+    assert run("status").returncode == 1
