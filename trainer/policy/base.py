@@ -1,0 +1,81 @@
+"""The policy interface: what the trainer, the gate and the replicas need from a model.
+
+The built-in policy is a byte-level decoder with MoE feed-forward layers (`moe_lm.py`),
+small enough to train on two CPU cores; a larger causal LM plugs in by implementing this
+class. Numerics contract (DESIGN.md): with routes replayed and batch-invariant kernels on,
+`logprobs()` of a logged generation equals the behaviour log-probs that `generate()` logged,
+bit for bit, when both run on the same serving weights.
+
+Conventions
+- Tokens are python ints; a tokenizer turns text into them (`tokenizer.name`, e.g. `byte-v1`).
+- Log-probs are float32 log-probabilities of the sampled token under the sampling
+  distribution softmax(logits / T); for T == 0 (greedy) they are taken at T = 1.
+- Routes are int32 arrays of shape [T_completion, n_layers, top_k]: the expert ids each
+  completion token was routed to in each MoE layer (None for dense policies).
+- The serving state dict is bf16 for floating tensors; `load_serving_state_dict` loads one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Tokenizer(ABC):
+    name: str  # recorded in generation events (`tokenizer`)
+    vocab_size: int
+    eos_id: int
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def decode(self, tokens: list[int]) -> str: ...
+
+
+@dataclass
+class Sample:
+    """One generated completion with everything the trainer needs to learn from it."""
+
+    tokens: list[int]  # completion tokens (may end with eos)
+    logprobs: list[float]  # behaviour log-probs, float32 values, len == len(tokens)
+    routes: np.ndarray | None = None  # int32 [len(tokens), n_layers, top_k]
+    text: str = ""  # decoded completion
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Policy(ABC, torch.nn.Module):
+    """A causal LM policy. Subclasses are torch modules holding fp32 (master) parameters."""
+
+    tokenizer: Tokenizer
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 1.0,
+                 seed: int | None = None) -> list[Sample]:
+        """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes."""
+
+    @abstractmethod
+    def logprobs(self, prompt_tokens: list[list[int]], completion_tokens: list[list[int]],
+                 routes: list[np.ndarray | None] | None = None, temperature: float = 1.0) -> torch.Tensor:
+        """Differentiable log-probs of each completion token given its prompt.
+
+        Returns float32 [B, T_max] (right-padded with 0.0 past each completion's length).
+        When `routes[i]` is given, MoE layers use those expert ids for completion i's tokens
+        (the gate weights are still computed by the current router, so it keeps its gradient).
+        """
+
+    @abstractmethod
+    def serving_state_dict(self) -> dict[str, torch.Tensor]:
+        """bf16 weights for serving and delta sync (integer buffers keep their dtype)."""
+
+    @abstractmethod
+    def load_serving_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load serving weights (e.g. on a replica, or to evaluate a registered version)."""
+
+    @abstractmethod
+    def config_dict(self) -> dict[str, Any]:
+        """JSON-serialisable config that `build_policy(config)` rebuilds the architecture from."""
