@@ -150,6 +150,21 @@ def keys_create(
 
 
 # --- roles (each added by the issue that builds it) ---------------------------------------------
+@app.command("run")
+def run(
+    replicas: Annotated[int, typer.Option(help="Inference replicas to start.")] = 2,
+    no_simulate: Annotated[bool, typer.Option("--no-simulate", help="Do not start the simulated editor population.")] = False,
+    no_live: Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live status view.")] = False,
+    duration: Annotated[Optional[str], typer.Option(help="Stop by itself after this long (e.g. 10m).")] = None,
+) -> None:
+    """Run the whole loop locally on the embedded defaults (Kafka, MLflow, API and every role)."""
+    from app.run import RunOptions, run_local
+    from app.settings import parse_duration
+
+    opts = RunOptions(replicas=replicas, simulate=not no_simulate, live=not no_live,
+                      duration_s=parse_duration(duration) if duration else None)
+    raise typer.Exit(run_local(_settings(), opts))
+
 
 
 def main() -> None:

@@ -1,0 +1,52 @@
+"""The embedded MLflow tracking + registry server used by `flywheel run` (and the tests).
+
+SQLite backend store and a local artifact root in `<data_dir>/mlflow/`, UI on the port of
+FLYWHEEL_MLFLOW_URI (default 5000). Webhooks are allowed over plain http to private IPs
+(the controller listens on loopback), which MLflow refuses by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+log = logging.getLogger(__name__)
+
+WEBHOOK_ENV = {"MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true"}
+
+
+def mlflow_server_argv(root: Path, host: str, port: int, workers: int = 1) -> list[str]:
+    root.mkdir(parents=True, exist_ok=True)
+    return [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
+            "--backend-store-uri", f"sqlite:///{(root / 'mlflow.db').resolve()}",
+            "--artifacts-destination", str((root / "artifacts").resolve()), "--workers", str(workers)]
+
+
+def host_port(uri: str) -> tuple[str, int]:
+    u = urlparse(uri)
+    return u.hostname or "127.0.0.1", u.port or 5000
+
+
+def mlflow_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    return dict(os.environ, **WEBHOOK_ENV, **(extra or {}))
+
+
+def wait_healthy(uri: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{uri.rstrip('/')}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"mlflow server at {uri} not healthy after {timeout:.0f}s")

@@ -1,0 +1,152 @@
+"""`flywheel run`: the whole loop locally, on the embedded defaults.
+
+Starts, in order: the embedded Kafka broker (and its topics), the database migrations, the
+MLflow server (UI), the API, then every other role whose command this build has (streams
+worker, trainer, controller, two replicas, the simulated editor population), each as its own
+process under a small supervisor (app/supervisor.py). Prints the URLs, shows a live status
+view, and on Ctrl-C stops everything cleanly. State lives in FLYWHEEL_DATA_DIR, so a second
+start resumes where the first stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunOptions:
+    """Knobs of the local run (CLI flags of `flywheel run`)."""
+
+    replicas: int = 2  # inference replicas to start
+    replica_base_port: int = 8100  # replica i listens on base + i
+    simulate: bool = True  # start the simulated editor population
+    live: bool = True  # live status view (False: plain log lines)
+    duration_s: float | None = None  # stop by itself after this long (tests, demos)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def local_keys(settings: Settings) -> dict[str, str]:
+    """API keys of the local profile (ingest, read, admin), created once and kept in the data dir."""
+    from app.db.keys import create_key
+    from app.db.session import session_scope
+
+    path = settings.data_dir / "local-keys.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    keys = {}
+    with session_scope(settings.db_url) as session:
+        for scope in ("ingest", "read", "admin"):
+            keys[scope], _ = create_key(session, [scope], name=f"local-{scope}")
+    path.write_text(json.dumps(keys, indent=2))
+    path.chmod(0o600)
+    return keys
+
+
+def _http_ok(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=2).status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+def available_roles() -> set[str]:
+    """Role commands this build of the CLI has (roles land issue by issue)."""
+    import typer
+
+    from app.cli import app as cli_app
+
+    return set(typer.main.get_command(cli_app).commands)  # type: ignore[attr-defined]
+
+
+def run_local(settings: Settings, opts: RunOptions) -> int:
+    from rich.console import Console
+
+    from app.db.migrate import upgrade
+    from app.infra.kafka import LocalKafka, ensure_topics
+    from app.infra.mlflow_server import WEBHOOK_ENV, host_port, mlflow_server_argv, wait_healthy
+    from app.supervisor import RoleSpec, Supervisor
+
+    console = Console()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    data_dir = settings.data_dir.resolve()
+    env = {"FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+           "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri, "MLFLOW_TRACKING_URI": settings.mlflow_uri,
+           "FLYWHEEL_DATABASE_URL": settings.db_url, **opts.extra_env}
+    py = [sys.executable, "-m", "app.cli"]
+    sup = Supervisor(data_dir / "logs", env)
+    broker = LocalKafka.from_settings(settings)
+    started_broker = False
+    roles = available_roles()
+    try:
+        with console.status("starting Kafka (the first start resolves its jars from Maven Central)..."):
+            started_broker = not broker.running()
+            broker.start()
+            ensure_topics(settings)
+        console.print(f"[green]✓[/green] kafka {broker.bootstrap}  (logs {broker.home / 'logs'})")
+
+        upgrade(settings.db_url)
+        keys = local_keys(settings)
+        console.print(f"[green]✓[/green] database {settings.db_url}  (local API keys in {data_dir / 'local-keys.json'})")
+
+        mhost, mport = host_port(settings.mlflow_uri)
+        if _http_ok(f"{settings.mlflow_uri}/health"):
+            console.print(f"[yellow]•[/yellow] reusing the MLflow server already on {settings.mlflow_uri}")
+        else:
+            with console.status("starting the MLflow server..."):
+                sup.start(RoleSpec("mlflow", mlflow_server_argv(data_dir / "mlflow", mhost, mport), env=WEBHOOK_ENV,
+                                   url=settings.mlflow_uri, ready=lambda: _http_ok(f"{settings.mlflow_uri}/health")))
+            console.print(f"[green]✓[/green] mlflow  {settings.mlflow_uri}")
+
+        api_url = f"http://{settings.api_host}:{settings.api_port}"
+        with console.status("starting the API..."):
+            sup.start(RoleSpec("api", py + ["api", "--host", settings.api_host, "--port", str(settings.api_port)],
+                               url=f"{api_url}/docs", ready=lambda: _http_ok(f"{api_url}/healthz")))
+        console.print(f"[green]✓[/green] api     {api_url}/docs")
+
+        for role in ("streams", "trainer", "controller"):
+            if role in roles:
+                sup.start(RoleSpec(role, py + [role]), wait=False)
+                console.print(f"[green]✓[/green] {role}")
+        replica_urls = []
+        if "replica" in roles:
+            for i in range(opts.replicas):
+                port = opts.replica_base_port + i
+                url = f"http://127.0.0.1:{port}"
+                replica_urls.append(url)
+                sup.start(RoleSpec(f"replica-{i}", py + ["replica", "--host", "127.0.0.1", "--port", str(port),
+                                                          "--replica-id", f"replica-{i}"],
+                                   url=url), wait=False)
+                console.print(f"[green]✓[/green] replica-{i} {url}")
+        if opts.simulate and "simulate" in roles and replica_urls:
+            sup.start(RoleSpec("simulate", py + ["simulate", "--api", api_url, "--api-key", keys["ingest"],
+                                                 *sum((["--replica", u] for u in replica_urls), [])]), wait=False)
+            console.print("[green]✓[/green] simulated editor population")
+
+        console.print(f"\nAPI docs  {api_url}/docs\nMLflow UI {settings.mlflow_uri}\nStatus    {api_url}/v1/deployments "
+                      f"(read key in {data_dir / 'local-keys.json'})\nLogs      {data_dir / 'logs'}\nCtrl-C stops everything.\n")
+        from app.status_view import StatusView
+
+        view = StatusView(api_url, keys["read"], sup)
+        deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
+        view.run(live=opts.live, until=deadline)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        console.print("stopping...")
+        sup.stop_all()
+        if started_broker:
+            broker.stop()
+        console.print("stopped; state kept in " + str(data_dir))
