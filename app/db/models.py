@@ -6,6 +6,7 @@
   source of truth; `flywheel projections rebuild` replays it into these tables).
 - `ModelVersion`: one row per registered model version: lineage, gate results, status.
 - `Replica`: inference replicas with the versions they serve and their last heartbeat.
+- `DeploymentState`: one row per model: champion, candidate, traffic split, phase, step.
 
 Schema changes go through Alembic (`migrations/`); `flywheel db upgrade` applies them.
 """
@@ -102,6 +103,7 @@ class Replica(Base):
     __tablename__ = "replicas"
 
     replica_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str | None] = mapped_column(String(128), index=True)  # registered model it serves (0002)
     url: Mapped[str | None] = mapped_column(String(512))
     champion_version: Mapped[str | None] = mapped_column(String(32))
     candidate_version: Mapped[str | None] = mapped_column(String(32))
@@ -109,3 +111,26 @@ class Replica(Base):
     status: Mapped[str] = mapped_column(String(32), default="starting")
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
     last_heartbeat: Mapped[datetime | None] = mapped_column(default=None)
+
+
+class DeploymentState(Base):
+    """Per-model rollout state, projected from `flywheel.deployments` (migration 0002).
+
+    `traffic_pct` is the candidate's share of sessions (0 when no canary runs); `phase` is
+    idle | canary | paused | promoting. Every timestamp comes from an event, never from the
+    clock, so a rebuild from the topic reproduces the table exactly.
+    """
+
+    __tablename__ = "deployment_state"
+
+    model: Mapped[str] = mapped_column(String(128), primary_key=True)
+    champion: Mapped[str | None] = mapped_column(String(32))
+    candidate: Mapped[str | None] = mapped_column(String(32))
+    traffic_pct: Mapped[float] = mapped_column(Float, default=0.0)
+    phase: Mapped[str] = mapped_column(String(16), default="idle")
+    step_index: Mapped[int | None] = mapped_column(Integer)
+    last_analysis: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    last_registered_version: Mapped[str | None] = mapped_column(String(32))
+    last_registered_at: Mapped[datetime | None] = mapped_column(default=None)
+    last_event_id: Mapped[str | None] = mapped_column(String(64))
+    updated_at: Mapped[datetime] = mapped_column()
