@@ -75,6 +75,16 @@ def kafka_start() -> None:
         console.print(f"created topics: {', '.join(created)}")
 
 
+@kafka_app.command("topics")
+def kafka_topics() -> None:
+    """Create the DESIGN.md topics on FLYWHEEL_KAFKA_BOOTSTRAP (any cluster); idempotent."""
+    from app.infra.kafka import ensure_topics
+
+    s = _settings()
+    created = ensure_topics(s)
+    console.print(f"created topics: {', '.join(created)}" if created else "all topics exist")
+
+
 @kafka_app.command("stop")
 def kafka_stop() -> None:
     """Stop the embedded broker (controlled shutdown)."""
@@ -100,6 +110,23 @@ def kafka_status() -> None:
         console.print(f"kafka pid {pid} is not answering on {broker.bootstrap}: {exc}")
         raise typer.Exit(1) from None
     console.print(f"kafka running: pid {pid}, {broker.bootstrap}, data {broker.home}")
+
+
+@app.command("config")
+def config(markdown: Annotated[bool, typer.Option("--markdown", help="Print the README's reference table.")] = False) -> None:
+    """Every FLYWHEEL_* setting with its default and meaning (the configuration reference)."""
+    from app.config_reference import all_settings
+    from app.config_reference import markdown as render
+
+    if markdown:
+        typer.echo(render())
+        return
+    from rich.table import Table
+
+    table = Table("variable", "default", "what")
+    for row in all_settings():
+        table.add_row(row.env, "" if row.default is None else str(row.default), row.description)
+    Console().print(table)
 
 
 # --- db & keys --------------------------------------------------------------------------------
