@@ -1,0 +1,1 @@
+"""The simulated editor population: users with preferences the model does not know."""
