@@ -1,0 +1,145 @@
+"""Each RL objective term against a hand-computed example (numbers worked out in comments).
+
+Run: .venv/bin/pytest tests/unit/trainer/test_objective.py -q
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer.objective import advantages, distill_loss, importance_weights, kl_k3, policy_gradient_loss
+
+LN = math.log
+
+
+def _batch():
+    """Three sequences, T = 3, behaviour log-prob -3 everywhere.
+
+    seq 0: token ratios [3, 0.5]      -> geometric mean sqrt(1.5) = 1.2247 in [0.5, 2]: kept,
+                                          truncated weights [min(3,2)=2, 0.5]; 1 token clipped
+    seq 1: token ratios [0.25, 0.25, 1] -> geometric mean (1/16)^(1/3) = 0.397 < 0.5: masked
+    seq 2: token ratio  [1]            -> kept, weight 1
+    """
+    ratios = [[3.0, 0.5, 1.0], [0.25, 0.25, 1.0], [1.0, 1.0, 1.0]]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
+    behav = torch.full((3, 3), -3.0, dtype=torch.float32)
+    logp = (behav + torch.tensor([[LN(r) for r in row] for row in ratios], dtype=torch.float32)) * mask
+    return logp.requires_grad_(True), behav * mask, mask
+
+
+def test_truncated_ratios_and_geometric_mean_sequence_mask():
+    logp, behav, mask = _batch()
+    w = importance_weights(logp, behav, mask, trunc_c=2.0, mask_low=0.5, mask_high=2.0)
+    assert torch.allclose(w.seq_ratio, torch.tensor([math.sqrt(1.5), (1 / 16) ** (1 / 3), 1.0]), atol=1e-6)
+    assert w.seq_kept.tolist() == [True, False, True]
+    expected = torch.tensor([[2.0, 0.5, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert torch.allclose(w.weights, expected, atol=1e-6), w.weights
+    assert w.keep.tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
+    # 1 of the 6 real tokens has ratio > C (the 3)
+    assert w.clip_fraction == pytest.approx(1 / 6)
+    # 1 of 3 sequences masked
+    assert w.masked_fraction == pytest.approx(1 / 3)
+    # ESS of the untruncated ratios r = [3, .5, .25, .25, 1, 1]:
+    # (sum r)^2 / (n * sum r^2) = 36 / (6 * 11.375) = 0.527473
+    assert w.ess == pytest.approx(36 / (6 * 11.375), rel=1e-5)
+
+
+def test_policy_gradient_loss_masked_tokens_leave_denominator():
+    logp, behav, mask = _batch()
+    w = importance_weights(logp, behav, mask)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss = policy_gradient_loss(logp, adv, w)
+    # kept tokens: seq0 (w=2, logp=-3+ln3=-1.901388), (w=.5, logp=-3+ln.5=-3.693147), seq2 (w=1, logp=-3)
+    # sum w*A*logp = 2*1*(-1.901388) + .5*1*(-3.693147) + 1*.5*(-3) = -7.149349
+    # denominator = 3 kept tokens (seq 1's three tokens left it) -> loss = 7.149349 / 3 = 2.383116
+    assert float(loss.detach()) == pytest.approx(2.383116, abs=1e-5)
+    loss.backward()
+    # d loss / d logp = -w*A/3 on kept tokens, 0 on the masked sequence and padding
+    expected = torch.tensor([[-2 / 3, -1 / 6, 0.0], [0.0, 0.0, 0.0], [-1 / 6, 0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6), logp.grad
+
+
+def test_policy_gradient_loss_is_zero_and_connected_when_everything_is_masked():
+    logp = torch.tensor([[LN(0.1) - 3.0]], requires_grad=True)  # ratio 0.1 < 0.5
+    w = importance_weights(logp, torch.tensor([[-3.0]]), torch.ones(1, 1))
+    loss = policy_gradient_loss(logp, torch.tensor([1.0]), w)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and float(logp.grad.abs().sum()) == 0.0
+
+
+def test_group_normalised_advantages_for_groups_and_batch_normalised_for_singles():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.75, -0.25, 0.25])
+    adv = advantages(rewards, ["a", "a", "b", None, None, "c"])
+    # group a = [1, 0]: mean .5, population std .5 -> [+1, -1] (up to eps = 1e-6)
+    # singles (b and c have one member each) = [.5, .75, -.25, .25]: mean .3125,
+    # population var (.0351563 + .1914063 + .3164063 + .0039063) / 4 = .13671875, std .3697550
+    # -> [.1875, .4375, -.5625, -.0625] / .3697550 = [.507093, 1.183216, -1.521278, -.169031]
+    expected = torch.tensor([1.0, -1.0, 0.507093, 1.183216, -1.521278, -0.169031])
+    assert torch.allclose(adv, expected, atol=1e-4), adv
+
+
+def test_lone_single_is_normalised_over_the_whole_batch_and_equal_groups_get_zero():
+    adv = advantages(torch.tensor([1.0, 0.0, 2.0]), ["a", "a", None])
+    # one single: mean/std over the whole batch [1, 0, 2]: mean 1, std sqrt(2/3) = .816497
+    # -> (2 - 1) / .816497 = 1.224745
+    assert float(adv[2]) == pytest.approx(1.224745, abs=1e-4)
+    same = advantages(torch.tensor([0.5, 0.5]), ["g", "g"])
+    assert same.tolist() == [0.0, 0.0]
+
+
+def test_kl_k3_to_the_champion_is_weighted_by_the_truncated_ratio():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0]])
+    behav = torch.tensor([[-1.0 - LN(3.0), -2.0]])  # token ratios [3, 1]: geo mean 1.732 kept, weights [2, 1]
+    w = importance_weights(logp, behav, torch.ones(1, 2))
+    kl = kl_k3(logp, ref, w)
+    # q = ref - logp = [-.5, 1]; k3 = e^q - q - 1 = [.106531, .718282]
+    # weighted mean = (2 * .106531 + 1 * .718282) / 2 = .465672
+    assert float(kl.detach()) == pytest.approx(0.465672, abs=1e-5)
+    kl.backward()
+    # d k3 / d logp = 1 - e^q = [.393469, -1.718282]; times weights / 2 -> [.393469, -.859141]
+    assert torch.allclose(logp.grad, torch.tensor([[0.393469, -0.859141]]), atol=1e-5), logp.grad
+
+
+def test_kl_k3_is_zero_when_policy_equals_champion():
+    logp = torch.tensor([[-0.7, -1.3]])
+    w = importance_weights(logp, logp, torch.ones(1, 2))
+    assert float(kl_k3(logp, logp.clone(), w)) == 0.0
+
+
+def test_self_distillation_only_on_tokens_after_the_error():
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -1.0]], requires_grad=True)
+    teacher = torch.tensor([[-1.0, -3.0, -0.5, -2.0]])
+    dmask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])  # tool error at token index 1
+    w = importance_weights(logp, logp.detach().clone(), torch.ones(1, 4))  # on-policy: weights 1
+    loss, k1 = distill_loss(logp, teacher, dmask, w)
+    # gap = logp - teacher on tokens 1..3 = [1, 0, 1] -> k1 = 2/3
+    # loss = (1*(-2) + 0*(-.5) + 1*(-1)) / 3 = -1
+    assert k1 == pytest.approx(2 / 3)
+    assert float(loss.detach()) == pytest.approx(-1.0)
+    loss.backward()
+    # gradient = gap / 3 on distilled tokens, nothing on token 0 (before the error)
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 1 / 3, 0.0, 1 / 3]]), atol=1e-6)
+
+
+def test_distillation_surrogate_gradient_equals_exact_reverse_kl_gradient():
+    """Reference path: over a 4-way categorical, sum_y p(y) * surrogate(y) has the gradient of KL(p || q)."""
+    theta = torch.tensor([0.3, -0.2, 1.0, 0.1], requires_grad=True)
+    q = torch.log_softmax(torch.tensor([0.0, 0.5, -0.5, 0.2]), dim=0)
+    logp_all = torch.log_softmax(theta, dim=0)
+    probs = logp_all.detach().exp()
+    surrogate = torch.zeros(())
+    for y in range(4):  # exact expectation instead of sampling
+        lp = logp_all[y].view(1, 1)
+        w = importance_weights(lp, lp.detach().clone(), torch.ones(1, 1))
+        loss, _ = distill_loss(lp, q[y].view(1, 1), torch.ones(1, 1), w)
+        surrogate = surrogate + probs[y] * loss
+    (g_sur,) = torch.autograd.grad(surrogate, theta)
+    theta2 = theta.detach().clone().requires_grad_(True)
+    lp2 = torch.log_softmax(theta2, dim=0)
+    exact = (lp2.exp() * (lp2 - q)).sum()
+    (g_exact,) = torch.autograd.grad(exact, theta2)
+    assert torch.allclose(g_sur, g_exact, atol=1e-6), (g_sur, g_exact)

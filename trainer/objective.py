@@ -1,0 +1,141 @@
+"""The RL objective of DESIGN.md "Training", as pure functions on tensors.
+
+Every term works on right-padded [B, T] float32 tensors of per-token log-probs of the
+*sampled* completion tokens plus a {0,1} float32 mask of real tokens, so each term can be
+checked against a hand-computed example (tests/unit/trainer/test_objective.py) and the
+loop (trainer/loop.py) only has to gather the log-probs.
+
+Terms (all choices stated here are also in docs/TRAINER.md):
+
+- Decoupled importance sampling against the behaviour log-probs logged at inference.
+  Token ratio rho_t = exp(logp_t - logp_behav_t). The policy-gradient loss of a token is
+  -sg(min(rho_t, C)) * A * logp_t (truncated IS, C = 2 by default; sg = stop-gradient), so
+  its gradient is min(rho_t, C) * A * grad logp_t. Because we never take more than one
+  optimizer step on a rollout, the proximal policy of decoupled PPO is the current policy
+  itself and this is exactly its gradient.
+- Sequence mask: the sequence ratio is the GEOMETRIC MEAN of the token ratios,
+  exp(mean_t(logp_t - logp_behav_t)). A sequence whose ratio falls outside
+  [mask_low, mask_high] = [0.5, 2] is masked: its tokens contribute nothing and leave the
+  denominator. Every token-level term is a sum over kept tokens divided by the number of
+  kept tokens in the batch (a token-level mean, DAPO style); when nothing is kept the loss
+  is 0 (still connected to the graph).
+- Advantages: rollouts sharing a `group_id` with >= 2 members get (r - mean_g) / (std_g + eps)
+  over their group; the others get (r - mean) / (std + eps) over those other rollouts of the
+  batch (when there is only one such rollout, mean and std are taken over the whole batch).
+  std is the population std (unbiased=False), eps = 1e-6.
+- KL to the serving champion with the k3 estimator on the sampled tokens:
+  k3_t = exp(q_t) - q_t - 1 with q_t = logp_ref_t - logp_t, which is >= 0, unbiased for
+  KL(pi || pi_ref) under samples of pi and differentiable through logp_t. The tokens were
+  sampled by the behaviour policy, so each token's k3 is weighted by the same truncated
+  ratio sg(min(rho_t, C)). (The policy interface returns the sampled token's log-prob only,
+  so the exact per-token KL over the vocabulary is not available.)
+- Self-distillation on tool_error feedback: for the tokens at and after the error position
+  (mask `distill_mask`), the teacher is the same weights without grad, with the error
+  message and hint in its context. The per-token reverse KL KL(pi_student || pi_teacher) is
+  estimated on the student's own tokens; its score-function gradient is
+  E[(logp_s - logp_t) * grad logp_s], so the loss is
+  sg(min(rho_t, C)) * sg(logp_s_t - logp_teacher_t) * logp_s_t, averaged over the distilled
+  tokens (on-policy distillation: the per-token reverse KL acts as a negative advantage).
+  The logged value is the k1 estimate mean(logp_s - logp_teacher).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class ISWeights:
+    """Importance weights of one batch (all tensors detached)."""
+
+    weights: torch.Tensor  # float32 [B, T]: min(rho, C) on kept tokens, 0 elsewhere
+    keep: torch.Tensor  # float32 [B, T]: 1 for real tokens of unmasked sequences
+    seq_ratio: torch.Tensor  # float32 [B]: geometric mean of token ratios
+    seq_kept: torch.Tensor  # bool [B]
+    clip_fraction: float  # fraction of real tokens with rho > C
+    masked_fraction: float  # fraction of sequences (with >= 1 token) masked by the sequence ratio
+    ess: float  # normalised effective sample size of the untruncated token ratios, in (0, 1]
+
+
+def importance_weights(logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor, *,
+                       trunc_c: float = 2.0, mask_low: float = 0.5, mask_high: float = 2.0) -> ISWeights:
+    """Truncated token ratios and the sequence-level mask. Shapes [B, T]; mask is {0,1} float32."""
+    assert logp.shape == logp_behav.shape == mask.shape, f"shapes {logp.shape} {logp_behav.shape} {mask.shape}"
+    with torch.no_grad():
+        mask = mask.to(torch.float32)
+        log_ratio = (logp.detach().to(torch.float32) - logp_behav.to(torch.float32)) * mask
+        ratio = torch.exp(log_ratio) * mask
+        n_tok = mask.sum(dim=1)
+        has_tokens = n_tok > 0
+        seq_log_ratio = log_ratio.sum(dim=1) / n_tok.clamp(min=1.0)
+        seq_ratio = torch.exp(seq_log_ratio)
+        seq_kept = has_tokens & (seq_ratio >= mask_low) & (seq_ratio <= mask_high)
+        keep = mask * seq_kept.to(torch.float32).unsqueeze(1)
+        weights = torch.clamp(ratio, max=trunc_c) * keep
+        n_real = float(mask.sum())
+        clipped = float(((ratio > trunc_c).to(torch.float32) * mask).sum())
+        n_seq = int(has_tokens.sum())
+        masked = int((has_tokens & ~seq_kept).sum())
+        sum_r, sum_r2 = float(ratio.sum()), float((ratio * ratio).sum())
+        ess = (sum_r * sum_r) / (n_real * sum_r2) if n_real > 0 and sum_r2 > 0 else 0.0
+    return ISWeights(weights=weights, keep=keep, seq_ratio=seq_ratio, seq_kept=seq_kept,
+                     clip_fraction=clipped / n_real if n_real else 0.0,
+                     masked_fraction=masked / n_seq if n_seq else 0.0, ess=ess)
+
+
+def advantages(rewards: torch.Tensor, group_ids: list[str | None]) -> torch.Tensor:
+    """Group-normalised advantages for groups of >= 2, batch-normalised for the rest. [B] -> [B]."""
+    assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), f"{rewards.shape} vs {len(group_ids)} group ids"
+    rewards = rewards.to(torch.float32)
+    out = torch.zeros_like(rewards)
+    members: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        if g is not None:
+            members.setdefault(g, []).append(i)
+    grouped = {i for idx in members.values() if len(idx) >= 2 for i in idx}
+    for idx in members.values():
+        if len(idx) >= 2:
+            r = rewards[idx]
+            out[idx] = (r - r.mean()) / (r.std(unbiased=False) + EPS)
+    single = [i for i in range(len(group_ids)) if i not in grouped]
+    if single:
+        ref = rewards[single] if len(single) >= 2 else rewards
+        out[single] = (rewards[single] - ref.mean()) / (ref.std(unbiased=False) + EPS)
+    return out
+
+
+def _token_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Sum over kept tokens / number of kept tokens; 0 (connected to the graph) if none."""
+    n = keep.sum()
+    return (x * keep).sum() / n if float(n) > 0 else (x * keep).sum() * 0.0
+
+
+def policy_gradient_loss(logp: torch.Tensor, adv: torch.Tensor, w: ISWeights) -> torch.Tensor:
+    """Truncated-IS policy gradient: mean over kept tokens of -sg(min(rho, C)) * A * logp."""
+    return _token_mean(-w.weights * adv.to(torch.float32).unsqueeze(1) * logp, w.keep)
+
+
+def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor, w: ISWeights) -> torch.Tensor:
+    """k3 estimate of KL(pi || pi_ref) on sampled tokens, IS-weighted, mean over kept tokens."""
+    q = logp_ref.detach() - logp
+    k3 = torch.exp(q) - q - 1.0
+    return _token_mean(w.weights * k3, w.keep)
+
+
+def distill_loss(logp: torch.Tensor, logp_teacher: torch.Tensor, distill_mask: torch.Tensor,
+                 w: ISWeights) -> tuple[torch.Tensor, float]:
+    """Self-distillation surrogate and the k1 reverse-KL estimate on the distilled tokens.
+
+    distill_mask: {0,1} float32 [B, T], 1 on completion tokens at/after a tool error.
+    Returns (loss whose gradient is the IS-weighted reverse-KL score-function gradient,
+             mean(logp - logp_teacher) over the distilled kept tokens as a float).
+    """
+    keep = w.keep * distill_mask.to(torch.float32)
+    gap = (logp.detach() - logp_teacher.detach()) * keep
+    loss = _token_mean(w.weights * gap * logp, keep)
+    n = float(keep.sum())
+    return loss, (float(gap.sum()) / n if n else 0.0)
