@@ -1,0 +1,123 @@
+"""API keys: stored hashed with scopes; `flywheel keys create` and `flywheel db upgrade`
+through the real CLI (subprocess, temp FLYWHEEL_DATA_DIR) on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from app.db.keys import create_key, lookup_key
+from app.db.migrate import current_revision, head_revision, upgrade
+
+pytestmark = pytest.mark.integration
+
+FLYWHEEL = Path(sys.executable).parent / "flywheel"
+
+
+def _cli(args: list[str], data_dir: Path, db_url: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env["FLYWHEEL_DATA_DIR"] = str(data_dir)
+    if not db_url.startswith("sqlite"):
+        env["FLYWHEEL_DATABASE_URL"] = db_url
+    proc = subprocess.run([str(FLYWHEEL), *args], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"flywheel {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _cli_db_url(db_url: str, data_dir: Path) -> str:
+    """Where the CLI writes: FLYWHEEL_DATABASE_URL, or the default SQLite file in the data dir."""
+    return db_url if not db_url.startswith("sqlite") else f"sqlite:///{(data_dir / 'flywheel.db').resolve()}"
+
+
+def test_keys_are_stored_hashed_with_their_scopes(db_url: str) -> None:
+    upgrade(db_url)
+    engine = sa.create_engine(db_url)
+    try:
+        with Session(engine) as s:
+            key, row = create_key(s, ["read", "ingest", "read"], name="editor")
+            s.commit()
+        secret = key.rsplit("_", 1)[1]
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("select * from api_keys")).mappings().all()
+        assert len(rows) == 1
+        stored = " ".join(str(v) for v in rows[0].values())
+        assert key not in stored and secret not in stored, f"plaintext key material stored: {rows[0]}"
+        assert rows[0]["key_hash"] == hashlib.sha256(key.encode()).hexdigest()
+        assert rows[0]["scopes"] == "ingest,read"
+        with Session(engine) as s:
+            found = lookup_key(s, key)
+            assert found is not None and found.scope_set == {"ingest", "read"}
+            assert lookup_key(s, key + "x") is None
+            assert lookup_key(s, key.replace(secret, "A" * len(secret))) is None
+            found.revoked_at = datetime.now(timezone.utc)
+            s.commit()
+            assert lookup_key(s, key) is None, "a revoked key must not authenticate"
+    finally:
+        engine.dispose()
+
+
+def test_create_key_refuses_unknown_or_empty_scopes(db_url: str) -> None:
+    upgrade(db_url)
+    engine = sa.create_engine(db_url)
+    try:
+        with Session(engine) as s:
+            with pytest.raises(AssertionError, match="scopes"):
+                create_key(s, ["superuser"])
+            with pytest.raises(AssertionError, match="scopes"):
+                create_key(s, [])
+    finally:
+        engine.dispose()
+
+
+def test_cli_keys_create_prints_the_key_alone_on_the_last_line(db_url: str, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    proc = _cli(["keys", "create", "--scope", "ingest", "--name", "ci"], data_dir, db_url)
+    lines = proc.stdout.rstrip("\n").split("\n")
+    key = lines[-1]
+    assert key.startswith("fw_") and key == key.strip() and " " not in key, f"last stdout line is not a key: {proc.stdout!r}"
+    url = _cli_db_url(db_url, data_dir)
+    engine = sa.create_engine(url)
+    try:
+        with Session(engine) as s:
+            row = lookup_key(s, key)
+            assert row is not None, f"lookup_key did not find the CLI's key in {url}"
+            assert row.scope_set == {"ingest"} and row.name == "ci"
+        with engine.connect() as conn:
+            stored = conn.execute(sa.text("select key_hash, prefix, scopes, name from api_keys")).all()
+        assert all(key not in " ".join(map(str, r)) for r in stored)
+    finally:
+        engine.dispose()
+
+
+def test_cli_keys_create_with_several_scopes(db_url: str, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    key = _cli(["keys", "create", "--scope", "read", "--scope", "admin"], data_dir, db_url).stdout.strip().split("\n")[-1]
+    engine = sa.create_engine(_cli_db_url(db_url, data_dir))
+    try:
+        with Session(engine) as s:
+            assert lookup_key(s, key).scope_set == {"read", "admin"}
+    finally:
+        engine.dispose()
+
+
+def test_cli_db_upgrade_migrates_to_head(db_url: str, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    proc = _cli(["db", "upgrade"], data_dir, db_url)
+    url = _cli_db_url(db_url, data_dir)
+    assert current_revision(url) == head_revision(), proc.stderr
+    engine = sa.create_engine(url)
+    try:
+        assert {"api_keys", "deployment_events", "model_versions", "replicas", "deployment_state"} <= set(
+            sa.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    _cli(["db", "upgrade"], data_dir, db_url)  # idempotent
+    assert current_revision(url) == head_revision()

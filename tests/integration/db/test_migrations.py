@@ -1,0 +1,117 @@
+"""Alembic migrations on SQLite and on the real PostgreSQL: upgrade, downgrade, re-upgrade,
+and agreement between the SQLAlchemy models and the migrated schema.
+
+    .venv/bin/pytest tests/integration/db -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from app.db.migrate import current_revision, downgrade, head_revision, upgrade
+from app.db.models import Base
+
+pytestmark = pytest.mark.integration
+
+
+def _triggers(engine: sa.Engine) -> set[str]:
+    """Names of the triggers on deployment_events."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "sqlite":
+            q = "select name from sqlite_master where type = 'trigger' and tbl_name = 'deployment_events'"
+        else:
+            q = ("select tgname from pg_trigger where not tgisinternal "
+                 "and tgrelid = 'deployment_events'::regclass")
+        return {row[0] for row in conn.execute(sa.text(q))}
+
+
+def _schema(engine: sa.Engine) -> dict[str, dict[str, set]]:
+    insp = sa.inspect(engine)
+    return {
+        t: {
+            "columns": {c["name"] for c in insp.get_columns(t)},
+            "indexes": {i["name"] for i in insp.get_indexes(t)},
+            "uniques": {tuple(u["column_names"]) for u in insp.get_unique_constraints(t)},
+        }
+        for t in insp.get_table_names()
+    }
+
+
+def test_upgrade_head_creates_every_table_index_and_constraint(db_url: str) -> None:
+    upgrade(db_url)
+    engine = sa.create_engine(db_url)
+    try:
+        schema = _schema(engine)
+        expected_tables = set(Base.metadata.tables) | {"alembic_version"}
+        assert set(schema) == expected_tables, f"tables {sorted(schema)} != {sorted(expected_tables)}"
+        for name, table in Base.metadata.tables.items():
+            cols = {c.name for c in table.columns}
+            assert schema[name]["columns"] == cols, f"{name}: columns {schema[name]['columns']} != {cols}"
+            idx = {i.name for i in table.indexes}
+            assert idx <= schema[name]["indexes"], f"{name}: missing indexes {idx - schema[name]['indexes']}"
+            uniques = {tuple(c.name for c in u.columns) for u in table.constraints if isinstance(u, sa.UniqueConstraint)}
+            uniques |= {(c.name,) for c in table.columns if c.unique}
+            found = schema[name]["uniques"] | {tuple(sa.inspect(engine).get_pk_constraint(name)["constrained_columns"])}
+            if engine.dialect.name == "sqlite":  # SQLite reports unique indexes, not always constraints
+                found |= {tuple(i["column_names"]) for i in sa.inspect(engine).get_indexes(name) if i["unique"]}
+            assert uniques <= found, f"{name}: missing unique constraints {uniques - found}"
+        assert "ix_deployment_events_model_ts" in schema["deployment_events"]["indexes"]
+        assert "ix_replicas_model" in schema["replicas"]["indexes"]
+        assert _triggers(engine), "the append-only guard triggers are missing after upgrade head"
+        assert current_revision(db_url) == head_revision()
+    finally:
+        engine.dispose()
+
+
+def test_downgrade_base_removes_everything_and_upgrade_again_works(db_url: str) -> None:
+    upgrade(db_url)
+    downgrade(db_url, "base")
+    engine = sa.create_engine(db_url)
+    try:
+        left = set(sa.inspect(engine).get_table_names())
+        assert left <= {"alembic_version"}, f"downgrade base left tables behind: {sorted(left)}"
+        if engine.dialect.name == "postgresql":
+            with engine.connect() as conn:
+                fn = conn.execute(sa.text("select count(*) from pg_proc where proname = 'flywheel_deployment_events_append_only'")).scalar()
+            assert fn == 0, "downgrade left the append-only trigger function behind"
+        assert current_revision(db_url) is None
+
+        upgrade(db_url)
+        tables = set(sa.inspect(engine).get_table_names())
+        assert tables == set(Base.metadata.tables) | {"alembic_version"}, f"re-upgrade gave {sorted(tables)}"
+        assert _triggers(engine), "re-upgrade did not re-create the append-only triggers"
+        assert current_revision(db_url) == head_revision()
+    finally:
+        engine.dispose()
+
+
+def test_step_by_step_downgrade_and_upgrade_match_head(db_url: str) -> None:
+    upgrade(db_url, "0001")
+    engine = sa.create_engine(db_url)
+    try:
+        assert "deployment_state" not in sa.inspect(engine).get_table_names()
+        upgrade(db_url, "head")
+        downgrade(db_url, "0001")
+        insp = sa.inspect(engine)
+        assert "deployment_state" not in insp.get_table_names()
+        assert "model" not in {c["name"] for c in insp.get_columns("replicas")}
+        assert not _triggers(engine), "downgrade to 0001 left the append-only triggers behind"
+        upgrade(db_url, "head")
+        assert current_revision(db_url) == head_revision()
+    finally:
+        engine.dispose()
+
+
+def test_models_and_migrations_agree(db_url: str) -> None:
+    upgrade(db_url)
+    engine = sa.create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": False})
+            diff = compare_metadata(ctx, Base.metadata)
+        assert diff == [], f"models and migrations disagree on {engine.dialect.name}; write a migration for: {diff}"
+    finally:
+        engine.dispose()
