@@ -1,0 +1,318 @@
+"""Canary analysis and the rollout state machine, as plain functions.
+
+    state', events = transition(state, input, config)
+
+`input` is an `Observe` (candidate and champion online metrics of the current step's
+window, at time `now`), an `Event` (a deployment event seen on `flywheel.deployments`,
+e.g. a gate result, an operator verb, an MLflow-UI alias move) or a `Tick` (time passed).
+`events` are new deployment events (dicts, DESIGN.md fields) already folded into `state'`;
+the controller publishes them. Nothing here touches Kafka, MLflow or a clock.
+
+The comparison (why a confidence *sequence*): the controller looks at the data every time a
+metrics bucket arrives, for as long as a step lasts. A fixed-horizon test (e.g. Welch's
+one-sided bound) checked on every look has a false-decision rate far above its nominal
+alpha. We use the asymptotic confidence sequence of Waudby-Smith et al. (2021, "Time-uniform
+central limit theory and asymptotic confidence sequences", normal-mixture boundary), which
+is valid under continuous monitoring, on the inverse-propensity difference
+psi_i = R_i A_i / p - R_i (1 - A_i) / (1 - p) whose mean is mu_candidate - mu_champion.
+Its mean and variance follow exactly from per-arm sums (n, sum, sum of squares), which is
+what `flywheel.version-metrics` carries per bucket. With a non-inferiority margin delta:
+upper bound < -delta -> candidate worse -> automatic rollback; lower bound > -delta ->
+better or equal -> next step (promotion after the last step below 100%); otherwise
+inconclusive, and inconclusive past the step deadline -> pause for an operator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from app.controller.state import Decision, DeploymentState, apply_event, vkey
+
+Verdict = Literal["worse", "better_or_equal", "inconclusive", "insufficient"]
+
+
+class CanaryConfig(BaseModel):
+    """How a canary proceeds. Durations in seconds."""
+
+    steps: tuple[float, ...] = Field((5.0, 25.0, 50.0, 100.0), description="Candidate's share of sessions per step, in %, increasing, ending at 100 (= promotion).")
+    min_step_s: float = Field(600.0, ge=0, description="Minimum time a step lasts before it can be judged.")
+    min_samples: int = Field(200, ge=2, description="Minimum labelled samples per arm (candidate and champion) in a step's window.")
+    step_deadline_s: float = Field(3 * 3600.0, gt=0, description="A step still inconclusive this long after it started pauses for an operator.")
+    alpha: float = Field(0.05, gt=0, lt=1, description="Error level of the confidence sequence (two-sided, time-uniform).")
+    margin: float = Field(0.05, ge=0, description="Non-inferiority margin in reward units: 'equal' means not worse than this.")
+    cs_target_n: int = Field(1000, ge=1, description="Sample size at which the confidence sequence is tightest (tunes rho).")
+    known_good_n: int = Field(5, ge=1, description="How many previous known-good versions an operator may roll back to.")
+
+    @field_validator("steps")
+    @classmethod
+    def _steps_increase_to_100(cls, v: tuple[float, ...]) -> tuple[float, ...]:
+        if not v or v[-1] != 100.0 or any(b <= a for a, b in zip(v, v[1:])) or v[0] <= 0:
+            raise ValueError(f"canary steps must increase from >0 and end at 100 (e.g. 5,25,50,100), got {v}")
+        return v
+
+
+# --- analysis ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArmStats:
+    """Labelled-reward sufficient statistics of one version over a window."""
+
+    n: int = 0
+    reward_sum: float = 0.0
+    reward_sumsq: float = 0.0
+
+    def __add__(self, other: "ArmStats") -> "ArmStats":
+        return ArmStats(self.n + other.n, self.reward_sum + other.reward_sum, self.reward_sumsq + other.reward_sumsq)
+
+    @property
+    def mean(self) -> float:
+        return self.reward_sum / self.n if self.n else float("nan")
+
+
+def cs_radius(sigma: float, t: int, alpha: float, target_n: int) -> float:
+    """Half-width of the asymptotic (normal-mixture) confidence sequence for a mean after t samples.
+
+    sigma * sqrt(2 (t rho^2 + 1) / (t^2 rho^2) * log(sqrt(t rho^2 + 1) / alpha)), with rho^2
+    chosen to minimise the width at t = target_n (Waudby-Smith et al. 2021, eq. for the
+    Robbins normal mixture). Valid uniformly over t with probability >= 1 - alpha.
+    """
+    assert t > 0 and sigma >= 0 and 0 < alpha < 1, f"t={t} sigma={sigma} alpha={alpha}"
+    la = -2.0 * math.log(alpha)
+    rho2 = (la + math.log(la + 1.0)) / target_n
+    return sigma * math.sqrt(2.0 * (t * rho2 + 1.0) / (t * t * rho2) * math.log(math.sqrt(t * rho2 + 1.0) / alpha))
+
+
+class Analysis(BaseModel):
+    verdict: Verdict
+    delta: float | None = None  # mean reward candidate - champion
+    lower: float | None = None
+    upper: float | None = None
+    n_candidate: int = 0
+    n_champion: int = 0
+    mean_candidate: float | None = None
+    mean_champion: float | None = None
+    method: str = "asymptotic-cs-ipw"
+
+
+def analyze(cand: ArmStats, champ: ArmStats, cfg: CanaryConfig) -> Analysis:
+    """Compare candidate and champion rewards with the time-uniform confidence sequence."""
+    base = dict(n_candidate=cand.n, n_champion=champ.n,
+                mean_candidate=cand.mean if cand.n else None, mean_champion=champ.mean if champ.n else None)
+    if cand.n < cfg.min_samples or champ.n < cfg.min_samples:
+        return Analysis(verdict="insufficient", **base)
+    n = cand.n + champ.n
+    p = cand.n / n
+    delta = cand.mean - champ.mean
+    second = (cand.reward_sumsq / p**2 + champ.reward_sumsq / (1 - p) ** 2) / n
+    sigma = math.sqrt(max(second - delta**2, 0.0))
+    r = cs_radius(sigma, n, cfg.alpha, cfg.cs_target_n)
+    lo, hi = delta - r, delta + r
+    verdict: Verdict = "worse" if hi < -cfg.margin else "better_or_equal" if lo > -cfg.margin else "inconclusive"
+    return Analysis(verdict=verdict, delta=delta, lower=lo, upper=hi, **base)
+
+
+# --- inputs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Observe:
+    now: datetime
+    candidate: ArmStats  # candidate's labelled rewards since the step started
+    champion: ArmStats  # champion's labelled rewards over the same window
+
+
+@dataclass(frozen=True)
+class Event:
+    event: dict[str, Any]  # a deployment event from the log (any source)
+
+
+@dataclass(frozen=True)
+class Tick:
+    now: datetime
+
+
+Input = Observe | Event | Tick
+
+
+def _emit(state: DeploymentState, decisions: list[Decision], now: datetime) -> tuple[DeploymentState, list[dict]]:
+    events = []
+    for d in decisions:
+        ev = d.to_event(state.model, now)
+        state = apply_event(state, ev)
+        events.append(ev)
+    return state, events
+
+
+def transition(state: DeploymentState, inp: Input, cfg: CanaryConfig) -> tuple[DeploymentState, list[dict[str, Any]]]:
+    """One step of the rollout state machine. Pure: same inputs, same outputs (up to event ids)."""
+    if isinstance(inp, Event):
+        state = apply_event(state, inp.event)
+        now = _now_of(inp.event)
+        return _emit(state, reconcile(state, cfg), now)
+    if isinstance(inp, Tick):
+        decisions = reconcile(state, cfg) + _deadline(state, None, inp.now, cfg)
+        return _emit(state, decisions, inp.now)
+    assert isinstance(inp, Observe), f"unknown input {inp!r}"
+    decisions = reconcile(state, cfg)
+    if decisions:
+        return _emit(state, decisions, inp.now)
+    return _emit(state, judge(state, inp, cfg), inp.now)
+
+
+def _now_of(ev: dict[str, Any]) -> datetime:
+    from app.controller.state import parse_ts
+
+    return parse_ts(ev["ts"])
+
+
+def _step_age(state: DeploymentState, now: datetime) -> float:
+    assert state.step_started_at is not None, f"canary of {state.candidate} has no step start"
+    return (now - state.step_started_at).total_seconds()
+
+
+def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decision]:
+    """Decide on the current canary step from the window's metrics."""
+    if state.phase != "canary" or state.candidate is None:
+        return []
+    a = analyze(obs.candidate, obs.champion, cfg)
+    details = {"analysis": a.model_dump(), "step": state.step}
+    if _step_age(state, obs.now) < cfg.min_step_s or a.verdict == "insufficient":
+        return _deadline(state, a, obs.now, cfg)
+    stats = f"delta {a.delta:+.4f}, CS [{a.lower:+.4f}, {a.upper:+.4f}], n {a.n_candidate}/{a.n_champion}"
+    if a.verdict == "worse":
+        return [Decision(type="rolled_back", version=state.champion, from_version=state.candidate, traffic_pct=0.0,
+                         reason=f"canary step {state.step} ({state.traffic_pct:g}%): candidate worse than champion by "
+                                f"more than {cfg.margin:g} ({stats})", details=details)]
+    if a.verdict == "better_or_equal":
+        return [_advance(state, cfg, f"canary step {state.step} ({state.traffic_pct:g}%) passed ({stats})", details)]
+    return _deadline(state, a, obs.now, cfg)
+
+
+def _advance(state: DeploymentState, cfg: CanaryConfig, reason: str, details: dict[str, Any],
+             **who: str) -> Decision:
+    nxt = state.step + 1
+    if nxt >= len(cfg.steps) - 1:  # the last step is 100% = the candidate becomes champion
+        return Decision(type="promoted", version=state.candidate, from_version=state.champion, traffic_pct=100.0,
+                        reason=reason, details={**details, "step": len(cfg.steps) - 1}, **who)
+    return Decision(type="traffic_shifted", version=state.candidate, from_version=state.champion,
+                    traffic_pct=cfg.steps[nxt], reason=reason, details={**details, "step": nxt}, **who)
+
+
+def _deadline(state: DeploymentState, a: Analysis | None, now: datetime, cfg: CanaryConfig) -> list[Decision]:
+    if state.phase != "canary" or state.candidate is None or _step_age(state, now) < cfg.step_deadline_s:
+        return []
+    details: dict[str, Any] = {"step": state.step}
+    if a is not None:
+        details["analysis"] = a.model_dump()
+    return [Decision(type="canary_paused", version=state.candidate, traffic_pct=state.traffic_pct, details=details,
+                     reason=f"step {state.step} ({state.traffic_pct:g}%) still inconclusive after "
+                            f"{cfg.step_deadline_s:g}s; waiting for an operator (promote, abort, resume)")]
+
+
+def reconcile(state: DeploymentState, cfg: CanaryConfig) -> list[Decision]:
+    """Level-triggered reactions: answer MLflow-UI alias moves, start canaries for gated versions."""
+    if state.ui_champion is not None:
+        return [_answer_champion_move(state)]
+    if state.ui_candidate is not None:
+        return _answer_candidate_move(state, cfg)
+    passed = [v for v, ok in state.gate.items()
+              if ok and v not in state.canaried and v not in state.failed and vkey(v) > vkey(state.champion)]
+    if not passed:
+        return []
+    newest = max(passed, key=vkey)
+    if state.champion is None:
+        return [Decision(type="promoted", version=newest, traffic_pct=100.0,
+                         reason=f"version {newest} passed the gate and there is no champion yet")]
+    out = []
+    if state.candidate is not None:
+        if vkey(state.candidate) >= vkey(newest):
+            return []
+        out.append(Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
+                            reason=f"superseded by version {newest}, which passed the gate"))
+    out.append(Decision(type="canary_started", version=newest, from_version=state.champion, traffic_pct=cfg.steps[0],
+                        reason=f"version {newest} passed the gate", details={"step": 0}))
+    return out
+
+
+def _answer_champion_move(state: DeploymentState) -> Decision:
+    slot = state.ui_champion
+    assert slot is not None
+    answer = {"in_response_to": slot["event_id"]}
+    if slot["to"] is None:  # the champion alias was removed: sessions must keep a model to serve
+        return Decision(type="alias_changed", version=state.champion, from_version=None, details={**answer, "alias": "champion"},
+                        reason="the champion alias cannot be removed; restored to the serving champion")
+    if slot["to"] == state.candidate:
+        return Decision(type="promoted", version=state.candidate, traffic_pct=100.0, source="mlflow-ui", actor="mlflow-ui",
+                        details=answer, reason="champion moved to the candidate in MLflow: canary ends, candidate promoted")
+    return Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
+                    source="mlflow-ui", actor="mlflow-ui", details=answer,
+                    reason=f"champion moved to version {slot['to']} in MLflow during the canary of {state.candidate}")
+
+
+def _answer_candidate_move(state: DeploymentState, cfg: CanaryConfig) -> list[Decision]:
+    slot = state.ui_candidate
+    assert slot is not None
+    answer = {"in_response_to": slot["event_id"]}
+    to = slot["to"]
+    who = dict(source="mlflow-ui", actor="mlflow-ui")
+    if to is None:
+        return [Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
+                         details=answer, reason="candidate alias removed in MLflow", **who)]
+    if to == state.champion:
+        return [Decision(type="alias_changed", version=state.candidate, from_version=to, details={**answer, "alias": "candidate"},
+                         reason=f"version {to} is the champion and cannot also be the candidate; alias restored")]
+    out = []
+    if state.candidate is not None:
+        out.append(Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
+                            reason=f"candidate alias moved to version {to} in MLflow", **who))
+    gate = state.gate.get(to)
+    note = "" if gate else (" (gate failed; operator override)" if gate is False else " (not gated)")
+    out.append(Decision(type="canary_started", version=to, from_version=state.champion, traffic_pct=cfg.steps[0],
+                        details={**answer, "step": 0}, reason=f"candidate alias moved to version {to} in MLflow{note}", **who))
+    return out
+
+
+# --- operator verbs ---------------------------------------------------------------------------
+class CommandRejected(ValueError):
+    """The verb does not apply to the current state (HTTP 409) or names a bad target (422)."""
+
+    def __init__(self, message: str, status: int = 409):
+        super().__init__(message)
+        self.status = status
+
+
+def operator_command(state: DeploymentState, verb: str, cfg: CanaryConfig, *, actor: str, reason: str = "",
+                     version: str | None = None, skip_remaining: bool = False) -> Decision:
+    """The deployment event an operator verb becomes (source `api`), or CommandRejected."""
+    who = dict(source="api", actor=actor)
+    why = reason or f"operator {verb}"
+    if verb in ("promote", "abort", "pause") and state.candidate is None:
+        raise CommandRejected(f"{verb}: no canary is running for {state.model} (champion {state.champion})")
+    if verb == "promote":
+        if skip_remaining:
+            return Decision(type="promoted", version=state.candidate, from_version=state.champion, traffic_pct=100.0,
+                            reason=why, details={"skip_remaining": True}, **who)
+        return _advance(state, cfg, why, {"manual": True}, **who)
+    if verb == "abort":
+        return Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0, reason=why, **who)
+    if verb == "pause":
+        if state.phase != "canary":
+            raise CommandRejected(f"pause: the canary of {state.candidate} is {state.phase}, not running")
+        return Decision(type="canary_paused", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)
+    if verb == "resume":
+        if state.phase != "paused":
+            raise CommandRejected(f"resume: nothing is paused (phase {state.phase})")
+        return Decision(type="canary_resumed", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)
+    if verb == "rollback":
+        targets = state.rollback_targets(cfg.known_good_n)
+        if not targets:
+            raise CommandRejected(f"rollback: no known-good version other than champion {state.champion} to roll back to")
+        target = version or targets[0]
+        if target not in targets:
+            raise CommandRejected(f"rollback: version {target} is not one of the last {cfg.known_good_n} known-good "
+                                  f"versions {targets}", status=422)
+        return Decision(type="rolled_back", version=target, from_version=state.champion, traffic_pct=0.0, reason=why,
+                        details={"candidate_aborted": state.candidate}, **who)
+    raise CommandRejected(f"unknown verb {verb!r}; use promote, abort, rollback, pause or resume", status=422)
