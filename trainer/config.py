@@ -1,0 +1,93 @@
+"""Trainer configuration: pydantic-settings, env prefix `FLYWHEEL_TRAINER_`.
+
+Shared settings (Kafka, MLflow URI, model name, ship interval) stay in app/settings.py
+(`FLYWHEEL_*`); everything specific to the trainer lives here, one description per field.
+Parsed before torch is imported (trainer/launch.py), so a bad value fails in milliseconds
+with a message that names the variable.
+
+    FLYWHEEL_TRAINER_LR=3e-5 FLYWHEEL_TRAINER_BATCH_SIZE=32 flywheel trainer
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+PAUSE_POINTS = ("after_optimizer_step", "before_register", "after_register")
+
+
+class TrainerConfig(BaseSettings):
+    """Everything `flywheel trainer` needs beyond app.settings.Settings."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_TRAINER_", extra="ignore", validate_default=True)
+
+    # --- optimisation ----------------------------------------------------------------------
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (small: deltas between versions stay sparse, see DESIGN.md).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    batch_size: int = Field(16, ge=1, description="Rollouts per optimizer step; a step waits for this many fresh rollouts (or `max_wait_s`).")
+    max_wait_s: float = Field(2.0, ge=0, description="A step runs on a partial batch once the oldest buffered rollout waited this long.")
+    seed: int = Field(0, description="Seed of torch's RNG (policy init when no checkpoint exists).")
+
+    # --- objective (trainer/objective.py) ------------------------------------------------------
+    trunc_c: float = Field(2.0, gt=0, description="Token-level importance-ratio truncation C: weights are min(pi/pi_behav, C).")
+    seq_mask_low: float = Field(0.5, gt=0, description="Sequences whose geometric-mean token ratio is below this are masked.")
+    seq_mask_high: float = Field(2.0, gt=0, description="Sequences whose geometric-mean token ratio is above this are masked.")
+    max_staleness: int = Field(4, ge=0, description="Rollouts generated more than this many versions before the last shipped one are skipped (and counted).")
+    kl_coef: float = Field(0.01, ge=0, description="Weight of the k3 KL term to the serving champion (0 disables it and the reference forward).")
+    distill_coef: float = Field(0.1, ge=0, description="Weight of self-distillation on rollouts with tool_error feedback (0 disables it).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature the behaviour log-probs were taken at (log-probs of softmax(logits/T)).")
+    replay_routes: bool = Field(True, description="Replay the MoE routes logged at inference (DESIGN.md bit-exact contract).")
+
+    # --- shipping ----------------------------------------------------------------------------------
+    min_rollouts: int = Field(1, ge=1, description="A ship happens only if at least this many rollouts were trained on since the last one.")
+    anchor_every: int = Field(10, ge=1, description="Every Nth version is published as a full anchor instead of a delta (trainer/publish.py).")
+    consumer_group: str = Field("flywheel-trainer", description="Kafka consumer group of the rollout intake (offsets committed after each registered version).")
+    experiment: str = Field("flywheel-trainer", description="MLflow experiment of the training runs (per-step metrics, shipped models).")
+
+    # --- state ---------------------------------------------------------------------------------
+    state_dir: Path | None = Field(None, description="Trainer state directory (checkpoint, dedupe set). Default: `<FLYWHEEL_DATA_DIR>/trainer`.")
+    checkpoint_every: int = Field(10, ge=1, description="Save the full trainer state every N optimizer steps (and always right before a ship).")
+    dedupe_capacity: int = Field(2_000_000, ge=1, description="How many recent request_ids the dedupe set keeps (oldest evicted first).")
+
+    # --- base checkpoint (first start with an empty registry) --------------------------------------
+    policy: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict, description="Policy config (JSON) for `build_policy` when there is no checkpoint yet; {} = the built-in default.")
+    pretrain_steps: int = Field(300, ge=0, description="Pretraining steps on the synthetic code corpus for the base checkpoint (first start only).")
+    base_checkpoint: Path | None = Field(None, description="A serving safetensors file to start from instead of pretraining (first start only).")
+
+    # --- operations -----------------------------------------------------------------------------
+    metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port (0 disables the HTTP server).")
+    poll_timeout_ms: int = Field(200, ge=1, description="Kafka poll timeout of the intake.")
+    pause_at: str | None = Field(None, description=f"TEST HOOK: pause forever at a point ({', '.join(PAUSE_POINTS)}; `after_optimizer_step:N` = at step N), writing `<state_dir>/paused-at` so a test can SIGKILL the process there.")
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_json(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                return json.loads(v) if v.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"FLYWHEEL_TRAINER_POLICY must be a JSON object, e.g. '{{\"d_model\": 64}}': {exc}") from None
+        return v
+
+    @field_validator("pause_at")
+    @classmethod
+    def _known_pause_point(cls, v: str | None) -> str | None:
+        if v is not None and v.split(":")[0] not in PAUSE_POINTS:
+            raise ValueError(f"FLYWHEEL_TRAINER_PAUSE_AT {v!r} must be one of {PAUSE_POINTS} (optionally `:N`)")
+        return v
+
+    @model_validator(mode="after")
+    def _mask_range(self) -> "TrainerConfig":
+        if not self.seq_mask_low <= 1.0 <= self.seq_mask_high:
+            raise ValueError(f"sequence mask range [{self.seq_mask_low}, {self.seq_mask_high}] must contain 1.0 "
+                             "(set FLYWHEEL_TRAINER_SEQ_MASK_LOW <= 1 <= FLYWHEEL_TRAINER_SEQ_MASK_HIGH)")
+        return self
+
+    def resolved_state_dir(self, data_dir: Path) -> Path:
+        return self.state_dir if self.state_dir is not None else Path(data_dir) / "trainer"

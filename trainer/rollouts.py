@@ -1,0 +1,265 @@
+"""Rollout intake: consume `flywheel.rollouts`, validate, dedupe by request_id, skip stale, batch.
+
+The record schema is DESIGN.md's rollout record (built by streams/). Unknown extra fields
+are ignored (the trainer reads what it needs); a record missing a field or with a bad value
+is counted as `invalid` and copied to `flywheel.dlq` with the reason, never silently dropped.
+
+Exactly-once bookkeeping (see docs/TRAINER.md):
+- `positions[p]` is the next offset of partition p that the trainer has NOT yet processed
+  (trained on or skipped). It moves only when an entry leaves the buffer through `take()`,
+  so it always matches the weights that were trained on everything before it. The loop
+  saves it with the weights and seeks to it on restart (the rebalance listener).
+- `seen` holds the request_ids already processed; a record whose id is seen, or already
+  waiting in the buffer, is a `duplicate`. It is saved with the state, so dedupe survives
+  restarts. Ids of records still in the buffer are not in `seen` (they are re-read after a
+  crash and must not look like duplicates then).
+- Staleness is decided at `take()` time against the last shipped version: a rollout whose
+  `model_version` is more than `max_staleness` versions older is skipped as `stale`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+log = logging.getLogger(__name__)
+
+SKIP_REASONS = ("duplicate", "stale", "invalid")
+
+
+class ToolErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    message: str = Field(max_length=4096)
+    hint: str | None = Field(None, max_length=4096)
+    token_index: int = Field(ge=0)
+
+
+class Rollout(BaseModel):
+    """DESIGN.md rollout record (the fields the trainer uses are validated strictly)."""
+
+    model_config = ConfigDict(extra="ignore")
+    request_id: str = Field(min_length=1, max_length=128)
+    session_id: str = Field(min_length=1, max_length=128)
+    group_id: str | None = None
+    model_version: str
+    prompt_tokens: list[int]
+    completion_tokens: list[int] = Field(min_length=1, max_length=32768)
+    logprobs: list[float]
+    routes: str | None = None
+    route_shape: list[int] | None = None
+    reward: float
+    components: dict[str, Any] | None = None
+    tool_errors: list[ToolErrorInfo] = Field(default_factory=list)
+    reward_spec: str = "v1"
+    generated_at: str | None = None
+    labelled_at: str | None = None
+    closed_by: str | None = None
+
+    @field_validator("model_version", mode="before")
+    @classmethod
+    def _version_str(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @field_validator("prompt_tokens", "completion_tokens")
+    @classmethod
+    def _non_negative(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Rollout":
+        if len(self.logprobs) != len(self.completion_tokens):
+            raise ValueError(f"logprobs has {len(self.logprobs)} values for {len(self.completion_tokens)} completion tokens")
+        if any(not math.isfinite(x) or x > 0 for x in self.logprobs):
+            raise ValueError("logprobs must be finite and <= 0")
+        if not math.isfinite(self.reward):
+            raise ValueError("reward must be finite")
+        if (self.routes is None) != (self.route_shape is None):
+            raise ValueError("routes and route_shape go together")
+        if self.route_shape is not None:
+            if len(self.route_shape) != 3 or self.route_shape[0] != len(self.completion_tokens):
+                raise ValueError(f"route_shape {self.route_shape} must be [len(completion_tokens), layers, top_k]")
+        return self
+
+    def routes_array(self) -> np.ndarray | None:
+        """int32 [T, layers, top_k] or None."""
+        if self.routes is None:
+            return None
+        from app.events import decode_routes
+
+        return decode_routes(self.routes, tuple(self.route_shape))  # type: ignore[arg-type]
+
+    def version_number(self) -> int | None:
+        return int(self.model_version) if self.model_version.isdigit() else None
+
+
+def parse_rollout(value: bytes) -> tuple[Rollout | None, str]:
+    """(rollout, "") or (None, reason a user can act on)."""
+    try:
+        return Rollout.model_validate_json(value), ""
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        return None, f"{'.'.join(str(p) for p in first['loc']) or 'record'}: {first['msg']}"
+
+
+class DedupeSet:
+    """Insertion-ordered set of request_ids with a capacity (oldest evicted first)."""
+
+    def __init__(self, capacity: int, items: list[str] | None = None):
+        self.capacity = capacity
+        self._d: OrderedDict[str, None] = OrderedDict((i, None) for i in (items or [])[-capacity:])
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def add(self, key: str) -> None:
+        self._d[key] = None
+        if len(self._d) > self.capacity:
+            self._d.popitem(last=False)
+
+    def to_list(self) -> list[str]:
+        return list(self._d)
+
+
+@dataclass
+class Entry:
+    partition: int
+    offset: int
+    arrived: float
+    rollout: Rollout | None
+    reason: str = ""  # skip reason at intake ("duplicate", "invalid")
+
+
+@dataclass
+class Batch:
+    """What one `take()` processed: fresh rollouts to train on, and the skipped ones counted."""
+
+    rollouts: list[Rollout] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SKIP_REASONS})
+    first_offsets: dict[int, int] = field(default_factory=dict)  # partition -> first offset processed
+    staleness: list[int] = field(default_factory=list)  # versions behind, per fresh rollout
+
+
+class RolloutIntake:
+    """Buffered, deduped, exactly-once-friendly reader of the rollouts topic."""
+
+    def __init__(self, consumer: Any, topic: str, *, positions: dict[int, int], seen: DedupeSet,
+                 max_staleness: int, dlq: Any = None, dlq_topic: str | None = None):
+        from kafka import ConsumerRebalanceListener
+
+        self.consumer, self.topic = consumer, topic
+        self.positions = dict(positions)
+        self.seen = seen
+        self.max_staleness = max_staleness
+        self.dlq, self.dlq_topic = dlq, dlq_topic
+        self.buffer: deque[Entry] = deque()
+        self._buffered_ids: dict[str, int] = {}
+        intake = self
+
+        class _Listener(ConsumerRebalanceListener):
+            def on_partitions_revoked(self, revoked):  # noqa: D401 - kafka callback
+                intake._drop_partitions({tp.partition for tp in revoked})
+
+            def on_partitions_assigned(self, assigned):
+                for tp in assigned:
+                    if tp.partition in intake.positions:
+                        intake.consumer.seek(tp, intake.positions[tp.partition])
+                log.info("assigned %s (resuming at %s)", sorted(tp.partition for tp in assigned),
+                         {tp.partition: intake.positions.get(tp.partition, "committed") for tp in assigned})
+
+        consumer.subscribe([topic], listener=_Listener())
+
+    # --- reading ---------------------------------------------------------------------------------
+    def poll(self, timeout_ms: int, max_records: int = 1000) -> int:
+        """Fetch records into the buffer; returns how many records arrived."""
+        got = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        n, now = 0, time.monotonic()
+        for tp, records in got.items():
+            for rec in records:
+                n += 1
+                rollout, reason = parse_rollout(rec.value)
+                if rollout is None:
+                    log.warning("invalid rollout at %s:%d: %s", tp.partition, rec.offset, reason)
+                    self._to_dlq(rec, reason)
+                    self.buffer.append(Entry(tp.partition, rec.offset, now, None, "invalid"))
+                elif rollout.request_id in self.seen or rollout.request_id in self._buffered_ids:
+                    self.buffer.append(Entry(tp.partition, rec.offset, now, None, "duplicate"))
+                else:
+                    self._buffered_ids[rollout.request_id] = self._buffered_ids.get(rollout.request_id, 0) + 1
+                    self.buffer.append(Entry(tp.partition, rec.offset, now, rollout))
+        return n
+
+    def ready(self, batch_size: int, max_wait_s: float) -> bool:
+        """True when a step should run: a full batch, a batch that waited long enough, or skips to drain."""
+        if not self.buffer:
+            return False
+        n_valid = sum(1 for e in self.buffer if e.rollout is not None)
+        return n_valid >= batch_size or self.buffer[0].rollout is None or \
+            (n_valid > 0 and time.monotonic() - self.buffer[0].arrived >= max_wait_s)
+
+    def take(self, n: int, current_version: int | None) -> Batch:
+        """Pop entries in arrival order until `n` fresh rollouts (then any skip entries right behind)."""
+        batch = Batch()
+        while self.buffer and (len(batch.rollouts) < n or self.buffer[0].rollout is None):
+            e = self.buffer.popleft()
+            batch.first_offsets.setdefault(e.partition, e.offset)
+            self.positions[e.partition] = e.offset + 1
+            if e.rollout is None:
+                batch.skipped[e.reason] += 1
+                continue
+            rid = e.rollout.request_id
+            self._buffered_ids[rid] -= 1
+            if not self._buffered_ids[rid]:
+                del self._buffered_ids[rid]
+            self.seen.add(rid)
+            behind = self._staleness(e.rollout, current_version)
+            if behind is None or behind > self.max_staleness:
+                batch.skipped["stale"] += 1
+                continue
+            batch.rollouts.append(e.rollout)
+            batch.staleness.append(behind)
+        return batch
+
+    def _staleness(self, r: Rollout, current: int | None) -> int | None:
+        v = r.version_number()
+        if v is None:
+            log.warning("rollout %s has non-numeric model_version %r; counted as stale", r.request_id, r.model_version)
+            return None
+        return max(0, (current or v) - v)
+
+    # --- housekeeping ----------------------------------------------------------------------------
+    def _drop_partitions(self, parts: set[int]) -> None:
+        kept = deque()
+        for e in self.buffer:
+            if e.partition in parts:
+                if e.rollout is not None:
+                    rid = e.rollout.request_id
+                    self._buffered_ids[rid] -= 1
+                    if not self._buffered_ids[rid]:
+                        del self._buffered_ids[rid]
+            else:
+                kept.append(e)
+        self.buffer = kept
+
+    def _to_dlq(self, rec: Any, reason: str) -> None:
+        if self.dlq is None or self.dlq_topic is None:
+            return
+        from app.kafka_io import dumps
+
+        self.dlq.send(self.dlq_topic, value=dumps({"source": self.topic, "partition": rec.partition, "offset": rec.offset,
+                                                   "reason": f"invalid rollout: {reason}",
+                                                   "raw": rec.value.decode("utf-8", "replace")[:65536]}))
+
+    def buffered(self) -> int:
+        return len(self.buffer)
