@@ -87,21 +87,32 @@ def cs_radius(sigma: float, t: int, alpha: float, target_n: int) -> float:
 
 
 class Analysis(BaseModel):
+    """One comparison; `candidate`/`champion` become the versions' online metrics in the projections."""
+
     verdict: Verdict
     delta: float | None = None  # mean reward candidate - champion
-    lower: float | None = None
+    lower: float | None = None  # confidence-sequence bounds on delta
     upper: float | None = None
-    n_candidate: int = 0
-    n_champion: int = 0
-    mean_candidate: float | None = None
-    mean_champion: float | None = None
+    candidate: dict[str, Any] = Field(default_factory=dict)  # {"n", "reward_mean"}
+    champion: dict[str, Any] = Field(default_factory=dict)
     method: str = "asymptotic-cs-ipw"
+    alpha: float | None = None
+    margin: float | None = None
+
+    @property
+    def n_candidate(self) -> int:
+        return int(self.candidate.get("n", 0))
+
+    @property
+    def n_champion(self) -> int:
+        return int(self.champion.get("n", 0))
 
 
 def analyze(cand: ArmStats, champ: ArmStats, cfg: CanaryConfig) -> Analysis:
     """Compare candidate and champion rewards with the time-uniform confidence sequence."""
-    base = dict(n_candidate=cand.n, n_champion=champ.n,
-                mean_candidate=cand.mean if cand.n else None, mean_champion=champ.mean if champ.n else None)
+    base = dict(candidate={"n": cand.n, "reward_mean": cand.mean if cand.n else None},
+                champion={"n": champ.n, "reward_mean": champ.mean if champ.n else None},
+                alpha=cfg.alpha, margin=cfg.margin)
     if cand.n < cfg.min_samples or champ.n < cfg.min_samples:
         return Analysis(verdict="insufficient", **base)
     n = cand.n + champ.n
@@ -284,27 +295,33 @@ class CommandRejected(ValueError):
 
 
 def operator_command(state: DeploymentState, verb: str, cfg: CanaryConfig, *, actor: str, reason: str = "",
-                     version: str | None = None, skip_remaining: bool = False) -> Decision:
-    """The deployment event an operator verb becomes (source `api`), or CommandRejected."""
+                     version: str | None = None, skip_remaining: bool = False) -> list[Decision]:
+    """The deployment events an operator verb becomes (source `api`), or CommandRejected."""
+    return _command(state, verb, cfg, actor=actor, reason=reason, version=version, skip_remaining=skip_remaining)
+
+
+def _command(state: DeploymentState, verb: str, cfg: CanaryConfig, *, actor: str, reason: str,
+             version: str | None, skip_remaining: bool) -> list[Decision]:
     who = dict(source="api", actor=actor)
     why = reason or f"operator {verb}"
     if verb in ("promote", "abort", "pause") and state.candidate is None:
         raise CommandRejected(f"{verb}: no canary is running for {state.model} (champion {state.champion})")
     if verb == "promote":
         if skip_remaining:
-            return Decision(type="promoted", version=state.candidate, from_version=state.champion, traffic_pct=100.0,
-                            reason=why, details={"skip_remaining": True}, **who)
-        return _advance(state, cfg, why, {"manual": True}, **who)
+            return [Decision(type="promoted", version=state.candidate, from_version=state.champion, traffic_pct=100.0,
+                             reason=why, details={"skip_remaining": True}, **who)]
+        return [_advance(state, cfg, why, {"manual": True}, **who)]
     if verb == "abort":
-        return Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0, reason=why, **who)
+        return [Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
+                         reason=why, **who)]
     if verb == "pause":
         if state.phase != "canary":
             raise CommandRejected(f"pause: the canary of {state.candidate} is {state.phase}, not running")
-        return Decision(type="canary_paused", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)
+        return [Decision(type="canary_paused", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)]
     if verb == "resume":
         if state.phase != "paused":
             raise CommandRejected(f"resume: nothing is paused (phase {state.phase})")
-        return Decision(type="canary_resumed", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)
+        return [Decision(type="canary_resumed", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)]
     if verb == "rollback":
         targets = state.rollback_targets(cfg.known_good_n)
         if not targets:
@@ -313,6 +330,11 @@ def operator_command(state: DeploymentState, verb: str, cfg: CanaryConfig, *, ac
         if target not in targets:
             raise CommandRejected(f"rollback: version {target} is not one of the last {cfg.known_good_n} known-good "
                                   f"versions {targets}", status=422)
-        return Decision(type="rolled_back", version=target, from_version=state.champion, traffic_pct=0.0, reason=why,
-                        details={"candidate_aborted": state.candidate}, **who)
+        out = []
+        if state.candidate is not None:  # a rollback of the champion also ends any canary, explicitly
+            out.append(Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
+                                reason=f"rollback to version {target}: {why}", **who))
+        out.append(Decision(type="rolled_back", version=target, from_version=state.champion, traffic_pct=0.0,
+                            reason=why, **who))
+        return out
     raise CommandRejected(f"unknown verb {verb!r}; use promote, abort, rollback, pause or resume", status=422)

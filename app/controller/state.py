@@ -22,11 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-EVENT_TYPES = (
-    "version_registered", "gate_passed", "gate_failed", "canary_started", "traffic_shifted",
-    "canary_paused", "canary_resumed", "promoted", "rolled_back", "aborted", "alias_changed",
-    "replica_synced", "replica_sync_failed",
-)
+from app.deployments.events import EVENT_TYPES
+
 Phase = Literal["idle", "canary", "paused"]
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from app.controller.canary import (ArmStats, CanaryConfig, CommandRejected, Event, Observe, Tick, analyze, cs_radius,
                                    operator_command, transition)
 from app.controller.state import Decision, DeploymentState, fold
+from app.deployments.events import DeploymentEvent
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 CFG = CanaryConfig(min_step_s=60, min_samples=50, step_deadline_s=600, margin=0.05, cs_target_n=200)
@@ -98,7 +99,7 @@ def test_inconclusive_at_deadline_pauses_and_resume_restarts_the_window():
     assert [e["type"] for e in out] == ["canary_paused"] and s.phase == "paused"
     s, out = transition(s, Observe(T0 + timedelta(seconds=800), arm(400, 0.0), arm(400, 0.9)), CFG)
     assert out == [], "a paused canary is not judged"
-    d = operator_command(s, "resume", CFG, actor="ops")
+    [d] = operator_command(s, "resume", CFG, actor="ops")
     s, _ = transition(s, Event(d.to_event("m", T0 + timedelta(seconds=900))), CFG)
     assert s.phase == "canary" and s.step_started_at == T0 + timedelta(seconds=900)
 
@@ -117,18 +118,19 @@ def test_newer_gated_version_supersedes_running_canary():
 
 
 # --- operator verbs ---------------------------------------------------------------------------
-def apply(s, d, t=10):
-    s, out = transition(s, Event(d.to_event("m", T0 + timedelta(seconds=t))), CFG)
+def apply(s, ds, t=10):
+    for d in ds:
+        s, out = transition(s, Event(d.to_event("m", T0 + timedelta(seconds=t))), CFG)
     return s
 
 
 def test_promote_advances_one_step_or_skips_to_champion():
     s = canary_state()
-    d = operator_command(s, "promote", CFG, actor="alice", reason="looks good")
+    [d] = operator_command(s, "promote", CFG, actor="alice", reason="looks good")
     assert (d.type, d.traffic_pct, d.source, d.actor, d.reason) == ("traffic_shifted", 25.0, "api", "alice", "looks good")
-    d = operator_command(s, "promote", CFG, actor="alice", skip_remaining=True)
+    [d] = operator_command(s, "promote", CFG, actor="alice", skip_remaining=True)
     assert d.type == "promoted"
-    s = apply(s, d)
+    s = apply(s, [d])
     assert s.champion == "2" and s.candidate is None
 
 
@@ -145,20 +147,22 @@ def test_abort_and_pause_need_a_running_canary():
 def test_rollback_to_any_recent_known_good_version_without_analysis():
     s = fold("m", [ev("promoted", v, t=i) for i, v in enumerate(["1", "2", "3", "4"])])
     assert s.rollback_targets(CFG.known_good_n) == ["3", "2", "1"]
-    d = operator_command(s, "rollback", CFG, actor="bob", version="2")
+    [d] = operator_command(s, "rollback", CFG, actor="bob", version="2")
     assert (d.type, d.version, d.from_version) == ("rolled_back", "2", "4")
-    s = apply(s, d)
+    s = apply(s, [d])
     assert s.champion == "2" and "4" in s.failed and s.rollback_targets(5) == ["3", "1"]
     with pytest.raises(CommandRejected) as exc:
         operator_command(s, "rollback", CFG, actor="bob", version="4")
     assert exc.value.status == 422
-    d = operator_command(s, "rollback", CFG, actor="bob")
+    [d] = operator_command(s, "rollback", CFG, actor="bob")
     assert d.version == "3", "default target is the newest known-good"
 
 
 def test_rollback_during_canary_also_ends_it():
     s = fold("m", [ev("promoted", "1"), ev("promoted", "2"), ev("canary_started", "3", t=1, step=0)])
-    s = apply(s, operator_command(s, "rollback", CFG, actor="a"))
+    ds = operator_command(s, "rollback", CFG, actor="a")
+    assert [d.type for d in ds] == ["aborted", "rolled_back"], "the canary's end is its own event"
+    s = apply(s, ds)
     assert (s.champion, s.candidate, s.phase) == ("1", None, "idle")
 
 
@@ -232,6 +236,7 @@ def test_analyze_uses_exact_moments_from_sums():
     a = analyze(arm(100, 1.0, sd=0.0), arm(100, 0.0, sd=0.0), CFG.model_copy(update={"min_samples": 2}))
     # psi takes +2 on candidate rows and 0 on champion rows (p = 1/2): mean 1, sd 1
     assert a.delta == pytest.approx(1.0)
+    assert (a.candidate["n"], a.champion["reward_mean"]) == (100, 0.0)
     assert a.upper - a.delta == pytest.approx(cs_radius(1.0, 200, CFG.alpha, CFG.cs_target_n))
 
 
@@ -288,12 +293,16 @@ def test_random_sequences_keep_invariants_and_replay_to_same_state(seq):
         elif kind == "verb":
             verb = item[1].rstrip("!")
             try:
-                d = operator_command(s, verb, CFG, actor="x", skip_remaining=item[1].endswith("!"))
+                ds = operator_command(s, verb, CFG, actor="x", skip_remaining=item[1].endswith("!"))
             except CommandRejected:
                 continue
-            e = d.to_event("m", T0 + timedelta(seconds=t))
-            log.append(e)
-            s, out = transition(s, Event(e), CFG)
+            out = []
+            for d in ds:
+                e = d.to_event("m", T0 + timedelta(seconds=t))
+                log.append(e)
+                s, more = transition(s, Event(e), CFG)
+                log += more
+            out = []
         else:
             cur = s.champion if item[1] == "champion" else s.candidate
             if cur == item[2]:
@@ -309,3 +318,5 @@ def test_random_sequences_keep_invariants_and_replay_to_same_state(seq):
         assert s.ui_champion is None and s.ui_candidate is None, "every UI move is answered at once"
         assert s.phase == "idle" or s.step_started_at is not None
     assert fold("m", log).model_dump() == s.model_dump(), "replaying the log rebuilds the state"
+    for e in log:  # every event the state machine emits satisfies the deployment-event contract
+        DeploymentEvent.model_validate(e)
