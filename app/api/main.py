@@ -56,5 +56,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.shutdown_hooks = shutdown_hooks
 
     # --- routers (one per resource; each issue adds its own line) ---------------------------
+    from app.api import metrics
+    from app.api.routes import events, health
+
+    metrics.install(app)  # HTTP request counters by route/status
+    app.include_router(health.router)  # /healthz /readyz /metrics
+    app.include_router(events.router)  # POST /v1/events
+    events.install(app)  # shared Kafka producer (lifespan hooks) + per-key rate limiter
     # ------------------------------------------------------------------------------------------
     return app

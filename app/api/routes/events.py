@@ -1,0 +1,161 @@
+"""POST /v1/events: the ingest endpoint editors call (DESIGN.md, "HTTP API").
+
+A batch is all-or-nothing:
+
+- body over `max_body_bytes` (4 MiB) -> 413, checked on Content-Length up front and again
+  on the bytes actually streamed (chunked or lying clients cannot get past it);
+- not JSON, NaN/Infinity, not `{"events": [...]}`, empty, over `max_batch_events` (1000),
+  or any event invalid -> 422 `{"errors": [{"index", "field", "message"}]}` listing every
+  problem, and nothing is produced (`index` is null for problems with the whole body);
+- otherwise each event's original JSON object (compact) goes to `<ns>.interactions` keyed
+  by its `request_id`, and 202 `{"accepted": n}` comes back only after the broker
+  acknowledged every record (acks=all, idempotent producer);
+- Kafka unreachable or slower than `kafka_produce_timeout` -> 503 with Retry-After.
+
+The body is parsed once with orjson (which rejects NaN/Infinity like standard JSON), the
+dicts are validated with the strict pydantic union of app/events.py, and the producer gets
+`orjson.dumps(original_dict)`: no per-event pydantic re-serialisation on the hot path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, status
+from fastapi.responses import JSONResponse, Response
+
+from app.api.deps import require_scope
+from app.api.metrics import BATCHES, EVENTS_ACCEPTED, EVENTS_REJECTED, PRODUCE_SECONDS
+from app.api.producer import EventProducer, KafkaUnavailable
+from app.api.ratelimit import TokenBucketLimiter
+from app.db.models import ApiKey
+from app.events import validate_batch
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["ingest"])
+
+_NON_STANDARD_CONSTANTS = ("NaN", "Infinity", "-Infinity")
+
+
+def _reject(outcome: str, errors: list[dict[str, Any]], n_events: int = 0, code: int = 422) -> JSONResponse:
+    BATCHES.labels(outcome).inc()
+    if n_events:
+        EVENTS_REJECTED.labels(outcome).inc(n_events)
+    return JSONResponse({"errors": errors}, status_code=code)
+
+
+def _body_error(field: str, message: str) -> dict[str, Any]:
+    return {"index": None, "field": field, "message": message}
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, or HTTPException(413) as soon as it is known to exceed `limit` bytes."""
+    too_large = HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
+                              f"request body exceeds {limit} bytes; split the events into smaller batches")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_error_message(body: bytes, exc: orjson.JSONDecodeError) -> str:
+    pos = getattr(exc, "pos", None)
+    if isinstance(pos, int):
+        tail = body[pos:pos + 9].decode("utf-8", "replace")
+        for const in _NON_STANDARD_CONSTANTS:
+            if tail.startswith(const) or (const != "NaN" and tail.startswith(const.lstrip("-"))):
+                return (f"not valid JSON: {const.lstrip('-')} at char {pos} "
+                        "(NaN and Infinity are not JSON; send finite numbers)")
+    return f"not valid JSON: {exc}"
+
+
+@router.post(
+    "/v1/events",
+    status_code=status.HTTP_202_ACCEPTED,
+    summary="Ingest a batch of interaction events (all-or-nothing)",
+    responses={
+        202: {"description": "every event acknowledged by Kafka", "content": {"application/json": {"example": {"accepted": 2}}}},
+        413: {"description": "body over the size limit"},
+        422: {"description": "invalid body or events; nothing written",
+              "content": {"application/json": {"example": {"errors": [{"index": 0, "field": "logprobs.1", "message": "Input should be less than or equal to 0"}]}}}},
+        429: {"description": "per-key rate limit; see Retry-After"},
+        503: {"description": "Kafka unavailable; retry after Retry-After with the same event_ids"},
+    },
+)
+async def post_events(request: Request, _key: Annotated[ApiKey, Depends(require_scope("ingest"))]) -> Response:
+    settings = request.app.state.settings
+    try:
+        body = await _read_body(request, settings.max_body_bytes)
+    except HTTPException:
+        BATCHES.labels("too_large").inc()
+        raise
+
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        return _reject("invalid_json", [_body_error("(body)", _json_error_message(body, exc))])
+    if not isinstance(doc, dict) or "events" not in doc:
+        return _reject("invalid_body", [_body_error("(body)", 'the body must be a JSON object {"events": [...]}')])
+    extra = sorted(set(doc) - {"events"})
+    if extra:
+        return _reject("invalid_body", [_body_error(f, "unknown field (the body has only 'events')") for f in extra])
+    events = doc["events"]
+    if not isinstance(events, list):
+        return _reject("invalid_body", [_body_error("events", "must be a JSON array of event objects")])
+    if not events:
+        return _reject("empty_batch", [_body_error("events", "empty batch; send at least one event")])
+    limit = settings.max_batch_events
+    if len(events) > limit:
+        return _reject("too_many_events",
+                       [_body_error("events", f"{len(events)} events in one batch; the limit is {limit}, split it")],
+                       n_events=len(events))
+
+    _parsed, errors = validate_batch(events)
+    if errors:
+        return _reject("invalid_event", [e.model_dump() for e in errors], n_events=len(events))
+
+    records = [(ev["request_id"], orjson.dumps(ev)) for ev in events]
+    producer: EventProducer = request.app.state.event_producer
+    start = time.perf_counter()
+    try:
+        await producer.produce(settings.topic("interactions"), records)
+    except KafkaUnavailable as exc:
+        log.warning("503 for a batch of %d events: %s", len(events), exc)
+        BATCHES.labels("unavailable").inc()
+        EVENTS_REJECTED.labels("unavailable").inc(len(events))
+        return JSONResponse({"detail": f"{exc}; retry with the same event_ids"}, status_code=503,
+                            headers={"Retry-After": str(exc.retry_after_s)})
+    PRODUCE_SECONDS.observe(time.perf_counter() - start)
+    BATCHES.labels("accepted").inc()
+    EVENTS_ACCEPTED.inc(len(events))
+    return Response(orjson.dumps({"accepted": len(events)}), status_code=202, media_type="application/json")
+
+
+def install(app: FastAPI) -> None:
+    """Wire the ingest route's state: the shared producer (lifespan-managed) and the rate limiter."""
+    settings = app.state.settings
+    app.state.rate_limiter = TokenBucketLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+    app.state.event_producer = EventProducer(settings)
+
+    async def _start(app: FastAPI) -> None:
+        if app.state.event_producer.closed:  # the app is being started again (tests)
+            app.state.event_producer = EventProducer(app.state.settings)
+        # connect in the background: start-up does not wait for Kafka, requests answer 503 until it is up
+        app.state.event_producer_connect = asyncio.create_task(app.state.event_producer.connect())
+
+    async def _stop(app: FastAPI) -> None:
+        await app.state.event_producer.aclose()
+
+    app.state.startup_hooks.append(_start)
+    app.state.shutdown_hooks.append(_stop)
