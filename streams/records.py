@@ -1,0 +1,184 @@
+"""Records the streams workers write: the public schema of their output topics.
+
+- `Rollout` on `flywheel.rollouts` (key request_id; compacted; consumers dedupe by
+  request_id: a re-delivered rollout after a worker crash has the same reward and fields,
+  only `labelled_at` may differ). The trainer parses it with `Rollout.model_validate_json`.
+  This schema is stable: add optional fields only.
+- `LateRecord` on `flywheel.late` (key request_id): the original event and a reason
+  (`orphan`: its generation never arrived within the wait window; `after_close`: it
+  arrived after the label closed).
+- `DlqRecord` on `flywheel.dlq` (no key): the original record value as base64 with the
+  reason and the validation errors.
+- `VersionMetrics` on `flywheel.version-metrics` (key model_version): additive sums per
+  model_version and time bucket plus derived means. `bucket_id` identifies the bucket; a
+  later record with the same bucket_id supersedes an earlier one (it includes more
+  partitions: `partitions` lists those whose labels are counted).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ROLLOUT_FIELDS = ("request_id", "session_id", "group_id", "model_version", "prompt_tokens", "completion_tokens",
+                  "logprobs", "routes", "route_shape", "reward", "components", "tool_errors", "reward_spec",
+                  "generated_at", "labelled_at", "closed_by")
+
+
+class Components(BaseModel):
+    """Reward components (DESIGN.md reward spec); None where that feedback was absent."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    decision: float | None
+    persistence: float | None
+    rating: float | None
+    followup: float | None
+    tool_errors: float | None
+
+
+class ToolErrorEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    hint: str | None
+    token_index: int
+
+
+class Rollout(BaseModel):
+    """A reward-labelled generation (DESIGN.md "Rollout record")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str
+    session_id: str
+    group_id: str | None
+    model_version: str
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    logprobs: list[float]
+    routes: str | None = Field(description="base64 little-endian int32 expert ids, shape route_shape")
+    route_shape: list[int] | None
+    reward: float
+    components: Components | None = Field(description="None when the generation got no feedback")
+    tool_errors: list[ToolErrorEntry]
+    reward_spec: str
+    generated_at: str = Field(description="the generation event's ts (RFC 3339)")
+    labelled_at: str = Field(description="wall-clock time the label closed (RFC 3339)")
+    closed_by: Literal["window"] = Field(description="what closed the label; v1 closes only by its wait window")
+
+
+class LateRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: Literal["orphan", "after_close"]
+    request_id: str
+    event: dict[str, Any]
+    detected_at: str
+
+
+class DlqRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field(description="invalid_json | invalid_event | key_mismatch | conflicting_generation")
+    errors: list[dict[str, Any]]
+    topic: str
+    partition: int
+    offset: int
+    key_b64: str | None
+    value_b64: str | None
+    detected_at: str
+
+
+SUM_FIELDS = ("n", "accepts", "rejects", "persistence_n", "persistence_sum", "rating_n", "rating_sum",
+              "followup_n", "followup_sum", "reward_sum", "reward_sumsq", "tool_error_rollouts",
+              "tool_error_count", "empty_completions", "completion_tokens_sum")
+
+
+class VersionMetrics(BaseModel):
+    """Online metrics of one model_version over one bucket [bucket_start, bucket_start + bucket_seconds)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bucket_id: str = Field(description="'<model_version>/<bucket_start>/<bucket_seconds>'; dedupe/overwrite key")
+    model_version: str
+    bucket_start: float = Field(description="epoch seconds; buckets by label close time (generation arrival + window)")
+    bucket_seconds: float
+    reward_spec: str
+    partitions: list[int]
+    sums: dict[str, float]
+    n: int
+    accept_rate: float | None
+    reject_rate: float | None
+    mean_persistence: float | None
+    mean_rating: float | None
+    mean_followup: float | None
+    reward_mean: float | None
+    reward_variance: float | None = Field(description="population variance of the reward over the bucket")
+    tool_error_rate: float | None = Field(description="fraction of rollouts with at least one tool error")
+    empty_completion_rate: float | None
+    mean_completion_length: float | None
+
+
+def _div(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def empty_sums() -> dict[str, float]:
+    return {k: 0.0 for k in SUM_FIELDS}
+
+
+def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
+    for k in SUM_FIELDS:
+        total[k] = total.get(k, 0.0) + float(part.get(k, 0.0))
+    return total
+
+
+def version_metrics(model_version: str, bucket_start: float, bucket_seconds: float, reward_spec: str,
+                    partitions: list[int], sums: dict[str, float]) -> VersionMetrics:
+    """Derive the means and rates from additive sums."""
+    n = sums["n"]
+    mean = _div(sums["reward_sum"], n)
+    var = None
+    if mean is not None:
+        var = max(sums["reward_sumsq"] / n - mean * mean, 0.0)
+    return VersionMetrics(
+        bucket_id=f"{model_version}/{bucket_start:g}/{bucket_seconds:g}", model_version=model_version,
+        bucket_start=bucket_start, bucket_seconds=bucket_seconds, reward_spec=reward_spec,
+        partitions=sorted(partitions), sums=dict(sums), n=int(n),
+        accept_rate=_div(sums["accepts"], n), reject_rate=_div(sums["rejects"], n),
+        mean_persistence=_div(sums["persistence_sum"], sums["persistence_n"]),
+        mean_rating=_div(sums["rating_sum"], sums["rating_n"]),
+        mean_followup=_div(sums["followup_sum"], sums["followup_n"]),
+        reward_mean=mean, reward_variance=var,
+        tool_error_rate=_div(sums["tool_error_rollouts"], n),
+        empty_completion_rate=_div(sums["empty_completions"], n),
+        mean_completion_length=_div(sums["completion_tokens_sum"], n),
+    )
+
+
+def rollout_sums(rollout: dict[str, Any], raw: dict[str, Any], empty_max_tokens: int) -> dict[str, float]:
+    """One rollout's contribution to the version metrics (`raw`: unweighted values from the reward)."""
+    s = empty_sums()
+    s["n"] = 1.0
+    r = float(rollout["reward"])
+    assert math.isfinite(r), f"non-finite reward {r} for {rollout['request_id']}"
+    s["reward_sum"], s["reward_sumsq"] = r, r * r
+    if raw.get("decision") == "accept":
+        s["accepts"] = 1.0
+    elif raw.get("decision") == "reject":
+        s["rejects"] = 1.0
+    if raw.get("persistence") is not None:
+        s["persistence_n"], s["persistence_sum"] = 1.0, float(raw["persistence"])
+    if raw.get("rating") is not None:
+        s["rating_n"], s["rating_sum"] = 1.0, float(raw["rating"])
+    if raw.get("followup") is not None:
+        s["followup_n"], s["followup_sum"] = 1.0, float(raw["followup"])
+    n_err = len(rollout.get("tool_errors") or [])
+    s["tool_error_rollouts"], s["tool_error_count"] = (1.0 if n_err else 0.0), float(n_err)
+    length = len(rollout["completion_tokens"])
+    s["empty_completions"] = 1.0 if length <= empty_max_tokens else 0.0
+    s["completion_tokens_sum"] = float(length)
+    return s

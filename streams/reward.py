@@ -1,0 +1,132 @@
+"""Reward spec: versioned weights and the reward of one generation's feedback (DESIGN.md v1).
+
+A spec is a name plus weights. Known specs live in `KNOWN_SPECS`; v1's weights are fixed
+here because DESIGN.md states them. `resolve_spec(version, weights)` is called at start-up:
+running a known version with other weights is refused (name a new version instead), so a
+version string in a rollout always means one set of weights.
+
+The computation is a plain function over the feedback events that were inside the wait
+window (already deduplicated); ties in `ts` are broken by `event_id` so the result does
+not depend on arrival order:
+
+    decision     earliest accept/reject by (ts, event_id): accept -> w.accept, reject -> w.reject
+    persistence  w.persistence x fraction of the latest edit_persistence, only when accepted
+    rating       w.rating x value of the latest rating
+    followup     w.followup x mean sentiment of all follow-ups
+    tool_errors  w.tool_error x count, floored at w.tool_error_floor
+
+reward = sum of the present components, added in that order (float64). Absent components
+are None; no feedback at all gives reward 0.0 and components None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RewardWeights(BaseModel):
+    """Weights of one reward spec version (defaults are v1)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    accept: float = Field(0.75, description="Decision component when the earliest decision is accept.")
+    reject: float = Field(-0.25, description="Decision component when the earliest decision is reject.")
+    persistence: float = Field(1.0, description="Multiplier of the last reported persistence fraction (accepted only).")
+    rating: float = Field(0.5, description="Multiplier of the latest rating value (-1 or 1).")
+    followup: float = Field(0.5, description="Multiplier of the mean follow-up sentiment.")
+    tool_error: float = Field(-0.5, description="Penalty per tool error.")
+    tool_error_floor: float = Field(-1.0, description="Lower bound of the summed tool-error penalty.")
+
+
+KNOWN_SPECS: dict[str, RewardWeights] = {"v1": RewardWeights()}
+
+
+class RewardSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: str = Field(min_length=1, max_length=64)
+    weights: RewardWeights
+
+
+def resolve_spec(version: str, weights: RewardWeights | None = None,
+                 known: dict[str, RewardWeights] | None = None) -> RewardSpec:
+    """The spec to run; refuses a known version with different weights (fail at start-up)."""
+    known = KNOWN_SPECS if known is None else known
+    if version in known:
+        if weights is not None and weights != known[version]:
+            raise ValueError(
+                f"reward spec {version!r} has fixed weights {known[version].model_dump()}; the configured weights "
+                f"{weights.model_dump()} differ. Changing weights needs a new spec version: set "
+                f"FLYWHEEL_STREAMS_REWARD_SPEC to a new name (e.g. 'v2') together with the new weights")
+        return RewardSpec(version=version, weights=known[version])
+    if weights is None:
+        raise ValueError(f"unknown reward spec {version!r} (known: {sorted(known)}); give its weights in "
+                         f"FLYWHEEL_STREAMS_REWARD_WEIGHTS (JSON) or use a known version")
+    return RewardSpec(version=version, weights=weights)
+
+
+def _ts(ev: dict[str, Any]) -> float:
+    ts = ev["ts"]
+    return ts.timestamp() if isinstance(ts, datetime) else datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def _order(ev: dict[str, Any]) -> tuple[float, str]:
+    return (_ts(ev), ev["event_id"])
+
+
+@dataclass
+class RewardResult:
+    """The label of one generation: reward, weighted components, tool errors, raw values for metrics."""
+
+    reward: float
+    components: dict[str, float | None] | None
+    tool_errors: list[dict[str, Any]] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)  # decision, persistence, rating, followup (unweighted)
+
+
+def compute_reward(spec: RewardSpec, feedback: list[dict[str, Any]]) -> RewardResult:
+    """The reward of the deduplicated in-window feedback of one generation.
+
+    `feedback` holds event dicts as on the topic (JSON mode: ts is an RFC 3339 string).
+    """
+    if not feedback:
+        return RewardResult(0.0, None)
+    w = spec.weights
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for ev in sorted(feedback, key=_order):
+        by_type.setdefault(ev["type"], []).append(ev)
+    decisions = sorted(by_type.get("accept", []) + by_type.get("reject", []), key=_order)
+    raw: dict[str, Any] = {"decision": None, "persistence": None, "rating": None, "followup": None}
+    decision = None
+    accepted = False
+    if decisions:
+        accepted = decisions[0]["type"] == "accept"
+        decision = w.accept if accepted else w.reject
+        raw["decision"] = decisions[0]["type"]
+    persistence = None
+    if accepted and by_type.get("edit_persistence"):
+        raw["persistence"] = float(by_type["edit_persistence"][-1]["fraction"])
+        persistence = w.persistence * raw["persistence"]
+    rating = None
+    if by_type.get("rating"):
+        raw["rating"] = float(by_type["rating"][-1]["value"])
+        rating = w.rating * raw["rating"]
+    followup = None
+    if by_type.get("followup"):
+        sentiments = [float(e["sentiment"]) for e in by_type["followup"]]
+        raw["followup"] = sum(sentiments) / len(sentiments)
+        followup = w.followup * raw["followup"]
+    errors = by_type.get("tool_error", [])
+    tool_errors = max(w.tool_error * len(errors), w.tool_error_floor) if errors else None
+    components = {"decision": decision, "persistence": persistence, "rating": rating,
+                  "followup": followup, "tool_errors": tool_errors}
+    reward = 0.0
+    for name in ("decision", "persistence", "rating", "followup", "tool_errors"):
+        if components[name] is not None:
+            reward += components[name]
+    listed = [{"message": e["message"], "hint": e.get("hint"), "token_index": int(e["token_index"])} for e in errors]
+    return RewardResult(reward, components, listed, raw)

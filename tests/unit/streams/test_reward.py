@@ -1,0 +1,67 @@
+"""Reward spec v1 (DESIGN.md) and the versioned-spec guard, without a broker."""
+
+from __future__ import annotations
+
+import pytest
+
+from streams.reward import KNOWN_SPECS, RewardWeights, compute_reward, resolve_spec
+from tests.unit.streams.factories import feedback as fb
+
+V1 = resolve_spec("v1")
+
+
+def test_no_feedback_is_zero_with_null_components():
+    res = compute_reward(V1, [])
+    assert (res.reward, res.components, res.tool_errors) == (0.0, None, [])
+
+
+def test_earliest_decision_by_ts_wins_regardless_of_list_order():
+    evs = [fb("r", "b", "reject", t=5), fb("r", "a", "accept", t=2)]
+    assert compute_reward(V1, evs).components["decision"] == 0.75
+    assert compute_reward(V1, evs[::-1]).components["decision"] == 0.75
+    assert compute_reward(V1, [fb("r", "a", "reject", t=1), fb("r", "b", "accept", t=2)]).reward == -0.25
+
+
+def test_persistence_is_last_fraction_and_counts_only_when_accepted():
+    evs = [fb("r", "a", "accept", t=1), fb("r", "p2", "edit_persistence", t=9, fraction=0.2),
+           fb("r", "p1", "edit_persistence", t=3, fraction=0.9)]
+    res = compute_reward(V1, evs)
+    assert res.components["persistence"] == pytest.approx(0.2)
+    assert res.reward == pytest.approx(0.95)
+    rejected = [fb("r", "x", "reject", t=1), fb("r", "p", "edit_persistence", t=3, fraction=0.9)]
+    assert compute_reward(V1, rejected).components["persistence"] is None
+    assert compute_reward(V1, rejected).reward == pytest.approx(-0.25)
+    only_pers = [fb("r", "p", "edit_persistence", t=3, fraction=0.9)]
+    assert compute_reward(V1, only_pers).reward == 0.0
+
+
+def test_latest_rating_mean_followup_and_floored_tool_errors():
+    evs = [fb("r", "r1", "rating", t=1, value=1), fb("r", "r2", "rating", t=4, value=-1),
+           fb("r", "f1", "followup", t=1, sentiment=1.0), fb("r", "f2", "followup", t=2, sentiment=-0.5)]
+    res = compute_reward(V1, evs)
+    assert res.components["rating"] == -0.5 and res.components["followup"] == pytest.approx(0.125)
+    errs = [fb("r", f"e{i}", "tool_error", t=i, message=f"m{i}", token_index=i) for i in range(3)]
+    res = compute_reward(V1, errs)
+    assert res.components["tool_errors"] == -1.0 and res.reward == -1.0
+    assert [e["message"] for e in res.tool_errors] == ["m0", "m1", "m2"]
+    assert compute_reward(V1, errs[:1]).reward == -0.5
+
+
+def test_all_components_add_up():
+    evs = [fb("r", "a", "accept", t=1), fb("r", "p", "edit_persistence", t=2, fraction=1.0),
+           fb("r", "g", "rating", t=3, value=1), fb("r", "f", "followup", t=4, sentiment=0.5),
+           fb("r", "e", "tool_error", t=5)]
+    assert compute_reward(V1, evs).reward == pytest.approx(0.75 + 1.0 + 0.5 + 0.25 - 0.5)
+
+
+def test_known_version_with_other_weights_is_refused():
+    with pytest.raises(ValueError, match="new spec version"):
+        resolve_spec("v1", RewardWeights(accept=1.0))
+    assert resolve_spec("v1", RewardWeights()).weights == KNOWN_SPECS["v1"]
+
+
+def test_new_version_needs_weights_and_uses_them():
+    with pytest.raises(ValueError, match="unknown reward spec"):
+        resolve_spec("v2")
+    spec = resolve_spec("v2", RewardWeights(accept=1.0))
+    assert compute_reward(spec, [fb("r", "a", "accept")]).reward == 1.0
