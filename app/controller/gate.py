@@ -1,0 +1,206 @@
+"""The offline gate: is a newly registered version safe to canary?
+
+    result = run_gate(GateInputs(...), GateConfig())
+    tags = result.tags()          # -> MLflow version tags `flywheel.gate.*`
+    decision = result.decision(version, parent)   # -> gate_passed / gate_failed event
+
+Checks (each pass | fail | skipped, with value and threshold; see monitors.py and ope.py):
+1. numerical sanity: finite weights, bounded relative change vs the parent version;
+2. off-policy reward on held-out logged rollouts: SNIPS and doubly robust (ridge reward model
+   on cheap completion features; the DM term uses the candidate's own completion for each
+   logged prompt), bootstrap interval of the improvement over the logged reward, and the
+   effective sample size; fails when the interval's upper end lies below -margin
+   (confidently worse) and, with `require_ess`, when the ESS is too small to say anything;
+3. KL(candidate || champion) per token on the candidate's samples, within a bound;
+4. the fixed regression prompt set (regression_prompts.json);
+5. behaviour monitors: empty completions, completion length shift, tool-error rate.
+
+The gate passes when no check fails. A skipped check (no champion loaded, no held-out data)
+is recorded as skipped with its reason, never as a pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, Field
+
+from app.controller import ope
+from app.controller.monitors import Check, behaviour_checks, kl_check, regression_check, weight_sanity
+from app.controller.state import Decision
+
+log = logging.getLogger(__name__)
+REGRESSION_SET = Path(__file__).with_name("regression_prompts.json")
+
+
+class GateConfig(BaseModel):
+    """Thresholds of the offline gate."""
+
+    max_global_rel_change: float = Field(0.5, gt=0, description="Max relative L2 change of all weights vs the parent.")
+    max_tensor_rel_change: float = Field(2.0, gt=0, description="Max relative L2 change of any single tensor vs the parent.")
+    ope_margin: float = Field(0.05, ge=0, description="Fail when the bootstrap upper bound of (estimate - logged reward) is below -margin.")
+    ope_alpha: float = Field(0.05, gt=0, lt=1, description="Two-sided level of the bootstrap intervals.")
+    n_boot: int = Field(500, ge=50, description="Bootstrap replicates.")
+    min_ess: float = Field(20.0, ge=1, description="Effective sample size below which the OPE is called inconclusive.")
+    require_ess: bool = Field(False, description="Fail (instead of skip) the OPE check when the ESS is below min_ess.")
+    ridge_lambda: float = Field(1.0, ge=0, description="Ridge penalty of the DR reward model.")
+    max_kl: float = Field(0.5, gt=0, description="Max mean per-token KL(candidate||champion) in nats.")
+    regression_tolerance: float = Field(0.25, ge=0, description="Max rise of per-token NLL on the regression set, nats.")
+    max_empty_increase: float = Field(0.1, ge=0, description="Max absolute increase of the empty-completion rate.")
+    length_k_std: float = Field(2.0, gt=0, description="Max shift of mean completion length, in champion standard deviations.")
+    max_tool_error_increase: float = Field(0.1, ge=0, description="Max increase of the estimated tool-error rate.")
+    sample_prompts: int = Field(32, ge=1, description="Prompts sampled from both policies for KL and behaviour monitors.")
+    max_tokens: int = Field(48, ge=1, description="Tokens per sampled completion.")
+    seed: int = Field(0, description="Seed of sampling and bootstrap (the gate is reproducible).")
+
+
+@dataclass
+class GateInputs:
+    """What the gate looks at. Rollouts are DESIGN.md rollout records (dicts)."""
+
+    candidate_state: Mapping[str, torch.Tensor]
+    parent_state: Mapping[str, torch.Tensor] | None = None
+    candidate: Any = None  # trainer.policy.base.Policy with the candidate's weights, or None
+    champion: Any = None  # Policy with the champion's weights, or None
+    rollouts: Sequence[dict[str, Any]] = ()  # held-out logged rollouts
+    regression_pairs: Sequence[tuple[str, str]] | None = None  # default: regression_prompts.json
+
+
+@dataclass
+class GateResult:
+    checks: list[Check]
+    ope: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not any(c.status == "fail" for c in self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == "fail"]
+
+    def summary(self) -> dict[str, Any]:
+        return {"passed": self.passed, "checks": [c.as_dict() for c in self.checks], "ope": self.ope}
+
+    def tags(self) -> dict[str, str]:
+        """MLflow version tags (string values, `flywheel.gate.` prefix)."""
+        out = {"flywheel.gate.status": "passed" if self.passed else "failed"}
+        for c in self.checks:
+            out[f"flywheel.gate.{c.name}"] = c.status if c.value is None else f"{c.status} {c.value:.6g}"
+        for k in ("snips", "dr", "ess", "behaviour_value"):
+            if self.ope.get(k) is not None:
+                out[f"flywheel.gate.ope.{k}"] = f"{self.ope[k]:.6g}"
+        return out
+
+    def decision(self, version: str, parent: str | None) -> Decision:
+        if self.passed:
+            reason = "all gate checks passed" + (f" ({sum(c.status == 'skipped' for c in self.checks)} skipped)"
+                                                 if any(c.status == "skipped" for c in self.checks) else "")
+            return Decision(type="gate_passed", version=version, from_version=parent, reason=reason, details=self.summary())
+        reason = "; ".join(f"{c.name}: {c.detail}" for c in self.failed)
+        return Decision(type="gate_failed", version=version, from_version=parent, reason=reason[:4000], details=self.summary())
+
+
+def load_regression_pairs(path: Path = REGRESSION_SET) -> list[tuple[str, str]]:
+    data = json.loads(path.read_text())
+    return [(p["prompt"], p["completion"]) for p in data["pairs"]]
+
+
+def _strip_eos(tokens: Sequence[int], eos: int | None) -> list[int]:
+    toks = list(tokens)
+    return toks[:-1] if toks and eos is not None and toks[-1] == eos else toks
+
+
+def _logprobs(policy: Any, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+    with torch.no_grad():
+        return policy.logprobs(prompts, completions, routes=None, temperature=1.0).to(torch.float32)
+
+
+def _ope_check(inp: GateInputs, cfg: GateConfig, cand_samples: list[list[int]] | None) -> tuple[list[Check], dict]:
+    rolls = [r for r in inp.rollouts if r.get("completion_tokens")]
+    if not rolls:
+        return [Check("ope_reward", "skipped", detail="no held-out logged rollouts")], {}
+    if inp.candidate is None:
+        return [Check("ope_reward", "skipped", detail="candidate policy not loaded")], {}
+    prompts = [list(r["prompt_tokens"]) for r in rolls]
+    comps = [list(r["completion_tokens"]) for r in rolls]
+    lp = _logprobs(inp.candidate, prompts, comps)
+    new = [lp[i, : len(c)].tolist() for i, c in enumerate(comps)]
+    log_w = ope.sequence_log_weights(new, [r["logprobs"] for r in rolls])
+    rewards = np.array([float(r["reward"]) for r in rolls], dtype=np.float64)
+    if not np.all(np.isfinite(log_w)):
+        return [Check("ope_reward", "fail", detail="candidate log-probs on logged completions are not finite")], {}
+    eos = getattr(getattr(inp.candidate, "tokenizer", None), "eos_id", None)
+    q_logged = v_target = None
+    if cand_samples is not None and len(cand_samples) == len(rolls):
+        X = np.stack([ope.completion_features(len(p), c, eos) for p, c in zip(prompts, comps)])
+        model = ope.RidgeRewardModel(cfg.ridge_lambda).fit(X, rewards)
+        q_logged = model.predict(X)
+        v_target = model.predict(np.stack([ope.completion_features(len(p), c, eos) for p, c in zip(prompts, cand_samples)]))
+    res = ope.estimate(rewards, log_w, q_logged, v_target, n_boot=cfg.n_boot, alpha=cfg.ope_alpha, seed=cfg.seed)
+    lo, hi = res.improvement_ci
+    summary = res.as_dict()
+    est = res.dr if res.dr is not None else res.snips
+    detail = (f"{'DR' if res.dr is not None else 'SNIPS'} {est:.4f} vs logged {res.behaviour_value:.4f}, improvement "
+              f"CI [{lo:+.4f}, {hi:+.4f}], ESS {res.ess:.1f} of {res.n}")
+    checks = []
+    if res.ess < cfg.min_ess:
+        checks.append(Check("ope_reward", "fail" if cfg.require_ess else "skipped", value=res.ess, threshold=cfg.min_ess,
+                            detail=f"effective sample size too small to judge: {detail}"))
+    else:
+        checks.append(Check("ope_reward", "fail" if hi < -cfg.ope_margin else "pass", value=est,
+                            threshold=res.behaviour_value - cfg.ope_margin, detail=detail))
+    tool = np.array([float(bool(r.get("tool_errors"))) for r in rolls], dtype=np.float64)
+    summary["tool_error"] = (ope.snips(tool, log_w), float(tool.mean()))
+    return checks, summary
+
+
+def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
+    checks = weight_sanity(inp.candidate_state, inp.parent_state, cfg.max_global_rel_change, cfg.max_tensor_rel_change)
+    if checks[0].status == "fail":  # a NaN checkpoint: nothing else is meaningful (or safe to run)
+        return GateResult(checks)
+    cand, champ = inp.candidate, inp.champion
+    eos = getattr(getattr(cand, "tokenizer", None), "eos_id", None)
+    rolls = [r for r in inp.rollouts if r.get("completion_tokens")]
+    cand_samples = None
+    if cand is not None and rolls:
+        with torch.no_grad():
+            smp = cand.generate([list(r["prompt_tokens"]) for r in rolls], max_tokens=cfg.max_tokens, temperature=1.0,
+                                seed=cfg.seed)
+        cand_samples = [_strip_eos(s.tokens, eos) for s in smp]
+    ope_checks, ope_summary = _ope_check(inp, cfg, cand_samples)
+    checks += ope_checks
+    tool = ope_summary.pop("tool_error", None)
+    if cand is None or champ is None:
+        why = "candidate policy not loaded" if cand is None else "no champion to compare with"
+        checks += [Check(n, "skipped", detail=why) for n in ("kl_to_champion", "regression_prompts", "behaviour")]
+        return GateResult(checks, ope_summary)
+    tok = cand.tokenizer
+    prompts = [list(r["prompt_tokens"]) for r in rolls][: cfg.sample_prompts]
+    pairs = inp.regression_pairs if inp.regression_pairs is not None else load_regression_pairs()
+    if not prompts:
+        prompts = [tok.encode(p) for p, _ in pairs][: cfg.sample_prompts]
+    with torch.no_grad():
+        c_smp = cand.generate(prompts, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
+        h_smp = champ.generate(prompts, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
+    c_toks = [list(s.tokens) for s in c_smp]
+    lengths = [len(t) for t in c_toks]
+    if sum(lengths):
+        checks.append(kl_check(_logprobs(cand, prompts, c_toks), _logprobs(champ, prompts, c_toks), lengths, cfg.max_kl))
+    else:
+        checks.append(Check("kl_to_champion", "skipped", detail="the candidate produced no tokens"))
+    r_prompts = [tok.encode(p) for p, _ in pairs]
+    r_comps = [tok.encode(c) for _, c in pairs]
+    checks.append(regression_check(_logprobs(cand, r_prompts, r_comps), _logprobs(champ, r_prompts, r_comps),
+                                   [len(c) for c in r_comps], cfg.regression_tolerance))
+    checks += behaviour_checks([len(_strip_eos(s.tokens, eos)) for s in c_smp], [len(_strip_eos(s.tokens, eos)) for s in h_smp],
+                               max_empty_increase=cfg.max_empty_increase, length_k_std=cfg.length_k_std,
+                               tool_error=tuple(tool) if tool else None, max_tool_error_increase=cfg.max_tool_error_increase)
+    return GateResult(checks, ope_summary)

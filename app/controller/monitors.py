@@ -1,0 +1,129 @@
+"""Gate checks besides the reward estimate: weight sanity, KL to the champion, regression
+prompts, behaviour monitors. Plain functions on tensors and lists; `gate.py` runs them.
+
+Each returns a `Check` (name, status pass|fail|skipped, value, threshold, detail) so the gate
+can turn results into MLflow version tags and a `gate_passed` / `gate_failed` event.
+
+- `weight_sanity`: every floating tensor finite; global relative L2 change vs the parent and
+  the largest per-tensor relative change within bounds (a NaN or a blown-up checkpoint fails).
+- `kl_check`: mean per-token KL(candidate || champion) estimated on the candidate's own
+  samples, sum_t (log pi_c - log pi_h) / tokens, within a bound.
+- `regression_check`: mean per-token NLL of fixed reference completions under the candidate
+  must not exceed the champion's by more than a tolerance.
+- `behaviour_checks`: empty-completion rate (absolute increase), completion length (mean moves
+  more than k champion standard deviations), tool-error rate (SNIPS estimate on logged
+  rollouts vs the logged rate): the usual signatures of reward hacking.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+Status = Literal["pass", "fail", "skipped"]
+
+
+@dataclass
+class Check:
+    name: str
+    status: Status
+    value: float | None = None
+    threshold: float | None = None
+    detail: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def weight_sanity(state: Mapping[str, torch.Tensor], parent: Mapping[str, torch.Tensor] | None,
+                  max_global_rel_change: float, max_tensor_rel_change: float) -> list[Check]:
+    bad = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    finite = Check("weights_finite", "fail" if bad else "pass", value=float(len(bad)), threshold=0.0,
+                   detail=f"non-finite values in {bad[:5]}" if bad else f"{len(state)} tensors finite")
+    if bad or parent is None:
+        skip = Check("weight_change", "skipped", detail="no parent weights" if parent is None else "weights not finite")
+        return [finite, skip]
+    missing = sorted(set(parent) ^ set(state))
+    if missing:
+        return [finite, Check("weight_change", "fail", detail=f"tensor names differ from the parent: {missing[:5]}")]
+    num = den = 0.0
+    worst, worst_name = 0.0, ""
+    for k, t in state.items():
+        if not t.is_floating_point():
+            continue
+        a, b = t.to(torch.float64), parent[k].to(torch.float64)
+        assert a.shape == b.shape, f"{k}: shape {tuple(a.shape)} vs parent {tuple(b.shape)}"
+        d2, p2 = float(((a - b) ** 2).sum()), float((b**2).sum())
+        num, den = num + d2, den + p2
+        rel = math.sqrt(d2) / max(math.sqrt(p2), 1e-12)
+        if rel > worst:
+            worst, worst_name = rel, k
+    glob = math.sqrt(num) / max(math.sqrt(den), 1e-12)
+    ok = glob <= max_global_rel_change and worst <= max_tensor_rel_change
+    return [finite, Check("weight_change", "pass" if ok else "fail", value=glob, threshold=max_global_rel_change,
+                          detail=f"global relative L2 change {glob:.3g} (max {max_global_rel_change:g}); largest "
+                                 f"per-tensor {worst:.3g} in {worst_name} (max {max_tensor_rel_change:g})")]
+
+
+def _masked_sums(lp: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, int]:
+    """Per-row sums of a right-padded [B, T] float tensor over the first lengths[i] entries."""
+    lp64 = lp.detach().to(torch.float64)
+    mask = torch.arange(lp64.shape[1])[None, :] < torch.tensor(list(lengths))[:, None]
+    return (lp64 * mask).sum(dim=1).numpy(), int(sum(lengths))
+
+
+def kl_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], max_kl: float) -> Check:
+    """cand_lp, champ_lp: float32 [B, T] log-probs of the candidate's own samples under each policy."""
+    if sum(lengths) == 0:
+        return Check("kl_to_champion", "skipped", detail="the candidate produced no tokens on the KL prompts")
+    diff, tokens = _masked_sums(cand_lp - champ_lp, lengths)
+    kl = float(diff.sum() / tokens)
+    ok = math.isfinite(kl) and kl <= max_kl
+    return Check("kl_to_champion", "pass" if ok else "fail", value=kl, threshold=max_kl,
+                 detail=f"mean per-token KL(candidate||champion) {kl:.4g} nats over {tokens} tokens")
+
+
+def regression_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], tolerance: float) -> Check:
+    """Log-probs [B, T] of fixed reference completions; NLL may rise by at most `tolerance` nats/token."""
+    if sum(lengths) == 0:
+        return Check("regression_prompts", "skipped", detail="empty regression set")
+    c, tokens = _masked_sums(cand_lp, lengths)
+    h, _ = _masked_sums(champ_lp, lengths)
+    rise = float((h.sum() - c.sum()) / tokens)  # NLL_cand - NLL_champ per token
+    ok = math.isfinite(rise) and rise <= tolerance
+    return Check("regression_prompts", "pass" if ok else "fail", value=rise, threshold=tolerance,
+                 detail=f"reference NLL per token: candidate {-c.sum() / tokens:.4f}, champion {-h.sum() / tokens:.4f}")
+
+
+def behaviour_checks(cand_lengths: Sequence[int], champ_lengths: Sequence[int], *, max_empty_increase: float,
+                     length_k_std: float, tool_error: tuple[float, float] | None = None,
+                     max_tool_error_increase: float = 0.1) -> list[Check]:
+    """Compare the candidate's and the champion's completions on the same prompts.
+
+    `tool_error` = (estimated tool-error rate of the candidate, logged rate), or None.
+    """
+    out = []
+    if not cand_lengths or not champ_lengths:
+        return [Check("behaviour", "skipped", detail="no samples")]
+    c, h = np.asarray(cand_lengths, dtype=np.float64), np.asarray(champ_lengths, dtype=np.float64)
+    e_c, e_h = float((c == 0).mean()), float((h == 0).mean())
+    out.append(Check("empty_completion_rate", "pass" if e_c - e_h <= max_empty_increase else "fail",
+                     value=e_c, threshold=e_h + max_empty_increase,
+                     detail=f"empty completions: candidate {e_c:.3f}, champion {e_h:.3f}"))
+    sd = float(h.std()) or 1.0
+    z = abs(float(c.mean()) - float(h.mean())) / sd
+    out.append(Check("completion_length_shift", "pass" if z <= length_k_std else "fail", value=z, threshold=length_k_std,
+                     detail=f"mean length candidate {c.mean():.1f} vs champion {h.mean():.1f} (sd {sd:.1f}): {z:.2f} sd"))
+    if tool_error is None:
+        out.append(Check("tool_error_rate", "skipped", detail="no logged rollouts to estimate it from"))
+    else:
+        est, logged = tool_error
+        out.append(Check("tool_error_rate", "pass" if est - logged <= max_tool_error_increase else "fail", value=est,
+                         threshold=logged + max_tool_error_increase,
+                         detail=f"SNIPS tool-error rate {est:.3f} vs logged {logged:.3f}"))
+    return out

@@ -1,0 +1,169 @@
+"""Gate statistics against hand-computed values, and the gate's verdicts on small real policies."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from app.controller import ope
+from app.controller.gate import GateConfig, GateInputs, run_gate
+from app.controller.monitors import behaviour_checks, kl_check, regression_check, weight_sanity
+from tests.unit.controller.unigram import UnigramPolicy, favouring
+
+LOGW4 = np.log(np.array([1.0, 2.0, 3.0, 4.0]))
+R4 = np.array([1.0, 0.0, 1.0, 0.0])
+
+
+def test_snips_on_four_samples_by_hand():
+    # sum w r / sum w = (1*1 + 3*1) / (1+2+3+4) = 0.4
+    assert ope.snips(R4, LOGW4) == pytest.approx(0.4, abs=1e-15)
+    assert ope.snips(R4, LOGW4 + 700.0) == pytest.approx(0.4, abs=1e-12), "huge log weights do not overflow"
+
+
+def test_ess_by_hand():
+    assert ope.effective_sample_size(LOGW4) == pytest.approx(100.0 / 30.0)
+    assert ope.effective_sample_size(np.zeros(7)) == pytest.approx(7.0)
+    assert ope.effective_sample_size(np.array([0.0, -50.0, -50.0])) == pytest.approx(1.0, abs=1e-12)
+
+
+def test_doubly_robust_by_hand():
+    # normalised w = .1 .2 .3 .4; residuals +.5 -.5 +.5 -.5 -> correction -0.1; DM term 0.6 -> 0.5
+    dr = ope.doubly_robust(R4, LOGW4, np.full(4, 0.5), np.full(4, 0.6))
+    assert dr == pytest.approx(0.5, abs=1e-15)
+    # a perfect reward model leaves only the direct-method term
+    assert ope.doubly_robust(R4, LOGW4, R4, np.full(4, 0.7)) == pytest.approx(0.7)
+
+
+def test_sequence_log_weights_sum_token_ratios():
+    lw = ope.sequence_log_weights([[-1.0, -2.0], [-0.5]], [[-1.5, -1.0], [-0.5]])
+    assert lw.dtype == np.float64 and lw.tolist() == pytest.approx([-0.5, 0.0])
+    with pytest.raises(AssertionError):
+        ope.sequence_log_weights([[-1.0]], [[-1.0, -2.0]])
+
+
+def test_snips_recovers_target_value_on_synthetic_bandit():
+    rng = np.random.default_rng(1)
+    n = 20_000
+    a = rng.integers(0, 2, n)  # behaviour: uniform over two actions
+    r = (a == 1).astype(np.float64) + rng.normal(0, 0.1, n)
+    target = np.where(a == 1, 0.8, 0.2)  # target takes action 1 w.p. 0.8 -> value 0.8
+    lw = np.log(target) - np.log(0.5)
+    assert ope.snips(r, lw) == pytest.approx(0.8, abs=0.02)
+    res = ope.estimate(r, lw, n_boot=200)
+    assert res.snips_ci[0] < 0.8 < res.snips_ci[1]
+    assert res.improvement_ci[0] > 0.2, "target (0.8) is clearly better than behaviour (0.5)"
+
+
+def test_bootstrap_interval_covers_the_mean_at_about_its_level():
+    rng = np.random.default_rng(2)
+    hits, trials = 0, 200
+    for t in range(trials):
+        x = rng.exponential(1.0, 100)
+        lo, hi = ope.bootstrap_ci(lambda i: float(x[i].mean()), 100, n_boot=200, alpha=0.1, seed=t)
+        hits += lo <= 1.0 <= hi
+    assert 0.80 <= hits / trials <= 0.97, f"90% bootstrap interval covered the true mean {hits}/{trials} times"
+
+
+def test_ridge_recovers_a_linear_reward():
+    rng = np.random.default_rng(3)
+    X = np.column_stack([np.ones(500), rng.normal(size=(500, 2))])
+    y = X @ np.array([0.3, -1.0, 2.0])
+    m = ope.RidgeRewardModel(lam=1e-6).fit(X, y)
+    assert np.allclose(m.beta, [0.3, -1.0, 2.0], atol=1e-5)
+
+
+# --- monitors -----------------------------------------------------------------------------------
+def test_nan_checkpoint_fails_sanity():
+    state = {"w": torch.tensor([1.0, float("nan")]), "step": torch.tensor([3])}
+    finite, change = weight_sanity(state, {"w": torch.ones(2), "step": torch.tensor([2])}, 0.5, 2.0)
+    assert finite.status == "fail" and "w" in finite.detail and change.status == "skipped"
+
+
+def test_big_weight_change_fails_and_small_one_passes():
+    parent = {"a": torch.ones(100), "b": torch.ones(10)}
+    small = {"a": torch.ones(100) * 1.01, "b": torch.ones(10)}
+    big = {"a": torch.ones(100), "b": torch.ones(10) * 5.0}  # one tensor blown up by 4x of its norm
+    assert weight_sanity(small, parent, 0.5, 2.0)[1].status == "pass"
+    c = weight_sanity(big, parent, 0.5, 2.0)[1]
+    assert c.status == "fail" and "b" in c.detail and c.value == pytest.approx(math.sqrt(160 / 110))
+
+
+def test_kl_and_regression_checks_by_hand():
+    cand = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, 0.0, 0.0]])
+    champ = cand - 0.1  # candidate is 0.1 nats more likely on each of its own 3 tokens
+    c = kl_check(cand, champ, [2, 1], max_kl=0.05)
+    assert c.value == pytest.approx(0.1) and c.status == "fail"
+    assert kl_check(cand, champ, [2, 1], max_kl=0.2).status == "pass"
+    r = regression_check(champ, cand, [2, 1], tolerance=0.05)  # candidate's NLL is 0.1 higher per token
+    assert r.value == pytest.approx(0.1) and r.status == "fail"
+
+
+def test_behaviour_monitors_catch_empty_and_length_collapse():
+    champ = [10, 12, 8, 11, 9, 10]
+    ok = behaviour_checks([11, 9, 10, 12, 8, 10], champ, max_empty_increase=0.1, length_k_std=2.0)
+    assert [c.status for c in ok] == ["pass", "pass", "skipped"]
+    hacked = behaviour_checks([0, 0, 0, 1, 0, 0], champ, max_empty_increase=0.1, length_k_std=2.0, tool_error=(0.5, 0.1))
+    assert [c.status for c in hacked] == ["fail", "fail", "fail"]
+
+
+# --- the gate end to end on tiny real policies --------------------------------------------------
+def logged_rollouts(behaviour: UnigramPolicy, n: int, reward_of) -> list[dict]:
+    prompts = [[65 + i % 5] for i in range(n)]
+    samples = behaviour.generate(prompts, max_tokens=6, seed=11)
+    return [{"prompt_tokens": p, "completion_tokens": s.tokens, "logprobs": s.logprobs, "reward": reward_of(s.tokens),
+             "tool_errors": []} for p, s in zip(prompts, samples)]
+
+
+CFG = GateConfig(n_boot=100, sample_prompts=8, max_tokens=8, min_ess=5)
+
+
+def reward_a(tokens):  # reward: share of tokens that are 'a'
+    return sum(t == 97 for t in tokens) / max(len(tokens), 1)
+
+
+def test_gate_passes_a_mild_improvement_and_records_tags():
+    champ = favouring([97, 98, 99], 3.0)
+    cand = favouring([97, 98, 99], 3.0)
+    with torch.no_grad():
+        cand.logits[97] += 0.3  # a little more 'a': better reward, small KL
+    res = run_gate(GateInputs(candidate_state=cand.serving_state_dict(), parent_state=champ.serving_state_dict(),
+                              candidate=cand, champion=champ, rollouts=logged_rollouts(champ, 200, reward_a)), CFG)
+    assert res.passed, res.summary()
+    names = {c.name: c.status for c in res.checks}
+    assert names["ope_reward"] == "pass" and names["kl_to_champion"] == "pass" and names["weights_finite"] == "pass"
+    assert res.ope["dr"] is not None and res.ope["ess"] > 5
+    assert res.ope["snips"] > res.ope["behaviour_value"], "more 'a' must estimate a higher reward"
+    tags = res.tags()
+    assert tags["flywheel.gate.status"] == "passed" and "flywheel.gate.ope.dr" in tags
+    assert res.decision("2", "1").type == "gate_passed"
+
+
+def test_gate_fails_a_policy_that_learned_to_say_nothing():
+    champ = favouring([97, 98, 99], 3.0)
+    hacker = favouring([256], 8.0)  # emits EOS right away: empty completions, huge KL
+    res = run_gate(GateInputs(candidate_state=hacker.serving_state_dict(), parent_state=None,
+                              candidate=hacker, champion=champ, rollouts=logged_rollouts(champ, 100, reward_a)), CFG)
+    failed = {c.name for c in res.failed}
+    assert not res.passed and {"empty_completion_rate", "kl_to_champion"} <= failed, res.summary()
+    d = res.decision("3", "1")
+    assert d.type == "gate_failed" and "empty_completion_rate" in d.reason
+
+
+def test_gate_stops_a_nan_checkpoint_before_running_anything():
+    champ = favouring([97], 3.0)
+    state = champ.serving_state_dict()
+    state["logits"] = state["logits"].clone()
+    state["logits"][5] = float("nan")
+    res = run_gate(GateInputs(candidate_state=state, parent_state=champ.serving_state_dict(), candidate=None), CFG)
+    assert not res.passed and [c.name for c in res.checks] == ["weights_finite", "weight_change"]
+
+
+def test_gate_without_policies_or_data_skips_honestly():
+    champ = favouring([97], 3.0)
+    res = run_gate(GateInputs(candidate_state=champ.serving_state_dict(), parent_state=champ.serving_state_dict()), CFG)
+    assert res.passed
+    assert {c.name: c.status for c in res.checks}["ope_reward"] == "skipped"
+    assert "skipped" in res.decision("2", "1").reason
