@@ -1,1 +1,33 @@
-"""Policies behind one small interface (base.Policy); `build_policy` picks one by name."""
+"""Policies behind one small interface (base.Policy); `build_policy` picks one by name.
+
+    from trainer.policy import build_policy, save_policy, load_policy
+    policy = build_policy({"type": "moe-byte", "d_model": 64})   # None -> the default built-in
+    samples = policy.generate([policy.tokenizer.encode("def f(")], max_tokens=32, seed=0)
+    lp = policy.logprobs([prompt], [samples[0].tokens], routes=[samples[0].routes])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.policy.base import Policy, Sample, Tokenizer
+from trainer.policy.checkpoint import load_policy, save_policy
+
+POLICY_TYPES = ("moe-byte",)
+
+
+def build_policy(config: dict[str, Any] | None = None) -> Policy:
+    """Build a policy from its JSON config (`Policy.config_dict()`); None builds the default.
+
+    Raises ValueError on an unknown `type` and pydantic's ValidationError on a bad field.
+    """
+    config = dict(config or {})
+    kind = config.get("type", "moe-byte")
+    if kind == "moe-byte":
+        from trainer.policy.moe_lm import MoEConfig, MoEPolicy
+
+        return MoEPolicy(MoEConfig(**config))
+    raise ValueError(f"unknown policy type {kind!r}; known types: {', '.join(POLICY_TYPES)}")
+
+
+__all__ = ["POLICY_TYPES", "Policy", "Sample", "Tokenizer", "build_policy", "load_policy", "save_policy"]
