@@ -176,6 +176,45 @@ def keys_create(
     typer.echo(key)
 
 
+# --- projections (app/deployments/projector.py) ------------------------------------------------
+@projections_app.command("rebuild")
+def projections_rebuild() -> None:
+    """Replay flywheel.deployments from the beginning into emptied projection tables (one transaction)."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from app.db.migrate import upgrade
+    from app.deployments.projector import rebuild
+
+    s = _settings()
+    s.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(s.db_url, "head")
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True) as bar:
+        task = bar.add_task(f"replaying {s.topic('deployments')}", total=None)
+        report = rebuild(s, progress=lambda n: bar.update(task, description=f"replayed {n} events"))
+    console.print(f"rebuilt projections in {s.db_url} from {s.topic('deployments')}: {report.events_read} events read, "
+                  f"{report.events_applied} applied, {report.duplicates} duplicates, {report.seconds:.2f}s")
+
+
+@projections_app.command("follow")
+def projections_follow() -> None:
+    """Keep the projections up to date: consume flywheel.deployments (group flywheel-projector)."""
+    import signal
+    import threading
+
+    from app.db.migrate import upgrade
+    from app.deployments.projector import follow
+
+    s = _settings()
+    s.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(s.db_url, "head")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        follow(s, stop=stop)
+    except KeyboardInterrupt:
+        stop.set()
+
+
 # --- roles (each added by the issue that builds it) ---------------------------------------------
 @app.command("run")
 def run(
