@@ -152,6 +152,7 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     server = MlflowServer(root, free_port(), {
         "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
         "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+        "MLFLOW_WEBHOOK_CACHE_TTL": "1",  # the server caches its webhook list; tests register webhooks mid-session
     })
     try:
         server.wait_ready()
