@@ -1,0 +1,250 @@
+"""The Faust app of `flywheel streams`: one agent joins interactions into reward-labelled rollouts.
+
+Topology (N = partitions of `<ns>.interactions`):
+
+    <ns>.interactions ─┐                                  ┌─▶ <ns>.rollouts      (key request_id)
+                       ├─▶ aggregate (concurrency 1) ──────┼─▶ <ns>.late          (key request_id)
+    <ns>.streams-ticks ┘    tables: labels, generations,   ├─▶ <ns>.dlq           (no key)
+      (internal, N)         buckets (changelogs)           └─▶ <ns>.streams-metric-partials (key model_version)
+                                                                   │
+    <ns>.streams-metric-partials ─▶ merge_metrics (table: metric_buckets) ─▶ <ns>.version-metrics
+
+Why ticks go through a topic: Faust tables may only be changed inside a stream event (the
+changelog partition is the event's partition), and a single consumer of both topics keeps
+event handling and expiry strictly serial. A timer on each worker sends one tick per
+assigned interactions partition to the same partition of the ticks topic, carrying the
+wall time, the partition's end offset and the group's committed offset. The agent
+advances that partition's watermark to `now - skew_margin` only when it has processed
+every record below that end offset, so labels close on record time even after a restart
+with a backlog (see streams/labels.py). No windowed tables, no on_window_close.
+
+At-least-once: Faust flushes the producer (outputs and changelogs) before committing
+offsets; the join dedupes replayed events by event_id and re-closing a label yields the
+same rollout, so consumers dedupe rollouts by request_id.
+
+    from streams.app import build_app
+    app, runtime = build_app(settings, StreamsConfig())
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import faust
+from mode.supervisors import CrashingSupervisor
+from prometheus_client import Counter, Gauge, Histogram
+
+from app.events import EventValidationError, parse_event
+from app.kafka_io import dumps
+from app.settings import Settings
+from streams.config import StreamsConfig
+from streams.labels import Aggregator, Emit, MetricsMerger, iso_now
+
+log = logging.getLogger(__name__)
+
+EVENTS_IN = Counter("flywheel_streams_events_in_total", "Interaction records consumed", ["outcome"])
+OUT = Counter("flywheel_streams_records_out_total", "Records produced", ["topic"])
+LATE = Counter("flywheel_streams_late_total", "Events sent to the late topic", ["reason"])
+DLQ = Counter("flywheel_streams_dlq_total", "Records sent to the dead-letter topic", ["reason"])
+OPEN = Gauge("flywheel_streams_open_labels", "Labels waiting for their window to close (pending + open)")
+LATENCY = Histogram("flywheel_streams_label_latency_seconds", "Wall time from a label's window close to its rollout being sent",
+                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
+WATERMARK_LAG = Gauge("flywheel_streams_watermark_lag_seconds", "Wall time minus the lowest partition watermark held")
+
+
+def internal_topics(settings: Settings) -> dict[str, tuple[int, dict[str, str]]]:
+    """Internal topics the worker needs: name -> (partitions, configs)."""
+    ns, n = settings.topic_namespace, settings.interactions_partitions
+    return {
+        f"{ns}.streams-ticks": (n, {"retention.ms": str(3600_000)}),
+        f"{ns}.streams-metric-partials": (n, {"retention.ms": str(7 * 86400_000)}),
+    }
+
+
+def ensure_internal_topics(settings: Settings) -> None:
+    """Create the contract topics and the internal ones (idempotent)."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import TopicAlreadyExistsError
+
+    from app.infra.kafka import ensure_topics
+
+    ensure_topics(settings)
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap.split(","))
+    try:
+        existing = set(admin.list_topics())
+        new = [NewTopic(name, num_partitions=n, replication_factor=settings.replication_factor, topic_configs=cfg)
+               for name, (n, cfg) in internal_topics(settings).items() if name not in existing]
+        if new:
+            try:
+                admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        admin.close()
+
+
+@dataclass
+class Runtime:
+    """What the agents share: the aggregator, output topics and per-partition progress."""
+
+    settings: Settings
+    cfg: StreamsConfig
+    app: faust.App
+    aggregator: Aggregator
+    merger: MetricsMerger
+    topics: dict[str, Any]
+    interactions: str
+    ticks: str
+    last_processed: dict[int, int] = field(default_factory=dict)
+    admin: Any = None
+
+    # --- interaction records -------------------------------------------------------------
+    def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
+        p = msg.partition
+        self.last_processed[p] = msg.offset
+        try:
+            obj = json.loads(value if value is not None else b"", parse_constant=_reject_constant)
+        except (UnicodeDecodeError, ValueError) as exc:
+            return [self._dlq(msg, key, value, "invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}])]
+        try:
+            parse_event(obj)
+        except EventValidationError as exc:
+            return [self._dlq(msg, key, value, "invalid_event", [e.model_dump() for e in exc.errors])]
+        if key is None or key != obj["request_id"].encode():
+            return [self._dlq(msg, key, value, "key_mismatch",
+                              [{"field": "(key)", "message": "the record key must be the event's request_id (the join relies on it)"}])]
+        EVENTS_IN.labels("ok").inc()
+        rt = msg.timestamp if msg.timestamp else time.time()
+        out = self.aggregator.on_event(p, obj, rt)
+        return [self._dlq(msg, key, value, e.value["reason"], e.value["errors"]) if e.topic == "dlq" else e for e in out]
+
+    def _dlq(self, msg: Any, key: bytes | None, value: bytes | None, reason: str, errors: list) -> Emit:
+        EVENTS_IN.labels("dlq").inc()
+        return Emit("dlq", None, {
+            "reason": reason, "errors": errors, "topic": msg.topic, "partition": msg.partition, "offset": msg.offset,
+            "key_b64": base64.b64encode(key).decode() if key is not None else None,
+            "value_b64": base64.b64encode(value).decode() if value is not None else None,
+            "detected_at": iso_now(time.time)})
+
+    # --- ticks -------------------------------------------------------------------------------
+    def on_tick(self, p: int, value: bytes) -> list[Emit]:
+        tick = json.loads(value)
+        processed = max(self.last_processed.get(p, -1) + 1, int(tick.get("committed") or 0))
+        if processed < int(tick["hw"]):
+            return []  # records below the tick's end offset are still unprocessed: record time rules
+        out = self.aggregator.on_tick(p, float(tick["now"]) - self.cfg.skew_margin)
+        WATERMARK_LAG.set(max(0.0, time.time() - min(self.aggregator.watermark(q) for q in self.aggregator._wm)))
+        return out
+
+    async def send_ticks(self) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient
+        from faust.types import TP
+
+        tps = sorted(tp for tp in self.app.consumer.assignment() if tp.topic == self.interactions)
+        if not tps:
+            return
+        now = time.time()
+        hws = await self.app.consumer.highwaters(*tps)
+        committed: dict[int, int] = {}
+        if any(tp.partition not in self.last_processed for tp in tps):
+            if self.admin is None:
+                self.admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap.split(","))
+                await self.admin.start()
+            offsets = await self.admin.list_consumer_group_offsets(self.app.conf.id)
+            committed = {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == self.interactions and om.offset >= 0}
+        for tp in tps:
+            hw = hws.get(TP(tp.topic, tp.partition), hws.get(tp))
+            if hw is None:
+                continue
+            await self.topics["ticks"].send(value=json.dumps({"now": now, "hw": hw, "committed": committed.get(tp.partition)}).encode(),
+                                            partition=tp.partition)
+
+    # --- output -------------------------------------------------------------------------------
+    async def send(self, e: Emit) -> None:
+        await self.topics[e.topic].send(key=e.key.encode() if e.key is not None else None, value=dumps(e.value))
+        OUT.labels(e.topic).inc()
+        if e.topic == "rollouts":
+            st = self.aggregator.labels.get(e.key) or {}
+            if "closed" in st:
+                LATENCY.observe(max(0.0, time.time() - st["closed"]))
+        elif e.topic == "late":
+            LATE.labels(e.value["reason"]).inc()
+        elif e.topic == "dlq":
+            DLQ.labels(e.value["reason"]).inc()
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtime]:
+    """A Faust app for `settings` (one per process; tests build their own)."""
+    n = settings.interactions_partitions
+    ns = settings.topic_namespace
+    app = faust.App(
+        cfg.app_id or f"{ns}-streams",
+        broker=[f"kafka://{h.strip()}" for h in settings.kafka_bootstrap.split(",")],
+        store=cfg.store, topic_partitions=n, topic_replication_factor=settings.replication_factor,
+        web_enabled=False, producer_acks=-1, consumer_auto_offset_reset="earliest",
+        broker_commit_interval=cfg.commit_interval, broker_session_timeout=cfg.session_timeout,
+        broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3), broker_rebalance_timeout=max(cfg.session_timeout, 10.0), producer_max_request_size=8 * 1024 * 1024,
+    )
+    interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
+    partials_name = f"{ns}.streams-metric-partials"
+    raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    source = app.topic(interactions, ticks, partitions=n, **raw)
+    topics = {
+        "rollouts": app.topic(settings.topic("rollouts"), **raw),
+        "late": app.topic(settings.topic("late"), **raw),
+        "dlq": app.topic(settings.topic("dlq"), **raw),
+        "version-metrics": app.topic(settings.topic("version-metrics"), **raw),
+        "partials": app.topic(partials_name, partitions=n, **raw),
+        "ticks": app.topic(ticks, partitions=n, **raw),
+    }
+    table = dict(partitions=n, key_type=str, value_type=None, default=None)
+    labels = app.Table("labels", help="request_id -> label state", **table)
+    generations = app.Table("generations", help="request_id -> generation event until its label closes", **table)
+    buckets = app.Table("buckets", help="'<partition>|<bucket>' -> emitted marker of a metrics partial", **table)
+    metric_buckets = app.Table("metric-buckets", help="'<version>|<bucket>' -> partial sums per partition", **table)
+    spec = cfg.spec()
+    agg = Aggregator(spec, settings.wait_window, cfg.retention(settings.wait_window), cfg.metrics_bucket,
+                     labels, generations, buckets, empty_max_tokens=cfg.empty_completion_max_tokens)
+    rt = Runtime(settings, cfg, app, agg, MetricsMerger(metric_buckets), topics, interactions, ticks)
+
+    @app.agent(source, concurrency=1, supervisor_strategy=CrashingSupervisor)
+    async def aggregate(stream):  # noqa: ANN001 - faust stream
+        async for event in stream.events():
+            msg = event.message
+            if msg.topic == ticks:
+                out = rt.on_tick(msg.partition, event.value)
+            else:
+                out = rt.on_record(msg, event.key, event.value)
+            for e in out:
+                await rt.send(e)
+            OPEN.set(agg.open_labels)
+
+    @app.agent(topics["partials"], concurrency=1, supervisor_strategy=CrashingSupervisor)
+    async def merge_metrics(stream):  # noqa: ANN001
+        async for event in stream.events():
+            await rt.send(rt.merger.on_partial(json.loads(event.value)))
+
+    @app.timer(cfg.tick_interval)
+    async def tick() -> None:
+        await rt.send_ticks()
+
+    @app.on_partitions_revoked.connect
+    async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
+        for tp in revoked:
+            if tp.topic == interactions:
+                agg.forget_partition(tp.partition)
+                rt.last_processed.pop(tp.partition, None)
+
+    app.flywheel_agents = {"aggregate": aggregate, "merge_metrics": merge_metrics}  # type: ignore[attr-defined]
+    log.info("streams app %s: %d partitions, window %.3gs, spec %s", app.conf.id, n, settings.wait_window, spec.version)
+    return app, rt

@@ -1,0 +1,53 @@
+"""Settings of the streams worker (env prefix `FLYWHEEL_STREAMS_`).
+
+The contract settings (FLYWHEEL_KAFKA_BOOTSTRAP, FLYWHEEL_WAIT_WINDOW, topic names) come
+from app.settings.Settings; this class holds what only the streams role needs. A bad
+value fails at start-up: `StreamsConfig().spec()` refuses a known reward spec version with
+different weights.
+
+    FLYWHEEL_STREAMS_REWARD_SPEC=v2 FLYWHEEL_STREAMS_REWARD_WEIGHTS='{"accept": 1.0}' flywheel streams
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.settings import Duration
+from streams.reward import RewardSpec, RewardWeights, resolve_spec
+
+
+class StreamsConfig(BaseSettings):
+    """Configuration of one `flywheel streams` worker."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_STREAMS_", extra="ignore", validate_default=True)
+
+    reward_spec: str = Field("v1", min_length=1, max_length=64, description="Reward spec version recorded in every rollout (known: v1).")
+    reward_weights: RewardWeights | None = Field(None, description="Weights (JSON) for a new spec version; must equal the fixed weights when the version is known.")
+    metrics_bucket: Duration = Field(60.0, description="Length of a version-metrics bucket (by label close time).")
+    closed_retention: Duration | None = Field(None, description="How long a closed label is remembered (late feedback -> after_close, duplicates dropped). Default: the wait window, at least one bucket.")
+    tick_interval: Duration = Field(0.2, description="How often the worker ticks its partitions to close labels on quiet partitions.")
+    skew_margin: Duration = Field(0.5, description="A tick closes labels up to wall time minus this margin (covers producer/worker clock skew and metadata lag).")
+    empty_completion_max_tokens: int = Field(1, ge=0, description="A completion with at most this many tokens counts as empty (e.g. only the stop token).")
+    store: str = Field("memory://", description="Faust table store: memory:// (changelog replay on start) or rocksdb:// (needs rocksdict) in production.")
+    commit_interval: Duration = Field(1.0, description="Faust offset commit interval; bounds the replay after a crash.")
+    session_timeout: Duration = Field(30.0, description="Kafka group session timeout: how long a crashed worker's partitions wait before another worker takes them.")
+    app_id: str | None = Field(None, description="Faust app id / consumer group. Default: '<topic_namespace>-streams'.")
+    metrics_host: str = Field("127.0.0.1", description="Bind address of the Prometheus /metrics endpoint.")
+    metrics_port: int = Field(9102, ge=0, le=65535, description="Port of the Prometheus endpoint; 0 disables it.")
+
+    @model_validator(mode="after")
+    def _check_spec(self) -> "StreamsConfig":
+        self.spec()  # raises ValueError with what to do
+        if self.metrics_bucket <= 0:
+            raise ValueError("FLYWHEEL_STREAMS_METRICS_BUCKET must be > 0, e.g. '60s'")
+        if self.tick_interval <= 0:
+            raise ValueError("FLYWHEEL_STREAMS_TICK_INTERVAL must be > 0, e.g. '200ms'")
+        return self
+
+    def spec(self) -> RewardSpec:
+        return resolve_spec(self.reward_spec, self.reward_weights)
+
+    def retention(self, wait_window: float) -> float:
+        r = self.closed_retention if self.closed_retention is not None else wait_window
+        return max(r, self.metrics_bucket)

@@ -1,0 +1,36 @@
+"""Run one streams worker: `flywheel streams` (or `python -m streams.worker`).
+
+Validates the config (reward spec guard), creates missing topics, serves Prometheus
+metrics, then runs the Faust worker until SIGTERM/SIGINT. Start more processes with the
+same settings to split the partitions (one Kafka consumer group).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from app.settings import Settings, get_settings
+from streams.config import StreamsConfig
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = None, loglevel: str = "WARNING") -> None:
+    from faust.worker import Worker
+    from prometheus_client import start_http_server
+
+    from streams.app import build_app, ensure_internal_topics
+
+    settings = settings or get_settings()
+    cfg = cfg or StreamsConfig()
+    ensure_internal_topics(settings)
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
+        log.info("prometheus metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
+    app, _ = build_app(settings, cfg)
+    Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    run_worker()

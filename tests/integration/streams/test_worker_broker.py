@@ -1,0 +1,125 @@
+"""The streams worker on the real broker: exact rollouts, late and DLQ records; versions metrics.
+
+Each test runs `python -m streams.worker` subprocesses against the session's Kafka broker
+with a 2.5 s wait window and compares what lands on the output topics with the plain
+reference (tests/unit/streams/reference.py) computed from the interactions topic as the
+broker stored it (partition order and record timestamps).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from streams.records import Rollout, VersionMetrics
+from tests.integration.streams.conftest import WINDOW, arrivals, produce, read_topic, scenario
+from tests.unit.streams.reference import expected
+
+pytestmark = pytest.mark.integration
+
+
+def outputs(settings, n_rollouts: int, n_late: int, n_dlq: int, timeout: float = 90.0):
+    rolls = read_topic(settings, settings.topic("rollouts"), n_rollouts, timeout)
+    late = read_topic(settings, settings.topic("late"), n_late, 20.0)
+    dlq = read_topic(settings, settings.topic("dlq"), n_dlq, 20.0)
+    return rolls, late, dlq
+
+
+def check_against_reference(settings, rolls, late, dlq, n_invalid: int, exact: bool) -> dict:
+    ref = expected(arrivals(settings), WINDOW)
+    by_rid: dict[str, list[dict]] = {}
+    for r in rolls:
+        val = json.loads(r.value)
+        Rollout.model_validate(val)
+        assert r.key.decode() == val["request_id"]
+        by_rid.setdefault(val["request_id"], []).append(val)
+    if exact:
+        dup = {k: len(v) for k, v in by_rid.items() if len(v) > 1}
+        assert not dup, f"requests labelled more than once: {list(dup.items())[:5]}"
+    missing = set(ref.rollouts) - set(by_rid)
+    extra = set(by_rid) - set(ref.rollouts)
+    assert not missing and not extra, f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})"
+    for rid, vals in by_rid.items():
+        want = ref.rollouts[rid]
+        for v in vals:  # every copy (after a crash) carries the same label
+            assert v["reward"] == pytest.approx(want["reward"], abs=1e-12), (rid, v["reward"], want)
+            assert v["tool_errors"] == want["tool_errors"], rid
+            assert (v["components"] is None) == (want["components"] is None), rid
+    got_late = Counter()
+    for r in late:
+        val = json.loads(r.value)
+        got_late[(val["reason"], val["event"]["event_id"])] += 1
+    if not exact:
+        got_late = Counter(set(got_late))
+    assert got_late == ref.late, f"late differs: missing {ref.late - got_late}, extra {got_late - ref.late}"
+    dlq_vals = [json.loads(r.value) for r in dlq]
+    ref_dlq_total = sum(ref.dlq.values()) + n_invalid
+    if exact:
+        assert len(dlq_vals) == ref_dlq_total, [d["reason"] for d in dlq_vals]
+    assert {d["reason"] for d in dlq_vals} >= {"invalid_json", "invalid_event", "key_mismatch"}
+    assert all(r.key is None for r in dlq)
+    return {"rollouts": len(by_rid), "late": sum(ref.late.values()), "dlq": ref_dlq_total, "ref": ref}
+
+
+def test_randomised_events_give_exactly_the_reference_rollouts_late_and_dlq(make_settings, start_worker):
+    settings = make_settings(wait_window=WINDOW)
+    phase1, phase2, n_invalid = scenario(seed=1, n_requests=700)
+    worker = start_worker(settings)
+    produce(settings, phase1)
+    time.sleep(WINDOW + 2.0)
+    produce(settings, phase2)
+    ref = expected(arrivals(settings), WINDOW)
+    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid)
+    assert worker.proc.poll() is None, worker.tail()
+    summary = check_against_reference(settings, rolls, late, dlq, n_invalid, exact=True)
+    assert len(phase1) > 2000 and summary["rollouts"] > 500 and summary["late"] > 50, summary
+    # version metrics: the last record per bucket_id, summed over buckets, counts every rollout once
+    vm = read_topic(settings, settings.topic("version-metrics"), 1, 30.0, settle=WINDOW + 4.0)
+    latest: dict[str, dict] = {}
+    for r in vm:
+        rec = VersionMetrics.model_validate_json(r.value)
+        assert r.key.decode() == rec.model_version
+        latest[rec.bucket_id] = rec.model_dump()
+    n_by_version = Counter(w["model_version"] for w in summary["ref"].rollouts.values())
+    got = Counter()
+    for rec in latest.values():
+        got[rec["model_version"]] += rec["n"]
+    assert got == n_by_version, (got, n_by_version)
+
+
+def test_two_workers_split_partitions_and_agree_with_the_reference(make_settings, start_worker):
+    settings = make_settings(wait_window=WINDOW)
+    phase1, phase2, n_invalid = scenario(seed=2, n_requests=500)
+    start_worker(settings)
+    start_worker(settings)
+    time.sleep(8.0)  # both join the group before traffic starts
+    produce(settings, phase1)
+    time.sleep(WINDOW + 2.0)
+    produce(settings, phase2)
+    ref = expected(arrivals(settings), WINDOW)
+    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid)
+    check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
+
+
+def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings, start_worker):
+    settings = make_settings(wait_window=WINDOW)
+    phase1, phase2, n_invalid = scenario(seed=3, n_requests=800)
+    worker = start_worker(settings)
+    half = len(phase1) // 2
+    produce(settings, phase1[:half])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not read_topic(settings, settings.topic("rollouts"), 1, 1.0, settle=0):
+        time.sleep(0.2)
+    produce(settings, phase1[half:])
+    worker.kill(signal.SIGKILL)
+    assert worker.proc.returncode == -signal.SIGKILL
+    start_worker(settings)
+    time.sleep(WINDOW + 2.0)
+    produce(settings, phase2)
+    ref = expected(arrivals(settings), WINDOW)
+    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid, timeout=120)
+    check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
