@@ -233,6 +233,26 @@ def run(
 
 
 
+@app.command("simulate")
+def simulate(
+    api: Annotated[str, typer.Option(help="Ingest API root, e.g. http://127.0.0.1:8000.")],
+    api_key: Annotated[str, typer.Option(help="A key with the ingest scope.", envvar="FLYWHEEL_SIMULATE_API_KEY")],
+    replica: Annotated[list[str], typer.Option(help="Replica root URL; repeat for several.")],
+    duration: Annotated[Optional[str], typer.Option(help="Stop after this long (e.g. 10m); default: until Ctrl-C.")] = None,
+) -> None:
+    """A simulated editor population: ask replicas for completions, send feedback to the API."""
+    import asyncio
+
+    from app.settings import parse_duration
+    from app.simulate.config import SimulateConfig
+    from app.simulate.population import Population
+
+    pop = Population(api, api_key, replica, SimulateConfig())
+    stats = asyncio.run(pop.run(parse_duration(duration) if duration else None))
+    console.print(f"requests {stats.requests}, completions {stats.completions}, events {stats.events}, "
+                  f"errors {stats.errors}, acceptance by version {stats.acceptance()}")
+
+
 def main() -> None:
     try:
         app()
