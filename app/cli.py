@@ -239,16 +239,39 @@ def simulate(
     api_key: Annotated[str, typer.Option(help="A key with the ingest scope.", envvar="FLYWHEEL_SIMULATE_API_KEY")],
     replica: Annotated[list[str], typer.Option(help="Replica root URL; repeat for several.")],
     duration: Annotated[Optional[str], typer.Option(help="Stop after this long (e.g. 10m); default: until Ctrl-C.")] = None,
+    evaluate: Annotated[bool, typer.Option(help="Also score every registered version on held-out users (MLflow).")] = True,
 ) -> None:
     """A simulated editor population: ask replicas for completions, send feedback to the API."""
     import asyncio
+    import threading
 
     from app.settings import parse_duration
     from app.simulate.config import SimulateConfig
     from app.simulate.population import Population
 
+    stop = threading.Event()
+    if evaluate:
+        s = _settings()
+
+        def _evaluate_loop() -> None:
+            from app.simulate.evaluate import HeldOutEvaluator
+
+            evaluator = HeldOutEvaluator(s.mlflow_uri, s.model_name)
+            while not stop.wait(10.0):
+                try:
+                    results = evaluator.evaluate_new()
+                    if results:
+                        console.print("held-out acceptance by version: "
+                                      + ", ".join(f"v{v}={a:.3f}" for v, a in results.items()))
+                except Exception as exc:  # registry not up yet, or a version still uploading
+                    logging.getLogger(__name__).warning("held-out evaluation failed: %s", exc)
+
+        threading.Thread(target=_evaluate_loop, name="heldout-eval", daemon=True).start()
     pop = Population(api, api_key, replica, SimulateConfig())
-    stats = asyncio.run(pop.run(parse_duration(duration) if duration else None))
+    try:
+        stats = asyncio.run(pop.run(parse_duration(duration) if duration else None))
+    finally:
+        stop.set()
     console.print(f"requests {stats.requests}, completions {stats.completions}, events {stats.events}, "
                   f"errors {stats.errors}, acceptance by version {stats.acceptance()}")
 
