@@ -63,5 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)  # /healthz /readyz /metrics
     app.include_router(events.router)  # POST /v1/events
     events.install(app)  # shared Kafka producer (lifespan hooks) + per-key rate limiter
+    from app.api.routes import status as status_routes
+    app.include_router(status_routes.router)  # GET /v1/deployments, /v1/deployments/history, /v1/models/{version}
     # ------------------------------------------------------------------------------------------
     return app
