@@ -134,7 +134,8 @@ def _on_canary_started(session: Session, ev: DeploymentEvent, state: DeploymentS
 
 
 def _on_traffic_shifted(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    state.candidate = ev.version
+    if state.candidate is None or ev.version != state.candidate:
+        return  # a stale shift for a canary that already ended (the controller's fold ignores it too)
     state.traffic_pct = float(ev.traffic_pct)
     state.step_index = ev.details.get("step", (state.step_index or 0) + 1)
     state.phase = "promoting" if state.traffic_pct >= 100.0 else "canary"
@@ -142,12 +143,14 @@ def _on_traffic_shifted(session: Session, ev: DeploymentEvent, state: Deployment
 
 
 def _on_paused(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    state.phase = "paused"
+    if state.phase in ("canary", "promoting"):
+        state.phase = "paused"
     _take_analysis(session, ev, state)
 
 
 def _on_resumed(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    state.phase = "promoting" if state.traffic_pct >= 100.0 else "canary"
+    if state.phase == "paused":
+        state.phase = "promoting" if state.traffic_pct >= 100.0 else "canary"
     _take_analysis(session, ev, state)
 
 
@@ -163,13 +166,14 @@ def _on_promoted(session: Session, ev: DeploymentEvent, state: DeploymentState) 
 
 
 def _on_rolled_back(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    """`from_version` (default: the candidate, else the champion) is rolled back; `version` serves."""
+    """`from_version` (default: the candidate, else the champion) is rolled back; `version` serves.
+
+    Any canary ends (as in the controller's fold, app/controller/state.py)."""
     _take_analysis(session, ev, state)
     bad = ev.from_version or state.candidate or state.champion
     if bad is not None and bad != ev.version:
         _set_status(session, ev, bad, "rolled_back")
-    if state.candidate is not None and state.candidate in (bad, ev.version):
-        _end_canary(state)
+    _end_canary(state)
     _set_status(session, ev, ev.version, "champion")
     state.champion = ev.version
 
@@ -181,15 +185,14 @@ def _on_aborted(session: Session, ev: DeploymentEvent, state: DeploymentState) -
 
 
 def _on_alias_changed(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    if ev.details["alias"] == "champion":
+    """A champion move is carried out as it is (replicas follow the alias); removing the
+    champion alias changes nothing (the controller restores it). A candidate move is an
+    instruction: the state changes with the controller's answer (canary_started / aborted)."""
+    if ev.details["alias"] == "champion" and ev.version is not None:
         if state.champion is not None and state.champion != ev.version:
             _set_status(session, ev, state.champion, "retired")
         _set_status(session, ev, ev.version, "champion")
         state.champion = ev.version
-    else:
-        state.candidate = ev.version
-        if ev.version is None:
-            _end_canary(state)
 
 
 def _replica(session: Session, ev: DeploymentEvent) -> Replica:

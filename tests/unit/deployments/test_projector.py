@@ -105,14 +105,52 @@ def test_events_for_unknown_versions_create_them(session: Session) -> None:
     assert mv is not None and mv.status == "champion" and session.get(DeploymentState, MODEL).champion == "42"
 
 
-def test_removing_the_candidate_alias_ends_the_canary(session: Session) -> None:
+def test_a_candidate_alias_move_waits_for_the_controllers_answer(session: Session) -> None:
     events = scenario_events()
-    apply_events(session, _logged(events[:7]))
+    apply_events(session, _logged(events[:7]))  # v2 in canary at 5%
     apply_event(session, LoggedEvent(0, 99, DeploymentEvent(
         type="alias_changed", model=MODEL, version=None, from_version="2", source="mlflow-ui",
         details={"alias": "candidate"})))
     s = session.get(DeploymentState, MODEL)
+    assert (s.candidate, s.traffic_pct, s.phase) == ("2", 5.0, "canary"), "an instruction, not yet carried out"
+    apply_event(session, LoggedEvent(0, 100, DeploymentEvent(
+        type="aborted", model=MODEL, version="2", from_version="2", source="mlflow-ui", reason="candidate alias removed")))
+    s = session.get(DeploymentState, MODEL)
     assert (s.candidate, s.traffic_pct, s.phase) == (None, 0.0, "idle")
+
+
+def test_champion_moved_to_the_candidate_in_the_ui_then_promoted(session: Session) -> None:
+    events = scenario_events()
+    apply_events(session, _logged(events[:9]))  # v2 in canary at 25%, v1 champion
+    for i, ev in enumerate([
+        DeploymentEvent(type="alias_changed", model=MODEL, version="2", from_version="1", source="mlflow-ui",
+                        details={"alias": "champion"}),
+        DeploymentEvent(type="promoted", model=MODEL, version="2", traffic_pct=100.0, source="mlflow-ui"),
+    ]):
+        apply_event(session, LoggedEvent(0, 100 + i, ev))
+    s = session.get(DeploymentState, MODEL)
+    assert (s.champion, s.candidate, s.phase, s.traffic_pct) == ("2", None, "idle", 0.0)
+    assert session.get(ModelVersion, (MODEL, "1")).status == "retired"
+    assert session.get(ModelVersion, (MODEL, "2")).status == "champion"
+
+
+def test_removing_the_champion_alias_keeps_the_serving_champion(session: Session) -> None:
+    apply_events(session, _logged(scenario_events()[:2]))
+    apply_event(session, LoggedEvent(0, 50, DeploymentEvent(
+        type="alias_changed", model=MODEL, version=None, from_version="1", source="mlflow-ui", details={"alias": "champion"})))
+    assert session.get(DeploymentState, MODEL).champion == "1"
+
+
+def test_stale_canary_events_after_the_canary_ended_are_ignored(session: Session) -> None:
+    events = scenario_events()
+    apply_events(session, _logged(events[:12]))  # v2 promoted: idle
+    for i, ev in enumerate([
+        DeploymentEvent(type="traffic_shifted", model=MODEL, version="2", traffic_pct=50.0, source="controller"),
+        DeploymentEvent(type="canary_paused", model=MODEL, version="2", source="controller"),
+    ]):
+        apply_event(session, LoggedEvent(0, 100 + i, ev))
+    s = session.get(DeploymentState, MODEL)
+    assert (s.champion, s.candidate, s.phase, s.traffic_pct) == ("2", None, "idle", 0.0)
 
 
 def test_reset_projections_empties_tables_and_keeps_the_append_only_guard(sqlite_url: str) -> None:
