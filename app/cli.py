@@ -216,6 +216,24 @@ def projections_follow() -> None:
 
 
 # --- roles (each added by the issue that builds it) ---------------------------------------------
+@app.command("streams")
+def streams_cmd(
+    host: Annotated[Optional[str], typer.Option(help="Bind address of the Prometheus /metrics endpoint.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port of the Prometheus endpoint (0 disables).")] = None,
+) -> None:
+    """Run one streams worker (Faust): interactions -> rollouts, late, dlq, version metrics. See docs/STREAMS.md."""
+    from pydantic import ValidationError
+
+    from streams.config import StreamsConfig
+    from streams.worker import run_worker
+
+    try:
+        cfg = StreamsConfig(**{k: v for k, v in {"metrics_host": host, "metrics_port": port}.items() if v is not None})
+    except ValidationError as exc:
+        console.print(f"[red]invalid streams configuration:[/red]\n{exc}")
+        raise typer.Exit(2) from None
+    run_worker(_settings(), cfg, loglevel="INFO" if logging.getLogger().level <= logging.DEBUG else "WARNING")
+
 @app.command("run")
 def run(
     replicas: Annotated[int, typer.Option(help="Inference replicas to start.")] = 2,
@@ -231,6 +249,27 @@ def run(
                       duration_s=parse_duration(duration) if duration else None)
     raise typer.Exit(run_local(_settings(), opts))
 
+
+
+@app.command("replica")
+def replica(
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default FLYWHEEL_REPLICA_HOST).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default FLYWHEEL_REPLICA_PORT).")] = None,
+    replica_id: Annotated[Optional[str], typer.Option("--replica-id", help="Id in events and metrics (default FLYWHEEL_REPLICA_ID).")] = None,
+) -> None:
+    """An inference replica: POST /v1/complete, follows flywheel.deployments, syncs weights by verified deltas."""
+    from pydantic import ValidationError
+
+    from app.replica.config import ReplicaConfig
+    from app.replica.server import serve
+
+    overrides = {k: v for k, v in (("host", host), ("port", port), ("id", replica_id)) if v is not None}
+    try:
+        cfg = ReplicaConfig(**overrides)
+    except ValidationError as exc:
+        console.print(f"[red]invalid replica configuration:[/red]\n{exc}")
+        raise typer.Exit(2) from None
+    serve(_settings(), cfg)
 
 
 @app.command("simulate")
