@@ -1,0 +1,57 @@
+"""Replica settings, env prefix `FLYWHEEL_REPLICA_` (the shared ones — Kafka, MLflow, model name,
+data dir — come from `app.settings.Settings`).
+
+    FLYWHEEL_REPLICA_ID=replica-1 FLYWHEEL_REPLICA_HEARTBEAT_INTERVAL=10s flywheel replica --port 8100
+
+Durations accept the same forms as the main settings (`90`, `30s`, `15m`, `1h30m`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from app.settings import Duration
+
+
+class ReplicaConfig(BaseSettings):
+    """Serving limits, sync cadence and the local weight cache of one `flywheel replica`."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_REPLICA_", extra="ignore", validate_default=True)
+
+    id: str = Field("replica-1", min_length=1, max_length=128,
+                    description="This replica's id in deployment events and metrics (`--replica-id` overrides it).")
+    host: str = Field("127.0.0.1", description="Bind address of `flywheel replica`.")
+    port: int = Field(8100, ge=1, le=65535, description="Port of `flywheel replica`.")
+    advertise_url: str | None = Field(None, description="URL reported in heartbeats (default http://<host>:<port>).")
+    cache_dir: Path | None = Field(None, description="Verified weight cache (default `<data_dir>/replicas/<id>`); "
+                                                     "a restarted replica serves from it at once.")
+    cache_keep: int = Field(3, ge=2, description="Verified versions kept in the cache (the serving ones always stay).")
+    max_tokens: int = Field(256, ge=1, description="Largest `max_tokens` a request may ask for (also capped by the model's context).")
+    max_n: int = Field(8, ge=1, description="Largest `n` (candidates per request).")
+    max_prompt_chars: int = Field(65536, ge=1, description="Longest prompt accepted; longer prompts get 422. "
+                                                             "Prompts longer than the model's context keep their end.")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads for generation (one model call at a time).")
+    heartbeat_interval: Duration = Field(15.0, description="How often the replica publishes `replica_heartbeat`.")
+    poll_interval: Duration = Field(1.0, description="Kafka poll timeout of the deployment follower.")
+    retry_interval: Duration = Field(5.0, description="Wait before retrying a failed sync of the same target.")
+    alias_fallback: bool = Field(True, description="When the deployment log names no champion yet, serve the MLflow "
+                                                   "`champion` alias (the trainer sets it for the base version).")
+    debug_pause_in_apply: Duration = Field(0.0, description="Testing only: sleep this long in the middle of applying a "
+                                                             "version (after decoding, while writing the cache), so tests "
+                                                             "can kill a replica mid-apply. Keep 0.")
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError(f"advertise_url must start with http:// or https://, got {v!r}")
+        return v
+
+    def resolved_cache_dir(self, data_dir: Path) -> Path:
+        return self.cache_dir or Path(data_dir) / "replicas" / self.id
+
+    def url(self) -> str:
+        return self.advertise_url or f"http://{self.host}:{self.port}"

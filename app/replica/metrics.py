@@ -1,0 +1,48 @@
+"""Prometheus metrics of `flywheel replica` (served at GET /metrics from the default registry).
+
+Every metric carries `replica_id`, so several replicas in one process (tests, bench) stay apart.
+
+| metric | labels | what |
+|---|---|---|
+| `flywheel_replica_requests_total` | replica_id, slot, outcome | POST /v1/complete by slot and outcome (ok, invalid, not_ready, unavailable) |
+| `flywheel_replica_request_seconds` | replica_id | request latency (generation + Kafka ack) |
+| `flywheel_replica_generation_seconds` | replica_id | model time of one request |
+| `flywheel_replica_tokens_total` | replica_id, version, kind | prompt / completion tokens |
+| `flywheel_replica_serving_version` | replica_id, slot | version number served per slot (-1: none) |
+| `flywheel_replica_traffic_pct` | replica_id | candidate's share of sessions |
+| `flywheel_replica_sync_seconds` | replica_id, path | target seen -> swapped, by path (delta, anchor, cache, promote) |
+| `flywheel_replica_sync_bytes_total` | replica_id, kind | artifact bytes fetched (delta, anchor) |
+| `flywheel_replica_sync_failures_total` | replica_id, reason | failed syncs (the old weights keep serving) |
+| `flywheel_replica_fallbacks_total` | replica_id | delta chains refused (hash mismatch, corrupt) and rebuilt from an anchor |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+REQUESTS = Counter("flywheel_replica_requests_total", "POST /v1/complete requests by slot and outcome.",
+                   ["replica_id", "slot", "outcome"])
+REQUEST_SECONDS = Histogram("flywheel_replica_request_seconds", "POST /v1/complete latency (generation + Kafka ack).",
+                            ["replica_id"], buckets=_LAT)
+GENERATION_SECONDS = Histogram("flywheel_replica_generation_seconds", "Model time of one request.",
+                               ["replica_id"], buckets=_LAT)
+TOKENS = Counter("flywheel_replica_tokens_total", "Prompt and completion tokens by serving version.",
+                 ["replica_id", "version", "kind"])
+SERVING_VERSION = Gauge("flywheel_replica_serving_version", "Version served per slot (-1: none).",
+                        ["replica_id", "slot"])
+TRAFFIC_PCT = Gauge("flywheel_replica_traffic_pct", "Candidate's share of sessions, percent.", ["replica_id"])
+SYNC_SECONDS = Histogram("flywheel_replica_sync_seconds", "From seeing a target version to serving it, by path.",
+                         ["replica_id", "path"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+SYNC_BYTES = Counter("flywheel_replica_sync_bytes_total", "Artifact bytes fetched for syncs.", ["replica_id", "kind"])
+SYNC_FAILURES = Counter("flywheel_replica_sync_failures_total", "Syncs that failed (old weights keep serving).",
+                        ["replica_id", "reason"])
+FALLBACKS = Counter("flywheel_replica_fallbacks_total", "Delta chains refused and rebuilt from an anchor.",
+                    ["replica_id"])
+
+
+def observe_serving(replica_id: str, versions: dict[str, str | None], traffic_pct: float) -> None:
+    for slot, v in versions.items():
+        SERVING_VERSION.labels(replica_id, slot).set(-1 if v is None else int(v))
+    TRAFFIC_PCT.labels(replica_id).set(traffic_pct)

@@ -1,0 +1,242 @@
+"""The sync agent: follow `<ns>.deployments`, make the replica serve what the log says it should.
+
+    agent = SyncAgent(settings, cfg, store, cache)   # store/cache: app/replica/weights.py
+    agent.start()    # a daemon thread; agent.stop() ends it
+
+On start the agent reads the deployment log from the beginning and folds it with the
+controller's own pure fold (`app.controller.state.fold`: champion, candidate, traffic split), so
+every replica derives the same desired state from the same log. It then keeps following the
+topic and, whenever what it serves differs from what is desired, reconciles:
+
+- a version it already holds (the candidate being promoted, or the old champion coming back
+  after a rollback) is reused as is; nothing is fetched;
+- otherwise `fetch.VersionFetcher` reconstructs the version from MLflow artifacts: the delta
+  chain from a version it holds, or the nearest anchor, every hash verified; a corrupt or
+  mismatching delta falls back to the anchor;
+- the decoded weights are loaded into a NEW (shadow) policy and verified again
+  (weights.load_verified), written to the local verified cache, and only then published with
+  one atomic `WeightStore.swap`. In-flight requests finish on the weights they started with.
+
+A sync that fails (fetch error, hash mismatch on every path) leaves the old weights serving,
+publishes `replica_sync_failed` and is retried after `retry_interval`. A successful one
+publishes `replica_synced`. Every `heartbeat_interval` the agent publishes `replica_heartbeat`
+with the versions it serves. When the log names no champion yet (the trainer sets the MLflow
+`champion` alias on the base version before the controller says anything), the agent serves
+the MLflow alias (`alias_fallback`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from app.controller.state import DeploymentState, apply_event
+from app.deployments.events import REPLICA_TYPES, DeploymentEvent, DeploymentLog
+from app.replica import metrics as m
+from app.replica.config import ReplicaConfig
+from app.replica.weights import LoadedVersion, Serving, VerificationError, WeightCache, WeightStore, load_verified
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class SyncAgent:
+    """Follows the deployment log in a thread and keeps the weight store on the desired versions."""
+
+    def __init__(self, settings: Settings, cfg: ReplicaConfig, store: WeightStore, cache: WeightCache,
+                 fetcher: Any = None):
+        from app.replica.fetch import VersionFetcher
+
+        self.settings, self.cfg, self.store, self.cache = settings, cfg, store, cache
+        self.fetcher = fetcher or VersionFetcher(settings)
+        self.state = DeploymentState(model=settings.model_name)
+        self.events = DeploymentLog(settings)
+        self.last_result: dict[str, Any] | None = None
+        self.caught_up = threading.Event()  # set once the log was read to its end at start
+        self._stop = threading.Event()
+        self._retry_at: dict[tuple[str, str], float] = {}  # (slot, version) -> monotonic time of the next attempt
+        self._alias: tuple[float, str | None] = (0.0, None)  # (checked at, MLflow champion alias)
+        self._next_heartbeat = 0.0
+        self._seen: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name=f"sync-{cfg.id}", daemon=True)
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        self.events.close()
+
+    def desired(self) -> dict[str, Any]:
+        s = self.state
+        champion = s.champion
+        if champion is None and self.cfg.alias_fallback:
+            champion = self._alias[1]
+        return {"champion": champion, "candidate": s.candidate, "traffic_pct": s.traffic_pct if s.candidate else 0.0}
+
+    # --- the loop -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        from kafka import TopicPartition
+
+        from app.kafka_io import make_consumer
+
+        topic = self.settings.topic("deployments")
+        while not self._stop.is_set():
+            consumer = None
+            try:
+                consumer = make_consumer(self.settings, group_id=None)
+                parts = consumer.partitions_for_topic(topic)
+                assert parts, f"topic {topic} does not exist; create it with `flywheel kafka start` (ensure_topics)"
+                tps = [TopicPartition(topic, p) for p in sorted(parts)]
+                consumer.assign(tps)
+                consumer.seek_to_beginning(*tps)
+                end = consumer.end_offsets(tps)
+                while not self._stop.is_set():
+                    self._fold(consumer.poll(timeout_ms=int(self.cfg.poll_interval * 1000)))
+                    if not self.caught_up.is_set():
+                        if any(consumer.position(tp) < end[tp] for tp in tps):
+                            continue  # rebuild the whole desired state before acting on it
+                        self.caught_up.set()
+                        log.info("replica %s caught up with %s: desired %s", self.cfg.id, topic, self.desired())
+                    self.reconcile()
+                    self._heartbeat()
+            except Exception:  # keep the replica serving; the next pass re-reads the log
+                log.exception("sync agent of %s failed; restarting it in %.0fs", self.cfg.id, self.cfg.retry_interval)
+                self._stop.wait(self.cfg.retry_interval)
+            finally:
+                if consumer is not None:
+                    consumer.close()
+
+    def _fold(self, batch: dict) -> None:
+        from app.deployments.events import decode_record
+
+        for records in batch.values():
+            for rec in records:
+                logged = decode_record(rec.partition, rec.offset, rec.value)
+                if logged is None or logged.event.type in REPLICA_TYPES or logged.event.event_id in self._seen:
+                    continue  # replica reports do not change the desired state
+                self._seen.add(logged.event.event_id)
+                self.state = apply_event(self.state, logged.event.model_dump(mode="json"))
+
+    # --- reconcile ----------------------------------------------------------------------------------
+    def reconcile(self) -> Serving:
+        """Bring the store to the desired versions (one atomic swap); returns what is served after."""
+        self._refresh_alias()
+        want = self.desired()
+        serving = self.store.snapshot()
+        if want["champion"] is None:
+            return serving
+        now = time.monotonic()
+        new: dict[str, LoadedVersion | None] = {}
+        outcomes: list[tuple[str, str, str | None, dict[str, Any]]] = []  # (slot, version, from, info)
+        for slot in ("champion", "candidate"):
+            target, have = want[slot], getattr(serving, slot)
+            if target is None or (have is not None and have.version == target):
+                new[slot] = have if target is not None else None
+                continue
+            held = next((lv for lv in serving.held() if lv.version == target), None)
+            if held is not None:
+                new[slot] = held
+                outcomes.append((slot, target, have.version if have else None, {"path": "held", "bytes": 0, "seconds": 0.0}))
+                continue
+            if now < self._retry_at.get((slot, target), 0.0):
+                new[slot] = have if slot == "champion" else None
+                continue
+            lv, info = self._build(slot, target, serving)
+            if lv is None:
+                self._retry_at[(slot, target)] = now + self.cfg.retry_interval
+                new[slot] = have if slot == "champion" else None  # never drop the champion; no stale candidate
+                continue
+            self._retry_at.pop((slot, target), None)
+            new[slot] = lv
+            outcomes.append((slot, target, have.version if have else None, info))
+        traffic = want["traffic_pct"] if new["candidate"] is not None and new["candidate"].version == want["candidate"] else 0.0
+        changed = (new["champion"] is not serving.champion or new["candidate"] is not serving.candidate
+                   or traffic != serving.traffic_pct)
+        if not changed:
+            return serving
+        after = self.store.swap(champion=new["champion"], candidate=new["candidate"], traffic_pct=traffic)
+        self.cache.set_serving(after)
+        self.cache.prune(self.cfg.cache_keep, protect={lv.version for lv in after.held()})
+        m.observe_serving(self.cfg.id, after.versions(), after.traffic_pct)
+        log.info("replica %s now serves %s (candidate %.4g%%)", self.cfg.id, after.versions(), after.traffic_pct)
+        for slot, version, frm, info in outcomes:
+            m.SYNC_SECONDS.labels(self.cfg.id, info["path"]).observe(info["seconds"])
+            self.last_result = {"ok": True, "slot": slot, "version": version, "from_version": frm, **info}
+            self._publish("replica_synced", version, frm, after, {"slot": slot, **info},
+                          f"serving v{version} as {slot} ({info['path']})")
+        return after
+
+    def _build(self, slot: str, target: str, serving: Serving) -> tuple[LoadedVersion | None, dict[str, Any]]:
+        """Reconstruct + verify `target` into a shadow policy and cache it; None on failure (published)."""
+        t0 = time.perf_counter()
+        frm = getattr(serving, slot).version if getattr(serving, slot) else None
+        try:
+            if target in self.cache.versions():
+                try:
+                    lv = self.cache.load(target)
+                    return lv, {"path": "cache", "bytes": 0, "seconds": time.perf_counter() - t0}
+                except VerificationError as exc:
+                    log.error("%s", exc)
+            fetched = self.fetcher.fetch(target, {lv.version: lv for lv in serving.held()})
+            for kind, n in fetched.bytes_by_kind.items():
+                m.SYNC_BYTES.labels(self.cfg.id, kind).inc(n)
+            if fetched.fallbacks:
+                m.FALLBACKS.labels(self.cfg.id).inc(fetched.fallbacks)
+            lv = load_verified(target, fetched.state, fetched.config, fetched.sha256)
+            self.cache.put(lv)
+            info = {"path": fetched.path, "chain": fetched.chain, "bytes": sum(fetched.bytes_by_kind.values()),
+                    "fallbacks": fetched.fallbacks, "seconds": round(time.perf_counter() - t0, 6)}
+            return lv, info
+        except Exception as exc:  # any failure: keep serving the old weights, report, retry later
+            reason = type(exc).__name__
+            m.SYNC_FAILURES.labels(self.cfg.id, reason).inc()
+            log.error("replica %s could not sync %s to v%s: %s: %s", self.cfg.id, slot, target, reason, exc)
+            self.last_result = {"ok": False, "slot": slot, "version": target, "from_version": frm,
+                                "error": f"{reason}: {exc}"}
+            self._publish("replica_sync_failed", target, frm, serving,
+                          {"slot": slot, "error": f"{reason}: {exc}"[:2000]},
+                          f"could not sync {slot} to v{target}; still serving {serving.versions()}")
+            return None, {}
+
+    # --- events -------------------------------------------------------------------------------------
+    def _publish(self, type_: str, version: str | None, frm: str | None, serving: Serving,
+                 details: dict[str, Any], reason: str) -> None:
+        from kafka.errors import KafkaError
+
+        v = serving.versions()
+        event = DeploymentEvent(type=type_, model=self.settings.model_name, version=version, from_version=frm,
+                                source="replica", actor=self.cfg.id, reason=reason,
+                                details={"replica_id": self.cfg.id, "url": self.cfg.url(),
+                                         "champion_version": v["champion"], "candidate_version": v["candidate"],
+                                         "traffic_pct": serving.traffic_pct, **details})
+        try:
+            self.events.publish(event)
+        except KafkaError as exc:  # reporting must not stop serving or syncing
+            log.warning("could not publish %s: %s", type_, exc)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self._next_heartbeat:
+            return
+        self._next_heartbeat = now + self.cfg.heartbeat_interval
+        serving = self.store.snapshot()
+        self._publish("replica_heartbeat", serving.champion.version if serving.champion else None, None, serving, {},
+                      "heartbeat")
+
+    def _refresh_alias(self) -> None:
+        if self.state.champion is not None or not self.cfg.alias_fallback:
+            return
+        checked, _ = self._alias
+        if time.monotonic() - checked < self.cfg.retry_interval and checked:
+            return
+        try:
+            alias = self.fetcher.champion_alias()
+        except Exception as exc:  # MLflow down: try again later
+            log.warning("could not read the MLflow champion alias: %s", exc)
+            alias = self._alias[1]
+        self._alias = (time.monotonic(), alias)

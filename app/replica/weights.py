@@ -1,0 +1,233 @@
+"""The weights a replica serves: verified versions, the atomic swap, and the local verified cache.
+
+A replica holds up to two loaded versions, the champion and the candidate, plus the candidate's
+traffic share, as ONE immutable `Serving` snapshot. A request reads the snapshot once (a single
+reference read) and keeps the `LoadedVersion` it picked until it has answered, so a swap never
+changes the weights under a running generation. A sync builds the new version completely on
+the side (a shadow policy built from the decoded, hash-verified state dict) and then publishes
+it with `WeightStore.swap(...)`: one reference assignment under a lock. There is no moment at
+which a request can see half of an old and half of a new version (DESIGN.md: "A replica never
+serves torn weights").
+
+`load_verified(version, state, config, sha256)` is the only way to make a `LoadedVersion`: it
+hashes the state dict (kernels/delta/hashing.py, the same definition as the manifests), refuses
+it on a mismatch, loads it into a fresh policy and hashes the policy's own serving weights again,
+so what generates is exactly what was verified.
+
+`WeightCache` keeps verified versions on local disk (`<cache_dir>/v<N>.safetensors` + a
+`v<N>.json` commit marker written last, both via write-to-temp + fsync + rename) and which
+versions were serving (`serving.json`). A restarted replica — even one killed with SIGKILL in
+the middle of applying a version — loads the marked versions, re-verifies their hashes and
+serves at once; temp files of an interrupted apply are removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.delta.hashing import hash_state_dict
+
+log = logging.getLogger(__name__)
+
+
+class VerificationError(Exception):
+    """Weights whose SHA-256 differs from the one the registry published: never served."""
+
+
+@dataclass(frozen=True)
+class LoadedVersion:
+    """One verified version, ready to generate. Immutable: a new version is a new object."""
+
+    version: str
+    policy: Any  # trainer.policy.base.Policy, eval mode, loaded from `state`
+    state: Mapping[str, torch.Tensor]  # the verified bf16 serving state dict (base for the next delta)
+    sha256: str  # checkpoint SHA-256 (kernels/delta/hashing.py)
+    config: Mapping[str, Any]  # Policy.config_dict(), rebuilds the architecture
+    loaded_at: float = dataclasses.field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What the replica serves right now; replaced as a whole, never mutated."""
+
+    champion: LoadedVersion | None = None
+    candidate: LoadedVersion | None = None
+    traffic_pct: float = 0.0  # candidate's share of sessions, 0-100
+
+    def versions(self) -> dict[str, str | None]:
+        return {"champion": self.champion.version if self.champion else None,
+                "candidate": self.candidate.version if self.candidate else None}
+
+    def held(self) -> list[LoadedVersion]:
+        return [lv for lv in (self.champion, self.candidate) if lv is not None]
+
+
+def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mapping[str, Any], sha256: str,
+                  threads: int = 1) -> LoadedVersion:
+    """Verify `state` against `sha256`, load it into a new policy, verify the loaded weights again."""
+    from trainer.policy import build_policy
+
+    got = hash_state_dict(state, threads)[1]
+    if got != sha256:
+        raise VerificationError(f"version {version}: weights hash {got[:12]}…, the registry published {sha256[:12]}…")
+    policy = build_policy(dict(config))
+    policy.load_serving_state_dict(dict(state))
+    policy.eval()
+    loaded = hash_state_dict(policy.serving_state_dict(), threads)[1]
+    if loaded != sha256:  # a policy that does not round-trip its serving weights must not serve
+        raise VerificationError(f"version {version}: the loaded policy's serving weights hash {loaded[:12]}…, "
+                                f"expected {sha256[:12]}…")
+    return LoadedVersion(version=str(version), policy=policy, state=dict(state), sha256=sha256, config=dict(config))
+
+
+class WeightStore:
+    """The replica's current `Serving` snapshot; `swap` replaces it atomically."""
+
+    def __init__(self, serving: Serving | None = None):
+        self._lock = threading.Lock()
+        self._serving = serving or Serving()
+
+    def snapshot(self) -> Serving:
+        return self._serving  # one reference read: always a complete, consistent snapshot
+
+    def swap(self, **changes: Any) -> Serving:
+        """Replace fields of the snapshot (champion=, candidate=, traffic_pct=) in one assignment."""
+        with self._lock:
+            new = dataclasses.replace(self._serving, **changes)
+            if new.traffic_pct and new.candidate is None:
+                new = dataclasses.replace(new, traffic_pct=0.0)
+            self._serving = new
+            return new
+
+    def find(self, version: str) -> LoadedVersion | None:
+        return next((lv for lv in self._serving.held() if lv.version == str(version)), None)
+
+
+def _fsync_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically: temp file, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class WeightCache:
+    """Verified versions on local disk, so a restarted replica serves before it has synced."""
+
+    def __init__(self, root: Path, pause_in_apply_s: float = 0.0):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.pause_in_apply_s = pause_in_apply_s
+        for tmp in self.root.glob("*.tmp"):  # left by an apply that was killed
+            log.warning("removing %s, left by an interrupted apply", tmp)
+            tmp.unlink()
+
+    def _weights(self, version: str) -> Path:
+        return self.root / f"v{version}.safetensors"
+
+    def _marker(self, version: str) -> Path:
+        return self.root / f"v{version}.json"
+
+    def versions(self) -> list[str]:
+        """Versions with a commit marker, oldest first."""
+        return sorted((p.stem[1:] for p in self.root.glob("v*.json")), key=int)
+
+    def put(self, lv: LoadedVersion) -> None:
+        """Persist a verified version: weights first, then its marker (the commit point)."""
+        from safetensors.torch import save
+
+        if self._marker(lv.version).exists():
+            return
+        data = save({k: v.contiguous() for k, v in lv.state.items()}, metadata={"sha256": lv.sha256})
+        tmp = self._weights(lv.version).with_name(self._weights(lv.version).name + ".tmp")
+        with open(tmp, "wb") as f:
+            half = len(data) // 2
+            f.write(data[:half])
+            f.flush()
+            if self.pause_in_apply_s > 0:  # testing only (config debug_pause_in_apply): a window to kill us
+                log.warning("debug pause of %.1fs in the middle of applying v%s", self.pause_in_apply_s, lv.version)
+                time.sleep(self.pause_in_apply_s)
+            f.write(data[half:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._weights(lv.version))
+        _fsync_write(self._marker(lv.version), json.dumps(
+            {"version": lv.version, "sha256": lv.sha256, "config": dict(lv.config)}, sort_keys=True).encode())
+
+    def load(self, version: str, threads: int = 1) -> LoadedVersion:
+        """Load and verify a cached version; a corrupt one is deleted and raises VerificationError."""
+        from safetensors.torch import load_file
+
+        try:
+            meta = json.loads(self._marker(version).read_text())
+            state = load_file(str(self._weights(version)))
+            return load_verified(str(version), state, meta["config"], meta["sha256"], threads)
+        except Exception as exc:
+            self.drop(version)
+            raise VerificationError(f"cached version {version} is unusable ({type(exc).__name__}: {exc}); removed") from exc
+
+    def drop(self, version: str) -> None:
+        for p in (self._marker(version), self._weights(version)):
+            p.unlink(missing_ok=True)
+
+    def set_serving(self, serving: Serving) -> None:
+        _fsync_write(self.root / "serving.json", json.dumps(
+            {**serving.versions(), "traffic_pct": serving.traffic_pct}, sort_keys=True).encode())
+
+    def restore(self, threads: int = 1) -> Serving:
+        """The last serving state, every version re-verified; a missing/corrupt one falls back to the
+        newest verified cached version (for the champion) or nothing (for the candidate)."""
+        try:
+            want = json.loads((self.root / "serving.json").read_text())
+        except (FileNotFoundError, ValueError):
+            want = {}
+        loaded: dict[str, LoadedVersion] = {}
+
+        def get(version: str | None) -> LoadedVersion | None:
+            if version is None or version not in self.versions():
+                return None
+            if version not in loaded:
+                try:
+                    loaded[version] = self.load(version, threads)
+                except VerificationError as exc:
+                    log.error("%s", exc)
+                    return None
+            return loaded[version]
+
+        champion = get(want.get("champion"))
+        for v in reversed(self.versions()):
+            if champion is not None:
+                break
+            champion = get(v)
+        candidate = get(want.get("candidate"))
+        traffic = float(want.get("traffic_pct") or 0.0) if candidate is not None else 0.0
+        return Serving(champion=champion, candidate=candidate, traffic_pct=traffic)
+
+    def prune(self, keep: int, protect: set[str]) -> None:
+        """Keep the newest `keep` versions and every version in `protect`."""
+        versions = self.versions()
+        for v in versions[:-keep] if keep else versions:
+            if v not in protect:
+                self.drop(v)

@@ -1,0 +1,123 @@
+"""Verified loading, the atomic swap and the local verified cache of a replica."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from app.replica.weights import Serving, VerificationError, WeightCache, WeightStore, load_verified
+from kernels.delta.hashing import checkpoint_sha256
+
+
+def test_load_verified_serves_exactly_the_published_weights(tiny):
+    cfg, state = tiny(0)
+    lv = load_verified("1", state, cfg, checkpoint_sha256(state))
+    got = lv.policy.serving_state_dict()
+    assert all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
+
+
+def test_load_verified_refuses_one_flipped_bit(tiny):
+    cfg, state = tiny(0)
+    sha = checkpoint_sha256(state)
+    bad = dict(state)
+    name = next(iter(bad))
+    t = bad[name].clone()
+    t.view(torch.int16).view(-1)[0] ^= 1
+    bad[name] = t
+    with pytest.raises(VerificationError, match="hash"):
+        load_verified("1", bad, cfg, sha)
+
+
+def test_swap_replaces_the_whole_snapshot_and_old_snapshots_stay_intact(tiny):
+    cfg, s1 = tiny(1)
+    _, s2 = tiny(2)
+    v1 = load_verified("1", s1, cfg, checkpoint_sha256(s1))
+    v2 = load_verified("2", s2, cfg, checkpoint_sha256(s2))
+    store = WeightStore(Serving(champion=v1))
+    before = store.snapshot()
+    store.swap(candidate=v2, traffic_pct=25.0)
+    assert before.candidate is None and before.traffic_pct == 0.0, "a held snapshot must never change"
+    assert store.snapshot().versions() == {"champion": "1", "candidate": "2"}
+    store.swap(candidate=None, traffic_pct=50.0)
+    assert store.snapshot().traffic_pct == 0.0, "no candidate means no candidate traffic"
+
+
+def test_concurrent_readers_only_ever_see_complete_snapshots(tiny):
+    cfg, s1 = tiny(1)
+    _, s2 = tiny(2)
+    v1 = load_verified("1", s1, cfg, checkpoint_sha256(s1))
+    v2 = load_verified("2", s2, cfg, checkpoint_sha256(s2))
+    store = WeightStore(Serving(champion=v1, candidate=v2, traffic_pct=10.0))
+    bad, stop = [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            s = store.snapshot()
+            pair = (s.champion.version, s.candidate.version, s.traffic_pct)
+            if pair not in {("1", "2", 10.0), ("2", "1", 90.0)}:
+                bad.append(pair)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for r in readers:
+        r.start()
+    for i in range(2000):
+        store.swap(**({"champion": v2, "candidate": v1, "traffic_pct": 90.0} if i % 2 == 0
+                      else {"champion": v1, "candidate": v2, "traffic_pct": 10.0}))
+    stop.set()
+    for r in readers:
+        r.join()
+    assert not bad, f"torn snapshots seen: {bad[:5]}"
+
+
+def test_cache_restores_the_serving_versions_verified(tmp_path, tiny):
+    cfg, s1 = tiny(1)
+    _, s2 = tiny(2)
+    v1 = load_verified("1", s1, cfg, checkpoint_sha256(s1))
+    v2 = load_verified("2", s2, cfg, checkpoint_sha256(s2))
+    cache = WeightCache(tmp_path)
+    cache.put(v1)
+    cache.put(v2)
+    cache.set_serving(Serving(champion=v1, candidate=v2, traffic_pct=5.0))
+    restored = WeightCache(tmp_path).restore()
+    assert restored.versions() == {"champion": "1", "candidate": "2"} and restored.traffic_pct == 5.0
+    assert restored.champion.sha256 == v1.sha256
+
+
+def test_corrupt_cached_weights_are_dropped_and_the_previous_verified_version_serves(tmp_path, tiny):
+    cfg, s1 = tiny(1)
+    _, s2 = tiny(2)
+    cache = WeightCache(tmp_path)
+    v1 = load_verified("1", s1, cfg, checkpoint_sha256(s1))
+    v2 = load_verified("2", s2, cfg, checkpoint_sha256(s2))
+    cache.put(v1)
+    cache.put(v2)
+    cache.set_serving(Serving(champion=v2))
+    path = tmp_path / "v2.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x40  # a bit flip inside the last tensor's bytes
+    path.write_bytes(bytes(raw))
+    restored = WeightCache(tmp_path).restore()
+    assert restored.versions() == {"champion": "1", "candidate": None}
+    assert "2" not in WeightCache(tmp_path).versions(), "the corrupt version must be removed"
+
+
+def test_an_interrupted_write_leaves_no_servable_version(tmp_path, tiny):
+    cfg, s1 = tiny(1)
+    cache = WeightCache(tmp_path)
+    (tmp_path / "v3.safetensors.tmp").write_bytes(b"half a file")
+    (tmp_path / "v3.safetensors").write_bytes(b"no marker yet")
+    cache = WeightCache(tmp_path)
+    assert not (tmp_path / "v3.safetensors.tmp").exists()
+    assert cache.versions() == [] and cache.restore().champion is None
+
+
+def test_prune_keeps_the_newest_and_the_serving_versions(tmp_path, tiny):
+    cache = WeightCache(tmp_path)
+    cfg, _ = tiny(0)
+    for v in range(1, 6):
+        _, s = tiny(v)
+        cache.put(load_verified(str(v), s, cfg, checkpoint_sha256(s)))
+    cache.prune(keep=2, protect={"1"})
+    assert cache.versions() == ["1", "4", "5"]
