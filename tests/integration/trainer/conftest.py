@@ -1,0 +1,103 @@
+"""Fixtures of the trainer integration tests: a tiny policy, rollout records, Kafka helpers.
+
+The rollouts are produced straight to `<ns>.rollouts` (issue 4 allows it), from samples of
+the real policy so behaviour log-probs and routes are the replica's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from app.events import encode_routes
+from app.kafka_io import dumps, make_consumer, make_producer
+
+TINY_POLICY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 32, "n_experts": 2, "top_k": 1, "max_context": 64}
+PROMPTS = ["def add(a, b):\n    ", "def f(x):\n    ", "x = [", "for i in range(", "class A:\n    ", "if x > 0:\n    "]
+
+
+def rollout_records(policy, version: int, n: int, reward_fn: Callable[[str], float], *, seed: int = 0,
+                    max_tokens: int = 12, prefix: str = "", group_size: int = 1, tool_error_every: int = 0) -> list[dict[str, Any]]:
+    """`n` rollout records (DESIGN.md schema) sampled from `policy`, rewarded by `reward_fn(text)`."""
+    tok = policy.tokenizer
+    prompts = [tok.encode(PROMPTS[(i // group_size) % len(PROMPTS)]) for i in range(n)]
+    samples = policy.generate(prompts, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    out = []
+    for i, (p, s) in enumerate(zip(prompts, samples)):
+        routes, shape = encode_routes(s.routes)
+        reward = float(reward_fn(s.text))
+        errors = []
+        if tool_error_every and i % tool_error_every == 0:
+            errors = [{"message": "SyntaxError: unexpected EOF", "hint": "close the bracket", "token_index": len(s.tokens) // 2}]
+        out.append(dict(
+            request_id=f"{prefix}r{i}-{uuid.uuid4().hex[:8]}", session_id=f"s{i % 3}",
+            group_id=f"{prefix}g{i // group_size}" if group_size > 1 else None, model_version=str(version),
+            prompt_tokens=p, completion_tokens=s.tokens, logprobs=s.logprobs, routes=routes, route_shape=list(shape),
+            reward=reward, components={"decision": reward, "persistence": None, "rating": None, "followup": None,
+                                       "tool_errors": -0.5 if errors else None},
+            tool_errors=errors, reward_spec="v1", generated_at="2026-01-01T00:00:00Z",
+            labelled_at="2026-01-01T00:15:00Z", closed_by="decision" if reward else "window"))
+    return out
+
+
+def produce(settings, records: list[dict[str, Any]]) -> None:
+    producer = make_producer(settings)
+    try:
+        for r in records:
+            producer.send(settings.topic("rollouts"), key=r["request_id"], value=dumps(r))
+        producer.flush(30)
+    finally:
+        producer.close(5)
+
+
+def committed_offsets(settings, group: str) -> dict[int, int | None]:
+    from kafka import TopicPartition
+
+    c = make_consumer(settings, group_id=group)
+    try:
+        topic = settings.topic("rollouts")
+        return {p: c.committed(TopicPartition(topic, p)) for p in sorted(c.partitions_for_topic(topic))}
+    finally:
+        c.close()
+
+
+def end_offsets(settings) -> dict[int, int]:
+    from kafka import TopicPartition
+
+    c = make_consumer(settings, group_id=None)
+    try:
+        topic = settings.topic("rollouts")
+        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic))]
+        return {tp.partition: o for tp, o in c.end_offsets(tps).items()}
+    finally:
+        c.close()
+
+
+@pytest.fixture()
+def trainer_env(make_settings, mlflow_server, tmp_path: Path):
+    """(settings, config-kwargs) for a trainer on the test broker and MLflow with a fresh model name."""
+    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}", ship_interval=3600)
+    cfg = dict(state_dir=tmp_path / "trainer-state", policy=TINY_POLICY, pretrain_steps=0, batch_size=4,
+               max_wait_s=0.5, lr=1e-3, metrics_port=0, checkpoint_every=1, consumer_group=f"trainer-{uuid.uuid4().hex[:6]}",
+               experiment=f"exp-{uuid.uuid4().hex[:6]}")
+    return settings, cfg
+
+
+def trainer_env_vars(settings, cfg: dict[str, Any]) -> dict[str, str]:
+    """The same configuration as environment variables, for a trainer subprocess."""
+    env = dict(os.environ)
+    env.update({
+        "FLYWHEEL_DATA_DIR": str(settings.data_dir), "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri, "FLYWHEEL_MODEL_NAME": settings.model_name,
+        "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace, "FLYWHEEL_SHIP_INTERVAL": str(settings.ship_interval),
+        "FLYWHEEL_ROLLOUTS_PARTITIONS": str(settings.rollouts_partitions),
+        "FLYWHEEL_INTERACTIONS_PARTITIONS": str(settings.interactions_partitions),
+    })
+    for k, v in cfg.items():
+        env[f"FLYWHEEL_TRAINER_{k.upper()}"] = json.dumps(v) if isinstance(v, dict) else str(v)
+    return env

@@ -1,0 +1,89 @@
+"""Rollouts in -> a registered version with lineage tags; offsets committed only after it; pyfunc generates.
+
+Real broker (make_settings) and real MLflow server (mlflow_server), a tiny real policy.
+Run: .venv/bin/pytest tests/integration/trainer/test_ship.py -q
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlflow
+import pytest
+from mlflow import MlflowClient
+
+from tests.integration.trainer.conftest import committed_offsets, end_offsets, produce, rollout_records
+from trainer.config import TrainerConfig
+from trainer.loop import Trainer
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+def drain(trainer: Trainer, expected: int, max_polls: int = 400) -> None:
+    """Train until `expected` records were processed (trained on or skipped)."""
+    for _ in range(max_polls):
+        trainer.train_step()
+        p = trainer.pending
+        if p["rollouts"] + sum(p["skipped"].values()) >= expected:
+            return
+    raise AssertionError(f"only {trainer.pending} of {expected} records processed")
+
+
+def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed_after(trainer_env):
+    settings, cfg_kw = trainer_env
+    trainer = Trainer(settings, TrainerConfig(**cfg_kw, max_staleness=0))
+    client = MlflowClient(settings.mlflow_uri)
+    try:
+        # first start, empty registry: the base checkpoint is v1 and becomes champion
+        assert trainer.last_shipped == 1
+        v1 = client.get_model_version(settings.model_name, "1")
+        assert v1.tags["kind"] == "base" and v1.tags["parent_version"] == "none" and v1.tags["rollouts_consumed"] == "0"
+        assert client.get_model_version_by_alias(settings.model_name, "champion").version == "1"
+
+        records = rollout_records(trainer.policy, 1, 10, lambda text: 0.75 if len(text) < 6 else -0.25, group_size=2,
+                                  tool_error_every=3)
+        dup = dict(records[0])  # the streams worker re-emitted one rollout: trained once
+        produce(settings, records + [dup])
+        drain(trainer, 11)
+        assert trainer.pending["rollouts"] == 10 and trainer.pending["skipped"]["duplicate"] == 1
+        assert committed_offsets(settings, cfg_kw["consumer_group"]) == {0: None, 1: None, 2: None}, \
+            "nothing may be committed before a version is registered"
+
+        version = trainer.maybe_ship(force=True)
+        assert version == 2
+        mv = client.get_model_version(settings.model_name, "2")
+        assert mv.status == "READY"
+        tags = mv.tags
+        assert tags["parent_version"] == "1" and tags["rollouts_consumed"] == "10" and tags["reward_spec"] == "v1"
+        assert tags["rollout_status"] == "registered" and len(tags["ship_id"]) == 32
+        assert json.loads(tags["rollouts_skipped"]) == {"duplicate": 1, "invalid": 0, "stale": 0}
+        offsets = json.loads(tags["kafka_offsets"])
+        ends = end_offsets(settings)
+        assert offsets["topic"] == settings.topic("rollouts")
+        assert {int(p): tuple(r) for p, r in offsets["partitions"].items()} == {p: (0, e) for p, e in ends.items() if e}
+        metrics = json.loads(tags["train_metrics"])
+        assert metrics["steps"] >= 3 and "ess" in metrics and "kl" in metrics and "distill_kl" in metrics
+        assert committed_offsets(settings, cfg_kw["consumer_group"]) == ends
+
+        # per-step metrics are in the run, so the MLflow UI plots curves
+        history = client.get_metric_history(trainer.run_id, "loss")
+        assert len(history) == trainer.step and [m.step for m in history] == list(range(1, trainer.step + 1))
+        for name in ("reward_mean", "kl", "ess", "clip_fraction", "masked_fraction", "staleness_mean", "mismatch"):
+            assert client.get_metric_history(trainer.run_id, name), f"metric {name} missing"
+        # the behaviour log-probs came from v1 == champion, the KL reference: the mismatch is exactly 0
+        assert {m.value for m in client.get_metric_history(trainer.run_id, "mismatch")} == {0.0}
+
+        # the version is a pyfunc that generates text
+        mlflow.set_tracking_uri(settings.mlflow_uri)
+        model = mlflow.pyfunc.load_model(f"models:/{settings.model_name}/2")
+        out = model.predict(["def add(a, b):\n    ", "x = "], params={"max_tokens": 8, "seed": 1})
+        assert len(out) == 2 and all(isinstance(s, str) for s in out)
+        again = model.predict(["def add(a, b):\n    ", "x = "], params={"max_tokens": 8, "seed": 1})
+        assert again == out, "a fixed seed must reproduce the completions (params reach generate)"
+
+        # with max_staleness 0, a rollout of v1 arriving after v2 shipped is skipped and counted, not trained on
+        produce(settings, [dict(records[1], request_id="late-from-v1")])
+        drain(trainer, 1)
+        assert trainer.pending["skipped"]["stale"] == 1 and trainer.pending["rollouts"] == 0
+    finally:
+        trainer.close()

