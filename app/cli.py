@@ -234,6 +234,22 @@ def streams_cmd(
         raise typer.Exit(2) from None
     run_worker(_settings(), cfg, loglevel="INFO" if logging.getLogger().level <= logging.DEBUG else "WARNING")
 
+
+@app.command("trainer")
+def trainer_cmd(
+    port: Annotated[Optional[int], typer.Option(help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_TRAINER_METRICS_PORT).")] = None,
+) -> None:
+    """Continuous RL trainer: consume rollouts, train, register a version every FLYWHEEL_SHIP_INTERVAL (docs/TRAINER.md)."""
+    import os
+
+    if port is not None:
+        os.environ["FLYWHEEL_TRAINER_METRICS_PORT"] = str(port)
+    _settings()
+    from trainer.launch import main as trainer_main
+
+    trainer_main()
+
+
 @app.command("run")
 def run(
     replicas: Annotated[int, typer.Option(help="Inference replicas to start.")] = 2,

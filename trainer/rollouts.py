@@ -1,8 +1,9 @@
 """Rollout intake: consume `flywheel.rollouts`, validate, dedupe by request_id, skip stale, batch.
 
-The record schema is DESIGN.md's rollout record (built by streams/). Unknown extra fields
-are ignored (the trainer reads what it needs); a record missing a field or with a bad value
-is counted as `invalid` and copied to `flywheel.dlq` with the reason, never silently dropped.
+The record schema is DESIGN.md's rollout record, as streams/records.py `Rollout` defines it
+(the producer's contract, validated first); `Rollout` here adds the invariants training
+needs. A record that fails either is counted as `invalid` and copied to `flywheel.dlq` with
+the reason, never silently dropped.
 
 Exactly-once bookkeeping (see docs/TRAINER.md):
 - `positions[p]` is the next offset of partition p that the trainer has NOT yet processed
@@ -102,9 +103,16 @@ class Rollout(BaseModel):
 
 
 def parse_rollout(value: bytes) -> tuple[Rollout | None, str]:
-    """(rollout, "") or (None, reason a user can act on)."""
+    """(rollout, "") or (None, reason a user can act on).
+
+    First the producer's schema (streams/records.py `Rollout`, the contract of the topic), then
+    the invariants the trainer relies on (lengths, finite log-probs <= 0, route shapes).
+    """
+    from streams.records import Rollout as StreamsRollout
+
     try:
-        return Rollout.model_validate_json(value), ""
+        contract = StreamsRollout.model_validate_json(value)
+        return Rollout.model_validate(contract.model_dump()), ""
     except ValidationError as exc:
         first = exc.errors()[0]
         return None, f"{'.'.join(str(p) for p in first['loc']) or 'record'}: {first['msg']}"

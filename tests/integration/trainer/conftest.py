@@ -41,7 +41,7 @@ def rollout_records(policy, version: int, n: int, reward_fn: Callable[[str], flo
             reward=reward, components={"decision": reward, "persistence": None, "rating": None, "followup": None,
                                        "tool_errors": -0.5 if errors else None},
             tool_errors=errors, reward_spec="v1", generated_at="2026-01-01T00:00:00Z",
-            labelled_at="2026-01-01T00:15:00Z", closed_by="decision" if reward else "window"))
+            labelled_at="2026-01-01T00:15:00Z", closed_by="window"))
     return out
 
 

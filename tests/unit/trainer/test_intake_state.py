@@ -29,7 +29,7 @@ def record(**overrides) -> dict:
 
 def test_valid_rollout_record_parses_with_routes_and_tool_errors():
     b64, shape = encode_routes([[[1, 2]], [[0, 3]], [[2, 2]]])
-    rec = record(routes=b64, route_shape=list(shape), model_version=7,
+    rec = record(routes=b64, route_shape=list(shape), model_version="7",
                  tool_errors=[{"message": "SyntaxError", "hint": "close (", "token_index": 1}])
     r, reason = parse_rollout(json.dumps(rec).encode())
     assert reason == "" and r is not None
@@ -44,6 +44,8 @@ def test_valid_rollout_record_parses_with_routes_and_tool_errors():
     (dict(completion_tokens=[]), "completion_tokens"),
     (dict(route_shape=[3, 1, 2]), "routes and route_shape"),
     (dict(request_id=""), "request_id"),
+    (dict(closed_by="decision"), "closed_by"),
+    (dict(unknown_field=1), "unknown_field"),
 ])
 def test_invalid_rollout_records_are_rejected_with_a_reason(overrides, field):
     r, reason = parse_rollout(json.dumps(record(**overrides)).encode())

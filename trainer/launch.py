@@ -1,0 +1,52 @@
+"""`flywheel trainer` / `python -m trainer.launch`: parse config, then import torch and run the loop.
+
+Config comes from the environment (FLYWHEEL_* in app/settings.py, FLYWHEEL_TRAINER_* in
+trainer/config.py) and is validated before the heavy imports, so a bad value fails at once.
+SIGTERM/SIGINT stop the loop after the current step and save the state; SIGKILL loses
+nothing either (docs/TRAINER.md, "Crash safety").
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+log = logging.getLogger(__name__)
+
+
+def main() -> None:
+    from app.settings import get_settings
+    from trainer.config import TrainerConfig
+
+    settings, cfg = get_settings(), TrainerConfig()  # validation errors surface here, before torch
+    from prometheus_client import start_http_server
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from trainer.loop import Trainer
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if cfg.metrics_port:
+        start_http_server(cfg.metrics_port)
+    trainer = Trainer(settings, cfg)
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
+            task = bar.add_task("waiting for rollouts", total=None)
+
+            def on_step(step: int, m: dict[str, float] | None) -> None:
+                if m is not None:
+                    bar.update(task, description=(
+                        f"step {step}  loss {m['loss']:+.4f}  reward {m['reward_mean']:+.3f}  ess {m['ess']:.2f}  "
+                        f"kl {m.get('kl', 0.0):.4f}  v{trainer.last_shipped} shipped  "
+                        f"{trainer.pending['rollouts']} rollouts pending"))
+
+            trainer.run(stop, on_step)
+    finally:
+        trainer.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    main()
