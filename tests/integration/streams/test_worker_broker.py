@@ -22,6 +22,15 @@ from tests.unit.streams.reference import expected
 pytestmark = pytest.mark.integration
 
 
+def events_in(worker) -> float:
+    """flywheel_streams_events_in_total{outcome="ok"} from the worker's Prometheus endpoint."""
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{worker.env['FLYWHEEL_STREAMS_METRICS_PORT']}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('flywheel_streams_events_in_total{outcome="ok"}'))
+
+
 def outputs(settings, n_rollouts: int, n_late: int, n_dlq: int, timeout: float = 90.0):
     rolls = read_topic(settings, settings.topic("rollouts"), n_rollouts, timeout)
     late = read_topic(settings, settings.topic("late"), n_late, 20.0)
@@ -94,8 +103,7 @@ def test_randomised_events_give_exactly_the_reference_rollouts_late_and_dlq(make
 def test_two_workers_split_partitions_and_agree_with_the_reference(make_settings, start_worker):
     settings = make_settings(wait_window=WINDOW)
     phase1, phase2, n_invalid = scenario(seed=2, n_requests=500)
-    start_worker(settings)
-    start_worker(settings)
+    workers = [start_worker(settings), start_worker(settings)]
     time.sleep(8.0)  # both join the group before traffic starts
     produce(settings, phase1)
     time.sleep(WINDOW + 2.0)
@@ -103,6 +111,8 @@ def test_two_workers_split_partitions_and_agree_with_the_reference(make_settings
     ref = expected(arrivals(settings), WINDOW)
     rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid)
     check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
+    counts = [events_in(w) for w in workers]
+    assert all(c > 0 for c in counts), f"one worker consumed nothing: {counts}"
 
 
 def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings, start_worker):
@@ -117,6 +127,9 @@ def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings
     produce(settings, phase1[half:])
     worker.kill(signal.SIGKILL)
     assert worker.proc.returncode == -signal.SIGKILL
+    n_gens = len({json.loads(v)["request_id"] for _, v in phase1 if b'"generation"' in v})
+    before = len(read_topic(settings, settings.topic("rollouts"), 10**9, 3.0))
+    assert 0 < before < n_gens, f"the kill was not mid-stream: {before} of {n_gens} rollouts already out"
     start_worker(settings)
     time.sleep(WINDOW + 2.0)
     produce(settings, phase2)
