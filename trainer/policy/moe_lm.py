@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kernels.invariant import COMPUTE_DTYPE, get_ops
+from kernels.logprobs import log_probs, token_logprobs
 from kernels.moe import load_balance_loss, moe_ffn, route
 from trainer.policy.base import Policy, Sample
 from trainer.policy.tokenizer import ByteTokenizer
@@ -222,7 +223,6 @@ class MoEPolicy(Policy):
         positions = torch.arange(width).expand(b, width)
         gen = torch.Generator()
         gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
-        t_eff = temperature if temperature > 0 else 1.0
         cache = self.new_cache(b)
         hidden, routes = self.forward_hidden(tokens, positions, cache)
         rows = torch.arange(b)
@@ -232,7 +232,7 @@ class MoEPolicy(Policy):
         out_rt = [[] for _ in range(b)]
         done = torch.zeros(b, dtype=torch.bool)
         for step in range(max_tokens):
-            logp = self.ops.log_softmax(self.lm_logits(h_last) / t_eff)  # [B, V]
+            logp = log_probs(self.lm_logits(h_last), temperature, self.ops)  # [B, V]
             if temperature > 0:
                 nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
             else:
@@ -302,8 +302,7 @@ class MoEPolicy(Policy):
     def logprobs(self, prompt_tokens: list[list[int]], completion_tokens: list[list[int]],
                  routes: list[np.ndarray | None] | None = None, temperature: float = 1.0) -> torch.Tensor:
         logits, targets, valid = self.completion_logits(prompt_tokens, completion_tokens, routes)
-        t_eff = temperature if temperature > 0 else 1.0
-        logp = self.ops.log_softmax(logits / t_eff).gather(-1, targets[..., None])[..., 0]
+        logp = token_logprobs(logits, targets, temperature, self.ops)
         return torch.where(valid, logp, torch.zeros_like(logp))
 
     def serving_state_dict(self) -> dict[str, torch.Tensor]:

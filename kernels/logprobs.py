@@ -1,0 +1,35 @@
+"""Log-probabilities of chosen tokens under softmax(logits / T), invariant or reference.
+
+`token_logprobs(logits [..., V], targets [...], temperature, ops)` -> [...] fp32. Temperature 0
+(greedy) is scored at T = 1 (DESIGN.md convention). With the invariant kernel set the value of
+each position depends only on its own logits row: the division by T is one correctly-rounded op,
+and the log-softmax reduces the vocabulary with the fixed halving tree (kernels/invariant.py).
+`reference_token_logprobs` is the plain torch version for parity tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.invariant import Ops
+
+
+def _scale(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    assert temperature >= 0, f"temperature must be >= 0, got {temperature}"
+    return logits / (temperature if temperature > 0 else 1.0)
+
+
+def log_probs(logits: torch.Tensor, temperature: float, ops: Ops) -> torch.Tensor:
+    """Full log-distribution log_softmax(logits / T) [..., V] (for KL and distillation terms)."""
+    return ops.log_softmax(_scale(logits, temperature))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ops: Ops) -> torch.Tensor:
+    """logits [..., V] fp32, targets [...] int64 -> log-prob of each target [...] fp32."""
+    assert logits.shape[:-1] == targets.shape, f"logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}"
+    return log_probs(logits, temperature, ops).gather(-1, targets[..., None])[..., 0]
+
+
+def reference_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Plain torch: log_softmax(logits / T) gathered at targets."""
+    return torch.log_softmax(_scale(logits, temperature), dim=-1).gather(-1, targets[..., None])[..., 0]

@@ -1,0 +1,128 @@
+"""Pretrain the base checkpoint on the synthetic code corpus (trainer/corpus.py).
+
+    flywheel pretrain --steps 600 --out .flywheel/base        # CLI, rich progress
+    policy = pretrain({"steps": 20, "policy": {"d_model": 32, "n_layers": 1}}, seed=0)  # fixtures
+
+Each training sequence is `[bos] + one document + [eos]`, right-padded; the loss is the
+next-token cross-entropy on the non-pad targets plus a small MoE load-balance term. Training
+uses the `default` (BLAS) kernels for speed: the weights are the same either way, and the saved
+config keeps the policy's own kernel setting (`invariant` by default) for serving and RL.
+Numerics: fp32 masters, bf16-rounded forward (straight-through), AdamW in fp32.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.corpus import iter_documents
+from trainer.policy import build_policy, save_policy
+from trainer.policy.base import Policy
+
+log = logging.getLogger(__name__)
+
+
+class PretrainConfig(BaseModel):
+    """Pretraining hyper-parameters (the defaults reach code-like text in a few CPU minutes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(600, ge=1, description="Optimizer steps.")
+    batch_size: int = Field(16, ge=1, description="Documents per step.")
+    lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate (linear warmup, cosine decay to 10%).")
+    warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the MoE load-balance loss.")
+    train_kernels: Literal["invariant", "default"] = Field("default", description="Kernel set used while pretraining.")
+    policy: dict[str, Any] | None = Field(None, description="Policy config for build_policy (None: the default).")
+
+
+def _batch(docs, policy: Policy, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next `batch_size` documents as (inputs [B, S], targets [B, S]) with pad in the targets' tail."""
+    tok = policy.tokenizer
+    max_len = policy.config_dict()["max_context"]
+    seqs = []
+    for _ in range(batch_size):
+        ids = [tok.bos_id, *tok.encode(next(docs)), tok.eos_id][:max_len + 1]
+        seqs.append(ids)
+    width = max(len(s) for s in seqs) - 1
+    inputs = torch.full((batch_size, width), tok.pad_id, dtype=torch.int64)
+    targets = torch.full((batch_size, width), tok.pad_id, dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        inputs[i, :len(s) - 1] = torch.tensor(s[:-1])
+        targets[i, :len(s) - 1] = torch.tensor(s[1:])
+    return inputs, targets
+
+
+def lm_loss(policy: Policy, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over non-pad targets."""
+    b, s = inputs.shape
+    hidden, _ = policy.forward_hidden(inputs, torch.arange(s).expand(b, s))
+    logits = policy.lm_logits(hidden)
+    return F.cross_entropy(logits.reshape(b * s, -1), targets.reshape(-1), ignore_index=policy.tokenizer.pad_id)
+
+
+def pretrain(config: dict[str, Any] | PretrainConfig | None = None, steps: int | None = None, seed: int = 0,
+             on_step: Callable[[int, float], None] | None = None) -> Policy:
+    """Build a policy and pretrain it; returns it with its configured kernels restored."""
+    cfg = config if isinstance(config, PretrainConfig) else PretrainConfig(**(config or {}))
+    if steps is not None:
+        cfg = cfg.model_copy(update={"steps": steps})
+    policy_cfg = {"init_seed": seed, **(cfg.policy or {})}
+    policy = build_policy(policy_cfg)
+    serve_kernels = policy.config.kernels
+    policy.set_kernels(cfg.train_kernels)
+    torch.manual_seed(seed)
+    decay = [p for p in policy.parameters() if p.dim() >= 2]
+    no_decay = [p for p in policy.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+    docs = iter_documents(seed)
+    policy.train()
+    t0 = time.perf_counter()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        inputs, targets = _batch(docs, policy, cfg.batch_size)
+        loss = lm_loss(policy, inputs, targets)
+        total = loss + cfg.aux_loss_coef * policy.aux_loss
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+        opt.step()
+        assert math.isfinite(loss.item()), f"pretraining diverged at step {step}: loss {loss.item()}"
+        if on_step is not None:
+            on_step(step, loss.item())
+        if step % 50 == 0 or step == cfg.steps - 1:
+            log.debug("step %d loss %.4f (%.1fs)", step, loss.item(), time.perf_counter() - t0)
+    policy.eval()
+    policy.set_kernels(serve_kernels)
+    return policy
+
+
+def pretrain_to_dir(out_dir: str | Path, config: dict[str, Any] | PretrainConfig | None = None,
+                    steps: int | None = None, seed: int = 0,
+                    on_step: Callable[[int, float], None] | None = None) -> tuple[Policy, Path]:
+    """Pretrain and save the base checkpoint (fp32 masters + config.json) to `out_dir`."""
+    cfg = config if isinstance(config, PretrainConfig) else PretrainConfig(**(config or {}))
+    if steps is not None:
+        cfg = cfg.model_copy(update={"steps": steps})
+    policy = pretrain(cfg, seed=seed, on_step=on_step)
+    path = save_policy(policy, out_dir, extra={"pretrain": {**cfg.model_dump(), "seed": seed}})
+    return policy, path
