@@ -75,7 +75,10 @@ def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: li
         if entry.kind == "gaps":
             positions = np.cumsum(varint_decode(raws[0], k).astype(np.int64) + 1) - 1
         else:
-            mask = np.unpackbits(np.frombuffer(raws[0], dtype=np.uint8), count=n).view(bool)
+            all_bits = np.unpackbits(np.frombuffer(raws[0], dtype=np.uint8))
+            if all_bits[n:].any():
+                raise DeltaFormatError(f"{entry.name}: bitmap padding bits are not zero")
+            mask = all_bits[:n].view(bool)
             positions = np.flatnonzero(mask)
         if positions.size != k or (k and (positions[-1] >= n or positions.min() < 0)):
             raise DeltaFormatError(f"{entry.name}: change positions do not fit {n} elements")

@@ -102,7 +102,10 @@ def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: li
             gaps = varint_decode_ref(raws[0], k)
             positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
         else:
-            mask = np.unpackbits(np.frombuffer(raws[0], dtype=np.uint8), count=n).astype(bool)
+            all_bits = np.unpackbits(np.frombuffer(raws[0], dtype=np.uint8))
+            if all_bits[n:].any():
+                raise DeltaFormatError(f"{entry.name}: bitmap padding bits are not zero")
+            mask = all_bits[:n].astype(bool)
             positions = np.flatnonzero(mask)
         if positions.size != k or (k and (positions[-1] >= n or positions.min() < 0)):
             raise DeltaFormatError(f"{entry.name}: change positions do not fit {n} elements")
