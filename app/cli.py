@@ -216,6 +216,16 @@ def projections_follow() -> None:
 
 
 # --- roles (each added by the issue that builds it) ---------------------------------------------
+@app.command("api")
+def api_cmd(
+    host: Annotated[Optional[str], typer.Option(help="Bind address (default: FLYWHEEL_API_HOST, 127.0.0.1).")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Port (default: FLYWHEEL_API_PORT, 8000).")] = None,
+) -> None:
+    """Serve the HTTP API (ingest, health, metrics); applies the database migrations first."""
+    from app.api.server import serve
+
+    serve(_settings(), host, port)
+
 @app.command("streams")
 def streams_cmd(
     host: Annotated[Optional[str], typer.Option(help="Bind address of the Prometheus /metrics endpoint.")] = None,

@@ -99,25 +99,44 @@ class EventProducer:
         )
         self._overrides.update(overrides)
         self._producer = None
+        self._generation = 0  # bumped each time a failed producer is discarded
         self._create_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=send_threads, thread_name_prefix="kafka-send")
         self._closed = False
 
     # --- runs on the send pool --------------------------------------------------------------------
-    def _get_producer(self):
+    def _get_producer(self) -> tuple[Any, int]:
         with self._create_lock:
             if self._producer is None:
                 if self._closed:
                     raise KafkaUnavailable("the producer is shut down", self.retry_after_s)
                 self._producer = make_producer(self._settings, **self._overrides)
                 log.info("kafka producer connected to %s", self._settings.kafka_bootstrap)
-            return self._producer
+            return self._producer, self._generation
 
-    def _send_all(self, topic: str, records: list[tuple[str, bytes]], waiter: _BatchWaiter) -> None:
-        producer = self._get_producer()
+    def _send_all(self, topic: str, records: list[tuple[str, bytes]], waiter: _BatchWaiter, deadline: float) -> int:
+        if time.monotonic() > deadline:  # queued behind a blocked send past its request's deadline: drop it
+            raise KafkaUnavailable("send queue is backed up", self.retry_after_s)
+        producer, generation = self._get_producer()
         ok, failed = waiter.ok, waiter.failed
         for key, value in records:
             producer.send(topic, value=value, key=key).add_callback(ok).add_errback(failed)
+        return generation
+
+    def _discard(self, generation: int) -> None:
+        """Replace the producer after a failed batch (if no one replaced it yet).
+
+        kafka-python's idempotent producer can stay stuck after batches expired in flight
+        (seen with a broker that hung and resumed); a fresh producer (new producer id)
+        recovers at the cost of aborting the other in-flight batches, whose requests answer
+        503 and are retried by their clients with the same event_ids.
+        """
+        with self._create_lock:
+            if self._generation != generation or self._producer is None:
+                return
+            old, self._producer = self._producer, None
+            self._generation += 1
+        threading.Thread(target=_close_producer, args=(old, 0.0), name="kafka-producer-close", daemon=True).start()
 
     # --- coroutine API -------------------------------------------------------------------------------
     async def produce(self, topic: str, records: list[tuple[str, bytes]]) -> None:
@@ -132,15 +151,18 @@ class EventProducer:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.timeout_s
         waiter = _BatchWaiter(loop, len(records))
+        generation = self._generation
         try:
-            sent = loop.run_in_executor(self._pool, self._send_all, topic, records, waiter)
-            await asyncio.wait_for(sent, self.timeout_s)
+            sent = loop.run_in_executor(self._pool, self._send_all, topic, records, waiter, deadline)
+            generation = await asyncio.wait_for(sent, self.timeout_s)
             await asyncio.wait_for(waiter.future, max(0.0, deadline - time.monotonic()))
         except (asyncio.TimeoutError, TimeoutError):
+            self._discard(generation)
             raise KafkaUnavailable(
                 f"Kafka did not acknowledge the batch within {self.timeout_s:g}s", self.retry_after_s
             ) from None
         except (KafkaError, OSError) as exc:
+            self._discard(generation)
             raise KafkaUnavailable(f"Kafka is unavailable: {type(exc).__name__}: {exc}", self.retry_after_s) from None
 
     async def connect(self) -> None:
@@ -162,8 +184,33 @@ class EventProducer:
             self._closed = True
             producer, self._producer = self._producer, None
         if producer is not None:
-            producer.close(timeout=self.timeout_s if timeout_s is None else timeout_s)
+            _close_producer(producer, self.timeout_s if timeout_s is None else timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
+
+
+def _close_producer(producer: Any, timeout_s: float) -> None:
+    """Close a kafka-python producer within `timeout_s`, aborting what it could not deliver.
+
+    `KafkaProducer.close()` raises (and leaves its sender thread running) when buffered records
+    are still unacknowledged at the timeout; then the sender is force-closed, which fails the
+    pending futures, and the close is completed.
+    """
+    from kafka.errors import KafkaError
+
+    try:
+        producer.close(timeout=timeout_s)
+        return
+    except KafkaError as exc:
+        log.warning("kafka producer could not deliver its buffered records within %.1fs (%s); aborting them",
+                    timeout_s, exc)
+    sender = getattr(producer, "_sender", None)  # kafka-python has no public abort; this is what close() uses
+    if sender is not None:
+        sender.force_close()
+        sender.join(max(timeout_s, 1.0))
+    try:
+        producer.close(timeout=0)
+    except KafkaError as exc:
+        log.warning("kafka producer force-close incomplete: %s", exc)
