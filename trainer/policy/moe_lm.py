@@ -305,6 +305,14 @@ class MoEPolicy(Policy):
         logp = token_logprobs(logits, targets, temperature, self.ops)
         return torch.where(valid, logp, torch.zeros_like(logp))
 
+    def completion_log_probs(self, prompt_tokens: list[list[int]], completion_tokens: list[list[int]],
+                             routes: list[np.ndarray | None] | None = None, temperature: float = 1.0,
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full log-distributions log_softmax(logits / T) [B, T_max, V] at each completion position,
+        with targets [B, T_max] and valid [B, T_max] (for KL and self-distillation terms)."""
+        logits, targets, valid = self.completion_logits(prompt_tokens, completion_tokens, routes)
+        return log_probs(logits, temperature, self.ops), targets, valid
+
     def serving_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
 

@@ -1,0 +1,35 @@
+"""Policy tests: tiny models, one intra-op thread; `tiny_policy` is a randomly initialised 2-layer MoE."""
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+TINY = {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 48, "n_experts": 4, "top_k": 2, "max_context": 128}
+
+
+@pytest.fixture
+def tiny_config() -> dict:
+    return dict(TINY)
+
+
+@pytest.fixture
+def tiny_policy():
+    from trainer.policy import build_policy
+
+    torch.manual_seed(0)
+    return build_policy(dict(TINY)).eval()
+
+
+def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """n byte prompts of mixed lengths (0..40 bytes) from a seeded RNG."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 41, (n,), generator=g).tolist()
+    return [torch.randint(32, 127, (k,), generator=g).tolist() for k in lengths]
