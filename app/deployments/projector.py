@@ -328,7 +328,16 @@ def follow(settings: Settings, db_url: str | None = None, stop: threading.Event 
 
     url = db_url or settings.db_url
     stop = stop or threading.Event()
-    consumer = make_consumer(settings, settings.topic("deployments"), group_id=group_id)
+    topic = settings.topic("deployments")
+    consumer = make_consumer(settings, group_id=group_id, metadata_max_age_ms=30_000)
+    # subscribe only once the topic's partitions are known: a group member that joins before
+    # the metadata exists gets no partitions until its next metadata refresh
+    while not consumer.partitions_for_topic(topic):
+        log.warning("projector: topic %s has no partitions yet; waiting (create it with `flywheel kafka start`)", topic)
+        if stop.wait(retry_backoff_s):
+            consumer.close()
+            return
+    consumer.subscribe([topic])
     log.info("projector following %s into %s (group %s)", settings.topic("deployments"), url, group_id)
     try:
         while not stop.is_set():
