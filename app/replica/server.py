@@ -33,7 +33,7 @@ from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -136,12 +136,11 @@ class Replica:
             "latency_ms": round(latency_ms, 3), "tokenizer": lv.policy.tokenizer.name,
         }
         if sample.routes is not None:
-            event["routes"], shape = encode_routes(sample.routes)
-            event["route_shape"] = list(shape)
+            event["routes"], event["route_shape"] = encode_routes(sample.routes)
         if group_id is not None:
             event["group_id"] = group_id
         parse_event(event)  # the replica's own output must satisfy the ingest contract
-        return event
+        return event  # (route_shape is a tuple here, a JSON array on the wire)
 
 
 def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) -> FastAPI:
@@ -233,10 +232,6 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:  # e.g. prompt too long for the model
-        return JSONResponse({"detail": str(exc)}, status_code=422)
 
     return app
 
