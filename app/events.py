@@ -72,7 +72,10 @@ class Generation(_Envelope):
     completion_tokens: list[NonNegInt] = Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)
     logprobs: list[LogProb]
     routes: str | None = None  # base64 of little-endian int32 expert ids, shape route_shape
-    route_shape: tuple[NonNegInt, NonNegInt, NonNegInt] | None = None  # [len(completion_tokens), layers, top_k]
+    # [len(completion_tokens), layers, top_k]. A JSON array arrives as a list, which strict mode would refuse
+    # for a tuple; the BeforeValidator (added by the replica work) turns it into a tuple, items stay strict ints.
+    route_shape: Annotated[tuple[NonNegInt, NonNegInt, NonNegInt] | None,
+                           BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)] = None
     temperature: float = Field(ge=0.0)
     group_id: Id | None = None
     latency_ms: float | None = Field(None, ge=0.0)
