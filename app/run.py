@@ -115,6 +115,8 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
                                url=f"{api_url}/docs", ready=lambda: _http_ok(f"{api_url}/healthz")))
         console.print(f"[green]✓[/green] api     {api_url}/docs")
 
+        sup.start(RoleSpec("projections", py + ["projections", "follow"]), wait=False)
+        console.print("[green]✓[/green] projections (flywheel.deployments → SQL)")
         for role in ("streams", "trainer", "controller"):
             if role in roles:
                 sup.start(RoleSpec(role, py + [role]), wait=False)
