@@ -110,7 +110,7 @@ def pretrain(config: dict[str, Any] | PretrainConfig | None = None, steps: int |
         if on_step is not None:
             on_step(step, loss.item())
         if step % 50 == 0 or step == cfg.steps - 1:
-            log.debug("step %d loss %.4f (%.1fs)", step, loss.item(), time.perf_counter() - t0)
+            log.info("pretrain step %d/%d loss %.4f (%.0fs)", step + 1, cfg.steps, loss.item(), time.perf_counter() - t0)
     policy.eval()
     policy.set_kernels(serve_kernels)
     return policy
