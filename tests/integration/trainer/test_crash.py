@@ -1,0 +1,167 @@
+"""SIGKILL the trainer during training and at both edges of a ship; restart; nothing lost or doubled.
+
+A real trainer subprocess (`python -m trainer.launch`) on the real broker and MLflow server.
+The test hook FLYWHEEL_TRAINER_PAUSE_AT stops the process at a precise point and writes
+`<state_dir>/paused-at`; the test then SIGKILLs it (a real kill -9, nothing flushed):
+
+1. after optimizer step 3 (state saved at step 2: step 3's work must be redone, not doubled);
+2. before_register: artifacts uploaded, no version yet;
+3. after_register: version created, offsets NOT yet committed (checked);
+4. a clean run finishes the pending ship, trains the rest, ships, and is stopped with SIGTERM.
+
+Checked at the end: every record of the topic is accounted for exactly once — the lineage
+artifacts (request ids) of all versions are exactly the produced rollouts with no repeats,
+`rollouts_consumed` sums to their number, skipped counts match the duplicates and the invalid
+record, the offset ranges tile [0, end) per partition, the committed offsets equal the ends —
+and every visible version is READY with its tags and loadable weights, one per ship_id.
+
+Run: .venv/bin/pytest tests/integration/trainer/test_crash.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.integration.trainer.conftest import (TINY_POLICY, committed_offsets, end_offsets, produce, rollout_records,
+                                                trainer_env_vars)
+from trainer.policy import build_policy
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+REPO = Path(__file__).resolve().parents[3]
+
+
+def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{log.read_text()[-4000:]}" if log else ""))
+
+
+class TrainerProcess:
+    def __init__(self, env: dict[str, str], log: Path):
+        self.log = log
+        self.out = open(log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.launch"], env=env, cwd=REPO,
+                                     stdout=self.out, stderr=subprocess.STDOUT)
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.out.close()
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(120)
+        self.out.close()
+        return rc
+
+
+def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice(trainer_env, tmp_path):
+    settings, cfg = trainer_env
+    cfg.update(checkpoint_every=2, batch_size=4, max_wait_s=1.0)
+    state_dir = Path(cfg["state_dir"])
+    marker = state_dir / "paused-at"
+    client = MlflowClient(settings.mlflow_uri)
+    log = tmp_path / "trainer.log"
+
+    def start(ship_interval: float, pause_at: str | None) -> TrainerProcess:
+        marker.unlink(missing_ok=True)
+        env = trainer_env_vars(settings.model_copy(update={"ship_interval": ship_interval}), cfg)
+        if pause_at:
+            env["FLYWHEEL_TRAINER_PAUSE_AT"] = pause_at
+        return TrainerProcess(env, log)
+
+    def versions():
+        return sorted(client.search_model_versions(f"name='{settings.model_name}'"), key=lambda mv: int(mv.version))
+
+    # the base policy of an empty registry is v1 (tiny config, init_seed 0, no pretraining): sample from it
+    policy = build_policy(TINY_POLICY)
+    records = rollout_records(policy, 1, 24, lambda text: 1.0 if "\n" in text else 0.0, seed=3)
+    produce(settings, records)
+
+    # 1. kill during training: after optimizer step 3, the last saved state is step 2
+    p = start(3600, "after_optimizer_step:3")
+    wait_for(marker.exists, 300, "pause after step 3", p.proc, log)
+    assert "after_optimizer_step step=3" in marker.read_text()
+    p.kill9()
+    assert [mv.version for mv in versions()] == ["1"], "only the base version exists"
+
+    # 2. kill during a ship, after the upload and before the version is created
+    p = start(2, "before_register")
+    wait_for(marker.exists, 300, "pause before_register", p.proc, log)
+    p.kill9()
+    assert [mv.version for mv in versions()] == ["1"], "a ship killed before registering leaves no version"
+
+    # 3. kill after the version is created, before the offsets are committed
+    p = start(2, "after_register")
+    wait_for(marker.exists, 300, "pause after_register", p.proc, log)
+    p.kill9()
+    registered = versions()
+    assert [mv.version for mv in registered] == ["1", "2"]
+    assert set(committed_offsets(settings, cfg["consumer_group"]).values()) == {None}, \
+        "offsets must not be committed before the registration is finished"
+
+    # records arriving between crashes: two re-emitted rollouts (trained before the first kill) and garbage
+    produce(settings, [records[0], records[1]])
+    from app.kafka_io import make_producer
+
+    prod = make_producer(settings)
+    prod.send(settings.topic("rollouts"), key="garbage", value=b'{"request_id": "x"}').get(30)
+    prod.close(5)
+
+    # 4. a clean run: finishes ship 2 (commit), trains the rest, ships again
+    p = start(2, None)
+    ends = end_offsets(settings)
+    wait_for(lambda: committed_offsets(settings, cfg["consumer_group"]) == ends, 300, "all offsets committed", p.proc, log)
+    assert p.terminate() == 0, log.read_text()[-3000:]
+
+    final = versions()
+    assert len(final) >= 3, [mv.version for mv in final]
+    ship_ids = [mv.tags.get("ship_id") for mv in final]
+    assert all(ship_ids) and len(set(ship_ids)) == len(final), f"one version per ship: {ship_ids}"
+    assert final[1].tags["ship_id"] == registered[1].tags["ship_id"], "the crashed ship was finished, not redone"
+    trained_ids: list[str] = []
+    skipped: Counter = Counter()
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for mv in final:
+        assert mv.status == "READY"
+        for tag in ("parent_version", "rollouts_consumed", "kafka_offsets", "reward_spec", "train_metrics", "rollout_status"):
+            assert tag in mv.tags, f"v{mv.version} lacks tag {tag}"
+        prefix = f"ships/{mv.tags['ship_id']}"
+        ids = json.loads(Path(client.download_artifacts(mv.run_id, f"{prefix}/lineage/request_ids.json", str(tmp_path))).read_text())
+        assert len(ids) == int(mv.tags["rollouts_consumed"])
+        trained_ids += ids
+        skipped.update(json.loads(mv.tags["rollouts_skipped"]))
+        for part, (a, b) in json.loads(mv.tags["kafka_offsets"])["partitions"].items():
+            ranges.setdefault(int(part), []).append((a, b))
+        weights = client.download_artifacts(mv.run_id, f"{prefix}/model/artifacts/weights.safetensors", str(tmp_path))
+        assert os.path.getsize(weights) > 1000
+    assert [mv.tags["parent_version"] for mv in final] == ["none"] + [mv.version for mv in final[:-1]]
+    produced = [r["request_id"] for r in records]
+    dupes = [i for i, n in Counter(trained_ids).items() if n > 1]
+    assert not dupes, f"trained twice: {dupes}"
+    assert sorted(trained_ids) == sorted(produced), f"lost: {set(produced) - set(trained_ids)}"
+    assert sum(int(mv.tags["rollouts_consumed"]) for mv in final) == 24
+    assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0
+    for part, end in ends.items():
+        spans = sorted(ranges.get(part, []))
+        covered = 0
+        for a, b in spans:
+            assert a == covered, f"partition {part}: gap or overlap at {a} (covered to {covered}): {spans}"
+            covered = b
+        assert covered == end, f"partition {part}: lineage covers [0, {covered}) of [0, {end})"
