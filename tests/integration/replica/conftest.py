@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,3 +61,94 @@ def replica_factory(make_settings, tmp_path) -> Iterator[Callable[..., Any]]:
     yield _start
     for s in started:
         s.stop()
+
+
+def perturb(state: dict, seed: int, frac: float = 0.05) -> dict:
+    """A 'training step': nudge `frac` of every float tensor's elements (new bf16 values)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for k, t in state.items():
+        if not t.is_floating_point():
+            out[k] = t
+            continue
+        mask = torch.rand(t.shape, generator=g) < frac
+        noise = torch.randn(t.shape, generator=g) * 0.05
+        out[k] = torch.where(mask, t.float() + noise, t.float()).to(t.dtype)
+    return out
+
+
+class Registered:
+    """Versions registered in the real MLflow server the way the trainer ships them: the pyfunc
+    model (trainer.registry.Registry.upload_ship) plus the sync artifacts of trainer.publish in
+    `ships/<ship_id>/delta/`. Version numbers are MLflow's (1, 2, ...)."""
+
+    def __init__(self, uri: str, model: str, config: dict, anchor_every: int):
+        from trainer.registry import Registry
+
+        self.reg = Registry(uri, model, experiment=f"replica-tests-{model}")
+        self.reg.ensure_model()
+        self.run_id = self.reg.start_run()
+        self.config, self.anchor_every = config, anchor_every
+        self.states: dict[str, dict] = {}
+        self.manifests: dict[str, Any] = {}
+        self.sources: dict[str, str] = {}
+
+    def add(self, state: dict) -> str:
+        import tempfile
+        import uuid
+
+        from trainer.publish import publish_version
+
+        version = str(len(self.states) + 1)
+        parent = str(len(self.states)) if self.states else None
+        with tempfile.TemporaryDirectory() as tmp:
+            manifest = publish_version(tmp, version, state, self.states.get(parent), parent,
+                                       self.manifests.get(parent), anchor_every=self.anchor_every)
+            ship = f"ship-{uuid.uuid4().hex[:8]}"
+            source = self.reg.upload_ship(self.run_id, ship, state, self.config,
+                                          {"name": "byte-v1", "vocab_size": 259, "eos_id": 257}, [],
+                                          {"delta": Path(tmp)})
+        got = self.reg.create_version(source, self.run_id, ship, {"parent_version": parent or "none"})
+        assert str(got) == version, f"MLflow gave version {got}, expected {version}"
+        self.states[version], self.manifests[version], self.sources[version] = state, manifest, source
+        return version
+
+    def artifact_file(self, artifacts_root: Path, version: str, filename: str) -> Path:
+        """The file on the MLflow server's local artifact store (for corruption tests)."""
+        rel = self.sources[version].split("mlflow-artifacts:/", 1)[1].rsplit("/model", 1)[0]
+        path = artifacts_root / rel / "delta" / filename
+        assert path.exists(), f"{path} not found"
+        return path
+
+
+def publish_deployment(settings: Settings, type_: str, version: str, **kw: Any) -> None:
+    from app.deployments.events import DeploymentEvent, DeploymentLog
+
+    with DeploymentLog(settings) as log:
+        log.publish(DeploymentEvent(type=type_, model=settings.model_name, version=version, source="controller",
+                                    actor="test", **kw))
+
+
+def wait_for(pred: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture()
+def registered(mlflow_server, make_settings):
+    """(settings on the real broker + MLflow with a fresh model name, factory of Registered)."""
+    import uuid
+
+    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}")
+
+    def _make(anchor_every: int = 8, seed: int = 0) -> Registered:
+        return Registered(mlflow_server.uri, settings.model_name, {**TINY, "init_seed": seed}, anchor_every)
+
+    return settings, _make
