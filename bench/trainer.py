@@ -71,6 +71,39 @@ def mismatch(policy, prompts, kernels: str, replay: bool, max_tokens: int, seed:
     return float(d.max()), float((d > 0).mean()), int(d.size)
 
 
+def route_drift(policy, prompts, lr: float, max_tokens: int, seed: int) -> tuple[float, float, float]:
+    """After one AdamW step at `lr` (weights moved, as between a generation and its training step):
+    (fraction of logged routes the current router would now choose differently, mean |dlogprob|
+    without replay, mean |dlogprob| with replay). Invariant kernels."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    policy.set_kernels("invariant")
+    samples = policy.generate(prompts, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    moved = copy.deepcopy(policy)
+    opt = torch.optim.AdamW(moved.parameters(), lr=lr)
+    moved.logprobs(prompts, [s.tokens for s in samples]).sum().neg().backward()
+    opt.step()
+    moved.eval()
+    flips = total = 0
+    with torch.no_grad():
+        for p, s in zip(prompts, samples):
+            seq = torch.tensor([[policy.tokenizer.bos_id, *p, *s.tokens]])
+            _, routes = moved.forward_hidden(seq, torch.arange(seq.shape[1])[None])
+            now = routes[0, len(p):len(p) + len(s.tokens)].sort(-1).values.numpy()
+            flips += int((now != np.sort(s.routes, -1)).any(-1).sum())
+            total += now.shape[0] * now.shape[1]
+        comps = [s.tokens for s in samples]
+        lp_off = moved.logprobs(prompts, comps)
+        lp_on = moved.logprobs(prompts, comps, [s.routes for s in samples])
+    ref = [np.asarray(s.logprobs, np.float32) for s in samples]
+    d_off = np.concatenate([np.abs(lp_off[i, :len(r)].numpy() - r) for i, r in enumerate(ref)]).mean()
+    d_on = np.concatenate([np.abs(lp_on[i, :len(r)].numpy() - r) for i, r in enumerate(ref)]).mean()
+    return flips / max(1, total), float(d_off), float(d_on)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="Small batch, few steps (CI smoke run).")
@@ -113,6 +146,12 @@ def main() -> None:
             mx, frac, n = mismatch(policy, gen_prompts, kernels, replay, max_tokens, args.seed)
             m.add_row(kernels, "on" if replay else "off", f"{mx:.3g}", f"{frac:.1%}", str(n))
     console.print(m)
+
+    lr = 1e-5
+    flip, d_off, d_on = route_drift(policy, gen_prompts, lr, max_tokens, args.seed)
+    console.print(f"after one AdamW step at lr {lr:g} (invariant kernels): {flip:.1%} of logged (token, layer) "
+                  f"routes differ from the current router's top-{policy.config.top_k}; mean |dlogprob| vs behaviour: "
+                  f"{d_off:.3g} without replay, {d_on:.3g} with replay")
 
 
 if __name__ == "__main__":
