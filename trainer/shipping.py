@@ -6,8 +6,9 @@ simply runs it again:
 
 1. look the intent's ship_id up in the registry; a version that exists but is not READY is
    deleted (it can never be served), a READY one means the registration already happened;
-2. otherwise upload the pyfunc model, lineage and delta under `ships/<ship_id>/` of the run,
-   then create the version with every tag in ONE call (so it is never visible half-tagged);
+2. otherwise upload the pyfunc model, lineage and delta (trainer/publish.py, for the predicted
+   version number) under `ships/<ship_id>/` of the run, then create the version with every
+   tag in ONE call (so it is never visible half-tagged);
 3. set `champion` if the model has none (the first, base, version);
 4. publish `version_registered` (event_id derived from the ship_id, so a re-publish dedupes);
 5. commit the Kafka offsets of the intent — only now, after the version is registered.
@@ -69,13 +70,24 @@ def execute_ship(t: "Trainer") -> int:
         serving = t.policy.serving_state_dict()
         tok = t.policy.tokenizer
         tokenizer = {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
+        # the delta's manifest names its version before the registry assigns it: predict it
+        # (max version + 1; this trainer is the only writer) and repair it below if it differs
+        predicted = max((int(v.version) for v in reg.versions()), default=0) + 1
         with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
-            extra, delta_tag = _publish_delta(t, Path(tmp), serving, intent)
-            tags["delta"] = delta_tag
+            extra, delta = _publish_delta(t, Path(tmp), serving, intent, predicted)
+            tags["delta"] = json.dumps(delta, sort_keys=True)
             source = reg.upload_ship(t.run_id, ship_id, serving, t.policy.config_dict(), tokenizer,
                                      intent["pending"]["request_ids"], extra)
         t._pause("before_register")
         version = reg.create_version(source, t.run_id, ship_id, tags)
+        if delta["status"] == "published" and version != predicted:
+            log.error("registry assigned v%d, the delta was written for v%d (deleted versions?): republishing it",
+                      version, predicted)
+            with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
+                extra, delta = _publish_delta(t, Path(tmp), serving, intent, version)
+                reg.client.log_artifacts(t.run_id, str(extra["delta"]), f"ships/{ship_id}/delta")
+            reg.set_tag(version, "delta", json.dumps(delta, sort_keys=True))
+        t.parent_serving = (version, serving)
         log.info("registered %s v%d (parent %s, %s rollouts, ship %s)", reg.name, version, tags["parent_version"],
                  tags["rollouts_consumed"], ship_id)
     else:
@@ -90,12 +102,50 @@ def execute_ship(t: "Trainer") -> int:
     return version
 
 
-def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any]) -> tuple[dict[str, Path], str]:
-    """Delta/anchor files from trainer/publish.py when that module exists (another engineer builds it)."""
+def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any],
+                   version: int) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Delta/anchor/manifest files (trainer/publish.py) for `version`, logged as `ships/<ship_id>/delta`.
+
+    The parent's bf16 weights and manifest come from the registry (or memory). A parent shipped
+    without a manifest makes this version an anchor (the chain restarts there).
+    """
     if importlib.util.find_spec("trainer.publish") is None:
         log.info("trainer/publish.py not present: shipping without a delta")
-        return {}, "unavailable"
-    return {}, "unavailable"
+        return {}, {"status": "unavailable"}
+    from kernels.delta.manifest import MANIFEST_FILE, Manifest
+    from trainer.publish import publish_version
+
+    parent = intent["parent_version"]
+    parent_sd = manifest = None
+    if parent is not None:
+        manifest_json = _download_text(t, parent, f"delta/{MANIFEST_FILE}")
+        if manifest_json is None:
+            log.warning("parent v%s has no delta manifest: v%d is published as an anchor", parent, version)
+            parent = None
+        else:
+            manifest = Manifest.model_validate_json(manifest_json)
+            cached = t.parent_serving
+            parent_sd = cached[1] if cached and cached[0] == parent else t.registry.download_serving_state(parent)
+    m = publish_version(out / "delta", str(version), serving, parent_sd, None if parent is None else str(parent), manifest,
+                        anchor_every=t.cfg.anchor_every)
+    info = {"status": "published", "version": m.version, "parent": m.parent_version, "anchor": m.anchor is not None,
+            "delta_bytes": m.delta.bytes if m.delta else None, "chain_depth": m.chain_depth}
+    return {"delta": out / "delta"}, info
+
+
+def _download_text(t: "Trainer", version: int, rel: str) -> str | None:
+    """A file next to `version`'s model directory (`ships/<ship_id>/<rel>`), or None if absent."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    mv = t.registry.client.get_model_version(t.registry.name, str(version))
+    root = mv.source.rsplit("/model", 1)[0]
+    with tempfile.TemporaryDirectory(prefix="flywheel-parent-") as tmp:
+        try:
+            path = mlflow.artifacts.download_artifacts(artifact_uri=f"{root}/{rel}", dst_path=tmp, tracking_uri=t.registry.uri)
+        except (MlflowException, OSError):
+            return None
+        return Path(path).read_text()
 
 
 def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dict[str, str]) -> None:

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import json
 
+from pathlib import Path
+
 import mlflow
 import pytest
+import torch
 from mlflow import MlflowClient
+from mlflow.exceptions import MlflowException
 
 from tests.integration.trainer.conftest import committed_offsets, end_offsets, produce, rollout_records
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
+from trainer.publish import apply_chain
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -29,7 +34,7 @@ def drain(trainer: Trainer, expected: int, max_polls: int = 400) -> None:
     raise AssertionError(f"only {trainer.pending} of {expected} records processed")
 
 
-def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed_after(trainer_env):
+def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed_after(trainer_env, tmp_path):
     settings, cfg_kw = trainer_env
     trainer = Trainer(settings, TrainerConfig(**cfg_kw, max_staleness=0))
     client = MlflowClient(settings.mlflow_uri)
