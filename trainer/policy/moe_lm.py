@@ -213,6 +213,8 @@ class MoEPolicy(Policy):
         assert temperature >= 0, f"temperature must be >= 0, got {temperature}"
         for p in prompts:
             self._check_lengths(len(p), max_tokens)
+        if not prompts:
+            return []
         tok = self.tokenizer
         b = len(prompts)
         lens = torch.tensor([1 + len(p) for p in prompts])
