@@ -65,5 +65,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     events.install(app)  # shared Kafka producer (lifespan hooks) + per-key rate limiter
     from app.api.routes import status as status_routes
     app.include_router(status_routes.router)  # GET /v1/deployments, /v1/deployments/history, /v1/models/{version}
+    from app.api.routes import admin, hooks
+
+    app.include_router(admin.router)  # POST /v1/deployments/{promote,abort,rollback,pause,resume}
+    app.include_router(hooks.router)  # POST /v1/hooks/mlflow
+    hooks.install(app)  # warm the receiver's MLflow client and deployment log at start-up
     # ------------------------------------------------------------------------------------------
     return app

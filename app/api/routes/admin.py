@@ -1,0 +1,82 @@
+"""POST /v1/deployments/{promote,abort,rollback,pause,resume}: the operator verbs (scope admin).
+
+Each verb is checked against the current deployment state, folded from `flywheel.deployments`
+(the source of truth, read to its end so there is no projection lag), and becomes one or
+more deployment events with source `api`, the caller's key name (or key prefix) as actor and
+the given reason. The controller carries them out (MLflow aliases, traffic). Answers:
+202 with the published events; 409 when the verb does not apply now (e.g. promote with no
+canary running); 422 for a bad target (rollback to a version that is not one of the last N
+known-good ones); 503 when Kafka is unavailable.
+
+    curl -X POST -H "Authorization: Bearer $ADMIN_KEY" -d '{"reason": "bad outputs", "version": "6"}' \
+         http://127.0.0.1:8000/v1/deployments/rollback
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, HTTPException
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, Field
+
+from app.api.deps import SettingsDep, require_scope
+from app.db.models import ApiKey
+
+log = logging.getLogger(__name__)
+router = APIRouter(tags=["admin"])
+Verb = Literal["promote", "abort", "rollback", "pause", "resume"]
+
+
+class VerbRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    reason: str = Field("", max_length=4096, description="Why; recorded in the event and the history.")
+    model: str | None = Field(None, max_length=128, description="Registered model (default: FLYWHEEL_MODEL_NAME).")
+    version: str | None = Field(None, max_length=32, description="rollback: the target version (default: the newest known-good).")
+    skip_remaining: bool = Field(False, description="promote: skip the remaining canary steps and make the candidate champion now.")
+
+
+def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:  # noqa: ANN001
+    from app.controller.canary import operator_command
+    from app.controller.config import get_controller_settings
+    from app.controller.state import fold
+    from app.deployments.events import DeploymentEvent, DeploymentLog
+
+    model = body.model or settings.model_name
+    with DeploymentLog(settings) as dlog:
+        state = fold(model, (le.event.model_dump(mode="json") for le in dlog.read(stall_timeout_s=10)))
+        decisions = operator_command(state, verb, get_controller_settings().canary(), actor=actor, reason=body.reason,
+                                     version=body.version, skip_remaining=body.skip_remaining)
+        events = [d.to_event(model) for d in decisions]
+        for ev in events:
+            dlog.publish(DeploymentEvent.model_validate(ev))
+    log.info("operator %s by %s on %s: %s", verb, actor, model, [e["type"] for e in events])
+    return events
+
+
+def _verb_route(verb: str):  # noqa: ANN202
+    async def handler(body: VerbRequest, settings: SettingsDep,
+                      key: Annotated[ApiKey, Depends(require_scope("admin"))]) -> dict[str, Any]:
+        from kafka.errors import KafkaError
+
+        from app.controller.canary import CommandRejected
+
+        actor = key.name or f"key:{key.prefix}"
+        try:
+            events = await run_in_threadpool(_carry_out, settings, verb, body, actor)
+        except CommandRejected as exc:
+            raise HTTPException(exc.status, str(exc)) from None
+        except (KafkaError, TimeoutError) as exc:
+            raise HTTPException(503, f"the deployment log is unavailable ({type(exc).__name__}); retry",
+                                headers={"Retry-After": "2"}) from None
+        return {"verb": verb, "actor": actor, "events": events}
+
+    handler.__name__ = f"deployments_{verb}"
+    return handler
+
+
+for _verb in ("promote", "abort", "rollback", "pause", "resume"):
+    router.add_api_route(f"/v1/deployments/{_verb}", _verb_route(_verb), methods=["POST"], status_code=202,
+                         summary=f"Operator verb: {_verb}")

@@ -1,0 +1,112 @@
+"""MLflow aliases (`champion`, `candidate`) and Flywheel's acknowledged copy of them.
+
+MLflow keeps only the current alias targets, not who moved them or when. To tell a move made
+in the MLflow UI (an instruction) from one Flywheel made itself, Flywheel keeps its own copy
+on the registered model as tags:
+
+    flywheel.alias.champion = "7"     # the alias target Flywheel has acknowledged
+    flywheel.alias.candidate = "8"    # (absent tag = alias absent)
+    flywheel.alias.seq = "12"         # bumped on every acknowledged change
+
+- `sync_aliases` (controller decisions): writes the tag *first*, then moves the alias, so the
+  webhook that MLflow fires for Flywheel's own move always finds tag == alias and is ignored.
+- `detect_moves` (webhook receiver and polling reconciler): alias != tag means someone moved
+  the alias outside Flywheel; each such move becomes an `alias_changed` event whose id is a
+  hash of (model, alias, from, to, seq), so the webhook path and the poll path that see the
+  same move produce the same event id (deduplicated downstream); `acknowledge` then updates
+  the tags.
+
+Note: `MlflowClient.search_model_versions` returns empty `aliases`; aliases are read from
+`get_registered_model(name).aliases` ({alias: version}).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+ALIASES = ("champion", "candidate")
+TAG_PREFIX = "flywheel.alias."
+SEQ_TAG = "flywheel.alias.seq"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """MLflow's aliases and Flywheel's acknowledged copy, read in one call."""
+
+    aliases: dict[str, str | None]
+    acked: dict[str, str | None]
+    seq: int
+
+
+@dataclass(frozen=True)
+class AliasMove:
+    alias: str
+    from_version: str | None
+    to_version: str | None
+    seq: int
+
+    def event_id(self, model: str) -> str:
+        key = f"{model}|{self.alias}|{self.from_version}|{self.to_version}|{self.seq}"
+        return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def read_snapshot(client, model: str) -> Snapshot:  # noqa: ANN001 (MlflowClient)
+    rm = client.get_registered_model(model)
+    aliases = dict(rm.aliases or {})
+    tags = dict(rm.tags or {})
+    return Snapshot(aliases={a: aliases.get(a) for a in ALIASES},
+                    acked={a: tags.get(TAG_PREFIX + a) or None for a in ALIASES},
+                    seq=int(tags.get(SEQ_TAG, "0") or 0))
+
+
+def detect_moves(snap: Snapshot) -> list[AliasMove]:
+    """Aliases that differ from Flywheel's acknowledged copy: moves made outside Flywheel."""
+    return [AliasMove(a, snap.acked[a], snap.aliases[a], snap.seq) for a in ALIASES if snap.aliases[a] != snap.acked[a]]
+
+
+def _set_ack(client, model: str, alias: str, version: str | None) -> None:  # noqa: ANN001
+    if version is None:
+        try:
+            client.delete_registered_model_tag(model, TAG_PREFIX + alias)
+        except Exception as exc:  # absent tag: nothing to delete
+            log.debug("delete tag %s%s: %s", TAG_PREFIX, alias, exc)
+    else:
+        client.set_registered_model_tag(model, TAG_PREFIX + alias, version)
+
+
+def acknowledge(client, model: str, moves: list[AliasMove]) -> None:  # noqa: ANN001
+    """Record `moves` as known (after their events are published)."""
+    if not moves:
+        return
+    for m in moves:
+        _set_ack(client, model, m.alias, m.to_version)
+    client.set_registered_model_tag(model, SEQ_TAG, str(max(m.seq for m in moves) + 1))
+
+
+def sync_aliases(client, model: str, want: dict[str, str | None]) -> list[tuple[str, str | None, str | None]]:  # noqa: ANN001
+    """Make MLflow's aliases (and the acknowledged tags) equal `want`; returns [(alias, old, new)] moved.
+
+    Tag first, alias second: the webhook MLflow fires for this move then reads tag == alias.
+    """
+    snap = read_snapshot(client, model)
+    changed = []
+    bumped = False
+    for alias, version in want.items():
+        assert alias in ALIASES, f"unknown alias {alias!r}; Flywheel manages {ALIASES}"
+        if snap.acked[alias] != version:
+            _set_ack(client, model, alias, version)
+            bumped = True
+        if snap.aliases[alias] != version:
+            if version is None:
+                client.delete_registered_model_alias(model, alias)
+            else:
+                client.set_registered_model_alias(model, alias, version)
+            changed.append((alias, snap.aliases[alias], version))
+            log.info("moved MLflow alias %s@%s: %s -> %s", model, alias, snap.aliases[alias], version)
+    if bumped:
+        client.set_registered_model_tag(model, SEQ_TAG, str(snap.seq + 1))
+    return changed

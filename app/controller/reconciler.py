@@ -1,0 +1,81 @@
+"""Turn alias moves made outside Flywheel (MLflow UI or client) into `alias_changed` events.
+
+    events = reconcile_once(client, model, publish, via="poll")
+
+Compares the registered model's aliases with Flywheel's acknowledged copy (aliases.py),
+publishes one `alias_changed` event per difference (source `mlflow-ui`, from/to version,
+reason), then acknowledges them. The controller consumes those events and carries the move
+out (canary_started / promoted / aborted / restore; see canary.reconcile). The webhook
+receiver calls the same function with `via="webhook"`; `Reconciler` calls it every
+`poll_interval_s` as the fallback for lost or disabled webhooks.
+
+Publishing happens before acknowledging: a crash in between re-detects the move on the next
+pass and re-publishes it with the same deterministic event id, which the consumers dedupe.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Counter
+
+from app.controller.aliases import acknowledge, detect_moves, read_snapshot
+from app.controller.state import Decision
+
+log = logging.getLogger(__name__)
+
+ALIAS_MOVES = Counter("flywheel_controller_alias_moves_total", "Alias moves made outside Flywheel that were carried out",
+                      ["alias", "via"])
+_lock = threading.Lock()  # webhook threads and the poller of one process take turns
+
+
+def reconcile_once(client, model: str, publish: Callable[[dict[str, Any]], Any], via: str,  # noqa: ANN001
+                   extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Publish an `alias_changed` event for every alias that moved outside Flywheel; returns them."""
+    with _lock:
+        snap = read_snapshot(client, model)
+        moves = detect_moves(snap)
+        events = []
+        for m in moves:
+            verb = "removed" if m.to_version is None else f"moved to version {m.to_version}"
+            d = Decision(type="alias_changed", version=m.to_version, from_version=m.from_version, source="mlflow-ui",
+                         actor="mlflow-ui", reason=f"alias {m.alias} {verb} in MLflow (was {m.from_version}); seen by {via}",
+                         details={"alias": m.alias, "observed_via": via, "seq": m.seq, **(extra or {})})
+            ev = d.to_event(model, event_id=m.event_id(model))
+            publish(ev)
+            events.append(ev)
+            ALIAS_MOVES.labels(m.alias, via).inc()
+            log.info("alias %s@%s %s -> %s (via %s)", model, m.alias, m.from_version, m.to_version, via)
+        acknowledge(client, model, moves)
+        return events
+
+
+class Reconciler:
+    """Polls MLflow every `interval_s` in a daemon thread (the webhook fallback)."""
+
+    def __init__(self, client, model: str, publish: Callable[[dict[str, Any]], Any], interval_s: float):  # noqa: ANN001
+        assert interval_s > 0, f"poll interval must be > 0, got {interval_s}"
+        self.client, self.model, self.publish, self.interval_s = client, model, publish, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reconcile_once(self.client, self.model, self.publish, via="poll")
+            except Exception:  # MLflow or Kafka briefly away: try again next interval
+                log.exception("alias reconciliation of %s failed; retrying in %.1fs", self.model, self.interval_s)
+            self._stop.wait(self.interval_s)
+
+    def start(self) -> "Reconciler":
+        self._thread = threading.Thread(target=self.run_forever, name="alias-reconciler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 30)
