@@ -46,6 +46,16 @@ class PretrainConfig(BaseModel):
     policy: dict[str, Any] | None = Field(None, description="Policy config for build_policy (None: the default).")
 
 
+def _as_config(config: dict[str, Any] | PretrainConfig | None) -> PretrainConfig:
+    """A PretrainConfig from itself, a dict of its fields, or a bare policy config (`Policy.config_dict()`)."""
+    if isinstance(config, PretrainConfig):
+        return config
+    config = dict(config or {})
+    if config and not set(config) & set(PretrainConfig.model_fields):
+        config = {"policy": config}  # a policy config, e.g. {"type": "moe-byte", "d_model": 64}
+    return PretrainConfig(**config)
+
+
 def _batch(docs, policy: Policy, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Next `batch_size` documents as (inputs [B, S], targets [B, S]) with pad in the targets' tail."""
     tok = policy.tokenizer
@@ -73,8 +83,11 @@ def lm_loss(policy: Policy, inputs: torch.Tensor, targets: torch.Tensor) -> torc
 
 def pretrain(config: dict[str, Any] | PretrainConfig | None = None, steps: int | None = None, seed: int = 0,
              on_step: Callable[[int, float], None] | None = None) -> Policy:
-    """Build a policy and pretrain it; returns it with its configured kernels restored."""
-    cfg = config if isinstance(config, PretrainConfig) else PretrainConfig(**(config or {}))
+    """Build a policy and pretrain it; returns it (eval mode) with its configured kernels restored.
+
+    `config` is a PretrainConfig, a dict of its fields, or a bare policy config dict.
+    """
+    cfg = _as_config(config)
     if steps is not None:
         cfg = cfg.model_copy(update={"steps": steps})
     policy_cfg = {"init_seed": seed, **(cfg.policy or {})}
@@ -120,7 +133,7 @@ def pretrain_to_dir(out_dir: str | Path, config: dict[str, Any] | PretrainConfig
                     steps: int | None = None, seed: int = 0,
                     on_step: Callable[[int, float], None] | None = None) -> tuple[Policy, Path]:
     """Pretrain and save the base checkpoint (fp32 masters + config.json) to `out_dir`."""
-    cfg = config if isinstance(config, PretrainConfig) else PretrainConfig(**(config or {}))
+    cfg = _as_config(config)
     if steps is not None:
         cfg = cfg.model_copy(update={"steps": steps})
     policy = pretrain(cfg, seed=seed, on_step=on_step)

@@ -33,3 +33,8 @@ def test_pretraining_lowers_the_loss_and_is_seed_deterministic(tmp_path):
     inputs, targets = _batch(docs, loaded, 8)
     with torch.no_grad():
         assert torch.equal(lm_loss(loaded, inputs, targets), lm_loss(policy, inputs, targets))
+
+
+def test_pretrain_accepts_a_bare_policy_config():
+    policy = pretrain({"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16}, steps=1, seed=1)
+    assert policy.config.d_model == 16 and not policy.training
