@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 
-.PHONY: run test test-unit test-integration venv postgres kafka-jars bench lock clean
+.PHONY: run test test-unit test-integration venv postgres kafka-jars chromium bench lock clean
 
 venv: $(STAMP)
 
@@ -25,12 +25,16 @@ kafka-jars: $(STAMP)
 postgres:
 	deploy/postgres/ensure.sh
 
+# Debian's chromium for the MLflow UI browser tests (tests/browser.py), installed when missing.
+chromium:
+	deploy/chromium/ensure.sh
+
 # First README command: the whole service on its embedded defaults.
 run: $(STAMP)
 	$(BIN)/flywheel run
 
 # Second README command: the full test suite against the real Kafka, PostgreSQL and MLflow.
-test: $(STAMP) postgres kafka-jars
+test: $(STAMP) postgres kafka-jars chromium
 	$(BIN)/python -m pytest tests
 
 test-unit: $(STAMP)
