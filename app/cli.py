@@ -260,6 +260,16 @@ def trainer_cmd(
     trainer_main()
 
 
+@app.command("controller")
+def controller_cmd(
+    port: Annotated[Optional[int], typer.Option(help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_CONTROLLER_METRICS_PORT).")] = None,
+) -> None:
+    """Rollout controller: offline gate, canary steps, promote/rollback, MLflow aliases (webhook + poll). docs/ROLLOUT.md."""
+    from app.controller.launch import run_controller
+
+    run_controller(_settings(), port)
+
+
 @app.command("pretrain")
 def pretrain_cmd(
     out: Annotated[str, typer.Option("--out", help="Directory for config.json + model.safetensors (fp32 masters).")],

@@ -29,13 +29,14 @@ log = logging.getLogger(__name__)
 
 ALIAS_MOVES = Counter("flywheel_controller_alias_moves_total", "Alias moves made outside Flywheel that were carried out",
                       ["alias", "via"])
-_lock = threading.Lock()  # webhook threads and the poller of one process take turns
+# webhook threads, the poller and the controller's own alias moves of one process take turns
+alias_lock = threading.RLock()
 
 
 def reconcile_once(client, model: str, publish: Callable[[dict[str, Any]], Any], via: str,  # noqa: ANN001
                    extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Publish an `alias_changed` event for every alias that moved outside Flywheel; returns them."""
-    with _lock:
+    with alias_lock:
         snap = read_snapshot(client, model)
         moves = detect_moves(snap)
         events = []

@@ -1,0 +1,248 @@
+"""`flywheel controller`: the rollout control loop.
+
+    Controller(settings, ControllerSettings(), client).run(stop_event)
+
+One process per model. It
+1. replays `flywheel.deployments` from the beginning into `DeploymentState` (no side effects
+   until it has caught up with the end of the log, so a restart never repeats a decision);
+2. follows that topic and `flywheel.version-metrics` (latest record per bucket_id wins);
+3. runs the offline gate on every `version_registered` version that has no gate result yet;
+4. every `tick_interval` feeds the canary state machine (canary.transition) with the current
+   step's window (buckets that started at or after the step start) for candidate and champion;
+5. publishes what the state machine decides (events are folded into the state at once and
+   skipped when they come back from the topic), then makes MLflow's aliases match the state
+   (aliases.sync_aliases, under the same lock as the alias reconciler);
+6. runs the polling alias reconciler in a thread and registers the MLflow webhook, so alias
+   moves made in the MLflow UI come back as `alias_changed` events, which step 4 answers;
+7. exposes Prometheus metrics (gauges of champion/candidate/traffic/phase, decision counters).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from prometheus_client import Counter, Gauge
+
+from app.controller import canary
+from app.controller.aliases import sync_aliases
+from app.controller.config import ControllerSettings
+from app.controller.reconciler import Reconciler, alias_lock, reconcile_once
+from app.controller.state import DeploymentState, apply_event
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DECISIONS = Counter("flywheel_controller_decisions_total", "Deployment events published by the controller", ["type"])
+GATE_RUNS = Counter("flywheel_controller_gate_total", "Offline gate verdicts", ["verdict"])
+TRAFFIC = Gauge("flywheel_controller_candidate_traffic_pct", "Candidate's share of sessions (%)")
+VERSIONS = Gauge("flywheel_controller_version", "Serving versions by role", ["role"])
+PHASE = Gauge("flywheel_controller_phase", "1 for the current canary phase", ["phase"])
+DELTA = Gauge("flywheel_controller_last_delta", "Last analysed reward difference candidate - champion")
+CAUGHT_UP = Gauge("flywheel_controller_caught_up", "1 once the deployments log has been replayed")
+
+GateFn = Callable[[str, str | None], Any]  # (version, champion) -> GateResult
+
+
+class Controller:
+    def __init__(self, settings: Settings, cs: ControllerSettings, client=None, gate: GateFn | None = None,  # noqa: ANN001
+                 clock: Callable[[], float] = time.time):
+        from app.deployments.events import DeploymentLog
+
+        self.settings, self.cs, self.client, self.gate, self.clock = settings, cs, client, gate, clock
+        self.model = settings.model_name
+        self.cfg = cs.canary()
+        self.state = DeploymentState(model=self.model)
+        self.seen: set[str] = set()
+        self.buckets: dict[str, dict[str, Any]] = {}  # bucket_id -> latest version-metrics record
+        self.dlog = DeploymentLog(settings)
+        self.caught_up = False
+        self._synced: tuple[str | None, str | None] | None = None
+        self._gate_failures: dict[str, int] = {}
+        self.last_analysis: canary.Analysis | None = None
+
+    # --- events ---------------------------------------------------------------------------------
+    def publish(self, events: list[dict[str, Any]]) -> None:
+        from app.deployments.events import DeploymentEvent
+
+        for ev in events:
+            self.dlog.publish(DeploymentEvent.model_validate(ev))
+            self.seen.add(ev["event_id"])
+            DECISIONS.labels(ev["type"]).inc()
+            log.info("%s v%s (from %s, traffic %s): %s", ev["type"], ev["version"], ev["from_version"],
+                     ev["traffic_pct"], ev["reason"])
+
+    def on_deployment(self, ev: dict[str, Any]) -> None:
+        eid = ev.get("event_id")
+        if eid in self.seen or ev.get("model") != self.model:
+            return
+        self.seen.add(eid)
+        if not self.caught_up:
+            self.state = apply_event(self.state, ev)
+            return
+        self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
+        self.publish(out)
+
+    def on_metrics(self, rec: dict[str, Any]) -> None:
+        bid = rec.get("bucket_id") or f"{rec.get('model_version')}/{rec.get('bucket_start')}"
+        self.buckets[bid] = rec
+
+    def window(self, version: str | None, since: datetime | None) -> canary.ArmStats:
+        """Sufficient statistics of `version`'s rewards over buckets that started at or after `since`."""
+        if version is None or since is None:
+            return canary.ArmStats()
+        t0 = since.timestamp()
+        total = canary.ArmStats()
+        for rec in self.buckets.values():
+            if str(rec.get("model_version")) == version and float(rec.get("bucket_start", 0)) >= t0:
+                s = rec.get("sums") or {}
+                total = total + canary.ArmStats(int(s.get("n", rec.get("n", 0))), float(s.get("reward_sum", 0.0)),
+                                                float(s.get("reward_sumsq", 0.0)))
+        return total
+
+    # --- periodic work ----------------------------------------------------------------------------
+    def tick(self) -> None:
+        now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        self.run_gates()
+        s = self.state
+        if s.phase == "canary" and s.candidate is not None:
+            inp: canary.Input = canary.Observe(now, self.window(s.candidate, s.step_started_at),
+                                               self.window(s.champion, s.step_started_at))
+        else:
+            inp = canary.Tick(now)
+        self.state, out = canary.transition(self.state, inp, self.cfg)
+        if isinstance(inp, canary.Observe):  # for /metrics and logs only (not part of the folded state)
+            self.last_analysis = canary.analyze(inp.candidate, inp.champion, self.cfg)
+        self.publish(out)
+        self.sync_mlflow()
+        self._export()
+
+    def run_gates(self) -> None:
+        for v in [v for v in self.state.registered if v not in self.state.gate]:
+            if self._gate_failures.get(v, 0) >= 3:
+                continue
+            if not self.cs.gate_enabled or self.gate is None:
+                why = "gate disabled (FLYWHEEL_CONTROLLER_GATE_ENABLED=false)" if not self.cs.gate_enabled else "no gate runner"
+                decision = canary.Decision(type="gate_passed", version=v, reason=f"not gated: {why}",
+                                           details={"passed": True, "checks": [], "skipped": why})
+            else:
+                try:
+                    result = self.gate(v, self.state.champion)
+                except Exception as exc:  # artifacts missing, MLflow away: retry, then fail closed
+                    self._gate_failures[v] = self._gate_failures.get(v, 0) + 1
+                    log.exception("gate of v%s could not run (attempt %d)", v, self._gate_failures[v])
+                    if self._gate_failures[v] < 3:
+                        continue
+                    decision = canary.Decision(type="gate_failed", version=v, reason=f"gate could not run: {exc!r}"[:4000],
+                                               details={"passed": False, "error": repr(exc)[:2000]})
+                else:
+                    decision = result.decision(v, self.state.champion)
+                    if self.client is not None:
+                        for k, val in result.tags().items():
+                            self.client.set_model_version_tag(self.model, v, k, val)
+            GATE_RUNS.labels(decision.type).inc()
+            ev = decision.to_event(self.model)
+            self.seen.add(ev["event_id"])
+            self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
+            self.publish([ev, *out])
+
+    def sync_mlflow(self) -> None:
+        """Make MLflow's aliases match the state (first publishing any move made outside Flywheel)."""
+        want = (self.state.champion, self.state.candidate)
+        if self.client is None or want == self._synced:
+            return
+        with alias_lock:
+            moved = reconcile_once(self.client, self.model, self.publish_foreign, via="poll")
+            if moved:
+                return  # fold the outside move first; sync next tick
+            sync_aliases(self.client, self.model, {"champion": want[0], "candidate": want[1]})
+        self._synced = want
+
+    def publish_foreign(self, ev: dict[str, Any]) -> None:
+        """An alias_changed event found by the reconciler: publish, and let the loop fold it when it comes back."""
+        from app.deployments.events import DeploymentEvent
+
+        self.dlog.publish(DeploymentEvent.model_validate(ev))
+
+    def _export(self) -> None:
+        s = self.state
+        TRAFFIC.set(s.traffic_pct)
+        VERSIONS.labels("champion").set(int(s.champion) if s.champion else -1)
+        VERSIONS.labels("candidate").set(int(s.candidate) if s.candidate else -1)
+        for p in ("idle", "canary", "paused"):
+            PHASE.labels(p).set(1.0 if s.phase == p else 0.0)
+        if self.last_analysis is not None and self.last_analysis.delta is not None:
+            DELTA.set(self.last_analysis.delta)
+
+    # --- the loop ---------------------------------------------------------------------------------
+    def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> None:
+        from kafka import TopicPartition
+
+        from app.kafka_io import make_consumer
+
+        dep_topic, met_topic = self.settings.topic("deployments"), self.settings.topic("version-metrics")
+        consumer = make_consumer(self.settings, group_id=None)
+        reconciler = None
+        try:
+            dep = [TopicPartition(dep_topic, p) for p in sorted(consumer.partitions_for_topic(dep_topic) or [])]
+            met = [TopicPartition(met_topic, p) for p in sorted(consumer.partitions_for_topic(met_topic) or [])]
+            assert dep and met, f"topics {dep_topic} / {met_topic} missing; run `flywheel kafka start` first"
+            consumer.assign(dep + met)
+            consumer.seek_to_beginning(*dep)
+            lookback_ms = int((self.clock() - self.cs.step_deadline - 3600) * 1000)
+            starts = consumer.offsets_for_times({tp: max(lookback_ms, 0) for tp in met})
+            ends = consumer.end_offsets(dep + met)
+            for tp in met:
+                consumer.seek(tp, starts[tp].offset if starts.get(tp) else ends[tp])
+            dep_end = {tp: ends[tp] for tp in dep}
+            log.info("controller for %s: replaying %s (%d events)", self.model, dep_topic, sum(dep_end.values()))
+            next_tick = 0.0
+            while not stop.is_set():
+                batch = consumer.poll(timeout_ms=200)
+                for tp, records in batch.items():
+                    for rec in records:
+                        if not rec.value:
+                            continue
+                        try:
+                            value = json.loads(rec.value)
+                        except ValueError:
+                            log.error("skipping undecodable record %s[%d]@%d", tp.topic, tp.partition, rec.offset)
+                            continue
+                        if tp.topic == dep_topic:
+                            self.on_deployment(value)
+                        else:
+                            self.on_metrics(value)
+                if not self.caught_up and all(consumer.position(tp) >= dep_end[tp] for tp in dep):
+                    self.caught_up = True
+                    CAUGHT_UP.set(1)
+                    log.info("caught up: champion %s, candidate %s, phase %s", self.state.champion,
+                             self.state.candidate, self.state.phase)
+                    reconciler = self._start_alias_watch()
+                    if on_ready is not None:
+                        on_ready()
+                if self.caught_up and time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.cs.tick_interval
+                    self.tick()
+        finally:
+            if reconciler is not None:
+                reconciler.stop()
+            consumer.close()
+            self.dlog.close()
+
+    def _start_alias_watch(self) -> Reconciler | None:
+        if self.client is None:
+            return None
+        if self.cs.webhooks_enabled:
+            from app.controller.webhooks import ensure_webhook
+
+            url = self.cs.webhook_url or f"http://{self.settings.api_host}:{self.settings.api_port}/v1/hooks/mlflow"
+            try:
+                ensure_webhook(self.client, self.model, url, self.settings.effective_webhook_secret)
+            except Exception:  # the poller still carries every move out
+                log.exception("could not register the MLflow webhook at %s; relying on polling", url)
+        return Reconciler(self.client, self.model, self.publish_foreign, self.cs.poll_interval).start()

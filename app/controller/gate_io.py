@@ -1,0 +1,102 @@
+"""What the gate reads: registered versions' weights from MLflow and held-out rollouts from Kafka.
+
+    runner = GateRunner(settings, client, GateConfig(), n_rollouts=256)
+    result = runner.run(version="7", champion="6")
+
+Weights: the trainer's artifacts (`<source>/artifacts/weights.safetensors` bf16 serving
+weights and `config.json` for `trainer.policy.build_policy`; trainer/registry.py). The parent
+is the version tag `parent_version`. Held-out rollouts: the newest `n_rollouts` records of
+`<ns>.rollouts` at offsets the version did not train on (at or past the end of its
+`kafka_offsets` ranges tag), deduplicated by request_id (the topic is compacted and
+at-least-once).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from typing import Any
+
+import torch
+
+from app.controller.gate import GateConfig, GateInputs, GateResult, run_gate
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def _download(client, model: str, version: str, rel: str, dst: str) -> str:  # noqa: ANN001
+    import mlflow
+
+    mv = client.get_model_version(model, version)
+    return mlflow.artifacts.download_artifacts(artifact_uri=f"{mv.source}/{rel}", dst_path=dst,
+                                               tracking_uri=client.tracking_uri)
+
+
+def load_version(client, model: str, version: str) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:  # noqa: ANN001
+    """(policy with the version's serving weights, the bf16 state dict, the version's tags)."""
+    from safetensors.torch import load_file
+
+    from trainer.policy import build_policy
+
+    tags = dict(client.get_model_version(model, version).tags or {})
+    with tempfile.TemporaryDirectory(prefix="flywheel-gate-") as tmp:
+        state = load_file(_download(client, model, version, "artifacts/weights.safetensors", tmp))
+        with open(_download(client, model, version, "artifacts/config.json", tmp)) as f:
+            config = json.load(f)
+    policy = build_policy(config)
+    if all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
+        policy.load_serving_state_dict(state)
+    policy.eval()
+    return policy, state, tags
+
+
+def held_out_rollouts(settings: Settings, trained: dict[str, Any] | None, limit: int) -> list[dict[str, Any]]:
+    """Newest `limit` rollouts at offsets past the trained ranges ({"partitions": {p: [start, end]}})."""
+    from kafka import TopicPartition
+
+    from app.kafka_io import make_consumer
+
+    if limit <= 0:
+        return []
+    topic = settings.topic("rollouts")
+    ends_trained = {int(p): int(r[1]) for p, r in ((trained or {}).get("partitions") or {}).items()}
+    consumer = make_consumer(settings, group_id=None, consumer_timeout_ms=2000)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
+        if not tps:
+            return []
+        consumer.assign(tps)
+        begin, end = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
+        per = max(1, limit // len(tps))
+        for tp in tps:
+            consumer.seek(tp, max(begin[tp], ends_trained.get(tp.partition, 0), end[tp] - per))
+        out: dict[str, dict[str, Any]] = {}
+        for rec in consumer:
+            if rec.value:
+                r = json.loads(rec.value)
+                out[r.get("request_id", f"{rec.partition}:{rec.offset}")] = r
+            if all(consumer.position(tp) >= end[tp] for tp in tps):
+                break
+        return list(out.values())[-limit:]
+    finally:
+        consumer.close()
+
+
+class GateRunner:
+    def __init__(self, settings: Settings, client, cfg: GateConfig, n_rollouts: int):  # noqa: ANN001
+        self.settings, self.client, self.cfg, self.n_rollouts = settings, client, cfg, n_rollouts
+
+    def run(self, version: str, champion: str | None) -> GateResult:
+        model = self.settings.model_name
+        cand, cand_state, tags = load_version(self.client, model, version)
+        parent = tags.get("parent_version")
+        parent = None if parent in (None, "", "none") else parent
+        parent_state = load_version(self.client, model, parent)[1] if parent else None
+        champ = load_version(self.client, model, champion)[0] if champion and champion != version else None
+        trained = json.loads(tags["kafka_offsets"]) if tags.get("kafka_offsets") else None
+        rolls = held_out_rollouts(self.settings, trained, self.n_rollouts)
+        log.info("gating %s v%s: parent %s, champion %s, %d held-out rollouts", model, version, parent, champion, len(rolls))
+        return run_gate(GateInputs(candidate_state=cand_state, parent_state=parent_state, candidate=cand, champion=champ,
+                                   rollouts=rolls), self.cfg)

@@ -1,0 +1,110 @@
+"""The controller loop on the real broker and MLflow server: a better candidate walks every step
+and is promoted, a worse one is rolled back automatically, aliases follow, a UI move is obeyed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from app.controller.aliases import read_snapshot
+from app.controller.config import ControllerSettings
+from app.controller.controller import Controller
+from app.controller.gate import GateResult
+from app.controller.monitors import Check
+from app.controller.state import Decision
+from app.kafka_io import dumps, make_producer
+from tests.integration.controller.conftest import deployment_events, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def gate(version, champion):
+    """The test's gate verdicts (the real gate is unit-tested on real policies in tests/unit/controller)."""
+    return GateResult([Check("synthetic", "pass", detail=f"v{version} vs champion {champion}")])
+
+
+class Feeder:
+    """Publishes version-metrics buckets the way streams/ does (one record per version per bucket)."""
+
+    def __init__(self, settings):
+        self.settings, self.producer = settings, make_producer(settings)
+        self.topic = settings.topic("version-metrics")
+
+    def bucket(self, version: str, n: int, mean: float, sd: float = 0.5) -> None:
+        start = time.time()
+        sums = {"n": float(n), "reward_sum": n * mean, "reward_sumsq": n * (sd * sd + mean * mean)}
+        rec = {"bucket_id": f"{version}/{start!r}/1.0", "model_version": version, "bucket_start": start,
+               "bucket_seconds": 1.0, "reward_spec": "v1", "partitions": [0], "sums": sums, "n": n,
+               "reward_mean": mean, "reward_variance": sd * sd}
+        self.producer.send(self.topic, key=version.encode(), value=dumps(rec))
+        self.producer.flush()
+
+
+def types(settings, since=0):
+    return [(e["type"], e["version"], e["traffic_pct"]) for e in deployment_events(settings)][since:]
+
+
+def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, make_settings):
+    from app.deployments.events import DeploymentEvent, DeploymentLog
+
+    client, model = registry.client, registry.model
+    settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)
+    cs = ControllerSettings(min_step=0.5, min_samples=50, step_deadline=600, tick_interval=0.2, poll_interval=0.5,
+                            webhooks_enabled=False, metrics_port=0)
+    ctl = Controller(settings, cs, client, gate=gate)
+    stop = threading.Event()
+    ready = threading.Event()
+    th = threading.Thread(target=ctl.run, args=(stop, ready.set), daemon=True)
+    th.start()
+    feed = Feeder(settings)
+    try:
+        assert ready.wait(60), "controller did not catch up"
+        with DeploymentLog(settings) as dlog:
+            for v in ("1", "2"):
+                dlog.publish(DeploymentEvent.model_validate(
+                    Decision(type="version_registered", version=v, source="trainer", actor="trainer").to_event(model)))
+        wait_for(lambda: ("canary_started", "2", 5.0) in types(settings), 30, "canary of v2")
+        assert ("promoted", "1", 100.0) in types(settings), "the first gated version becomes champion"
+        wait_for(lambda: read_snapshot(client, model).aliases == {"champion": "1", "candidate": "2"}, 30, "aliases 1/2")
+
+        def better():  # candidate 0.7 vs champion 0.3 in every fresh bucket until promoted
+            feed.bucket("2", 100, 0.7)
+            feed.bucket("1", 100, 0.3)
+            return ("promoted", "2", 100.0) in types(settings)
+
+        wait_for(better, 90, "promotion of v2", every=0.5)
+        steps = [t for t in types(settings) if t[1] == "2" and t[0] in ("traffic_shifted", "promoted")]
+        assert steps == [("traffic_shifted", "2", 25.0), ("traffic_shifted", "2", 50.0), ("promoted", "2", 100.0)]
+        wait_for(lambda: read_snapshot(client, model).aliases == {"champion": "2", "candidate": None}, 30, "champion alias on 2")
+
+        with DeploymentLog(settings) as dlog:
+            dlog.publish(DeploymentEvent.model_validate(
+                Decision(type="version_registered", version="3", source="trainer", actor="trainer").to_event(model)))
+        wait_for(lambda: ("canary_started", "3", 5.0) in types(settings), 30, "canary of v3")
+
+        def worse():
+            feed.bucket("3", 100, 0.0)
+            feed.bucket("2", 100, 0.8)
+            return any(t[0] == "rolled_back" for t in types(settings))
+
+        wait_for(worse, 90, "automatic rollback of v3", every=0.5)
+        [rb] = [e for e in deployment_events(settings) if e["type"] == "rolled_back"]
+        assert (rb["version"], rb["from_version"], rb["source"]) == ("2", "3", "controller")
+        assert rb["details"]["analysis"]["verdict"] == "worse" and rb["details"]["analysis"]["upper"] < -cs.margin
+        wait_for(lambda: read_snapshot(client, model).aliases == {"champion": "2", "candidate": None}, 30, "candidate alias removed")
+        assert ctl.state.failed == ["3"] and ctl.state.known_good == ["1", "2"]
+
+        # an operator moves champion back to 1 in the MLflow UI; the poller reports it, the controller obeys
+        client.set_registered_model_alias(model, "champion", "1")
+        wait_for(lambda: ctl.state.champion == "1", 30, "controller to take champion 1")
+        [ac] = [e for e in deployment_events(settings) if e["type"] == "alias_changed"]
+        assert (ac["version"], ac["from_version"], ac["source"]) == ("1", "2", "mlflow-ui")
+        time.sleep(2)  # several ticks: the controller must not move the alias back
+        assert read_snapshot(client, model).aliases["champion"] == "1"
+    finally:
+        stop.set()
+        th.join(30)
+        feed.producer.close()
+    assert not th.is_alive()
