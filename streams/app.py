@@ -103,6 +103,7 @@ class Runtime:
     ticks: str
     last_processed: dict[int, int] = field(default_factory=dict)
     admin: Any = None
+    offsets: Any = None
 
     # --- interaction records -------------------------------------------------------------
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
@@ -143,27 +144,30 @@ class Runtime:
         return out
 
     async def send_ticks(self) -> None:
+        """Send one tick per assigned interactions partition (own Kafka clients: Faust's consumer thread stays free)."""
+        from aiokafka import AIOKafkaConsumer, TopicPartition
         from aiokafka.admin import AIOKafkaAdminClient
-        from faust.types import TP
 
-        tps = sorted(tp for tp in self.app.consumer.assignment() if tp.topic == self.interactions)
-        if not tps:
+        parts = sorted(tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.interactions)
+        if not parts:
             return
+        bootstrap = self.settings.kafka_bootstrap.split(",")
+        if self.offsets is None:
+            self.offsets = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+            await self.offsets.start()
         now = time.time()
-        hws = await self.app.consumer.highwaters(*tps)
+        tps = [TopicPartition(self.interactions, p) for p in parts]
+        hws = await self.offsets.end_offsets(tps)
         committed: dict[int, int] = {}
-        if any(tp.partition not in self.last_processed for tp in tps):
+        if any(p not in self.last_processed for p in parts):
             if self.admin is None:
-                self.admin = AIOKafkaAdminClient(bootstrap_servers=self.settings.kafka_bootstrap.split(","))
+                self.admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
                 await self.admin.start()
             offsets = await self.admin.list_consumer_group_offsets(self.app.conf.id)
             committed = {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == self.interactions and om.offset >= 0}
         for tp in tps:
-            hw = hws.get(TP(tp.topic, tp.partition), hws.get(tp))
-            if hw is None:
-                continue
-            await self.topics["ticks"].send(value=json.dumps({"now": now, "hw": hw, "committed": committed.get(tp.partition)}).encode(),
-                                            partition=tp.partition)
+            tick = {"now": now, "hw": hws[tp], "committed": committed.get(tp.partition)}
+            await self.topics["ticks"].send(value=json.dumps(tick).encode(), partition=tp.partition)
 
     # --- output -------------------------------------------------------------------------------
     async def send(self, e: Emit) -> None:
@@ -193,7 +197,9 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         store=cfg.store, topic_partitions=n, topic_replication_factor=settings.replication_factor,
         web_enabled=False, producer_acks=-1, consumer_auto_offset_reset="earliest",
         broker_commit_interval=cfg.commit_interval, broker_session_timeout=cfg.session_timeout,
-        broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3), broker_rebalance_timeout=max(cfg.session_timeout, 10.0), producer_max_request_size=8 * 1024 * 1024,
+        broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3), broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
+        # throughput: one in-flight produce request per broker, so batch more per request
+        producer_linger_ms=5, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=16384, producer_max_request_size=8 * 1024 * 1024,
     )
     interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
     partials_name = f"{ns}.streams-metric-partials"
@@ -219,6 +225,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
 
     @app.agent(source, concurrency=1, supervisor_strategy=CrashingSupervisor)
     async def aggregate(stream):  # noqa: ANN001 - faust stream
+        app.producer.buffer.max_messages = 20_000  # changelog writes queued before the stream waits (default 100)
         async for event in stream.events():
             msg = event.message
             if msg.topic == ticks:

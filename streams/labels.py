@@ -67,6 +67,7 @@ class Aggregator:
         self._wm: dict[int, float] = {}
         self._index: dict[int, dict[float, set[str]]] = {}  # partition -> bucket_start -> closed request_ids
         self._markers: dict[int, list[tuple[float, str]]] = {}  # partition -> heap of (forget at, bucket key)
+        self._dirty: dict[int, set[float]] = {}  # partition -> buckets with closes not yet in an emitted partial
         self.duplicates = 0
         self.open_labels = 0  # pending + open in the partitions held (for the gauge)
 
@@ -89,6 +90,7 @@ class Aggregator:
         markers = [(v["dl"], k) for k, v in list(self.buckets.items()) if v and v.get("p") == p]
         heapq.heapify(markers)
         self._heap[p], self._index[p], self._markers[p] = heap, index, markers
+        self._dirty[p] = {b for b in index if f"{p}|{b!r}" not in self.buckets}
         self._wm.setdefault(p, -math.inf)
 
     def forget_partition(self, p: int) -> None:
@@ -100,6 +102,7 @@ class Aggregator:
             self.open_labels = max(self.open_labels, 0)
         self._index.pop(p, None)
         self._markers.pop(p, None)
+        self._dirty.pop(p, None)
         self._wm.pop(p, None)
 
     def watermark(self, p: int) -> float:
@@ -183,7 +186,11 @@ class Aggregator:
         out += self._emit_buckets(p, wm)
         for rid, st in forget:
             if st["st"] == "closed":
-                self._index[p].get(st["b"], set()).discard(rid)
+                bucket = self._index[p].get(st["b"])
+                if bucket is not None:
+                    bucket.discard(rid)
+                    if not bucket:
+                        del self._index[p][st["b"]]
             del self.labels[rid]
         markers = self._markers[p]
         while markers and markers[0][0] <= wm:
@@ -208,6 +215,7 @@ class Aggregator:
         self.labels[rid] = {"p": p, "st": "closed", "dl": st["dl"] + self.retention_s, "seen": st["seen"],
                             "gen": st["gen"], "b": bucket, "v": gen["model_version"], "m": sums, "closed": st["dl"]}
         self._index[p].setdefault(bucket, set()).add(rid)
+        self._dirty[p].add(bucket)
         heapq.heappush(self._heap[p], (st["dl"] + self.retention_s, rid))
         self.open_labels -= 1
         return Emit("rollouts", rid, rollout)
@@ -222,13 +230,18 @@ class Aggregator:
         return Emit("late", rid, {"reason": reason, "request_id": rid, "event": ev, "detected_at": iso_now(self.clock)})
 
     def _emit_buckets(self, p: int, wm: float) -> list[Emit]:
-        """Per-partition partial metrics of every bucket that ended at or before wm (once)."""
+        """Per-partition partial metrics of every bucket that ended at or before wm and has new closes.
+
+        Normally once per bucket; a label that closes into an already emitted bucket (a
+        record far behind the watermark) re-emits the bucket's whole partial, which the
+        merger uses to replace the earlier one.
+        """
         out = []
-        index = self._index[p]
-        for b in sorted(k for k in index if k + self.bucket_s <= wm):
-            key = f"{p}|{b!r}"
-            rids = index.pop(b)
-            if key in self.buckets or not rids:
+        dirty = self._dirty[p]
+        for b in sorted(k for k in dirty if k + self.bucket_s <= wm):
+            dirty.discard(b)
+            rids = self._index[p].get(b)
+            if not rids:
                 continue
             per_version: dict[str, dict[str, float]] = {}
             for rid in sorted(rids):
@@ -238,9 +251,11 @@ class Aggregator:
                 out.append(Emit("partials", version, {"model_version": version, "bucket_start": b,
                                                       "bucket_seconds": self.bucket_s, "partition": p,
                                                       "reward_spec": self.spec.version, "sums": sums}))
-            forget_at = b + self.bucket_s + self.retention_s
-            self.buckets[key] = {"p": p, "dl": forget_at}
-            heapq.heappush(self._markers[p], (forget_at, key))
+            key = f"{p}|{b!r}"
+            if key not in self.buckets:
+                forget_at = b + self.bucket_s + self.retention_s
+                self.buckets[key] = {"p": p, "dl": forget_at}
+                heapq.heappush(self._markers[p], (forget_at, key))
         return out
 
 

@@ -87,16 +87,18 @@ def test_randomised_events_give_exactly_the_reference_rollouts_late_and_dlq(make
     summary = check_against_reference(settings, rolls, late, dlq, n_invalid, exact=True)
     assert len(phase1) > 2000 and summary["rollouts"] > 500 and summary["late"] > 50, summary
     # version metrics: the last record per bucket_id, summed over buckets, counts every rollout once
-    vm = read_topic(settings, settings.topic("version-metrics"), 1, 30.0, settle=WINDOW + 4.0)
-    latest: dict[str, dict] = {}
-    for r in vm:
-        rec = VersionMetrics.model_validate_json(r.value)
-        assert r.key.decode() == rec.model_version
-        latest[rec.bucket_id] = rec.model_dump()
+    # (the last bucket is emitted once a tick moves the watermark past its end: poll for it)
     n_by_version = Counter(w["model_version"] for w in summary["ref"].rollouts.values())
-    got = Counter()
-    for rec in latest.values():
-        got[rec["model_version"]] += rec["n"]
+    deadline, got = time.monotonic() + 90, Counter()
+    while time.monotonic() < deadline and got != n_by_version:
+        latest: dict[str, dict] = {}
+        for r in read_topic(settings, settings.topic("version-metrics"), 10**9, 3.0):
+            rec = VersionMetrics.model_validate_json(r.value)
+            assert r.key.decode() == rec.model_version
+            latest[rec.bucket_id] = rec.model_dump()
+        got = Counter()
+        for rec in latest.values():
+            got[rec["model_version"]] += rec["n"]
     assert got == n_by_version, (got, n_by_version)
 
 

@@ -207,3 +207,13 @@ def test_metrics_merge_is_idempotent_and_derives_rates():
     assert rec.bucket_start == 10.0 and rec.bucket_id == "v9/10/10"
     # the partial is emitted once even if the watermark moves on
     assert [e for e in agg.advance(0, 100.0) if e.topic == "partials"] == []
+
+
+def test_a_close_into_an_emitted_bucket_re_emits_the_whole_partial():
+    agg = make_agg(bucket=10.0)
+    agg.on_event(0, gen("a", version="v9"), 0.0)
+    first = [e for e in agg.advance(0, 25.0) if e.topic == "partials"]
+    assert [p.value["sums"]["n"] for p in first] == [1.0]
+    agg.on_event(0, gen("b", version="v9"), 1.0)  # far behind the watermark: closes into bucket 10 too
+    again = [e for e in agg.advance(0, 26.0) if e.topic == "partials"]
+    assert [(p.value["bucket_start"], p.value["sums"]["n"]) for p in again] == [(10.0, 2.0)]
