@@ -17,7 +17,10 @@ from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
-WEBHOOK_ENV = {"MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true"}
+# MLflow caches its webhook list for 60 s by default: a webhook the controller registers after the
+# first alias event would go unheard for a minute (the poller still catches it).
+WEBHOOK_ENV = {"MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+               "MLFLOW_WEBHOOK_CACHE_TTL": "2"}
 
 
 def mlflow_server_argv(root: Path, host: str, port: int, workers: int = 1) -> list[str]:
