@@ -5,11 +5,14 @@ accept or reject, how much of an accepted edit persists, an occasional rating, a
 follow-up after a bad one, and a tool error when the completion does not even parse.
 
 The preference is hidden from the model and deliberately something a byte-level policy can
-learn from reward alone: users like completions that are *short* (they finish the line or
-block within `short_bytes`) and that *return a value*. `acceptance_probability` is the
-expected acceptance of one completion; the held-out evaluation averages it over completions
-so its estimate has low variance. Users differ slightly (their own length tolerance and
-pickiness), so held-out users are new draws from the same population.
+learn from reward alone, yet rare enough in the base model to leave room to learn: users like
+a completion that *directly returns*, a single line that starts with `return` (the pretrained
+base writes one about 30% of the time; it prefers multi-line bodies). Short ones are liked a
+little more, and ones that do not even parse (unbalanced brackets or quotes) are disliked.
+`acceptance_probability` is the expected acceptance of one completion; the held-out
+evaluation averages it over completions, so its estimate has low variance. Users differ
+slightly (their own pickiness and length tolerance), so held-out users are new draws from the
+same population.
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from pydantic import BaseModel, Field
 class Preference(BaseModel):
     """The population's hidden taste (weights of a logistic acceptance model)."""
 
-    short_bytes: int = Field(48, description="A completion this short or shorter (stripped) counts as short.")
-    w_short: float = Field(2.0, description="Log-odds bonus for a short, non-empty completion.")
-    w_return: float = Field(1.5, description="Log-odds bonus when the completion contains a `return` statement.")
+    w_direct: float = Field(4.5, description="Log-odds bonus for a one-line completion that starts with `return`.")
+    short_bytes: int = Field(24, description="A completion this short or shorter (stripped) counts as short.")
+    w_short: float = Field(0.5, description="Log-odds bonus for a short, non-empty completion.")
     w_broken: float = Field(-1.5, description="Log-odds penalty when brackets/quotes do not balance (it won't parse).")
-    bias: float = Field(-2.0, description="Log-odds of accepting a completion with none of the liked properties.")
+    bias: float = Field(-2.5, description="Log-odds of accepting a completion with none of the liked properties.")
     user_spread: float = Field(0.3, description="Std-dev of per-user variation of bias and short_bytes (x16).")
 
 
@@ -56,7 +59,7 @@ def features(text: str, short_bytes: int) -> dict[str, bool]:
     return {
         "empty": not body,
         "short": 0 < len(body) <= short_bytes,
-        "returns": "return" in body,
+        "direct": body.startswith("return") and "\n" not in body,
         "broken": not _balanced(body),
     }
 
@@ -73,13 +76,13 @@ class SimulatedUser:
         self.rng = random.Random(self.seed)
         quirk = random.Random(self.seed ^ 0x5EED)
         self.bias = self.pref.bias + quirk.gauss(0.0, self.pref.user_spread)
-        self.short_bytes = max(8, int(self.pref.short_bytes + 16 * quirk.gauss(0.0, self.pref.user_spread)))
+        self.short_bytes = max(8, int(self.pref.short_bytes + 8 * quirk.gauss(0.0, self.pref.user_spread)))
 
     def acceptance_probability(self, completion: str) -> float:
         f = features(completion, self.short_bytes)
         if f["empty"]:
             return 0.02
-        z = self.bias + self.pref.w_short * f["short"] + self.pref.w_return * f["returns"] + self.pref.w_broken * f["broken"]
+        z = self.bias + self.pref.w_direct * f["direct"] + self.pref.w_short * f["short"] + self.pref.w_broken * f["broken"]
         return 1.0 / (1.0 + math.exp(-z))
 
     def react(self, completion: str) -> list[dict[str, Any]]:

@@ -9,12 +9,13 @@ from app.simulate.prompts import prompts
 from app.simulate.users import SimulatedUser, expected_acceptance, features, population
 
 
-def test_users_prefer_short_completions_that_return():
+def test_users_prefer_one_line_completions_that_directly_return():
     users = population(20, seed=1)
     liked = ["return a + b\n", "return sorted(xs)\n"]
-    disliked = ["x = 1\n    y = 2\n    z = 3\n    for i in range(10):\n        print(i, x, y, z, i * i, i + 1)\n"]
-    assert expected_acceptance(users, liked) > 0.6
-    assert expected_acceptance(users, disliked) < 0.2
+    disliked = ["x = 1\n    y = 2\n    z = 3\n    for i in range(10):\n        print(i, x, y, z, i * i, i + 1)\n",
+                "total = a + b\n    return total\n"]
+    assert expected_acceptance(users, liked) > 0.8
+    assert expected_acceptance(users, disliked) < 0.15
 
 
 def test_unbalanced_completion_is_broken_and_penalised():
