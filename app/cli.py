@@ -297,6 +297,7 @@ def pretrain_cmd(
 @app.command("run")
 def run(
     replicas: Annotated[int, typer.Option(help="Inference replicas to start.")] = 2,
+    replica_base_port: Annotated[int, typer.Option(help="Replica i listens on this port + i.")] = 8100,
     no_simulate: Annotated[bool, typer.Option("--no-simulate", help="Do not start the simulated editor population.")] = False,
     no_live: Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live status view.")] = False,
     duration: Annotated[Optional[str], typer.Option(help="Stop by itself after this long (e.g. 10m).")] = None,
@@ -305,7 +306,7 @@ def run(
     from app.run import RunOptions, run_local
     from app.settings import parse_duration
 
-    opts = RunOptions(replicas=replicas, simulate=not no_simulate, live=not no_live,
+    opts = RunOptions(replicas=replicas, replica_base_port=replica_base_port, simulate=not no_simulate, live=not no_live,
                       duration_s=parse_duration(duration) if duration else None)
     raise typer.Exit(run_local(_settings(), opts))
 
