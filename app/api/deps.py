@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request, status
+from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
 from app.db.keys import lookup_key
@@ -20,7 +21,9 @@ from app.db.session import get_sessionmaker
 from app.settings import Settings
 
 
-def get_app_settings(request: Request) -> Settings:
+async def get_app_settings(request: Request) -> Settings:
+    # async (and the auth below): FastAPI runs sync dependencies in a thread pool, a thread hop per
+    # dependency per request that showed up in the ingest benchmark on a busy machine
     return request.app.state.settings
 
 
@@ -38,7 +41,12 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def authenticate(request: Request, settings: SettingsDep) -> ApiKey:
+def _lookup_key(db_url: str, token: str) -> ApiKey | None:
+    with get_sessionmaker(db_url)() as session:
+        return lookup_key(session, token)
+
+
+async def authenticate(request: Request, settings: SettingsDep) -> ApiKey:
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -47,8 +55,7 @@ def authenticate(request: Request, settings: SettingsDep) -> ApiKey:
     cache = request.app.state.key_cache  # token -> ApiKey, short-lived (see app.api.main)
     row = cache.get(token.strip())
     if row is None:
-        with get_sessionmaker(settings.db_url)() as session:
-            row = lookup_key(session, token.strip())
+        row = await run_in_threadpool(_lookup_key, settings.db_url, token.strip())  # cache miss only
         if row is None:
             raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid or revoked API key",
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -59,7 +66,7 @@ def authenticate(request: Request, settings: SettingsDep) -> ApiKey:
 def require_scope(scope: str) -> Callable[..., ApiKey]:
     """Dependency factory: the caller's key must carry `scope`."""
 
-    def _check(request: Request, key: Annotated[ApiKey, Depends(authenticate)]) -> ApiKey:
+    async def _check(request: Request, key: Annotated[ApiKey, Depends(authenticate)]) -> ApiKey:
         if scope not in key.scope_set:
             raise HTTPException(status.HTTP_403_FORBIDDEN,
                                 f"this key has scopes {sorted(key.scope_set)}; this endpoint needs '{scope}'")
