@@ -26,7 +26,7 @@ class RoleSpec:
     env: dict[str, str] = field(default_factory=dict)
     url: str | None = None  # shown in the status view
     ready: Callable[[], bool] | None = None  # polled after start
-    ready_timeout: float = 120.0
+    ready_timeout: float = 300.0  # generous: a busy machine can take minutes to import mlflow
     restart: bool = True
 
 
