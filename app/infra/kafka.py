@@ -152,7 +152,9 @@ class LocalKafka:
     def format_storage(self, libs: Path) -> None:
         if (self.home / "data" / "meta.properties").exists():
             return
-        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        cluster_id = "-"
+        while cluster_id.startswith("-"):  # a leading '-' is read as an option by kafka-storage (1 in 64 ids)
+            cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         cfg = self._write_config()
         log.info("formatting KRaft storage in %s (cluster %s)", self.home / "data", cluster_id)
         proc = subprocess.run(self._java(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg),
