@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 from app.settings import Settings  # noqa: E402
 
 BATCH = 100
+warnings.filterwarnings("ignore", category=DeprecationWarning)  # kafka-python's key_serializer notice
 
 
 def free_port() -> int:

@@ -155,6 +155,9 @@ def install(app: FastAPI) -> None:
         app.state.event_producer_connect = asyncio.create_task(app.state.event_producer.connect())
 
     async def _stop(app: FastAPI) -> None:
+        connecting = getattr(app.state, "event_producer_connect", None)
+        if connecting is not None:
+            connecting.cancel()
         await app.state.event_producer.aclose()
 
     app.state.startup_hooks.append(_start)
