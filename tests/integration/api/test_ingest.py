@@ -186,3 +186,29 @@ def test_healthz_readyz_and_metrics(api):
     assert samples["flywheel_api_produce_seconds_count"] >= 1
     assert samples['flywheel_api_http_requests_total{method="POST",route="/v1/events",status="202"}'] >= 1
     assert samples['flywheel_api_http_requests_total{method="GET",route="/readyz",status="200"}'] >= 1
+
+
+def test_events_land_on_the_same_partition_a_kafka_python_producer_would_choose(api):
+    """The API (aiokafka) and the replicas (kafka-python) must agree on request_id -> partition."""
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.partitioner.default import murmur2
+
+    events = [event("accept", i) for i in range(60)]
+    assert api.post_events({"events": events}).status_code == 202
+    topic = api.settings.topic("interactions")
+    n = api.settings.interactions_partitions
+    consumer = KafkaConsumer(bootstrap_servers=api.settings.kafka_bootstrap, group_id=None, enable_auto_commit=False)
+    try:
+        tps = [TopicPartition(topic, p) for p in range(n)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end, seen = consumer.end_offsets(tps), {}
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            for tp, records in consumer.poll(timeout_ms=500).items():
+                seen.update({r.key.decode(): tp.partition for r in records})
+    finally:
+        consumer.close()
+    assert len(seen) == 60
+    for key, partition in seen.items():
+        assert partition == (murmur2(key.encode()) & 0x7FFFFFFF) % n, key
+    assert len(set(seen.values())) > 1, "60 keys over several partitions"
