@@ -111,10 +111,18 @@ class Versions:
         self.tokenizer = {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
         self.states: dict[str, dict] = {}
         self.manifests: dict[str, Any] = {}
+        self.ships: dict[str, str] = {}
+        self.parents: dict[str, str | None] = {}
+        self.kinds: dict[str, str] = {}
 
     def add(self, state: dict[str, Any], parent: str | None = None, kind: str = "trained") -> str:
         """Upload + register `state` (delta from `parent`), publish `version_registered`; returns the version."""
-        from app.deployments.events import DeploymentEvent, DeploymentLog
+        version = self.upload(state, parent, kind)
+        self.announce(version)
+        return version
+
+    def upload(self, state: dict[str, Any], parent: str | None = None, kind: str = "trained") -> str:
+        """Artifacts up and the version created in MLflow (the controller does not know it yet)."""
         from trainer.publish import publish_version
 
         predicted = str(max((int(v) for v in self.states), default=0) + 1)
@@ -127,12 +135,19 @@ class Versions:
             "kind": kind, "parent_version": parent or "none", "rollouts_consumed": "0", "reward_spec": "v1"}))
         assert version == predicted, f"MLflow gave version {version}, the delta was written for {predicted}"
         self.states[version], self.manifests[version] = state, manifest
+        self.ships[version], self.parents[version], self.kinds[version] = ship, parent, kind
+        return version
+
+    def announce(self, version: str) -> None:
+        """Publish `version_registered` for an uploaded version (what the trainer does right after registering)."""
+        from app.deployments.events import DeploymentEvent, DeploymentLog
+
         with DeploymentLog(self.settings) as dlog:
             dlog.publish(DeploymentEvent(
-                event_id=f"vr-{ship}", type="version_registered", model=self.settings.model_name, version=version,
-                from_version=parent, source="trainer", actor="flywheel-trainer", reason=f"{kind} version (test)",
-                details={"run_id": self.run_id, "ship_id": ship, "rollouts_consumed": 0, "reward_spec": "v1"}))
-        return version
+                event_id=f"vr-{self.ships[version]}", type="version_registered", model=self.settings.model_name,
+                version=version, from_version=self.parents[version], source="trainer", actor="flywheel-trainer",
+                reason=f"{self.kinds[version]} version (test)",
+                details={"run_id": self.run_id, "ship_id": self.ships[version], "rollouts_consumed": 0, "reward_spec": "v1"}))
 
 
 class MetricsFeed:
