@@ -18,9 +18,21 @@ advances that partition's watermark to `now - skew_margin` only when it has proc
 every record below that end offset, so labels close on record time even after a restart
 with a backlog (see streams/labels.py). No windowed tables, no on_window_close.
 
-At-least-once: Faust flushes the producer (outputs and changelogs) before committing
-offsets; the join dedupes replayed events by event_id and re-closing a label yields the
-same rollout, so consumers dedupe rollouts by request_id.
+Batches. The agent takes up to `batch_max_events` records at a time
+(`stream.take_events`, `batch_within` seconds at most) and runs the join over them in
+plain Python; the tables are read and written through `BatchedTable` views
+(streams/state.py), so each touched key costs one changelog record per batch instead of
+one per event. Outputs and changelog records go straight to the producer (no per-message
+producer-buffer task).
+
+At-least-once, in this order per batch: (1) the batch's outputs (rollouts, late, DLQ,
+metric partials) are sent and their delivery awaited; (2) then the changelog records of
+the state that reflects them are handed to the producer; (3) then Faust acks the batch's
+records, and its commit flushes the producer before committing offsets. A crash at any
+point either replays the records (re-emitting identical outputs: consumers dedupe by
+request_id) or finds the state already updated and its outputs already delivered, never
+a label marked closed whose rollout was lost. The join dedupes replayed events by
+event_id and re-closing a label yields the same rollout.
 
     from streams.app import build_app
     app, runtime = build_app(settings, StreamsConfig())
@@ -28,6 +40,7 @@ same rollout, so consumers dedupe rollouts by request_id.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -36,14 +49,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faust
+import orjson
 from mode.supervisors import CrashingSupervisor
 from prometheus_client import Counter, Gauge, Histogram
 
 from app.events import EventValidationError, parse_event
-from app.kafka_io import dumps
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.labels import Aggregator, Emit, MetricsMerger, iso_now
+from streams.state import BatchedTable, Outbox
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +69,8 @@ OPEN = Gauge("flywheel_streams_open_labels", "Labels waiting for their window to
 LATENCY = Histogram("flywheel_streams_label_latency_seconds", "Wall time from a label's window close to its rollout being sent",
                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
 WATERMARK_LAG = Gauge("flywheel_streams_watermark_lag_seconds", "Wall time minus the lowest partition watermark held")
+BATCH = Histogram("flywheel_streams_batch_events", "Records per processed batch", buckets=(1, 10, 100, 500, 1000, 2000, 5000))
+CHANGELOG = Counter("flywheel_streams_changelog_records_total", "Changelog records written (one per touched key per batch)", ["table"])
 
 
 def internal_topics(settings: Settings) -> dict[str, tuple[int, dict[str, str]]]:
@@ -101,17 +117,51 @@ class Runtime:
     topics: dict[str, Any]
     interactions: str
     ticks: str
+    views: dict[str, BatchedTable] = field(default_factory=dict)  # the aggregator's tables, write-back per batch
+    outbox: Outbox | None = None  # (topic, key, value, partition) -> delivery future; default: the app's producer
     last_processed: dict[int, int] = field(default_factory=dict)
     admin: Any = None
     offsets: Any = None
+
+    async def _produce(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None) -> Any:
+        # Faust's producer driver straight to aiokafka's accumulator: no FutureMessage, no buffer task
+        return await self.app.producer.send(topic, key, value, partition, None, None)
+
+    # --- one batch of records ---------------------------------------------------------------
+    async def on_batch(self, events: list[Any]) -> None:
+        """Join a batch of interaction/tick records, then emit outputs and state in the at-least-once order."""
+        out: list[Emit] = []
+        views = self.views.values()
+        for event in events:
+            msg = event.message
+            for view in views:
+                view.partition = msg.partition
+            if msg.topic == self.ticks:
+                out += self.on_tick(msg.partition, event.value)
+            else:
+                out += self.on_record(msg, event.key, event.value)
+        outbox = self.outbox or self._produce
+        delivered = [await outbox(*self.encode(e)) for e in out]
+        if delivered:
+            await asyncio.gather(*delivered)  # outputs are on the broker before the state that reflects them
+        now = time.time()
+        for e in out:
+            self.count(e, now)
+        for name, view in self.views.items():
+            n = view.dirty
+            await view.flush(outbox)  # handed to the producer; Faust's commit flushes it before the offsets
+            if n:
+                CHANGELOG.labels(name).inc(n)
+        BATCH.observe(len(events))
+        OPEN.set(self.aggregator.open_labels)
 
     # --- interaction records -------------------------------------------------------------
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
         p = msg.partition
         self.last_processed[p] = msg.offset
         try:
-            obj = json.loads(value if value is not None else b"", parse_constant=_reject_constant)
-        except (UnicodeDecodeError, ValueError) as exc:
+            obj = orjson.loads(value if value is not None else b"")  # strict: NaN/Infinity and bad UTF-8 rejected
+        except orjson.JSONDecodeError as exc:
             return [self._dlq(msg, key, value, "invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}])]
         try:
             parse_event(obj)
@@ -170,21 +220,26 @@ class Runtime:
             await self.topics["ticks"].send(value=json.dumps(tick).encode(), partition=tp.partition)
 
     # --- output -------------------------------------------------------------------------------
-    async def send(self, e: Emit) -> None:
-        await self.topics[e.topic].send(key=e.key.encode() if e.key is not None else None, value=dumps(e.value))
+    def encode(self, e: Emit) -> tuple[str, bytes | None, bytes, None]:
+        """(topic name, key, value, partition) of one output record."""
+        return (self.topics[e.topic].get_topic_name(), e.key.encode() if e.key is not None else None,
+                orjson.dumps(e.value), None)
+
+    def count(self, e: Emit, now: float) -> None:
         OUT.labels(e.topic).inc()
         if e.topic == "rollouts":
             st = self.aggregator.labels.get(e.key) or {}
             if "closed" in st:
-                LATENCY.observe(max(0.0, time.time() - st["closed"]))
+                LATENCY.observe(max(0.0, now - st["closed"]))
         elif e.topic == "late":
             LATE.labels(e.value["reason"]).inc()
         elif e.topic == "dlq":
             DLQ.labels(e.value["reason"]).inc()
 
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
+    async def send(self, e: Emit) -> None:
+        """Send one record and wait for it (the low-volume metrics merger)."""
+        await (await (self.outbox or self._produce)(*self.encode(e)))
+        self.count(e, time.time())
 
 
 def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtime]:
@@ -199,7 +254,8 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         broker_commit_interval=cfg.commit_interval, broker_session_timeout=cfg.session_timeout,
         broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3), broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
         # throughput: one in-flight produce request per broker, so batch more per request
-        producer_linger_ms=5, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=16384, producer_max_request_size=8 * 1024 * 1024,
+        producer_linger=cfg.producer_linger, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=16384,
+        producer_max_request_size=8 * 1024 * 1024,
     )
     interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
     partials_name = f"{ns}.streams-metric-partials"
@@ -219,27 +275,20 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     buckets = app.Table("buckets", help="'<partition>|<bucket>' -> emitted marker of a metrics partial", **table)
     metric_buckets = app.Table("metric-buckets", help="'<version>|<bucket>' -> partial sums per partition", **table)
     spec = cfg.spec()
+    views = {t.name: BatchedTable(t) for t in (labels, generations, buckets)}
     agg = Aggregator(spec, settings.wait_window, cfg.retention(settings.wait_window), cfg.metrics_bucket,
-                     labels, generations, buckets, empty_max_tokens=cfg.empty_completion_max_tokens)
-    rt = Runtime(settings, cfg, app, agg, MetricsMerger(metric_buckets), topics, interactions, ticks)
+                     views["labels"], views["generations"], views["buckets"], empty_max_tokens=cfg.empty_completion_max_tokens)
+    rt = Runtime(settings, cfg, app, agg, MetricsMerger(metric_buckets), topics, interactions, ticks, views)
 
     @app.agent(source, concurrency=1, supervisor_strategy=CrashingSupervisor)
     async def aggregate(stream):  # noqa: ANN001 - faust stream
-        app.producer.buffer.max_messages = 20_000  # changelog writes queued before the stream waits (default 100)
-        async for event in stream.events():
-            msg = event.message
-            if msg.topic == ticks:
-                out = rt.on_tick(msg.partition, event.value)
-            else:
-                out = rt.on_record(msg, event.key, event.value)
-            for e in out:
-                await rt.send(e)
-            OPEN.set(agg.open_labels)
+        async for events in stream.take_events(cfg.batch_max_events, within=cfg.batch_within):
+            await rt.on_batch(events)
 
     @app.agent(topics["partials"], concurrency=1, supervisor_strategy=CrashingSupervisor)
     async def merge_metrics(stream):  # noqa: ANN001
         async for event in stream.events():
-            await rt.send(rt.merger.on_partial(json.loads(event.value)))
+            await rt.send(rt.merger.on_partial(orjson.loads(event.value)))
 
     @app.timer(cfg.tick_interval)
     async def tick() -> None:

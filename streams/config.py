@@ -30,6 +30,9 @@ class StreamsConfig(BaseSettings):
     skew_margin: Duration = Field(0.5, description="A tick closes labels up to wall time minus this margin (covers producer/worker clock skew and metadata lag).")
     empty_completion_max_tokens: int = Field(1, ge=0, description="A completion with at most this many tokens counts as empty (e.g. only the stop token).")
     store: str = Field("memory://", description="Faust table store: memory:// (changelog replay on start) or rocksdb:// (needs rocksdict) in production.")
+    batch_max_events: int = Field(2000, ge=1, le=100_000, description="Records the agent takes per batch; each touched table key costs one changelog record per batch.")
+    batch_within: Duration = Field(0.05, description="Longest wait for a batch to fill before processing what arrived (adds at most this to label latency).")
+    producer_linger: Duration = Field(0.005, description="Producer linger: how long a produce batch waits for more records.")
     commit_interval: Duration = Field(1.0, description="Faust offset commit interval; bounds the replay after a crash.")
     session_timeout: Duration = Field(30.0, description="Kafka group session timeout: how long a crashed worker's partitions wait before another worker takes them.")
     app_id: str | None = Field(None, description="Faust app id / consumer group. Default: '<topic_namespace>-streams'.")
@@ -41,6 +44,8 @@ class StreamsConfig(BaseSettings):
         self.spec()  # raises ValueError with what to do
         if self.metrics_bucket <= 0:
             raise ValueError("FLYWHEEL_STREAMS_METRICS_BUCKET must be > 0, e.g. '60s'")
+        if self.batch_within <= 0:
+            raise ValueError("FLYWHEEL_STREAMS_BATCH_WITHIN must be > 0, e.g. '50ms'")
         if self.tick_interval <= 0:
             raise ValueError("FLYWHEEL_STREAMS_TICK_INTERVAL must be > 0, e.g. '200ms'")
         return self

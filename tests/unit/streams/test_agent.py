@@ -1,7 +1,8 @@
-"""The Faust agent with `test_context()`: records in, rollouts/late/DLQ out, no broker.
+"""The Faust agent with `test_context()`: records in, rollouts/late/DLQ and changelog records out, no broker.
 
-The output topics are swapped for in-memory sinks (a list per topic) so the test reads what
-the agent sends; the agent code, the Faust stream, the aggregator and the tables are the
+The runtime's outbox (what sends records to Kafka) is swapped for an in-memory one that
+keeps every (topic, key, value, partition) so the test reads what the agent produced;
+the agent code, the Faust stream with its batches, the aggregator and the tables are the
 real ones. The broker-backed path is covered by tests/integration/streams.
 """
 
@@ -11,33 +12,50 @@ import asyncio
 import base64
 import json
 
+from faust.types import Message
+
 from app.settings import Settings
 from streams.app import build_app
 from streams.config import StreamsConfig
 from tests.unit.streams.factories import feedback, generation
 
 
-class ListSink:
-    """Stands in for an output topic: keeps (key, value) of every send."""
+class ListOutbox:
+    """Stands in for the producer: keeps (topic, key, value, partition) of every send."""
 
     def __init__(self):
-        self.sent: list[tuple[bytes | None, bytes]] = []
+        self.sent: list[tuple[str, bytes | None, bytes | None, int | None]] = []
 
-    async def send(self, key=None, value=None, **kwargs):
-        self.sent.append((key, value))
+    async def __call__(self, topic, key, value, partition):
+        self.sent.append((topic, key, value, partition))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+    def values(self, topic: str) -> list[tuple[bytes | None, bytes | None]]:
+        return [(k, v) for t, k, v, _ in self.sent if t == topic]
 
 
-def _setup():
+def _setup(**cfg):
     app, rt = build_app(Settings(kafka_bootstrap="127.0.0.1:1", wait_window=5.0, topic_namespace="unit"),
-                        StreamsConfig(metrics_port=0))
-    outs = {name: ListSink() for name in rt.topics}
-    rt.topics.update(outs)
-    return app, rt, outs
+                        StreamsConfig(metrics_port=0, **cfg))
+    rt.outbox = ListOutbox()
+    return app, rt, rt.outbox
+
+
+async def _settle(rt, outbox, n_in: int) -> None:
+    """Wait until the agent processed `n_in` records (the last batch closes after batch_within)."""
+    for _ in range(200):
+        if sum(rt.last_processed.values()) + len(rt.last_processed) >= n_in and not any(v.dirty for v in rt.views.values()):
+            await asyncio.sleep(0.05)
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"agent processed {rt.last_processed} of {n_in} records")
 
 
 def test_agent_joins_labels_and_dead_letters_via_test_context():
     async def scenario():
-        app, rt, outs = _setup()
+        app, rt, outbox = _setup()
         agent = app.flywheel_agents["aggregate"]
         async with agent.test_context() as ctx:
             put = ctx.put
@@ -50,14 +68,44 @@ def test_agent_joins_labels_and_dead_letters_via_test_context():
             await put(key=b"r1", value=json.dumps(feedback("r1", "c", "reject")).encode(), timestamp=106.5)  # closes r1
             await put(key=b"r3", value=json.dumps(feedback("r3", "d", "rating")).encode(), timestamp=109.0)  # closes r2
             await put(key=b"r3", value=json.dumps(feedback("r3", "e", "rating")).encode(), timestamp=115.0)  # orphans d
-        rollouts = [json.loads(v) for _, v in outs["rollouts"].sent]
-        late = [json.loads(v) for _, v in outs["late"].sent]
-        dlq = [json.loads(v) for _, v in outs["dlq"].sent]
+            await _settle(rt, outbox, 9)
+        rollouts = [json.loads(v) for _, v in outbox.values("unit.rollouts")]
+        late = [json.loads(v) for _, v in outbox.values("unit.late")]
+        dlq = [json.loads(v) for _, v in outbox.values("unit.dlq")]
         assert [(r["request_id"], r["reward"], r["components"] is None) for r in rollouts] == [("r1", 0.75, False), ("r2", 0.0, True)]
         assert sorted((x["reason"], x["event"]["event_id"]) for x in late) == [("after_close", "c"), ("orphan", "d")]
         assert [d["reason"] for d in dlq] == ["invalid_json", "key_mismatch"]
         assert base64.b64decode(dlq[0]["value_b64"]) == b"{broken"
         assert rt.aggregator.duplicates == 1
-        assert [k for k, _ in outs["rollouts"].sent] == [b"r1", b"r2"] and all(k is None for k, _ in outs["dlq"].sent)
+        assert [k for k, _ in outbox.values("unit.rollouts")] == [b"r1", b"r2"]
+        assert all(k is None for k, _ in outbox.values("unit.dlq"))
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_writes_each_touched_key_once_to_the_changelog_after_its_outputs():
+    async def scenario():
+        app, rt, outbox = _setup(batch_max_events=1000, batch_within=0.3)
+        agent = app.flywheel_agents["aggregate"]
+        labels = rt.views["labels"].table
+        async with agent.test_context() as ctx:
+            # one batch: a generation and four feedback events of r1, then a record that closes r1
+            await ctx.put(key=b"r1", value=json.dumps(generation("r1")).encode(), timestamp=100.0, partition=1)
+            for i, kind in enumerate(["accept", "rating", "followup", "edit_persistence"]):
+                await ctx.put(key=b"r1", value=json.dumps(feedback("r1", f"f{i}", kind)).encode(), timestamp=101.0 + i, partition=1)
+            await ctx.put(key=b"r2", value=json.dumps(generation("r2")).encode(), timestamp=106.0, partition=1)
+            await _settle(rt, outbox, 6)
+        changelog = labels.changelog_topic.get_topic_name()
+        label_writes = [(json.loads(k), p) for t, k, _, p in outbox.sent if t == changelog]
+        assert sorted(label_writes) == [("r1", 1), ("r2", 1)], label_writes  # not one record per event
+        topics = [t for t, *_ in outbox.sent]
+        assert topics.index("unit.rollouts") < topics.index(changelog), topics  # outputs first, then state
+        [(_, value)] = outbox.values("unit.rollouts")
+        assert json.loads(value)["reward"] == 0.75 + 0.5 + 0.25 + 0.5
+        # the changelog record decodes (as Faust's recovery decodes it) to what the store holds
+        [(key, value)] = [(k, v) for t, k, v, _ in outbox.sent if t == changelog and json.loads(k) == "r1"]
+        msg = Message(changelog, 1, 0, 0.0, 0, None, key, value, b"")
+        event = await labels.changelog_topic.decode(msg)
+        assert event.key == "r1" and event.value == labels.data["r1"] and event.value["st"] == "closed"
 
     asyncio.run(scenario())
