@@ -151,6 +151,7 @@ class MlflowUi:
         version = check_move(alias, version)
         client = MlflowClient(tracking_uri=self.mlflow_uri, registry_uri=self.mlflow_uri)
         from_version = client.get_registered_model(model_name).aliases.get(alias)
+        client.get_model_version(model_name, version)  # a missing version fails here, not after a UI timeout
 
         shots: list[Path | None] = []
         page = self._context.new_page()

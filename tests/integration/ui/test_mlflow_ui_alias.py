@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from mlflow.exceptions import MlflowException
+
 from tests.browser import MlflowUi, move_alias_in_ui
 
 pytestmark = pytest.mark.integration
@@ -46,7 +48,7 @@ def test_moving_champion_in_the_ui_reassigns_it_in_the_registry(mlflow_server, u
     log.info("UI moves: v1->v3 %.2fs, v3->v2 %.2fs (page open -> alias shown)", to_v3.seconds, to_v2.seconds)
 
 
-def test_one_browser_moves_an_unheld_alias_and_leaves_an_already_placed_one(mlflow_server, ui_model, tmp_path: Path):
+def test_one_browser_moves_an_unheld_alias_leaves_a_placed_one_and_refuses_a_missing_version(mlflow_server, ui_model, tmp_path: Path):
     client, name = ui_model.client, ui_model.name
     with MlflowUi(mlflow_server.uri, screenshot_dir=tmp_path) as ui:
         first = ui.move_alias(name, "candidate", 2)  # nobody holds it: the "Add" path, no reassignment notice
@@ -58,6 +60,9 @@ def test_one_browser_moves_an_unheld_alias_and_leaves_an_already_placed_one(mlfl
 
         back = ui.move_alias(name, "candidate", 1)
         assert (back.from_version, back.changed) == ("2", True), back
+
+        with pytest.raises(MlflowException, match="not found|does not exist|RESOURCE_DOES_NOT_EXIST"):
+            ui.move_alias(name, "candidate", 4)  # no such version: refused before the UI is touched
     assert client.get_registered_model(name).aliases == {"candidate": "1"}
     log.info("one browser: %.2fs, %.2fs, %.2fs per move", first.seconds, again.seconds, back.seconds)
 
