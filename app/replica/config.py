@@ -39,9 +39,9 @@ class ReplicaConfig(BaseSettings):
     retry_interval: Duration = Field(5.0, description="Wait before retrying a failed sync of the same target.")
     alias_fallback: bool = Field(True, description="When the deployment log names no champion yet, serve the MLflow "
                                                    "`champion` alias (the trainer sets it for the base version).")
-    debug_pause_in_apply: Duration = Field(0.0, description="Testing only: sleep this long in the middle of applying a "
-                                                             "version (after decoding, while writing the cache), so tests "
-                                                             "can kill a replica mid-apply. Keep 0.")
+    debug_pause_in_apply: Duration = Field(0.0, description="Testing only: stall this long in the middle of applying a "
+                                                             "version (reconstructed and verified, not yet loaded or "
+                                                             "swapped), so tests can kill a replica mid-apply. Keep 0.")
 
     @field_validator("advertise_url")
     @classmethod

@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,7 @@ class VersionFetcher:
         self.http = httpx.Client(timeout=timeout_s)
         self._roots: dict[str, str] = {}  # version -> artifact URI of ships/<ship_id> (immutable per version)
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-config")
 
     # --- MLflow ---------------------------------------------------------------------------------------
     def champion_alias(self) -> str | None:
@@ -144,8 +146,9 @@ class VersionFetcher:
             sizes[_kind(filename)] = sizes.get(_kind(filename), 0) + len(data)
             return data
 
+        config_future = self._pool.submit(self.policy_config, target)  # overlaps with the chain
         state, manifest = apply_chain(target, fetch, held=base)
-        config = self.policy_config(target)
+        config = config_future.result()
         data_files = [c for c in chain if _kind(c) in ("delta", "anchor")]
         anchor_at = next((i for i, c in enumerate(data_files) if _kind(c) == "anchor"), None)
         path = "anchor" if anchor_at is not None else "delta"
@@ -154,4 +157,5 @@ class VersionFetcher:
                        chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False)
         self.http.close()

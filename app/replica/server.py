@@ -78,7 +78,7 @@ class Replica:
         self.settings, self.cfg = settings, cfg
         self.id = cfg.id
         torch.set_num_threads(cfg.torch_threads)
-        self.cache = WeightCache(cfg.resolved_cache_dir(settings.data_dir), pause_in_apply_s=cfg.debug_pause_in_apply)
+        self.cache = WeightCache(cfg.resolved_cache_dir(settings.data_dir))
         self.store = WeightStore()
         self.producer = EventProducer(settings)
         self.topic = settings.topic("interactions")
@@ -217,7 +217,8 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         serving = replica.store.snapshot()
         agent = replica.agent
         return {"replica_id": cfg.id, **serving.versions(), "traffic_pct": serving.traffic_pct,
-                "desired": agent.desired() if agent else None, "last_sync": agent.last_result if agent else None}
+                "desired": agent.desired() if agent else None, "last_sync": agent.last_result if agent else None,
+                "syncing": agent.in_progress if agent else None}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -54,6 +54,7 @@ class SyncAgent:
         self.state = DeploymentState(model=settings.model_name)
         self.events = DeploymentLog(settings)
         self.last_result: dict[str, Any] | None = None
+        self.in_progress: dict[str, Any] | None = None  # the version being applied, for /v1/status
         self.caught_up = threading.Event()  # set once the log was read to its end at start
         self._stop = threading.Event()
         self._retry_at: dict[tuple[str, str], float] = {}  # (slot, version) -> monotonic time of the next attempt
@@ -159,22 +160,28 @@ class SyncAgent:
                    or traffic != serving.traffic_pct)
         if not changed:
             return serving
+        for slot, version, frm, info in outcomes:
+            self.last_result = {"ok": True, "slot": slot, "version": version, "from_version": frm, **info}
         after = self.store.swap(champion=new["champion"], candidate=new["candidate"], traffic_pct=traffic)
-        self.cache.set_serving(after)
-        self.cache.prune(self.cfg.cache_keep, protect={lv.version for lv in after.held()})
         m.observe_serving(self.cfg.id, after.versions(), after.traffic_pct)
         log.info("replica %s now serves %s (candidate %.4g%%)", self.cfg.id, after.versions(), after.traffic_pct)
         for slot, version, frm, info in outcomes:
             m.SYNC_SECONDS.labels(self.cfg.id, info["path"]).observe(info["seconds"])
-            self.last_result = {"ok": True, "slot": slot, "version": version, "from_version": frm, **info}
             self._publish("replica_synced", version, frm, after, {"slot": slot, **info},
                           f"serving v{version} as {slot} ({info['path']})")
+        # persist after the swap (off the critical path): a crash before this restarts on the
+        # previous verified version, which is what the cache still names
+        for lv in after.held():
+            self.cache.put(lv)
+        self.cache.set_serving(after)
+        self.cache.prune(self.cfg.cache_keep, protect={lv.version for lv in after.held()})
         return after
 
     def _build(self, slot: str, target: str, serving: Serving) -> tuple[LoadedVersion | None, dict[str, Any]]:
         """Reconstruct + verify `target` into a shadow policy and cache it; None on failure (published)."""
         t0 = time.perf_counter()
         frm = getattr(serving, slot).version if getattr(serving, slot) else None
+        self.in_progress = {"slot": slot, "version": target, "stage": "fetch"}
         try:
             if target in self.cache.versions():
                 try:
@@ -187,8 +194,12 @@ class SyncAgent:
                 m.SYNC_BYTES.labels(self.cfg.id, kind).inc(n)
             if fetched.fallbacks:
                 m.FALLBACKS.labels(self.cfg.id).inc(fetched.fallbacks)
-            lv = load_verified(target, fetched.state, fetched.config, fetched.sha256)
-            self.cache.put(lv)
+            if self.cfg.debug_pause_in_apply > 0:  # testing only: a window to kill the replica mid-apply
+                log.warning("debug pause of %.1fs while applying v%s", self.cfg.debug_pause_in_apply, target)
+                self.in_progress = {"slot": slot, "version": target, "stage": "debug_pause"}
+                self._stop.wait(self.cfg.debug_pause_in_apply)
+            lv = load_verified(target, fetched.state, fetched.config, fetched.sha256,
+                               template=next(iter(serving.held()), None))
             info = {"path": fetched.path, "chain": fetched.chain, "bytes": sum(fetched.bytes_by_kind.values()),
                     "fallbacks": fetched.fallbacks, "seconds": round(time.perf_counter() - t0, 6)}
             return lv, info
@@ -202,6 +213,8 @@ class SyncAgent:
                           {"slot": slot, "error": f"{reason}: {exc}"[:2000]},
                           f"could not sync {slot} to v{target}; still serving {serving.versions()}")
             return None, {}
+        finally:
+            self.in_progress = None
 
     # --- events -------------------------------------------------------------------------------------
     def _publish(self, type_: str, version: str | None, frm: str | None, serving: Serving,

@@ -10,9 +10,9 @@ which a request can see half of an old and half of a new version (DESIGN.md: "A 
 serves torn weights").
 
 `load_verified(version, state, config, sha256)` is the only way to make a `LoadedVersion`: it
-hashes the state dict (kernels/delta/hashing.py, the same definition as the manifests), refuses
-it on a mismatch, loads it into a fresh policy and hashes the policy's own serving weights again,
-so what generates is exactly what was verified.
+loads the state dict into a fresh policy and hashes the policy's own serving weights
+(kernels/delta/hashing.py, the same definition as the manifests), refusing a mismatch, so what
+generates is exactly what was verified.
 
 `WeightCache` keeps verified versions on local disk (`<cache_dir>/v<N>.safetensors` + a
 `v<N>.json` commit marker written last, both via write-to-temp + fsync + rename) and which
@@ -74,20 +74,27 @@ class Serving:
 
 
 def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mapping[str, Any], sha256: str,
-                  threads: int = 1) -> LoadedVersion:
-    """Verify `state` against `sha256`, load it into a new policy, verify the loaded weights again."""
+                  threads: int = 2, template: LoadedVersion | None = None) -> LoadedVersion:
+    """Load `state` into a NEW policy and verify the policy's own serving weights against `sha256`.
+
+    Hashing what the policy will actually serve (after loading) covers the state dict too: the
+    bf16 -> fp32 master -> bf16 round trip is exact, so any difference in `state` shows here.
+    `template`: a held version with the same architecture, copied instead of built (cheaper than
+    a fresh random initialisation); its weights are overwritten and re-verified.
+    """
+    import copy
+
     from trainer.policy import build_policy
 
-    got = hash_state_dict(state, threads)[1]
-    if got != sha256:
-        raise VerificationError(f"version {version}: weights hash {got[:12]}…, the registry published {sha256[:12]}…")
-    policy = build_policy(dict(config))
+    if template is not None and dict(template.config) == dict(config):
+        policy = copy.deepcopy(template.policy)
+    else:
+        policy = build_policy(dict(config))
     policy.load_serving_state_dict(dict(state))
     policy.eval()
     loaded = hash_state_dict(policy.serving_state_dict(), threads)[1]
-    if loaded != sha256:  # a policy that does not round-trip its serving weights must not serve
-        raise VerificationError(f"version {version}: the loaded policy's serving weights hash {loaded[:12]}…, "
-                                f"expected {sha256[:12]}…")
+    if loaded != sha256:
+        raise VerificationError(f"version {version}: weights hash {loaded[:12]}…, the registry published {sha256[:12]}…")
     return LoadedVersion(version=str(version), policy=policy, state=dict(state), sha256=sha256, config=dict(config))
 
 
@@ -136,10 +143,9 @@ def _fsync_dir(path: Path) -> None:
 class WeightCache:
     """Verified versions on local disk, so a restarted replica serves before it has synced."""
 
-    def __init__(self, root: Path, pause_in_apply_s: float = 0.0):
+    def __init__(self, root: Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self.pause_in_apply_s = pause_in_apply_s
         for tmp in self.root.glob("*.tmp"):  # left by an apply that was killed
             log.warning("removing %s, left by an interrupted apply", tmp)
             tmp.unlink()
@@ -161,18 +167,7 @@ class WeightCache:
         if self._marker(lv.version).exists():
             return
         data = save({k: v.contiguous() for k, v in lv.state.items()}, metadata={"sha256": lv.sha256})
-        tmp = self._weights(lv.version).with_name(self._weights(lv.version).name + ".tmp")
-        with open(tmp, "wb") as f:
-            half = len(data) // 2
-            f.write(data[:half])
-            f.flush()
-            if self.pause_in_apply_s > 0:  # testing only (config debug_pause_in_apply): a window to kill us
-                log.warning("debug pause of %.1fs in the middle of applying v%s", self.pause_in_apply_s, lv.version)
-                time.sleep(self.pause_in_apply_s)
-            f.write(data[half:])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._weights(lv.version))
+        _fsync_write(self._weights(lv.version), data)
         _fsync_write(self._marker(lv.version), json.dumps(
             {"version": lv.version, "sha256": lv.sha256, "config": dict(lv.config)}, sort_keys=True).encode())
 

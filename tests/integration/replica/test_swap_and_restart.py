@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -98,6 +97,13 @@ def _start_process(settings, cache_dir, port: int, pause_s: float) -> subprocess
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _status(url: str) -> dict:
+    try:
+        return httpx.get(f"{url}/v1/status", timeout=2).json()
+    except httpx.HTTPError:
+        return {}
+
+
 def _readyz(url: str):
     try:
         r = httpx.get(f"{url}/readyz", timeout=2)
@@ -128,15 +134,17 @@ def test_a_replica_killed_mid_apply_restarts_serving_its_last_verified_version(r
 
         procs.append(_start_process(settings, cache, port, pause_s=120))  # every apply now stalls halfway
         publish_deployment(settings, "promoted", "2", traffic_pct=100.0)
-        wait_for(lambda: (cache / "v2.safetensors.tmp").exists(), timeout_s=120, what="v2 half written")
-        time.sleep(0.5)
+        wait_for(lambda: (_status(url).get("syncing") or {}).get("version") == "2", timeout_s=120,
+                 what="v2 reconstructed, not yet swapped")
+        assert _status(url)["champion"] == "1", "the old version serves while the new one is applied"
         os.killpg(procs[-1].pid, signal.SIGKILL)  # killed in the middle of applying v2
         procs[-1].wait(10)
-        assert not (cache / "v2.json").exists() and (cache / "v2.safetensors.tmp").exists()
+        assert not (cache / "v2.json").exists()
 
         procs.append(_start_process(settings, cache, port, pause_s=120))  # restart: v2's apply stalls again
         ready = wait_for(lambda: _readyz(url), timeout_s=120, what="restarted replica ready")
         assert ready["champion"] == "1", f"a restarted replica must serve its last verified version, got {ready}"
+        wait_for(lambda: (_status(url).get("syncing") or {}).get("version") == "2", timeout_s=120, what="v2 again")
         r = httpx.post(f"{url}/v1/complete", json={"session_id": "s", "prompt": "x", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
         os.killpg(procs[-1].pid, signal.SIGKILL)
@@ -144,7 +152,7 @@ def test_a_replica_killed_mid_apply_restarts_serving_its_last_verified_version(r
 
         procs.append(_start_process(settings, cache, port, pause_s=0))  # and without the stall it completes v2
         wait_for(lambda: (_readyz(url) or {}).get("champion") == "2", timeout_s=120, what="v2 after restart")
-        assert (cache / "v2.json").exists() and not (cache / "v2.safetensors.tmp").exists()
+        wait_for(lambda: (cache / "v2.json").exists(), what="v2 cached")
     finally:
         for p in procs:
             if p.poll() is None:
