@@ -45,6 +45,16 @@ def rollout_records(policy, version: int, n: int, reward_fn: Callable[[str], flo
     return out
 
 
+def drain(trainer, expected: int, max_polls: int = 400) -> None:
+    """Run train steps until `expected` records were processed (trained on or skipped) since the last ship."""
+    for _ in range(max_polls):
+        trainer.train_step()
+        p = trainer.pending
+        if p["rollouts"] + sum(p["skipped"].values()) >= expected:
+            return
+    raise AssertionError(f"only {trainer.pending['rollouts']} trained + {trainer.pending['skipped']} of {expected} records")
+
+
 def produce(settings, records: list[dict[str, Any]]) -> None:
     producer = make_producer(settings)
     try:

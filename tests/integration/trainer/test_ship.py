@@ -16,22 +16,12 @@ import torch
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
-from tests.integration.trainer.conftest import committed_offsets, end_offsets, produce, rollout_records
+from tests.integration.trainer.conftest import committed_offsets, drain, end_offsets, produce, rollout_records
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.publish import apply_chain
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-def drain(trainer: Trainer, expected: int, max_polls: int = 400) -> None:
-    """Train until `expected` records were processed (trained on or skipped)."""
-    for _ in range(max_polls):
-        trainer.train_step()
-        p = trainer.pending
-        if p["rollouts"] + sum(p["skipped"].values()) >= expected:
-            return
-    raise AssertionError(f"only {trainer.pending} of {expected} records processed")
 
 
 def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed_after(trainer_env, tmp_path):
