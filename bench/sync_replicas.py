@@ -27,12 +27,14 @@ of this repository's Python sources; `bench/delta.py` calls `run_sync_bench` wit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,51 +220,40 @@ def print_report(result: dict, console: Any) -> None:
     console.print(f"sync time / floor (median): {med:.2f}x — target <= 2x: {'MET' if med <= 2 else 'MISSED'}")
 
 
-def main() -> None:
-    args = parse_args()
-    import logging
-
-    from rich.console import Console
+@contextlib.contextmanager
+def local_stack(kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None) -> Iterator[Any]:
+    """Settings on a Kafka broker and an MLflow server: the given ones, or ones started here."""
+    import signal
+    import subprocess
 
     from app.infra.kafka import LocalKafka, ensure_topics
     from app.infra.mlflow_server import mlflow_env, mlflow_server_argv, wait_healthy
     from app.settings import Settings
     from tests.conftest import free_port
 
-    logging.basicConfig(level=logging.WARNING)
-    console = Console(width=140)
-    rounds = args.rounds or (1 if args.quick else 3)
     work = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
     broker = mlflow = None
     try:
-        kafka = args.kafka
         if kafka is None:
             broker = LocalKafka(home=work / "kafka", port=free_port(), controller_port=free_port(), heap="512m")
-            console.print("starting Kafka…")
+            if console is not None:
+                console.print("starting Kafka…")
             broker.start(timeout=180)
             kafka = broker.bootstrap
-        uri = args.mlflow
-        if uri is None:
-            import subprocess
-
+        if mlflow_uri is None:
             port = free_port()
-            uri = f"http://127.0.0.1:{port}"
+            mlflow_uri = f"http://127.0.0.1:{port}"
             mlflow = subprocess.Popen(mlflow_server_argv(work / "mlflow", "127.0.0.1", port), env=mlflow_env(),
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            console.print("starting MLflow…")
-            wait_healthy(uri, proc=mlflow)
-        settings = Settings(data_dir=work / "data", kafka_bootstrap=kafka, mlflow_uri=uri,
+            if console is not None:
+                console.print("starting MLflow…")
+            wait_healthy(mlflow_uri, proc=mlflow)
+        settings = Settings(data_dir=work / "data", kafka_bootstrap=kafka, mlflow_uri=mlflow_uri,
                             topic_namespace=f"bench{uuid.uuid4().hex[:8]}", model_name=f"bench-{uuid.uuid4().hex[:6]}")
         ensure_topics(settings)
-        console.print("training successive checkpoints…")
-        cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20)
-        result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console)
-        print_report(result, console)
+        yield settings
     finally:
         if mlflow is not None:
-            import signal
-            import subprocess
-
             os.killpg(mlflow.pid, signal.SIGTERM)
             try:
                 mlflow.wait(30)
@@ -270,6 +261,34 @@ def main() -> None:
                 os.killpg(mlflow.pid, signal.SIGKILL)
         if broker is not None:
             broker.stop()
+
+
+def bench_pair(cfg: dict, states: list[dict], console: Any, replicas: int = 4) -> dict:
+    """Start a local stack, sync `replicas` replicas through `states`, print the report (bench/delta.py)."""
+    import logging
+
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    with local_stack(console=console) as settings:
+        result = run_sync_bench(cfg, states, settings, replicas=replicas, console=console)
+    print_report(result, console)
+    return result
+
+
+def main() -> None:
+    args = parse_args()
+    import logging
+
+    from rich.console import Console
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    console = Console(width=140)
+    rounds = args.rounds or (1 if args.quick else 3)
+    with local_stack(args.kafka, args.mlflow, console) as settings:
+        console.print("training successive checkpoints…")
+        cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20)
+        result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console)
+    print_report(result, console)
 
 
 if __name__ == "__main__":
