@@ -204,10 +204,16 @@ def main() -> None:
         a, b = results[(1e-6, s)], results[(1e-5, s)]
         console.print(f"{s} step(s): lr 1e-6 -> {a['full'] / a['delta']:.0f}x, lr 1e-5 -> "
                       f"{b['full'] / b['delta']:.0f}x (x10 lr = {a['delta'] and b['delta'] / a['delta']:.1f}x bigger)")
-    # ---- TO FILL IN (issue 5 item 3/5): time to sync 4 local replicas vs the floor
-    # (payload / measured loopback bandwidth + apply time) needs `flywheel replica`, which does
-    # not exist yet. Not measured here.
-    console.print("[yellow]replica sync (4 replicas vs floor): not measured — needs app/replica (issue 5 item 3)[/]")
+    # ---- issue 5 item 3/5: time to sync 4 local replicas vs the floor (payload / measured loopback
+    # bandwidth + apply time), on the lr 1e-6 / 1-step pair; bench/sync_replicas.py starts its own
+    # Kafka + MLflow and runs 4 in-process replica sync agents (added by the replica work).
+    if isinstance(tr.model, FallbackLM):
+        console.print("[yellow]replica sync: needs the built-in policy (--model policy)[/]")
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import sync_replicas
+
+        sync_replicas.bench_pair({**tr.model.config_dict(), "kernels": "invariant"}, list(pairs[(1e-6, 1)]), console)
 
 
 class _FallbackBase:  # replaced by the real class once torch is imported (keeps --help instant)
