@@ -71,6 +71,8 @@ class SyncAgent:
         self._stop.set()
         self._thread.join(timeout_s)
         self.events.close()
+        if hasattr(self.fetcher, "close"):
+            self.fetcher.close()
 
     def desired(self) -> dict[str, Any]:
         s = self.state
