@@ -261,13 +261,20 @@ class RolloutIntake:
         self.buffer = kept
 
     def _to_dlq(self, rec: Any, reason: str) -> None:
+        """Copy an invalid record to the DLQ in streams' `DlqRecord` shape (reason `invalid_rollout`)."""
         if self.dlq is None or self.dlq_topic is None:
             return
-        from app.kafka_io import dumps
+        import base64
+        from datetime import datetime, timezone
 
-        self.dlq.send(self.dlq_topic, value=dumps({"source": self.topic, "partition": rec.partition, "offset": rec.offset,
-                                                   "reason": f"invalid rollout: {reason}",
-                                                   "raw": rec.value.decode("utf-8", "replace")[:65536]}))
+        from app.kafka_io import dumps
+        from streams.records import DlqRecord
+
+        b64 = lambda b: base64.b64encode(b).decode() if b is not None else None  # noqa: E731
+        record = DlqRecord(reason="invalid_rollout", errors=[{"message": reason}], topic=self.topic, partition=rec.partition,
+                           offset=rec.offset, key_b64=b64(rec.key), value_b64=b64(rec.value),
+                           detected_at=datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"))
+        self.dlq.send(self.dlq_topic, value=dumps(record.model_dump()))
 
     def buffered(self) -> int:
         return len(self.buffer)
