@@ -35,6 +35,8 @@ DEMO_ENV = {
     "FLYWHEEL_CONTROLLER_MIN_SAMPLES": "30",
     "FLYWHEEL_CONTROLLER_STEP_DEADLINE": "5m",
     "FLYWHEEL_STREAMS_METRICS_BUCKET": "10s",
+    # the demo plants one bad checkpoint (weights blown up) to show the gate stopping it
+    "FLYWHEEL_TRAINER_PLANT_BAD_VERSION": "4",
     # many role processes share a few cores: one torch/BLAS thread each avoids oversubscription
     # (measured 10-20x slower with 2 threads per process on a busy 2-core machine)
     "OMP_NUM_THREADS": "1",

@@ -56,6 +56,14 @@ def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
     }
 
 
+def plant_bad_weights(serving: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `serving` with its largest matrix multiplied by 64: a checkpoint the gate must stop."""
+    name = max((k for k, v in serving.items() if v.dim() == 2 and v.is_floating_point()), key=lambda k: serving[k].numel())
+    bad = dict(serving)
+    bad[name] = (serving[name].float() * 64.0).to(serving[name].dtype)
+    return bad
+
+
 def execute_ship(t: "Trainer") -> int:
     intent, reg = t.intent, t.registry
     assert intent is not None, "execute_ship needs a saved ship intent"
@@ -73,6 +81,10 @@ def execute_ship(t: "Trainer") -> int:
         # the delta's manifest names its version before the registry assigns it: predict it
         # (max version + 1; this trainer is the only writer) and repair it below if it differs
         predicted = max((int(v.version) for v in reg.versions()), default=0) + 1
+        if t.cfg.plant_bad_version and predicted == t.cfg.plant_bad_version:
+            serving = plant_bad_weights(serving)
+            tags["planted_bad"] = "true"
+            log.warning("DEMO: shipping v%d with blown-up weights (FLYWHEEL_TRAINER_PLANT_BAD_VERSION)", predicted)
         with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
             extra, delta = _publish_delta(t, Path(tmp), serving, intent, predicted)
             tags["delta"] = json.dumps(delta, sort_keys=True)
