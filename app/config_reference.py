@@ -61,3 +61,24 @@ def markdown() -> str:
         default = "" if s.default is None else f"`{s.default}`"
         lines.append(f"| `{s.env}` | {default} | {s.description} |")
     return "\n".join(lines)
+
+
+def write_readme(path: str = "README.md") -> None:
+    """Replace the README's configuration reference block with the generated table."""
+    from pathlib import Path
+
+    p = Path(path)
+    text = p.read_text()
+    start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    p.write_text(f"{head}{start}{markdown()}\n{end}{tail}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if "--write" in sys.argv:
+        write_readme()
+    else:
+        print(markdown())
