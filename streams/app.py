@@ -22,13 +22,14 @@ Batches. The agent takes up to `batch_max_events` records at a time
 (`stream.take_events`, `batch_within` seconds at most) and runs the join over them in
 plain Python; the tables are read and written through `BatchedTable` views
 (streams/state.py), so each touched key costs one changelog record per batch instead of
-one per event. Outputs and changelog records go straight to the producer (no per-message
-producer-buffer task).
+one per event. Outputs and changelog records go out as whole record batches through
+streams/outbox.py (its own idempotent aiokafka producer, `send_batch`), not Faust's
+per-message producer path.
 
 At-least-once, in this order per batch: (1) the batch's outputs (rollouts, late, DLQ,
 metric partials) are sent and their delivery awaited; (2) then the changelog records of
-the state that reflects them are handed to the producer; (3) then Faust acks the batch's
-records, and its commit flushes the producer before committing offsets. A crash at any
+the state that reflects them are sent and awaited; (3) only then does Faust ack the
+batch's records (its periodic commit covers only acked offsets). A crash at any
 point either replays the records (re-emitting identical outputs: consumers dedupe by
 request_id) or finds the state already updated and its outputs already delivered, never
 a label marked closed whose rollout was lost. The join dedupes replayed events by
@@ -57,7 +58,8 @@ from app.events import EventValidationError, parse_event
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.labels import Aggregator, Emit, MetricsMerger, iso_now
-from streams.state import BatchedTable, Outbox
+from streams.outbox import KafkaOutbox, Outbox
+from streams.state import BatchedTable
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +120,10 @@ class Runtime:
     interactions: str
     ticks: str
     views: dict[str, BatchedTable] = field(default_factory=dict)  # the aggregator's tables, write-back per batch
-    outbox: Outbox | None = None  # (topic, key, value, partition) -> delivery future; default: the app's producer
+    outbox: Outbox = None  # type: ignore[assignment]  # where records go (streams/outbox.py); tests swap in a list
     last_processed: dict[int, int] = field(default_factory=dict)
     admin: Any = None
     offsets: Any = None
-
-    async def _produce(self, topic: str, key: bytes | None, value: bytes | None, partition: int | None) -> Any:
-        # Faust's producer driver straight to aiokafka's accumulator: no FutureMessage, no buffer task
-        return await self.app.producer.send(topic, key, value, partition, None, None)
 
     # --- one batch of records ---------------------------------------------------------------
     async def on_batch(self, events: list[Any]) -> None:
@@ -140,22 +138,22 @@ class Runtime:
                 out += self.on_tick(msg.partition, event.value)
             else:
                 out += self.on_record(msg, event.key, event.value)
-        outbox = self.outbox or self._produce
-        delivered = [await outbox(*self.encode(e)) for e in out]
-        if delivered:
-            await asyncio.gather(*delivered)  # outputs are on the broker before the state that reflects them
+        # 1. outputs, delivered, before 2. the state that reflects them (see the module docstring)
+        by_topic: dict[str, list] = {}
+        for e in out:
+            by_topic.setdefault(e.topic, []).append(self.encode(e))
+        await asyncio.gather(*(self.outbox.send(self.topics[t].get_topic_name(), recs) for t, recs in by_topic.items()))
         now = time.time()
         for e in out:
             self.count(e, now)
-        for name, view in self.views.items():
-            n = view.dirty
-            await view.flush(outbox)  # handed to the producer; Faust's commit flushes it before the offsets
-            if n:
-                CHANGELOG.labels(name).inc(n)
+        drained = [(view, view.drain()) for view in views]
+        offsets = await asyncio.gather(*(self.outbox.send(view.changelog, recs) for view, recs in drained if recs))
+        for (view, recs), first in zip([d for d in drained if d[1]], offsets):
+            view.persisted(first)
+            CHANGELOG.labels(view.table.name).inc(len(recs))
         BATCH.observe(len(events))
         OPEN.set(self.aggregator.open_labels)
 
-    # --- interaction records -------------------------------------------------------------
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
         p = msg.partition
         self.last_processed[p] = msg.offset
@@ -198,7 +196,8 @@ class Runtime:
         from aiokafka import AIOKafkaConsumer, TopicPartition
         from aiokafka.admin import AIOKafkaAdminClient
 
-        parts = sorted(tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.interactions)
+        parts = sorted(tp.partition for tp in self.app.consumer.assignment()
+                       if tp.topic == self.interactions and not self._backlogged(tp))
         if not parts:
             return
         bootstrap = self.settings.kafka_bootstrap.split(",")
@@ -219,11 +218,20 @@ class Runtime:
             tick = {"now": now, "hw": hws[tp], "committed": committed.get(tp.partition)}
             await self.topics["ticks"].send(value=json.dumps(tick).encode(), partition=tp.partition)
 
+    def _backlogged(self, tp: Any) -> bool:
+        """The consumer's last fetch already showed records past the last one processed: a tick would be
+        refused (records rule), so skip it and its end-offsets request (a draining worker sends none)."""
+        p = tp.partition
+        if p not in self.last_processed:
+            return False
+        hw = self.app.consumer.highwater(tp)
+        return hw is not None and self.last_processed[p] + 1 < hw
+
     # --- output -------------------------------------------------------------------------------
-    def encode(self, e: Emit) -> tuple[str, bytes | None, bytes, None]:
-        """(topic name, key, value, partition) of one output record."""
-        return (self.topics[e.topic].get_topic_name(), e.key.encode() if e.key is not None else None,
-                orjson.dumps(e.value), None)
+    @staticmethod
+    def encode(e: Emit) -> tuple[bytes | None, bytes, None]:
+        """(key, value, partition) of one output record; the partition follows from the key."""
+        return (e.key.encode() if e.key is not None else None, orjson.dumps(e.value), None)
 
     def count(self, e: Emit, now: float) -> None:
         OUT.labels(e.topic).inc()
@@ -238,7 +246,7 @@ class Runtime:
 
     async def send(self, e: Emit) -> None:
         """Send one record and wait for it (the low-volume metrics merger)."""
-        await (await (self.outbox or self._produce)(*self.encode(e)))
+        await self.outbox.send(self.topics[e.topic].get_topic_name(), [self.encode(e)])
         self.count(e, time.time())
 
 
@@ -254,7 +262,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         broker_commit_interval=cfg.commit_interval, broker_session_timeout=cfg.session_timeout,
         broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3), broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
         # throughput: one in-flight produce request per broker, so batch more per request
-        producer_linger=cfg.producer_linger, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=16384,
+        producer_linger_ms=5, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=16384,
         producer_max_request_size=8 * 1024 * 1024,
     )
     interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
@@ -278,7 +286,8 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     views = {t.name: BatchedTable(t) for t in (labels, generations, buckets)}
     agg = Aggregator(spec, settings.wait_window, cfg.retention(settings.wait_window), cfg.metrics_bucket,
                      views["labels"], views["generations"], views["buckets"], empty_max_tokens=cfg.empty_completion_max_tokens)
-    rt = Runtime(settings, cfg, app, agg, MetricsMerger(metric_buckets), topics, interactions, ticks, views)
+    rt = Runtime(settings, cfg, app, agg, MetricsMerger(metric_buckets), topics, interactions, ticks, views,
+                 outbox=KafkaOutbox(settings.kafka_bootstrap))
 
     @app.agent(source, concurrency=1, supervisor_strategy=CrashingSupervisor)
     async def aggregate(stream):  # noqa: ANN001 - faust stream

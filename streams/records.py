@@ -122,6 +122,12 @@ class VersionMetrics(BaseModel):
     mean_completion_length: float | None
 
 
+def _exact(x: float) -> str:
+    """A float as text without losing digits ('%g' kept 6: every 2 s bucket of one day shared an id)."""
+    x = float(x)
+    return str(int(x)) if x.is_integer() else repr(x)
+
+
 def _div(a: float, b: float) -> float | None:
     return a / b if b else None
 
@@ -145,7 +151,7 @@ def version_metrics(model_version: str, bucket_start: float, bucket_seconds: flo
     if mean is not None:
         var = max(sums["reward_sumsq"] / n - mean * mean, 0.0)
     return VersionMetrics(
-        bucket_id=f"{model_version}/{bucket_start:g}/{bucket_seconds:g}", model_version=model_version,
+        bucket_id=f"{model_version}/{_exact(bucket_start)}/{_exact(bucket_seconds)}", model_version=model_version,
         bucket_start=bucket_start, bucket_seconds=bucket_seconds, reward_spec=reward_spec,
         partitions=sorted(partitions), sums=dict(sums), n=int(n),
         accept_rate=_div(sums["accepts"], n), reject_rate=_div(sums["rejects"], n),

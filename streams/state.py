@@ -6,9 +6,10 @@ costs one producer round trip per event plus one per generation and close, and t
 (send_soon -> producer buffer task -> aiokafka) dominated the worker's time. The agent
 now processes records in batches (`stream.take_events`) and reads and writes the tables
 through a `BatchedTable`: reads fall through to the table's store, writes stay in a
-dirty map, and `flush()` applies each dirty key to the store once and sends one
-changelog record for it, encoded exactly as Faust encodes its own changelog writes (so
-recovery after a restart reads them back unchanged).
+dirty map, and `drain()` applies each dirty key to the store once and returns one
+changelog record for it, encoded exactly as Faust's json codec encodes its own changelog
+writes (so recovery after a restart reads them back unchanged); the agent sends them
+with streams.outbox after the batch's outputs.
 
 Which changelog partition. Faust writes a key to the partition of the event being
 processed. Every key the join touches while handling a record (or tick) of partition p
@@ -18,19 +19,16 @@ agent sets `partition` before each record, as Faust's `current_event` does.
     view = BatchedTable(app_table)
     view.partition = 2
     view["r1"] = {...}            # in memory only
-    await view.flush(outbox)      # store updated, one changelog record for "r1"
+    records = view.drain()        # store updated; [(b'"r1"', b'{...}', 2)] for the changelog
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
-from functools import partial
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
+import orjson
 from faust.types import TP
-
-# (topic, key, value, partition) -> delivery future; see streams.app.Runtime.outbox
-Outbox = Callable[[str, bytes | None, bytes | None, int | None], Awaitable[Any]]
 
 _DELETED = object()
 
@@ -39,6 +37,8 @@ class BatchedTable(MutableMapping[str, Any]):
     """A Faust table seen through a write-back cache (one agent, concurrency 1: not thread-safe)."""
 
     def __init__(self, table: Any):
+        assert (table.key_serializer, table.value_serializer) == ("json", "json"), \
+            f"table {table.name}: BatchedTable writes Faust's json encoding, got {table.key_serializer}/{table.value_serializer}"
         self.table = table
         self.partition: int | None = None
         self._dirty: dict[str, tuple[int | None, Any]] = {}
@@ -95,31 +95,35 @@ class BatchedTable(MutableMapping[str, Any]):
     def dirty(self) -> int:
         return len(self._dirty)
 
-    async def flush(self, outbox: Outbox) -> list[Any]:
-        """Apply the dirty keys to the store and send one changelog record each; returns the delivery futures."""
-        if not self._dirty:
-            return []
+    @property
+    def changelog(self) -> str:
+        return self.table.changelog_topic.get_topic_name()
+
+    def drain(self) -> list[tuple[bytes, bytes | None, int]]:
+        """Apply the dirty keys to the store; returns one changelog record (key, value, partition) per key."""
         dirty, self._dirty = self._dirty, {}
-        topic = self.table.changelog_topic
-        name = topic.get_topic_name()
-        futs = []
+        out = []
         for key, (partition, value) in dirty.items():
             assert partition is not None, f"table {self.table.name}: write to {key!r} outside a record (no partition set)"
-            kb, _ = topic.prepare_key(key, self.table.key_serializer)
             if value is _DELETED:
                 self.store.pop(key, None)
-                vb = None
+                out.append((_dumps(key), None, partition))
             else:
                 self.store[key] = value
-                vb, _ = topic.prepare_value(value, self.table.value_serializer)
-            fut = await outbox(name, kb, vb, partition)
-            fut.add_done_callback(partial(self._on_sent, TP(name, partition)))
-            futs.append(fut)
-        self.records_sent += len(dirty)
-        return futs
+                out.append((_dumps(key), _dumps(value), partition))
+        self.records_sent += len(out)
+        return out
 
-    def _on_sent(self, tp: TP, fut: Any) -> None:
-        # what Faust's Table._on_changelog_sent does: a RocksDB store remembers the changelog
-        # offset it holds, so a restart reads only the tail (the memory store ignores it)
-        if not fut.cancelled() and fut.exception() is None and fut.result() is not None:
-            self.store.set_persisted_offset(tp, fut.result().offset)
+    def persisted(self, first_offsets: dict[int, int]) -> None:
+        """What Faust's Table._on_changelog_sent does: a RocksDB store remembers which changelog offset
+        it holds so a restart reads only the tail (the memory store ignores it). The first offset of
+        the batch is a safe lower bound: re-reading changelog records is idempotent."""
+        name = self.changelog
+        for partition, offset in first_offsets.items():
+            self.store.set_persisted_offset(TP(name, partition), offset)
+
+
+def _dumps(obj: Any) -> bytes:
+    # byte-for-byte what Faust's "json" codec writes (faust.utils.json.dumps with orjson), so the
+    # table's own recovery decodes these records (tests/unit/streams/test_agent.py checks it)
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_UTC_Z)

@@ -21,16 +21,14 @@ from tests.unit.streams.factories import feedback, generation
 
 
 class ListOutbox:
-    """Stands in for the producer: keeps (topic, key, value, partition) of every send."""
+    """Stands in for streams.outbox.KafkaOutbox: keeps (topic, key, value, partition) of every record sent."""
 
     def __init__(self):
         self.sent: list[tuple[str, bytes | None, bytes | None, int | None]] = []
 
-    async def __call__(self, topic, key, value, partition):
-        self.sent.append((topic, key, value, partition))
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(None)
-        return fut
+    async def send(self, topic, records):
+        self.sent += [(topic, *rec) for rec in records]
+        return {}
 
     def values(self, topic: str) -> list[tuple[bytes | None, bytes | None]]:
         return [(k, v) for t, k, v, _ in self.sent if t == topic]

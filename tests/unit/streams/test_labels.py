@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from app.events import parse_event
 from streams.labels import Aggregator, MetricsMerger
-from streams.records import Rollout, VersionMetrics
+from streams.records import Rollout, VersionMetrics, empty_sums, version_metrics
 from streams.reward import resolve_spec
 from tests.unit.streams.factories import feedback as fb
 from tests.unit.streams.factories import generation as gen
@@ -217,3 +217,9 @@ def test_a_close_into_an_emitted_bucket_re_emits_the_whole_partial():
     agg.on_event(0, gen("b", version="v9"), 1.0)  # far behind the watermark: closes into bucket 10 too
     again = [e for e in agg.advance(0, 26.0) if e.topic == "partials"]
     assert [(p.value["bucket_start"], p.value["sums"]["n"]) for p in again] == [(10.0, 2.0)]
+
+
+def test_adjacent_buckets_at_epoch_times_have_distinct_bucket_ids():
+    ids = {version_metrics("v1", start, 2.0, "v1", [0], dict(empty_sums(), n=1.0)).bucket_id
+           for start in (1795227058.0, 1795227060.0, 1795227062.5)}
+    assert ids == {"v1/1795227058/2", "v1/1795227060/2", "v1/1795227062.5/2"}, ids
