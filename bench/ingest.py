@@ -7,7 +7,7 @@ connections/threads, and wait for the broker's acknowledgement of every batch:
 - api: `flywheel api` in its own process (real uvicorn, migrations, auth, rate limiter,
   validation, acks=all idempotent producer); `--connections` client threads each keep one
   HTTP connection and post pre-encoded batch bodies.
-- raw: a kafka-python producer configured exactly like the API's (`app.kafka_io.make_producer`)
+- raw: the kafka-python producer every other role uses (`app.kafka_io.make_producer`)
   in this process; `--connections` threads each `send()` a batch's 100 records and wait
   for their 100 acknowledgements. This is the floor the API's own work is measured against.
 
@@ -22,6 +22,7 @@ side is compared.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import queue
 import random
@@ -261,7 +262,10 @@ def main() -> None:
                 records = [(e["request_id"], orjson.dumps(e)) for e in chunk]
                 batches.append((records, orjson.dumps({"events": chunk})))
         mean_size = sum(len(v) for b in batches for _, v in b[0]) / len(events)
-        console.print(f"{len(events)} events of {mean_size:.0f} B mean in {len(batches)} batches of {BATCH}, "
+        del events, chunk
+        gc.collect()
+        gc.freeze()  # the load generator's own heap must not cost it full-GC pauses mid-run
+        console.print(f"{args.events} events of {mean_size:.0f} B mean in {len(batches)} batches of {BATCH}, "
                       f"{args.connections} connections, broker {broker.bootstrap}, partitions "
                       f"{settings.interactions_partitions}")
         run_api(url, key, batches[:5], 1, api_proc.pid)  # warm-up: connection, producer metadata
