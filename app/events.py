@@ -28,6 +28,8 @@ from pydantic import (
     Field,
     TypeAdapter,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -81,13 +83,17 @@ class Generation(_Envelope):
     latency_ms: float | None = Field(None, ge=0.0)
     tokenizer: str = Field(min_length=1, max_length=64)
 
+    @field_validator("logprobs")
+    @classmethod
+    def _one_logprob_per_token(cls, v: list[float], info: ValidationInfo) -> list[float]:
+        tokens = info.data.get("completion_tokens")  # absent when completion_tokens itself was invalid
+        if tokens is not None and len(v) != len(tokens):
+            raise ValueError(f"logprobs has {len(v)} entries but completion_tokens has {len(tokens)}; they must match")
+        return v
+
     @model_validator(mode="after")
     def _shapes_agree(self) -> "Generation":
         n = len(self.completion_tokens)
-        if len(self.logprobs) != n:
-            raise ValueError(
-                f"logprobs has {len(self.logprobs)} entries but completion_tokens has {n}; they must match"
-            )
         if (self.routes is None) != (self.route_shape is None):
             raise ValueError("routes and route_shape must be given together")
         if self.routes is not None and self.route_shape is not None:

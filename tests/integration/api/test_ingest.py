@@ -76,7 +76,7 @@ def test_bad_bodies_are_422_with_the_reason_and_nothing_is_written(api, raw, fir
 
 BAD_EVENTS = [
     ("unknown-field", dict(colour="red"), "accept", "colour", "unknown field"),
-    ("logprobs-length", dict(logprobs=[-0.5]), "generation", "(event)", "logprobs has 1 entries but completion_tokens has 2"),
+    ("logprobs-length", dict(logprobs=[-0.5]), "generation", "logprobs", "logprobs has 1 entries but completion_tokens has 2"),
     ("positive-logprob", dict(logprobs=[-0.5, 0.25]), "generation", "logprobs.1", "less than or equal to 0"),
     ("long-event-id", dict(event_id="e" * 129), "accept", "event_id", "at most 128 characters"),
     ("long-request-id", dict(request_id="r" * 129), "reject", "request_id", "at most 128 characters"),

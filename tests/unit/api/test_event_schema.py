@@ -57,7 +57,7 @@ def test_a_valid_example_of_each_event_type_is_accepted(type_):
     "event, field, message",
     [
         (with_("accept", colour="red"), "colour", "unknown field"),
-        (with_("generation", logprobs=[-0.1, -0.2]), "(event)", "logprobs has 2 entries but completion_tokens has 3"),
+        (with_("generation", logprobs=[-0.1, -0.2]), "logprobs", "logprobs has 2 entries but completion_tokens has 3"),
         (with_("generation", logprobs=[-0.1, 0.5, -0.3]), "logprobs.1", "less than or equal to 0"),
         (with_("generation", logprobs=[-0.1, float("nan"), -0.3]), "logprobs.1", "finite number"),
         (with_("generation", logprobs=[-0.1, float("-inf"), -0.3]), "logprobs.1", "finite number"),
