@@ -31,8 +31,9 @@ DEMO_ENV = {
     "FLYWHEEL_WAIT_WINDOW": "30s",
     "FLYWHEEL_TRAINER_LR": "1e-4",
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "32",
-    "FLYWHEEL_CONTROLLER_MIN_STEP": "20s",
-    "FLYWHEEL_CONTROLLER_MIN_SAMPLES": "30",
+    "FLYWHEEL_CONTROLLER_STEPS": "25,50,100",  # a canary must finish before the next ship supersedes it
+    "FLYWHEEL_CONTROLLER_MIN_STEP": "15s",
+    "FLYWHEEL_CONTROLLER_MIN_SAMPLES": "20",
     "FLYWHEEL_CONTROLLER_STEP_DEADLINE": "5m",
     "FLYWHEEL_STREAMS_METRICS_BUCKET": "10s",
     # the demo plants one bad checkpoint (weights blown up) to show the gate stopping it

@@ -38,7 +38,7 @@ def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
                FLYWHEEL_KAFKA_HEAP="512m",
                FLYWHEEL_MLFLOW_URI=f"http://127.0.0.1:{ports['mlflow']}",
                FLYWHEEL_API_PORT=str(ports["api"]),
-               FLYWHEEL_SHIP_INTERVAL="20s",
+               FLYWHEEL_SHIP_INTERVAL="60s",  # longer than a canary, or each new version supersedes it
                FLYWHEEL_WAIT_WINDOW="4s",
                FLYWHEEL_TRAINER_POLICY=json.dumps(TINY_POLICY),
                FLYWHEEL_TRAINER_PRETRAIN_STEPS="30",
