@@ -17,3 +17,14 @@ def test_demo_env_values_validate(monkeypatch):
     monkeypatch.setenv("FLYWHEEL_PROFILE", "local")
     for cls in settings_classes():
         cls()  # raises a ValidationError naming the bad variable
+
+
+def test_roles_started_together_have_distinct_default_ports():
+    from app.controller.config import ControllerConfig
+    from app.settings import Settings
+    from streams.config import StreamsConfig
+    from trainer.config import TrainerConfig
+
+    ports = {"api": Settings().api_port, "streams metrics": StreamsConfig().metrics_port,
+             "trainer metrics": TrainerConfig().metrics_port, "controller metrics": ControllerConfig().metrics_port}
+    assert len(set(ports.values())) == len(ports), f"default ports collide under `flywheel run`: {ports}"
