@@ -20,7 +20,7 @@ def test_demo_env_values_validate(monkeypatch):
 
 
 def test_roles_started_together_have_distinct_default_ports():
-    from app.controller.config import ControllerConfig
+    from app.controller.config import ControllerSettings as ControllerConfig
     from app.settings import Settings
     from streams.config import StreamsConfig
     from trainer.config import TrainerConfig
