@@ -82,6 +82,8 @@ class Controller:
         if eid in self.seen or ev.get("model") != self.model:
             return
         self.seen.add(eid)
+        if ev.get("type") == "alias_changed":  # MLflow's aliases moved outside Flywheel: `_synced` is stale,
+            self._synced = None  # so re-check them on the next tick even if the state returns to it
         if not self.caught_up:
             self.state = apply_event(self.state, ev)
             return
