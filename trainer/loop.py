@@ -277,11 +277,21 @@ class Trainer:
         self._refresh_reference()
         return version
 
-    def _ensure_joined(self, timeout_s: float = 60.0) -> None:
-        """Commits need a group member: poll until the consumer has its partitions."""
-        deadline = time.monotonic() + timeout_s
+    def _ensure_joined(self, timeout_s: float = 600.0) -> None:
+        """Commits need a group member: poll until the consumer has its partitions.
+
+        A busy broker can take minutes to finish a rebalance; waiting (with a warning every
+        30 s) is cheaper than crashing, since a restart would have to join the group anyway.
+        """
+        start = time.monotonic()
+        warned = start
         while not self._joined:
-            assert time.monotonic() < deadline, f"consumer group {self.cfg.consumer_group} did not assign partitions in {timeout_s}s"
+            now = time.monotonic()
+            assert now - start < timeout_s, f"consumer group {self.cfg.consumer_group} did not assign partitions in {timeout_s}s"
+            if now - warned > 30:
+                log.warning("still waiting for consumer group %s to assign partitions (%.0fs)", self.cfg.consumer_group,
+                            now - start)
+                warned = now
             self.poll()
 
     def commit_offsets(self, positions: dict[int, int]) -> None:
