@@ -122,6 +122,7 @@ class Runtime:
     views: dict[str, BatchedTable] = field(default_factory=dict)  # the aggregator's tables, write-back per batch
     outbox: Outbox = None  # type: ignore[assignment]  # where records go (streams/outbox.py); tests swap in a list
     last_processed: dict[int, int] = field(default_factory=dict)
+    records_done: int = 0  # interaction and tick records whose batch completed (outputs and state sent)
     admin: Any = None
     offsets: Any = None
 
@@ -151,6 +152,7 @@ class Runtime:
         for (view, recs), first in zip([d for d in drained if d[1]], offsets):
             view.persisted(first)
             CHANGELOG.labels(view.table.name).inc(len(recs))
+        self.records_done += len(events)
         BATCH.observe(len(events))
         OPEN.set(self.aggregator.open_labels)
 

@@ -42,13 +42,12 @@ def _setup(**cfg):
 
 
 async def _settle(rt, outbox, n_in: int) -> None:
-    """Wait until the agent processed `n_in` records (the last batch closes after batch_within)."""
-    for _ in range(200):
-        if sum(rt.last_processed.values()) + len(rt.last_processed) >= n_in and not any(v.dirty for v in rt.views.values()):
-            await asyncio.sleep(0.05)
+    """Wait until the agent finished the batches holding `n_in` records (the last one closes after batch_within)."""
+    for _ in range(250):
+        if rt.records_done >= n_in:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"agent processed {rt.last_processed} of {n_in} records")
+    raise AssertionError(f"agent finished {rt.records_done} of {n_in} records")
 
 
 def test_agent_joins_labels_and_dead_letters_via_test_context():
