@@ -16,7 +16,12 @@ assigned interactions partition to the same partition of the ticks topic, carryi
 wall time, the partition's end offset and the group's committed offset. The agent
 advances that partition's watermark to `now - skew_margin` only when it has processed
 every record below that end offset, so labels close on record time even after a restart
-with a backlog (see streams/labels.py). No windowed tables, no on_window_close.
+with a backlog (see streams/labels.py). No windowed tables, no on_window_close. (The
+write-back views below name the changelog partition explicitly, so a timer could write
+the tables directly; the tick record is kept because Faust delivers it only after table
+recovery on a rebalance and in order with the records, which a timer would have to
+re-create.) A partition whose last fetch already showed unprocessed records gets no
+tick: it would be refused.
 
 Batches. The agent takes up to `batch_max_events` records at a time
 (`stream.take_events`, `batch_within` seconds at most) and runs the join over them in
