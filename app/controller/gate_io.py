@@ -88,11 +88,25 @@ class GateRunner:
     def __init__(self, settings: Settings, client, cfg: GateConfig, n_rollouts: int):  # noqa: ANN001
         self.settings, self.client, self.cfg, self.n_rollouts = settings, client, cfg, n_rollouts
 
+    def reference_version(self, model: str, tags: dict[str, str]) -> str | None:
+        """The version the weight-change check compares with: the nearest ancestor the gate did
+        not fail. A rejected parent (e.g. a corrupted checkpoint) is skipped, or every child
+        trained past it would fail for differing from the bad weights rather than for its own."""
+        parent = tags.get("parent_version")
+        seen: set[str] = set()
+        while parent not in (None, "", "none") and parent not in seen:
+            seen.add(parent)
+            ptags = self.client.get_model_version(model, parent).tags or {}
+            if ptags.get("flywheel.gate.status") != "failed":
+                return parent
+            log.info("parent v%s failed the gate; comparing weights with its own parent instead", parent)
+            parent = ptags.get("parent_version")
+        return None
+
     def run(self, version: str, champion: str | None) -> GateResult:
         model = self.settings.model_name
         cand, cand_state, tags = load_version(self.client, model, version)
-        parent = tags.get("parent_version")
-        parent = None if parent in (None, "", "none") else parent
+        parent = self.reference_version(model, tags)
         parent_state = load_version(self.client, model, parent)[1] if parent else None
         champ = load_version(self.client, model, champion)[0] if champion and champion != version else None
         trained = json.loads(tags["kafka_offsets"]) if tags.get("kafka_offsets") else None
