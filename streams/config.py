@@ -36,7 +36,7 @@ class StreamsConfig(BaseSettings):
     session_timeout: Duration = Field(30.0, description="Kafka group session timeout: how long a crashed worker's partitions wait before another worker takes them.")
     app_id: str | None = Field(None, description="Faust app id / consumer group. Default: '<topic_namespace>-streams'.")
     metrics_host: str = Field("127.0.0.1", description="Bind address of the Prometheus /metrics endpoint.")
-    metrics_port: int = Field(9102, ge=0, le=65535, description="Port of the Prometheus endpoint; 0 disables it.")
+    metrics_port: int = Field(9101, ge=0, le=65535, description="Port of the Prometheus endpoint; 0 disables it (trainer 9102, controller 9103).")
 
     @model_validator(mode="after")
     def _check_spec(self) -> "StreamsConfig":
