@@ -92,6 +92,7 @@ def _wait_for(what: str, fn, timeout: float, proc: subprocess.Popen, log: Path, 
                          f"logs in {log.parent}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
+@pytest.mark.timeout(1800)
 def test_the_loop_turns_end_to_end_and_resumes(tmp_path: Path):
     data_dir = tmp_path / "data"
     env, ports = _env(data_dir)
