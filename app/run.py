@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from app.settings import Settings
 
@@ -97,7 +96,7 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
 
     from app.db.migrate import upgrade
     from app.infra.kafka import LocalKafka, ensure_topics
-    from app.infra.mlflow_server import WEBHOOK_ENV, host_port, mlflow_server_argv, wait_healthy
+    from app.infra.mlflow_server import WEBHOOK_ENV, host_port, mlflow_server_argv
     from app.supervisor import RoleSpec, Supervisor
 
     console = Console()

@@ -14,8 +14,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -107,32 +105,24 @@ def fresh_postgres_url(postgres_url: str) -> Iterator[str]:
 
 
 class MlflowServer:
+    """`mlflow server` exactly as `flywheel run` starts it (app/infra/mlflow_server.py)."""
+
     def __init__(self, root: Path, port: int, extra_env: dict[str, str] | None = None):
+        from app.infra.mlflow_server import mlflow_env, mlflow_server_argv
+
         self.root, self.port = root, port
         self.uri = f"http://127.0.0.1:{port}"
-        env = dict(os.environ, **(extra_env or {}))
         self.log = open(root / "mlflow.log", "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-             "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-             "--artifacts-destination", str(root / "artifacts"), "--workers", "1"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
+        self.proc = subprocess.Popen(mlflow_server_argv(root, "127.0.0.1", port), stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=mlflow_env(extra_env), start_new_session=True)
 
-    def wait_ready(self, timeout: float = 120.0) -> None:
-        import httpx
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        from app.infra.mlflow_server import wait_healthy
 
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited {self.proc.returncode}; see {self.root / 'mlflow.log'}")
-            try:
-                if httpx.get(f"{self.uri}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"mlflow server not ready after {timeout}s; see {self.root / 'mlflow.log'}")
+        try:
+            wait_healthy(self.uri, timeout, proc=self.proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}; see {self.root / 'mlflow.log'}") from None
 
     def stop(self) -> None:
         import signal
@@ -150,8 +140,6 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     """A real MLflow tracking + registry server (SQLite backend, local artifact store)."""
     root = tmp_path_factory.mktemp("mlflow")
     server = MlflowServer(root, free_port(), {
-        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
-        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
         "MLFLOW_WEBHOOK_CACHE_TTL": "1",  # the server caches its webhook list; tests register webhooks mid-session
     })
     try:
