@@ -36,7 +36,7 @@ def host_port(uri: str) -> tuple[str, int]:
 
 
 def mlflow_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    return dict(os.environ, **WEBHOOK_ENV, **(extra or {}))
+    return {**os.environ, **WEBHOOK_ENV, **(extra or {})}
 
 
 def wait_healthy(uri: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
