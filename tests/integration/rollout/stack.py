@@ -260,9 +260,12 @@ class RolloutStack:
         from app.replica.config import ReplicaConfig
         from app.replica.server import create_app
 
-        cfg = ReplicaConfig(id=replica_id, cache_dir=self.workdir / f"cache-{replica_id}", heartbeat_interval=2.0,
-                            poll_interval=0.2, retry_interval=2.0, max_tokens=16, torch_threads=1)
-        srv = ServerThread(create_app(self.settings, cfg))
+        from tests.conftest import free_port
+
+        port = free_port()
+        cfg = ReplicaConfig(id=replica_id, port=port, cache_dir=self.workdir / f"cache-{replica_id}",
+                            heartbeat_interval=2.0, poll_interval=0.2, retry_interval=2.0, max_tokens=16, torch_threads=1)
+        srv = ServerThread(create_app(self.settings, cfg), port=port)
         srv.replica_config = cfg
         return srv.start()
 

@@ -42,9 +42,9 @@ def assert_move_carried_out(stack, old: str, new: str, via: str, seconds: float)
     st = wait_for(lambda: (s := stack.status()).get("champion") == new and s, 30, "status API champion")
     assert (st["candidate"], st["phase"]) == (None, "idle"), st
     assert stack.model_version(new)["rollout"]["is_champion"] is True
-    reps = wait_for(lambda: [r for r in stack.status()["replicas"] if r["champion_version"] == new], 30,
-                    "both replicas in the status API on the new champion", every=0.5)
-    assert len(reps) == 2, reps
+    reps = wait_for(lambda: len(rs := [r for r in stack.status()["replicas"] if r["champion_version"] == new]) == 2
+                    and rs, 30, "both replicas in the status API on the new champion", every=0.5)
+    assert sorted(r["replica_id"] for r in reps) == ["replica-1", "replica-2"], reps
     time.sleep(2)  # several controller ticks: the controller must not move the alias back
     assert stack.aliases() == {"champion": new}
     assert stack.serving() == [(new, None, 0.0)] * 2

@@ -75,9 +75,11 @@ def test_better_candidate_passes_every_step_and_is_promoted(rollout_stack):
     assert stack.model_version(v2)["rollout"]["status"] == "champion"
     assert stack.model_version(v1)["rollout"]["status"] == "retired"
     wait_for(lambda: stack.aliases() == {"champion": v2}, 30, "MLflow aliases to follow (candidate removed)")
-    replicas = wait_for(lambda: [r for r in stack.status()["replicas"] if r["champion_version"] == v2
-                                 and r["candidate_version"] is None], 30, "replicas in the status API")
+    replicas = wait_for(lambda: len(rs := [r for r in stack.status()["replicas"] if r["champion_version"] == v2
+                                           and r["candidate_version"] is None]) == 2 and rs, 30,
+                        "both replicas on v2 in the status API", every=0.5)
     assert sorted(r["replica_id"] for r in replicas) == ["replica-1", "replica-2"], replicas
+    assert {r["url"] for r in replicas} == {srv.url for srv in stack.replicas}, replicas
 
 
 def test_worse_candidate_is_rolled_back_and_replicas_return_to_the_champion(rollout_stack):
