@@ -80,17 +80,34 @@ BATCH = Histogram("flywheel_streams_batch_events", "Records per processed batch"
 CHANGELOG = Counter("flywheel_streams_changelog_records_total", "Changelog records written (one per touched key per batch)", ["table"])
 
 
-def internal_topics(settings: Settings) -> dict[str, tuple[int, dict[str, str]]]:
-    """Internal topics the worker needs: name -> (partitions, configs)."""
+TABLES = ("labels", "generations", "buckets", "metric-buckets")  # the Faust tables build_app declares
+
+
+def app_id(settings: Settings, cfg: StreamsConfig | None = None) -> str:
+    return (cfg.app_id if cfg is not None else None) or f"{settings.topic_namespace}-streams"
+
+
+def internal_topics(settings: Settings, cfg: StreamsConfig | None = None) -> dict[str, tuple[int, dict[str, str]]]:
+    """Internal topics the worker needs: name -> (partitions, configs), the tables' changelogs included.
+
+    Faust would declare the changelogs itself on start, but on a fresh cluster its metadata
+    refresh can race the creation ("changelog topic has 0 partitions"), which crashes an agent
+    and leaves the worker half-alive; creating them up front and waiting for them avoids that.
+    """
     ns, n = settings.topic_namespace, settings.interactions_partitions
-    return {
+    topics = {
         f"{ns}.streams-ticks": (n, {"retention.ms": str(3600_000)}),
         f"{ns}.streams-metric-partials": (n, {"retention.ms": str(7 * 86400_000)}),
     }
+    for table in TABLES:
+        topics[f"{app_id(settings, cfg)}-{table}-changelog"] = (n, {"cleanup.policy": "compact"})
+    return topics
 
 
-def ensure_internal_topics(settings: Settings) -> None:
-    """Create the contract topics and the internal ones (idempotent)."""
+def ensure_internal_topics(settings: Settings, cfg: StreamsConfig | None = None, timeout_s: float = 120.0) -> None:
+    """Create the contract topics and the internal ones (idempotent), and wait until the broker
+    reports every one of them with its partitions."""
+
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
@@ -100,14 +117,24 @@ def ensure_internal_topics(settings: Settings) -> None:
     ensure_topics(settings)
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap.split(","))
     try:
+        wanted = internal_topics(settings, cfg)
         existing = set(admin.list_topics())
-        new = [NewTopic(name, num_partitions=n, replication_factor=settings.replication_factor, topic_configs=cfg)
-               for name, (n, cfg) in internal_topics(settings).items() if name not in existing]
+        new = [NewTopic(name, num_partitions=n, replication_factor=settings.replication_factor, topic_configs=conf)
+               for name, (n, conf) in wanted.items() if name not in existing]
         if new:
             try:
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
+        deadline = time.monotonic() + timeout_s
+        while True:
+            described = {t["name"]: len(t.get("partitions") or []) for t in admin.describe_topics(list(wanted))
+                         if not t.get("error_code")}
+            missing = {name: n for name, (n, _) in wanted.items() if described.get(name, 0) < n}
+            if not missing:
+                return
+            assert time.monotonic() < deadline, f"internal topics not ready after {timeout_s:.0f}s: {missing}"
+            time.sleep(0.5)
     finally:
         admin.close()
 
@@ -262,7 +289,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     n = settings.interactions_partitions
     ns = settings.topic_namespace
     app = faust.App(
-        cfg.app_id or f"{ns}-streams",
+        app_id(settings, cfg),
         broker=[f"kafka://{h.strip()}" for h in settings.kafka_bootstrap.split(",")],
         store=cfg.store, topic_partitions=n, topic_replication_factor=settings.replication_factor,
         web_enabled=False, producer_acks=-1, consumer_auto_offset_reset="earliest",

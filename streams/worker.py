@@ -23,7 +23,7 @@ def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = Non
 
     settings = settings or get_settings()
     cfg = cfg or StreamsConfig()
-    ensure_internal_topics(settings)
+    ensure_internal_topics(settings, cfg)
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
         log.info("prometheus metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
