@@ -93,6 +93,11 @@ def sync_aliases(client, model: str, want: dict[str, str | None]) -> list[tuple[
     Tag first, alias second: the webhook MLflow fires for this move then reads tag == alias.
     """
     snap = read_snapshot(client, model)
+    outside = [m for m in detect_moves(snap) if m.alias in want]
+    if outside:  # moved in MLflow since the caller's last reconcile: report it first, never overwrite it
+        log.info("not moving aliases of %s: %s moved outside Flywheel and is not reconciled yet", model,
+                 [(m.alias, m.from_version, m.to_version) for m in outside])
+        return []
     changed = []
     bumped = False
     for alias, version in want.items():
