@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -119,6 +120,8 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
             wait_for(lambda: stack.aliases() == {"champion": champion}, slack, f"MLflow aliases {{champion: {champion}}}")
 
         def ui_move(target: str, record: bool) -> None:
+            if record:  # a random phase against the controller's poll and tick loops
+                time.sleep(random.uniform(0.0, max(args.poll_interval, args.tick_interval)))
             wall0, t0 = time.time(), time.monotonic()
             stack.client.set_registered_model_alias(stack.model, "champion", target)
             stack.wait_serving(target, None, timeout=slack, every=0.05)
@@ -131,6 +134,7 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
             ui_move(v1, record=True)  # v2 -> v1 in "the UI"
             ui_move(v2, record=False)  # set-up for the next trigger
 
+            time.sleep(random.uniform(0.0, args.tick_interval))
             wall0, t0 = time.time(), time.monotonic()
             r = stack.verb("rollback", reason=f"bench run {i}", version=v1)
             assert r.status_code == 202, r.text
@@ -153,7 +157,9 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
             cand = candidates[i]
             stack.versions.announce(cand)
             stack.wait_serving(v2, cand, 5.0, timeout=300)
-            time.sleep(cs.min_step)  # the step's minimum time has passed: the next analysis can decide
+            # the step's minimum time has passed (the next analysis can decide); the random part keeps the
+            # trigger from landing at the same phase of the controller's tick every run
+            time.sleep(cs.min_step + random.uniform(0.0, args.tick_interval))
             wall0, t0 = time.time(), time.monotonic()
             stack.feed.pair(cand, v2, 0.0, 0.8, n=200)
             stack.wait_serving(v2, None, timeout=slack, every=0.05)
