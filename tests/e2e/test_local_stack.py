@@ -48,6 +48,9 @@ def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
                FLYWHEEL_CONTROLLER_METRICS_PORT=str(ports["controller_metrics"]),
                FLYWHEEL_CONTROLLER_STEPS="50,100",  # few sessions here: a 5% step would see none
                FLYWHEEL_CONTROLLER_MIN_STEP="3s",
+               # a tiny model's rewards are noisy: a wide non-inferiority margin lets the anytime-valid
+               # bound decide (promote or roll back) within one ship interval
+               FLYWHEEL_CONTROLLER_MARGIN="0.5",
                FLYWHEEL_CONTROLLER_MIN_SAMPLES="4",
                FLYWHEEL_CONTROLLER_STEP_DEADLINE="90s",
                FLYWHEEL_CONTROLLER_POLL_INTERVAL="2s",
