@@ -87,8 +87,12 @@ def produce(settings, records: list[tuple[bytes | None, bytes]]) -> None:
     prod.close()
 
 
-def read_topic(settings, topic: str, expect: int, timeout: float, settle: float = 1.0) -> list[Any]:
-    """Consume `topic` from the beginning until `expect` records arrived (then `settle` s more) or timeout."""
+def read_topic(settings, topic: str, expect: int, timeout: float, settle: float = 1.0, distinct_keys: bool = False) -> list[Any]:
+    """Consume `topic` from the beginning until `expect` records arrived (then `settle` s more) or timeout.
+
+    distinct_keys: count distinct record keys instead of records, for topics where a restarted
+    worker legitimately re-emits some records (at-least-once): the duplicates must not stop the
+    read before the last distinct record arrived."""
     from app.kafka_io import make_consumer
 
     cons = make_consumer(settings, topic, group_id=None, consumer_timeout_ms=200)
@@ -98,7 +102,8 @@ def read_topic(settings, topic: str, expect: int, timeout: float, settle: float 
     while time.monotonic() < deadline:
         for rec in cons:
             out.append(rec)
-        if len(out) >= expect and settle_until is None:
+        seen = len({r.key for r in out}) if distinct_keys else len(out)
+        if seen >= expect and settle_until is None:
             settle_until = time.monotonic() + settle
         if settle_until is not None and time.monotonic() >= settle_until:
             break

@@ -32,7 +32,7 @@ def events_in(worker) -> float:
 
 
 def outputs(settings, n_rollouts: int, n_late: int, n_dlq: int, timeout: float = 90.0):
-    rolls = read_topic(settings, settings.topic("rollouts"), n_rollouts, timeout)
+    rolls = read_topic(settings, settings.topic("rollouts"), n_rollouts, timeout, distinct_keys=True)
     late = read_topic(settings, settings.topic("late"), n_late, 20.0)
     dlq = read_topic(settings, settings.topic("dlq"), n_dlq, 20.0)
     return rolls, late, dlq
