@@ -136,5 +136,5 @@ def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings
     time.sleep(WINDOW + 2.0)
     produce(settings, phase2)
     ref = expected(arrivals(settings), WINDOW)
-    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid, timeout=120)
+    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid, timeout=300)
     check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
