@@ -38,6 +38,10 @@ def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(registry
     settings = make_settings(model_name=model, webhook_secret=SECRET, mlflow_uri=client.tracking_uri)
     sync_aliases(client, model, {"champion": "1"})  # what the controller does: acknowledged, no event
     api = api_server(settings)
+    # MLflow webhooks are server-wide: receivers left by earlier tests on this session's server
+    # are dead, and deliveries to them (with retries) queue ahead of this one
+    for w in client.list_webhooks(max_results=100):
+        client.delete_webhook(w.webhook_id)
     hook_id = ensure_webhook(client, model, f"{api.url}/v1/hooks/mlflow", SECRET)
     try:
         t0 = time.monotonic()
