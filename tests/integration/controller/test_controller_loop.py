@@ -14,7 +14,7 @@ from app.controller.controller import Controller
 from app.controller.gate import GateResult
 from app.controller.monitors import Check
 from app.controller.state import Decision
-from app.kafka_io import dumps, make_producer
+from tests.integration.rollout.stack import MetricsFeed as Feeder  # publishes version-metrics like streams/
 from tests.integration.controller.conftest import deployment_events, wait_for
 
 pytestmark = pytest.mark.integration
@@ -23,23 +23,6 @@ pytestmark = pytest.mark.integration
 def gate(version, champion):
     """The test's gate verdicts (the real gate is unit-tested on real policies in tests/unit/controller)."""
     return GateResult([Check("synthetic", "pass", detail=f"v{version} vs champion {champion}")])
-
-
-class Feeder:
-    """Publishes version-metrics buckets the way streams/ does (one record per version per bucket)."""
-
-    def __init__(self, settings):
-        self.settings, self.producer = settings, make_producer(settings)
-        self.topic = settings.topic("version-metrics")
-
-    def bucket(self, version: str, n: int, mean: float, sd: float = 0.5) -> None:
-        start = time.time()
-        sums = {"n": float(n), "reward_sum": n * mean, "reward_sumsq": n * (sd * sd + mean * mean)}
-        rec = {"bucket_id": f"{version}/{start!r}/1.0", "model_version": version, "bucket_start": start,
-               "bucket_seconds": 1.0, "reward_spec": "v1", "partitions": [0], "sums": sums, "n": n,
-               "reward_mean": mean, "reward_variance": sd * sd}
-        self.producer.send(self.topic, key=version.encode(), value=dumps(rec))
-        self.producer.flush()
 
 
 def types(settings, since=0):

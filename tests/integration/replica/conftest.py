@@ -63,20 +63,8 @@ def replica_factory(make_settings, tmp_path) -> Iterator[Callable[..., Any]]:
         s.stop()
 
 
-def perturb(state: dict, seed: int, frac: float = 0.05) -> dict:
-    """A 'training step': nudge `frac` of every float tensor's elements (new bf16 values)."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for k, t in state.items():
-        if not t.is_floating_point():
-            out[k] = t
-            continue
-        mask = torch.rand(t.shape, generator=g) < frac
-        noise = torch.randn(t.shape, generator=g) * 0.05
-        out[k] = torch.where(mask, t.float() + noise, t.float()).to(t.dtype)
-    return out
+# a 'training step' (nudge `frac` of every float tensor's elements); one implementation for all tests
+from tests.integration.rollout.stack import nudged as perturb  # noqa: E402,F401 (re-exported)
 
 
 class Registered:
