@@ -18,9 +18,13 @@ from urllib.parse import urlparse
 log = logging.getLogger(__name__)
 
 # MLflow caches its webhook list for 60 s by default: a webhook the controller registers after the
-# first alias event would go unheard for a minute (the poller still catches it).
+# first alias event would go unheard for a minute (the poller still catches it). Its delivery pool
+# (10 threads, 30 s timeout, 3 retries) lets a few hung receivers delay every other delivery by
+# minutes; Flywheel's receiver answers in milliseconds, so a short timeout and a wider pool keep one
+# dead endpoint from starving the live ones (the poller still covers whatever is lost).
 WEBHOOK_ENV = {"MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
-               "MLFLOW_WEBHOOK_CACHE_TTL": "2"}
+               "MLFLOW_WEBHOOK_CACHE_TTL": "2", "MLFLOW_WEBHOOK_REQUEST_TIMEOUT": "10",
+               "MLFLOW_WEBHOOK_DELIVERY_MAX_WORKERS": "32"}
 
 
 def mlflow_server_argv(root: Path, host: str, port: int, workers: int = 1) -> list[str]:

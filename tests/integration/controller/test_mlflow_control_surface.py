@@ -18,10 +18,30 @@ from prometheus_client import REGISTRY
 from app.controller.aliases import read_snapshot, sync_aliases
 from app.controller.reconciler import Reconciler
 from app.controller.webhooks import ensure_webhook, sign
+from tests.conftest import MlflowServer, free_port
 from tests.integration.controller.conftest import deployment_events, wait_for
 
 pytestmark = pytest.mark.integration
 SECRET = "test-webhook-secret"
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):  # noqa: ANN001, ANN201
+    """A private MLflow server for this module (overrides the session one): MLflow's webhooks are
+    server-wide and its delivery pool is shared, so deliveries queued for other tests' receivers
+    (dead or slow by now) must not delay the ones these tests wait for."""
+    root = tmp_path_factory.mktemp("mlflow-webhooks")
+    server = MlflowServer(root, free_port(), {"MLFLOW_WEBHOOK_CACHE_TTL": "1"})
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def mlflow_log_tail(server, n: int = 40) -> str:  # noqa: ANN001
+    lines = (server.root / "mlflow.log").read_text(errors="replace").splitlines()
+    return "\n".join(line for line in lines if "webhook" in line.lower() or "Error" in line)[-4000:] or "\n".join(lines[-n:])
 
 
 def alias_events(settings, alias=None):
@@ -33,7 +53,8 @@ def deliveries(outcome: str) -> float:
     return REGISTRY.get_sample_value("flywheel_webhook_deliveries_total", {"outcome": outcome}) or 0.0
 
 
-def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(registry, make_settings, api_server):
+def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(registry, make_settings, api_server,
+                                                                        mlflow_server):
     client, model = registry.client, registry.model
     settings = make_settings(model_name=model, webhook_secret=SECRET, mlflow_uri=client.tracking_uri)
     sync_aliases(client, model, {"champion": "1"})  # what the controller does: acknowledged, no event
@@ -43,10 +64,19 @@ def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(registry
     for w in client.list_webhooks(max_results=100):
         client.delete_webhook(w.webhook_id)
     hook_id = ensure_webhook(client, model, f"{api.url}/v1/hooks/mlflow", SECRET)
+    # the server caches "which webhooks listen to alias events" for MLFLOW_WEBHOOK_CACHE_TTL (1 s here):
+    # the sync_aliases above cached "none", so a move inside that second would go to nobody (in
+    # production the poller carries such a move; this test is about the webhook path)
+    time.sleep(2.5)
     try:
         t0 = time.monotonic()
         client.set_registered_model_alias(model, "champion", "2")  # the UI's move
-        [ev] = wait_for(lambda: alias_events(settings), 120, "alias_changed from the webhook")
+        try:
+            [ev] = wait_for(lambda: alias_events(settings), 120, "alias_changed from the webhook")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; deliveries by outcome: "
+                                 f"{ {o: deliveries(o) for o in ('applied', 'no_change', 'rejected', 'duplicate', 'ignored', 'error')} }; "
+                                 f"MLflow server log:\n{mlflow_log_tail(mlflow_server)}") from None
         took = time.monotonic() - t0
         assert (ev["version"], ev["from_version"], ev["source"], ev["actor"]) == ("2", "1", "mlflow-ui", "mlflow-ui")
         assert ev["details"]["alias"] == "champion" and ev["details"]["observed_via"] == "webhook"
