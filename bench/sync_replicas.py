@@ -2,26 +2,41 @@
 
     .venv/bin/python bench/sync_replicas.py            # 3 rounds, built-in policy (default size)
     .venv/bin/python bench/sync_replicas.py --quick    # 1 round
+    .venv/bin/python bench/sync_replicas.py --in-process   # the 4 agents as threads of this process
     .venv/bin/python bench/sync_replicas.py --kafka 127.0.0.1:9092 --mlflow http://127.0.0.1:5000  # reuse servers
 
 Set-up (all real, all local): an embedded Kafka broker and an `mlflow server` (started here unless
 given), version N registered the way the trainer ships it (pyfunc model + trainer.publish
-delta/manifest artifacts), and 4 replicas' sync agents (app/replica/sync.py) running IN THIS
-PROCESS, each with its own weight store, verified cache directory, MLflow client and Kafka
-consumer (the HTTP front end is not involved in a sync, so it is left out). A round: publish
-`promoted` for the next version on `flywheel.deployments`, then poll the 4 stores until every
-one serves it; the time is from the publish call to the last swap.
+delta/manifest artifacts), and 4 replicas' sync agents (app/replica/sync.py), each with its own
+weight store, verified cache directory, MLflow client and Kafka consumer (the HTTP front end is
+not involved in a sync, so it is left out). A round: publish `promoted` for the next version on
+`flywheel.deployments`, then wait until every replica serves it; the time is from just before
+the publish call to the last replica's swap.
+
+Replicas run as 4 SEPARATE PROCESSES (default), as real replicas do: each child process runs
+one SyncAgent and reports every swap (wall-clock `time.time()` taken right after the atomic
+swap, the same clock on one host) on its stdout. Earlier versions of this benchmark ran the 4
+agents as threads of the benchmark process, so their Python work (HTTP parsing, decode
+bookkeeping, policy copies) was serialised by ONE interpreter lock — a cost no deployment of
+replicas has, which inflated the measured time (`--in-process` keeps that mode for comparison).
+The child processes still share this machine's CPU cores with each other, the Kafka broker and
+the MLflow server, which the floor accounts for (apply × ceil(4 / cores)).
 
 The floor, measured side by side in the same run:
-- payload: the bytes each replica must download (manifests + delta), times 4, over the
+- payload: the bytes each replica must download (manifest + delta), times 4, over the
   loopback bandwidth measured by downloading a large artifact from the same MLflow server
   (best of 3);
-- apply: reconstructing the version from the held one with `trainer.publish.apply_chain` on
-  in-memory bytes (decode + every hash verified; best of 3), times ceil(4 / CPU cores) because
-  4 CPU-bound applies cannot finish faster than that on this machine.
-ratio = measured / floor; target <= 2 (issue 5). The successive checkpoints come from real
-AdamW steps (lr 1e-5 after a short warm-up) of the built-in policy on next-byte prediction
-of this repository's Python sources; `bench/delta.py` calls `run_sync_bench` with its own pair.
+- apply: the fastest verified reconstruction of the version from the held one on in-memory
+  bytes — min(`trainer.publish.apply_chain`, the replica's one-delta path: file SHA-256 +
+  `decode_delta_verified` with every tensor hash checked), best of 3 each — times
+  ceil(4 / CPU cores) because 4 CPU-bound applies cannot finish faster than that on this machine.
+ratio = measured / floor; target <= 2 (issue 5). The floor leaves out everything else a sync
+needs (the Kafka event's delivery, the MLflow look-up of the new version, HTTP round trips,
+loading the shadow policy, the swap): those are what the ratio measures.
+The successive checkpoints come from real steps of the trainer's optimizer (AdamW with
+trainer.config.TrainerConfig's betas, weight decay, clipping and default lr 1e-5, after a short
+warm-up at 1e-3) of the built-in policy on next-byte prediction of this repository's Python sources; `bench/delta.py`
+calls `run_sync_bench` with its own pair.
 """
 
 from __future__ import annotations
@@ -49,20 +64,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=None, help="versions published one after the other (default 3, quick 1)")
     p.add_argument("--kafka", default=None, help="reuse this Kafka bootstrap instead of starting a broker")
     p.add_argument("--mlflow", default=None, help="reuse this MLflow server URI instead of starting one")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the replicas' sync agents as threads of this process (shares one GIL; for comparison)")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one replica agent (id)
     return p.parse_args()
 
 
-def trained_states(n: int, warmup: int, lr: float = 1e-5) -> tuple[dict, list[dict]]:
-    """(policy config, n successive bf16 serving state dicts, one AdamW step apart)."""
+def trained_states(n: int, warmup: int, lr: float | None = None) -> tuple[dict, list[dict]]:
+    """(policy config, n successive bf16 serving state dicts, one AdamW step apart).
+
+    The trainer's optimizer (trainer.config.TrainerConfig: AdamW betas, weight decay, gradient
+    clipping) at `lr` (default: the trainer's default learning rate) after `warmup` steps at 1e-3."""
     import torch
 
+    from trainer.config import TrainerConfig
     from trainer.policy import build_policy
 
+    tc = TrainerConfig()
+    lr = tc.lr if lr is None else lr
     policy = build_policy(None)
     policy.set_kernels("default")
     text = b"".join(p.read_bytes() for p in sorted((REPO / "app").rglob("*.py")))
     g = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
 
     def step() -> None:
         starts = torch.randint(0, len(text) - 129, (4,), generator=g).tolist()
@@ -70,6 +94,7 @@ def trained_states(n: int, warmup: int, lr: float = 1e-5) -> tuple[dict, list[di
         lp = policy.logprobs([s[:1] for s in seqs], [s[1:] for s in seqs])
         opt.zero_grad()
         (-lp.mean()).backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), tc.max_grad_norm)
         opt.step()
 
     for _ in range(warmup):
@@ -114,36 +139,195 @@ def _loopback_bandwidth(reg: Any, run_id: str, fetcher: Any, size: int) -> float
     return size / best
 
 
-def _apply_time(fetcher: Any, version: str, held: tuple[str, dict]) -> tuple[float, int]:
-    """Best-of-3 seconds of apply_chain on pre-fetched bytes, and the bytes one replica downloads."""
+def _apply_time(fetcher: Any, version: str, held: tuple[str, dict]) -> tuple[float, int, dict]:
+    """Best-of-3 seconds of the fastest verified reconstruction on pre-fetched bytes, the bytes
+    one replica downloads (manifest + delta) and both timings (apply_chain, one delta)."""
+    import hashlib
+
+    from kernels.delta import hash_state_dict
+    from kernels.delta.codec import decode_delta_verified
+    from kernels.delta.manifest import Manifest
     from trainer.publish import apply_chain
 
     files: dict[tuple[str, str], bytes] = {}
 
     def record(v: str, name: str) -> bytes:
-        files[(v, name)] = fetcher.fetch_file(v, name)
+        files[(v, name)] = fetcher._get(f"{fetcher._root(v)}/{fetcher.artifacts_dir}/{name}")
         return files[(v, name)]
 
     apply_chain(version, record, held=held)
-    best = math.inf
+    manifest_bytes = files[(version, "manifest.json")]
+    m = Manifest.model_validate_json(manifest_bytes)
+    delta = files[(version, m.delta.file)]
+    held_sha = hash_state_dict(held[1], 2)[1]  # the replica knows it already (verified at load)
+
+    def one_delta() -> None:
+        mm = Manifest.model_validate_json(manifest_bytes)
+        assert hashlib.sha256(delta).hexdigest() == mm.delta.sha256
+        _, digests, sha = decode_delta_verified(held[1], delta, base_checkpoint_sha256=held_sha)
+        assert digests == {t.name: t.sha256 for t in mm.tensors} and sha == mm.checkpoint_sha256
+
+    best = {"apply_chain": math.inf, "one_delta": math.inf}
     for _ in range(3):
         t0 = time.perf_counter()
         apply_chain(version, lambda v, n: files[(v, n)], held=held)
-        best = min(best, time.perf_counter() - t0)
-    return best, sum(len(b) for b in files.values())
+        t1 = time.perf_counter()
+        one_delta()
+        t2 = time.perf_counter()
+        best["apply_chain"] = min(best["apply_chain"], t1 - t0)
+        best["one_delta"] = min(best["one_delta"], t2 - t1)
+    config = fetcher._get(f"{fetcher._root(version)}/model/artifacts/config.json")
+    return min(best.values()), len(manifest_bytes) + len(delta) + len(config), best
 
 
-def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int = 4, console: Any = None) -> dict:
-    """Register states[0..], sync `replicas` in-process agents through every version after the first.
+class _ThreadReplicas:
+    """`n` sync agents as threads of this process (one GIL; the old harness, for comparison)."""
+
+    def __init__(self, settings: Any, n: int, tmp: Path):
+        from app.replica.config import ReplicaConfig
+        from app.replica.sync import SyncAgent
+        from app.replica.weights import WeightCache, WeightStore
+
+        self.agents = []
+        for r in range(n):
+            rc = ReplicaConfig(id=f"bench-{r}", cache_dir=tmp / f"r{r}", poll_interval=0.05,
+                               heartbeat_interval=3600, torch_threads=1)
+            self.agents.append(SyncAgent(settings, rc, WeightStore(), WeightCache(rc.cache_dir)))
+        for a in self.agents:
+            a.start()
+
+    def wait_all(self, version: str, timeout_s: float = 300.0) -> tuple[float, list[dict]]:
+        """time.time() at which the last replica served `version`, and each one's sync report."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all((s := a.store.snapshot().champion) is not None and s.version == version for a in self.agents):
+                return time.time(), [dict(a.last_result or {}) for a in self.agents]
+            time.sleep(0.001)
+        raise TimeoutError(f"not every replica serves v{version} after {timeout_s}s: "
+                           f"{[a.store.snapshot().versions() for a in self.agents]}")
+
+    def close(self) -> None:
+        for a in self.agents:
+            a.stop()
+
+
+class _ProcessReplicas:
+    """`n` sync agents, one per child process (`--child`), reporting swaps on their stdout."""
+
+    def __init__(self, settings: Any, n: int, tmp: Path):
+        import json
+        import queue
+        import subprocess
+        import threading
+
+        env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+               "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri, "FLYWHEEL_MODEL_NAME": settings.model_name,
+               "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace, "FLYWHEEL_DATA_DIR": str(tmp)}
+        self.swaps: queue.Queue = queue.Queue()
+        self.procs = []
+        for r in range(n):
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f"bench-{r}"],
+                                    env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+            self.procs.append(proc)
+
+            def pump(p: subprocess.Popen = proc) -> None:
+                for line in p.stdout:
+                    if line.startswith("{"):
+                        self.swaps.put(json.loads(line))
+            threading.Thread(target=pump, daemon=True).start()
+        self.serving: dict[str, dict] = {}
+
+    def wait_all(self, version: str, timeout_s: float = 300.0) -> tuple[float, list[dict]]:
+        import queue
+
+        deadline = time.monotonic() + timeout_s
+        while not (len(self.serving) == len(self.procs)
+                   and all(r["champion"] == version for r in self.serving.values())):
+            dead = [p.returncode for p in self.procs if p.poll() is not None]
+            assert not dead, f"a replica process exited ({dead}); see its stderr above"
+            try:
+                rep = self.swaps.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not every replica serves v{version} after {timeout_s}s: {self.serving}")
+                continue
+            self.serving[rep["replica"]] = rep
+        return max(r["t"] for r in self.serving.values()), [{**r["result"], "swapped_at": r["t"]}
+                                                              for r in self.serving.values()]
+
+    def close(self) -> None:
+        import signal
+        import subprocess
+
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def child(replica_id: str) -> None:
+    """One replica's sync agent (a child process of the benchmark); prints a JSON line per swap."""
+    import json
+    import logging
+    import signal
+    import threading
+
+    import torch
+
+    from app.replica.config import ReplicaConfig
+    from app.replica.sync import SyncAgent
+    from app.replica.weights import WeightCache, WeightStore
+    from app.settings import Settings
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("mlflow").setLevel(logging.ERROR)
+    settings = Settings()
+    rc = ReplicaConfig(id=replica_id, cache_dir=settings.data_dir / replica_id, poll_interval=0.05,
+                       heartbeat_interval=3600, torch_threads=1)
+    torch.set_num_threads(rc.torch_threads)  # what `flywheel replica` does (app/replica/server.py)
+    agent: SyncAgent | None = None
+
+    class ReportingStore(WeightStore):
+        def swap(self, **changes: Any) -> Any:
+            after = super().swap(**changes)
+            t = time.time()  # right after the atomic swap: from now on requests get the new version
+            result = dict(agent.last_result or {}) if agent is not None else {}
+            print(json.dumps({"replica": replica_id, "t": t, **after.versions(), "result": result}), flush=True)
+            return after
+
+    agent = SyncAgent(settings, rc, ReportingStore(), WeightCache(rc.cache_dir))
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    agent.start()
+    done.wait()
+    agent.stop()
+
+
+def _stages(result: dict, t0: float) -> dict[str, float]:
+    """A replica's sync stages (ms); `event` = from the publish call to the start of its sync
+    (Kafka delivery + folding the log), `swap` = from the end of the build to the swap."""
+    st = dict(result.get("stages_ms", {}))
+    if "swapped_at" in result and "seconds" in result:
+        st["event"] = (result["swapped_at"] - result["seconds"] - t0) * 1000
+        st["to_swap"] = (result["seconds"] * 1000) - st.get("total", 0.0) - st.get("load", 0.0)
+    return st
+
+
+def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int = 4, console: Any = None,
+                   in_process: bool = False) -> dict:
+    """Register states[0..], sync `replicas` agents (separate processes unless `in_process`)
+    through every version after the first.
 
     Returns per-round {version, seconds, floor, payload, apply, bandwidth, ratio} and the median.
     Needs a Settings with a reachable Kafka (topics created) and MLflow server.
     """
     from app.deployments.events import DeploymentEvent, DeploymentLog
-    from app.replica.config import ReplicaConfig
     from app.replica.fetch import VersionFetcher
-    from app.replica.sync import SyncAgent
-    from app.replica.weights import WeightCache, WeightStore
     from trainer.registry import Registry
 
     reg = Registry(settings.mlflow_uri, settings.model_name, experiment=f"bench-{settings.model_name}")
@@ -159,65 +343,65 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version="1", source="controller",
                                  actor="bench", traffic_pct=100.0))
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sync-"))
-    agents = []
-    for r in range(replicas):
-        rc = ReplicaConfig(id=f"bench-{r}", cache_dir=tmp / f"r{r}", poll_interval=0.05, heartbeat_interval=3600,
-                           torch_threads=1)
-        agents.append(SyncAgent(settings, rc, WeightStore(), WeightCache(rc.cache_dir)))
-    for a in agents:
-        a.start()
-
-    def all_serve(version: str, timeout_s: float = 300.0) -> float:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all((s := a.store.snapshot().champion) is not None and s.version == version for a in agents):
-                return time.perf_counter()
-            time.sleep(0.001)
-        raise TimeoutError(f"not every replica serves v{version} after {timeout_s}s: "
-                           f"{[a.store.snapshot().versions() for a in agents]}")
-
-    all_serve("1")
+    fleet = (_ThreadReplicas if in_process else _ProcessReplicas)(settings, replicas, tmp)
     rounds = []
     cores = os.cpu_count() or 1
     try:
+        fleet.wait_all("1")
         for i in range(1, len(states)):
             version = str(i + 1)
-            apply_s, per_replica = _apply_time(probe, version, (str(i), states[i - 1]))
-            t0 = time.perf_counter()
+            apply_s, per_replica, applies = _apply_time(probe, version, (str(i), states[i - 1]))
+            time.sleep(0.5)  # let the replicas' post-swap work of the previous round settle
+            t0 = time.time()
             dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version=version,
                                          source="controller", actor="bench", traffic_pct=100.0))
-            seconds = all_serve(version) - t0
+            t_last, results = fleet.wait_all(version)
+            seconds = t_last - t0
             payload = replicas * per_replica
             floor = payload / bandwidth + apply_s * math.ceil(replicas / cores)
             rounds.append(dict(version=version, seconds=seconds, payload=payload, per_replica=per_replica,
-                               apply=apply_s, bandwidth=bandwidth, floor=floor, ratio=seconds / floor,
-                               full=full, paths=[a.last_result.get("path") for a in agents]))
+                               apply=apply_s, applies=applies, bandwidth=bandwidth, floor=floor,
+                               ratio=seconds / floor, full=full, paths=[r.get("path") for r in results],
+                               stages=[_stages(r, t0) for r in results]))
             if console is not None:
                 console.print(f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
                               f"{floor * 1000:.1f} ms -> {seconds / floor:.2f}x")
     finally:
-        for a in agents:
-            a.stop()
+        fleet.close()
         dlog.close()
         probe.close()
     med = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]
-    return {"rounds": rounds, "median": med, "cores": cores}
+    return {"rounds": rounds, "median": med, "cores": cores, "mode": "threads" if in_process else "processes"}
 
 
 def print_report(result: dict, console: Any) -> None:
     from rich.table import Table
 
-    t = Table(title=f"sync of {len(result['median']['paths'])} replicas vs the floor ({result['cores']} CPU cores)")
-    for col in ("version", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms", "floor ms",
-                "measured ms", "ratio", "paths"):
+    t = Table(title=f"sync of {len(result['median']['paths'])} replicas ({result['mode']}) vs the floor "
+                    f"({result['cores']} CPU cores)")
+    for col in ("version", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms (chain / 1 delta)",
+                "floor ms", "measured ms", "ratio", "paths"):
         t.add_column(col, justify="right")
     for r in result["rounds"]:
+        a = r["applies"]
         t.add_row(r["version"], f"{r['full'] / 1024:.0f}", f"{r['per_replica'] / 1024:.1f}",
-                  f"{r['bandwidth'] / 1e6:.0f}", f"{r['apply'] * 1000:.1f}", f"{r['floor'] * 1000:.1f}",
-                  f"{r['seconds'] * 1000:.1f}", f"{r['ratio']:.2f}x", ",".join(sorted(set(map(str, r["paths"])))))
+                  f"{r['bandwidth'] / 1e6:.0f}",
+                  f"{r['apply'] * 1000:.1f} ({a['apply_chain'] * 1000:.1f} / {a['one_delta'] * 1000:.1f})",
+                  f"{r['floor'] * 1000:.1f}", f"{r['seconds'] * 1000:.1f}", f"{r['ratio']:.2f}x",
+                  ",".join(sorted(set(map(str, r["paths"])))))
     console.print(t)
+    stages: dict[str, list[float]] = {}
+    for r in result["rounds"]:
+        for st in r["stages"]:
+            for k, v in st.items():
+                stages.setdefault(k, []).append(v)
+    if stages:
+        console.print("per-replica sync stages, median ms: " + ", ".join(
+            f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in stages.items()))
+    ratios = sorted(r["ratio"] for r in result["rounds"])
     med = result["median"]["ratio"]
-    console.print(f"sync time / floor (median): {med:.2f}x — target <= 2x: {'MET' if med <= 2 else 'MISSED'}")
+    console.print(f"sync time / floor: median {med:.2f}x (min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x over "
+                  f"{len(ratios)} rounds) — target <= 2x: {'MET' if med <= 2 else 'MISSED'}")
 
 
 @contextlib.contextmanager
@@ -264,7 +448,8 @@ def local_stack(kafka: str | None = None, mlflow_uri: str | None = None, console
 
 
 def bench_pair(cfg: dict, states: list[dict], console: Any, replicas: int = 4) -> dict:
-    """Start a local stack, sync `replicas` replicas through `states`, print the report (bench/delta.py)."""
+    """Start a local stack, sync `replicas` replica processes through `states`, print the report
+    (bench/delta.py)."""
     import logging
 
     logging.getLogger("mlflow").setLevel(logging.ERROR)
@@ -276,6 +461,8 @@ def bench_pair(cfg: dict, states: list[dict], console: Any, replicas: int = 4) -
 
 def main() -> None:
     args = parse_args()
+    if args.child:
+        return child(args.child)
     import logging
 
     from rich.console import Console
@@ -287,7 +474,8 @@ def main() -> None:
     with local_stack(args.kafka, args.mlflow, console) as settings:
         console.print("training successive checkpoints…")
         cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20)
-        result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console)
+        result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console,
+                                in_process=args.in_process)
     print_report(result, console)
 
 

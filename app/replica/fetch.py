@@ -9,21 +9,39 @@ Layout (trainer/registry.py + trainer/publish.py): a version's model source is
 `ships/<ship_id>/<artifacts_dir>` (default `delta`), and the policy architecture in
 `model/artifacts/config.json`.
 
-The chain logic is `trainer.publish.apply_chain`: it walks the manifests back from the target,
-tries the cheaper of "deltas forward from the held version" and "nearest anchor + deltas",
-falls back to the other on any hash mismatch or corrupt file, and verifies every file, every
-delta's base/target hashes and the result's per-tensor and checkpoint SHA-256s against the
-target's manifest. This module supplies its `fetch(version, filename) -> bytes` callback:
-artifacts behind the MLflow server's artifact proxy (`mlflow-artifacts:` URIs, the default of
-`mlflow server`) are read with one plain HTTP GET each (no temp files), any other scheme goes
-through `mlflow.artifacts.download_artifacts`.
+Fast path (the common case: the target's parent is the newest version the replica holds):
+one MLflow REST look-up (model version -> artifact root, cached per version), then ONE round
+of three parallel GETs — the target's manifest, the delta from the held version (requested
+speculatively, before the manifest has named it) and the policy config — then one verified
+decode: the delta file's SHA-256 against the manifest, the delta's base checkpoint hash
+against the held version's already-verified hash (no re-hash of the held weights), every
+decoded tensor's SHA-256 and the checkpoint SHA-256 against the manifest. The per-tensor
+digests the codec computed travel with the result (`Fetched.digests`), so loading does not
+hash the weights a second time (weights.load_verified compares the loaded bits instead).
+
+General path (anything else, or any failure of the fast path): `trainer.publish.apply_chain`
+walks the manifests back from the target, tries the cheaper of "deltas forward from the held
+version" and "nearest anchor + deltas", falls back to the other on any hash mismatch or
+corrupt file, and verifies every file, every delta's base/target hashes and the result's
+per-tensor and checkpoint SHA-256s against the target's manifest. When the fast path's delta
+itself failed verification, only the anchor route is tried (the same delta would fail again).
+
+Manifests and policy configs are immutable per version, so both are cached in memory once
+they parsed (a sync that fails drops the cached manifests it used; the retry re-reads them):
+a sync reads one new manifest, not the whole chain back to the anchor.
+
+`fetch(version, filename) -> bytes`: artifacts behind the MLflow server's artifact proxy
+(`mlflow-artifacts:` URIs, the default of `mlflow server`) are read with one plain HTTP GET each
+(no temp files), any other scheme goes through `mlflow.artifacts.download_artifacts`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +52,8 @@ import httpx
 import torch
 
 from app.settings import Settings
+from kernels.delta import DeltaFormatError
+from kernels.delta.manifest import MANIFEST_FILE, Manifest, delta_file
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +70,8 @@ class Fetched:
     chain: list[str]  # artifact files fetched, in order ("7/delta-from-6.fwd", ...)
     bytes_by_kind: dict[str, int] = field(default_factory=dict)  # delta / anchor / manifest / config
     fallbacks: int = 0  # 1 when the first path failed verification and the other one was used
+    digests: dict[str, str] = field(default_factory=dict)  # per-tensor SHA-256s verified against the manifest
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage (lookup, download, decode)
 
 
 def _kind(filename: str) -> str:
@@ -69,10 +91,12 @@ class VersionFetcher:
         self.uri, self.model = settings.mlflow_uri.rstrip("/"), settings.model_name
         self.artifacts_dir = artifacts_dir
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
-        self.http = httpx.Client(timeout=timeout_s)
+        self.http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=8))
         self._roots: dict[str, str] = {}  # version -> artifact URI of ships/<ship_id> (immutable per version)
+        self._manifests: dict[str, bytes] = {}  # version -> manifest.json bytes that parsed (immutable)
+        self._configs: dict[str, dict[str, Any]] = {}  # version -> policy config (immutable)
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-config")
+        self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fetch")
 
     # --- MLflow ---------------------------------------------------------------------------------------
     def champion_alias(self) -> str | None:
@@ -85,18 +109,33 @@ class VersionFetcher:
 
     def _root(self, version: str) -> str:
         with self._lock:
-            if version not in self._roots:
-                from mlflow.exceptions import MlflowException
-
-                try:
-                    mv = self.client.get_model_version(self.model, str(version))
-                except MlflowException as exc:
-                    raise FileNotFoundError(f"model version {self.model}/{version} not found: {exc}") from exc
-                source = mv.source.rstrip("/")
-                assert source.endswith("/model"), \
-                    f"version {version}'s source {source} is not a trainer ship (…/ships/<ship_id>/model)"
-                self._roots[version] = source[: -len("/model")]
+            root = self._roots.get(version)
+        if root is not None:
+            return root
+        source = self._model_version_source(str(version)).rstrip("/")  # outside the lock: may be slow
+        assert source.endswith("/model"), \
+            f"version {version}'s source {source} is not a trainer ship (…/ships/<ship_id>/model)"
+        with self._lock:
+            self._roots[version] = source[: -len("/model")]
             return self._roots[version]
+
+    def _model_version_source(self, version: str) -> str:
+        """The model version's source URI: one REST call (MLflow's documented
+        `GET /api/2.0/mlflow/model-versions/get`) on the fetcher's keep-alive HTTP client, or
+        through MlflowClient for a non-HTTP registry URI."""
+        if urlparse(self.uri).scheme in ("http", "https"):
+            r = self.http.get(f"{self.uri}/api/2.0/mlflow/model-versions/get",
+                              params={"name": self.model, "version": version})
+            if r.status_code in (400, 404):  # RESOURCE_DOES_NOT_EXIST / INVALID_PARAMETER_VALUE
+                raise FileNotFoundError(f"model version {self.model}/{version} not found: {r.text[:300]}")
+            r.raise_for_status()
+            return str(r.json()["model_version"]["source"])
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return str(self.client.get_model_version(self.model, version).source)
+        except MlflowException as exc:
+            raise FileNotFoundError(f"model version {self.model}/{version} not found: {exc}") from exc
 
     def _get(self, uri: str) -> bytes:
         """Bytes of one artifact URI; FileNotFoundError when it does not exist."""
@@ -119,26 +158,62 @@ class VersionFetcher:
             return Path(path).read_bytes()
 
     def fetch_file(self, version: str, filename: str) -> bytes:
-        """The `fetch` callback of trainer.publish: one sync artifact of `version`."""
-        return self._get(f"{self._root(str(version))}/{self.artifacts_dir}/{filename}")
+        """The `fetch` callback of trainer.publish: one sync artifact of `version` (manifests cached)."""
+        version = str(version)
+        if filename == MANIFEST_FILE:
+            with self._lock:
+                cached = self._manifests.get(version)
+            if cached is not None:
+                return cached
+        data = self._get(f"{self._root(version)}/{self.artifacts_dir}/{filename}")
+        if filename == MANIFEST_FILE:
+            self._parse_manifest(version, data)  # only a manifest that parses is cached
+            with self._lock:
+                self._manifests[version] = data
+        return data
+
+    @staticmethod
+    def _parse_manifest(version: str, data: bytes) -> Manifest:
+        try:
+            m = Manifest.model_validate_json(data)
+        except ValueError as exc:  # pydantic's ValidationError is a ValueError
+            raise DeltaFormatError(f"manifest of version {version} is invalid: {exc}") from exc
+        if m.version != version:
+            raise DeltaFormatError(f"manifest fetched for version {version} describes version {m.version}")
+        return m
+
+    def forget(self, versions: Any) -> None:
+        """Drop cached manifests (after a failed sync, so the retry reads them again)."""
+        with self._lock:
+            for v in versions:
+                self._manifests.pop(str(v), None)
 
     def policy_config(self, version: str) -> dict[str, Any]:
         import json
 
-        return json.loads(self._get(f"{self._root(str(version))}/model/artifacts/config.json"))
+        version = str(version)
+        with self._lock:
+            cached = self._configs.get(version)
+        if cached is None:
+            cached = json.loads(self._get(f"{self._root(version)}/model/artifacts/config.json"))
+            assert isinstance(cached, dict), f"policy config of version {version} is not a JSON object"
+            with self._lock:
+                self._configs[version] = cached
+        return dict(cached)
 
     # --- reconstruction -------------------------------------------------------------------------------
     def fetch(self, target: str, held: dict[str, Any]) -> Fetched:
         """Reconstruct `target` (verified) from the best held version (newest one at or below the
-        target) or the nearest anchor. `held`: version -> object with `.state` (LoadedVersion).
+        target) or the nearest anchor. `held`: version -> object with `.state` and (optionally)
+        `.sha256`, the held weights' verified checkpoint hash (LoadedVersion).
         Raises trainer.publish.ChainError when no verifiable path exists."""
-        from trainer.publish import apply_chain
-
         target = str(target)
         below = sorted((v for v in held if int(v) <= int(target)), key=int)
-        base = (below[-1], held[below[-1]].state) if below else None
+        base = (below[-1], held[below[-1]]) if below else None
         chain: list[str] = []
         sizes: dict[str, int] = {}
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
 
         def fetch(version: str, filename: str) -> bytes:
             data = self.fetch_file(version, filename)
@@ -146,15 +221,86 @@ class VersionFetcher:
             sizes[_kind(filename)] = sizes.get(_kind(filename), 0) + len(data)
             return data
 
-        config_future = self._pool.submit(self.policy_config, target)  # overlaps with the chain
-        state, manifest = apply_chain(target, fetch, held=base)
-        config = config_future.result()
+        try:
+            self._root(target)  # the one MLflow REST call of a new version (cached after)
+            timings["lookup"] = time.perf_counter() - t0
+            config_future = self._pool.submit(self.policy_config, target)  # overlaps with the weights
+            got = self._fast_path(target, base, fetch, timings) if base is not None else None
+            attempts: list[str] = []
+            fallbacks = 0
+            if isinstance(got, str):  # the fast path was tried and failed verification
+                attempts.append(got)
+                fallbacks = 1
+            if got is None or isinstance(got, str):
+                got = self._general_path(target, base if not attempts else None, fetch, attempts, timings)
+            state, digests, manifest = got
+            config = config_future.result()
+        except Exception:
+            self.forget({c.split("/", 1)[0] for c in chain} | {target})
+            raise
         data_files = [c for c in chain if _kind(c) in ("delta", "anchor")]
         anchor_at = next((i for i, c in enumerate(data_files) if _kind(c) == "anchor"), None)
         path = "anchor" if anchor_at is not None else "delta"
-        fallbacks = int(anchor_at is not None and base is not None and anchor_at > 0)
+        fallbacks = max(fallbacks, int(anchor_at is not None and base is not None and anchor_at > 0))
+        timings["total"] = time.perf_counter() - t0
         return Fetched(version=target, state=state, config=config, sha256=manifest.checkpoint_sha256, path=path,
-                       chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks)
+                       chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks, digests=digests, timings=timings)
+
+    def _fast_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str], Manifest] | str | None:
+        """One delta forward from the held version. None: not applicable (the target's parent is
+        not the held version); a string: it was applicable and failed verification (why)."""
+        from kernels.delta.codec import decode_delta_verified
+
+        t0 = time.perf_counter()
+        base_version, base_lv = base
+        if base_version == target:
+            return None
+        manifest_f = self._pool.submit(fetch, target, MANIFEST_FILE)
+        delta_f = self._pool.submit(fetch, target, delta_file(base_version))  # speculative: the usual parent
+        try:
+            manifest = self._parse_manifest(target, manifest_f.result())
+        except (FileNotFoundError, DeltaFormatError):
+            delta_f.cancel()
+            return None  # the general path reports it (ChainError)
+        if manifest.parent_version != base_version or manifest.delta is None:
+            delta_f.cancel()
+            return None
+        try:
+            blob = delta_f.result()
+        except FileNotFoundError as exc:
+            return f"fast path: {exc}"
+        timings["download"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        ref = manifest.delta
+        try:
+            if len(blob) != ref.bytes or hashlib.sha256(blob).hexdigest() != ref.sha256:
+                raise DeltaFormatError(f"{ref.file} of version {target} does not match its manifest SHA-256")
+            state, digests, sha = decode_delta_verified(base_lv.state, blob,
+                                                        base_checkpoint_sha256=getattr(base_lv, "sha256", None))
+            want = {t.name: t.sha256 for t in manifest.tensors}
+            if digests != want or sha != manifest.checkpoint_sha256:
+                bad = sorted(set(want.items()) ^ set(digests.items()))[:3]
+                raise DeltaFormatError(f"version {target} decoded from v{base_version} does not match its "
+                                       f"manifest (e.g. {bad})")
+        except (DeltaFormatError, ValueError) as exc:
+            log.warning("version %s via the delta from held v%s failed: %s", target, base_version, exc)
+            return f"fast path (delta from v{base_version}): {exc}"
+        timings["decode"] = time.perf_counter() - t1
+        return dict(state), digests, manifest
+
+    def _general_path(self, target: str, base: tuple[str, Any] | None, fetch: Any, attempts: list[str],
+                      timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, str], Manifest]:
+        from trainer.publish import ChainError, apply_chain
+
+        t0 = time.perf_counter()
+        try:
+            state, manifest = apply_chain(target, fetch, held=(base[0], base[1].state) if base else None)
+        except ChainError as exc:
+            raise ChainError(target, attempts + exc.attempts) from exc
+        timings["chain"] = time.perf_counter() - t0
+        # apply_chain verified every tensor's SHA-256 against the manifest: those are its digests
+        return state, {t.name: t.sha256 for t in manifest.tensors}, manifest
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

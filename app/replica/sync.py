@@ -13,9 +13,10 @@ topic and, whenever what it serves differs from what is desired, reconciles:
 - otherwise `fetch.VersionFetcher` reconstructs the version from MLflow artifacts: the delta
   chain from a version it holds, or the nearest anchor, every hash verified; a corrupt or
   mismatching delta falls back to the anchor;
-- the decoded weights are loaded into a NEW (shadow) policy and verified again
-  (weights.load_verified), written to the local verified cache, and only then published with
-  one atomic `WeightStore.swap`. In-flight requests finish on the weights they started with.
+- the decoded weights are loaded into a NEW (shadow) policy, whose serving weights are checked
+  bit for bit against the tensors the codec verified (weights.load_verified), and only then
+  published with one atomic `WeightStore.swap`; the verified version is written to the local
+  cache right after. In-flight requests finish on the weights they started with.
 
 A sync that fails (fetch error, hash mismatch on every path) leaves the old weights serving,
 publishes `replica_sync_failed` and is retried after `retry_interval`. A successful one
@@ -200,10 +201,13 @@ class SyncAgent:
                 log.warning("debug pause of %.1fs while applying v%s", self.cfg.debug_pause_in_apply, target)
                 self.in_progress = {"slot": slot, "version": target, "stage": "debug_pause"}
                 self._stop.wait(self.cfg.debug_pause_in_apply)
+            t_load = time.perf_counter()
             lv = load_verified(target, fetched.state, fetched.config, fetched.sha256,
-                               template=next(iter(serving.held()), None))
+                               template=next(iter(serving.held()), None), digests=fetched.digests or None)
+            stages = {**getattr(fetched, "timings", {}), "load": time.perf_counter() - t_load}
             info = {"path": fetched.path, "chain": fetched.chain, "bytes": sum(fetched.bytes_by_kind.values()),
-                    "fallbacks": fetched.fallbacks, "seconds": round(time.perf_counter() - t0, 6)}
+                    "fallbacks": fetched.fallbacks, "seconds": round(time.perf_counter() - t0, 6),
+                    "stages_ms": {k: round(v * 1000, 2) for k, v in stages.items()}}
             return lv, info
         except Exception as exc:  # any failure: keep serving the old weights, report, retry later
             reason = type(exc).__name__

@@ -12,7 +12,10 @@ serves torn weights").
 `load_verified(version, state, config, sha256)` is the only way to make a `LoadedVersion`: it
 loads the state dict into a fresh policy and hashes the policy's own serving weights
 (kernels/delta/hashing.py, the same definition as the manifests), refusing a mismatch, so what
-generates is exactly what was verified.
+generates is exactly what was verified. A sync passes the per-tensor digests the delta codec
+computed while decoding (`digests=`); then the weights are hashed once, not twice: the digests
+must give `sha256`, and the policy's serving weights must equal `state` bit for bit (a memory
+comparison, ~10x cheaper than SHA-256).
 
 `WeightCache` keeps verified versions on local disk (`<cache_dir>/v<N>.safetensors` + a
 `v<N>.json` commit marker written last, both via write-to-temp + fsync + rename) and which
@@ -36,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kernels.delta.hashing import hash_state_dict
+from kernels.delta.hashing import checkpoint_sha256_from_digests, hash_state_dict
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +77,18 @@ class Serving:
 
 
 def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mapping[str, Any], sha256: str,
-                  threads: int = 2, template: LoadedVersion | None = None) -> LoadedVersion:
+                  threads: int = 2, template: LoadedVersion | None = None,
+                  digests: Mapping[str, str] | None = None) -> LoadedVersion:
     """Load `state` into a NEW policy and verify the policy's own serving weights against `sha256`.
 
     Hashing what the policy will actually serve (after loading) covers the state dict too: the
     bf16 -> fp32 master -> bf16 round trip is exact, so any difference in `state` shows here.
     `template`: a held version with the same architecture, copied instead of built (cheaper than
     a fresh random initialisation); its weights are overwritten and re-verified.
+    `digests`: per-tensor SHA-256s of exactly these `state` tensors, computed by the caller from
+    their bytes (the delta codec does while decoding, and checks them against the manifest).
+    Then `sha256` must be the checkpoint hash of these digests and the policy's serving weights
+    must equal `state` bit for bit; nothing is hashed twice.
     """
     import copy
 
@@ -92,10 +100,28 @@ def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mappi
         policy = build_policy(dict(config))
     policy.load_serving_state_dict(dict(state))
     policy.eval()
-    loaded = hash_state_dict(policy.serving_state_dict(), threads)[1]
-    if loaded != sha256:
-        raise VerificationError(f"version {version}: weights hash {loaded[:12]}…, the registry published {sha256[:12]}…")
+    if digests is None:
+        loaded = hash_state_dict(policy.serving_state_dict(), threads)[1]
+        if loaded != sha256:
+            raise VerificationError(f"version {version}: weights hash {loaded[:12]}…, "
+                                    f"the registry published {sha256[:12]}…")
+    else:
+        claimed = checkpoint_sha256_from_digests(digests)
+        if set(digests) != set(state) or claimed != sha256:
+            raise VerificationError(f"version {version}: the decoded tensors' digests give {claimed[:12]}…, "
+                                    f"the registry published {sha256[:12]}…")
+        serving = policy.serving_state_dict()
+        bad = sorted(set(serving) ^ set(state)) or [k for k, t in serving.items() if not _same_bits(t, state[k])]
+        if bad:
+            raise VerificationError(f"version {version}: the loaded weights differ from the verified ones in {bad[:3]}")
     return LoadedVersion(version=str(version), policy=policy, state=dict(state), sha256=sha256, config=dict(config))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaN payloads and -0.0 included), as raw bytes."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 class WeightStore:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from app.replica.weights import Serving, VerificationError, WeightCache, WeightStore, load_verified
-from kernels.delta.hashing import checkpoint_sha256
+from kernels.delta.hashing import checkpoint_sha256, hash_state_dict
 
 
 def test_load_verified_serves_exactly_the_published_weights(tiny):
@@ -28,6 +28,37 @@ def test_load_verified_refuses_one_flipped_bit(tiny):
     bad[name] = t
     with pytest.raises(VerificationError, match="hash"):
         load_verified("1", bad, cfg, sha)
+
+
+def test_load_verified_with_the_codecs_digests_serves_exactly_those_weights(tiny):
+    cfg, state = tiny(0)
+    digests, sha = hash_state_dict(state)
+    lv = load_verified("1", state, cfg, sha, digests=digests)
+    got = lv.policy.serving_state_dict()
+    assert lv.sha256 == sha and all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
+
+
+def test_load_verified_refuses_digests_that_do_not_give_the_published_hash(tiny):
+    cfg, state = tiny(0)
+    _, other = tiny(1)
+    digests, _ = hash_state_dict(state)
+    with pytest.raises(VerificationError, match="digests"):
+        load_verified("1", state, cfg, checkpoint_sha256(other), digests=digests)
+    partial = dict(digests)
+    partial.pop(next(iter(partial)))
+    with pytest.raises(VerificationError, match="digests"):
+        load_verified("1", state, cfg, checkpoint_sha256(state), digests=partial)
+
+
+def test_load_verified_refuses_loaded_weights_that_differ_from_the_verified_tensors(tiny):
+    # a float16 tensor hashes fine as float16, but the policy serves it as bfloat16: the bitwise
+    # comparison of what the policy serves against the verified tensors must catch it
+    cfg, state = tiny(0)
+    name = next(iter(state))
+    odd = {**state, name: state[name].to(torch.float16)}
+    digests, sha = hash_state_dict(odd)
+    with pytest.raises(VerificationError, match="differ"):
+        load_verified("1", odd, cfg, sha, digests=digests)
 
 
 def test_swap_replaces_the_whole_snapshot_and_old_snapshots_stay_intact(tiny):
