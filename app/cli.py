@@ -242,7 +242,7 @@ def streams_cmd(
     except ValidationError as exc:
         console.print(f"[red]invalid streams configuration:[/red]\n{exc}")
         raise typer.Exit(2) from None
-    run_worker(_settings(), cfg, loglevel="INFO" if logging.getLogger().level <= logging.DEBUG else "WARNING")
+    run_worker(_settings(), cfg, loglevel="INFO" if logging.getLogger().level <= logging.DEBUG else None)
 
 
 @app.command("trainer")

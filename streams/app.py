@@ -13,9 +13,9 @@ Why ticks go through a topic: Faust tables may only be changed inside a stream e
 changelog partition is the event's partition), and a single consumer of both topics keeps
 event handling and expiry strictly serial. A timer on each worker sends one tick per
 assigned interactions partition to the same partition of the ticks topic, carrying the
-wall time, the partition's end offset and the group's committed offset. The agent
-advances that partition's watermark to `now - skew_margin` only when it has processed
-every record below that end offset, so labels close on record time even after a restart
+wall time and the partition's end offset. The agent advances that partition's watermark
+to `now - skew_margin` only when its state reflects every record below that end offset
+(its progress, see below), so labels close on record time even after a restart
 with a backlog (see streams/labels.py). No windowed tables, no on_window_close. (The
 write-back views below name the changelog partition explicitly, so a timer could write
 the tables directly; the tick record is kept because Faust delivers it only after table
@@ -32,13 +32,23 @@ streams/outbox.py (its own idempotent aiokafka producer, `send_batch`), not Faus
 per-message producer path.
 
 At-least-once, in this order per batch: (1) the batch's outputs (rollouts, late, DLQ,
-metric partials) are sent and their delivery awaited; (2) then the changelog records of
-the state that reflects them are sent and awaited; (3) only then does Faust ack the
-batch's records (its periodic commit covers only acked offsets). A crash at any
-point either replays the records (re-emitting identical outputs: consumers dedupe by
-request_id) or finds the state already updated and its outputs already delivered, never
-a label marked closed whose rollout was lost. The join dedupes replayed events by
-event_id and re-closing a label yields the same rollout.
+metric partials) are sent and their delivery awaited; (2a) then the changelog records of
+`labels` and `generations` (a closed label's generation is deleted one batch later, once
+the closed label is on the changelog); (2b) then `buckets`, whose last record per input
+partition is the batch's **progress**: the offset of the last interactions record the
+state now reflects; (3) only then does Faust ack the batch's records.
+
+The state carries its own input position. After table recovery and before Faust seeks to
+the group's committed offsets, `resume_from_state` commits progress + 1 for every assigned
+partition, so a restarted (or reassigned) worker resumes exactly where its recovered state
+ends, whatever Faust's periodic commit had reached: never past a record the state has not
+seen, and without replaying records it already holds. A crash inside a batch leaves the
+progress of the batch before it; the records are replayed, re-emitting identical outputs
+(consumers dedupe by request_id), the join dedupes replayed events by event_id, a
+replayed generation restores a payload whose changelog record did not make it, and
+re-closing a label yields the same rollout. Never a label marked closed whose rollout was
+lost. `flywheel_streams_resume_corrections_total{direction}` counts resumes where the group
+disagreed with the state (`group_ahead` would have skipped records).
 
     from streams.app import build_app
     app, runtime = build_app(settings, StreamsConfig())
@@ -77,10 +87,20 @@ LATENCY = Histogram("flywheel_streams_label_latency_seconds", "Wall time from a 
                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
 WATERMARK_LAG = Gauge("flywheel_streams_watermark_lag_seconds", "Wall time minus the lowest partition watermark held")
 BATCH = Histogram("flywheel_streams_batch_events", "Records per processed batch", buckets=(1, 10, 100, 500, 1000, 2000, 5000))
+RESUME_CORRECTIONS = Counter("flywheel_streams_resume_corrections_total",
+                             "Assignments where the group's committed offset differed from the state's progress "
+                             "(group_ahead: records the state never saw would have been skipped)", ["direction"])
+RESUME_GAPS = Counter("flywheel_streams_resume_gaps_total", "Partitions whose consumption resumed past the state's progress (records skipped: a bug)")
 CHANGELOG = Counter("flywheel_streams_changelog_records_total", "Changelog records written (one per touched key per batch)", ["table"])
 
 
 TABLES = ("labels", "generations", "buckets", "metric-buckets")  # the Faust tables build_app declares
+
+
+def progress_key(partition: int) -> str:
+    """The `buckets` key holding the last interactions offset of `partition` the state reflects
+    (bucket keys are '<partition>|<bucket start>', so the two cannot collide)."""
+    return f"offset|{partition}"
 
 
 def app_id(settings: Settings, cfg: StreamsConfig | None = None) -> str:
@@ -155,14 +175,16 @@ class Runtime:
     outbox: Outbox = None  # type: ignore[assignment]  # where records go (streams/outbox.py); tests swap in a list
     last_processed: dict[int, int] = field(default_factory=dict)
     records_done: int = 0  # interaction and tick records whose batch completed (outputs and state sent)
-    admin: Any = None
     offsets: Any = None
+    resume_at: dict[int, int] = field(default_factory=dict)  # partition -> first offset the state has not seen
+    deferred_tombstones: list = field(default_factory=list)  # generation deletions, sent after their labels
 
     # --- one batch of records ---------------------------------------------------------------
     async def on_batch(self, events: list[Any]) -> None:
         """Join a batch of interaction/tick records, then emit outputs and state in the at-least-once order."""
         out: list[Emit] = []
         views = self.views.values()
+        last: dict[int, int] = {}  # interactions partition -> last offset in this batch
         for event in events:
             msg = event.message
             for view in views:
@@ -171,6 +193,11 @@ class Runtime:
                 out += self.on_tick(msg.partition, event.value)
             else:
                 out += self.on_record(msg, event.key, event.value)
+                last[msg.partition] = msg.offset
+        progress = self.views["buckets"]
+        for p, offset in last.items():  # written last, after every state change of the batch
+            progress.partition = p
+            progress[progress_key(p)] = {"offset": offset}
         # 1. outputs, delivered, before 2. the state that reflects them (see the module docstring)
         by_topic: dict[str, list] = {}
         for e in out:
@@ -179,17 +206,64 @@ class Runtime:
         now = time.time()
         for e in out:
             self.count(e, now)
-        drained = [(view, view.drain()) for view in views]
-        offsets = await asyncio.gather(*(self.outbox.send(view.changelog, recs) for view, recs in drained if recs))
-        for (view, recs), first in zip([d for d in drained if d[1]], offsets):
-            view.persisted(first)
-            CHANGELOG.labels(view.table.name).inc(len(recs))
+        # 2a. labels and generations (deletions of generations wait one batch: a generation may only
+        #     go once the changelog holds its closed label); 2b. buckets with the input progress
+        drained = {name: view.drain() for name, view in self.views.items()}
+        gens = drained["generations"]
+        tombstones = [r for r in gens if r[1] is None]
+        drained["generations"] = self.deferred_tombstones + [r for r in gens if r[1] is not None]
+        await self._send_changelogs(drained, ("labels", "generations"))
+        self.deferred_tombstones = tombstones
+        await self._send_changelogs(drained, ("buckets",))
         self.records_done += len(events)
         BATCH.observe(len(events))
         OPEN.set(self.aggregator.open_labels)
 
+    async def _send_changelogs(self, drained: dict[str, list], names: tuple[str, ...]) -> None:
+        sends = [(self.views[n], drained[n]) for n in names if drained[n]]
+        firsts = await asyncio.gather(*(self.outbox.send(view.changelog, recs) for view, recs in sends))
+        for (view, recs), first in zip(sends, firsts):
+            view.persisted(first)
+            CHANGELOG.labels(view.table.name).inc(len(recs))
+
+    async def resume_from_state(self) -> dict[int, int]:
+        """After table recovery, before Faust seeks to the group's committed offsets: commit, for every
+        assigned interactions partition, the offset after the last record the recovered state reflects.
+
+        The state carries its own input progress (a `buckets` key per partition, written after every
+        other state change of a batch), so a restart resumes exactly where the state ends whatever
+        Faust committed: never past a record the state has not seen (which would lose it), and
+        without replaying records it already has."""
+        progress = self.views["buckets"]
+        offsets: dict[Any, int] = {}
+        for tp in self.app.consumer.assignment():
+            if tp.topic != self.interactions:
+                continue
+            mark = progress.get(progress_key(tp.partition))
+            if mark is not None:
+                offsets[tp] = mark["offset"] + 1
+                self.last_processed[tp.partition] = mark["offset"]
+                self.resume_at[tp.partition] = mark["offset"] + 1
+        if offsets:
+            group = await self.app.consumer.seek_to_committed()  # what the group has (perform_seek re-seeks anyway)
+            for tp, offset in offsets.items():
+                had = group.get(tp)
+                if had is not None and had >= 0 and had != offset:
+                    RESUME_CORRECTIONS.labels("group_ahead" if had > offset else "group_behind").inc()
+                    (log.warning if had > offset else log.info)(
+                        "partition %d: the group's committed offset is %d, the state ends before %d: resuming at %d",
+                        tp.partition, had, offset, offset)
+            await self.app.consumer._commit_offsets(offsets)  # Faust's perform_seek() follows and reads these
+            log.info("resuming from the state's progress: %s", {tp.partition: o for tp, o in sorted(offsets.items())})
+        return {tp.partition: o for tp, o in offsets.items()}
+
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
         p = msg.partition
+        expected = self.resume_at.pop(p, None)
+        if expected is not None and msg.offset > expected:
+            RESUME_GAPS.inc()
+            log.error("partition %d resumed at offset %d but the state ends at %d: records were skipped",
+                      p, msg.offset, expected - 1)
         self.last_processed[p] = msg.offset
         try:
             obj = orjson.loads(value if value is not None else b"")  # strict: NaN/Infinity and bad UTF-8 rejected
@@ -218,7 +292,7 @@ class Runtime:
     # --- ticks -------------------------------------------------------------------------------
     def on_tick(self, p: int, value: bytes) -> list[Emit]:
         tick = json.loads(value)
-        processed = max(self.last_processed.get(p, -1) + 1, int(tick.get("committed") or 0))
+        processed = self.last_processed.get(p, -1) + 1  # set from the state's progress on assignment
         if processed < int(tick["hw"]):
             return []  # records below the tick's end offset are still unprocessed: record time rules
         out = self.aggregator.on_tick(p, float(tick["now"]) - self.cfg.skew_margin)
@@ -228,7 +302,6 @@ class Runtime:
     async def send_ticks(self) -> None:
         """Send one tick per assigned interactions partition (own Kafka clients: Faust's consumer thread stays free)."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
-        from aiokafka.admin import AIOKafkaAdminClient
 
         parts = sorted(tp.partition for tp in self.app.consumer.assignment()
                        if tp.topic == self.interactions and not self._backlogged(tp))
@@ -241,15 +314,8 @@ class Runtime:
         now = time.time()
         tps = [TopicPartition(self.interactions, p) for p in parts]
         hws = await self.offsets.end_offsets(tps)
-        committed: dict[int, int] = {}
-        if any(p not in self.last_processed for p in parts):
-            if self.admin is None:
-                self.admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-                await self.admin.start()
-            offsets = await self.admin.list_consumer_group_offsets(self.app.conf.id)
-            committed = {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == self.interactions and om.offset >= 0}
         for tp in tps:
-            tick = {"now": now, "hw": hws[tp], "committed": committed.get(tp.partition)}
+            tick = {"now": now, "hw": hws[tp]}
             await self.topics["ticks"].send(value=json.dumps(tick).encode(), partition=tp.partition)
 
     def _backlogged(self, tp: Any) -> bool:
@@ -339,10 +405,16 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
-        for tp in revoked:
-            if tp.topic == interactions:
-                agg.forget_partition(tp.partition)
-                rt.last_processed.pop(tp.partition, None)
+        gone = {tp.partition for tp in revoked if tp.topic == interactions}
+        for p in gone:
+            agg.forget_partition(p)
+            rt.last_processed.pop(p, None)
+            rt.resume_at.pop(p, None)
+        rt.deferred_tombstones = [r for r in rt.deferred_tombstones if r[2] not in gone]
+
+    @app.on_rebalance_complete.connect
+    async def on_rebalance_complete(sender: Any, **kwargs: Any) -> None:
+        await rt.resume_from_state()  # sent after table recovery, before Faust seeks to committed offsets
 
     app.flywheel_agents = {"aggregate": aggregate, "merge_metrics": merge_metrics}  # type: ignore[attr-defined]
     log.info("streams app %s: %d partitions, window %.3gs, spec %s", app.conf.id, n, settings.wait_window, spec.version)

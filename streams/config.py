@@ -35,6 +35,7 @@ class StreamsConfig(BaseSettings):
     commit_interval: Duration = Field(1.0, description="Faust offset commit interval; bounds the replay after a crash.")
     session_timeout: Duration = Field(30.0, description="Kafka group session timeout: how long a crashed worker's partitions wait before another worker takes them.")
     app_id: str | None = Field(None, description="Faust app id / consumer group. Default: '<topic_namespace>-streams'.")
+    log_level: str = Field("WARNING", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="Faust's log level (INFO shows rebalances, table recovery and commits).")
     metrics_host: str = Field("127.0.0.1", description="Bind address of the Prometheus /metrics endpoint.")
     metrics_port: int = Field(9101, ge=0, le=65535, description="Port of the Prometheus endpoint; 0 disables it (trainer 9102, controller 9103).")
 

@@ -116,6 +116,10 @@ class Aggregator:
         rid, eid = ev["request_id"], ev["event_id"]
         st = self.labels.get(rid)
         if st is not None and eid in st["seen"]:
+            if ev["type"] == "generation" and st["st"] == "open" and st.get("gen") == eid and rid not in self.generations:
+                # a crash came between the label's changelog record and the generation's (they are
+                # written side by side): the replayed generation restores the payload
+                self.generations[rid] = ev
             self.duplicates += 1
             return out
         if ev["type"] == "generation":
@@ -192,6 +196,8 @@ class Aggregator:
                     if not bucket:
                         del self._index[p][st["b"]]
             del self.labels[rid]
+            if st["st"] == "closed":
+                self.generations.pop(rid, None)  # normally gone at the close; a crash can leave it behind
         markers = self._markers[p]
         while markers and markers[0][0] <= wm:
             _, key = heapq.heappop(markers)

@@ -15,7 +15,7 @@ from streams.config import StreamsConfig
 log = logging.getLogger(__name__)
 
 
-def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = None, loglevel: str = "WARNING") -> None:
+def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = None, loglevel: str | None = None) -> None:
     from faust.worker import Worker
     from prometheus_client import start_http_server
 
@@ -28,7 +28,7 @@ def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = Non
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
         log.info("prometheus metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
     app, _ = build_app(settings, cfg)
-    worker = Worker(app, loglevel=loglevel, quiet=True)
+    worker = Worker(app, loglevel=loglevel or cfg.log_level, quiet=True)
     # Faust's start-up spinner sets the root logger to DEBUG and never resets it, so every
     # aiokafka/faust debug call in the hot path built a LogRecord (~6% of the worker's time)
     worker.spinner = None

@@ -38,6 +38,27 @@ def outputs(settings, n_rollouts: int, n_late: int, n_dlq: int, timeout: float =
     return rolls, late, dlq
 
 
+def diagnose(settings, rids: list[str], late) -> str:
+    """Everything the topics say about some request_ids: their input records, the history of their
+    label and generation state in the changelogs, and their late records (for a failure message)."""
+    if not rids:
+        return ""
+    want = {r.encode() for r in rids}
+    ns = settings.topic_namespace
+    lines = []
+    topics = [settings.topic("interactions"), f"{ns}-streams-labels-changelog", f"{ns}-streams-generations-changelog"]
+    for topic in topics:
+        for r in read_topic(settings, topic, 10**9, 5.0):
+            key = r.key.strip(b'"') if r.key else r.key
+            if key in want:
+                val = (r.value or b"<tombstone>")[:300].decode(errors="replace")
+                lines.append(f"{topic} p{r.partition}@{r.offset} ts={r.timestamp} {key.decode()}: {val}")
+    for r in late:
+        if r.key in want:
+            lines.append(f"late {r.key.decode()}: {r.value[:200].decode(errors='replace')}")
+    return "\n".join(lines)
+
+
 def check_against_reference(settings, rolls, late, dlq, n_invalid: int, exact: bool) -> dict:
     ref = expected(arrivals(settings), WINDOW)
     by_rid: dict[str, list[dict]] = {}
@@ -51,7 +72,8 @@ def check_against_reference(settings, rolls, late, dlq, n_invalid: int, exact: b
         assert not dup, f"requests labelled more than once: {list(dup.items())[:5]}"
     missing = set(ref.rollouts) - set(by_rid)
     extra = set(by_rid) - set(ref.rollouts)
-    assert not missing and not extra, f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})"
+    assert not missing and not extra, (f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})\n"
+                                       + diagnose(settings, sorted(missing)[:5], late))
     for rid, vals in by_rid.items():
         want = ref.rollouts[rid]
         for v in vals:  # every copy (after a crash) carries the same label
@@ -117,14 +139,10 @@ def test_two_workers_split_partitions_and_agree_with_the_reference(make_settings
     assert all(c > 0 for c in counts), f"one worker consumed nothing: {counts}"
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "KNOWN BUG (issue 3, open): since the batched write-back agent, a worker SIGKILLed mid-stream and "
-    "restarted can lose a few labels (2-13 of ~700 request_ids missing in 4 of 6 runs). The test runs "
-    "in full and reports XPASS when no label is lost; fix the recovery, then remove this marker."))
 def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings, start_worker):
     settings = make_settings(wait_window=WINDOW)
     phase1, phase2, n_invalid = scenario(seed=3, n_requests=800)
-    worker = start_worker(settings)
+    worker = start_worker(settings, FLYWHEEL_STREAMS_LOG_LEVEL="INFO")
     half = len(phase1) // 2
     produce(settings, phase1[:half])
     deadline = time.monotonic() + 60
@@ -136,9 +154,14 @@ def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings
     n_gens = len({json.loads(v)["request_id"] for _, v in phase1 if b'"generation"' in v})
     before = len(read_topic(settings, settings.topic("rollouts"), 10**9, 3.0))
     assert 0 < before < n_gens, f"the kill was not mid-stream: {before} of {n_gens} rollouts already out"
-    start_worker(settings)
+    restarted = start_worker(settings, FLYWHEEL_STREAMS_LOG_LEVEL="INFO")
     time.sleep(WINDOW + 2.0)
     produce(settings, phase2)
     ref = expected(arrivals(settings), WINDOW)
     rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid, timeout=300)
     check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
+    # it resumed where its recovered state ends (the state carries its input offsets), not where
+    # the dead worker's last offset commit happened to be
+    log_text = restarted.log_path.read_text(errors="replace")
+    assert "resuming from the state's progress" in log_text, restarted.tail()
+    assert "records were skipped" not in log_text, restarted.tail()

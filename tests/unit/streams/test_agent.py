@@ -106,3 +106,57 @@ def test_a_batch_writes_each_touched_key_once_to_the_changelog_after_its_outputs
         assert event.key == "r1" and event.value == labels.data["r1"] and event.value["st"] == "closed"
 
     asyncio.run(scenario())
+
+
+def test_the_state_carries_its_input_progress_and_a_generation_goes_only_after_its_closed_label():
+    """Per batch: labels and generation upserts, then the buckets changelog with the progress of
+    each input partition (last, so a state that has the progress has everything before it); the
+    deletion of a closed label's generation waits for the next batch. A restarted worker resumes at
+    progress + 1 (resume_from_state, covered on the broker by tests/integration/streams)."""
+    from streams.app import progress_key
+
+    async def scenario():
+        app, rt, outbox = _setup(batch_max_events=1000, batch_within=0.3)
+        agent = app.flywheel_agents["aggregate"]
+        names = {n: v.changelog for n, v in rt.views.items()}
+        async with agent.test_context() as ctx:
+            await ctx.put(key=b"r1", value=json.dumps(generation("r1")).encode(), timestamp=100.0, partition=2)
+            await ctx.put(key=b"r1", value=json.dumps(feedback("r1", "f0", "accept")).encode(), timestamp=101.0, partition=2)
+            await ctx.put(key=b"r2", value=json.dumps(generation("r2")).encode(), timestamp=106.0, partition=2)  # closes r1
+            last_offset = ctx.sent_offset - 1
+            await _settle(rt, outbox, 3)
+            first_batch = list(outbox.sent)
+            await ctx.put(key=b"r3", value=json.dumps(generation("r3")).encode(), timestamp=106.5, partition=2)
+            await _settle(rt, outbox, 4)
+        order = [(t, json.loads(k) if t in names.values() else k, v) for t, k, v, _ in first_batch]
+        topics = [t for t, *_ in order]
+        progress = [i for i, (t, k, _) in enumerate(order) if t == names["buckets"] and k == progress_key(2)]
+        assert progress and progress[-1] == len(order) - 1, topics  # the progress is the batch's last record
+        assert json.loads(order[progress[-1]][2]) == {"offset": last_offset}
+        assert rt.views["buckets"].table.data[progress_key(2)] == {"offset": last_offset + 1}  # after the second batch
+        gen_writes = [(k, v) for t, k, v in order if t == names["generations"]]
+        assert ("r1", None) not in gen_writes, "r1's generation is deleted only after its closed label is on the changelog"
+        assert gen_writes and {k for k, v in gen_writes} == {"r2"}  # r1 came and went inside the batch
+        later = [(json.loads(k), v) for t, k, v, _ in outbox.sent[len(first_batch):] if t == names["generations"]]
+        assert ("r1", None) in later, later
+        assert topics.index(names["labels"]) < progress[-1]
+
+    asyncio.run(scenario())
+
+
+def test_a_replayed_generation_restores_a_payload_lost_between_two_changelog_writes():
+    """A crash after the label's changelog record (generation seen, label open) but before the
+    generation's own record: the replayed generation is a duplicate by event_id, yet it restores
+    the payload, so the label still closes into a rollout."""
+    from streams.labels import Aggregator
+    from streams.reward import resolve_spec
+
+    labels, gens, buckets = {}, {}, {}
+    agg = Aggregator(resolve_spec("v1"), 5.0, 10.0, 10.0, labels, gens, buckets)
+    g = generation("r1")
+    agg.on_event(0, g, 100.0)
+    gens.clear()  # what the restarted worker recovers: the label, not the generation
+    agg2 = Aggregator(resolve_spec("v1"), 5.0, 10.0, 10.0, labels, gens, buckets)
+    assert agg2.on_event(0, g, 100.0) == [] and agg2.duplicates == 1
+    out = agg2.on_tick(0, 106.0)
+    assert [e.topic for e in out if e.topic == "rollouts"] == ["rollouts"] and out[0].key == "r1"
