@@ -87,6 +87,8 @@ LATENCY = Histogram("flywheel_streams_label_latency_seconds", "Wall time from a 
                     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
 WATERMARK_LAG = Gauge("flywheel_streams_watermark_lag_seconds", "Wall time minus the lowest partition watermark held")
 BATCH = Histogram("flywheel_streams_batch_events", "Records per processed batch", buckets=(1, 10, 100, 500, 1000, 2000, 5000))
+_EVENTS_OK, _EVENTS_DLQ = EVENTS_IN.labels("ok"), EVENTS_IN.labels("dlq")  # bound once: labels() costs a lock per call
+_OUT: dict[str, Any] = {}
 RESUME_CORRECTIONS = Counter("flywheel_streams_resume_corrections_total",
                              "Assignments where the group's committed offset differed from the state's progress "
                              "(group_ahead: records the state never saw would have been skipped)", ["direction"])
@@ -276,13 +278,13 @@ class Runtime:
         if key is None or key != obj["request_id"].encode():
             return [self._dlq(msg, key, value, "key_mismatch",
                               [{"field": "(key)", "message": "the record key must be the event's request_id (the join relies on it)"}])]
-        EVENTS_IN.labels("ok").inc()
+        _EVENTS_OK.inc()
         rt = msg.timestamp if msg.timestamp else time.time()
         out = self.aggregator.on_event(p, obj, rt)
         return [self._dlq(msg, key, value, e.value["reason"], e.value["errors"]) if e.topic == "dlq" else e for e in out]
 
     def _dlq(self, msg: Any, key: bytes | None, value: bytes | None, reason: str, errors: list) -> Emit:
-        EVENTS_IN.labels("dlq").inc()
+        _EVENTS_DLQ.inc()
         return Emit("dlq", None, {
             "reason": reason, "errors": errors, "topic": msg.topic, "partition": msg.partition, "offset": msg.offset,
             "key_b64": base64.b64encode(key).decode() if key is not None else None,
@@ -334,7 +336,10 @@ class Runtime:
         return (e.key.encode() if e.key is not None else None, orjson.dumps(e.value), None)
 
     def count(self, e: Emit, now: float) -> None:
-        OUT.labels(e.topic).inc()
+        out = _OUT.get(e.topic)
+        if out is None:
+            out = _OUT[e.topic] = OUT.labels(e.topic)
+        out.inc()
         if e.topic == "rollouts":
             st = self.aggregator.labels.get(e.key) or {}
             if "closed" in st:

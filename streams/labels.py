@@ -242,9 +242,12 @@ class Aggregator:
         record far behind the watermark) re-emits the bucket's whole partial, which the
         merger uses to replace the earlier one.
         """
-        out = []
         dirty = self._dirty[p]
-        for b in sorted(k for k in dirty if k + self.bucket_s <= wm):
+        ready = [k for k in dirty if k + self.bucket_s <= wm]
+        if not ready:
+            return []  # the common case: called on every watermark move
+        out = []
+        for b in sorted(ready):
             dirty.discard(b)
             rids = self._index[p].get(b)
             if not rids:
