@@ -227,15 +227,34 @@ class _ProcessReplicas:
         self.procs = []
         for r in range(n):
             proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f"bench-{r}"],
-                                    env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    start_new_session=True)
             self.procs.append(proc)
 
             def pump(p: subprocess.Popen = proc) -> None:
                 for line in p.stdout:
                     if line.startswith("{"):
-                        self.swaps.put(json.loads(line))
+                        msg = json.loads(line)
+                        (self.applies if "applied" in msg else self.swaps).put(msg)
             threading.Thread(target=pump, daemon=True).start()
+        self.applies: queue.Queue = queue.Queue()
         self.serving: dict[str, dict] = {}
+
+    def concurrent_apply(self, files: Path, timeout_s: float = 120.0) -> float:
+        """Seconds for all replicas to apply the same verified delta AT ONCE, each to the weights it
+        serves, from pre-fetched bytes in `files` (manifest.json + delta.fwd): the apply part of the
+        floor measured on this machine as loaded now, instead of extrapolated from one apply."""
+        for p in self.procs:
+            p.stdin.write(f"prep {files}\n")
+            p.stdin.flush()
+        ready = [self.applies.get(timeout=timeout_s) for _ in self.procs]
+        assert all(r["applied"] == "ready" for r in ready), ready
+        t0 = time.time()
+        for p in self.procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        done = [self.applies.get(timeout=timeout_s) for _ in self.procs]
+        return max(d["end"] for d in done) - t0
 
     def wait_all(self, version: str, timeout_s: float = 300.0) -> tuple[float, list[dict]]:
         import queue
@@ -303,9 +322,43 @@ def child(replica_id: str) -> None:
     agent = SyncAgent(settings, rc, ReportingStore(), WeightCache(rc.cache_dir))
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+
+    def commands() -> None:  # the concurrent-apply reference (_ProcessReplicas.concurrent_apply)
+        import hashlib
+
+        from kernels.delta.codec import decode_delta_verified
+        from kernels.delta.manifest import Manifest
+
+        prepared = None
+        for line in sys.stdin:
+            cmd, _, arg = line.strip().partition(" ")
+            if cmd == "prep":
+                files = Path(arg)
+                prepared = ((files / "manifest.json").read_bytes(), (files / "delta.fwd").read_bytes(),
+                            agent.store.snapshot().champion)
+                print(json.dumps({"applied": "ready"}), flush=True)
+            elif cmd == "go" and prepared is not None:
+                t0 = time.time()
+                manifest_bytes, blob, held = prepared
+                m = Manifest.model_validate_json(manifest_bytes)
+                assert hashlib.sha256(blob).hexdigest() == m.delta.sha256
+                _, digests, sha = decode_delta_verified(held.state, blob, base_checkpoint_sha256=held.sha256)
+                assert digests == {t.name: t.sha256 for t in m.tensors} and sha == m.checkpoint_sha256
+                print(json.dumps({"applied": time.time() - t0, "end": time.time()}), flush=True)
+
+    threading.Thread(target=commands, daemon=True).start()
     agent.start()
     done.wait()
     agent.stop()
+
+
+def _write_files(fetcher: Any, version: str, parent: str, out: Path) -> None:
+    """The target's manifest and its delta from `parent`, for the concurrent-apply reference."""
+    from kernels.delta.manifest import delta_file
+
+    root = f"{fetcher._root(version)}/{fetcher.artifacts_dir}"
+    (out / "manifest.json").write_bytes(fetcher._get(f"{root}/manifest.json"))
+    (out / "delta.fwd").write_bytes(fetcher._get(f"{root}/{delta_file(parent)}"))
 
 
 def _stages(result: dict, t0: float) -> dict[str, float]:
@@ -351,6 +404,12 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
         for i in range(1, len(states)):
             version = str(i + 1)
             apply_s, per_replica, applies = _apply_time(probe, version, (str(i), states[i - 1]))
+            concurrent = None
+            if isinstance(fleet, _ProcessReplicas):
+                files = tmp / f"files-v{version}"
+                files.mkdir()
+                _write_files(probe, version, str(i), files)
+                concurrent = fleet.concurrent_apply(files)
             time.sleep(0.5)  # let the replicas' post-swap work of the previous round settle
             t0 = time.time()
             dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version=version,
@@ -359,9 +418,12 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
             seconds = t_last - t0
             payload = replicas * per_replica
             floor = payload / bandwidth + apply_s * math.ceil(replicas / cores)
+            floor_c = payload / bandwidth + concurrent if concurrent is not None else None
             rounds.append(dict(version=version, seconds=seconds, payload=payload, per_replica=per_replica,
                                apply=apply_s, applies=applies, bandwidth=bandwidth, floor=floor,
                                ratio=seconds / floor, full=full, paths=[r.get("path") for r in results],
+                               concurrent=concurrent, floor_c=floor_c,
+                               ratio_c=seconds / floor_c if floor_c else None,
                                stages=[_stages(r, t0) for r in results]))
             if console is not None:
                 console.print(f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
@@ -398,6 +460,13 @@ def print_report(result: dict, console: Any) -> None:
     if stages:
         console.print("per-replica sync stages, median ms: " + ", ".join(
             f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in stages.items()))
+    conc = sorted(r["ratio_c"] for r in result["rounds"] if r.get("ratio_c"))
+    if conc:
+        console.print("reference (not the target's floor): the 4 replica processes applying the same delta at once, "
+                      "measured just before each round: " + ", ".join(
+                          f"v{r['version']} {r['concurrent'] * 1000:.0f} ms (measured / (payload + that) = "
+                          f"{r['ratio_c']:.2f}x)" for r in result["rounds"])
+                      + f"; median {conc[len(conc) // 2]:.2f}x")
     ratios = sorted(r["ratio"] for r in result["rounds"])
     med = result["median"]["ratio"]
     console.print(f"sync time / floor: median {med:.2f}x (min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x over "
