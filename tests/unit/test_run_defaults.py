@@ -28,3 +28,22 @@ def test_roles_started_together_have_distinct_default_ports():
     ports = {"api": Settings().api_port, "streams metrics": StreamsConfig().metrics_port,
              "trainer metrics": TrainerConfig().metrics_port, "controller metrics": ControllerConfig().metrics_port}
     assert len(set(ports.values())) == len(ports), f"default ports collide under `flywheel run`: {ports}"
+
+
+def test_sigterm_stops_the_run_like_ctrl_c():
+    """`flywheel run` under a process manager gets SIGTERM: it must take the Ctrl-C path (stop every
+    role, which run in their own sessions) instead of dying and orphaning them."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time\nfrom app.run import _stop_on_sigterm\n_stop_on_sigterm()\n"
+            "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert "cleanup ran" in out and proc.returncode == 0, (out, proc.returncode)
+    assert time.monotonic() - t0 < 30
