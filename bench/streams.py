@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--events", type=int, help="backlog events (default 60000, quick 12000)")
     ap.add_argument("--window", type=float, default=2.0, help="wait window in seconds")
     ap.add_argument("--rate", type=float, default=300.0, help="live phase: generations per second")
+    ap.add_argument("--profile", metavar="FILE", help="run the worker under cProfile (event-loop thread) and write FILE")
     ap.add_argument("--bare-faust-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.bare_faust_worker:
@@ -217,7 +218,8 @@ def main() -> None:
                                           env_for(port), port, n, tmp / "bare-faust.log", "bare Faust agent")
         stop(bare)
         port = free_port()
-        worker, worker_rate, worker_cpu = drain([sys.executable, "-m", "streams.worker"], env_for(port), port, n,
+        worker_env = env_for(port) | ({"FLYWHEEL_STREAMS_PROFILE": str(Path(args.profile).resolve())} if args.profile else {})
+        worker, worker_rate, worker_cpu = drain([sys.executable, "-m", "streams.worker"], worker_env, port, n,
                                                 tmp / "worker.log", "worker")
 
         # live phase: steady traffic, then measure close -> rollout latency

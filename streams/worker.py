@@ -21,6 +21,15 @@ def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = Non
 
     from streams.app import build_app, ensure_internal_topics
 
+    import os
+
+    if os.environ.get("FLYWHEEL_STREAMS_PROFILE"):  # dev tool: cProfile of the event-loop thread, written at exit
+        import atexit
+        import cProfile
+
+        prof, out = cProfile.Profile(), os.environ["FLYWHEEL_STREAMS_PROFILE"]
+        prof.enable()
+        atexit.register(lambda: (prof.disable(), prof.dump_stats(out)))
     settings = settings or get_settings()
     cfg = cfg or StreamsConfig()
     ensure_internal_topics(settings, cfg)
