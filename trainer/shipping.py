@@ -107,7 +107,11 @@ def execute_ship(t: "Trainer") -> int:
         log.info("ship %s was already registered as v%d; finishing it", ship_id, version)
     t._pause("after_register")
     if reg.alias_version(CHAMPION) is None:
-        reg.set_alias(CHAMPION, version)
+        from app.controller.aliases import sync_aliases
+
+        # as the controller moves aliases (acknowledging tag first), so the move is not taken for
+        # an operator's move in the MLflow UI (an `alias_changed` event from "mlflow-ui")
+        sync_aliases(reg.client, reg.name, {CHAMPION: str(version)})
         log.info("no champion yet: alias %s -> v%d", CHAMPION, version)
     _publish_event(t, version, intent, tags)
     t.commit_offsets(intent["positions"])

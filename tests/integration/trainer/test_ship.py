@@ -34,6 +34,9 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         v1 = client.get_model_version(settings.model_name, "1")
         assert v1.tags["kind"] == "base" and v1.tags["parent_version"] == "none" and v1.tags["rollouts_consumed"] == "0"
         assert client.get_model_version_by_alias(settings.model_name, "champion").version == "1"
+        from app.controller.aliases import detect_moves, read_snapshot
+        assert detect_moves(read_snapshot(client, settings.model_name)) == [], \
+            "the trainer's first champion is acknowledged like a controller move, not an outside (UI) move"
 
         records = rollout_records(trainer.policy, 1, 10, lambda text: 0.75 if len(text) < 6 else -0.25, group_size=2,
                                   tool_error_every=3)
