@@ -102,10 +102,14 @@ def regression_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Seq
 
 def behaviour_checks(cand_lengths: Sequence[int], champ_lengths: Sequence[int], *, max_empty_increase: float,
                      length_k_std: float, tool_error: tuple[float, float] | None = None,
-                     max_tool_error_increase: float = 0.1) -> list[Check]:
+                     max_tool_error_increase: float = 0.1, tool_error_ess: float | None = None,
+                     min_ess: float = 0.0, require_ess: bool = False) -> list[Check]:
     """Compare the candidate's and the champion's completions on the same prompts.
 
-    `tool_error` = (estimated tool-error rate of the candidate, logged rate), or None.
+    `tool_error` = (estimated tool-error rate of the candidate, logged rate), or None. The estimate
+    is importance-weighted like the reward's: with an effective sample size `tool_error_ess` below
+    `min_ess` it is as inconclusive as the reward estimate and is skipped (failed with `require_ess`),
+    the same rule the OPE reward check follows.
     """
     out = []
     if not cand_lengths or not champ_lengths:
@@ -123,7 +127,11 @@ def behaviour_checks(cand_lengths: Sequence[int], champ_lengths: Sequence[int], 
         out.append(Check("tool_error_rate", "skipped", detail="no logged rollouts to estimate it from"))
     else:
         est, logged = tool_error
-        out.append(Check("tool_error_rate", "pass" if est - logged <= max_tool_error_increase else "fail", value=est,
-                         threshold=logged + max_tool_error_increase,
-                         detail=f"SNIPS tool-error rate {est:.3f} vs logged {logged:.3f}"))
+        detail = f"SNIPS tool-error rate {est:.3f} vs logged {logged:.3f}"
+        if tool_error_ess is not None and tool_error_ess < min_ess:
+            out.append(Check("tool_error_rate", "fail" if require_ess else "skipped", value=tool_error_ess, threshold=min_ess,
+                             detail=f"effective sample size too small to judge: {detail}, ESS {tool_error_ess:.1f}"))
+        else:
+            out.append(Check("tool_error_rate", "pass" if est - logged <= max_tool_error_increase else "fail", value=est,
+                             threshold=logged + max_tool_error_increase, detail=detail))
     return out

@@ -109,6 +109,21 @@ def test_behaviour_monitors_catch_empty_and_length_collapse():
     assert [c.status for c in hacked] == ["fail", "fail", "fail"]
 
 
+def test_the_tool_error_estimate_follows_the_reward_estimate_ess_rule():
+    """Measured in the demo: a version whose reward estimate was inconclusive (ESS 7.7 of 60) was
+    failed on the tool-error estimate made with the same weights (0.203 vs 0.083 logged), though it
+    was the best version so far on held-out users. Both estimates now follow one rule."""
+    champ = [10, 12, 8, 11, 9, 10]
+    cand = [11, 9, 10, 12, 8, 10]
+    kw = dict(max_empty_increase=0.1, length_k_std=2.0, tool_error=(0.203, 0.083), min_ess=20.0)
+    [*_, low] = behaviour_checks(cand, champ, tool_error_ess=7.7, **kw)
+    assert low.status == "skipped" and "effective sample size" in low.detail and low.value == 7.7
+    [*_, strict] = behaviour_checks(cand, champ, tool_error_ess=7.7, require_ess=True, **kw)
+    assert strict.status == "fail"
+    [*_, enough] = behaviour_checks(cand, champ, tool_error_ess=40.0, **kw)
+    assert enough.status == "fail" and enough.value == 0.203  # a confident estimate still gates
+
+
 # --- the gate end to end on tiny real policies --------------------------------------------------
 def logged_rollouts(behaviour: UnigramPolicy, n: int, reward_of) -> list[dict]:
     prompts = [[65 + i % 5] for i in range(n)]
