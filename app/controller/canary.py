@@ -240,8 +240,14 @@ def reconcile(state: DeploymentState, cfg: CanaryConfig) -> list[Decision]:
     if state.candidate is not None:
         if vkey(state.candidate) >= vkey(newest):
             return []
+        if state.phase != "paused":
+            # a running canary finishes first (promoted or rolled back); the newest passed version
+            # starts after it. Superseding running canaries livelocks when versions ship faster than
+            # a canary takes: every canary is aborted, nothing is ever promoted (seen in the demo)
+            return []
         out.append(Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
-                            reason=f"superseded by version {newest}, which passed the gate"))
+                            reason=f"superseded by version {newest}, which passed the gate while this canary "
+                                   f"was paused"))
     out.append(Decision(type="canary_started", version=newest, from_version=state.champion, traffic_pct=cfg.steps[0],
                         reason=f"version {newest} passed the gate", details={"step": 0}))
     return out

@@ -51,7 +51,7 @@ GateFn = Callable[[str, str | None], Any]  # (version, champion) -> GateResult
 
 class Controller:
     def __init__(self, settings: Settings, cs: ControllerSettings, client=None, gate: GateFn | None = None,  # noqa: ANN001
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, background_gate: bool = False):
         from app.deployments.events import DeploymentLog
 
         self.settings, self.cs, self.client, self.gate, self.clock = settings, cs, client, gate, clock
@@ -65,6 +65,10 @@ class Controller:
         self._synced: tuple[str | None, str | None] | None = None
         self._gate_failures: dict[str, int] = {}
         self.last_analysis: canary.Analysis | None = None
+        # background_gate (the `flywheel controller` role): the gate (minutes on a CPU) runs in a
+        # worker thread so canary analysis keeps its cadence meanwhile; tests drive it inline
+        self.background_gate = background_gate
+        self._gate_job: tuple[str, Any] | None = None  # (version, future) in flight
 
     # --- events ---------------------------------------------------------------------------------
     def publish(self, events: list[dict[str, Any]]) -> None:
@@ -125,33 +129,74 @@ class Controller:
         self._export()
 
     def run_gates(self) -> None:
-        for v in [v for v in self.state.registered if v not in self.state.gate]:
-            if self._gate_failures.get(v, 0) >= 3:
-                continue
-            if not self.cs.gate_enabled or self.gate is None:
-                why = "gate disabled (FLYWHEEL_CONTROLLER_GATE_ENABLED=false)" if not self.cs.gate_enabled else "no gate runner"
-                decision = canary.Decision(type="gate_passed", version=v, reason=f"not gated: {why}",
-                                           details={"passed": True, "checks": [], "skipped": why})
+        """Gate the newest registered version without a verdict, once there is a champion (older ones
+        it supersedes are not gated: the trainer's line moved on, and gating each would let a backlog
+        of versions hold the controller). In a background thread when `background_gate` (the role),
+        so canary analysis keeps its cadence during a gate of minutes; its verdict is applied on the
+        first tick after it finished."""
+        if self._gate_job is not None:
+            v, fut = self._gate_job
+            if not fut.done():
+                return
+            self._gate_job = None
+            self._apply_gate(v, fut.result)
+            return
+        gated = [v for v in self.state.registered if v in self.state.gate]
+        newest_gated = max(gated, key=canary.vkey) if gated else None
+        pending = [v for v in self.state.registered if v not in self.state.gate and self._gate_failures.get(v, 0) < 3
+                   and (newest_gated is None or canary.vkey(v) > canary.vkey(newest_gated))]
+        if not pending:
+            return
+        # no champion yet: in order (the base first); then the newest, skipping what it supersedes
+        v = max(pending, key=canary.vkey) if self.state.champion is not None else min(pending, key=canary.vkey)
+        if self.background_gate and self.cs.gate_enabled and self.gate is not None:
+            self._gate_job = (v, self._gate_in_thread(v, self.state.champion))
+            return
+        self._apply_gate(v, lambda: self.gate(v, self.state.champion) if self.gate is not None else None)
+
+    def _gate_in_thread(self, v: str, champion: str | None) -> Any:
+        """A daemon thread (a stopping controller does not wait minutes for a gate to finish; the
+        version is gated again after a restart, as nothing was recorded)."""
+        from concurrent.futures import Future
+
+        fut: Future = Future()
+        gate = self.gate
+        assert gate is not None
+
+        def work() -> None:
+            try:
+                fut.set_result(gate(v, champion))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by fut.result() on the loop's thread
+                fut.set_exception(exc)
+
+        threading.Thread(target=work, name=f"gate-v{v}", daemon=True).start()
+        return fut
+
+    def _apply_gate(self, v: str, result_of: Callable[[], Any]) -> None:
+        if not self.cs.gate_enabled or self.gate is None:
+            why = "gate disabled (FLYWHEEL_CONTROLLER_GATE_ENABLED=false)" if not self.cs.gate_enabled else "no gate runner"
+            decision = canary.Decision(type="gate_passed", version=v, reason=f"not gated: {why}",
+                                       details={"passed": True, "checks": [], "skipped": why})
+        else:
+            try:
+                result = result_of()
+            except Exception as exc:  # artifacts missing, MLflow away: retry, then fail closed
+                self._gate_failures[v] = self._gate_failures.get(v, 0) + 1
+                log.exception("gate of v%s could not run (attempt %d)", v, self._gate_failures[v])
+                if self._gate_failures[v] < 3:
+                    return
+                decision = canary.Decision(type="gate_failed", version=v, reason=f"gate could not run: {exc!r}"[:4000],
+                                           details={"passed": False, "error": repr(exc)[:2000]})
             else:
-                try:
-                    result = self.gate(v, self.state.champion)
-                except Exception as exc:  # artifacts missing, MLflow away: retry, then fail closed
-                    self._gate_failures[v] = self._gate_failures.get(v, 0) + 1
-                    log.exception("gate of v%s could not run (attempt %d)", v, self._gate_failures[v])
-                    if self._gate_failures[v] < 3:
-                        continue
-                    decision = canary.Decision(type="gate_failed", version=v, reason=f"gate could not run: {exc!r}"[:4000],
-                                               details={"passed": False, "error": repr(exc)[:2000]})
-                else:
-                    decision = result.decision(v, self.state.champion)
-                    if self.client is not None:
-                        for k, val in result.tags().items():
-                            self.client.set_model_version_tag(self.model, v, k, val)
-            GATE_RUNS.labels(decision.type).inc()
-            ev = decision.to_event(self.model)
-            self.seen.add(ev["event_id"])
-            self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
-            self.publish([ev, *out])
+                decision = result.decision(v, self.state.champion)
+                if self.client is not None:
+                    for k, val in result.tags().items():
+                        self.client.set_model_version_tag(self.model, v, k, val)
+        GATE_RUNS.labels(decision.type).inc()
+        ev = decision.to_event(self.model)
+        self.seen.add(ev["event_id"])
+        self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
+        self.publish([ev, *out])
 
     def sync_mlflow(self) -> None:
         """Make MLflow's aliases match the state (first publishing any move made outside Flywheel)."""

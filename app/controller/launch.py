@@ -33,4 +33,4 @@ def run_controller(settings: Settings, metrics_port: int | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    Controller(settings, cs, client, gate=runner.run).run(stop)
+    Controller(settings, cs, client, gate=runner.run, background_gate=True).run(stop)

@@ -36,7 +36,7 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
     settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)
     cs = ControllerSettings(min_step=0.5, min_samples=50, step_deadline=600, tick_interval=0.2, poll_interval=0.5,
                             webhooks_enabled=False, metrics_port=0)
-    ctl = Controller(settings, cs, client, gate=gate)
+    ctl = Controller(settings, cs, client, gate=gate, background_gate=True)  # as `flywheel controller` runs it
     stop = threading.Event()
     ready = threading.Event()
     th = threading.Thread(target=ctl.run, args=(stop, ready.set), daemon=True)

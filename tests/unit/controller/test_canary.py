@@ -109,11 +109,23 @@ def test_tick_past_deadline_pauses_without_metrics():
     assert [e["type"] for e in out] == ["canary_paused"]
 
 
-def test_newer_gated_version_supersedes_running_canary():
+def test_a_running_canary_finishes_before_a_newer_gated_version_starts():
     s, out = transition(canary_state(), Event(ev("gate_passed", "3", t=5)), CFG)
+    assert out == [] and s.candidate == "2", "v3 waits: superseding running canaries livelocks a fast ship cadence"
+    s, out = transition(s, Event(ev("gate_passed", "4", t=6)), CFG)
+    assert out == [] and s.candidate == "2"
+    s, out = transition(s, Event(ev("promoted", "2", t=7)), CFG)
+    assert [(e["type"], e["version"]) for e in out] == [("canary_started", "4")], "then the newest passed version"
+    assert (s.champion, s.candidate) == ("2", "4")
+
+
+def test_newer_gated_version_supersedes_a_paused_canary():
+    s, out = transition(canary_state(), Tick(T0 + timedelta(seconds=601)), CFG)
+    assert s.phase == "paused"
+    s, out = transition(s, Event(ev("gate_passed", "3", t=700)), CFG)
     assert [(e["type"], e["version"]) for e in out] == [("aborted", "2"), ("canary_started", "3")]
     assert s.candidate == "3"
-    s, out = transition(s, Event(ev("gate_passed", "2", t=6)), CFG)
+    s, out = transition(s, Event(ev("gate_passed", "2", t=701)), CFG)
     assert out == [], "an older version never replaces a newer candidate"
 
 
