@@ -203,7 +203,7 @@ class Trainer:
         w = obj.importance_weights(logp, c.behav, c.mask, trunc_c=cfg.trunc_c,
                                    mask_low=cfg.seq_mask_low, mask_high=cfg.seq_mask_high)
         adv = obj.advantages(c.rewards, c.group_ids)
-        pg = obj.policy_gradient_loss(logp, adv, w)
+        pg = obj.policy_gradient_loss(logp, adv, w, c.mask)  # masked sequences shrink the step (objective.py)
         loss = pg
         n_tok = float(c.mask.sum())
         m: dict[str, float] = {}

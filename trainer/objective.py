@@ -114,9 +114,20 @@ def _token_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return (x * keep).sum() / n if float(n) > 0 else (x * keep).sum() * 0.0
 
 
-def policy_gradient_loss(logp: torch.Tensor, adv: torch.Tensor, w: ISWeights) -> torch.Tensor:
-    """Truncated-IS policy gradient: mean over kept tokens of -sg(min(rho, C)) * A * logp."""
-    return _token_mean(-w.weights * adv.to(torch.float32).unsqueeze(1) * logp, w.keep)
+def policy_gradient_loss(logp: torch.Tensor, adv: torch.Tensor, w: ISWeights, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Truncated-IS policy gradient: -sg(min(rho, C)) * A * logp summed over kept tokens, divided by
+    the completion tokens of the whole batch (`mask`; kept tokens when None).
+
+    With `mask`, a masked sequence still counts in the denominator: when the policy has drifted
+    from the one that generated the batch and most sequences are masked, the step shrinks in
+    proportion instead of letting the few kept sequences move the weights as much as a full
+    on-policy batch would (measured in the demo: with 81% masked and the kept-token mean, held-out
+    acceptance collapsed from 0.36 to 0.08 within one version)."""
+    x = -w.weights * adv.to(torch.float32).unsqueeze(1) * logp
+    if mask is None:
+        return _token_mean(x, w.keep)
+    n = mask.to(torch.float32).sum()
+    return (x * w.keep).sum() / n if float(n) > 0 else (x * w.keep).sum() * 0.0
 
 
 def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor, w: ISWeights) -> torch.Tensor:

@@ -143,3 +143,16 @@ def test_distillation_surrogate_gradient_equals_exact_reverse_kl_gradient():
     exact = (lp2.exp() * (lp2 - q)).sum()
     (g_exact,) = torch.autograd.grad(exact, theta2)
     assert torch.allclose(g_sur, g_exact, atol=1e-6), (g_sur, g_exact)
+
+
+def test_with_the_batch_mask_a_masked_sequence_shrinks_the_step_instead_of_leaving_it():
+    logp, behav, mask = _batch()
+    w = importance_weights(logp, behav, mask)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    loss = policy_gradient_loss(logp, adv, w, mask)
+    # the same kept-token sum (-7.149349) over all real completion tokens of the batch
+    n_real = float(mask.sum())
+    assert n_real > 3 and float(loss.detach()) == pytest.approx(7.149349 / n_real, abs=1e-5)
+    loss.backward()
+    assert float(logp.grad[1].abs().sum()) == 0.0, "the masked sequence still gets no gradient"
+    assert float(logp.grad[0, 0]) == pytest.approx(-2 / n_real, abs=1e-6)
