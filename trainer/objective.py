@@ -15,10 +15,11 @@ Terms (all choices stated here are also in docs/TRAINER.md):
   itself and this is exactly its gradient.
 - Sequence mask: the sequence ratio is the GEOMETRIC MEAN of the token ratios,
   exp(mean_t(logp_t - logp_behav_t)). A sequence whose ratio falls outside
-  [mask_low, mask_high] = [0.5, 2] is masked: its tokens contribute nothing and leave the
-  denominator. Every token-level term is a sum over kept tokens divided by the number of
-  kept tokens in the batch (a token-level mean, DAPO style); when nothing is kept the loss
-  is 0 (still connected to the graph).
+  [mask_low, mask_high] = [0.5, 2] is masked: its tokens contribute nothing. The policy
+  gradient (as the trainer calls it, with the batch mask) divides by all completion tokens of
+  the batch, so masked sequences shrink the step; the KL and distillation terms divide by the
+  kept tokens (token-level means, DAPO style). When nothing is kept the loss is 0 (still
+  connected to the graph).
 - Advantages: rollouts sharing a `group_id` with >= 2 members get (r - mean_g) / (std_g + eps)
   over their group; the others get (r - mean) / (std + eps) over those other rollouts of the
   batch (when there is only one such rollout, mean and std are taken over the whole batch).
