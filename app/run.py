@@ -102,13 +102,15 @@ def available_roles() -> set[str]:
 
 def _stop_on_sigterm() -> None:
     """SIGTERM (a process manager, `timeout`, `docker stop`) and SIGHUP stop the stack as Ctrl-C does:
-    the roles run in their own sessions, so a run killed without its cleanup would orphan them."""
+    the roles run in their own sessions, so a run killed without its cleanup would orphan them.
+    SIGINT is set explicitly too: a process started in the background of a non-interactive shell
+    inherits SIGINT as ignored, and Python then never raises KeyboardInterrupt for it."""
     import signal
 
     def _interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
 
 

@@ -47,3 +47,20 @@ def test_sigterm_stops_the_run_like_ctrl_c():
     out, _ = proc.communicate(timeout=30)
     assert "cleanup ran" in out and proc.returncode == 0, (out, proc.returncode)
     assert time.monotonic() - t0 < 30
+
+
+def test_ctrl_c_stops_the_run_even_when_sigint_was_inherited_as_ignored():
+    """A run started from a background job of a non-interactive shell inherits SIGINT as ignored
+    (the test suite launched that way once, and `flywheel run` then ignored the e2e test's Ctrl-C)."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import time\nfrom app.run import _stop_on_sigterm\n_stop_on_sigterm()\n"
+            "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert "cleanup ran" in out and proc.returncode == 0, (out, proc.returncode)
