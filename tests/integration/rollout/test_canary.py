@@ -40,7 +40,9 @@ def start_canary(stack) -> tuple[str, str]:
     assert (st["champion"], st["phase"], st["traffic"]["candidate_pct"]) == (v1, "canary", 5.0), st
     gate = stack.model_version(v2)["gate"]
     assert gate["passed"] is True and {c["name"]: c["status"] for c in gate["checks"]}["kl_to_champion"] == "pass", gate
-    assert stack.aliases() == {"champion": v1, "candidate": v2}
+    # the aliases move in the controller's tick right after it publishes the canary, which the status
+    # projection may show first
+    wait_for(lambda: stack.aliases() == {"champion": v1, "candidate": v2}, 30, "MLflow aliases 1/2")
     return v1, v2
 
 
