@@ -29,13 +29,9 @@ automatic rollback waits `interval x threshold` failed checks (1 min x 5 in its 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from datetime import datetime
@@ -204,43 +200,15 @@ def main() -> None:
 
     from rich.console import Console
 
-    from app.infra.kafka import LocalKafka
-    from app.infra.mlflow_server import mlflow_env, mlflow_server_argv, wait_healthy
-    from tests.conftest import free_port
+    from common import local_services
 
     logging.basicConfig(level=logging.WARNING)
     console = Console(width=150)
-    work = Path(tempfile.mkdtemp(prefix="flywheel-bench-rollback-"))
-    broker = mlflow = None
-    try:
-        kafka = args.kafka
-        if kafka is None:
-            broker = LocalKafka(home=work / "kafka", port=free_port(), controller_port=free_port(), heap="512m")
-            console.print("starting Kafka…")
-            broker.start(timeout=180)
-            kafka = broker.bootstrap
-        uri = args.mlflow
-        if uri is None:
-            port = free_port()
-            uri = f"http://127.0.0.1:{port}"
-            mlflow = subprocess.Popen(mlflow_server_argv(work / "mlflow", "127.0.0.1", port), env=mlflow_env(),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            console.print("starting MLflow…")
-            wait_healthy(uri, proc=mlflow)
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        assert set(modes) <= {"webhooks", "polling"} and modes, f"--modes takes webhooks and/or polling, got {args.modes!r}"
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    assert set(modes) <= {"webhooks", "polling"} and modes, f"--modes takes webhooks and/or polling, got {args.modes!r}"
+    with local_services(args.kafka, args.mlflow, console, prefix="flywheel-bench-rollback-") as (kafka, uri, work):
         results = [run_mode(m == "webhooks", args, kafka, uri, work, console) for m in modes]
-        report(results, args, console)
-    finally:
-        if broker is not None:
-            broker.stop()
-        if mlflow is not None:
-            os.killpg(mlflow.pid, signal.SIGTERM)
-            try:
-                mlflow.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(mlflow.pid, signal.SIGKILL)
-                mlflow.wait(30)
+    report(results, args, console)
 
 
 if __name__ == "__main__":

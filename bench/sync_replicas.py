@@ -476,44 +476,15 @@ def print_report(result: dict, console: Any) -> None:
 @contextlib.contextmanager
 def local_stack(kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None) -> Iterator[Any]:
     """Settings on a Kafka broker and an MLflow server: the given ones, or ones started here."""
-    import signal
-    import subprocess
-
-    from app.infra.kafka import LocalKafka, ensure_topics
-    from app.infra.mlflow_server import mlflow_env, mlflow_server_argv, wait_healthy
+    from app.infra.kafka import ensure_topics
     from app.settings import Settings
-    from tests.conftest import free_port
+    from common import local_services
 
-    work = Path(tempfile.mkdtemp(prefix="flywheel-bench-"))
-    broker = mlflow = None
-    try:
-        if kafka is None:
-            broker = LocalKafka(home=work / "kafka", port=free_port(), controller_port=free_port(), heap="512m")
-            if console is not None:
-                console.print("starting Kafka…")
-            broker.start(timeout=180)
-            kafka = broker.bootstrap
-        if mlflow_uri is None:
-            port = free_port()
-            mlflow_uri = f"http://127.0.0.1:{port}"
-            mlflow = subprocess.Popen(mlflow_server_argv(work / "mlflow", "127.0.0.1", port), env=mlflow_env(),
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-            if console is not None:
-                console.print("starting MLflow…")
-            wait_healthy(mlflow_uri, proc=mlflow)
-        settings = Settings(data_dir=work / "data", kafka_bootstrap=kafka, mlflow_uri=mlflow_uri,
+    with local_services(kafka, mlflow_uri, console) as (bootstrap, uri, work):
+        settings = Settings(data_dir=work / "data", kafka_bootstrap=bootstrap, mlflow_uri=uri,
                             topic_namespace=f"bench{uuid.uuid4().hex[:8]}", model_name=f"bench-{uuid.uuid4().hex[:6]}")
         ensure_topics(settings)
         yield settings
-    finally:
-        if mlflow is not None:
-            os.killpg(mlflow.pid, signal.SIGTERM)
-            try:
-                mlflow.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(mlflow.pid, signal.SIGKILL)
-        if broker is not None:
-            broker.stop()
 
 
 def bench_pair(cfg: dict, states: list[dict], console: Any, replicas: int = 4) -> dict:

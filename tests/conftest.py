@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -108,13 +107,12 @@ class MlflowServer:
     """`mlflow server` exactly as `flywheel run` starts it (app/infra/mlflow_server.py)."""
 
     def __init__(self, root: Path, port: int, extra_env: dict[str, str] | None = None):
-        from app.infra.mlflow_server import mlflow_env, mlflow_server_argv
+        from app.infra.mlflow_server import start_server
 
         self.root, self.port = root, port
         self.uri = f"http://127.0.0.1:{port}"
         self.log = open(root / "mlflow.log", "ab")
-        self.proc = subprocess.Popen(mlflow_server_argv(root, "127.0.0.1", port), stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=mlflow_env(extra_env), start_new_session=True)
+        self.proc = start_server(root, "127.0.0.1", port, extra_env, log=self.log)
 
     def wait_ready(self, timeout: float = 300.0) -> None:
         from app.infra.mlflow_server import wait_healthy
@@ -125,13 +123,9 @@ class MlflowServer:
             raise RuntimeError(f"{exc}; see {self.root / 'mlflow.log'}") from None
 
     def stop(self) -> None:
-        import signal
+        from app.infra.mlflow_server import stop_server
 
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_server(self.proc, timeout=20)
         self.log.close()
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,29 @@ def host_port(uri: str) -> tuple[str, int]:
 
 def mlflow_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, **WEBHOOK_ENV, **(extra or {})}
+
+
+def start_server(root: Path, host: str, port: int, extra_env: dict[str, str] | None = None,
+                 log: Any = None) -> subprocess.Popen:
+    """`mlflow server` as a child in its own session (tests, benchmarks; `flywheel run` supervises its
+    own); output to `log` (a binary file) or discarded. Pair with `wait_healthy` and `stop_server`."""
+    out = log if log is not None else subprocess.DEVNULL
+    return subprocess.Popen(mlflow_server_argv(root, host, port), env=mlflow_env(extra_env), stdout=out,
+                            stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL, start_new_session=True)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM the server's process group (its gunicorn/uvicorn workers too); SIGKILL after `timeout`."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)
 
 
 def wait_healthy(uri: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
