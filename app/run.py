@@ -100,7 +100,7 @@ def available_roles() -> set[str]:
     return set(typer.main.get_command(cli_app).commands)  # type: ignore[attr-defined]
 
 
-def _stop_on_sigterm() -> None:
+def _stop_on_signals() -> None:
     """SIGTERM (a process manager, `timeout`, `docker stop`) and SIGHUP stop the stack as Ctrl-C does:
     the roles run in their own sessions, so a run killed without its cleanup would orphan them.
     SIGINT is set explicitly too: a process started in the background of a non-interactive shell
@@ -124,7 +124,7 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
 
     console = Console()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    _stop_on_sigterm()
+    _stop_on_signals()
     data_dir = settings.data_dir.resolve()
     env = {**{k: v for k, v in DEMO_ENV.items() if k not in os.environ},
            "FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,

@@ -262,7 +262,7 @@ class Runtime:
 
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
         p = msg.partition
-        expected = self.resume_at.pop(p, None)
+        expected = self.resume_at.pop(p, None) if self.resume_at else None  # only the first record after a resume
         if expected is not None and msg.offset > expected:
             RESUME_GAPS.inc()
             log.error("partition %d resumed at offset %d but the state ends at %d: records were skipped",

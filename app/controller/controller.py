@@ -19,11 +19,13 @@ One process per model. It
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import datetime, timezone
 from typing import Any
 
@@ -136,10 +138,9 @@ class Controller:
         first tick after it finished."""
         if self._gate_job is not None:
             v, fut = self._gate_job
-            if not fut.done():
-                return
-            self._gate_job = None
-            self._apply_gate(v, fut.result)
+            if fut.done():
+                self._gate_job = None
+                self._apply_gate(v, fut)
             return
         gated = [v for v in self.state.registered if v in self.state.gate]
         newest_gated = max(gated, key=canary.vkey) if gated else None
@@ -149,49 +150,46 @@ class Controller:
             return
         # no champion yet: in order (the base first); then the newest, skipping what it supersedes
         v = max(pending, key=canary.vkey) if self.state.champion is not None else min(pending, key=canary.vkey)
-        if self.background_gate and self.cs.gate_enabled and self.gate is not None:
-            self._gate_job = (v, self._gate_in_thread(v, self.state.champion))
-            return
-        self._apply_gate(v, lambda: self.gate(v, self.state.champion) if self.gate is not None else None)
-
-    def _gate_in_thread(self, v: str, champion: str | None) -> Any:
-        """A daemon thread (a stopping controller does not wait minutes for a gate to finish; the
-        version is gated again after a restart, as nothing was recorded)."""
-        from concurrent.futures import Future
-
-        fut: Future = Future()
-        gate = self.gate
-        assert gate is not None
-
-        def work() -> None:
-            try:
-                fut.set_result(gate(v, champion))
-            except BaseException as exc:  # noqa: BLE001 - re-raised by fut.result() on the loop's thread
-                fut.set_exception(exc)
-
-        threading.Thread(target=work, name=f"gate-v{v}", daemon=True).start()
-        return fut
-
-    def _apply_gate(self, v: str, result_of: Callable[[], Any]) -> None:
         if not self.cs.gate_enabled or self.gate is None:
             why = "gate disabled (FLYWHEEL_CONTROLLER_GATE_ENABLED=false)" if not self.cs.gate_enabled else "no gate runner"
-            decision = canary.Decision(type="gate_passed", version=v, reason=f"not gated: {why}",
-                                       details={"passed": True, "checks": [], "skipped": why})
+            self._record_gate(canary.Decision(type="gate_passed", version=v, reason=f"not gated: {why}",
+                                              details={"passed": True, "checks": [], "skipped": why}))
+            return
+        fut: Future = Future()
+        run = functools.partial(self._run_gate, self.gate, v, self.state.champion, fut)
+        if self.background_gate:
+            # a daemon thread: a stopping controller does not wait minutes for a gate; nothing was
+            # recorded, so the version is gated again after a restart
+            threading.Thread(target=run, name=f"gate-v{v}", daemon=True).start()
+            self._gate_job = (v, fut)
         else:
-            try:
-                result = result_of()
-            except Exception as exc:  # artifacts missing, MLflow away: retry, then fail closed
-                self._gate_failures[v] = self._gate_failures.get(v, 0) + 1
-                log.exception("gate of v%s could not run (attempt %d)", v, self._gate_failures[v])
-                if self._gate_failures[v] < 3:
-                    return
-                decision = canary.Decision(type="gate_failed", version=v, reason=f"gate could not run: {exc!r}"[:4000],
-                                           details={"passed": False, "error": repr(exc)[:2000]})
-            else:
-                decision = result.decision(v, self.state.champion)
-                if self.client is not None:
-                    for k, val in result.tags().items():
-                        self.client.set_model_version_tag(self.model, v, k, val)
+            run()
+            self._apply_gate(v, fut)
+
+    @staticmethod
+    def _run_gate(gate: GateFn, v: str, champion: str | None, fut: Future) -> None:
+        try:
+            fut.set_result(gate(v, champion))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by fut.result() on the loop's thread
+            fut.set_exception(exc)
+
+    def _apply_gate(self, v: str, fut: Future) -> None:
+        try:
+            result = fut.result()
+        except Exception as exc:  # artifacts missing, MLflow away: retry, then fail closed
+            self._gate_failures[v] = self._gate_failures.get(v, 0) + 1
+            log.exception("gate of v%s could not run (attempt %d)", v, self._gate_failures[v])
+            if self._gate_failures[v] < 3:
+                return
+            self._record_gate(canary.Decision(type="gate_failed", version=v, reason=f"gate could not run: {exc!r}"[:4000],
+                                              details={"passed": False, "error": repr(exc)[:2000]}))
+            return
+        if self.client is not None:
+            for k, val in result.tags().items():
+                self.client.set_model_version_tag(self.model, v, k, val)
+        self._record_gate(result.decision(v, self.state.champion))
+
+    def _record_gate(self, decision: canary.Decision) -> None:
         GATE_RUNS.labels(decision.type).inc()
         ev = decision.to_event(self.model)
         self.seen.add(ev["event_id"])

@@ -30,37 +30,39 @@ def test_roles_started_together_have_distinct_default_ports():
     assert len(set(ports.values())) == len(ports), f"default ports collide under `flywheel run`: {ports}"
 
 
-def test_sigterm_stops_the_run_like_ctrl_c():
-    """`flywheel run` under a process manager gets SIGTERM: it must take the Ctrl-C path (stop every
-    role, which run in their own sessions) instead of dying and orphaning them."""
-    import signal
+# a stand-in for `flywheel run`: installs its signal handling, then waits in a try/except KeyboardInterrupt
+_RUN_LIKE = ("import time\nfrom app.run import _stop_on_signals\n_stop_on_signals()\n"
+             "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n")
+
+
+def _signal_a_run(sig, preexec_fn=None):  # noqa: ANN001, ANN202
+    """Start the stand-in, send `sig` once it is ready; (stdout, return code, seconds to exit)."""
     import subprocess
     import sys
     import time
 
-    code = ("import time\nfrom app.run import _stop_on_sigterm\n_stop_on_sigterm()\n"
-            "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _RUN_LIKE], stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=30)
-    assert "cleanup ran" in out and proc.returncode == 0, (out, proc.returncode)
-    assert time.monotonic() - t0 < 30
+    return out, proc.returncode, time.monotonic() - t0
+
+
+def test_sigterm_stops_the_run_like_ctrl_c():
+    """`flywheel run` under a process manager gets SIGTERM: it must take the Ctrl-C path (stop every
+    role, which run in their own sessions) instead of dying and orphaning them."""
+    import signal
+
+    out, rc, took = _signal_a_run(signal.SIGTERM)
+    assert "cleanup ran" in out and rc == 0, (out, rc)
+    assert took < 30
 
 
 def test_ctrl_c_stops_the_run_even_when_sigint_was_inherited_as_ignored():
     """A run started from a background job of a non-interactive shell inherits SIGINT as ignored
     (the test suite launched that way once, and `flywheel run` then ignored the e2e test's Ctrl-C)."""
     import signal
-    import subprocess
-    import sys
 
-    code = ("import time\nfrom app.run import _stop_on_sigterm\n_stop_on_sigterm()\n"
-            "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    assert proc.stdout.readline().strip() == "ready"
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=30)
-    assert "cleanup ran" in out and proc.returncode == 0, (out, proc.returncode)
+    out, rc, _ = _signal_a_run(signal.SIGINT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert "cleanup ran" in out and rc == 0, (out, rc)
