@@ -158,7 +158,7 @@ def _ope_check(inp: GateInputs, cfg: GateConfig, cand_samples: list[list[int]] |
         checks.append(Check("ope_reward", "fail" if hi < -cfg.ope_margin else "pass", value=est,
                             threshold=res.behaviour_value - cfg.ope_margin, detail=detail))
     tool = np.array([float(bool(r.get("tool_errors"))) for r in rolls], dtype=np.float64)
-    summary["tool_error"] = (ope.snips(tool, log_w), float(tool.mean()), res.ess)
+    summary["tool_error"] = (ope.snips(tool, log_w), float(tool.mean()))
     return checks, summary
 
 
@@ -202,6 +202,6 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
                                    [len(c) for c in r_comps], cfg.regression_tolerance))
     checks += behaviour_checks([len(_strip_eos(s.tokens, eos)) for s in c_smp], [len(_strip_eos(s.tokens, eos)) for s in h_smp],
                                max_empty_increase=cfg.max_empty_increase, length_k_std=cfg.length_k_std,
-                               tool_error=tuple(tool[:2]) if tool else None, max_tool_error_increase=cfg.max_tool_error_increase,
-                               tool_error_ess=tool[2] if tool else None, min_ess=cfg.min_ess, require_ess=cfg.require_ess)
+                               tool_error=tuple(tool) if tool else None, max_tool_error_increase=cfg.max_tool_error_increase,
+                               tool_error_ess=ope_summary.get("ess"), min_ess=cfg.min_ess, require_ess=cfg.require_ess)
     return GateResult(checks, ope_summary)
