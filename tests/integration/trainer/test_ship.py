@@ -61,7 +61,8 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         assert {int(p): tuple(r) for p, r in offsets["partitions"].items()} == {p: (0, e) for p, e in ends.items() if e}
         metrics = json.loads(tags["train_metrics"])
         assert metrics["steps"] >= 3 and "ess" in metrics and "kl" in metrics and "distill_kl" in metrics
-        assert committed_offsets(settings, cfg_kw["consumer_group"]) == ends
+        # a partition the random request_ids left empty has nothing to commit (None reads from offset 0)
+        assert {p: o or 0 for p, o in committed_offsets(settings, cfg_kw["consumer_group"]).items()} == ends
 
         # per-step metrics are in the run, so the MLflow UI plots curves
         history = client.get_metric_history(trainer.run_id, "loss")
