@@ -98,9 +98,24 @@ def fresh_postgres_url(postgres_url: str) -> Iterator[str]:
         yield url
     finally:
         sa.create_engine(url).dispose()
+        _drop_database(admin, name)
+        admin.dispose()
+
+
+def _drop_database(admin, name: str) -> None:
+    """Drop a test database. `with (force)` terminates the other sessions on it, but a
+    non-superuser may not terminate an autovacuum worker that happens to be vacuuming the new
+    database (InsufficientPrivilege); such a worker finishes within moments, so retry."""
+    import sqlalchemy as sa
+    from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
+
+    @retry(retry=retry_if_exception_type(sa.exc.DBAPIError), stop=stop_after_delay(30), wait=wait_fixed(0.5),
+           reraise=True)
+    def drop() -> None:
         with admin.connect() as conn:
             conn.execute(sa.text(f'drop database if exists "{name}" with (force)'))
-        admin.dispose()
+
+    drop()
 
 
 class MlflowServer:
