@@ -66,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mlflow", default=None, help="reuse this MLflow server URI instead of starting one")
     p.add_argument("--in-process", action="store_true",
                    help="run the replicas' sync agents as threads of this process (shares one GIL; for comparison)")
+    p.add_argument("--no-hints", action="store_true",
+                   help="publish version_registered without details.artifacts (replicas ask MLflow; for comparison)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one replica agent (id)
     return p.parse_args()
 
@@ -110,7 +112,12 @@ def trained_states(n: int, warmup: int, lr: float | None = None) -> tuple[dict, 
     return cfg, states
 
 
-def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | None, cfg: dict, manifests: dict) -> None:
+def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | None, cfg: dict, manifests: dict,
+              dlog: Any, hints: bool) -> None:
+    """Ship `version` as the trainer does: artifacts, model version, then `version_registered`
+    (with the artifact hints of app/replica/hints.py unless `hints` is False)."""
+    from app.deployments.events import DeploymentEvent
+    from app.replica.hints import artifact_hints
     from trainer.publish import publish_version
 
     pv = str(int(version) - 1) if parent is not None else None
@@ -121,6 +128,11 @@ def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | N
                                  {"delta": Path(tmp)})
     got = reg.create_version(source, run_id, ship, {})
     assert str(got) == version, f"MLflow gave version {got}, expected {version}"
+    details: dict[str, Any] = {"run_id": run_id, "ship_id": ship, "rollouts_consumed": 0, "reward_spec": "v1"}
+    if hints:
+        details["artifacts"] = artifact_hints(source, cfg)
+    dlog.publish(DeploymentEvent(event_id=f"vr-{ship}", type="version_registered", model=reg.name, version=version,
+                                 from_version=pv, source="trainer", actor="bench", details=details))
 
 
 def _loopback_bandwidth(reg: Any, run_id: str, fetcher: Any, size: int) -> float:
@@ -372,7 +384,7 @@ def _stages(result: dict, t0: float) -> dict[str, float]:
 
 
 def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int = 4, console: Any = None,
-                   in_process: bool = False) -> dict:
+                   in_process: bool = False, hints: bool = True) -> dict:
     """Register states[0..], sync `replicas` agents (separate processes unless `in_process`)
     through every version after the first.
 
@@ -387,12 +399,12 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     reg.ensure_model()
     run_id = reg.start_run()
     manifests: dict = {}
+    dlog = DeploymentLog(settings)
     for i, st in enumerate(states):
-        _register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests)
+        _register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests, dlog, hints)
     probe = VersionFetcher(settings)
     full = sum(t.numel() * t.element_size() for t in states[0].values())
     bandwidth = _loopback_bandwidth(reg, run_id, probe, max(16 << 20, 8 * full))
-    dlog = DeploymentLog(settings)
     dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version="1", source="controller",
                                  actor="bench", traffic_pct=100.0))
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sync-"))
@@ -433,14 +445,15 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
         dlog.close()
         probe.close()
     med = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]
-    return {"rounds": rounds, "median": med, "cores": cores, "mode": "threads" if in_process else "processes"}
+    return {"rounds": rounds, "median": med, "cores": cores, "mode": "threads" if in_process else "processes",
+            "hints": hints}
 
 
 def print_report(result: dict, console: Any) -> None:
     from rich.table import Table
 
-    t = Table(title=f"sync of {len(result['median']['paths'])} replicas ({result['mode']}) vs the floor "
-                    f"({result['cores']} CPU cores)")
+    t = Table(title=f"sync of {len(result['median']['paths'])} replicas ({result['mode']}, artifact hints "
+                    f"{'on' if result.get('hints', True) else 'off'}) vs the floor ({result['cores']} CPU cores)")
     for col in ("version", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms (chain / 1 delta)",
                 "floor ms", "measured ms", "ratio", "paths"):
         t.add_column(col, justify="right")
@@ -515,7 +528,7 @@ def main() -> None:
         console.print("training successive checkpoints…")
         cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20)
         result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console,
-                                in_process=args.in_process)
+                                in_process=args.in_process, hints=not args.no_hints)
     print_report(result, console)
 
 

@@ -104,6 +104,7 @@ def execute_ship(t: "Trainer") -> int:
                  tags["rollouts_consumed"], ship_id)
     else:
         version = int(mv.version)
+        source = mv.source
         log.info("ship %s was already registered as v%d; finishing it", ship_id, version)
     t._pause("after_register")
     if reg.alias_version(CHAMPION) is None:
@@ -113,7 +114,7 @@ def execute_ship(t: "Trainer") -> int:
         # an operator's move in the MLflow UI (an `alias_changed` event from "mlflow-ui")
         sync_aliases(reg.client, reg.name, {CHAMPION: str(version)})
         log.info("no champion yet: alias %s -> v%d", CHAMPION, version)
-    _publish_event(t, version, intent, tags)
+    _publish_event(t, version, intent, tags, source)
     t.commit_offsets(intent["positions"])
     return version
 
@@ -164,11 +165,12 @@ def _download_text(t: "Trainer", version: int, rel: str) -> str | None:
         return Path(path).read_text()
 
 
-def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dict[str, str]) -> None:
+def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dict[str, str], source: str) -> None:
     if importlib.util.find_spec("app.deployments.events") is None:
         log.info("app/deployments/events.py not present: no version_registered event")
         return
     from app.deployments.events import DeploymentEvent, DeploymentLog
+    from app.replica.hints import artifact_hints
 
     event = DeploymentEvent(
         event_id=f"vr-{intent['ship_id']}", type="version_registered", model=t.settings.model_name, version=str(version),
@@ -176,7 +178,9 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
         actor="flywheel-trainer", reason=f"{tags['kind']} version: {tags['rollouts_consumed']} rollouts",
         details={"run_id": t.run_id, "ship_id": intent["ship_id"], "rollouts_consumed": int(tags["rollouts_consumed"]),
                  "reward_spec": tags["reward_spec"], "kafka_offsets": json.loads(tags["kafka_offsets"]),
-                 "train_metrics": json.loads(tags["train_metrics"])})
+                 "train_metrics": json.loads(tags["train_metrics"]),
+                 # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
+                 "artifacts": artifact_hints(source, t.policy.config_dict())})
     dlog = DeploymentLog(t.settings)
     try:
         dlog.publish(event)

@@ -9,10 +9,17 @@ Layout (trainer/registry.py + trainer/publish.py): a version's model source is
 `ships/<ship_id>/<artifacts_dir>` (default `delta`), and the policy architecture in
 `model/artifacts/config.json`.
 
+Where a version's artifacts are: from the deployment log when it says so (`learn(version, hint)`:
+the trainer's `version_registered` event carries the model version's source and its policy
+config's canonical SHA-256, app/replica/hints.py), else one MLflow REST look-up (model version ->
+artifact root), cached per version. A hinted root that fails is dropped and MLflow is asked; if
+MLflow names another root, the sync is retried once from there.
+
 Fast path (the common case: the target's parent is the newest version the replica holds):
-one MLflow REST look-up (model version -> artifact root, cached per version), then ONE round
-of three parallel GETs — the target's manifest, the delta from the held version (requested
-speculatively, before the manifest has named it) and the policy config — then one verified
+ONE round of parallel GETs — the target's manifest, the delta from the held version (requested
+speculatively, before the manifest has named it) and the policy config, unless a held version's
+config has the canonical SHA-256 the deployment event gave (then that config is reused: equal
+hashes of the canonical JSON = equal configs; no hash, no reuse) — then one verified
 decode: the delta file's SHA-256 against the manifest, the delta's base checkpoint hash
 against the held version's already-verified hash (no re-hash of the held weights), every
 decoded tensor's SHA-256 and the checkpoint SHA-256 against the manifest. The per-tensor
@@ -42,7 +49,7 @@ import logging
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +58,7 @@ from urllib.parse import quote, urlparse
 import httpx
 import torch
 
+from app.replica.hints import ArtifactHint, config_sha256
 from app.settings import Settings
 from kernels.delta import DeltaFormatError
 from kernels.delta.manifest import MANIFEST_FILE, Manifest, delta_file
@@ -72,6 +80,7 @@ class Fetched:
     fallbacks: int = 0  # 1 when the first path failed verification and the other one was used
     digests: dict[str, str] = field(default_factory=dict)  # per-tensor SHA-256s verified against the manifest
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage (lookup, download, decode)
+    config_reused: bool = False  # the config came from a held version (hash given by the deployment log)
 
 
 def _kind(filename: str) -> str:
@@ -93,6 +102,7 @@ class VersionFetcher:
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
         self.http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=8))
         self._roots: dict[str, str] = {}  # version -> artifact URI of ships/<ship_id> (immutable per version)
+        self._hints: dict[str, ArtifactHint] = {}  # version -> what the deployment log said (not yet failed)
         self._manifests: dict[str, bytes] = {}  # version -> manifest.json bytes that parsed (immutable)
         self._configs: dict[str, dict[str, Any]] = {}  # version -> policy config (immutable)
         self._lock = threading.Lock()
@@ -107,7 +117,27 @@ class VersionFetcher:
         except MlflowException:
             return None
 
+    def learn(self, version: str, hint: ArtifactHint) -> None:
+        """Remember where the deployment log says `version`'s artifacts are (used until it fails)."""
+        with self._lock:
+            self._hints[str(version)] = hint
+
+    def _hinted(self, version: str) -> ArtifactHint | None:
+        with self._lock:
+            return None if version in self._roots else self._hints.get(version)
+
     def _root(self, version: str) -> str:
+        with self._lock:
+            root = self._roots.get(version)
+            hint = self._hints.get(version)
+        if root is not None:
+            return root
+        if hint is not None:
+            return hint.root
+        return self._lookup_root(version)
+
+    def _lookup_root(self, version: str) -> str:
+        """The ship's artifact root as MLflow's registry names it (one REST call; cached)."""
         with self._lock:
             root = self._roots.get(version)
         if root is not None:
@@ -201,13 +231,44 @@ class VersionFetcher:
                 self._configs[version] = cached
         return dict(cached)
 
+    def _reusable_config(self, target: str, held: dict[str, Any]) -> dict[str, Any] | None:
+        """A held version's config when the deployment log gave `target`'s config hash and it matches."""
+        hint = self._hints.get(target)
+        if hint is None or hint.config_sha256 is None:
+            return None
+        for lv in held.values():
+            cfg = getattr(lv, "config", None)
+            if cfg is not None and config_sha256(dict(cfg)) == hint.config_sha256:
+                return dict(cfg)
+        return None
+
     # --- reconstruction -------------------------------------------------------------------------------
     def fetch(self, target: str, held: dict[str, Any]) -> Fetched:
         """Reconstruct `target` (verified) from the best held version (newest one at or below the
         target) or the nearest anchor. `held`: version -> object with `.state` and (optionally)
-        `.sha256`, the held weights' verified checkpoint hash (LoadedVersion).
+        `.sha256`, the held weights' verified checkpoint hash (LoadedVersion) and `.config`.
         Raises trainer.publish.ChainError when no verifiable path exists."""
         target = str(target)
+        hint = self._hinted(target)
+        try:
+            return self._fetch(target, held)
+        except Exception as exc:
+            if hint is None:
+                raise
+            with self._lock:  # the log's word failed once: ask MLflow from now on
+                self._hints.pop(target, None)
+                self._configs.pop(target, None)
+            try:
+                root = self._lookup_root(target)
+            except FileNotFoundError:
+                raise exc from None
+            if root == hint.root:
+                raise exc  # same place: the failure is the artifacts', not the hint's
+            log.warning("version %s: the deployment log's artifact root %s failed (%s); MLflow names %s, retrying",
+                        target, hint.root, exc, root)
+            return self._fetch(target, held)
+
+    def _fetch(self, target: str, held: dict[str, Any]) -> Fetched:
         below = sorted((v for v in held if int(v) <= int(target)), key=int)
         base = (below[-1], held[below[-1]]) if below else None
         chain: list[str] = []
@@ -222,9 +283,14 @@ class VersionFetcher:
             return data
 
         try:
-            self._root(target)  # the one MLflow REST call of a new version (cached after)
+            self._root(target)  # the one MLflow REST call of a new version the log gave no root for (cached)
             timings["lookup"] = time.perf_counter() - t0
-            config_future = self._pool.submit(self.policy_config, target)  # overlaps with the weights
+            reused = self._reusable_config(target, held)
+            if reused is not None:
+                config_future: Any = Future()
+                config_future.set_result(reused)
+            else:
+                config_future = self._pool.submit(self.policy_config, target)  # overlaps with the weights
             got = self._fast_path(target, base, fetch, timings) if base is not None else None
             attempts: list[str] = []
             fallbacks = 0
@@ -244,7 +310,8 @@ class VersionFetcher:
         fallbacks = max(fallbacks, int(anchor_at is not None and base is not None and anchor_at > 0))
         timings["total"] = time.perf_counter() - t0
         return Fetched(version=target, state=state, config=config, sha256=manifest.checkpoint_sha256, path=path,
-                       chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks, digests=digests, timings=timings)
+                       chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks, digests=digests, timings=timings,
+                       config_reused=reused is not None)
 
     def _fast_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
                    ) -> tuple[dict[str, torch.Tensor], dict[str, str], Manifest] | str | None:

@@ -37,6 +37,7 @@ from app.controller.state import DeploymentState, apply_event
 from app.deployments.events import REPLICA_TYPES, DeploymentEvent, DeploymentLog
 from app.replica import metrics as m
 from app.replica.config import ReplicaConfig
+from app.replica.hints import ArtifactHint
 from app.replica.weights import LoadedVersion, Serving, VerificationError, WeightCache, WeightStore, load_verified
 from app.settings import Settings
 
@@ -124,6 +125,9 @@ class SyncAgent:
                 if logged is None or logged.event.type in REPLICA_TYPES or logged.event.event_id in self._seen:
                     continue  # replica reports do not change the desired state
                 self._seen.add(logged.event.event_id)
+                hint = ArtifactHint.from_details(logged.event.details) if logged.event.version else None
+                if hint is not None and hasattr(self.fetcher, "learn"):
+                    self.fetcher.learn(logged.event.version, hint)  # no MLflow look-up when it syncs
                 self.state = apply_event(self.state, logged.event.model_dump(mode="json"))
 
     # --- reconcile ----------------------------------------------------------------------------------
@@ -206,7 +210,8 @@ class SyncAgent:
                                template=next(iter(serving.held()), None), digests=fetched.digests or None)
             stages = {**getattr(fetched, "timings", {}), "load": time.perf_counter() - t_load}
             info = {"path": fetched.path, "chain": fetched.chain, "bytes": sum(fetched.bytes_by_kind.values()),
-                    "fallbacks": fetched.fallbacks, "seconds": round(time.perf_counter() - t0, 6),
+                    "fallbacks": fetched.fallbacks, "config_reused": getattr(fetched, "config_reused", False),
+                    "seconds": round(time.perf_counter() - t0, 6),
                     "stages_ms": {k: round(v * 1000, 2) for k, v in stages.items()}}
             return lv, info
         except Exception as exc:  # any failure: keep serving the old weights, report, retry later
