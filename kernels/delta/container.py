@@ -3,7 +3,8 @@
 Layout (all integers little-endian):
 
     offset 0   8 bytes   magic  b"FWDELTA\\x00"
-    offset 8   u16       format version (1)
+    offset 8   u16       format version (2; version 1 files, written before the entropy-coded
+                         "ans" layout and its two streams existed, are still read)
     offset 10  u16       flags (0; a reader refuses unknown flags)
     offset 12  u32       H = length of the compressed header
     offset 16  H bytes   header: a magicless zstd frame of compact JSON (`DeltaHeader`): base and
@@ -34,13 +35,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from kernels.delta.bits import SPEC_BY_NAME, DeltaFormatError
 
 MAGIC = b"FWDELTA\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _PREFIX = struct.Struct("<8sHHI")
 _DIGEST = 32
 Hex64 = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-STREAMS = ("gaps", "bitmap", "values", "dense", "full")  # payload streams, in file order
+STREAMS = ("gaps", "bitmap", "values", "dense", "full", "model", "ans")  # payload streams, in file order
+STREAMS_V1 = 5  # version 1 files hold the first five
 
 
 class Stream(BaseModel):
@@ -52,7 +55,7 @@ class Stream(BaseModel):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    stream: Literal["gaps", "bitmap", "values", "dense", "full"] = Field(
+    stream: Literal["gaps", "bitmap", "values", "dense", "full", "model", "ans"] = Field(
         description="the payload stream holding this section; sections follow each other in it in tensor order")
     raw_length: int = Field(ge=0, description="bytes of this section in the decompressed stream")
 
@@ -63,7 +66,8 @@ def section_streams(op: str, kind: str | None) -> list[str]:
         return []
     if op == "full":
         return ["full"]
-    return {"dense": ["dense"], "gaps": ["gaps", "values"], "bitmap": ["bitmap", "values"]}[kind]
+    return {"dense": ["dense"], "gaps": ["gaps", "values"], "bitmap": ["bitmap", "values"],
+            "ans": ["model", "ans", "values"]}[kind]
 
 
 class TensorEntry(BaseModel):
@@ -74,8 +78,9 @@ class TensorEntry(BaseModel):
     op: Literal["same", "delta", "full"] = Field(
         description="same: unchanged from base; delta: encoded against base; full: stored whole "
                     "(new name, or dtype/shape changed)")
-    kind: Literal["dense", "gaps", "bitmap"] | None = Field(
-        None, description="delta only: dense residuals, or changed positions as varint gaps / bitmap")
+    kind: Literal["dense", "gaps", "bitmap", "ans"] | None = Field(
+        None, description="delta only: dense residuals, changed positions as varint gaps / bitmap, or "
+                          "positions and residuals entropy-coded per base-exponent group (entropy.py)")
     residual: Literal["ulp", "xor"] | None = Field(
         None, description="delta only: zigzag ordered-key difference (ULPs) or XOR of the bits")
     order: Literal["natural", "exponent"] | None = Field(
@@ -112,7 +117,10 @@ class TensorEntry(BaseModel):
                 raise ValueError(f"exponent order on non-float dtype {self.dtype}")
             values = self.n_changed * spec.width
             want = {"dense": [n * spec.width], "gaps": [None, values],
-                    "bitmap": [(n + 7) // 8, values]}[self.kind]
+                    "bitmap": [(n + 7) // 8, values], "ans": [None, None, None]}[self.kind]
+            if self.kind == "ans" and (self.sections[1:2] and self.sections[1].raw_length % 4 or
+                                       self.sections[2:3] and self.sections[2].raw_length % spec.width):
+                raise ValueError("ans sections: payload not whole 32-bit words or escapes not whole elements")
         if len(self.sections) != len(want):
             raise ValueError(f"{self.op}/{self.kind} needs {len(want)} sections, got {len(self.sections)}")
         for sec, raw, stream in zip(self.sections, want, self.streams()):
@@ -136,7 +144,7 @@ class TensorEntry(BaseModel):
 class DeltaHeader(BaseModel):
     model_config = ConfigDict(extra="forbid")
     format: Literal["flywheel-delta"] = "flywheel-delta"
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[1, 2] = FORMAT_VERSION
     base_checkpoint_sha256: str = Hex64
     target_checkpoint_sha256: str = Hex64
     zstd_level: int
@@ -154,6 +162,8 @@ class DeltaHeader(BaseModel):
                 raise ValueError(f"sections use {used} bytes of stream {name!r}, which holds {stream.raw_length}")
             if stream.codec == "raw" and stream.length != stream.raw_length:
                 raise ValueError("raw stream whose length differs from raw_length")
+        if self.format_version == 1 and any(t.kind == "ans" for t in self.tensors):
+            raise ValueError("the 'ans' layout does not exist in format version 1")
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names) or set(names) & set(self.removed) or \
                 len(set(self.removed)) != len(self.removed):
@@ -216,12 +226,18 @@ def build_container(header: DeltaHeader, sections: list[bytes]) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def _header_from_doc(doc: dict) -> DeltaHeader:
+def _header_from_doc(doc: dict, version: int) -> DeltaHeader:
     if not isinstance(doc, dict) or doc.pop("columns", None) != COLUMNS:
         raise ValueError(f"header columns must be {COLUMNS}")
+    if doc.get("format_version") != version:
+        raise ValueError(f"header format_version {doc.get('format_version')!r} != file version {version}")
     streams = doc.get("streams")
     if not isinstance(streams, list) or not all(isinstance(x, list) and len(x) == 3 for x in streams):
         raise ValueError("streams must be [codec, length, raw_length] triples")
+    if version == 1:
+        if len(streams) != STREAMS_V1:
+            raise ValueError(f"a version 1 delta has {STREAMS_V1} streams, got {len(streams)}")
+        streams = streams + [["raw", 0, 0]] * (len(STREAMS) - STREAMS_V1)  # empty model/ans streams
     doc["streams"] = [dict(codec=c, length=n, raw_length=r) for c, n, r in streams]
     rows = doc.get("tensors")
     if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == len(COLUMNS) for r in rows):
@@ -247,9 +263,9 @@ def parse_container(blob: bytes, verify_file_hash: bool = True) -> tuple[DeltaHe
     magic, version, flags, head_len = _PREFIX.unpack_from(blob, 0)
     if magic != MAGIC:
         raise DeltaFormatError(f"bad magic {magic!r}: not a flywheel delta (.fwd) file")
-    if version != FORMAT_VERSION or flags != 0:
-        raise DeltaFormatError(f"unsupported delta format version {version} flags {flags}; "
-                               f"this reader understands version {FORMAT_VERSION} flags 0")
+    if version not in READABLE_VERSIONS or flags != 0:
+        raise DeltaFormatError(f"unsupported delta format version {version} flags {flags}; this reader "
+                               f"understands versions {list(READABLE_VERSIONS)} flags 0 (upgrade the reader)")
     if _PREFIX.size + head_len + _DIGEST > len(blob):
         raise DeltaFormatError(f"header length {head_len} runs past the end of the file")
     if verify_file_hash and hashlib.sha256(memoryview(blob)[:-_DIGEST]).digest() != blob[-_DIGEST:]:
@@ -257,7 +273,7 @@ def parse_container(blob: bytes, verify_file_hash: bool = True) -> tuple[DeltaHe
     try:
         raw = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS).decompress(
             blob[_PREFIX.size:_PREFIX.size + head_len], max_output_size=_MAX_HEADER)
-        header = _header_from_doc(json.loads(raw))
+        header = _header_from_doc(json.loads(raw), version)
     except (ValueError, ValidationError, UnicodeDecodeError, zstandard.ZstdError, TypeError) as e:
         raise DeltaFormatError(f"invalid delta header: {e}") from e
     payload = memoryview(blob)[_PREFIX.size + head_len:len(blob) - _DIGEST]

@@ -4,7 +4,8 @@ What differs from the reference (the format and the candidate choice are identic
 - keys, the permutation, the changed mask and positions are computed once per tensor and
   shared by all six candidates; the positions sections (gaps, bitmap) are compressed once and
   reused for both residuals instead of once per candidate;
-- varints are encoded/decoded vectorised (bits.varint_encode / varint_decode);
+- varints are encoded/decoded vectorised (bits.varint_encode / varint_decode), and so are the
+  escape-expanded gap symbols of the "ans" layout (entropy.gap_symbols);
 - the driver (`codec.py`) runs tensors on a thread pool: zstd, hashlib and most numpy kernels
   release the GIL, so tensors encode in parallel; the pooled streams are compressed by zstd's
   multi-threaded mode, whose bytes do not depend on the number of workers (the reference uses 1).
@@ -15,22 +16,26 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
+from kernels.delta import entropy
 from kernels.delta.bits import (DTypeSpec, DeltaFormatError, exponent_field, from_planes,
                                 ordered_key, ordered_key_inverse, to_planes, unzigzag,
                                 varint_decode, varint_encode, zigzag)
 from kernels.delta.container import TensorEntry, store_section
+from kernels.delta import reference
 from kernels.delta.reference import decode_full, encode_full  # noqa: F401  (same code path)
 
 
-def _order(old: np.ndarray, spec: DTypeSpec) -> tuple[str, np.ndarray | None]:
+def _order(old: np.ndarray, spec: DTypeSpec) -> tuple[str, np.ndarray | None, np.ndarray]:
+    """(order name, permutation or None, group sizes in stream order)."""
     if spec.is_float:
-        return "exponent", np.argsort(exponent_field(old, spec), kind="stable")
-    return "natural", None
+        exp = exponent_field(old, spec)
+        return "exponent", np.argsort(exp, kind="stable"), entropy.group_sizes(exp, old.size, spec)
+    return "natural", None, entropy.group_sizes(None, old.size, spec)
 
 
 def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
                   compressor: zstandard.ZstdCompressor) -> tuple[dict, list[bytes]]:
-    order, perm = _order(old, spec)
+    order, perm, groups = _order(old, spec)
     if perm is not None:
         old, new = old[perm], new[perm]
     changed = new != old
@@ -54,21 +59,28 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
             sizes[(kind, residual)] = pos_size[kind] + sparse_size
         candidates[("dense", residual)] = [dense]
         sizes[("dense", residual)] = dense_size
+    candidates[("ans", "ulp")] = entropy.encode(old, new, spec, "ulp", groups)
+    sizes[("ans", "ulp")] = sum(len(store_section(raw, compressor).data) for raw in candidates[("ans", "ulp")])
     best = None
-    for kind in ("gaps", "bitmap", "dense"):  # the reference's tie-break order
-        for residual in ("ulp", "xor"):
-            if best is None or sizes[(kind, residual)] < sizes[best]:
-                best = (kind, residual)
+    for cand in reference.CANDIDATES:  # the reference's tie-break order
+        if best is None or sizes[cand] < sizes[best]:
+            best = cand
     kind, residual = best
     return dict(kind=kind, residual=residual, order=order, n_changed=int(positions.size)), candidates[best]
 
 
 def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: list[bytes]) -> np.ndarray:
     n, k = old.size, entry.n_changed
-    perm = np.argsort(exponent_field(old, spec), kind="stable") if entry.order == "exponent" else None
+    if entry.order == "exponent":
+        exp = exponent_field(old, spec)
+        perm, groups = np.argsort(exp, kind="stable"), entropy.group_sizes(exp, n, spec)
+    else:
+        perm, groups = None, entropy.group_sizes(None, n, spec)
     old_s = old[perm] if perm is not None else old
     xor = entry.residual == "xor"
-    if entry.kind == "dense":
+    if entry.kind == "ans":
+        new_s = entropy.decode(old_s, spec, entry.residual, groups, k, raws)
+    elif entry.kind == "dense":
         r = from_planes(raws[0], spec.uint, n)
         new_s = old_s ^ r if xor else ordered_key_inverse(ordered_key(old_s, spec) + unzigzag(r), spec)
     else:

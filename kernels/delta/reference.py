@@ -10,11 +10,14 @@ Encoding one tensor whose bits change from `old` to `new` (flat unsigned arrays,
    with `key` the monotonic ordered-integer map of bits.ordered_key, or "xor" = new ^ old.
 3. Layout: "dense" = byte planes of all n residuals; "gaps" = LEB128 varints of the gaps
    (p[i] - p[i-1] - 1, p[-1] = -1) between changed positions, then byte planes of the changed
-   residuals; "bitmap" = np.packbits (big bit order) of the changed mask, then the same planes.
+   residuals; "bitmap" = np.packbits (big bit order) of the changed mask, then the same planes;
+   "ans" (ulp residual only) = positions and residuals entropy-coded with one model per
+   exponent group of the base (one group for integers): side info, an ANS stream and the raw
+   escaped residuals (entropy.py defines it).
 4. Choice: each candidate's sections are compressed on their own (single-threaded zstd at the
-   delta's level, or kept raw when that is not smaller); of the 6 (layout x residual)
-   candidates the one with the fewest bytes wins; ties go to the first in the order
-   (gaps, bitmap, dense) x (ulp, xor).
+   delta's level, or kept raw when that is not smaller); of the 7 candidates the one with the
+   fewest bytes wins; ties go to the first in the order (gaps, bitmap, dense) x (ulp, xor),
+   then (ans, ulp): the entropy-coded layout is chosen only when strictly smaller.
 5. The chosen raw sections are appended to the delta's streams (codec.py): all tensors' gaps
    in one stream, bitmaps in another, sparse residuals, dense residuals and whole tensors in
    three more, each stream one zstd frame. Pooling saves the per-frame overhead and Huffman
@@ -28,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
+from kernels.delta import entropy
 from kernels.delta.bits import (DTypeSpec, DeltaFormatError, exponent_field, from_planes,
                                 ordered_key, ordered_key_inverse, to_planes, unzigzag,
                                 varint_decode_ref, varint_encode_ref, zigzag)
@@ -35,6 +39,7 @@ from kernels.delta.container import TensorEntry, store_section
 
 KINDS = ("gaps", "bitmap", "dense")
 RESIDUALS = ("ulp", "xor")
+CANDIDATES = [(kind, residual) for kind in KINDS for residual in RESIDUALS] + [("ans", "ulp")]
 
 
 def element_order(old: np.ndarray, spec: DTypeSpec) -> tuple[str, np.ndarray]:
@@ -56,8 +61,18 @@ def apply_residual(old: np.ndarray, r: np.ndarray, spec: DTypeSpec, residual: st
     return ordered_key_inverse(ordered_key(old, spec) + unzigzag(r), spec)
 
 
-def raw_sections(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, kind: str, residual: str) -> list[bytes]:
-    """The uncompressed sections of one candidate encoding (old/new already in stream order)."""
+def group_sizes(old: np.ndarray, spec: DTypeSpec, order: str) -> np.ndarray:
+    """Sizes of the contiguous element groups of the stream order (per base exponent, or one)."""
+    key = exponent_field(old, spec) if order == "exponent" else None
+    return entropy.group_sizes(key, old.size, spec)
+
+
+def raw_sections(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, kind: str, residual: str,
+                 sizes: np.ndarray | None = None) -> list[bytes]:
+    """The uncompressed sections of one candidate encoding (old/new already in stream order;
+    `sizes`: the stream order's groups, for kind "ans")."""
+    if kind == "ans":
+        return entropy.encode(old, new, spec, residual, sizes, reference=True)
     r = residual_of(old, new, spec, residual)
     changed = new != old
     positions = np.flatnonzero(changed)
@@ -74,13 +89,13 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
     """Encode one changed tensor. Returns (entry fields, [raw section bytes, ...])."""
     order, perm = element_order(old, spec)
     old_s, new_s = old[perm], new[perm]
+    sizes = group_sizes(old, spec, order)
     best = None
-    for kind in KINDS:
-        for residual in RESIDUALS:
-            raws = raw_sections(old_s, new_s, spec, kind, residual)
-            size = sum(len(store_section(raw, compressor).data) for raw in raws)
-            if best is None or size < best[0]:
-                best = (size, kind, residual, raws)
+    for kind, residual in CANDIDATES:
+        raws = raw_sections(old_s, new_s, spec, kind, residual, sizes)
+        size = sum(len(store_section(raw, compressor).data) for raw in raws)
+        if best is None or size < best[0]:
+            best = (size, kind, residual, raws)
     _, kind, residual, raws = best
     fields = dict(kind=kind, residual=residual, order=order, n_changed=int(np.count_nonzero(new != old)))
     return fields, raws
@@ -97,6 +112,8 @@ def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: li
     if entry.kind == "dense":
         r = from_planes(raws[0], spec.uint, n)
         new_s = apply_residual(old_s, r, spec, entry.residual)
+    elif entry.kind == "ans":
+        new_s = entropy.decode(old_s, spec, entry.residual, group_sizes(old, spec, entry.order), k, raws)
     else:
         if entry.kind == "gaps":
             gaps = varint_decode_ref(raws[0], k)
