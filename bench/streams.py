@@ -7,6 +7,8 @@ Measures, in the same run and on the same broker:
      the ceiling Faust's own per-record path sets for any Faust worker on this machine;
   3. worker:   `python -m streams.worker` draining the same backlog (events/s from the worker's
      Prometheus counter: first to last event, start-up excluded) -> ratio worker / baseline;
+     once with Faust's stock fetch loop (FLYWHEEL_STREAMS_EAGER_DRAIN=false) and once as
+     configured by default (streams/consumer.py: records delivered without per-record tasks);
   4. label latency: live traffic at a steady rate; for each rollout, its record time on the
      rollouts topic minus the moment its window closed (generation record time + window),
      p50/p99. Target: >= 5,000 events/s per worker, p99 <= 2 s.
@@ -218,6 +220,12 @@ def main() -> None:
                                           env_for(port), port, n, tmp / "bare-faust.log", "bare Faust agent")
         stop(bare)
         port = free_port()
+        stock, stock_rate, stock_cpu = drain([sys.executable, "-m", "streams.worker"],
+                                             env_for(port) | {"FLYWHEEL_STREAMS_EAGER_DRAIN": "false",
+                                                              "FLYWHEEL_STREAMS_APP_ID": f"{settings.topic_namespace}-stock"},
+                                             port, n, tmp / "worker-stock.log", "worker, Faust's stock fetch loop")
+        stop(stock)
+        port = free_port()
         worker_env = env_for(port) | ({"FLYWHEEL_STREAMS_PROFILE": str(Path(args.profile).resolve())} if args.profile else {})
         worker, worker_rate, worker_cpu = drain([sys.executable, "-m", "streams.worker"], worker_env, port, n,
                                                 tmp / "worker.log", "worker")
@@ -264,8 +272,11 @@ def main() -> None:
     console.print(f"  {'':40s} {'events/s':>10s} {'ratio':>7s}   {'events/CPU-s':>12s} {'ratio':>7s}")
     for name, rate, cpu in (("baseline kafka-python consume->produce", base_rate, base_cpu),
                             ("bare Faust agent (counts only)", bare_rate, bare_cpu),
+                            ("worker, Faust's stock fetch loop", stock_rate, stock_cpu),
                             ("streams worker (1 process)", worker_rate, worker_cpu)):
         console.print(f"  {name:40s} {rate:10.0f} {rate / base_rate:6.2f}x   {cpu:12.0f} {cpu / base_cpu:6.2f}x")
+    console.print(f"  worker / same worker on Faust's stock fetch loop: {worker_rate / stock_rate:.2f}x wall, "
+                  f"{worker_cpu / stock_cpu:.2f}x per CPU-second")
     console.print(f"  worker / bare Faust: {worker_rate / bare_rate:.2f}x wall, {worker_cpu / bare_cpu:.2f}x per CPU-second;  "
                   f"target >= 5000 events/s: {'MET' if worker_rate >= 5000 else 'NOT MET'} wall-clock here, "
                   f"{'MET' if worker_cpu >= 5000 else 'NOT MET'} per CPU-second (one dedicated core)")

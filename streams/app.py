@@ -73,6 +73,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from app.events import EventValidationError, parse_event
 from app.settings import Settings
 from streams.config import StreamsConfig
+from streams.consumer import install as install_eager_drain
 from streams.labels import Aggregator, Emit, MetricsMerger, iso_now
 from streams.outbox import KafkaOutbox, Outbox
 from streams.state import BatchedTable
@@ -390,6 +391,8 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         producer_linger_ms=5, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=16384,
         producer_max_request_size=8 * 1024 * 1024, Monitor=LeanMonitor,
     )
+    if cfg.eager_drain:
+        install_eager_drain(app)  # before app.topic(): that creates the transport
     interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
     partials_name = f"{ns}.streams-metric-partials"
     raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
