@@ -76,17 +76,22 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
     return flat.numpy().view(spec.uint)
 
 
-def bits_to_tensor(bits: np.ndarray, spec: DTypeSpec, shape: tuple[int, ...]) -> torch.Tensor:
-    """Inverse of `tensor_bits`: a CPU tensor of `spec` and `shape` holding exactly `bits`."""
+def bits_to_tensor(bits: np.ndarray, spec: DTypeSpec, shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
+    """Inverse of `tensor_bits`: a CPU tensor of `spec` and `shape` holding exactly `bits`.
+
+    copy=False: the tensor may share `bits`' memory (for a fresh array nobody else holds);
+    a read-only array is copied anyway."""
     assert bits.dtype == spec.uint and bits.size == int(np.prod(shape, dtype=np.int64)), (
         f"bits {bits.dtype}[{bits.size}] do not fit {spec.name}{list(shape)}")
     arr = np.ascontiguousarray(bits)
+    if copy or not arr.flags.writeable:
+        arr = arr.copy()
     if spec.torch_dtype == torch.uint8:
-        out = torch.from_numpy(arr.copy())
+        out = torch.from_numpy(arr)
     elif spec.torch_dtype == torch.bool:
-        out = torch.from_numpy(arr.copy()).view(torch.bool)
+        out = torch.from_numpy(arr).view(torch.bool)
     else:
-        out = torch.from_numpy(arr.view(f"<i{spec.width}").copy()).view(spec.torch_dtype)
+        out = torch.from_numpy(arr.view(f"<i{spec.width}")).view(spec.torch_dtype)
     return out.reshape(shape)
 
 

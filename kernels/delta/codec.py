@@ -174,7 +174,8 @@ def decode_delta_verified(base: StateDict, blob: bytes, *, impl: Impl = "fast", 
             else:
                 bits, tensor = codec.decode_tensor(entry, old, spec, sections[i]), None
         digest = tensor_digest_bits(bits, spec.name, shape)
-        return (tensor if tensor is not None else bits_to_tensor(bits, spec, shape)), digest
+        # decoded bits are a fresh array: the tensor takes it over without a copy
+        return (tensor if tensor is not None else bits_to_tensor(bits, spec, shape, copy=False)), digest
 
     def guarded(i: int) -> tuple[torch.Tensor, str]:
         try:

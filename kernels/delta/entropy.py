@@ -36,9 +36,10 @@ import constriction
 import numpy as np
 
 from kernels.delta.bits import (DTypeSpec, DeltaFormatError, from_planes, ordered_key,
-                                ordered_key_inverse, to_planes, unzigzag, varint_encode, zigzag)
+                                ordered_key_inverse, to_planes, unzigzag, zigzag)
 
 MAX_GAP_ALPHABET = 4096  # cap on L: escapes (memoryless) cover longer gaps at ~no cost
+MIN_GROUP = 64  # exponent groups smaller than this merge with their neighbours
 MAX_VALUES = 64  # cap on V: larger residuals are escaped and stored raw
 _Categorical = constriction.stream.model.Categorical
 
@@ -64,13 +65,16 @@ def quant8(c: np.ndarray) -> np.ndarray:
     return out.astype(np.uint8)
 
 
-def dequant8(q: np.ndarray) -> np.ndarray:
+def _dequant8(q: np.ndarray) -> np.ndarray:
     """Byte codes -> representative counts (float64, exact integers)."""
     q = np.asarray(q, dtype=np.int64)
     e = (q - 16) // 8 + 1
     m = (q - 16) % 8 + 8
     big = ((2 * m + 1) << np.maximum(e - 1, 0)).astype(np.float64)
     return np.where(q < 16, q.astype(np.float64), big)
+
+
+DEQUANT8 = _dequant8(np.arange(256))  # byte code -> representative count (float64, exact integers)
 
 
 class Reader:
@@ -113,10 +117,12 @@ def gap_model(n: int, k: int, L: int, escape: bool):
     p = k / n
     q = np.full(L + 1, 1.0 - p)
     q[0] = 1.0
-    powers = np.multiply.accumulate(q)  # (1-p)^r, a sequential product: same bits everywhere
-    probs = powers[:L] * p
-    if escape:
-        probs = np.append(probs, powers[L])
+    probs = np.multiply.accumulate(q)  # (1-p)^r: a sequential product, the same bits everywhere
+    tail = probs[L]
+    probs *= p
+    if not escape:
+        return _Categorical(probs[:L], perfect=False)
+    probs[L] = tail
     return _Categorical(probs, perfect=False)
 
 
@@ -125,11 +131,27 @@ def value_model(freqs: np.ndarray):
 
 
 def group_sizes(order_key: np.ndarray | None, n: int, spec: DTypeSpec) -> np.ndarray:
-    """Sizes of the contiguous groups in stream order (exponent groups, or one group)."""
+    """Sizes of the contiguous groups in stream order: the exponent groups (one group for
+    integers), where consecutive groups under MIN_GROUP elements merge until they reach it
+    (a left-over tail joins the last group). Fewer tiny groups: less side info, fewer calls."""
     if order_key is None:
         return np.array([n] if n else [], dtype=np.int64)
     counts = np.bincount(order_key, minlength=1 << spec.exp_bits)
-    return counts[counts > 0].astype(np.int64)
+    counts = counts[counts > 0].astype(np.int64)
+    if MIN_GROUP <= 1 or counts.size <= 1:
+        return counts
+    out, acc = [], 0
+    for c in counts.tolist():
+        acc += c
+        if acc >= MIN_GROUP:
+            out.append(acc)
+            acc = 0
+    if acc:
+        if out:
+            out[-1] += acc
+        else:
+            out.append(acc)
+    return np.array(out, dtype=np.int64)
 
 
 # ---- symbol streams ----
@@ -171,58 +193,65 @@ def choose_values(s: np.ndarray, width: int) -> int:
     """The value alphabet V (0..MAX_VALUES) with the smallest estimated size: table bytes +
     ideal code length of the symbols + raw escapes. An encoder-side choice only."""
     k = s.size
-    counts = np.bincount(np.minimum(s, MAX_VALUES), minlength=MAX_VALUES + 1).astype(np.float64)
-    best_v, best = 0, 8.0 * width * k
     hi = int(min(s.max(initial=0) + 1, MAX_VALUES))
-    for v in range(1, hi + 1):
-        c = counts[:v]
-        esc = k - c.sum()
-        nz = c[c > 0]
-        bits = float(-(nz * np.log2(nz / k)).sum()) + 8.0 * (v + 1)
-        if esc:
-            bits += esc * (8.0 * width - np.log2(esc / k))
-        if bits < best:
-            best_v, best = v, bits
-    return best_v
+    c = np.bincount(np.minimum(s, hi), minlength=hi + 1)[:hi].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sym_bits = np.cumsum(np.where(c > 0, c * np.log2(k / np.maximum(c, 1)), 0.0))  # V = 1..hi
+        esc = k - np.cumsum(c)
+        esc_bits = np.where(esc > 0, esc * (8.0 * width - np.log2(np.maximum(esc, 1) / k)), 0.0)
+    bits = sym_bits + esc_bits + 8.0 * (np.arange(1, hi + 1) + 1)
+    v = int(np.argmin(bits)) + 1 if hi else 0
+    return v if hi and bits[v - 1] < 8.0 * width * k else 0
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
 
 
 def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, sizes: np.ndarray,
-           reference: bool = False) -> list[bytes]:
-    """Sections [model, ans, values] of one tensor (old/new in stream order, `sizes` its groups)."""
+           reference: bool = False, z_all: np.ndarray | None = None) -> list[bytes]:
+    """Sections [model, ans, values] of one tensor (old/new in stream order, `sizes` its groups;
+    `z_all`: the residuals of every element when the caller has them already)."""
     changed = new != old
-    z_all = residuals(old, new, spec, residual)
+    if z_all is None:
+        z_all = residuals(old, new, spec, residual)
+    positions = np.flatnonzero(changed)
+    bounds = np.concatenate(([0], np.cumsum(sizes)))
+    cuts = np.searchsorted(positions, bounds)  # changes of group g: positions[cuts[g]:cuts[g+1]]
+    z_changed = z_all[positions]
+    s_small = np.minimum(z_changed - z_changed.dtype.type(1), MAX_VALUES + 1).astype(np.int64)
     side: list[bytes] = []
     steps: list[tuple[np.ndarray, object]] = []  # (symbols, model) in decoding order
     escaped: list[np.ndarray] = []
-    start = 0
-    for n in sizes.tolist():
-        mask = changed[start:start + n]
-        pos = np.flatnonzero(mask)
-        k = int(pos.size)
-        side.append(varint_encode(np.array([k], dtype=np.uint64)))
-        if k:
-            if k < n:
-                L, esc = gap_alphabet(n, k)
-                gaps = np.diff(pos, prepend=-1) - 1
-                sym = (np.array(gap_symbols_ref(gaps.tolist(), L), dtype=np.int32) if reference
-                       else gap_symbols(gaps, L))
-                if esc:
-                    side.append(varint_encode(np.array([sym.size - k], dtype=np.uint64)))
-                steps.append((sym, gap_model(n, k, L, esc)))
-            z = z_all[start:start + n][pos]
-            s = (z - z.dtype.type(1)).astype(np.uint64)
-            s_small = np.minimum(s, np.uint64(MAX_VALUES + 1)).astype(np.int64)
-            V = choose_values(s_small, spec.width)
-            side.append(varint_encode(np.array([V], dtype=np.uint64)))
-            if V:
-                counts = np.bincount(np.minimum(s_small, V), minlength=V + 1)
-                q = quant8(counts)
-                side.append(q.tobytes())
-                steps.append((np.minimum(s_small, V).astype(np.int32), value_model(dequant8(q))))
-                escaped.append(z[s_small >= V])
-            else:
-                escaped.append(z)
-        start += n
+    for g, n in enumerate(sizes.tolist()):
+        a, b = int(cuts[g]), int(cuts[g + 1])
+        k = b - a
+        side.append(_varint(k))
+        if not k:
+            continue
+        if k < n:
+            pos = positions[a:b] - bounds[g]
+            L, esc = gap_alphabet(n, k)
+            gaps = np.diff(pos, prepend=-1) - 1
+            sym = (np.array(gap_symbols_ref(gaps.tolist(), L), dtype=np.int32) if reference
+                   else gap_symbols(gaps, L))
+            if esc:
+                side.append(_varint(sym.size - k))
+            steps.append((sym, gap_model(n, k, L, esc)))
+        s = s_small[a:b]
+        V = choose_values(s, spec.width)
+        side.append(_varint(V))
+        if V:
+            capped = np.minimum(s, V)
+            q = quant8(np.bincount(capped, minlength=V + 1))
+            side.append(q.tobytes())
+            steps.append((capped.astype(np.int32), value_model(DEQUANT8[q])))
+        escaped.append(z_changed[a:b][s >= V])
     coder = constriction.stream.stack.AnsCoder()
     for sym, model in reversed(steps):
         coder.encode_reverse(sym, model)
@@ -231,21 +260,22 @@ def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, siz
     return [b"".join(side), words.tobytes(), to_planes(esc.astype(spec.uint))]
 
 
-def decode(old: np.ndarray, spec: DTypeSpec, residual: str, sizes: np.ndarray, n_changed: int,
-           raws: list[bytes]) -> np.ndarray:
-    """Bits of the target in stream order from the base bits in stream order and [model, ans, values]."""
+def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """(positions in stream order (int64), their residuals z (spec.uint)) from [model, ans, values];
+    the caller applies them to the base (`apply`)."""
     side, payload, esc_raw = raws
     if len(payload) % 4:
         raise DeltaFormatError(f"ANS payload of {len(payload)} bytes is not whole 32-bit words")
+    rd = Reader(side)
+    gap_parts: list[np.ndarray] = []  # per group with changes: its gaps
+    starts: list[int] = []  # ... its first element in stream order
+    ns: list[int] = []  # ... and its size
+    sym_parts: list[np.ndarray] = []  # value symbols; >= the group's V (0: all) means escaped
+    v_of_group: list[int] = []
+    k_of_group: list[int] = []
+    start = 0
     try:
         coder = constriction.stream.stack.AnsCoder(np.frombuffer(payload, dtype="<u4").astype(np.uint32))
-    except Exception as e:  # constriction validates the words; report as a format error
-        raise DeltaFormatError(f"corrupt ANS payload: {e}") from e
-    rd = Reader(side)
-    new = old.copy()
-    pending: list[tuple[int, np.ndarray, np.ndarray, int]] = []  # (group start, positions, symbols, V)
-    total, start = 0, 0
-    try:
         for n in sizes.tolist():
             k = rd.varint()
             if k > n:
@@ -257,38 +287,46 @@ def decode(old: np.ndarray, spec: DTypeSpec, residual: str, sizes: np.ndarray, n
                     if extra > n:
                         raise DeltaFormatError(f"{extra} gap escapes in a group of {n}")
                     sym = coder.decode(gap_model(n, k, L, esc), k + extra)
-                    pos = np.cumsum(symbols_to_gaps(sym, L, k) + 1) - 1
-                    if pos[-1] >= n:
-                        raise DeltaFormatError(f"change positions run past a group of {n}")
+                    gap_parts.append(symbols_to_gaps(sym, L, k) if extra else sym)
                 else:
-                    pos = np.arange(n)
+                    gap_parts.append(np.zeros(n, dtype=np.int32))
+                starts.append(start)
+                ns.append(n)
                 V = rd.varint()
                 if V > MAX_VALUES:
                     raise DeltaFormatError(f"value alphabet {V} > {MAX_VALUES}")
                 if V:
-                    freqs = dequant8(np.frombuffer(rd.take(V + 1), dtype=np.uint8))
-                    vs = coder.decode(value_model(freqs), k)
+                    freqs = DEQUANT8[np.frombuffer(rd.take(V + 1), dtype=np.uint8)]
+                    sym_parts.append(coder.decode(value_model(freqs), k))
                 else:
-                    vs = np.zeros(k, dtype=np.int32)
-                pending.append((start, pos, vs, V))
-                total += k
+                    sym_parts.append(np.zeros(k, dtype=np.int32))
+                v_of_group.append(V)
+                k_of_group.append(k)
             start += n
+        empty = coder.is_empty()
     except DeltaFormatError:
         raise
     except Exception as e:  # constriction refuses exhausted or inconsistent data
         raise DeltaFormatError(f"corrupt ANS payload: {e}") from e
-    if rd.pos != len(side) or not coder.is_empty() or total != n_changed:
+    total = sum(k_of_group)
+    if rd.pos != len(side) or not empty or total != n_changed:
         raise DeltaFormatError(f"entropy sections inconsistent: {len(side) - rd.pos} side bytes left, "
-                               f"ANS empty {coder.is_empty()}, {total} changes vs {n_changed}")
-    n_esc = sum(int(np.count_nonzero(vs >= V)) if V else vs.size for _, _, vs, V in pending)
-    esc = from_planes(esc_raw, spec.uint, n_esc)
-    one, e_at = spec.uint.type(1), 0
-    for start, pos, vs, V in pending:
-        z = vs.astype(spec.uint) + one
-        is_esc = vs >= V if V else np.ones(vs.size, dtype=bool)
-        m = int(np.count_nonzero(is_esc))
-        z[is_esc] = esc[e_at:e_at + m]
-        e_at += m
-        at = start + pos
-        new[at] = apply(old[at], z, spec, residual)
-    return new
+                               f"ANS empty {empty}, {total} changes vs {n_changed}")
+    if not total:
+        return np.zeros(0, dtype=np.int64), from_planes(esc_raw, spec.uint, 0)
+    # positions: a cumulative sum over all groups' gaps, restarted at each group's start
+    k_arr = np.array(k_of_group, dtype=np.int64)
+    steps_ = np.concatenate(gap_parts).astype(np.int64) + 1
+    run = np.cumsum(steps_)
+    first = np.cumsum(k_arr) - k_arr  # index of each group's first change
+    before = run[first] - steps_[first]  # the running sum before each group
+    local = run - 1 - np.repeat(before, k_arr)
+    last = np.cumsum(k_arr) - 1
+    if np.any(local[last] >= np.array(ns, dtype=np.int64)):
+        raise DeltaFormatError("change positions run past their exponent group")
+    pos = local + np.repeat(np.array(starts, dtype=np.int64), k_arr)
+    vs = np.concatenate(sym_parts)
+    is_esc = vs >= np.repeat(np.array(v_of_group, dtype=np.int32), k_of_group)
+    z = vs.astype(spec.uint) + spec.uint.type(1)
+    z[is_esc] = from_planes(esc_raw, spec.uint, int(np.count_nonzero(is_esc)))
+    return pos, z

@@ -59,7 +59,7 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
             sizes[(kind, residual)] = pos_size[kind] + sparse_size
         candidates[("dense", residual)] = [dense]
         sizes[("dense", residual)] = dense_size
-    candidates[("ans", "ulp")] = entropy.encode(old, new, spec, "ulp", groups)
+    candidates[("ans", "ulp")] = entropy.encode(old, new, spec, "ulp", groups, z_all=residuals["ulp"])
     sizes[("ans", "ulp")] = sum(len(store_section(raw, compressor).data) for raw in candidates[("ans", "ulp")])
     best = None
     for cand in reference.CANDIDATES:  # the reference's tie-break order
@@ -76,11 +76,15 @@ def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: li
         perm, groups = np.argsort(exp, kind="stable"), entropy.group_sizes(exp, n, spec)
     else:
         perm, groups = None, entropy.group_sizes(None, n, spec)
+    if entry.kind == "ans":  # only the changed elements are gathered/scattered, in natural order
+        positions, r = entropy.decode(spec, groups, k, raws)
+        at = perm[positions] if perm is not None else positions
+        new = old.copy()
+        new[at] = entropy.apply(old[at], r, spec, entry.residual)
+        return new
     old_s = old[perm] if perm is not None else old
     xor = entry.residual == "xor"
-    if entry.kind == "ans":
-        new_s = entropy.decode(old_s, spec, entry.residual, groups, k, raws)
-    elif entry.kind == "dense":
+    if entry.kind == "dense":
         r = from_planes(raws[0], spec.uint, n)
         new_s = old_s ^ r if xor else ordered_key_inverse(ordered_key(old_s, spec) + unzigzag(r), spec)
     else:

@@ -113,7 +113,9 @@ def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: li
         r = from_planes(raws[0], spec.uint, n)
         new_s = apply_residual(old_s, r, spec, entry.residual)
     elif entry.kind == "ans":
-        new_s = entropy.decode(old_s, spec, entry.residual, group_sizes(old, spec, entry.order), k, raws)
+        positions, r = entropy.decode(spec, group_sizes(old, spec, entry.order), k, raws)
+        new_s = old_s.copy()
+        new_s[positions] = apply_residual(old_s[positions], r, spec, entry.residual)
     else:
         if entry.kind == "gaps":
             gaps = varint_decode_ref(raws[0], k)
