@@ -60,3 +60,45 @@ def test_champion_alias_is_resynced_when_a_decision_undoes_a_ui_move_before_the_
             "MLflow's champion alias must follow the state (it was left on the UI move's version)"
     finally:
         ctl.dlog.close()
+
+
+def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an_outside_move_it_reports(mlflow_server,
+                                                                                                       tmp_path):
+    """sync_aliases writes the acknowledged tag, then moves the alias. A webhook receiver or poller in
+    another process reading in between must not take that for an operator's move; a real move in
+    MLflow (alias moved, tag untouched) must still be reported."""
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    from app.controller.aliases import TAG_PREFIX, read_snapshot, sync_aliases
+
+    client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
+    model = f"alias-settle-{uuid.uuid4().hex[:8]}"
+    client.create_registered_model(model)
+    run = client.create_run(client.create_experiment(f"exp-{model}"))
+    (tmp_path / "w.txt").write_text("weights")
+    client.log_artifact(run.info.run_id, str(tmp_path / "w.txt"), artifact_path="w")
+    for _ in range(2):
+        client.create_model_version(model, source=f"{run.info.artifact_uri}/w", run_id=run.info.run_id)
+    sync_aliases(client, model, {"champion": "1"})
+
+    # Flywheel's own move to 2, paused between its two calls (the tag says 2, the alias still 1)
+    client.set_registered_model_tag(model, TAG_PREFIX + "champion", "2")
+    published = []
+    reader = threading.Thread(target=lambda: published.extend(
+        reconcile_once(client, model, published.append, via="webhook")))
+    reader.start()
+    time.sleep(0.1)  # the reader has seen the half-done move
+    client.set_registered_model_alias(model, "champion", "2")  # the move completes
+    client.set_registered_model_tag(model, "flywheel.alias.seq", str(read_snapshot(client, model).seq + 1))
+    reader.join(10)
+    assert published == [], f"a move in progress was reported as an outside move: {published}"
+    assert read_snapshot(client, model).acked["champion"] == "2"
+
+    client.set_registered_model_alias(model, "champion", "1")  # an operator's move in the MLflow UI
+    events = reconcile_once(client, model, lambda ev: None, via="poll")
+    assert [(e["type"], e["version"], e["from_version"], e["details"]["alias"]) for e in events] == \
+        [("alias_changed", "1", "2", "champion")]
+    assert read_snapshot(client, model).acked["champion"] == "1", "the reported move is acknowledged"
