@@ -118,10 +118,12 @@ def ordered_key_inverse(key: np.ndarray, spec: DTypeSpec) -> np.ndarray:
 
 
 def exponent_field(bits: np.ndarray, spec: DTypeSpec) -> np.ndarray:
-    """The biased exponent of each float (uint16): the context that predicts the ULP size."""
+    """The biased exponent of each float: the context that predicts the ULP size. uint8 when it
+    fits (bf16, fp16, fp32: a stable argsort of uint8 is one radix pass), else uint16."""
     assert spec.is_float, f"{spec.name} has no exponent field"
     mask = (1 << spec.exp_bits) - 1
-    return ((bits >> bits.dtype.type(spec.exp_shift)) & bits.dtype.type(mask)).astype(np.uint16)
+    return ((bits >> bits.dtype.type(spec.exp_shift)) & bits.dtype.type(mask)).astype(
+        np.uint8 if spec.exp_bits <= 8 else np.uint16)
 
 
 def zigzag(d: np.ndarray) -> np.ndarray:

@@ -67,7 +67,7 @@ def section_streams(op: str, kind: str | None) -> list[str]:
     if op == "full":
         return ["full"]
     return {"dense": ["dense"], "gaps": ["gaps", "values"], "bitmap": ["bitmap", "values"],
-            "ans": ["model", "ans", "values"]}[kind]
+            "ans": ["model", "ans"]}[kind]
 
 
 class TensorEntry(BaseModel):
@@ -117,10 +117,9 @@ class TensorEntry(BaseModel):
                 raise ValueError(f"exponent order on non-float dtype {self.dtype}")
             values = self.n_changed * spec.width
             want = {"dense": [n * spec.width], "gaps": [None, values],
-                    "bitmap": [(n + 7) // 8, values], "ans": [None, None, None]}[self.kind]
-            if self.kind == "ans" and (self.sections[1:2] and self.sections[1].raw_length % 4 or
-                                       self.sections[2:3] and self.sections[2].raw_length % spec.width):
-                raise ValueError("ans sections: payload not whole 32-bit words or escapes not whole elements")
+                    "bitmap": [(n + 7) // 8, values], "ans": [None, None]}[self.kind]
+            if self.kind == "ans" and self.sections[1:2] and self.sections[1].raw_length % 4:
+                raise ValueError("ans section: the ANS payload is not whole 32-bit words")
         if len(self.sections) != len(want):
             raise ValueError(f"{self.op}/{self.kind} needs {len(want)} sections, got {len(self.sections)}")
         for sec, raw, stream in zip(self.sections, want, self.streams()):

@@ -9,25 +9,27 @@ The coder is `constriction`'s ANS (a maintained Rust library); this module only 
 and symbol streams.
 
 How, per tensor (elements already in stream order: stable-sorted by base exponent for floats,
-so each exponent group is contiguous; integers are one group). For each group, in order:
+so each exponent group is contiguous; exponent groups under MIN_GROUP elements merge with the
+next; integers are one group). For each group, in order:
 
 - side info ("model" section, LEB128 varints and bytes): k = changed elements of the group;
   if 0 < k < n and escapes are possible (L < n - k + 1), E = number of gap escapes; if k > 0,
-  V = value alphabet size, then (V > 0) V + 1 quantized frequency bytes (`quant8`), the last
-  the escape symbol's.
+  2 T + flat, with T the token alphabet size, then (T > 1 and not flat) T quantized count
+  bytes (`quant8`).
 - gaps (positions): gap_i = zero-based distance from the previous change in the group (or
   the group start). Model: geometric with p = k / n, alphabet {0..L-1} plus (when
   L < n - k + 1) an escape symbol L meaning "add L, read another symbol"; exact for a
   geometric law, which is memoryless. L = min(n - k + 1, ceil(4 n / k), 4096). A group with
   k == n codes no gaps (all zero).
 - values: s = z - 1 with z the residual (ulp: zigzag ordered-key difference; xor: new ^ old;
-  z >= 1 for a changed element). Symbols s < V are coded with the group's categorical model;
-  larger ones as the escape symbol V, their z stored raw in byte planes (the "values" section,
-  all groups' escapes in order).
+  z >= 1 for a changed element), as a token (`to_tokens`: s < 16 exactly, above one token per
+  half-octave) coded with the group's categorical table (or a flat model over 0..T-1 when the
+  encoder estimates that cheaper; nothing when T == 1), then each token's extra bits, coded
+  uniformly in chunks of up to 16 bits (chunk 0 of the group's values, then chunk 1, ...).
 
 One ANS stream per tensor (the "ans" section, little-endian uint32 words); decoding order is
-group by group, gaps then values. Probabilities are computed with exactly rounded IEEE
-operations only (division, a sequential product), so every platform builds the same models.
+group by group: gaps, tokens, extra-bit chunks. Probabilities are computed with exactly rounded
+IEEE operations only (division, a sequential product), so every platform builds the same models.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from __future__ import annotations
 import constriction
 import numpy as np
 
-from kernels.delta.bits import (DTypeSpec, DeltaFormatError, from_planes, ordered_key,
-                                ordered_key_inverse, to_planes, unzigzag, zigzag)
+from kernels.delta.bits import DTypeSpec, DeltaFormatError, ordered_key, ordered_key_inverse, unzigzag, zigzag
 
 MAX_GAP_ALPHABET = 4096  # cap on L: escapes (memoryless) cover longer gaps at ~no cost
 MIN_GROUP = 64  # exponent groups smaller than this merge with their neighbours
-MAX_VALUES = 64  # cap on V: larger residuals are escaped and stored raw
+EXACT_TOKENS = 16  # residuals (z - 1) below this are their own token; above, one per half-octave
+N_TOKENS = EXACT_TOKENS + 2 * (64 - 4)  # up to 64-bit residuals: 136
+CHUNK_BITS = 16  # extra bits are coded uniformly in chunks of at most this many bits
 _Categorical = constriction.stream.model.Categorical
+_Uniform = constriction.stream.model.Uniform
 
 
 # ---- side-info primitives ----
@@ -189,19 +193,62 @@ def apply(old: np.ndarray, z: np.ndarray, spec: DTypeSpec, residual: str) -> np.
     return old ^ z if residual == "xor" else ordered_key_inverse(ordered_key(old, spec) + unzigzag(z), spec)
 
 
-def choose_values(s: np.ndarray, width: int) -> int:
-    """The value alphabet V (0..MAX_VALUES) with the smallest estimated size: table bytes +
-    ideal code length of the symbols + raw escapes. An encoder-side choice only."""
-    k = s.size
-    hi = int(min(s.max(initial=0) + 1, MAX_VALUES))
-    c = np.bincount(np.minimum(s, hi), minlength=hi + 1)[:hi].astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sym_bits = np.cumsum(np.where(c > 0, c * np.log2(k / np.maximum(c, 1)), 0.0))  # V = 1..hi
-        esc = k - np.cumsum(c)
-        esc_bits = np.where(esc > 0, esc * (8.0 * width - np.log2(np.maximum(esc, 1) / k)), 0.0)
-    bits = sym_bits + esc_bits + 8.0 * (np.arange(1, hi + 1) + 1)
-    v = int(np.argmin(bits)) + 1 if hi else 0
-    return v if hi and bits[v - 1] < 8.0 * width * k else 0
+def bit_length(x: np.ndarray) -> np.ndarray:
+    """Exact bit length of each uint64 (0 for 0), by binary search on shifts."""
+    x = x.astype(np.uint64)
+    b = np.zeros(x.shape, dtype=np.int64)
+    for sh in (32, 16, 8, 4, 2, 1):
+        m = x >= np.uint64(1 << sh)
+        b += m * sh
+        x = np.where(m, x >> np.uint64(sh), x)
+    return b + (x > 0)
+
+
+def to_tokens(s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Values s >= 0 (uint64) -> (token, extra bit count, extra bits): s < 16 is its own token;
+    above, a token per half-octave (bit length b and the bit below the leading one) and the
+    b - 2 bits under those two, coded uniformly."""
+    s = s.astype(np.uint64)
+    b = bit_length(s)
+    big = s >= np.uint64(EXACT_TOKENS)
+    nbits = np.where(big, b - 2, 0)
+    half = (s >> np.maximum(b - 2, 0).astype(np.uint64)) & np.uint64(1)
+    t = np.where(big, EXACT_TOKENS + 2 * (b - 5) + half.astype(np.int64), s.astype(np.int64))
+    extra = s & ((np.uint64(1) << nbits.astype(np.uint64)) - np.uint64(1))
+    return t, nbits, extra
+
+
+def token_bits(t: np.ndarray) -> np.ndarray:
+    """Extra bit count of each token (inverse side of `to_tokens`)."""
+    return np.where(t >= EXACT_TOKENS, (t - EXACT_TOKENS) // 2 + 3, 0)
+
+
+def from_tokens(t: np.ndarray, extra: np.ndarray) -> np.ndarray:
+    """Inverse of `to_tokens` (uint64)."""
+    s = t.astype(np.uint64)
+    big = np.flatnonzero(t >= EXACT_TOKENS)
+    tb = t[big].astype(np.int64) - EXACT_TOKENS
+    b = (tb // 2 + 5).astype(np.uint64)
+    half = (tb % 2).astype(np.uint64)
+    s[big] = (np.uint64(1) << b - np.uint64(1)) | (half << b - np.uint64(2)) | extra[big]
+    return s
+
+
+def choose_tokens(t: np.ndarray) -> tuple[int, bool]:
+    """(T, flat): the token alphabet 0..T-1 (T = largest token + 1) and whether a flat model
+    (no table) beats a table of T quantized counts. An encoder-side estimate only."""
+    k = t.size
+    T = int(t.max()) + 1
+    if T == 1:
+        return 1, True
+    c = np.bincount(t, minlength=T)
+    nz = c[c > 0].astype(np.float64)
+    table = 8.0 * (T + 1) + float((nz * np.log2(k / nz)).sum())
+    return T, bool(k * np.log2(T) <= table)
+
+
+def _chunks(nbits: np.ndarray) -> int:
+    return int(-(-int(nbits.max(initial=0)) // CHUNK_BITS))
 
 
 def _varint(v: int) -> bytes:
@@ -215,7 +262,7 @@ def _varint(v: int) -> bytes:
 
 def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, sizes: np.ndarray,
            reference: bool = False, z_all: np.ndarray | None = None) -> list[bytes]:
-    """Sections [model, ans, values] of one tensor (old/new in stream order, `sizes` its groups;
+    """Sections [model, ans] of one tensor (old/new in stream order, `sizes` its groups;
     `z_all`: the residuals of every element when the caller has them already)."""
     changed = new != old
     if z_all is None:
@@ -224,10 +271,9 @@ def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, siz
     bounds = np.concatenate(([0], np.cumsum(sizes)))
     cuts = np.searchsorted(positions, bounds)  # changes of group g: positions[cuts[g]:cuts[g+1]]
     z_changed = z_all[positions]
-    s_small = np.minimum(z_changed - z_changed.dtype.type(1), MAX_VALUES + 1).astype(np.int64)
+    tok, nbits, extra = to_tokens(z_changed - z_changed.dtype.type(1))
     side: list[bytes] = []
-    steps: list[tuple[np.ndarray, object]] = []  # (symbols, model) in decoding order
-    escaped: list[np.ndarray] = []
+    steps: list[tuple] = []  # (symbols, model[, params]) in decoding order
     for g, n in enumerate(sizes.tolist()):
         a, b = int(cuts[g]), int(cuts[g + 1])
         k = b - a
@@ -243,35 +289,41 @@ def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, siz
             if esc:
                 side.append(_varint(sym.size - k))
             steps.append((sym, gap_model(n, k, L, esc)))
-        s = s_small[a:b]
-        V = choose_values(s, spec.width)
-        side.append(_varint(V))
-        if V:
-            capped = np.minimum(s, V)
-            q = quant8(np.bincount(capped, minlength=V + 1))
-            side.append(q.tobytes())
-            steps.append((capped.astype(np.int32), value_model(DEQUANT8[q])))
-        escaped.append(z_changed[a:b][s >= V])
+        t = tok[a:b]
+        T, flat = choose_tokens(t)
+        side.append(_varint(2 * T + flat))
+        if T > 1:
+            if flat:
+                model = _Categorical(np.ones(T), perfect=False)
+            else:
+                q = quant8(np.bincount(t, minlength=T))
+                side.append(q.tobytes())
+                model = value_model(DEQUANT8[q])
+            steps.append((t.astype(np.int32), model))
+        nb, ex = nbits[a:b], extra[a:b]
+        for j in range(_chunks(nb)):
+            has = nb > CHUNK_BITS * j
+            width = np.minimum(nb[has] - CHUNK_BITS * j, CHUNK_BITS)
+            sym = ((ex[has] >> np.uint64(CHUNK_BITS * j)) & ((np.uint64(1) << width.astype(np.uint64)) - np.uint64(1)))
+            steps.append((sym.astype(np.int32), _Uniform(), (np.int32(1) << width.astype(np.int32))))
     coder = constriction.stream.stack.AnsCoder()
-    for sym, model in reversed(steps):
-        coder.encode_reverse(sym, model)
-    words = coder.get_compressed().astype("<u4")
-    esc = np.concatenate(escaped) if escaped else np.zeros(0, dtype=spec.uint)
-    return [b"".join(side), words.tobytes(), to_planes(esc.astype(spec.uint))]
+    for step in reversed(steps):
+        coder.encode_reverse(*step)
+    return [b"".join(side), coder.get_compressed().astype("<u4").tobytes()]
 
 
 def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
-    """(positions in stream order (int64), their residuals z (spec.uint)) from [model, ans, values];
+    """(positions in stream order (int64), their residuals z (spec.uint)) from [model, ans];
     the caller applies them to the base (`apply`)."""
-    side, payload, esc_raw = raws
+    side, payload = raws
     if len(payload) % 4:
         raise DeltaFormatError(f"ANS payload of {len(payload)} bytes is not whole 32-bit words")
     rd = Reader(side)
     gap_parts: list[np.ndarray] = []  # per group with changes: its gaps
     starts: list[int] = []  # ... its first element in stream order
     ns: list[int] = []  # ... and its size
-    sym_parts: list[np.ndarray] = []  # value symbols; >= the group's V (0: all) means escaped
-    v_of_group: list[int] = []
+    tok_parts: list[np.ndarray] = []  # value tokens
+    extra_parts: list[tuple[int, np.ndarray]] = []  # (offset, extra bits) of groups that have them
     k_of_group: list[int] = []
     start = 0
     try:
@@ -292,15 +344,26 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
                     gap_parts.append(np.zeros(n, dtype=np.int32))
                 starts.append(start)
                 ns.append(n)
-                V = rd.varint()
-                if V > MAX_VALUES:
-                    raise DeltaFormatError(f"value alphabet {V} > {MAX_VALUES}")
-                if V:
-                    freqs = DEQUANT8[np.frombuffer(rd.take(V + 1), dtype=np.uint8)]
-                    sym_parts.append(coder.decode(value_model(freqs), k))
+                v = rd.varint()
+                T, flat = v >> 1, v & 1
+                if not 1 <= T <= N_TOKENS or (T == 1 and not flat):
+                    raise DeltaFormatError(f"token alphabet {T} (flat {flat}) outside 1..{N_TOKENS}")
+                if T == 1:
+                    t = np.zeros(k, dtype=np.int32)
                 else:
-                    sym_parts.append(np.zeros(k, dtype=np.int32))
-                v_of_group.append(V)
+                    model = (_Categorical(np.ones(T), perfect=False) if flat else
+                             value_model(DEQUANT8[np.frombuffer(rd.take(T), dtype=np.uint8)]))
+                    t = coder.decode(model, k)
+                if T > EXACT_TOKENS:  # some tokens carry extra bits
+                    nb = token_bits(t)
+                    ex = np.zeros(k, dtype=np.uint64)
+                    for j in range(_chunks(nb)):
+                        has = nb > CHUNK_BITS * j
+                        width = np.minimum(nb[has] - CHUNK_BITS * j, CHUNK_BITS)
+                        chunk = coder.decode(_Uniform(), np.int32(1) << width.astype(np.int32))
+                        ex[has] |= chunk.astype(np.uint64) << np.uint64(CHUNK_BITS * j)
+                    extra_parts.append((sum(k_of_group), ex))
+                tok_parts.append(t)
                 k_of_group.append(k)
             start += n
         empty = coder.is_empty()
@@ -313,7 +376,7 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
         raise DeltaFormatError(f"entropy sections inconsistent: {len(side) - rd.pos} side bytes left, "
                                f"ANS empty {empty}, {total} changes vs {n_changed}")
     if not total:
-        return np.zeros(0, dtype=np.int64), from_planes(esc_raw, spec.uint, 0)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=spec.uint)
     # positions: a cumulative sum over all groups' gaps, restarted at each group's start
     k_arr = np.array(k_of_group, dtype=np.int64)
     steps_ = np.concatenate(gap_parts).astype(np.int64) + 1
@@ -325,8 +388,13 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
     if np.any(local[last] >= np.array(ns, dtype=np.int64)):
         raise DeltaFormatError("change positions run past their exponent group")
     pos = local + np.repeat(np.array(starts, dtype=np.int64), k_arr)
-    vs = np.concatenate(sym_parts)
-    is_esc = vs >= np.repeat(np.array(v_of_group, dtype=np.int32), k_of_group)
-    z = vs.astype(spec.uint) + spec.uint.type(1)
-    z[is_esc] = from_planes(esc_raw, spec.uint, int(np.count_nonzero(is_esc)))
+    t = np.concatenate(tok_parts)
+    if extra_parts:
+        ex = np.zeros(total, dtype=np.uint64)
+        for at, part in extra_parts:
+            ex[at:at + part.size] = part
+        s = from_tokens(t, ex)
+    else:
+        s = t.astype(np.uint64)
+    z = (s + np.uint64(1)).astype(spec.uint)  # wraps to 0 only for a corrupt s = 2**64 - 1
     return pos, z

@@ -52,21 +52,34 @@ def test_huge_gaps_use_escapes_and_roundtrip():
     old = np.full(n, 0x3C00, dtype=np.uint16)
     new = old.copy()
     new[[5, n - 1]] += np.uint16(1)  # two changes, gaps far beyond the 4096-symbol alphabet
-    side, payload, _ = ans_roundtrip(old, new, BF16, [n])
+    side, payload = ans_roundtrip(old, new, BF16, [n])
     L, esc = entropy.gap_alphabet(n, 2)
     assert esc and L == entropy.MAX_GAP_ALPHABET, f"expected escapes, L={L}"
     assert len(payload) < 64, f"two changes in 3M elements took {len(payload)} ANS bytes"
 
 
-def test_large_residuals_and_nan_payloads_are_escaped_exactly():
+def test_large_residuals_and_nan_payloads_roundtrip_through_tokens_and_extra_bits():
     rng = np.random.default_rng(1)
     old = rng.integers(0, 1 << 16, 2000, dtype=np.uint64).astype(np.uint16)
     new = old.copy()
     new[:1000] += np.uint16(1)
     new[1000:1010] = np.array([0x7FC1, 0xFFFF, 0x7F81, 0x8000, 0, 0x7F80, 0xFF80, 1, 0x8001, 0x7F7F], dtype=np.uint16)
     new[1500] = old[1500] + np.uint16(20000)
-    _, _, esc = ans_roundtrip(old, new, BF16, [2000])
-    assert len(esc) > 0, "large residuals must go to the raw escape section"
+    ans_roundtrip(old, new, BF16, [2000])
+    z = entropy.residuals(old, new, BF16, "ulp")[old != new]
+    t, nbits, _ = entropy.to_tokens(z - np.uint16(1))
+    assert t.max() >= entropy.EXACT_TOKENS and nbits.max() > entropy.CHUNK_BITS // 2, "needs large residuals"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 2), max_size=40))
+def test_tokens_and_extra_bits_invert_for_any_64_bit_value(values):
+    s = np.array(values, dtype=np.uint64)
+    t, nbits, extra = entropy.to_tokens(s)
+    assert t.max(initial=0) < entropy.N_TOKENS
+    assert np.array_equal(entropy.token_bits(t), nbits)
+    assert np.array_equal(entropy.from_tokens(t, extra), s)
+    assert np.all(extra < (np.uint64(1) << nbits.astype(np.uint64)))
 
 
 @settings(max_examples=40, deadline=None)
@@ -133,7 +146,8 @@ def rewrite_version(blob: bytes, version: int, drop_streams: int = 0) -> bytes:
 
 
 def test_version_1_deltas_are_still_read_and_unknown_versions_refused(small_pair):
-    base, target = small_pair
+    base, _ = small_pair  # a delta without changed tensors (same, full, removed) is also a valid version 1 file
+    target = {"w": base["w"], "steps": base["steps"].to(torch.int32), "new": torch.arange(3, dtype=torch.float16)}
     blob = encode_delta(base, target)
     assert struct.unpack_from("<H", blob, 8)[0] == 2
     assert all(t.kind != "ans" for t in inspect_delta(blob).tensors), "fixture must not use ans"
