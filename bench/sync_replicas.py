@@ -23,12 +23,15 @@ The child processes still share this machine's CPU cores with each other, the Ka
 the MLflow server, which the floor accounts for (apply × ceil(4 / cores)).
 
 The floor, measured side by side in the same run:
-- payload: the bytes each replica must download (manifest + delta), times 4, over the
+- payload: the bytes each replica must download (the delta alone when the deployment log carries
+  the artifact hints of app/replica/hints.py, the default; manifest + delta + config with
+  `--no-hints`), times 4, over the
   loopback bandwidth measured by downloading a large artifact from the same MLflow server
   (best of 3);
 - apply: the fastest verified reconstruction of the version from the held one on in-memory
   bytes — min(`trainer.publish.apply_chain`, the replica's one-delta path: file SHA-256 +
-  `decode_delta_verified` with every tensor hash checked), best of 3 each — times
+  `decode_delta_verified` with every tensor hash checked, at the codec's default threads and at 1
+  thread, the replicas' default), best of 3 each — times
   ceil(4 / CPU cores) because 4 CPU-bound applies cannot finish faster than that on this machine.
 ratio = measured / floor; target <= 2 (issue 5). The floor leaves out everything else a sync
 needs (the Kafka event's delivery, the MLflow look-up of the new version, HTTP round trips,
@@ -129,8 +132,10 @@ def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | N
     got = reg.create_version(source, run_id, ship, {})
     assert str(got) == version, f"MLflow gave version {got}, expected {version}"
     details: dict[str, Any] = {"run_id": run_id, "ship_id": ship, "rollouts_consumed": 0, "reward_spec": "v1"}
-    if hints:
-        details["artifacts"] = artifact_hints(source, cfg)
+    if hints:  # what trainer/shipping.py publishes
+        m = manifests[version]
+        details["artifacts"] = artifact_hints(source, cfg, m.checkpoint_sha256, m.parent_version,
+                                              m.delta.model_dump() if m.delta else None)
     dlog.publish(DeploymentEvent(event_id=f"vr-{ship}", type="version_registered", model=reg.name, version=version,
                                  from_version=pv, source="trainer", actor="bench", details=details))
 
@@ -151,9 +156,10 @@ def _loopback_bandwidth(reg: Any, run_id: str, fetcher: Any, size: int) -> float
     return size / best
 
 
-def _apply_time(fetcher: Any, version: str, held: tuple[str, dict]) -> tuple[float, int, dict]:
+def _apply_time(fetcher: Any, version: str, held: tuple[str, dict], hints: bool) -> tuple[float, int, dict]:
     """Best-of-3 seconds of the fastest verified reconstruction on pre-fetched bytes, the bytes
-    one replica downloads (manifest + delta) and both timings (apply_chain, one delta)."""
+    one replica downloads (the delta alone with artifact hints, else manifest + delta + config)
+    and both timings (apply_chain, one delta)."""
     import hashlib
 
     from kernels.delta import hash_state_dict
@@ -173,10 +179,10 @@ def _apply_time(fetcher: Any, version: str, held: tuple[str, dict]) -> tuple[flo
     delta = files[(version, m.delta.file)]
     held_sha = hash_state_dict(held[1], 2)[1]  # the replica knows it already (verified at load)
 
-    def one_delta() -> None:
+    def one_delta(threads: int | None) -> None:
         mm = Manifest.model_validate_json(manifest_bytes)
         assert hashlib.sha256(delta).hexdigest() == mm.delta.sha256
-        _, digests, sha = decode_delta_verified(held[1], delta, base_checkpoint_sha256=held_sha)
+        _, digests, sha = decode_delta_verified(held[1], delta, threads=threads, base_checkpoint_sha256=held_sha)
         assert digests == {t.name: t.sha256 for t in mm.tensors} and sha == mm.checkpoint_sha256
 
     best = {"apply_chain": math.inf, "one_delta": math.inf}
@@ -184,12 +190,14 @@ def _apply_time(fetcher: Any, version: str, held: tuple[str, dict]) -> tuple[flo
         t0 = time.perf_counter()
         apply_chain(version, lambda v, n: files[(v, n)], held=held)
         t1 = time.perf_counter()
-        one_delta()
+        one_delta(None)  # the codec's default threads
         t2 = time.perf_counter()
+        one_delta(1)  # the replica's default (ReplicaConfig.decode_threads)
+        t3 = time.perf_counter()
         best["apply_chain"] = min(best["apply_chain"], t1 - t0)
-        best["one_delta"] = min(best["one_delta"], t2 - t1)
+        best["one_delta"] = min(best["one_delta"], t2 - t1, t3 - t2)
     config = fetcher._get(f"{fetcher._root(version)}/model/artifacts/config.json")
-    return min(best.values()), len(manifest_bytes) + len(delta) + len(config), best
+    return min(best.values()), len(delta) if hints else len(manifest_bytes) + len(delta) + len(config), best
 
 
 class _ThreadReplicas:
@@ -283,7 +291,8 @@ class _ProcessReplicas:
                     raise TimeoutError(f"not every replica serves v{version} after {timeout_s}s: {self.serving}")
                 continue
             self.serving[rep["replica"]] = rep
-        return max(r["t"] for r in self.serving.values()), [{**r["result"], "swapped_at": r["t"]}
+        return max(r["t"] for r in self.serving.values()), [{**r["result"], "swapped_at": r["t"],
+                                                               "folded_at": r.get("folded_at")}
                                                               for r in self.serving.values()]
 
     def close(self) -> None:
@@ -328,10 +337,20 @@ def child(replica_id: str) -> None:
             after = super().swap(**changes)
             t = time.time()  # right after the atomic swap: from now on requests get the new version
             result = dict(agent.last_result or {}) if agent is not None else {}
-            print(json.dumps({"replica": replica_id, "t": t, **after.versions(), "result": result}), flush=True)
+            print(json.dumps({"replica": replica_id, "t": t, "folded_at": folded["t"], **after.versions(),
+                              "result": result}), flush=True)
             return after
 
     agent = SyncAgent(settings, rc, ReportingStore(), WeightCache(rc.cache_dir))
+    folded = {"t": None}
+    fold = agent._fold
+
+    def timed_fold(batch: dict) -> None:  # when the deployment event reached this replica (for the stages)
+        if batch:
+            folded["t"] = time.time()
+        fold(batch)
+
+    agent._fold = timed_fold
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
 
@@ -354,7 +373,8 @@ def child(replica_id: str) -> None:
                 manifest_bytes, blob, held = prepared
                 m = Manifest.model_validate_json(manifest_bytes)
                 assert hashlib.sha256(blob).hexdigest() == m.delta.sha256
-                _, digests, sha = decode_delta_verified(held.state, blob, base_checkpoint_sha256=held.sha256)
+                _, digests, sha = decode_delta_verified(held.state, blob, threads=rc.decode_threads,
+                                                        base_checkpoint_sha256=held.sha256)
                 assert digests == {t.name: t.sha256 for t in m.tensors} and sha == m.checkpoint_sha256
                 print(json.dumps({"applied": time.time() - t0, "end": time.time()}), flush=True)
 
@@ -375,10 +395,13 @@ def _write_files(fetcher: Any, version: str, parent: str, out: Path) -> None:
 
 def _stages(result: dict, t0: float) -> dict[str, float]:
     """A replica's sync stages (ms); `event` = from the publish call to the start of its sync
-    (Kafka delivery + folding the log), `swap` = from the end of the build to the swap."""
+    (Kafka delivery + folding the log), `kafka` = from the publish call to the poll that returned
+    the event, `swap` = from the end of the build to the swap."""
     st = dict(result.get("stages_ms", {}))
     if "swapped_at" in result and "seconds" in result:
         st["event"] = (result["swapped_at"] - result["seconds"] - t0) * 1000
+        if result.get("folded_at"):
+            st["kafka"] = (result["folded_at"] - t0) * 1000
         st["to_swap"] = (result["seconds"] * 1000) - st.get("total", 0.0) - st.get("load", 0.0)
     return st
 
@@ -415,7 +438,7 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
         fleet.wait_all("1")
         for i in range(1, len(states)):
             version = str(i + 1)
-            apply_s, per_replica, applies = _apply_time(probe, version, (str(i), states[i - 1]))
+            apply_s, per_replica, applies = _apply_time(probe, version, (str(i), states[i - 1]), hints)
             concurrent = None
             if isinstance(fleet, _ProcessReplicas):
                 files = tmp / f"files-v{version}"
@@ -426,6 +449,7 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
             t0 = time.time()
             dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version=version,
                                          source="controller", actor="bench", traffic_pct=100.0))
+            acked = (time.time() - t0) * 1000
             t_last, results = fleet.wait_all(version)
             seconds = t_last - t0
             payload = replicas * per_replica
@@ -436,7 +460,7 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
                                ratio=seconds / floor, full=full, paths=[r.get("path") for r in results],
                                concurrent=concurrent, floor_c=floor_c,
                                ratio_c=seconds / floor_c if floor_c else None,
-                               stages=[_stages(r, t0) for r in results]))
+                               stages=[{**_stages(r, t0), "publish_ack": acked} for r in results]))
             if console is not None:
                 console.print(f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
                               f"{floor * 1000:.1f} ms -> {seconds / floor:.2f}x")

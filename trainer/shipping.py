@@ -146,7 +146,10 @@ def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any
     m = publish_version(out / "delta", str(version), serving, parent_sd, None if parent is None else str(parent), manifest,
                         anchor_every=t.cfg.anchor_every)
     info = {"status": "published", "version": m.version, "parent": m.parent_version, "anchor": m.anchor is not None,
-            "delta_bytes": m.delta.bytes if m.delta else None, "chain_depth": m.chain_depth}
+            "delta_bytes": m.delta.bytes if m.delta else None, "chain_depth": m.chain_depth,
+            # for replicas (app/replica/hints.py): the delta they fetch alone and the hash it must give
+            "checkpoint_sha256": m.checkpoint_sha256, "delta_file": m.delta.file if m.delta else None,
+            "delta_sha256": m.delta.sha256 if m.delta else None}
     return {"delta": out / "delta"}, info
 
 
@@ -172,6 +175,11 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
     from app.deployments.events import DeploymentEvent, DeploymentLog
     from app.replica.hints import artifact_hints
 
+    d = json.loads(tags.get("delta", "{}"))
+    ok = d.get("status") == "published" and d.get("version") == str(version)  # the manifest made for this version
+    hints = artifact_hints(source, t.policy.config_dict(), d.get("checkpoint_sha256") if ok else None, d.get("parent"),
+                           {"file": d["delta_file"], "sha256": d["delta_sha256"], "bytes": d["delta_bytes"]}
+                           if ok and d.get("delta_file") else None)
     event = DeploymentEvent(
         event_id=f"vr-{intent['ship_id']}", type="version_registered", model=t.settings.model_name, version=str(version),
         from_version=None if intent["parent_version"] is None else str(intent["parent_version"]), source="trainer",
@@ -180,7 +188,7 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
                  "reward_spec": tags["reward_spec"], "kafka_offsets": json.loads(tags["kafka_offsets"]),
                  "train_metrics": json.loads(tags["train_metrics"]),
                  # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
-                 "artifacts": artifact_hints(source, t.policy.config_dict())})
+                 "artifacts": hints})
     dlog = DeploymentLog(t.settings)
     try:
         dlog.publish(event)

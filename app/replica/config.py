@@ -34,6 +34,10 @@ class ReplicaConfig(BaseSettings):
     max_prompt_chars: int = Field(65536, ge=1, description="Longest prompt accepted; longer prompts get 422. "
                                                              "Prompts longer than the model's context keep their end.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for generation (one model call at a time).")
+    decode_threads: int = Field(1, ge=1, description="Threads of the verified delta decode. The fast decoder is mostly "
+                                                      "Python per tensor (the GIL), so more threads only pay off for "
+                                                      "large models on a host the replica has to itself; 1 when "
+                                                      "several replicas share a host's cores.")
     heartbeat_interval: Duration = Field(15.0, description="How often the replica publishes `replica_heartbeat`.")
     poll_interval: Duration = Field(1.0, description="Kafka poll timeout of the deployment follower.")
     retry_interval: Duration = Field(5.0, description="Wait before retrying a failed sync of the same target.")

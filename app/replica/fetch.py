@@ -61,6 +61,7 @@ import torch
 from app.replica.hints import ArtifactHint, config_sha256
 from app.settings import Settings
 from kernels.delta import DeltaFormatError
+from kernels.delta.hashing import checkpoint_sha256_from_digests
 from kernels.delta.manifest import MANIFEST_FILE, Manifest, delta_file
 
 log = logging.getLogger(__name__)
@@ -94,11 +95,13 @@ def _kind(filename: str) -> str:
 class VersionFetcher:
     """MLflow-backed `fetch(version, filename)` plus the verified reconstruction of a version."""
 
-    def __init__(self, settings: Settings, artifacts_dir: str = "delta", timeout_s: float = 120.0):
+    def __init__(self, settings: Settings, artifacts_dir: str = "delta", timeout_s: float = 120.0,
+                 decode_threads: int = 1):
         from mlflow import MlflowClient
 
         self.uri, self.model = settings.mlflow_uri.rstrip("/"), settings.model_name
         self.artifacts_dir = artifacts_dir
+        self.decode_threads = decode_threads  # threads of the verified delta decode (ReplicaConfig.decode_threads)
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
         self.http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=8))
         self._roots: dict[str, str] = {}  # version -> artifact URI of ships/<ship_id> (immutable per version)
@@ -291,7 +294,13 @@ class VersionFetcher:
                 config_future.set_result(reused)
             else:
                 config_future = self._pool.submit(self.policy_config, target)  # overlaps with the weights
-            got = self._fast_path(target, base, fetch, timings) if base is not None else None
+            got = None
+            if base is not None:
+                got = self._hinted_path(target, base, fetch, timings)
+                if isinstance(got, str):  # a stale hint or a corrupt delta: the manifest path decides which
+                    got = None
+                if got is None:
+                    got = self._fast_path(target, base, fetch, timings)
             attempts: list[str] = []
             fallbacks = 0
             if isinstance(got, str):  # the fast path was tried and failed verification
@@ -299,7 +308,7 @@ class VersionFetcher:
                 fallbacks = 1
             if got is None or isinstance(got, str):
                 got = self._general_path(target, base if not attempts else None, fetch, attempts, timings)
-            state, digests, manifest = got
+            state, digests, checkpoint_sha = got
             config = config_future.result()
         except Exception:
             self.forget({c.split("/", 1)[0] for c in chain} | {target})
@@ -309,12 +318,50 @@ class VersionFetcher:
         path = "anchor" if anchor_at is not None else "delta"
         fallbacks = max(fallbacks, int(anchor_at is not None and base is not None and anchor_at > 0))
         timings["total"] = time.perf_counter() - t0
-        return Fetched(version=target, state=state, config=config, sha256=manifest.checkpoint_sha256, path=path,
+        return Fetched(version=target, state=state, config=config, sha256=checkpoint_sha, path=path,
                        chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks, digests=digests, timings=timings,
                        config_reused=reused is not None)
 
+    def _hinted_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
+        """The delta alone (one GET), verified against what the deployment log published for the
+        target (app/replica/hints.py): the file's size and SHA-256, the held weights' checkpoint hash
+        (by the codec, against the delta's base), every decoded tensor hashed and their checkpoint
+        SHA-256 equal to the published one (it commits to every tensor's name and digest).
+        None: no usable hint for this held version; a string: it failed (the caller reads the manifest)."""
+        from kernels.delta.codec import decode_delta_verified
+
+        base_version, base_lv = base
+        with self._lock:
+            hint = self._hints.get(target)
+        held_sha = getattr(base_lv, "sha256", None)
+        if hint is None or held_sha is None or base_version == target or not hint.delta_from(base_version):
+            return None
+        t0 = time.perf_counter()
+        try:
+            blob = fetch(target, hint.delta_file)
+        except FileNotFoundError as exc:
+            return f"hinted delta: {exc}"
+        timings["download"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        try:
+            if len(blob) != hint.delta_bytes or hashlib.sha256(blob).hexdigest() != hint.delta_sha256:
+                raise DeltaFormatError(f"{hint.delta_file} of version {target} does not match the SHA-256 its "
+                                       f"deployment event published")
+            state, digests, sha = decode_delta_verified(base_lv.state, blob, threads=self.decode_threads,
+                                                        base_checkpoint_sha256=held_sha)
+            if sha != hint.checkpoint_sha256 or checkpoint_sha256_from_digests(digests) != sha:
+                raise DeltaFormatError(f"version {target} decoded from v{base_version} has checkpoint {sha[:12]}…, "
+                                       f"its deployment event published {hint.checkpoint_sha256[:12]}…")
+        except (DeltaFormatError, ValueError) as exc:
+            log.warning("version %s via the hinted delta from held v%s failed (reading its manifest): %s",
+                        target, base_version, exc)
+            return f"hinted delta from v{base_version}: {exc}"
+        timings["decode"] = time.perf_counter() - t1
+        return dict(state), digests, sha
+
     def _fast_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, str], Manifest] | str | None:
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
         """One delta forward from the held version. None: not applicable (the target's parent is
         not the held version); a string: it was applicable and failed verification (why)."""
         from kernels.delta.codec import decode_delta_verified
@@ -343,7 +390,7 @@ class VersionFetcher:
         try:
             if len(blob) != ref.bytes or hashlib.sha256(blob).hexdigest() != ref.sha256:
                 raise DeltaFormatError(f"{ref.file} of version {target} does not match its manifest SHA-256")
-            state, digests, sha = decode_delta_verified(base_lv.state, blob,
+            state, digests, sha = decode_delta_verified(base_lv.state, blob, threads=self.decode_threads,
                                                         base_checkpoint_sha256=getattr(base_lv, "sha256", None))
             want = {t.name: t.sha256 for t in manifest.tensors}
             if digests != want or sha != manifest.checkpoint_sha256:
@@ -354,10 +401,10 @@ class VersionFetcher:
             log.warning("version %s via the delta from held v%s failed: %s", target, base_version, exc)
             return f"fast path (delta from v{base_version}): {exc}"
         timings["decode"] = time.perf_counter() - t1
-        return dict(state), digests, manifest
+        return dict(state), digests, manifest.checkpoint_sha256
 
     def _general_path(self, target: str, base: tuple[str, Any] | None, fetch: Any, attempts: list[str],
-                      timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, str], Manifest]:
+                      timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
         from trainer.publish import ChainError, apply_chain
 
         t0 = time.perf_counter()
@@ -367,7 +414,7 @@ class VersionFetcher:
             raise ChainError(target, attempts + exc.attempts) from exc
         timings["chain"] = time.perf_counter() - t0
         # apply_chain verified every tensor's SHA-256 against the manifest: those are its digests
-        return state, {t.name: t.sha256 for t in manifest.tensors}, manifest
+        return state, {t.name: t.sha256 for t in manifest.tensors}, manifest.checkpoint_sha256
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

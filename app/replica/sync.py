@@ -12,7 +12,9 @@ topic and, whenever what it serves differs from what is desired, reconciles:
   after a rollback) is reused as is; nothing is fetched;
 - otherwise `fetch.VersionFetcher` reconstructs the version from MLflow artifacts: the delta
   chain from a version it holds, or the nearest anchor, every hash verified; a corrupt or
-  mismatching delta falls back to the anchor;
+  mismatching delta falls back to the anchor. Events that carry artifact hints
+  (`details.artifacts`, the trainer's `version_registered`: app/replica/hints.py) are handed to
+  the fetcher while folding, so the usual sync is one GET of the delta, without asking MLflow;
 - the decoded weights are loaded into a NEW (shadow) policy, whose serving weights are checked
   bit for bit against the tensors the codec verified (weights.load_verified), and only then
   published with one atomic `WeightStore.swap`; the verified version is written to the local
@@ -52,7 +54,7 @@ class SyncAgent:
         from app.replica.fetch import VersionFetcher
 
         self.settings, self.cfg, self.store, self.cache = settings, cfg, store, cache
-        self.fetcher = fetcher or VersionFetcher(settings)
+        self.fetcher = fetcher or VersionFetcher(settings, decode_threads=cfg.decode_threads)
         self.state = DeploymentState(model=settings.model_name)
         self.events = DeploymentLog(settings)
         self.last_result: dict[str, Any] | None = None

@@ -1,0 +1,110 @@
+"""Sync driven by the artifact hints of `version_registered` (app/replica/hints.py), against the real
+broker and MLflow server: the delta alone is fetched (no MLflow look-up, no manifest, no config), a
+stale hint or a wrong artifact root still ends on verified weights, and a corrupt delta still falls
+back to the anchor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from app.replica.hints import artifact_hints
+from tests.integration.replica.conftest import perturb, publish_deployment, tiny_state, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def status(srv) -> dict:
+    return httpx.get(f"{srv.url}/v1/status", timeout=10).json()
+
+
+def serving(srv, slot: str) -> Any:
+    return getattr(srv.replica.store.snapshot(), slot)
+
+
+def same_weights(srv, slot: str, state: dict) -> bool:
+    got = serving(srv, slot).policy.serving_state_dict()
+    return set(got) == set(state) and all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16))
+                                          for k in state)
+
+
+def announce(settings, reg, version: str, **override: Any) -> None:
+    """`version_registered` with the hints trainer/shipping.py publishes (fields overridable)."""
+    m = reg.manifests[version]
+    hints = artifact_hints(reg.sources[version], reg.config, m.checkpoint_sha256, m.parent_version,
+                           m.delta.model_dump() if m.delta else None)
+    publish_deployment(settings, "version_registered", version, from_version=m.parent_version,
+                       details={"artifacts": {**hints, **override}})
+
+
+def test_hinted_versions_sync_by_the_delta_alone_and_bad_hints_still_end_verified(registered, replica_factory):
+    settings, make = registered
+    reg = make(anchor_every=8)
+    _, s1 = tiny_state(0)
+    states = [s1]
+    for i in range(3):
+        states.append(perturb(states[-1], 20 + i))
+    for st in states:
+        reg.add(st)
+    announce(settings, reg, "1")
+    announce(settings, reg, "2")
+    announce(settings, reg, "3", checkpoint_sha256="0" * 64)  # stale/wrong: the manifest must decide
+    announce(settings, reg, "4", source=reg.sources["2"])  # another version's ship: MLflow must decide
+    publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
+    srv = replica_factory(settings, id="replica-hints")
+    wait_for(lambda: status(srv)["champion"] == "1", what="champion v1")
+    fetcher = srv.replica.agent.fetcher
+
+    publish_deployment(settings, "canary_started", "2", from_version="1", traffic_pct=50.0)
+    wait_for(lambda: status(srv)["candidate"] == "2", what="candidate v2")
+    last = status(srv)["last_sync"]
+    assert last["path"] == "delta" and last["chain"] == ["2/delta-from-1.fwd"], last
+    assert last["config_reused"] is True and last["fallbacks"] == 0, last
+    assert "2" not in fetcher._roots, "the artifact root came from the log, MLflow was not asked"
+    assert serving(srv, "candidate").sha256 == reg.manifests["2"].checkpoint_sha256
+    assert same_weights(srv, "candidate", states[1])
+
+    publish_deployment(settings, "promoted", "2", traffic_pct=100.0)
+    publish_deployment(settings, "canary_started", "3", from_version="2", traffic_pct=10.0)
+    wait_for(lambda: status(srv)["candidate"] == "3", what="candidate v3")
+    last = status(srv)["last_sync"]
+    assert "3/manifest.json" in last["chain"] and last["path"] == "delta", last
+    assert serving(srv, "candidate").sha256 == reg.manifests["3"].checkpoint_sha256
+    assert same_weights(srv, "candidate", states[2]), "a wrong hinted hash must not change what is served"
+
+    publish_deployment(settings, "promoted", "3", traffic_pct=100.0)
+    publish_deployment(settings, "canary_started", "4", from_version="3", traffic_pct=10.0)
+    wait_for(lambda: status(srv)["candidate"] == "4", what="candidate v4")
+    assert fetcher._roots.get("4") == reg.sources["4"].rsplit("/model", 1)[0], "the wrong hint was replaced by MLflow's"
+    assert serving(srv, "candidate").sha256 == reg.manifests["4"].checkpoint_sha256
+    assert same_weights(srv, "candidate", states[3])
+    assert status(srv)["champion"] == "3" and same_weights(srv, "champion", states[2])
+
+
+def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(registered, replica_factory, mlflow_server):
+    settings, make = registered
+    reg = make(anchor_every=2)  # v1 anchor, v2 delta, v3 delta + anchor
+    _, s1 = tiny_state(0)
+    states = [s1, perturb(s1, 30)]
+    states.append(perturb(states[-1], 31))
+    for st in states:
+        reg.add(st)
+    for v in ("1", "2", "3"):
+        announce(settings, reg, v)
+    publish_deployment(settings, "promoted", "2", traffic_pct=100.0)
+    srv = replica_factory(settings, id="replica-hints-corrupt", retry_interval=0.5)
+    wait_for(lambda: status(srv)["champion"] == "2", what="champion v2")
+
+    path = reg.artifact_file(mlflow_server.root / "artifacts", "3", "delta-from-2.fwd")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    publish_deployment(settings, "promoted", "3", traffic_pct=100.0)
+    wait_for(lambda: status(srv)["champion"] == "3", what="v3 via its anchor")
+    last = status(srv)["last_sync"]
+    assert last["path"] == "anchor" and last["fallbacks"] == 1, last
+    assert serving(srv, "champion").sha256 == reg.manifests["3"].checkpoint_sha256
+    assert same_weights(srv, "champion", states[2])
