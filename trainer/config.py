@@ -40,6 +40,8 @@ class TrainerConfig(BaseSettings):
     seq_mask_high: float = Field(2.0, gt=0, description="Sequences whose geometric-mean token ratio is above this are masked.")
     max_staleness: int = Field(4, ge=0, description="Rollouts generated more than this many versions before the last shipped one are skipped (and counted).")
     kl_coef: float = Field(0.01, ge=0, description="Weight of the k3 KL term to the serving champion (0 disables it and the reference forward).")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL: the per-token KL to the champion (nats) to hold; each step the KL weight moves by up to rate x 20% toward it (objective.AdaptiveKL). None = `kl_coef` fixed.")
+    kl_adapt_rate: float = Field(0.1, ge=0, le=1, description="Adaptive KL: proportional gain per step (0.1: the weight changes at most 2% per step).")
     distill_coef: float = Field(0.1, ge=0, description="Weight of self-distillation on rollouts with tool_error feedback (0 disables it).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature the behaviour log-probs were taken at (log-probs of softmax(logits/T)).")
     replay_routes: bool = Field(True, description="Replay the MoE routes logged at inference (DESIGN.md bit-exact contract).")

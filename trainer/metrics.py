@@ -13,5 +13,5 @@ SHIPS = Counter("flywheel_trainer_ships_total", "Versions registered by this pro
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
 BUFFERED = Gauge("flywheel_trainer_buffered_records", "Records fetched but not yet trained on or skipped.")
 STEP_GAUGES = {name: Gauge(f"flywheel_trainer_{name}", f"Last optimizer step's {name.replace('_', ' ')}.")
-               for name in ("loss", "reward_mean", "kl", "ess", "clip_fraction", "masked_fraction", "staleness_mean",
+               for name in ("loss", "reward_mean", "kl", "kl_coef", "ess", "clip_fraction", "masked_fraction", "staleness_mean",
                             "mismatch", "distill_kl", "grad_norm")}

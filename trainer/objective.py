@@ -42,6 +42,7 @@ Terms (all choices stated here are also in docs/TRAINER.md):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,32 @@ def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor, w: ISWeights) -> torch.Ten
     q = logp_ref.detach() - logp
     k3 = torch.exp(q) - q - 1.0
     return _token_mean(w.weights * k3, w.keep)
+
+
+class AdaptiveKL:
+    """The KL weight as a proportional controller (Ziegler et al. 2019, "Fine-Tuning Language Models
+    from Human Preferences"; TRL's AdaptiveKLController), so the policy stays within a trust region
+    of the serving champion instead of drifting until the gate's KL bound refuses every version.
+
+    After each step with measured per-token KL `kl`: e = clip(kl / target - 1, -0.2, 0.2) and
+    coef <- coef * (1 + rate * e), bounded to [coef_min, coef_max]. `target=None` keeps the
+    weight fixed (the update is a no-op). Pure: the trainer persists `coef` with its state.
+    """
+
+    def __init__(self, coef: float, target: float | None, rate: float = 0.1,
+                 coef_min: float = 1e-4, coef_max: float = 10.0):
+        assert coef >= 0 and rate >= 0, f"coef and rate must be >= 0, got {coef}, {rate}"
+        assert target is None or target > 0, f"KL target must be > 0, got {target}"
+        self.coef, self.target, self.rate = float(coef), target, rate
+        self.coef_min, self.coef_max = coef_min, coef_max
+
+    def update(self, kl: float) -> float:
+        """Fold one step's measured KL in; returns the weight for the next step."""
+        if self.target is None or not math.isfinite(kl) or self.coef == 0:
+            return self.coef
+        err = min(max(kl / self.target - 1.0, -0.2), 0.2)
+        self.coef = min(max(self.coef * (1.0 + self.rate * err), self.coef_min), self.coef_max)
+        return self.coef
 
 
 def distill_loss(logp: torch.Tensor, logp_teacher: torch.Tensor, distill_mask: torch.Tensor,

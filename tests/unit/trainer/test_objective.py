@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from trainer import objective as obj
 from trainer.objective import advantages, distill_loss, importance_weights, kl_k3, policy_gradient_loss
 
 LN = math.log
@@ -156,3 +157,36 @@ def test_with_the_batch_mask_a_masked_sequence_shrinks_the_step_instead_of_leavi
     loss.backward()
     assert float(logp.grad[1].abs().sum()) == 0.0, "the masked sequence still gets no gradient"
     assert float(logp.grad[0, 0]) == pytest.approx(-2 / n_real, abs=1e-6)
+
+
+def test_adaptive_kl_raises_the_weight_above_target_lowers_it_below_and_is_bounded():
+    ctl = obj.AdaptiveKL(0.01, target=0.1, rate=0.1)
+    assert ctl.update(0.2) == pytest.approx(0.01 * 1.02)  # error clipped at +0.2
+    assert ctl.update(0.12) == pytest.approx(0.01 * 1.02 * 1.02)  # 0.12/0.1 - 1 = 0.2
+    before = ctl.coef
+    assert ctl.update(0.09) == pytest.approx(before * (1 + 0.1 * (0.9 - 1)))
+    assert ctl.update(0.0) == pytest.approx(before * 0.99 * 0.98)  # error clipped at -0.2
+    assert ctl.update(float("nan")) == ctl.coef, "a non-finite KL leaves the weight alone"
+    high = obj.AdaptiveKL(9.99, target=0.1, rate=1.0, coef_max=10.0)
+    assert high.update(5.0) == 10.0
+    low = obj.AdaptiveKL(1.1e-4, target=0.1, rate=1.0, coef_min=1e-4)
+    assert low.update(0.0) == 1e-4
+
+
+def test_adaptive_kl_holds_a_drifting_policy_near_its_target():
+    """A toy drift: each step the KL grows by 0.02 and the penalty pulls it back in proportion to
+    the weight. With a fixed weight it runs away; the controller holds it near the target."""
+    def run(target):
+        ctl, kl = obj.AdaptiveKL(0.01, target=target, rate=0.1), 0.0
+        for _ in range(2000):
+            kl = max(0.0, kl + 0.02 - 2.0 * ctl.coef * kl)
+            ctl.update(kl)
+        return kl
+
+    assert run(None) > 0.9  # fixed weight 0.01: equilibrium at 0.02 / 0.02 = 1 nat
+    assert 0.05 < run(0.1) < 0.15
+
+
+def test_no_target_means_a_fixed_weight():
+    ctl = obj.AdaptiveKL(0.01, target=None)
+    assert [ctl.update(k) for k in (0.0, 1.0, 100.0)] == [0.01, 0.01, 0.01]
