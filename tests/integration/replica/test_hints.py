@@ -108,3 +108,48 @@ def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(registered, replica_fac
     assert last["path"] == "anchor" and last["fallbacks"] == 1, last
     assert serving(srv, "champion").sha256 == reg.manifests["3"].checkpoint_sha256
     assert same_weights(srv, "champion", states[2])
+
+
+def test_the_trainers_version_registered_event_carries_hints_that_match_the_registry(make_settings, mlflow_server,
+                                                                                      tmp_path):
+    import json
+    import uuid
+
+    from mlflow import MlflowClient
+
+    from app.replica.hints import ArtifactHint, config_sha256
+    from kernels.delta.manifest import Manifest
+    from tests.integration.replica.conftest import read_topic
+    from tests.integration.trainer.conftest import TINY_POLICY, drain, produce, rollout_records
+    from trainer.config import TrainerConfig
+    from trainer.loop import Trainer
+
+    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}",
+                             ship_interval=3600)
+    trainer = Trainer(settings, TrainerConfig(
+        state_dir=tmp_path / "trainer-state", policy=TINY_POLICY, pretrain_steps=0, batch_size=4, max_wait_s=0.5,
+        lr=1e-3, metrics_port=0, checkpoint_every=1, consumer_group=f"trainer-{uuid.uuid4().hex[:6]}",
+        experiment=f"exp-{uuid.uuid4().hex[:6]}"))
+    try:
+        produce(settings, rollout_records(trainer.policy, 1, 4, lambda text: 0.75, group_size=2))
+        drain(trainer, 4)
+        assert trainer.maybe_ship(force=True) == 2
+    finally:
+        trainer.close()
+    events = read_topic(settings, "deployments", 2, where=lambda e: e["type"] == "version_registered")
+    client = MlflowClient(settings.mlflow_uri)
+    for ev in events:
+        mv = client.get_model_version(settings.model_name, ev["version"])
+        hint = ArtifactHint.from_details(ev["details"])
+        assert hint is not None and f"{hint.root}/model" == mv.source, (ev["details"], mv.source)
+        root = mv.source.split("mlflow-artifacts:/", 1)[1].rsplit("/model", 1)[0]
+        files = mlflow_server.root / "artifacts" / root
+        manifest = Manifest.model_validate_json((files / "delta" / "manifest.json").read_bytes())
+        config = json.loads((files / "model" / "artifacts" / "config.json").read_text())
+        assert hint.checkpoint_sha256 == manifest.checkpoint_sha256 and hint.config_sha256 == config_sha256(config)
+        if manifest.delta is None:
+            assert ev["version"] == "1" and hint.delta_file is None, "the base version is an anchor"
+        else:
+            assert hint.delta_from(manifest.parent_version) and (hint.delta_file, hint.delta_sha256, hint.delta_bytes) \
+                == (manifest.delta.file, manifest.delta.sha256, manifest.delta.bytes), (hint, manifest.delta)
+    assert sorted(e["version"] for e in events) == ["1", "2"]
