@@ -292,7 +292,8 @@ class _ProcessReplicas:
                 continue
             self.serving[rep["replica"]] = rep
         return max(r["t"] for r in self.serving.values()), [{**r["result"], "swapped_at": r["t"],
-                                                               "folded_at": r.get("folded_at")}
+                                                               "folded_at": r.get("folded_at"),
+                                                               "build_cpu_ms": r.get("build_cpu_ms")}
                                                               for r in self.serving.values()]
 
     def close(self) -> None:
@@ -337,8 +338,8 @@ def child(replica_id: str) -> None:
             after = super().swap(**changes)
             t = time.time()  # right after the atomic swap: from now on requests get the new version
             result = dict(agent.last_result or {}) if agent is not None else {}
-            print(json.dumps({"replica": replica_id, "t": t, "folded_at": folded["t"], **after.versions(),
-                              "result": result}), flush=True)
+            print(json.dumps({"replica": replica_id, "t": t, "folded_at": folded["t"], "build_cpu_ms": cpu["ms"],
+                              **after.versions(), "result": result}), flush=True)
             return after
 
     agent = SyncAgent(settings, rc, ReportingStore(), WeightCache(rc.cache_dir))
@@ -351,6 +352,17 @@ def child(replica_id: str) -> None:
         fold(batch)
 
     agent._fold = timed_fold
+    build = agent._build
+    cpu = {"ms": None}
+
+    def timed_build(*a: Any, **kw: Any) -> Any:  # this process's CPU time during the build (all threads)
+        c0 = time.process_time()
+        try:
+            return build(*a, **kw)
+        finally:
+            cpu["ms"] = (time.process_time() - c0) * 1000
+
+    agent._build = timed_build
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
 
@@ -402,6 +414,8 @@ def _stages(result: dict, t0: float) -> dict[str, float]:
         st["event"] = (result["swapped_at"] - result["seconds"] - t0) * 1000
         if result.get("folded_at"):
             st["kafka"] = (result["folded_at"] - t0) * 1000
+        if result.get("build_cpu_ms") is not None:
+            st["build_cpu"] = result["build_cpu_ms"]
         st["to_swap"] = (result["seconds"] * 1000) - st.get("total", 0.0) - st.get("load", 0.0)
     return st
 
