@@ -9,7 +9,8 @@ Public API:
     Manifest, ArtifactRef (manifest.py): what a published version's manifest.json holds
 
 Modules: bits (bit maps, varints), hashing, container (file format), reference (the codec's
-definition), fast (same bytes, less work), codec (driver), manifest. See docs/DELTA.md.
+definition), fast (same bytes, less work), entropy (the entropy-coded "ans" layout, on
+constriction's ANS coder), codec (driver), manifest. See docs/DELTA.md.
 """
 
 from kernels.delta.bits import DeltaFormatError

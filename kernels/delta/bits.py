@@ -95,7 +95,7 @@ def bits_to_tensor(bits: np.ndarray, spec: DTypeSpec, shape: tuple[int, ...], co
     return out.reshape(shape)
 
 
-def ordered_key(bits: np.ndarray, spec: DTypeSpec) -> np.ndarray:
+def ordered_key_formula(bits: np.ndarray, spec: DTypeSpec) -> np.ndarray:
     """Map bit patterns to unsigned keys whose order is the numeric order of the floats.
 
     Sign-magnitude floats: a non-negative float gets its sign bit set; a negative one has all
@@ -109,12 +109,32 @@ def ordered_key(bits: np.ndarray, spec: DTypeSpec) -> np.ndarray:
     return np.where(negative, ~bits, bits | sign)
 
 
-def ordered_key_inverse(key: np.ndarray, spec: DTypeSpec) -> np.ndarray:
+def ordered_key_inverse_formula(key: np.ndarray, spec: DTypeSpec) -> np.ndarray:
     if not spec.is_float:
         return key
     sign = key.dtype.type(1 << (8 * spec.width - 1))
     was_nonnegative = (key & sign) != 0
     return np.where(was_nonnegative, key ^ sign, ~key)
+
+
+# 16-bit floats: the same maps as 65536-entry tables (one gather instead of five passes)
+_ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+_KEY16 = ordered_key_formula(_ALL16, SPEC_BY_NAME["bfloat16"])
+_KEY16_INVERSE = ordered_key_inverse_formula(_ALL16, SPEC_BY_NAME["bfloat16"])
+
+
+def ordered_key(bits: np.ndarray, spec: DTypeSpec) -> np.ndarray:
+    """`ordered_key_formula`, by table lookup for 16-bit floats."""
+    if spec.is_float and spec.width == 2:
+        return np.take(_KEY16, bits)
+    return ordered_key_formula(bits, spec)
+
+
+def ordered_key_inverse(key: np.ndarray, spec: DTypeSpec) -> np.ndarray:
+    """`ordered_key_inverse_formula`, by table lookup for 16-bit floats."""
+    if spec.is_float and spec.width == 2:
+        return np.take(_KEY16_INVERSE, key)
+    return ordered_key_inverse_formula(key, spec)
 
 
 def exponent_field(bits: np.ndarray, spec: DTypeSpec) -> np.ndarray:

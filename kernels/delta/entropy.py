@@ -25,10 +25,11 @@ next; integers are one group). For each group, in order:
   z >= 1 for a changed element), as a token (`to_tokens`: s < 16 exactly, above one token per
   half-octave) coded with the group's categorical table (or a flat model over 0..T-1 when the
   encoder estimates that cheaper; nothing when T == 1), then each token's extra bits, coded
-  uniformly in chunks of up to 16 bits (chunk 0 of the group's values, then chunk 1, ...).
+  uniformly in chunks of up to 16 bits, after all groups (chunk 0 of every value of the
+  tensor that has extra bits, then chunk 1, ...).
 
 One ANS stream per tensor (the "ans" section, little-endian uint32 words); decoding order is
-group by group: gaps, tokens, extra-bit chunks. Probabilities are computed with exactly rounded
+group by group (gaps, tokens), then the extra-bit chunks. Probabilities are computed with exactly rounded
 IEEE operations only (division, a sequential product), so every platform builds the same models.
 """
 
@@ -112,7 +113,7 @@ class Reader:
 def gap_alphabet(n: int, k: int) -> tuple[int, bool]:
     """(L, escapes possible) for a group of n elements with 0 < k < n changes."""
     span = n - k + 1  # gaps lie in 0..n-k
-    L = min(span, -(-4 * n // k), MAX_GAP_ALPHABET)
+    L = min(span, -(-8 * n // k), MAX_GAP_ALPHABET)
     return L, L < span
 
 
@@ -220,7 +221,8 @@ def to_tokens(s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def token_bits(t: np.ndarray) -> np.ndarray:
     """Extra bit count of each token (inverse side of `to_tokens`)."""
-    return np.where(t >= EXACT_TOKENS, (t - EXACT_TOKENS) // 2 + 3, 0)
+    t = t.astype(np.int64)
+    return np.where(t >= EXACT_TOKENS, ((t - EXACT_TOKENS) >> 1) + 3, 0)
 
 
 def from_tokens(t: np.ndarray, extra: np.ndarray) -> np.ndarray:
@@ -300,12 +302,13 @@ def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, siz
                 side.append(q.tobytes())
                 model = value_model(DEQUANT8[q])
             steps.append((t.astype(np.int32), model))
-        nb, ex = nbits[a:b], extra[a:b]
-        for j in range(_chunks(nb)):
-            has = nb > CHUNK_BITS * j
-            width = np.minimum(nb[has] - CHUNK_BITS * j, CHUNK_BITS)
-            sym = ((ex[has] >> np.uint64(CHUNK_BITS * j)) & ((np.uint64(1) << width.astype(np.uint64)) - np.uint64(1)))
-            steps.append((sym.astype(np.int32), _Uniform(), (np.int32(1) << width.astype(np.int32))))
+    big = np.flatnonzero(nbits)  # the tensor's values with extra bits, after all groups
+    nb, ex = nbits[big], extra[big]
+    for j in range(_chunks(nb)):
+        has = nb > CHUNK_BITS * j
+        width = np.minimum(nb[has] - CHUNK_BITS * j, CHUNK_BITS)
+        sym = (ex[has] >> np.uint64(CHUNK_BITS * j)) & ((np.uint64(1) << width.astype(np.uint64)) - np.uint64(1))
+        steps.append((sym.astype(np.int32), _Uniform(), np.int32(1) << width.astype(np.int32)))
     coder = constriction.stream.stack.AnsCoder()
     for step in reversed(steps):
         coder.encode_reverse(*step)
@@ -323,7 +326,6 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
     starts: list[int] = []  # ... its first element in stream order
     ns: list[int] = []  # ... and its size
     tok_parts: list[np.ndarray] = []  # value tokens
-    extra_parts: list[tuple[int, np.ndarray]] = []  # (offset, extra bits) of groups that have them
     k_of_group: list[int] = []
     start = 0
     try:
@@ -354,18 +356,18 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
                     model = (_Categorical(np.ones(T), perfect=False) if flat else
                              value_model(DEQUANT8[np.frombuffer(rd.take(T), dtype=np.uint8)]))
                     t = coder.decode(model, k)
-                if T > EXACT_TOKENS:  # some tokens carry extra bits
-                    nb = token_bits(t)
-                    ex = np.zeros(k, dtype=np.uint64)
-                    for j in range(_chunks(nb)):
-                        has = nb > CHUNK_BITS * j
-                        width = np.minimum(nb[has] - CHUNK_BITS * j, CHUNK_BITS)
-                        chunk = coder.decode(_Uniform(), np.int32(1) << width.astype(np.int32))
-                        ex[has] |= chunk.astype(np.uint64) << np.uint64(CHUNK_BITS * j)
-                    extra_parts.append((sum(k_of_group), ex))
                 tok_parts.append(t)
                 k_of_group.append(k)
             start += n
+        t = np.concatenate(tok_parts) if tok_parts else np.zeros(0, dtype=np.int32)
+        big = np.flatnonzero(t >= EXACT_TOKENS)  # values with extra bits, decoded after all groups
+        nb = token_bits(t[big])
+        ex = np.zeros(big.size, dtype=np.uint64)
+        for j in range(_chunks(nb)):
+            has = nb > CHUNK_BITS * j
+            width = np.minimum(nb[has] - CHUNK_BITS * j, CHUNK_BITS)
+            chunk = coder.decode(_Uniform(), np.int32(1) << width.astype(np.int32))
+            ex[has] |= chunk.astype(np.uint64) << np.uint64(CHUNK_BITS * j)
         empty = coder.is_empty()
     except DeltaFormatError:
         raise
@@ -388,13 +390,7 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
     if np.any(local[last] >= np.array(ns, dtype=np.int64)):
         raise DeltaFormatError("change positions run past their exponent group")
     pos = local + np.repeat(np.array(starts, dtype=np.int64), k_arr)
-    t = np.concatenate(tok_parts)
-    if extra_parts:
-        ex = np.zeros(total, dtype=np.uint64)
-        for at, part in extra_parts:
-            ex[at:at + part.size] = part
-        s = from_tokens(t, ex)
-    else:
-        s = t.astype(np.uint64)
+    s = t.astype(np.uint64)
+    s[big] = from_tokens(t[big], ex)
     z = (s + np.uint64(1)).astype(spec.uint)  # wraps to 0 only for a corrupt s = 2**64 - 1
     return pos, z

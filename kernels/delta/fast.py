@@ -59,10 +59,12 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
             sizes[(kind, residual)] = pos_size[kind] + sparse_size
         candidates[("dense", residual)] = [dense]
         sizes[("dense", residual)] = dense_size
-    candidates[("ans", "ulp")] = entropy.encode(old, new, spec, "ulp", groups, z_all=residuals["ulp"])
-    sizes[("ans", "ulp")] = sum(len(store_section(raw, compressor).data) for raw in candidates[("ans", "ulp")])
+    allowed = reference.candidates(int(positions.size), old.size)
+    if ("ans", "ulp") in allowed:
+        candidates[("ans", "ulp")] = entropy.encode(old, new, spec, "ulp", groups, z_all=residuals["ulp"])
+        sizes[("ans", "ulp")] = sum(len(store_section(raw, compressor).data) for raw in candidates[("ans", "ulp")])
     best = None
-    for cand in reference.CANDIDATES:  # the reference's tie-break order
+    for cand in allowed:  # the reference's tie-break order
         if best is None or sizes[cand] < sizes[best]:
             best = cand
     kind, residual = best

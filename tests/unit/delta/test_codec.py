@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.delta import DeltaFormatError, checkpoint_sha256, decode_delta, encode_delta, inspect_delta
-from kernels.delta.bits import (SPEC_BY_NAME, ordered_key, ordered_key_inverse, varint_decode,
+from kernels.delta.bits import (SPEC_BY_NAME, ordered_key, ordered_key_formula, ordered_key_inverse,
+                                ordered_key_inverse_formula, varint_decode,
                                 varint_decode_ref, varint_encode, varint_encode_ref)
 
 from .conftest import SPECIAL_BF16, bit_equal, perturb, random_bits
@@ -53,6 +54,14 @@ def test_special_float_values_survive_any_change_between_them(dtype):
     base = {"x": bits_to_tensor(old, spec, (old.size,))}
     target = {"x": bits_to_tensor(new, spec, (new.size,))}
     assert roundtrip(base, target, "reference") == roundtrip(base, target, "fast")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_key_tables_equal_the_formula_on_every_pattern(dtype):
+    spec = SPEC_BY_NAME[dtype]
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    assert np.array_equal(ordered_key(bits, spec), ordered_key_formula(bits, spec))
+    assert np.array_equal(ordered_key_inverse(bits, spec), ordered_key_inverse_formula(bits, spec))
 
 
 def test_ordered_key_is_monotonic_and_bijective_on_all_bf16_patterns():
