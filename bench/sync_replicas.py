@@ -24,8 +24,8 @@ the MLflow server, which the floor accounts for (apply × ceil(4 / cores)).
 
 The floor, measured side by side in the same run:
 - payload: the bytes each replica must download (the delta alone when the deployment log carries
-  the artifact hints of app/replica/hints.py, the default; manifest + delta + config with
-  `--no-hints`), times 4, over the
+  the artifact hints of app/replica/hints.py, the default; manifest + delta + config for a
+  version announced without them), times 4, over the
   loopback bandwidth measured by downloading a large artifact from the same MLflow server
   (best of 3);
 - apply: the fastest verified reconstruction of the version from the held one on in-memory
@@ -69,8 +69,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mlflow", default=None, help="reuse this MLflow server URI instead of starting one")
     p.add_argument("--in-process", action="store_true",
                    help="run the replicas' sync agents as threads of this process (shares one GIL; for comparison)")
-    p.add_argument("--no-hints", action="store_true",
-                   help="publish version_registered without details.artifacts (replicas ask MLflow; for comparison)")
+    p.add_argument("--hints", choices=("on", "off", "alternate"), default="on",
+                   help="version_registered with details.artifacts (on, as the trainer does), without (off: replicas "
+                        "ask MLflow and read the manifest), or alternate (even versions with, odd without: both "
+                        "measured side by side in one run)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one replica agent (id)
     return p.parse_args()
 
@@ -154,6 +156,11 @@ def _loopback_bandwidth(reg: Any, run_id: str, fetcher: Any, size: int) -> float
         best = min(best, time.perf_counter() - t0)
         assert len(data) == size
     return size / best
+
+
+def _hinted(mode: str, version: str) -> bool:
+    """Whether `version` is announced with artifact hints (`--hints`)."""
+    return mode == "on" or (mode == "alternate" and int(version) % 2 == 0)
 
 
 def _apply_time(fetcher: Any, version: str, held: tuple[str, dict], hints: bool) -> tuple[float, int, dict]:
@@ -421,7 +428,7 @@ def _stages(result: dict, t0: float) -> dict[str, float]:
 
 
 def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int = 4, console: Any = None,
-                   in_process: bool = False, hints: bool = True) -> dict:
+                   in_process: bool = False, hints: str = "on") -> dict:
     """Register states[0..], sync `replicas` agents (separate processes unless `in_process`)
     through every version after the first.
 
@@ -438,7 +445,8 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     manifests: dict = {}
     dlog = DeploymentLog(settings)
     for i, st in enumerate(states):
-        _register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests, dlog, hints)
+        _register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests, dlog,
+                  _hinted(hints, str(i + 1)))
     probe = VersionFetcher(settings)
     full = sum(t.numel() * t.element_size() for t in states[0].values())
     bandwidth = _loopback_bandwidth(reg, run_id, probe, max(16 << 20, 8 * full))
@@ -452,7 +460,8 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
         fleet.wait_all("1")
         for i in range(1, len(states)):
             version = str(i + 1)
-            apply_s, per_replica, applies = _apply_time(probe, version, (str(i), states[i - 1]), hints)
+            hinted = _hinted(hints, version)
+            apply_s, per_replica, applies = _apply_time(probe, version, (str(i), states[i - 1]), hinted)
             concurrent = None
             if isinstance(fleet, _ProcessReplicas):
                 files = tmp / f"files-v{version}"
@@ -474,7 +483,7 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
                                ratio=seconds / floor, full=full, paths=[r.get("path") for r in results],
                                concurrent=concurrent, floor_c=floor_c,
                                ratio_c=seconds / floor_c if floor_c else None,
-                               stages=[{**_stages(r, t0), "publish_ack": acked} for r in results]))
+                               stages=[{**_stages(r, t0), "publish_ack": acked} for r in results], hints=hinted))
             if console is not None:
                 console.print(f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
                               f"{floor * 1000:.1f} ms -> {seconds / floor:.2f}x")
@@ -491,13 +500,14 @@ def print_report(result: dict, console: Any) -> None:
     from rich.table import Table
 
     t = Table(title=f"sync of {len(result['median']['paths'])} replicas ({result['mode']}, artifact hints "
-                    f"{'on' if result.get('hints', True) else 'off'}) vs the floor ({result['cores']} CPU cores)")
-    for col in ("version", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms (chain / 1 delta)",
+                    f"{result.get('hints', 'on')}) vs the floor ({result['cores']} CPU cores)")
+    for col in ("version", "hints", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms (chain / 1 delta)",
                 "floor ms", "measured ms", "ratio", "paths"):
         t.add_column(col, justify="right")
     for r in result["rounds"]:
         a = r["applies"]
-        t.add_row(r["version"], f"{r['full'] / 1024:.0f}", f"{r['per_replica'] / 1024:.1f}",
+        t.add_row(r["version"], "on" if r.get("hints", True) else "off", f"{r['full'] / 1024:.0f}",
+                  f"{r['per_replica'] / 1024:.1f}",
                   f"{r['bandwidth'] / 1e6:.0f}",
                   f"{r['apply'] * 1000:.1f} ({a['apply_chain'] * 1000:.1f} / {a['one_delta'] * 1000:.1f})",
                   f"{r['floor'] * 1000:.1f}", f"{r['seconds'] * 1000:.1f}", f"{r['ratio']:.2f}x",
@@ -518,6 +528,19 @@ def print_report(result: dict, console: Any) -> None:
                           f"v{r['version']} {r['concurrent'] * 1000:.0f} ms (measured / (payload + that) = "
                           f"{r['ratio_c']:.2f}x)" for r in result["rounds"])
                       + f"; median {conc[len(conc) // 2]:.2f}x")
+    if result.get("hints") == "alternate":
+        for on in (True, False):
+            rs = sorted(r["ratio"] for r in result["rounds"] if r.get("hints", True) == on)
+            st: dict[str, list[float]] = {}
+            for r in result["rounds"]:
+                if r.get("hints", True) == on:
+                    for x in r["stages"]:
+                        for k, v in x.items():
+                            st.setdefault(k, []).append(v)
+            if rs:
+                console.print(f"rounds with hints {'on ' if on else 'off'}: median {rs[len(rs) // 2]:.2f}x "
+                              f"(min {rs[0]:.2f}x, max {rs[-1]:.2f}x over {len(rs)}); stage medians ms: " + ", ".join(
+                                  f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in st.items()))
     ratios = sorted(r["ratio"] for r in result["rounds"])
     med = result["median"]["ratio"]
     console.print(f"sync time / floor: median {med:.2f}x (min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x over "
@@ -566,7 +589,7 @@ def main() -> None:
         console.print("training successive checkpoints…")
         cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20)
         result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console,
-                                in_process=args.in_process, hints=not args.no_hints)
+                                in_process=args.in_process, hints=args.hints)
     print_report(result, console)
 
 
