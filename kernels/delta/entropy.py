@@ -19,7 +19,7 @@ next; integers are one group). For each group, in order:
 - gaps (positions): gap_i = zero-based distance from the previous change in the group (or
   the group start). Model: geometric with p = k / n, alphabet {0..L-1} plus (when
   L < n - k + 1) an escape symbol L meaning "add L, read another symbol"; exact for a
-  geometric law, which is memoryless. L = min(n - k + 1, ceil(4 n / k), 4096). A group with
+  geometric law, which is memoryless. L = min(n - k + 1, ceil(8 n / k), 4096). A group with
   k == n codes no gaps (all zero).
 - values: s = z - 1 with z the residual (ulp: zigzag ordered-key difference; xor: new ^ old;
   z >= 1 for a changed element), as a token (`to_tokens`: s < 16 exactly, above one token per
