@@ -388,7 +388,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         broker_commit_interval=cfg.commit_interval, broker_session_timeout=cfg.session_timeout,
         broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3), broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
         # throughput: one in-flight produce request per broker, so batch more per request
-        producer_linger_ms=5, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=16384,
+        producer_linger_ms=5, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=cfg.stream_buffer_maxsize,
         producer_max_request_size=8 * 1024 * 1024, Monitor=LeanMonitor,
     )
     if cfg.eager_drain:

@@ -32,6 +32,7 @@ class StreamsConfig(BaseSettings):
     store: str = Field("memory://", description="Faust table store: memory:// (changelog replay on start) or rocksdb:// (needs rocksdict) in production.")
     batch_max_events: int = Field(2000, ge=1, le=100_000, description="Records the agent takes per batch; each touched table key costs one changelog record per batch.")
     batch_within: Duration = Field(0.05, description="Longest wait for a batch to fill before processing what arrived (adds at most this to label latency).")
+    stream_buffer_maxsize: int = Field(16384, ge=1, description="Records Faust buffers per stream before the fetch loop waits (back-pressure).")
     eager_drain: bool = Field(True, description="Deliver fetched records to the agent without Faust's per-record asyncio tasks (streams/consumer.py); false = Faust's stock fetch loop.")
     commit_interval: Duration = Field(1.0, description="Faust offset commit interval; bounds the replay after a crash.")
     session_timeout: Duration = Field(30.0, description="Kafka group session timeout: how long a crashed worker's partitions wait before another worker takes them.")

@@ -38,8 +38,12 @@ import faust
 from faust.transport.consumer import CONSUMER_FETCHING
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from mode import Service, ServiceT
+from prometheus_client import Counter
 
 _PENDING = object()
+SUSPENDED = Counter("flywheel_streams_deliveries_suspended_total",
+                    "Fetched records whose delivery to the agent had to wait (back-pressure, flow control, "
+                    "resubscription) and went through Faust's wait_first")
 
 
 def step(coro: Coroutine[Any, Any, Any]) -> tuple[Any, Any]:
@@ -140,6 +144,7 @@ class EagerDrainConsumer(faust_aiokafka.Consumer):
                             delivery = callback(message)
                             _, yielded = step(delivery)
                             if yielded is not _PENDING:
+                                SUSPENDED.inc()
                                 await self.wait_first(finish_stepped(delivery, yielded), self.suspend_flow.wait())
                             set_read_offset(tp, offset)
                         else:
