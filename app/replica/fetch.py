@@ -61,7 +61,6 @@ import torch
 from app.replica.hints import ArtifactHint, config_sha256
 from app.settings import Settings
 from kernels.delta import DeltaFormatError
-from kernels.delta.hashing import checkpoint_sha256_from_digests
 from kernels.delta.manifest import MANIFEST_FILE, Manifest, delta_file
 
 log = logging.getLogger(__name__)
@@ -329,13 +328,11 @@ class VersionFetcher:
         (by the codec, against the delta's base), every decoded tensor hashed and their checkpoint
         SHA-256 equal to the published one (it commits to every tensor's name and digest).
         None: no usable hint for this held version; a string: it failed (the caller reads the manifest)."""
-        from kernels.delta.codec import decode_delta_verified
-
         base_version, base_lv = base
         with self._lock:
             hint = self._hints.get(target)
-        held_sha = getattr(base_lv, "sha256", None)
-        if hint is None or held_sha is None or base_version == target or not hint.delta_from(base_version):
+        if hint is None or getattr(base_lv, "sha256", None) is None or base_version == target \
+                or not hint.delta_from(base_version):
             return None
         t0 = time.perf_counter()
         try:
@@ -343,29 +340,13 @@ class VersionFetcher:
         except FileNotFoundError as exc:
             return f"hinted delta: {exc}"
         timings["download"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        try:
-            if len(blob) != hint.delta_bytes or hashlib.sha256(blob).hexdigest() != hint.delta_sha256:
-                raise DeltaFormatError(f"{hint.delta_file} of version {target} does not match the SHA-256 its "
-                                       f"deployment event published")
-            state, digests, sha = decode_delta_verified(base_lv.state, blob, threads=self.decode_threads,
-                                                        base_checkpoint_sha256=held_sha)
-            if sha != hint.checkpoint_sha256 or checkpoint_sha256_from_digests(digests) != sha:
-                raise DeltaFormatError(f"version {target} decoded from v{base_version} has checkpoint {sha[:12]}…, "
-                                       f"its deployment event published {hint.checkpoint_sha256[:12]}…")
-        except (DeltaFormatError, ValueError) as exc:
-            log.warning("version %s via the hinted delta from held v%s failed (reading its manifest): %s",
-                        target, base_version, exc)
-            return f"hinted delta from v{base_version}: {exc}"
-        timings["decode"] = time.perf_counter() - t1
-        return dict(state), digests, sha
+        return self._decode_checked(target, base, blob, hint.delta_file, hint.delta_bytes, hint.delta_sha256,
+                                    hint.checkpoint_sha256, None, f"hinted delta from v{base_version}", timings)
 
     def _fast_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
                    ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
         """One delta forward from the held version. None: not applicable (the target's parent is
         not the held version); a string: it was applicable and failed verification (why)."""
-        from kernels.delta.codec import decode_delta_verified
-
         t0 = time.perf_counter()
         base_version, base_lv = base
         if base_version == target:
@@ -385,23 +366,36 @@ class VersionFetcher:
         except FileNotFoundError as exc:
             return f"fast path: {exc}"
         timings["download"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
         ref = manifest.delta
+        return self._decode_checked(target, base, blob, ref.file, ref.bytes, ref.sha256, manifest.checkpoint_sha256,
+                                    {t.name: t.sha256 for t in manifest.tensors},
+                                    f"fast path (delta from v{base_version})", timings)
+
+    def _decode_checked(self, target: str, base: tuple[str, Any], blob: bytes, file: str, nbytes: int, sha256: str,
+                        checkpoint_sha256: str, digests_want: dict[str, str] | None, path: str,
+                        timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str:
+        """Decode `blob` (a delta from the held `base`) after checking the file against its published
+        size and SHA-256; the decoded checkpoint SHA-256 (which the codec derives from every tensor's
+        digest) must be `checkpoint_sha256`, and the digests `digests_want` when given. Returns the
+        verified (state, digests, checkpoint SHA-256), or why it failed."""
+        from kernels.delta.codec import decode_delta_verified
+
+        base_version, base_lv = base
+        t0 = time.perf_counter()
         try:
-            if len(blob) != ref.bytes or hashlib.sha256(blob).hexdigest() != ref.sha256:
-                raise DeltaFormatError(f"{ref.file} of version {target} does not match its manifest SHA-256")
+            if len(blob) != nbytes or hashlib.sha256(blob).hexdigest() != sha256:
+                raise DeltaFormatError(f"{file} of version {target} does not match its published size/SHA-256")
             state, digests, sha = decode_delta_verified(base_lv.state, blob, threads=self.decode_threads,
                                                         base_checkpoint_sha256=getattr(base_lv, "sha256", None))
-            want = {t.name: t.sha256 for t in manifest.tensors}
-            if digests != want or sha != manifest.checkpoint_sha256:
-                bad = sorted(set(want.items()) ^ set(digests.items()))[:3]
-                raise DeltaFormatError(f"version {target} decoded from v{base_version} does not match its "
-                                       f"manifest (e.g. {bad})")
+            if (digests_want is not None and digests != digests_want) or sha != checkpoint_sha256:
+                bad = sorted(set(digests_want.items()) ^ set(digests.items()))[:3] if digests_want is not None else []
+                raise DeltaFormatError(f"version {target} decoded from v{base_version} has checkpoint {sha[:12]}…, "
+                                       f"published {checkpoint_sha256[:12]}…" + (f" (tensors e.g. {bad})" if bad else ""))
         except (DeltaFormatError, ValueError) as exc:
-            log.warning("version %s via the delta from held v%s failed: %s", target, base_version, exc)
-            return f"fast path (delta from v{base_version}): {exc}"
-        timings["decode"] = time.perf_counter() - t1
-        return dict(state), digests, manifest.checkpoint_sha256
+            log.warning("version %s via the %s failed: %s", target, path, exc)
+            return f"{path}: {exc}"
+        timings["decode"] = time.perf_counter() - t0
+        return dict(state), digests, sha
 
     def _general_path(self, target: str, base: tuple[str, Any] | None, fetch: Any, attempts: list[str],
                       timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:

@@ -119,6 +119,32 @@ def publish_deployment(settings: Settings, type_: str, version: str, **kw: Any) 
                                     actor="test", **kw))
 
 
+def status(srv) -> dict:  # noqa: ANN001 - a replica_factory server
+    import httpx
+
+    return httpx.get(f"{srv.url}/v1/status", timeout=10).json()
+
+
+def serving_equals(srv, slot: str, state: dict) -> bool:  # noqa: ANN001
+    """Whether the replica's `slot` (champion/candidate) serves exactly `state`, bit for bit."""
+    import torch
+
+    got = getattr(srv.replica.store.snapshot(), slot).policy.serving_state_dict()
+    return set(got) == set(state) and all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16))
+                                          for k in state)
+
+
+def register_chain(reg: "Registered", n_versions: int, seed: int) -> list[dict]:
+    """Register versions 1..n: a tiny policy, then each one a perturbation of the previous (seeds
+    seed, seed+1, ...); returns their states in version order."""
+    states = [tiny_state(0)[1]]
+    for i in range(n_versions - 1):
+        states.append(perturb(states[-1], seed + i))
+    for st in states:
+        reg.add(st)
+    return states
+
+
 def wait_for(pred: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -7,28 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
-import torch
 
 from app.replica.hints import artifact_hints
-from tests.integration.replica.conftest import perturb, publish_deployment, tiny_state, wait_for
+from tests.integration.replica.conftest import publish_deployment, register_chain, serving_equals, status, wait_for
 
 pytestmark = pytest.mark.integration
 
 
-def status(srv) -> dict:
-    return httpx.get(f"{srv.url}/v1/status", timeout=10).json()
-
-
 def serving(srv, slot: str) -> Any:
     return getattr(srv.replica.store.snapshot(), slot)
-
-
-def same_weights(srv, slot: str, state: dict) -> bool:
-    got = serving(srv, slot).policy.serving_state_dict()
-    return set(got) == set(state) and all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16))
-                                          for k in state)
 
 
 def announce(settings, reg, version: str, **override: Any) -> None:
@@ -43,12 +31,7 @@ def announce(settings, reg, version: str, **override: Any) -> None:
 def test_hinted_versions_sync_by_the_delta_alone_and_bad_hints_still_end_verified(registered, replica_factory):
     settings, make = registered
     reg = make(anchor_every=8)
-    _, s1 = tiny_state(0)
-    states = [s1]
-    for i in range(3):
-        states.append(perturb(states[-1], 20 + i))
-    for st in states:
-        reg.add(st)
+    states = register_chain(reg, 4, seed=20)
     announce(settings, reg, "1")
     announce(settings, reg, "2")
     announce(settings, reg, "3", checkpoint_sha256="0" * 64)  # stale/wrong: the manifest must decide
@@ -65,7 +48,7 @@ def test_hinted_versions_sync_by_the_delta_alone_and_bad_hints_still_end_verifie
     assert last["config_reused"] is True and last["fallbacks"] == 0, last
     assert "2" not in fetcher._roots, "the artifact root came from the log, MLflow was not asked"
     assert serving(srv, "candidate").sha256 == reg.manifests["2"].checkpoint_sha256
-    assert same_weights(srv, "candidate", states[1])
+    assert serving_equals(srv, "candidate", states[1])
 
     publish_deployment(settings, "promoted", "2", traffic_pct=100.0)
     publish_deployment(settings, "canary_started", "3", from_version="2", traffic_pct=10.0)
@@ -73,25 +56,21 @@ def test_hinted_versions_sync_by_the_delta_alone_and_bad_hints_still_end_verifie
     last = status(srv)["last_sync"]
     assert "3/manifest.json" in last["chain"] and last["path"] == "delta", last
     assert serving(srv, "candidate").sha256 == reg.manifests["3"].checkpoint_sha256
-    assert same_weights(srv, "candidate", states[2]), "a wrong hinted hash must not change what is served"
+    assert serving_equals(srv, "candidate", states[2]), "a wrong hinted hash must not change what is served"
 
     publish_deployment(settings, "promoted", "3", traffic_pct=100.0)
     publish_deployment(settings, "canary_started", "4", from_version="3", traffic_pct=10.0)
     wait_for(lambda: status(srv)["candidate"] == "4", what="candidate v4")
     assert fetcher._roots.get("4") == reg.sources["4"].rsplit("/model", 1)[0], "the wrong hint was replaced by MLflow's"
     assert serving(srv, "candidate").sha256 == reg.manifests["4"].checkpoint_sha256
-    assert same_weights(srv, "candidate", states[3])
-    assert status(srv)["champion"] == "3" and same_weights(srv, "champion", states[2])
+    assert serving_equals(srv, "candidate", states[3])
+    assert status(srv)["champion"] == "3" and serving_equals(srv, "champion", states[2])
 
 
 def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(registered, replica_factory, mlflow_server):
     settings, make = registered
     reg = make(anchor_every=2)  # v1 anchor, v2 delta, v3 delta + anchor
-    _, s1 = tiny_state(0)
-    states = [s1, perturb(s1, 30)]
-    states.append(perturb(states[-1], 31))
-    for st in states:
-        reg.add(st)
+    states = register_chain(reg, 3, seed=30)
     for v in ("1", "2", "3"):
         announce(settings, reg, v)
     publish_deployment(settings, "promoted", "2", traffic_pct=100.0)
@@ -107,7 +86,7 @@ def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(registered, replica_fac
     last = status(srv)["last_sync"]
     assert last["path"] == "anchor" and last["fallbacks"] == 1, last
     assert serving(srv, "champion").sha256 == reg.manifests["3"].checkpoint_sha256
-    assert same_weights(srv, "champion", states[2])
+    assert serving_equals(srv, "champion", states[2])
 
 
 def test_the_trainers_version_registered_event_carries_hints_that_match_the_registry(make_settings, mlflow_server,

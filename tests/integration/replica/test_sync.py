@@ -6,22 +6,12 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 
 from kernels.delta.hashing import checkpoint_sha256
-from tests.integration.replica.conftest import perturb, publish_deployment, read_topic, tiny_state, wait_for
+from tests.integration.replica.conftest import (publish_deployment, read_topic, register_chain, serving_equals, status,
+                                                wait_for)
 
 pytestmark = pytest.mark.integration
-
-
-def status(srv) -> dict:
-    return httpx.get(f"{srv.url}/v1/status", timeout=10).json()
-
-
-def serving_equals(srv, slot: str, state: dict) -> bool:
-    lv = getattr(srv.replica.store.snapshot(), slot)
-    got = lv.policy.serving_state_dict()
-    return all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
 
 
 def replica_events(settings, n: int, type_: str) -> list[dict]:
@@ -31,11 +21,7 @@ def replica_events(settings, n: int, type_: str) -> list[dict]:
 def test_replica_follows_the_log_and_syncs_forward_by_verified_deltas(registered, replica_factory):
     settings, make = registered
     reg = make(anchor_every=8)
-    _, s1 = tiny_state(0)
-    s2 = perturb(s1, 1)
-    s3 = perturb(s2, 2)
-    for s in (s1, s2, s3):
-        reg.add(s)
+    s1, s2, s3 = register_chain(reg, 3, seed=1)
     publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
     srv = replica_factory(settings, id="replica-fwd", heartbeat_interval=0.5)
     wait_for(lambda: status(srv)["champion"] == "1", what="champion v1")
@@ -75,12 +61,7 @@ def test_a_corrupt_delta_falls_back_to_the_anchor_and_a_corrupt_anchor_keeps_the
         registered, replica_factory, mlflow_server):
     settings, make = registered
     reg = make(anchor_every=2)  # v1 anchor, v2 delta, v3 delta+anchor, v4 delta, v5 delta+anchor
-    _, s = tiny_state(0)
-    states = [s]
-    for i in range(4):
-        states.append(perturb(states[-1], 10 + i))
-    for st in states:
-        reg.add(st)
+    states = register_chain(reg, 5, seed=10)
     assert reg.manifests["3"].anchor is not None and reg.manifests["3"].delta is not None
     root = mlflow_server.root / "artifacts"
 

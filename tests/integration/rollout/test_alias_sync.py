@@ -24,18 +24,24 @@ from app.controller.state import Decision
 pytestmark = pytest.mark.integration
 
 
-def test_champion_alias_is_resynced_when_a_decision_undoes_a_ui_move_before_the_next_tick(make_settings, mlflow_server,
-                                                                                          tmp_path):
+def model_with_two_versions(mlflow_server, tmp_path, prefix: str):  # noqa: ANN001, ANN201
+    """A new registered model with versions 1 and 2 (one logged artifact) on the real MLflow server."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
-    model = f"alias-sync-{uuid.uuid4().hex[:8]}"
+    model = f"{prefix}-{uuid.uuid4().hex[:8]}"
     client.create_registered_model(model)
     run = client.create_run(client.create_experiment(f"exp-{model}"))
     (tmp_path / "w.txt").write_text("weights")
     client.log_artifact(run.info.run_id, str(tmp_path / "w.txt"), artifact_path="w")
     for _ in range(2):
         client.create_model_version(model, source=f"{run.info.artifact_uri}/w", run_id=run.info.run_id)
+    return client, model
+
+
+def test_champion_alias_is_resynced_when_a_decision_undoes_a_ui_move_before_the_next_tick(make_settings, mlflow_server,
+                                                                                          tmp_path):
+    client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-sync")
     settings = make_settings(model_name=model, mlflow_uri=mlflow_server.uri)
     ctl = Controller(settings, ControllerSettings(webhooks_enabled=False, metrics_port=0), client)
     ctl.caught_up = True
@@ -70,18 +76,9 @@ def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an
     import threading
     import time
 
-    from mlflow import MlflowClient
-
     from app.controller.aliases import TAG_PREFIX, read_snapshot, sync_aliases
 
-    client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
-    model = f"alias-settle-{uuid.uuid4().hex[:8]}"
-    client.create_registered_model(model)
-    run = client.create_run(client.create_experiment(f"exp-{model}"))
-    (tmp_path / "w.txt").write_text("weights")
-    client.log_artifact(run.info.run_id, str(tmp_path / "w.txt"), artifact_path="w")
-    for _ in range(2):
-        client.create_model_version(model, source=f"{run.info.artifact_uri}/w", run_id=run.info.run_id)
+    client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-settle")
     sync_aliases(client, model, {"champion": "1"})
 
     # Flywheel's own move to 2, paused between its two calls (the tag says 2, the alias still 1)
