@@ -95,6 +95,16 @@ RESUME_CORRECTIONS = Counter("flywheel_streams_resume_corrections_total",
                              "Assignments where the group's committed offset differed from the state's progress "
                              "(group_ahead: records the state never saw would have been skipped)", ["direction"])
 RESUME_GAPS = Counter("flywheel_streams_resume_gaps_total", "Partitions whose consumption resumed past the state's progress (records skipped: a bug)")
+GAPS = Counter("flywheel_streams_offset_gaps_total",
+               "Interactions records delivered past the next offset the state expects (records in between never "
+               "reached the agent). refetched: the consumer was sought back and the record dropped; confirmed: "
+               "fetching again showed the log has no records in between", ["outcome"])
+BEHIND = Counter("flywheel_streams_replayed_records_dropped_total",
+                 "Interactions records at or below the partition's progress delivered again (the state reflects them)")
+STALE = Counter("flywheel_streams_stale_records_dropped_total",
+                "Records delivered to the agent after their partition was revoked, or fetched under an earlier "
+                "assignment (they are fetched again from the state's progress; processing them would write "
+                "state for a partition this worker no longer owns)", ["reason"])
 CHANGELOG = Counter("flywheel_streams_changelog_records_total", "Changelog records written (one per touched key per batch)", ["table"])
 
 
@@ -182,6 +192,97 @@ class Runtime:
     offsets: Any = None
     resume_at: dict[int, int] = field(default_factory=dict)  # partition -> first offset the state has not seen
     deferred_tombstones: list = field(default_factory=list)  # generation deletions, sent after their labels
+    owned: set[int] | None = None  # interactions partitions assigned now (None: not tracked, e.g. tests without a group)
+    refetching: dict[int, tuple[int, int, float, Any]] = field(default_factory=dict)  # p -> (wanted, seen, when, message)
+    refetch_retry_s: float = 5.0  # seek again if the wanted offset has not arrived this long after a seek
+
+    def current(self, msg: Any) -> bool:
+        """Whether a delivered record belongs to the current assignment of its partition.
+
+        Records can reach the agent after the assignment they were fetched under ended: a
+        `take_events` batch still filling when a rebalance starts is flushed later, and a delivery
+        Faust's conductor parked on a full stream buffer (`asyncio.ensure_future(chan.put(...))`,
+        not cancelled with the fetch loop's delivery) lands after the buffers were cleared.
+        Processing such a record would change the state of a partition this worker no longer owns
+        (its in-memory derived state is already forgotten, so the changelog would get a wrong
+        label) or move its progress past records the consumer is about to fetch again. Dropping
+        it loses nothing: the partition's owner resumes from the state's progress and fetches it
+        again."""
+        reason = None
+        if self.owned is not None and msg.partition not in self.owned:
+            reason = "revoked"
+        else:
+            generation = getattr(msg, "generation_id", None)
+            if generation is not None and generation != self.app.consumer_generation_id:
+                reason = "old_generation"
+        if reason is None:
+            return True
+        STALE.labels(reason).inc()
+        log.info("dropped %s record %s[%d]@%d (%s): its partition's owner fetches it again from the state's progress",
+                 "an interactions" if msg.topic == self.interactions else "a tick", msg.topic, msg.partition, msg.offset, reason)
+        return False
+
+    async def in_order(self, msg: Any) -> bool:
+        """Whether an interactions record is the next one the partition's state expects.
+
+        The state's progress (`last_processed`, persisted as the batch's progress mark) must only
+        ever advance over records it folded: if it jumped past one, a restart or a rebalance would
+        resume after it and the record would be lost. Kafka delivers a partition in order, but
+        around a rebalance Faust can hand the agent a record fetched before it and then skip the
+        records it re-fetches (the fetch loop's read offset advanced by a delivery abandoned when
+        the flow was suspended; seen as 2 lost rollouts in 600 when a worker joined mid-stream).
+        So each record must be `last + 1`:
+        - below it: a re-delivery the state already reflects, dropped;
+        - above it (a gap): dropped, and the consumer is sought back to `last + 1` (which also
+          resets Faust's read offset); records keep being dropped until `last + 1` arrives. If
+          the record that revealed the gap is fetched *again* after the seek, the log has nothing
+          in between (a compacted or transactional topic; not one Flywheel writes) and the gap is
+          accepted. No progress yet (a partition never processed): anything goes.
+        Not checked without a consumer group (`owned` None: test_context agents)."""
+        p, offset = msg.partition, msg.offset
+        last = self.last_processed.get(p)
+        if self.owned is None or last is None:
+            return True
+        want = last + 1
+        if offset == want:
+            self.refetching.pop(p, None)
+            return True
+        if offset < want:
+            BEHIND.inc()
+            return False
+        now = time.monotonic()
+        pending = self.refetching.get(p)
+        if pending is not None and pending[0] == want:
+            if offset == pending[1] and msg is not pending[3]:  # fetched again: nothing lies between
+                self.refetching.pop(p, None)
+                GAPS.labels("confirmed").inc()
+                log.warning("partition %d: no records between offsets %d and %d in the log; going on", p, want, offset)
+                return True
+            if now - pending[2] < self.refetch_retry_s:
+                return False  # records fetched before the seek, still draining
+        first = self.resume_at.get(p) == want
+        if first:
+            RESUME_GAPS.inc()
+            log.error("partition %d resumed at offset %d but the state ends at %d: records were skipped",
+                      p, offset, want - 1)
+        GAPS.labels("refetched").inc()
+        log.warning("partition %d: record at offset %d delivered but the state expects %d next: "
+                    "dropping it and fetching again from %d", p, offset, want, want)
+        self.refetching[p] = (want, offset, now, msg)
+        await self.seek(p, want)
+        return False
+
+    async def seek(self, partition: int, offset: int) -> None:
+        """Make the consumer fetch `partition` of interactions again from `offset` (Faust's seek also
+        resets its fetch loop's read offset). A partition revoked meanwhile cannot be sought: its
+        next owner resumes from the state's progress anyway."""
+        from faust.types import TP
+
+        try:
+            await self.app.consumer.seek(TP(self.interactions, partition), offset)
+        except Exception as exc:  # noqa: BLE001 - e.g. IllegalStateError: no longer assigned
+            log.warning("partition %d: could not seek to %d (%s: %s); its owner resumes from the state's progress",
+                        partition, offset, type(exc).__name__, exc)
 
     # --- one batch of records ---------------------------------------------------------------
     async def on_batch(self, events: list[Any]) -> None:
@@ -191,6 +292,8 @@ class Runtime:
         last: dict[int, int] = {}  # interactions partition -> last offset in this batch
         for event in events:
             msg = event.message
+            if not self.current(msg) or (msg.topic != self.ticks and not await self.in_order(msg)):
+                continue
             for view in views:
                 view.partition = msg.partition
             if msg.topic == self.ticks:
@@ -263,11 +366,8 @@ class Runtime:
 
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
         p = msg.partition
-        expected = self.resume_at.pop(p, None) if self.resume_at else None  # only the first record after a resume
-        if expected is not None and msg.offset > expected:
-            RESUME_GAPS.inc()
-            log.error("partition %d resumed at offset %d but the state ends at %d: records were skipped",
-                      p, msg.offset, expected - 1)
+        if self.resume_at:
+            self.resume_at.pop(p, None)  # the first record after a resume came in order (in_order)
         self.last_processed[p] = msg.offset
         try:
             obj = orjson.loads(value if value is not None else b"")  # strict: NaN/Infinity and bad UTF-8 rejected
@@ -434,14 +534,17 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     @app.on_partitions_revoked.connect
     async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
         gone = {tp.partition for tp in revoked if tp.topic == interactions}
+        rt.owned = (rt.owned or set()) - gone  # until the rebalance completes, records of these are stale
         for p in gone:
             agg.forget_partition(p)
             rt.last_processed.pop(p, None)
             rt.resume_at.pop(p, None)
+            rt.refetching.pop(p, None)
         rt.deferred_tombstones = [r for r in rt.deferred_tombstones if r[2] not in gone]
 
     @app.on_rebalance_complete.connect
     async def on_rebalance_complete(sender: Any, **kwargs: Any) -> None:
+        rt.owned = {tp.partition for tp in app.consumer.assignment() if tp.topic == interactions}
         await rt.resume_from_state()  # sent after table recovery, before Faust seeks to committed offsets
 
     app.flywheel_agents = {"aggregate": aggregate, "merge_metrics": merge_metrics}  # type: ignore[attr-defined]

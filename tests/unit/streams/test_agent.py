@@ -160,3 +160,95 @@ def test_a_replayed_generation_restores_a_payload_lost_between_two_changelog_wri
     assert agg2.on_event(0, g, 100.0) == [] and agg2.duplicates == 1
     out = agg2.on_tick(0, 106.0)
     assert [e.topic for e in out if e.topic == "rollouts"] == ["rollouts"] and out[0].key == "r1"
+
+
+def test_records_of_a_revoked_partition_or_an_earlier_assignment_are_dropped_not_processed():
+    """A rebalance can leave records in flight: a take_events batch flushed after its partition was
+    revoked, or a delivery Faust's conductor parked on a full buffer landing after the rebalance.
+    The agent must not fold them into the state (the partition's derived state is forgotten, its
+    progress would jump past records fetched again): they are dropped, counted, and re-fetched by
+    whoever owns the partition from its progress. Records of the current assignment still count."""
+    from types import SimpleNamespace
+
+    from streams.app import STALE, progress_key
+
+    async def scenario():
+        app, rt, outbox = _setup()
+        app.consumer_generation_id = 7
+        rt.owned = {1}
+        names = {n: v.changelog for n, v in rt.views.items()}
+        topic = rt.interactions
+
+        def event(rid, partition, offset, generation_id, ts):
+            value = json.dumps(generation(rid)).encode()
+            msg = Message(topic, partition, offset, ts, 0, None, rid.encode(), value, b"", generation_id=generation_id)
+            return SimpleNamespace(message=msg, key=rid.encode(), value=value)
+
+        before = {r: STALE.labels(r)._value.get() for r in ("revoked", "old_generation")}
+        await rt.on_batch([
+            event("r1", 2, 40, 7, 100.0),   # partition 2 is not (any longer) this worker's
+            event("r2", 1, 10, 6, 100.0),   # fetched under generation 6, before the rebalance
+            event("r3", 1, 11, 7, 100.5),   # current
+        ])
+        after = {r: STALE.labels(r)._value.get() - before[r] for r in before}
+        assert after == {"revoked": 1, "old_generation": 1}
+        progress = {json.loads(k): json.loads(v) for t, k, v, _ in outbox.sent if t == names["buckets"]}
+        assert progress == {progress_key(1): {"offset": 11}}, progress  # nothing for partition 2, 11 not 10
+        gens = {json.loads(k) for t, k, v, _ in outbox.sent if t == names["generations"]}
+        assert gens == {"r3"}
+        assert rt.last_processed == {1: 11}
+
+    asyncio.run(scenario())
+
+
+def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetched_again():
+    """The state's progress must never jump past a record it did not fold (a restart would resume
+    after it: the record would be lost). With a consumer group (`owned` tracked), a record past
+    `last + 1` is dropped and the partition sought back to `last + 1`; stale later records keep
+    being dropped until it arrives; re-deliveries at or below the progress are dropped; a record
+    fetched again after the seek at the same offset proves the log has nothing in between."""
+    from types import SimpleNamespace
+
+    from streams.app import GAPS, progress_key
+
+    async def scenario():
+        app, rt, outbox = _setup()
+        rt.owned = {1}
+        sought: list[tuple[int, int]] = []
+
+        async def seek(partition, offset):
+            sought.append((partition, offset))
+
+        rt.seek = seek
+        topic = rt.interactions
+        names = {n: v.changelog for n, v in rt.views.items()}
+
+        def event(rid, offset):
+            value = json.dumps(generation(rid)).encode()
+            msg = Message(topic, 1, offset, 100.0, 0, None, rid.encode(), value, b"", generation_id=0)
+            return SimpleNamespace(message=msg, key=rid.encode(), value=value)
+
+        def marks():
+            return [json.loads(v) for t, k, v, _ in outbox.sent if t == names["buckets"] and json.loads(k) == progress_key(1)]
+
+        def gens():
+            return {json.loads(k) for t, k, v, _ in outbox.sent if t == names["generations"]}
+
+        refetched = GAPS.labels("refetched")._value.get()
+        await rt.on_batch([event("a", 10), event("b", 11)])  # no progress yet: the first record sets it
+        await rt.on_batch([event("c", 13), event("d", 14)])  # 12 never arrived: a gap
+        assert sought == [(1, 12)] and marks()[-1] == {"offset": 11} and gens() == {"a", "b"}
+        assert GAPS.labels("refetched")._value.get() == refetched + 1
+        await rt.on_batch([event("e", 15), event("a", 10)])  # stale later one, a re-delivery: both dropped
+        assert sought == [(1, 12)] and gens() == {"a", "b"}
+        await rt.on_batch([event("x", 12), event("c", 13), event("d", 14)])  # fetched again from 12
+        assert marks()[-1] == {"offset": 14} and gens() == {"a", "b", "x", "c", "d"}
+        # a gap the log really has (nothing at 15): the record at 16 comes back after the seek
+        confirmed = GAPS.labels("confirmed")._value.get()
+        await rt.on_batch([event("f", 16)])
+        assert sought[-1] == (1, 15)
+        await rt.on_batch([event("f", 16)])  # a new message object at the same offset: fetched again
+        assert marks()[-1] == {"offset": 16} and "f" in gens()
+        assert GAPS.labels("confirmed")._value.get() == confirmed + 1
+
+    asyncio.run(scenario())
