@@ -162,7 +162,8 @@ class DeploymentLog:
         within `kafka_produce_timeout`; the caller decides whether to retry with the same event.
         """
         if self._producer is None:
-            self._producer = make_producer(self.settings)
+            # one event per call, awaited: a linger only delays it (replicas and the controller act on it)
+            self._producer = make_producer(self.settings, linger_ms=0)
         future = self._producer.send(self.topic, key=event.model, value=event.to_bytes())
         meta = future.get(timeout=max(1.0, self.settings.kafka_produce_timeout * 2))
         PUBLISHED.labels(event.type).inc()

@@ -83,19 +83,18 @@ def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mappi
 
     Hashing what the policy will actually serve (after loading) covers the state dict too: the
     bf16 -> fp32 master -> bf16 round trip is exact, so any difference in `state` shows here.
-    `template`: a held version with the same architecture, copied instead of built (cheaper than
-    a fresh random initialisation); its weights are overwritten and re-verified.
+    `template`: a held version with the same architecture, whose structure is copied instead of
+    built (cheaper than a fresh random initialisation) without its weights (`_copy_structure`:
+    every weight is then loaded from `state` and verified).
     `digests`: per-tensor SHA-256s of exactly these `state` tensors, computed by the caller from
     their bytes (the delta codec does while decoding, and checks them against the manifest).
     Then `sha256` must be the checkpoint hash of these digests and the policy's serving weights
     must equal `state` bit for bit; nothing is hashed twice.
     """
-    import copy
-
     from trainer.policy import build_policy
 
     if template is not None and dict(template.config) == dict(config):
-        policy = copy.deepcopy(template.policy)
+        policy = _copy_structure(template.policy)
     else:
         policy = build_policy(dict(config))
     policy.load_serving_state_dict(dict(state))
@@ -115,6 +114,25 @@ def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mappi
         if bad:
             raise VerificationError(f"version {version}: the loaded weights differ from the verified ones in {bad[:3]}")
     return LoadedVersion(version=str(version), policy=policy, state=dict(state), sha256=sha256, config=dict(config))
+
+
+def _copy_structure(policy: Any) -> Any:
+    """A deep copy of `policy` whose state-dict tensors are new and UNINITIALISED (every one is
+    overwritten by `load_serving_state_dict`, which refuses a state dict that misses any, and the
+    result is then verified bit for bit): copying the old weights first would be wasted work, the
+    largest part of building a shadow policy. Tied parameters stay tied (deepcopy's memo);
+    non-persistent buffers are copied as they are."""
+    import copy
+
+    persistent = {id(t) for t in policy.state_dict(keep_vars=True).values()}
+    memo: dict[int, Any] = {}
+    for p in policy.parameters():
+        if id(p) in persistent:
+            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+    for b in policy.buffers():
+        if id(b) in persistent:
+            memo[id(b)] = torch.empty_like(b)
+    return copy.deepcopy(policy, memo)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -50,6 +50,30 @@ def test_load_verified_refuses_digests_that_do_not_give_the_published_hash(tiny)
         load_verified("1", state, cfg, checkpoint_sha256(state), digests=partial)
 
 
+def test_a_version_built_from_a_held_one_serves_its_own_weights_and_leaves_the_held_one_intact(tiny):
+    """The shadow policy copies the held version's structure without its weights (_copy_structure):
+    it must serve exactly the new weights, share no storage with the held policy, keep the
+    non-persistent buffers, and leave the held version untouched (it may be serving requests)."""
+    cfg, state0 = tiny(0)
+    _, state1 = tiny(1)
+    held = load_verified("1", state0, cfg, checkpoint_sha256(state0))
+    before = {k: v.clone() for k, v in held.policy.state_dict().items()}
+    new = load_verified("2", state1, cfg, checkpoint_sha256(state1), template=held)
+    got = new.policy.serving_state_dict()
+    assert all(torch.equal(got[k].view(torch.int16), state1[k].view(torch.int16)) for k in state1)
+    assert all(torch.equal(v, before[k]) for k, v in held.policy.state_dict().items())
+    old_ptrs = {t.data_ptr() for t in held.policy.state_dict().values()}
+    assert not old_ptrs & {t.data_ptr() for t in new.policy.state_dict().values()}
+    old_buffers = dict(held.policy.named_buffers())
+    for name, b in new.policy.named_buffers():
+        assert torch.equal(b, old_buffers[name]), name
+    prompt, completion = [[1, 2, 3, 4]], [[5, 6, 7]]
+    with torch.no_grad():  # the two policies compute with their own weights
+        assert not torch.equal(new.policy.logprobs(prompt, completion), held.policy.logprobs(prompt, completion))
+        fresh = load_verified("2", state1, cfg, checkpoint_sha256(state1))  # built from scratch, no template
+        assert torch.equal(new.policy.logprobs(prompt, completion), fresh.policy.logprobs(prompt, completion))
+
+
 def test_load_verified_refuses_loaded_weights_that_differ_from_the_verified_tensors(tiny):
     # a float16 tensor hashes fine as float16, but the policy serves it as bfloat16: the bitwise
     # comparison of what the policy serves against the verified tensors must catch it
