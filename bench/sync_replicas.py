@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
@@ -78,15 +79,18 @@ def parse_args() -> argparse.Namespace:
                         "measured side by side in one run)")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate of the steps between versions (default: the trainer's default, TrainerConfig.lr)")
+    p.add_argument("--policy", type=json.loads, default=None,
+                   help="""fields of the built-in policy's config to change, as JSON (a larger model: '{"d_model": 256}')""")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one replica agent (id)
     return p.parse_args()
 
 
-def trained_states(n: int, warmup: int, lr: float | None = None) -> tuple[dict, list[dict]]:
+def trained_states(n: int, warmup: int, lr: float | None = None, policy_config: dict | None = None) -> tuple[dict, list[dict]]:
     """(policy config, n successive bf16 serving state dicts, one AdamW step apart).
 
     The trainer's optimizer (trainer.config.TrainerConfig: AdamW betas, weight decay, gradient
-    clipping) at `lr` (default: the trainer's default learning rate) after `warmup` steps at 1e-3."""
+    clipping) at `lr` (default: the trainer's default learning rate) after `warmup` steps at 1e-3.
+    `policy_config`: fields of the built-in policy's config to change (a larger model)."""
     import torch
 
     from trainer.config import TrainerConfig
@@ -94,7 +98,7 @@ def trained_states(n: int, warmup: int, lr: float | None = None) -> tuple[dict, 
 
     tc = TrainerConfig()
     lr = tc.lr if lr is None else lr
-    policy = build_policy(None)
+    policy = build_policy(policy_config or None)
     policy.set_kernels("default")
     text = b"".join(p.read_bytes() for p in sorted((REPO / "app").rglob("*.py")))
     g = torch.Generator().manual_seed(0)
@@ -603,7 +607,7 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
     with local_stack(args.kafka, args.mlflow, console) as settings:
         console.print("training successive checkpoints…")
-        cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20, lr=args.lr)
+        cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20, lr=args.lr, policy_config=args.policy)
         result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console,
                                 in_process=args.in_process, hints=args.hints)
     print_report(result, console)
