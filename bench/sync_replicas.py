@@ -497,7 +497,8 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
             floor_c = payload / bandwidth + concurrent if concurrent is not None else None
             rounds.append(dict(version=version, seconds=seconds, payload=payload, per_replica=per_replica,
                                apply=apply_s, applies=applies, bandwidth=bandwidth, floor=floor,
-                               ratio=seconds / floor, apply_floor=apply_floor, ratio_old=seconds / floor_old, full=full, paths=[r.get("path") for r in results],
+                               ratio=seconds / floor, apply_floor=apply_floor, ratio_old=seconds / floor_old,
+                               full=full, paths=[r.get("path") for r in results],
                                concurrent=concurrent, floor_c=floor_c,
                                ratio_c=seconds / floor_c if floor_c else None,
                                stages=[{**_stages(r, t0), "publish_ack": acked} for r in results], hints=hinted))
@@ -511,6 +512,21 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     med = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]
     return {"rounds": rounds, "median": med, "cores": cores, "mode": "threads" if in_process else "processes",
             "hints": hints}
+
+
+def _median(xs: list[float]) -> float:
+    """The upper median (the value the run reports as its median round)."""
+    return sorted(xs)[len(xs) // 2]
+
+
+def _stage_medians(rounds: list[dict]) -> str:
+    """'stage median, …' (ms) over every replica of `rounds`."""
+    stages: dict[str, list[float]] = {}
+    for r in rounds:
+        for st in r["stages"]:
+            for k, v in st.items():
+                stages.setdefault(k, []).append(v)
+    return ", ".join(f"{k} {_median(v):.1f}" for k, v in stages.items())
 
 
 def print_report(result: dict, console: Any) -> None:
@@ -527,40 +543,31 @@ def print_report(result: dict, console: Any) -> None:
                   f"{r['per_replica'] / 1024:.1f}",
                   f"{r['bandwidth'] / 1e6:.0f}",
                   f"{r['apply'] * 1000:.1f} ({a['apply_chain'] * 1000:.1f} / {a['one_delta'] * 1000:.1f})",
-                  f"{a['cpu'] * 1000:.1f}", f"{r['apply_floor'] * 1000:.1f}", f"{r['floor'] * 1000:.1f}", f"{r['seconds'] * 1000:.1f}", f"{r['ratio']:.2f}x",
+                  f"{a['cpu'] * 1000:.1f}", f"{r['apply_floor'] * 1000:.1f}", f"{r['floor'] * 1000:.1f}",
+                  f"{r['seconds'] * 1000:.1f}", f"{r['ratio']:.2f}x",
                   ",".join(sorted(set(map(str, r["paths"])))))
     console.print(t)
-    stages: dict[str, list[float]] = {}
-    for r in result["rounds"]:
-        for st in r["stages"]:
-            for k, v in st.items():
-                stages.setdefault(k, []).append(v)
+    stages = _stage_medians(result["rounds"])
     if stages:
-        console.print("per-replica sync stages, median ms: " + ", ".join(
-            f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in stages.items()))
-    conc = sorted(r["ratio_c"] for r in result["rounds"] if r.get("ratio_c"))
+        console.print("per-replica sync stages, median ms: " + stages)
+    conc = [r["ratio_c"] for r in result["rounds"] if r.get("ratio_c")]
     if conc:
         console.print("reference (not the target's floor): the 4 replica processes applying the same delta at once, "
                       "measured just before each round: " + ", ".join(
                           f"v{r['version']} {r['concurrent'] * 1000:.0f} ms (measured / (payload + that) = "
                           f"{r['ratio_c']:.2f}x)" for r in result["rounds"])
-                      + f"; median {conc[len(conc) // 2]:.2f}x")
+                      + f"; median {_median(conc):.2f}x")
     if result.get("hints") == "alternate":
         for on in (True, False):
-            rs = sorted(r["ratio"] for r in result["rounds"] if r.get("hints", True) == on)
-            st: dict[str, list[float]] = {}
-            for r in result["rounds"]:
-                if r.get("hints", True) == on:
-                    for x in r["stages"]:
-                        for k, v in x.items():
-                            st.setdefault(k, []).append(v)
+            mode = [r for r in result["rounds"] if r.get("hints", True) == on]
+            rs = sorted(r["ratio"] for r in mode)
             if rs:
-                console.print(f"rounds with hints {'on ' if on else 'off'}: median {rs[len(rs) // 2]:.2f}x "
-                              f"(min {rs[0]:.2f}x, max {rs[-1]:.2f}x over {len(rs)}); stage medians ms: " + ", ".join(
-                                  f"{k} {sorted(v)[len(v) // 2]:.1f}" for k, v in st.items()))
-    old = sorted(r["ratio_old"] for r in result["rounds"])
+                console.print(f"rounds with hints {'on ' if on else 'off'}: median {_median(rs):.2f}x "
+                              f"(min {rs[0]:.2f}x, max {rs[-1]:.2f}x over {len(rs)}); stage medians ms: "
+                              + _stage_medians(mode))
     console.print(f"with the floor as measured before session 4 (fastest apply wall time x ceil(replicas / cores), "
-                  f"which counts a multi-threaded apply's extra cores as free): median {old[len(old) // 2]:.2f}x")
+                  f"which counts a multi-threaded apply's extra cores as free): median "
+                  f"{_median([r['ratio_old'] for r in result['rounds']]):.2f}x")
     ratios = sorted(r["ratio"] for r in result["rounds"])
     med = result["median"]["ratio"]
     console.print(f"sync time / floor: median {med:.2f}x (min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x over "

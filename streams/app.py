@@ -62,7 +62,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import faust
 import orjson
@@ -173,6 +173,15 @@ def ensure_internal_topics(settings: Settings, cfg: StreamsConfig | None = None,
         admin.close()
 
 
+class Refetch(NamedTuple):
+    """A partition sought back after a gap: waiting for `want`, first seen `seen` (that message)."""
+
+    want: int
+    seen: int
+    since: float  # time.monotonic() of the seek
+    msg: Any
+
+
 @dataclass
 class Runtime:
     """What the agents share: the aggregator, output topics and per-partition progress."""
@@ -190,10 +199,10 @@ class Runtime:
     last_processed: dict[int, int] = field(default_factory=dict)
     records_done: int = 0  # interaction and tick records whose batch completed (outputs and state sent)
     offsets: Any = None
-    resume_at: dict[int, int] = field(default_factory=dict)  # partition -> first offset the state has not seen
+    resumed: set[int] = field(default_factory=set)  # partitions resumed from the state whose first record has not come
     deferred_tombstones: list = field(default_factory=list)  # generation deletions, sent after their labels
     owned: set[int] | None = None  # interactions partitions assigned now (None: not tracked, e.g. tests without a group)
-    refetching: dict[int, tuple[int, int, float, Any]] = field(default_factory=dict)  # p -> (wanted, seen, when, message)
+    refetching: dict[int, Refetch] = field(default_factory=dict)
     refetch_retry_s: float = 5.0  # seek again if the wanted offset has not arrived this long after a seek
 
     def current(self, msg: Any) -> bool:
@@ -246,29 +255,30 @@ class Runtime:
         want = last + 1
         if offset == want:
             self.refetching.pop(p, None)
+            self.resumed.discard(p)
             return True
         if offset < want:
             BEHIND.inc()
             return False
         now = time.monotonic()
         pending = self.refetching.get(p)
-        if pending is not None and pending[0] == want:
-            if offset == pending[1] and msg is not pending[3]:  # fetched again: nothing lies between
+        if pending is not None and pending.want == want:
+            if offset == pending.seen and msg is not pending.msg:  # fetched again: nothing lies between
                 self.refetching.pop(p, None)
+                self.resumed.discard(p)
                 GAPS.labels("confirmed").inc()
                 log.warning("partition %d: no records between offsets %d and %d in the log; going on", p, want, offset)
                 return True
-            if now - pending[2] < self.refetch_retry_s:
+            if now - pending.since < self.refetch_retry_s:
                 return False  # records fetched before the seek, still draining
-        first = self.resume_at.get(p) == want
-        if first:
+        if p in self.resumed:
             RESUME_GAPS.inc()
             log.error("partition %d resumed at offset %d but the state ends at %d: records were skipped",
                       p, offset, want - 1)
         GAPS.labels("refetched").inc()
         log.warning("partition %d: record at offset %d delivered but the state expects %d next: "
                     "dropping it and fetching again from %d", p, offset, want, want)
-        self.refetching[p] = (want, offset, now, msg)
+        self.refetching[p] = Refetch(want, offset, now, msg)
         await self.seek(p, want)
         return False
 
@@ -350,7 +360,7 @@ class Runtime:
             if mark is not None:
                 offsets[tp] = mark["offset"] + 1
                 self.last_processed[tp.partition] = mark["offset"]
-                self.resume_at[tp.partition] = mark["offset"] + 1
+                self.resumed.add(tp.partition)
         if offsets:
             group = await self.app.consumer.seek_to_committed()  # what the group has (perform_seek re-seeks anyway)
             for tp, offset in offsets.items():
@@ -366,8 +376,6 @@ class Runtime:
 
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
         p = msg.partition
-        if self.resume_at:
-            self.resume_at.pop(p, None)  # the first record after a resume came in order (in_order)
         self.last_processed[p] = msg.offset
         try:
             obj = orjson.loads(value if value is not None else b"")  # strict: NaN/Infinity and bad UTF-8 rejected
@@ -538,7 +546,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         for p in gone:
             agg.forget_partition(p)
             rt.last_processed.pop(p, None)
-            rt.resume_at.pop(p, None)
+            rt.resumed.discard(p)
             rt.refetching.pop(p, None)
         rt.deferred_tombstones = [r for r in rt.deferred_tombstones if r[2] not in gone]
 

@@ -124,14 +124,11 @@ def _copy_structure(policy: Any) -> Any:
     non-persistent buffers are copied as they are."""
     import copy
 
-    persistent = {id(t) for t in policy.state_dict(keep_vars=True).values()}
     memo: dict[int, Any] = {}
-    for p in policy.parameters():
-        if id(p) in persistent:
-            memo[id(p)] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
-    for b in policy.buffers():
-        if id(b) in persistent:
-            memo[id(b)] = torch.empty_like(b)
+    for t in policy.state_dict(keep_vars=True).values():  # parameters and persistent buffers
+        if id(t) not in memo:  # a tied tensor appears under each of its names
+            fresh = torch.empty_like(t)
+            memo[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else fresh
     return copy.deepcopy(policy, memo)
 
 

@@ -41,6 +41,15 @@ def _setup(**cfg):
     return app, rt, rt.outbox
 
 
+def _delivered(rt, rid: str, partition: int, offset: int, generation_id: int = 0, ts: float = 100.0):
+    """A generation record of the interactions topic as the agent's batch holds it (Faust's event)."""
+    from types import SimpleNamespace
+
+    value = json.dumps(generation(rid)).encode()
+    msg = Message(rt.interactions, partition, offset, ts, 0, None, rid.encode(), value, b"", generation_id=generation_id)
+    return SimpleNamespace(message=msg, key=rid.encode(), value=value)
+
+
 async def _settle(rt, outbox, n_in: int) -> None:
     """Wait until the agent finished the batches holding `n_in` records (the last one closes after batch_within)."""
     for _ in range(250):
@@ -168,8 +177,6 @@ def test_records_of_a_revoked_partition_or_an_earlier_assignment_are_dropped_not
     The agent must not fold them into the state (the partition's derived state is forgotten, its
     progress would jump past records fetched again): they are dropped, counted, and re-fetched by
     whoever owns the partition from its progress. Records of the current assignment still count."""
-    from types import SimpleNamespace
-
     from streams.app import STALE, progress_key
 
     async def scenario():
@@ -177,18 +184,11 @@ def test_records_of_a_revoked_partition_or_an_earlier_assignment_are_dropped_not
         app.consumer_generation_id = 7
         rt.owned = {1}
         names = {n: v.changelog for n, v in rt.views.items()}
-        topic = rt.interactions
-
-        def event(rid, partition, offset, generation_id, ts):
-            value = json.dumps(generation(rid)).encode()
-            msg = Message(topic, partition, offset, ts, 0, None, rid.encode(), value, b"", generation_id=generation_id)
-            return SimpleNamespace(message=msg, key=rid.encode(), value=value)
-
         before = {r: STALE.labels(r)._value.get() for r in ("revoked", "old_generation")}
         await rt.on_batch([
-            event("r1", 2, 40, 7, 100.0),   # partition 2 is not (any longer) this worker's
-            event("r2", 1, 10, 6, 100.0),   # fetched under generation 6, before the rebalance
-            event("r3", 1, 11, 7, 100.5),   # current
+            _delivered(rt, "r1", 2, 40, 7),   # partition 2 is not (any longer) this worker's
+            _delivered(rt, "r2", 1, 10, 6),   # fetched under generation 6, before the rebalance
+            _delivered(rt, "r3", 1, 11, 7, ts=100.5),   # current
         ])
         after = {r: STALE.labels(r)._value.get() - before[r] for r in before}
         assert after == {"revoked": 1, "old_generation": 1}
@@ -207,8 +207,6 @@ def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetche
     `last + 1` is dropped and the partition sought back to `last + 1`; stale later records keep
     being dropped until it arrives; re-deliveries at or below the progress are dropped; a record
     fetched again after the seek at the same offset proves the log has nothing in between."""
-    from types import SimpleNamespace
-
     from streams.app import GAPS, progress_key
 
     async def scenario():
@@ -220,13 +218,10 @@ def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetche
             sought.append((partition, offset))
 
         rt.seek = seek
-        topic = rt.interactions
         names = {n: v.changelog for n, v in rt.views.items()}
 
         def event(rid, offset):
-            value = json.dumps(generation(rid)).encode()
-            msg = Message(topic, 1, offset, 100.0, 0, None, rid.encode(), value, b"", generation_id=0)
-            return SimpleNamespace(message=msg, key=rid.encode(), value=value)
+            return _delivered(rt, rid, 1, offset)
 
         def marks():
             return [json.loads(v) for t, k, v, _ in outbox.sent if t == names["buckets"] and json.loads(k) == progress_key(1)]
