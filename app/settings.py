@@ -76,6 +76,7 @@ class Settings(BaseSettings):
     kafka_produce_timeout: Duration = Field(5.0, description="Upper bound for one produce+ack round trip before the API answers 503.")
     kafka_controller_port: int | None = Field(None, description="KRaft controller port of the embedded broker (default: broker port + 1).")
     kafka_heap: str = Field("512m", description="JVM heap (-Xmx) of the embedded broker.")
+    delta_push_max_bytes: int = Field(4 * 1024 * 1024, ge=0, le=7 * 1024 * 1024, description="The trainer also writes each delta up to this size to `<ns>.deltas`, so replicas get it with the deployment event instead of downloading it from MLflow (app/replica/pushed.py). 0: never push.")
     kafka_cache_dir: Path = Field(Path.home() / ".cache" / "flywheel", description="Where Kafka's jars are cached after the Maven resolve (outside the repo).")
 
     # --- HTTP API -----------------------------------------------------------------------
@@ -132,6 +133,8 @@ TOPICS: dict[str, dict[str, str]] = {
     "deployments": {},
     "late": {},
     "dlq": {},
+    # pushed deltas (app/replica/pushed.py): a copy for replicas; MLflow keeps the originals
+    "deltas": {"retention.ms": str(24 * 3600 * 1000), "retention.bytes": str(1 << 30), "max.message.bytes": str(8 << 20)},
 }
 
 

@@ -9,9 +9,15 @@ Set-up (all real, all local): an embedded Kafka broker and an `mlflow server` (s
 given), version N registered the way the trainer ships it (pyfunc model + trainer.publish
 delta/manifest artifacts), and 4 replicas' sync agents (app/replica/sync.py), each with its own
 weight store, verified cache directory, MLflow client and Kafka consumer (the HTTP front end is
-not involved in a sync, so it is left out). A round: publish `promoted` for the next version on
-`flywheel.deployments`, then wait until every replica serves it; the time is from just before
-the publish call to the last replica's swap.
+not involved in a sync, so it is left out). Every version is registered in MLflow before the
+rounds. A round: the trainer's announcement of the next version (its delta pushed to
+`<ns>.deltas` when `--push`, app/replica/pushed.py; then `version_registered` with the artifact
+hints), then `promoted` on `flywheel.deployments`, then wait until every replica serves it. With
+`--announce early` (default) the announcement goes out 0.5 s before the promotion, outside the
+measured time, as in production, where the gate runs between the two: a replica has the pushed
+delta when the promotion arrives. With `--announce in-round` it goes out inside the measured time,
+right before the promotion (ship-to-serve: three acknowledged publishes in a row). The time is
+from just before the first publish call of the round to the last replica's swap.
 
 Replicas run as 4 SEPARATE PROCESSES (default), as real replicas do: each child process runs
 one SyncAgent and reports every swap (wall-clock `time.time()` taken right after the atomic
@@ -23,9 +29,10 @@ The child processes still share this machine's CPU cores with each other, the Ka
 the MLflow server, which the floor accounts for (4 applies' CPU over the cores).
 
 The floor, measured side by side in the same run:
-- payload: the bytes each replica must download (the delta alone when the deployment log carries
-  the artifact hints of app/replica/hints.py, the default; manifest + delta + config for a
-  version announced without them), times 4, over the
+- payload: the bytes each replica must receive in the measured time (the delta alone when the
+  deployment log carries the artifact hints of app/replica/hints.py, the default, downloaded or
+  pushed in-round; manifest + delta + config for a version announced without them; nothing for a
+  delta pushed before the round), times 4, over the
   loopback bandwidth measured by downloading a large artifact from the same MLflow server
   (best of 3);
 - apply: what 4 verified reconstructions of the version from the held one, on in-memory bytes,
@@ -40,7 +47,7 @@ ratio = measured / floor; target <= 2 (issue 5). The floor leaves out everything
 needs (the Kafka event's delivery, the MLflow look-up of the new version, HTTP round trips,
 loading the shadow policy, the swap): those are what the ratio measures.
 The successive checkpoints come from real steps of the trainer's optimizer (AdamW with
-trainer.config.TrainerConfig's betas, weight decay, clipping and default lr 1e-5, after a short
+trainer.config.TrainerConfig's betas, weight decay, clipping and default lr, after a short
 warm-up at 1e-3) of the built-in policy on next-byte prediction of this repository's Python sources; `bench/delta.py`
 calls `run_sync_bench` with its own pair.
 """
@@ -77,6 +84,19 @@ def parse_args() -> argparse.Namespace:
                    help="version_registered with details.artifacts (on, as the trainer does), without (off: replicas "
                         "ask MLflow and read the manifest), or alternate (even versions with, odd without: both "
                         "measured side by side in one run)")
+    p.add_argument("--push", choices=("on", "off", "alternate"), default="on",
+                   help="push each delta to <ns>.deltas before announcing it, as the trainer does (on; replicas "
+                        "then download nothing), not (off: replicas download it from MLflow), or alternate (even "
+                        "versions pushed, odd not: both measured side by side in one run)")
+    p.add_argument("--announce", choices=("early", "in-round"), default="early",
+                   help="when the trainer's announcement of a version (its pushed delta and version_registered) is "
+                        "published: early (0.5 s before its promotion, outside the measured time: in production the "
+                        "gate runs in between) or in-round (right before the promotion, inside the measured time: "
+                        "ship-to-serve, three acknowledged publishes in a row)")
+    p.add_argument("--warm-broker", type=int, default=3000, metavar="N",
+                   help="acknowledged produce -> consume round trips through a scratch topic before the rounds (the "
+                        "broker's JIT warm-up: a broker in production has long served traffic; a fresh JVM answers "
+                        "a produce in ~8 ms instead of ~2.5). 0: measure on the cold broker")
     p.add_argument("--lr", type=float, default=None,
                    help="learning rate of the steps between versions (default: the trainer's default, TrainerConfig.lr)")
     p.add_argument("--policy", type=json.loads, default=None,
@@ -127,16 +147,18 @@ def trained_states(n: int, warmup: int, lr: float | None = None, policy_config: 
 
 
 def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | None, cfg: dict, manifests: dict,
-              dlog: Any, hints: bool) -> None:
-    """Ship `version` as the trainer does: artifacts, model version, then `version_registered`
-    (with the artifact hints of app/replica/hints.py unless `hints` is False)."""
+              hints: bool) -> tuple[Any, bytes | None]:
+    """Register `version` in MLflow as the trainer does (artifacts, then the model version) and
+    return what the trainer then announces: its `version_registered` event (with the artifact hints
+    of app/replica/hints.py unless `hints` is False) and its delta's bytes (for the push)."""
     from app.deployments.events import DeploymentEvent
     from app.replica.hints import artifact_hints
     from trainer.publish import publish_version
 
     pv = str(int(version) - 1) if parent is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        manifests[version] = publish_version(tmp, version, state, parent, pv, manifests.get(pv), anchor_every=8)
+        manifests[version] = m = publish_version(tmp, version, state, parent, pv, manifests.get(pv), anchor_every=8)
+        blob = (Path(tmp) / m.delta.file).read_bytes() if m.delta else None
         ship = f"bench-{uuid.uuid4().hex[:8]}"
         source = reg.upload_ship(run_id, ship, state, cfg, {"name": "byte-v1", "vocab_size": 259, "eos_id": 257}, [],
                                  {"delta": Path(tmp)})
@@ -144,11 +166,66 @@ def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | N
     assert str(got) == version, f"MLflow gave version {got}, expected {version}"
     details: dict[str, Any] = {"run_id": run_id, "ship_id": ship, "rollouts_consumed": 0, "reward_spec": "v1"}
     if hints:  # what trainer/shipping.py publishes
-        m = manifests[version]
         details["artifacts"] = artifact_hints(source, cfg, m.checkpoint_sha256, m.parent_version,
                                               m.delta.model_dump() if m.delta else None)
-    dlog.publish(DeploymentEvent(event_id=f"vr-{ship}", type="version_registered", model=reg.name, version=version,
-                                 from_version=pv, source="trainer", actor="bench", details=details))
+    return DeploymentEvent(event_id=f"vr-{ship}", type="version_registered", model=reg.name, version=version,
+                           from_version=pv, source="trainer", actor="bench", details=details), blob
+
+
+def _announce(settings: Any, dlog: Any, producer: Any, event: Any, manifest: Any, blob: bytes | None,
+              push: bool) -> None:
+    """What trainer/shipping.py does after registering: push the delta to `<ns>.deltas` (when
+    `push`; app/replica/pushed.py; on `producer`, kept open like `dlog`'s), then publish
+    `version_registered`."""
+    from app.replica.pushed import publish_delta
+
+    if push and blob is not None:
+        assert publish_delta(settings, settings.model_name, manifest.version, manifest.parent_version,
+                             manifest.delta.file, manifest.delta.sha256, blob, producer=producer)
+    dlog.publish(event)
+
+
+def warm_broker(settings: Any, n: int, console: Any = None) -> float:
+    """`n` acknowledged small produces to a scratch topic while a consumer reads them (the produce,
+    fetch and delayed-fetch paths of the broker get JIT-compiled). Returns the median ack time (ms)
+    of the last 200."""
+    import threading
+
+    from kafka import KafkaAdminClient, TopicPartition
+    from kafka.admin import NewTopic
+
+    from app.kafka_io import make_consumer, make_producer
+
+    if n <= 0:
+        return float("nan")
+    topic = f"{settings.topic_namespace}.bench-warmup"
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])
+    finally:
+        admin.close()
+    consumer = make_consumer(settings, group_id=None)
+    consumer.assign([TopicPartition(topic, 0)])
+    stop = threading.Event()
+    reader = threading.Thread(target=lambda: [consumer.poll(timeout_ms=50) for _ in iter(stop.is_set, True)],
+                              daemon=True)
+    reader.start()
+    producer = make_producer(settings, linger_ms=0)
+    acks = []
+    try:
+        for i in range(n):
+            t = time.perf_counter()
+            producer.send(topic, key="warm", value=b"x" * 300).get(10)
+            acks.append(time.perf_counter() - t)
+            if console is not None and (i + 1) % 1000 == 0:
+                console.print(f"warming the broker: {i + 1}/{n} round trips, median ack of the last 200 "
+                              f"{_median(acks[-200:]) * 1000:.1f} ms")
+    finally:
+        stop.set()
+        reader.join(5)
+        producer.close()
+        consumer.close()
+    return _median(acks[-200:]) * 1000
 
 
 def _loopback_bandwidth(reg: Any, run_id: str, fetcher: Any, size: int) -> float:
@@ -168,7 +245,7 @@ def _loopback_bandwidth(reg: Any, run_id: str, fetcher: Any, size: int) -> float
 
 
 def _hinted(mode: str, version: str) -> bool:
-    """Whether `version` is announced with artifact hints (`--hints`)."""
+    """Whether `version` is announced with artifact hints (`--hints`), or its delta pushed (`--push`)."""
     return mode == "on" or (mode == "alternate" and int(version) % 2 == 0)
 
 
@@ -438,7 +515,7 @@ def _stages(result: dict, t0: float) -> dict[str, float]:
 
 
 def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int = 4, console: Any = None,
-                   in_process: bool = False, hints: str = "on") -> dict:
+                   in_process: bool = False, hints: str = "on", push: str = "on", announce: str = "early") -> dict:
     """Register states[0..], sync `replicas` agents (separate processes unless `in_process`)
     through every version after the first.
 
@@ -446,6 +523,7 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     Needs a Settings with a reachable Kafka (topics created) and MLflow server.
     """
     from app.deployments.events import DeploymentEvent, DeploymentLog
+    from app.kafka_io import make_producer
     from app.replica.fetch import VersionFetcher
     from trainer.registry import Registry
 
@@ -454,9 +532,10 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     run_id = reg.start_run()
     manifests: dict = {}
     dlog = DeploymentLog(settings)
-    for i, st in enumerate(states):
-        _register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests, dlog,
-                  _hinted(hints, str(i + 1)))
+    pusher = make_producer(settings, linger_ms=0)
+    announcements = [_register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests,
+                               _hinted(hints, str(i + 1))) for i, st in enumerate(states)]
+    _announce(settings, dlog, pusher, announcements[0][0], manifests["1"], None, False)  # v1: the anchor
     probe = VersionFetcher(settings)
     full = sum(t.numel() * t.element_size() for t in states[0].values())
     bandwidth = _loopback_bandwidth(reg, run_id, probe, max(16 << 20, 8 * full))
@@ -478,14 +557,23 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
                 files.mkdir()
                 _write_files(probe, version, str(i), files)
                 concurrent = fleet.concurrent_apply(files)
+            pushed = _hinted(push, version)
+            event, blob = announcements[i]
+            if announce == "early":  # the trainer announced it before; the gate ran; now it is promoted
+                _announce(settings, dlog, pusher, event, manifests[version], blob, pushed)
             time.sleep(0.5)  # let the replicas' post-swap work of the previous round settle
             t0 = time.time()
+            if announce == "in-round":  # ship-to-serve: announced and promoted at once, all measured
+                _announce(settings, dlog, pusher, event, manifests[version], blob, pushed)
+            t1 = time.time()
             dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version=version,
                                          source="controller", actor="bench", traffic_pct=100.0))
-            acked = (time.time() - t0) * 1000
+            acked = (time.time() - t1) * 1000
             t_last, results = fleet.wait_all(version)
             seconds = t_last - t0
-            payload = replicas * per_replica
+            # a delta pushed before the round reached the replicas outside the measured time: its
+            # bytes are not counted in the floor either (the stricter comparison)
+            payload = 0 if (pushed and announce == "early") else replicas * per_replica
             # 4 applies on `cores` cores finish no sooner than one apply alone (its fastest wall time,
             # at any thread count) nor sooner than their CPU work spread over every core: 4 x the
             # least CPU time one apply needs / cores. (Until session 4 this was the fastest wall time
@@ -501,17 +589,19 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
                                full=full, paths=[r.get("path") for r in results],
                                concurrent=concurrent, floor_c=floor_c,
                                ratio_c=seconds / floor_c if floor_c else None,
-                               stages=[{**_stages(r, t0), "publish_ack": acked} for r in results], hints=hinted))
+                               stages=[{**_stages(r, t0), "publish_ack": acked} for r in results], hints=hinted,
+                               pushed=pushed, chains=[r.get("chain") for r in results]))
             if console is not None:
                 console.print(f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
                               f"{floor * 1000:.1f} ms -> {seconds / floor:.2f}x")
     finally:
         fleet.close()
         dlog.close()
+        pusher.close()
         probe.close()
     med = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]
     return {"rounds": rounds, "median": med, "cores": cores, "mode": "threads" if in_process else "processes",
-            "hints": hints}
+            "hints": hints, "push": push, "announce": announce}
 
 
 def _median(xs: list[float]) -> float:
@@ -533,13 +623,17 @@ def print_report(result: dict, console: Any) -> None:
     from rich.table import Table
 
     t = Table(title=f"sync of {len(result['median']['paths'])} replicas ({result['mode']}, artifact hints "
-                    f"{result.get('hints', 'on')}) vs the floor ({result['cores']} CPU cores)")
-    for col in ("version", "hints", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms (chain / 1 delta)",
+                    f"{result.get('hints', 'on')}, pushed deltas {result.get('push', 'off')}, announced "
+                    f"{result.get('announce', 'early')}) vs the floor "
+                    f"({result['cores']} CPU cores)")
+    for col in ("version", "hints", "push", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms (chain / 1 delta)",
                 "apply CPU ms", "apply floor ms", "floor ms", "measured ms", "ratio", "paths"):
         t.add_column(col, justify="right")
     for r in result["rounds"]:
         a = r["applies"]
-        t.add_row(r["version"], "on" if r.get("hints", True) else "off", f"{r['full'] / 1024:.0f}",
+        used = sum(any(str(c).startswith("kafka:") for c in (ch or [])) for ch in r.get("chains", []))
+        t.add_row(r["version"], "on" if r.get("hints", True) else "off",
+                  f"{used}/{len(r['paths'])} used" if r.get("pushed") else "off", f"{r['full'] / 1024:.0f}",
                   f"{r['per_replica'] / 1024:.1f}",
                   f"{r['bandwidth'] / 1e6:.0f}",
                   f"{r['apply'] * 1000:.1f} ({a['apply_chain'] * 1000:.1f} / {a['one_delta'] * 1000:.1f})",
@@ -557,13 +651,16 @@ def print_report(result: dict, console: Any) -> None:
                           f"v{r['version']} {r['concurrent'] * 1000:.0f} ms (measured / (payload + that) = "
                           f"{r['ratio_c']:.2f}x)" for r in result["rounds"])
                       + f"; median {_median(conc):.2f}x")
-    if result.get("hints") == "alternate":
+    for key, what in (("hints", "hints"), ("push", "pushed")):
+        if result.get(key) != "alternate":
+            continue
         for on in (True, False):
-            mode = [r for r in result["rounds"] if r.get("hints", True) == on]
+            mode = [r for r in result["rounds"] if r.get(what, True) == on]
             rs = sorted(r["ratio"] for r in mode)
             if rs:
-                console.print(f"rounds with hints {'on ' if on else 'off'}: median {_median(rs):.2f}x "
-                              f"(min {rs[0]:.2f}x, max {rs[-1]:.2f}x over {len(rs)}); stage medians ms: "
+                console.print(f"rounds with {key} {'on ' if on else 'off'}: median {_median(rs):.2f}x "
+                              f"(min {rs[0]:.2f}x, max {rs[-1]:.2f}x over {len(rs)}; measured median "
+                              f"{_median([r['seconds'] for r in mode]) * 1000:.0f} ms); stage medians ms: "
                               + _stage_medians(mode))
     console.print(f"with the floor as measured before session 4 (fastest apply wall time x ceil(replicas / cores), "
                   f"which counts a multi-threaded apply's extra cores as free): median "
@@ -615,8 +712,11 @@ def main() -> None:
     with local_stack(args.kafka, args.mlflow, console) as settings:
         console.print("training successive checkpoints…")
         cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20, lr=args.lr, policy_config=args.policy)
+        if args.warm_broker and not args.kafka:
+            warm_broker(settings, args.warm_broker, console)
         result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console,
-                                in_process=args.in_process, hints=args.hints)
+                                in_process=args.in_process, hints=args.hints, push=args.push,
+                                announce=args.announce)
     print_report(result, console)
 
 

@@ -10,7 +10,10 @@ simply runs it again:
    version number) under `ships/<ship_id>/` of the run, then create the version with every
    tag in ONE call (so it is never visible half-tagged);
 3. set `champion` if the model has none (the first, base, version);
-4. publish `version_registered` (event_id derived from the ship_id, so a re-publish dedupes);
+4. push the delta to `<ns>.deltas` when it is small enough (app/replica/pushed.py; replicas then
+   need not download it), then publish `version_registered` (event_id derived from the ship_id,
+   so a re-publish dedupes). A ship resumed after a crash does not push (the bytes are gone with
+   the crashed process; replicas download the delta from MLflow);
 5. commit the Kafka offsets of the intent — only now, after the version is registered.
 """
 
@@ -150,6 +153,9 @@ def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any
             # for replicas (app/replica/hints.py): the delta they fetch alone and the hash it must give
             "checkpoint_sha256": m.checkpoint_sha256, "delta_file": m.delta.file if m.delta else None,
             "delta_sha256": m.delta.sha256 if m.delta else None}
+    # kept for the push to `<ns>.deltas` right before `version_registered` (app/replica/pushed.py)
+    t.pushed_delta = (m.version, m.parent_version, m.delta.file, m.delta.sha256,
+                      (out / "delta" / m.delta.file).read_bytes()) if m.delta else None
     return {"delta": out / "delta"}, info
 
 
@@ -189,6 +195,13 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
                  "train_metrics": json.loads(tags["train_metrics"]),
                  # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
                  "artifacts": hints})
+    pushed = getattr(t, "pushed_delta", None)
+    if ok and hints.get("delta") and pushed and pushed[0] == str(version) and pushed[2:4] == (d["delta_file"], d["delta_sha256"]):
+        from app.replica.pushed import publish_delta
+
+        # before the event: a replica that reads the event has the bytes (or downloads them: nothing lost)
+        publish_delta(t.settings, t.settings.model_name, str(version), pushed[1], pushed[2], pushed[3], pushed[4])
+    t.pushed_delta = None
     dlog = DeploymentLog(t.settings)
     try:
         dlog.publish(event)

@@ -38,6 +38,11 @@ class ReplicaConfig(BaseSettings):
                                                       "Python per tensor (the GIL), so more threads only pay off for "
                                                       "large models on a host the replica has to itself; 1 when "
                                                       "several replicas share a host's cores.")
+    pushed_deltas: bool = Field(True, description="Follow `<ns>.deltas` too and sync from a delta pushed there (the "
+                                                  "trainer pushes small ones) instead of downloading it from MLflow; "
+                                                  "the bytes are verified the same way (app/replica/pushed.py).")
+    pushed_max_bytes: int = Field(64 * 1024 * 1024, ge=0, description="Memory for received pushed deltas (the newest "
+                                                                       "8 at most are kept).")
     heartbeat_interval: Duration = Field(15.0, description="How often the replica publishes `replica_heartbeat`.")
     poll_interval: Duration = Field(1.0, description="Kafka poll timeout of the deployment follower.")
     retry_interval: Duration = Field(5.0, description="Wait before retrying a failed sync of the same target.")

@@ -59,6 +59,7 @@ import httpx
 import torch
 
 from app.replica.hints import ArtifactHint, config_sha256
+from app.replica.pushed import PushedDeltas
 from app.settings import Settings
 from kernels.delta import DeltaFormatError
 from kernels.delta.manifest import MANIFEST_FILE, Manifest, delta_file
@@ -95,7 +96,7 @@ class VersionFetcher:
     """MLflow-backed `fetch(version, filename)` plus the verified reconstruction of a version."""
 
     def __init__(self, settings: Settings, artifacts_dir: str = "delta", timeout_s: float = 120.0,
-                 decode_threads: int = 1):
+                 decode_threads: int = 1, pushed_max_bytes: int = 64 << 20):
         from mlflow import MlflowClient
 
         self.uri, self.model = settings.mlflow_uri.rstrip("/"), settings.model_name
@@ -109,6 +110,8 @@ class VersionFetcher:
         self._configs: dict[str, dict[str, Any]] = {}  # version -> policy config (immutable)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fetch")
+        self.pushed = PushedDeltas(max_bytes=pushed_max_bytes)  # deltas received on `<ns>.deltas` (app/replica/pushed.py)
+        self.pushed_rejected = 0  # pushed deltas that failed verification (then downloaded)
 
     # --- MLflow ---------------------------------------------------------------------------------------
     def champion_alias(self) -> str | None:
@@ -295,7 +298,7 @@ class VersionFetcher:
                 config_future = self._pool.submit(self.policy_config, target)  # overlaps with the weights
             got = None
             if base is not None:
-                got = self._hinted_path(target, base, fetch, timings)
+                got = self._hinted_path(target, base, fetch, timings, chain, sizes)
                 if isinstance(got, str):  # a stale hint or a corrupt delta: the manifest path decides which
                     got = None
                 if got is None:
@@ -322,11 +325,13 @@ class VersionFetcher:
                        config_reused=reused is not None)
 
     def _hinted_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
+                     chain: list[str], sizes: dict[str, int],
                      ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
-        """The delta alone (one GET), verified against what the deployment log published for the
-        target (app/replica/hints.py): the file's size and SHA-256, the held weights' checkpoint hash
-        (by the codec, against the delta's base), every decoded tensor hashed and their checkpoint
-        SHA-256 equal to the published one (it commits to every tensor's name and digest).
+        """The delta alone (one GET, or none when it was pushed on `<ns>.deltas`), verified against
+        what the deployment log published for the target (app/replica/hints.py): the file's size and
+        SHA-256, the held weights' checkpoint hash (by the codec, against the delta's base), every
+        decoded tensor hashed and their checkpoint SHA-256 equal to the published one (it commits to
+        every tensor's name and digest). Pushed bytes that fail are dropped and the file downloaded.
         None: no usable hint for this held version; a string: it failed (the caller reads the manifest)."""
         base_version, base_lv = base
         with self._lock:
@@ -334,6 +339,17 @@ class VersionFetcher:
         if hint is None or getattr(base_lv, "sha256", None) is None or base_version == target \
                 or not hint.delta_from(base_version):
             return None
+        pushed = self.pushed.get(target, hint.delta_file)
+        if pushed is not None:  # received on `<ns>.deltas`: the same file, checked the same way
+            got = self._decode_checked(target, base, pushed, hint.delta_file, hint.delta_bytes, hint.delta_sha256,
+                                       hint.checkpoint_sha256, None, f"pushed delta from v{base_version}", timings)
+            if not isinstance(got, str):
+                chain.append(f"kafka:{target}/{hint.delta_file}")
+                sizes["pushed"] = sizes.get("pushed", 0) + len(pushed)
+                timings["download"] = 0.0
+                return got
+            self.pushed.drop(target, hint.delta_file)  # then download the original from MLflow
+            self.pushed_rejected += 1
         t0 = time.perf_counter()
         try:
             blob = fetch(target, hint.delta_file)

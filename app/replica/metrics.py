@@ -14,6 +14,7 @@ Every metric carries `replica_id`, so several replicas in one process (tests, be
 | `flywheel_replica_sync_bytes_total` | replica_id, kind | artifact bytes fetched (delta, anchor) |
 | `flywheel_replica_sync_failures_total` | replica_id, reason | failed syncs (the old weights keep serving) |
 | `flywheel_replica_fallbacks_total` | replica_id | delta chains refused (hash mismatch, corrupt) and rebuilt from an anchor |
+| `flywheel_replica_pushed_deltas_total` | replica_id, outcome | deltas from `<ns>.deltas`: received, used (no download), rejected (failed verification, downloaded instead) |
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ SYNC_FAILURES = Counter("flywheel_replica_sync_failures_total", "Syncs that fail
                         ["replica_id", "reason"])
 FALLBACKS = Counter("flywheel_replica_fallbacks_total", "Delta chains refused and rebuilt from an anchor.",
                     ["replica_id"])
+PUSHED = Counter("flywheel_replica_pushed_deltas_total", "Deltas received on <ns>.deltas, used instead of a download, "
+                 "or rejected by verification.", ["replica_id", "outcome"])
 
 
 def observe_serving(replica_id: str, versions: dict[str, str | None], traffic_pct: float) -> None:

@@ -54,7 +54,8 @@ class SyncAgent:
         from app.replica.fetch import VersionFetcher
 
         self.settings, self.cfg, self.store, self.cache = settings, cfg, store, cache
-        self.fetcher = fetcher or VersionFetcher(settings, decode_threads=cfg.decode_threads)
+        self.fetcher = fetcher or VersionFetcher(settings, decode_threads=cfg.decode_threads,
+                                                 pushed_max_bytes=cfg.pushed_max_bytes)
         self.state = DeploymentState(model=settings.model_name)
         self.events = DeploymentLog(settings)
         self.last_result: dict[str, Any] | None = None
@@ -99,9 +100,14 @@ class SyncAgent:
                 parts = consumer.partitions_for_topic(topic)
                 assert parts, f"topic {topic} does not exist; create it with `flywheel kafka start` (ensure_topics)"
                 tps = [TopicPartition(topic, p) for p in sorted(parts)]
-                consumer.assign(tps)
+                pushed = self._pushed_partitions(consumer)
+                consumer.assign(tps + pushed)
                 consumer.seek_to_beginning(*tps)
                 end = consumer.end_offsets(tps)
+                if pushed:  # only the newest few pushed deltas can still matter
+                    first, last = consumer.beginning_offsets(pushed), consumer.end_offsets(pushed)
+                    for tp in pushed:
+                        consumer.seek(tp, max(first[tp], last[tp] - self.fetcher.pushed.max_items))
                 while not self._stop.is_set():
                     self._fold(consumer.poll(timeout_ms=int(self.cfg.poll_interval * 1000)))
                     if not self.caught_up.is_set():
@@ -118,10 +124,31 @@ class SyncAgent:
                 if consumer is not None:
                     consumer.close()
 
+    def _pushed_partitions(self, consumer: Any) -> list:
+        """The partitions of `<ns>.deltas` to follow ([] when off, or the topic does not exist)."""
+        from kafka import TopicPartition
+
+        if not self.cfg.pushed_deltas or not hasattr(self.fetcher, "pushed"):
+            return []
+        topic = self.settings.topic("deltas")
+        parts = consumer.partitions_for_topic(topic)
+        if not parts:
+            log.warning("topic %s does not exist: every delta is downloaded from MLflow", topic)
+            return []
+        return [TopicPartition(topic, p) for p in sorted(parts)]
+
     def _fold(self, batch: dict) -> None:
         from app.deployments.events import decode_record
+        from app.replica.pushed import PushedDelta
 
-        for records in batch.values():
+        deltas = self.settings.topic("deltas")
+        # pushed deltas first: the trainer pushes a delta before announcing its version
+        for tp, records in sorted(batch.items(), key=lambda kv: kv[0].topic != deltas):
+            if tp.topic == deltas:
+                for rec in records:
+                    if self.fetcher.pushed.offer(PushedDelta.from_record(rec, self.settings.model_name)):
+                        m.PUSHED.labels(self.cfg.id, "received").inc()
+                continue
             for rec in records:
                 logged = decode_record(rec.partition, rec.offset, rec.value)
                 if logged is None or logged.event.type in REPLICA_TYPES or logged.event.event_id in self._seen:
@@ -203,6 +230,11 @@ class SyncAgent:
                 m.SYNC_BYTES.labels(self.cfg.id, kind).inc(n)
             if fetched.fallbacks:
                 m.FALLBACKS.labels(self.cfg.id).inc(fetched.fallbacks)
+            if fetched.bytes_by_kind.get("pushed"):
+                m.PUSHED.labels(self.cfg.id, "used").inc()
+            rejected, self.fetcher.pushed_rejected = getattr(self.fetcher, "pushed_rejected", 0), 0
+            if rejected:
+                m.PUSHED.labels(self.cfg.id, "rejected").inc(rejected)
             if self.cfg.debug_pause_in_apply > 0:  # testing only: a window to kill the replica mid-apply
                 log.warning("debug pause of %.1fs while applying v%s", self.cfg.debug_pause_in_apply, target)
                 self.in_progress = {"slot": slot, "version": target, "stage": "debug_pause"}

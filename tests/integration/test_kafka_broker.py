@@ -31,6 +31,10 @@ def test_topics_are_created_with_configured_partitions_and_rollouts_compacted(ma
         assert len(meta[s.topic("deployments")]["partitions"]) == 1
         res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.topic("rollouts"))])
         assert res["topic"][s.topic("rollouts")]["cleanup.policy"]["value"] == "compact"
+        res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.topic("deltas"))])
+        deltas = res["topic"][s.topic("deltas")]
+        assert int(deltas["max.message.bytes"]["value"]) > s.delta_push_max_bytes, "a pushed delta must fit"
+        assert deltas["retention.ms"]["value"] == str(24 * 3600 * 1000)
     finally:
         admin.close()
 

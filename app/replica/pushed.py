@@ -1,0 +1,128 @@
+"""Deltas pushed through Kafka: the trainer writes each small delta to `<ns>.deltas` just before
+its `version_registered`, so a replica has the bytes when the deployment log tells it to sync,
+instead of downloading them from MLflow (one HTTP round trip through the registry's artifact
+proxy, made by every replica at the same moment).
+
+    publish_delta(settings, model, version="8", parent_version="7", file="delta-from-7.fwd",
+                  sha256=..., data=blob)                          # the trainer (trainer/shipping.py)
+    store = PushedDeltas(max_bytes=64 << 20)                      # the replica (app/replica/fetch.py)
+    store.offer(PushedDelta.from_record(rec, model))             # while following the topic
+    blob = store.get("8", "delta-from-7.fwd")                    # None: download it as before
+
+Record: key = model name; value = the delta file's bytes, exactly the `delta-from-<parent>.fwd`
+artifact in MLflow; headers `model`, `version`, `parent_version`, `file`, `sha256`. Only deltas up
+to `FLYWHEEL_DELTA_PUSH_MAX_BYTES` are pushed (anchors never); the topic keeps a day of them.
+
+Trust: none is needed. Pushed bytes take the place of the downloaded file and nothing else: their
+size and SHA-256 must equal the ones in the deployment log's artifact hint (app/replica/hints.py),
+then the codec checks the held weights against the delta's base hash, hashes every decoded tensor
+and the checkpoint, exactly as for a download. A pushed delta that fails is dropped and the file is
+downloaded from MLflow; MLflow stays the source of truth, Kafka only carries a copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+HEADERS = ("model", "version", "parent_version", "file", "sha256")
+
+
+@dataclass(frozen=True)
+class PushedDelta:
+    model: str
+    version: str
+    parent_version: str
+    file: str
+    sha256: str  # what the publisher says; checked against the deployment log's hint before use
+    data: bytes
+
+    def record(self) -> tuple[str, bytes, list[tuple[str, bytes]]]:
+        """(key, value, headers) of the Kafka record."""
+        return self.model, self.data, [(h, str(getattr(self, h)).encode()) for h in HEADERS]
+
+    @classmethod
+    def from_record(cls, rec: Any, model: str | None = None) -> "PushedDelta | None":
+        """The delta in a consumed record, or None (logged) when its headers are incomplete, or it is
+        another model's when `model` is given."""
+        headers = {k: v.decode("utf-8", "replace") for k, v in (rec.headers or [])}
+        missing = [h for h in HEADERS if not headers.get(h)]
+        if missing or rec.value is None:
+            log.warning("%s@%s offset %s is not a pushed delta (missing %s); ignored", rec.topic, rec.partition,
+                        rec.offset, missing or ["value"])
+            return None
+        if model is not None and headers["model"] != model:
+            return None
+        return cls(data=bytes(rec.value), **{h: headers[h] for h in HEADERS})
+
+
+class PushedDeltas:
+    """The pushed deltas a replica received, newest kept: at most `max_items` and `max_bytes`.
+    Thread-safe (the follower offers, the sync reads)."""
+
+    def __init__(self, max_bytes: int = 64 << 20, max_items: int = 8):
+        self.max_bytes, self.max_items = max_bytes, max_items
+        self._items: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def offer(self, d: PushedDelta | None) -> bool:
+        """Keep `d` unless it is larger than the whole store; evicts the oldest. True if kept."""
+        if d is None or len(d.data) > self.max_bytes:
+            return False
+        with self._lock:
+            self._items.pop((d.version, d.file), None)
+            self._items[(d.version, d.file)] = d.data
+            while len(self._items) > self.max_items or sum(map(len, self._items.values())) > self.max_bytes:
+                self._items.popitem(last=False)
+        return True
+
+    def get(self, version: str, file: str) -> bytes | None:
+        with self._lock:
+            return self._items.get((str(version), file))
+
+    def drop(self, version: str, file: str) -> None:
+        with self._lock:
+            self._items.pop((str(version), file), None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+def publish_delta(settings: Settings, model: str, version: str, parent_version: str, file: str, sha256: str,
+                  data: bytes, producer: Any = None) -> bool:
+    """Write one delta to `<ns>.deltas` and wait for the broker's acknowledgement. Returns False
+    (logged) when it is larger than `settings.delta_push_max_bytes`, its bytes do not have
+    `sha256`, or Kafka fails: replicas then download it from MLflow, as without pushing."""
+    from kafka.errors import KafkaError
+
+    from app.kafka_io import make_producer
+
+    if len(data) > settings.delta_push_max_bytes:
+        log.info("v%s: delta of %d bytes is over FLYWHEEL_DELTA_PUSH_MAX_BYTES (%d); replicas download it",
+                 version, len(data), settings.delta_push_max_bytes)
+        return False
+    if hashlib.sha256(data).hexdigest() != sha256:
+        log.error("v%s: %s does not have its published SHA-256; not pushed", version, file)
+        return False
+    key, value, headers = PushedDelta(model, str(version), str(parent_version), file, sha256, data).record()
+    own = producer is None
+    producer = producer or make_producer(settings, linger_ms=0)
+    try:
+        producer.send(settings.topic("deltas"), key=key, value=value, headers=headers).get(
+            timeout=max(1.0, settings.kafka_produce_timeout * 2))
+        return True
+    except KafkaError as exc:
+        log.warning("v%s: could not push %s to Kafka (%s); replicas download it", version, file, exc)
+        return False
+    finally:
+        if own:
+            producer.close()
