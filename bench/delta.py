@@ -10,7 +10,7 @@ masters, bf16 serving weights, 1.38M parameters) or the self-contained ~0.88M-pa
 transformer at the bottom of this file (`fallback`, the default: ~0.3 s per step). Both are
 trained by next-byte NLL on Python's standard-library sources with the TRAINER'S OPTIMIZER:
 AdamW with `trainer.config.TrainerConfig`'s betas and weight decay, gradient-norm clipping at
-its `max_grad_norm`, and its default learning rate (`TrainerConfig.lr`, 1e-5, marked `*`) in
+its `max_grad_norm`, and its default learning rate (`TrainerConfig.lr`, 1e-6, marked `*`) in
 the grid of learning rates. The trainer's RL objective differs from NLL, but Adam normalises
 each element's update to about lr, so the fraction of bf16 values that change per step — what
 sets a delta's size — depends on the lr and the steps, not on the loss.
@@ -19,7 +19,7 @@ Policy setting (documented choice for a 2-core CPU): the policy trains with its 
 (BLAS) kernels, as trainer/pretrain.py does; the batch-invariant kernels the trainer uses for RL
 change only the floating-point reduction order (not the size of an Adam update) and measured
 2.1x slower per step here (4.7 s vs 9.9 s for 8 x 64 bytes on the shared 2 cores). Defaults for
-the policy: warm-up 20 steps, batch 8 x 64 bytes, grid lr {1e-6, 1e-5*, 1e-4} x {1, 10} steps
+the policy: warm-up 20 steps, batch 8 x 64 bytes, grid lr {1e-6*, 1e-5, 1e-4} x {1, 10} steps
 (about 50 steps: a few minutes); `--steps 1,10,100` runs DESIGN.md's full grid (slower).
 
 After a warm-up at lr 1e-3 (so weights and Adam moments are not at init), each learning rate

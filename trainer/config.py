@@ -26,7 +26,7 @@ class TrainerConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_TRAINER_", extra="ignore", validate_default=True)
 
     # --- optimisation ----------------------------------------------------------------------
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (small: deltas between versions stay sparse, see DESIGN.md).")
+    lr: float = Field(1e-6, gt=0, description="AdamW learning rate. 1e-6 is the usual rate for RL fine-tuning of a pretrained LLM (TRL's GRPOConfig, verl's actor) and keeps the deltas between versions sparse (DESIGN.md, docs/DELTA.md); the demo's tiny policy uses 1e-4.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
