@@ -65,6 +65,8 @@ def parse_args() -> argparse.Namespace:
                    help="policy: the built-in policy (trainer.policy; ~1.5-5 s per training step on the shared "
                         "2 CPU cores); fallback: the ~0.88M-parameter transformer below (~0.3 s per step)")
     p.add_argument("--no-sync", action="store_true", help="skip the replica sync part (policy only)")
+    p.add_argument("--sync-rounds", type=int, default=10,
+                   help="measured replica sync rounds (policy only; one more warm-up round runs first)")
     return p.parse_args()
 
 
@@ -200,7 +202,8 @@ def main() -> None:
         (1e-6, 1e-5) if args.quick else (1e-6, 1e-5, 1e-4))
     console = Console(width=170)
     tr = Trainer(args.model, args.batch, args.seq or (64 if policy else 128))
-    sync_steps = 3 if policy and not args.no_sync else 0  # versions one step apart at the default lr
+    # versions one step apart at the default lr: a warm-up round + the measured ones
+    sync_steps = 1 + args.sync_rounds if policy and not args.no_sync else 0
     if sync_steps and tr.default_lr not in lrs:
         lrs = tuple(sorted(lrs + (tr.default_lr,)))
     console.print(f"model: {tr.kind}, {tr.n_params():,} parameters; warm-up {warmup} steps at lr 1e-3; "
