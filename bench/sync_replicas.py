@@ -180,11 +180,11 @@ def _announce(settings: Any, dlog: Any, producer: Any, event: Any, manifest: Any
     """What trainer/shipping.py does after registering: push the delta to `<ns>.deltas` (when
     `push`; app/replica/pushed.py; on `producer`, kept open like `dlog`'s), then publish
     `version_registered`."""
-    from app.replica.pushed import publish_delta
+    from app.replica.pushed import PushedDelta, publish_delta
 
     if push and blob is not None:
-        assert publish_delta(settings, settings.model_name, manifest.version, manifest.parent_version,
-                             manifest.delta.file, manifest.delta.sha256, blob, producer=producer)
+        assert publish_delta(settings, PushedDelta(settings.model_name, manifest.version, manifest.parent_version,
+                                                   manifest.delta.file, manifest.delta.sha256, blob), producer)
     dlog.publish(event)
 
 

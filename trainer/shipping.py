@@ -132,6 +132,7 @@ def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any
     if importlib.util.find_spec("trainer.publish") is None:
         log.info("trainer/publish.py not present: shipping without a delta")
         return {}, {"status": "unavailable"}
+    from app.replica.pushed import PushedDelta
     from kernels.delta.manifest import MANIFEST_FILE, Manifest
     from trainer.publish import publish_version
 
@@ -154,8 +155,8 @@ def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any
             "checkpoint_sha256": m.checkpoint_sha256, "delta_file": m.delta.file if m.delta else None,
             "delta_sha256": m.delta.sha256 if m.delta else None}
     # kept for the push to `<ns>.deltas` right before `version_registered` (app/replica/pushed.py)
-    t.pushed_delta = (m.version, m.parent_version, m.delta.file, m.delta.sha256,
-                      (out / "delta" / m.delta.file).read_bytes()) if m.delta else None
+    t.pushed_delta = PushedDelta(t.settings.model_name, m.version, m.parent_version, m.delta.file, m.delta.sha256,
+                                 (out / "delta" / m.delta.file).read_bytes()) if m.delta else None
     return {"delta": out / "delta"}, info
 
 
@@ -195,12 +196,13 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
                  "train_metrics": json.loads(tags["train_metrics"]),
                  # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
                  "artifacts": hints})
-    pushed = getattr(t, "pushed_delta", None)
-    if ok and hints.get("delta") and pushed and pushed[0] == str(version) and pushed[2:4] == (d["delta_file"], d["delta_sha256"]):
+    pushed = t.pushed_delta
+    if ok and hints.get("delta") and pushed is not None and (pushed.version, pushed.file, pushed.sha256) \
+            == (str(version), d["delta_file"], d["delta_sha256"]):
         from app.replica.pushed import publish_delta
 
         # before the event: a replica that reads the event has the bytes (or downloads them: nothing lost)
-        publish_delta(t.settings, t.settings.model_name, str(version), pushed[1], pushed[2], pushed[3], pushed[4])
+        publish_delta(t.settings, pushed)
     t.pushed_delta = None
     dlog = DeploymentLog(t.settings)
     try:

@@ -3,8 +3,7 @@ its `version_registered`, so a replica has the bytes when the deployment log tel
 instead of downloading them from MLflow (one HTTP round trip through the registry's artifact
 proxy, made by every replica at the same moment).
 
-    publish_delta(settings, model, version="8", parent_version="7", file="delta-from-7.fwd",
-                  sha256=..., data=blob)                          # the trainer (trainer/shipping.py)
+    publish_delta(settings, PushedDelta(model, "8", "7", "delta-from-7.fwd", sha256, blob))  # the trainer
     store = PushedDeltas(max_bytes=64 << 20)                      # the replica (app/replica/fetch.py)
     store.offer(PushedDelta.from_record(rec, model))             # while following the topic
     blob = store.get("8", "delta-from-7.fwd")                    # None: download it as before
@@ -97,23 +96,23 @@ class PushedDeltas:
             return len(self._items)
 
 
-def publish_delta(settings: Settings, model: str, version: str, parent_version: str, file: str, sha256: str,
-                  data: bytes, producer: Any = None) -> bool:
+def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) -> bool:
     """Write one delta to `<ns>.deltas` and wait for the broker's acknowledgement. Returns False
-    (logged) when it is larger than `settings.delta_push_max_bytes`, its bytes do not have
+    (logged) when it is larger than `settings.delta_push_max_bytes`, its bytes do not have its
     `sha256`, or Kafka fails: replicas then download it from MLflow, as without pushing."""
     from kafka.errors import KafkaError
 
     from app.kafka_io import make_producer
 
-    if len(data) > settings.delta_push_max_bytes:
+    version, file = delta.version, delta.file
+    if len(delta.data) > settings.delta_push_max_bytes:
         log.info("v%s: delta of %d bytes is over FLYWHEEL_DELTA_PUSH_MAX_BYTES (%d); replicas download it",
-                 version, len(data), settings.delta_push_max_bytes)
+                 version, len(delta.data), settings.delta_push_max_bytes)
         return False
-    if hashlib.sha256(data).hexdigest() != sha256:
+    if hashlib.sha256(delta.data).hexdigest() != delta.sha256:
         log.error("v%s: %s does not have its published SHA-256; not pushed", version, file)
         return False
-    key, value, headers = PushedDelta(model, str(version), str(parent_version), file, sha256, data).record()
+    key, value, headers = delta.record()
     own = producer is None
     producer = producer or make_producer(settings, linger_ms=0)
     try:

@@ -128,3 +128,15 @@ def test_a_corrupt_pushed_delta_is_dropped_and_the_original_downloaded(chain, tm
         assert all(torch.equal(got.state[k].view(torch.int16), s2[k].view(torch.int16)) for k in s2)
     finally:
         f.close()
+
+
+def test_the_publisher_refuses_a_delta_over_the_limit_or_with_another_hash_before_touching_kafka(tmp_path: Path):
+    from app.replica.pushed import publish_delta
+    from app.settings import Settings
+
+    # no broker at this address: a refusal must not need one
+    s = Settings(data_dir=tmp_path, kafka_bootstrap="127.0.0.1:9", delta_push_max_bytes=16)
+    blob = b"x" * 17
+    assert not publish_delta(s, PushedDelta("m", "2", "1", "delta-from-1.fwd", hashlib.sha256(blob).hexdigest(), blob))
+    small = b"x" * 16
+    assert not publish_delta(s, PushedDelta("m", "2", "1", "delta-from-1.fwd", "0" * 64, small)), "wrong SHA-256"
