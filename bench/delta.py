@@ -78,9 +78,11 @@ def load_text_bytes(limit: int = 4_000_000) -> bytes:
 
 
 class Trainer:
-    """AdamW on next-byte NLL; `serving()` is the bf16 serving state dict."""
+    """AdamW on next-byte NLL; `serving()` is the bf16 serving state dict. Also what
+    bench/sync_replicas.py trains its successive versions with (`policy_config`: fields of the
+    built-in policy's config to change, e.g. a larger model)."""
 
-    def __init__(self, model_kind: str, batch: int, seq: int):
+    def __init__(self, model_kind: str, batch: int, seq: int, policy_config: dict | None = None):
         import torch
 
         self.torch = torch
@@ -92,7 +94,7 @@ class Trainer:
         if model_kind == "policy":
             try:
                 from trainer.policy import build_policy
-                self.model = build_policy({"kernels": "default"})  # plain torch ops: training speed
+                self.model = build_policy({**(policy_config or {}), "kernels": "default"})  # plain torch ops: training speed
                 self.kind = "built-in policy " + self.model.config_dict()["type"]
             except ImportError:
                 self.model = None

@@ -48,8 +48,9 @@ needs (the Kafka event's delivery, the MLflow look-up of the new version, HTTP r
 loading the shadow policy, the swap): those are what the ratio measures.
 The successive checkpoints come from real steps of the trainer's optimizer (AdamW with
 trainer.config.TrainerConfig's betas, weight decay, clipping and default lr, after a short
-warm-up at 1e-3) of the built-in policy on next-byte prediction of this repository's Python sources; `bench/delta.py`
-calls `run_sync_bench` with its own pair.
+warm-up at 1e-3) of the built-in policy on next-byte prediction of Python's standard-library
+sources, trained by bench/delta.py's Trainer; `bench/delta.py` calls `run_sync_bench` with its own
+chain.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,42 +111,23 @@ def parse_args() -> argparse.Namespace:
 def trained_states(n: int, warmup: int, lr: float | None = None, policy_config: dict | None = None) -> tuple[dict, list[dict]]:
     """(policy config, n successive bf16 serving state dicts, one AdamW step apart).
 
-    The trainer's optimizer (trainer.config.TrainerConfig: AdamW betas, weight decay, gradient
-    clipping) at `lr` (default: the trainer's default learning rate) after `warmup` steps at 1e-3.
+    bench/delta.py's Trainer (the built-in policy, next-byte NLL, the trainer's optimizer:
+    trainer.config.TrainerConfig's AdamW betas, weight decay, gradient clipping) at `lr` (default:
+    the trainer's default learning rate) after `warmup` steps at 1e-3, batch 4 x 128 bytes.
     `policy_config`: fields of the built-in policy's config to change (a larger model)."""
-    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from delta import Trainer
 
-    from trainer.config import TrainerConfig
-    from trainer.policy import build_policy
-
-    tc = TrainerConfig()
-    lr = tc.lr if lr is None else lr
-    policy = build_policy(policy_config or None)
-    policy.set_kernels("default")
-    text = b"".join(p.read_bytes() for p in sorted((REPO / "app").rglob("*.py")))
-    g = torch.Generator().manual_seed(0)
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3, betas=tuple(tc.betas), weight_decay=tc.weight_decay)
-
-    def step() -> None:
-        starts = torch.randint(0, len(text) - 129, (4,), generator=g).tolist()
-        seqs = [list(text[s:s + 128]) for s in starts]
-        lp = policy.logprobs([s[:1] for s in seqs], [s[1:] for s in seqs])
-        opt.zero_grad()
-        (-lp.mean()).backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), tc.max_grad_norm)
-        opt.step()
-
+    tr = Trainer("policy", batch=4, seq=128, policy_config=policy_config)
+    assert tr.kind.startswith("built-in policy"), f"the sync benchmark needs the built-in policy, got {tr.kind}"
+    lr = tr.default_lr if lr is None else lr
     for _ in range(warmup):
-        step()
-    for group in opt.param_groups:
-        group["lr"] = lr
-    states = [policy.serving_state_dict()]
+        tr.step(1e-3)
+    states = [tr.serving()]
     for _ in range(n - 1):
-        step()
-        states.append(policy.serving_state_dict())
-    cfg = policy.config_dict()
-    cfg["kernels"] = "invariant"  # replicas serve with the batch-invariant kernels
-    return cfg, states
+        tr.step(lr)
+        states.append(tr.serving())
+    return {**tr.model.config_dict(), "kernels": "invariant"}, states  # replicas serve with the batch-invariant kernels
 
 
 def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | None, cfg: dict, manifests: dict,
