@@ -145,6 +145,30 @@ def register_chain(reg: "Registered", n_versions: int, seed: int) -> list[dict]:
     return states
 
 
+def ship_two_versions(make_settings, mlflow_server, tmp_path: Path) -> Settings:  # noqa: ANN001 - fixtures
+    """A real trainer (tiny policy) on a fresh model ships v1 (its base) and v2 (after one batch of
+    4 rollouts) the way `flywheel trainer` does; returns the settings it ran with."""
+    import uuid
+
+    from tests.integration.trainer.conftest import TINY_POLICY, drain, produce, rollout_records
+    from trainer.config import TrainerConfig
+    from trainer.loop import Trainer
+
+    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}",
+                             ship_interval=3600)
+    trainer = Trainer(settings, TrainerConfig(
+        state_dir=tmp_path / "trainer-state", policy=TINY_POLICY, pretrain_steps=0, batch_size=4, max_wait_s=0.5,
+        lr=1e-3, metrics_port=0, checkpoint_every=1, consumer_group=f"trainer-{uuid.uuid4().hex[:6]}",
+        experiment=f"exp-{uuid.uuid4().hex[:6]}"))
+    try:
+        produce(settings, rollout_records(trainer.policy, 1, 4, lambda text: 0.75, group_size=2))
+        drain(trainer, 4)
+        assert trainer.maybe_ship(force=True) == 2
+    finally:
+        trainer.close()
+    return settings
+
+
 def wait_for(pred: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -92,29 +92,15 @@ def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(registered, replica_fac
 def test_the_trainers_version_registered_event_carries_hints_that_match_the_registry(make_settings, mlflow_server,
                                                                                       tmp_path):
     import json
-    import uuid
 
     from mlflow import MlflowClient
 
     from app.replica.hints import ArtifactHint, config_sha256
     from kernels.delta.manifest import Manifest
     from tests.integration.replica.conftest import read_topic
-    from tests.integration.trainer.conftest import TINY_POLICY, drain, produce, rollout_records
-    from trainer.config import TrainerConfig
-    from trainer.loop import Trainer
+    from tests.integration.replica.conftest import ship_two_versions
 
-    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}",
-                             ship_interval=3600)
-    trainer = Trainer(settings, TrainerConfig(
-        state_dir=tmp_path / "trainer-state", policy=TINY_POLICY, pretrain_steps=0, batch_size=4, max_wait_s=0.5,
-        lr=1e-3, metrics_port=0, checkpoint_every=1, consumer_group=f"trainer-{uuid.uuid4().hex[:6]}",
-        experiment=f"exp-{uuid.uuid4().hex[:6]}"))
-    try:
-        produce(settings, rollout_records(trainer.policy, 1, 4, lambda text: 0.75, group_size=2))
-        drain(trainer, 4)
-        assert trainer.maybe_ship(force=True) == 2
-    finally:
-        trainer.close()
+    settings = ship_two_versions(make_settings, mlflow_server, tmp_path)
     events = read_topic(settings, "deployments", 2, where=lambda e: e["type"] == "version_registered")
     client = MlflowClient(settings.mlflow_uri)
     for ev in events:
