@@ -131,18 +131,21 @@ def trained_states(n: int, warmup: int, lr: float | None = None, policy_config: 
 
 
 def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | None, cfg: dict, manifests: dict,
-              hints: bool) -> tuple[Any, bytes | None]:
+              hints: bool) -> tuple[Any, Any]:
     """Register `version` in MLflow as the trainer does (artifacts, then the model version) and
     return what the trainer then announces: its `version_registered` event (with the artifact hints
-    of app/replica/hints.py unless `hints` is False) and its delta's bytes (for the push)."""
+    of app/replica/hints.py unless `hints` is False) and its delta (an app.replica.pushed.PushedDelta,
+    None for the anchor)."""
     from app.deployments.events import DeploymentEvent
     from app.replica.hints import artifact_hints
+    from app.replica.pushed import PushedDelta
     from trainer.publish import publish_version
 
     pv = str(int(version) - 1) if parent is not None else None
     with tempfile.TemporaryDirectory() as tmp:
         manifests[version] = m = publish_version(tmp, version, state, parent, pv, manifests.get(pv), anchor_every=8)
-        blob = (Path(tmp) / m.delta.file).read_bytes() if m.delta else None
+        delta = PushedDelta(reg.name, version, m.parent_version, m.delta.file, m.delta.sha256,
+                            (Path(tmp) / m.delta.file).read_bytes()) if m.delta else None
         ship = f"bench-{uuid.uuid4().hex[:8]}"
         source = reg.upload_ship(run_id, ship, state, cfg, {"name": "byte-v1", "vocab_size": 259, "eos_id": 257}, [],
                                  {"delta": Path(tmp)})
@@ -153,26 +156,24 @@ def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | N
         details["artifacts"] = artifact_hints(source, cfg, m.checkpoint_sha256, m.parent_version,
                                               m.delta.model_dump() if m.delta else None)
     return DeploymentEvent(event_id=f"vr-{ship}", type="version_registered", model=reg.name, version=version,
-                           from_version=pv, source="trainer", actor="bench", details=details), blob
+                           from_version=pv, source="trainer", actor="bench", details=details), delta
 
 
-def _announce(settings: Any, dlog: Any, producer: Any, event: Any, manifest: Any, blob: bytes | None,
-              push: bool) -> None:
-    """What trainer/shipping.py does after registering: push the delta to `<ns>.deltas` (when
-    `push`; app/replica/pushed.py; on `producer`, kept open like `dlog`'s), then publish
+def _announce(settings: Any, dlog: Any, producer: Any, event: Any, delta: Any) -> None:
+    """What trainer/shipping.py does after registering: push `delta` to `<ns>.deltas` unless it is
+    None (app/replica/pushed.py; on `producer`, kept open like `dlog`'s), then publish
     `version_registered`."""
-    from app.replica.pushed import PushedDelta, publish_delta
+    from app.replica.pushed import publish_delta
 
-    if push and blob is not None:
-        assert publish_delta(settings, PushedDelta(settings.model_name, manifest.version, manifest.parent_version,
-                                                   manifest.delta.file, manifest.delta.sha256, blob), producer)
+    if delta is not None:
+        assert publish_delta(settings, delta, producer)
     dlog.publish(event)
 
 
-def warm_broker(settings: Any, n: int, console: Any = None) -> float:
+def warm_broker(settings: Any, n: int, console: Any = None) -> None:
     """`n` acknowledged small produces to a scratch topic while a consumer reads them (the produce,
-    fetch and delayed-fetch paths of the broker get JIT-compiled). Returns the median ack time (ms)
-    of the last 200."""
+    fetch and delayed-fetch paths of the broker get JIT-compiled); prints the median ack time of
+    the last 200 every 1000."""
     import threading
 
     from kafka import KafkaAdminClient, TopicPartition
@@ -181,7 +182,7 @@ def warm_broker(settings: Any, n: int, console: Any = None) -> float:
     from app.kafka_io import make_consumer, make_producer
 
     if n <= 0:
-        return float("nan")
+        return
     topic = f"{settings.topic_namespace}.bench-warmup"
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
     try:
@@ -191,8 +192,12 @@ def warm_broker(settings: Any, n: int, console: Any = None) -> float:
     consumer = make_consumer(settings, group_id=None)
     consumer.assign([TopicPartition(topic, 0)])
     stop = threading.Event()
-    reader = threading.Thread(target=lambda: [consumer.poll(timeout_ms=50) for _ in iter(stop.is_set, True)],
-                              daemon=True)
+
+    def read() -> None:
+        while not stop.is_set():
+            consumer.poll(timeout_ms=50)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     producer = make_producer(settings, linger_ms=0)
     acks = []
@@ -209,7 +214,6 @@ def warm_broker(settings: Any, n: int, console: Any = None) -> float:
         reader.join(5)
         producer.close()
         consumer.close()
-    return _median(acks[-200:]) * 1000
 
 
 def _loopback_bandwidth(reg: Any, run_id: str, fetcher: Any, size: int) -> float:
@@ -527,7 +531,7 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     pusher = make_producer(settings, linger_ms=0)
     announcements = [_register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests,
                                _hinted(hints, str(i + 1))) for i, st in enumerate(states)]
-    _announce(settings, dlog, pusher, announcements[0][0], manifests["1"], None, False)  # v1: the anchor
+    _announce(settings, dlog, pusher, announcements[0][0], None)  # v1: the anchor
     probe = VersionFetcher(settings)
     full = sum(t.numel() * t.element_size() for t in states[0].values())
     bandwidth = _loopback_bandwidth(reg, run_id, probe, max(16 << 20, 8 * full))
@@ -550,13 +554,14 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
                 _write_files(probe, version, str(i), files)
                 concurrent = fleet.concurrent_apply(files)
             pushed = _hinted(push, version)
-            event, blob = announcements[i]
+            event, delta = announcements[i]
+            delta = delta if pushed else None
             if announce == "early":  # the trainer announced it before; the gate ran; now it is promoted
-                _announce(settings, dlog, pusher, event, manifests[version], blob, pushed)
+                _announce(settings, dlog, pusher, event, delta)
             time.sleep(0.5)  # let the replicas' post-swap work of the previous round settle
             t0 = time.time()
             if announce == "in-round":  # ship-to-serve: announced and promoted at once, all measured
-                _announce(settings, dlog, pusher, event, manifests[version], blob, pushed)
+                _announce(settings, dlog, pusher, event, delta)
             t1 = time.time()
             dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version=version,
                                          source="controller", actor="bench", traffic_pct=100.0))

@@ -71,7 +71,6 @@ class Trainer:
         self.run_id = self.registry.start_run(state.get("run_id"))
         self.ref_policy: Policy | None = None
         self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, bf16 weights) last shipped
-        self.pushed_delta: Any = None  # app.replica.pushed.PushedDelta of the last published delta, to push
         self.ref_version: int | None = None
         self.dlq = make_producer(settings)
         self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4))

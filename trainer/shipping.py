@@ -77,6 +77,7 @@ def execute_ship(t: "Trainer") -> int:
         reg.delete_version(int(mv.version))
         mv = None
     tags = lineage_tags(intent, t.topic)
+    pushed = None  # the delta to push before the event (none when resuming: the bytes died with the crashed run)
     if mv is None:
         serving = t.policy.serving_state_dict()
         tok = t.policy.tokenizer
@@ -89,7 +90,7 @@ def execute_ship(t: "Trainer") -> int:
             tags["planted_bad"] = "true"
             log.warning("DEMO: shipping v%d with blown-up weights (FLYWHEEL_TRAINER_PLANT_BAD_VERSION)", predicted)
         with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
-            extra, delta = _publish_delta(t, Path(tmp), serving, intent, predicted)
+            extra, delta, pushed = _publish_delta(t, Path(tmp), serving, intent, predicted)
             tags["delta"] = json.dumps(delta, sort_keys=True)
             source = reg.upload_ship(t.run_id, ship_id, serving, t.policy.config_dict(), tokenizer,
                                      intent["pending"]["request_ids"], extra)
@@ -99,7 +100,7 @@ def execute_ship(t: "Trainer") -> int:
             log.error("registry assigned v%d, the delta was written for v%d (deleted versions?): republishing it",
                       version, predicted)
             with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
-                extra, delta = _publish_delta(t, Path(tmp), serving, intent, version)
+                extra, delta, pushed = _publish_delta(t, Path(tmp), serving, intent, version)
                 reg.client.log_artifacts(t.run_id, str(extra["delta"]), f"ships/{ship_id}/delta")
             reg.set_tag(version, "delta", json.dumps(delta, sort_keys=True))
         t.parent_serving = (version, serving)
@@ -117,21 +118,22 @@ def execute_ship(t: "Trainer") -> int:
         # an operator's move in the MLflow UI (an `alias_changed` event from "mlflow-ui")
         sync_aliases(reg.client, reg.name, {CHAMPION: str(version)})
         log.info("no champion yet: alias %s -> v%d", CHAMPION, version)
-    _publish_event(t, version, intent, tags, source)
+    _publish_event(t, version, intent, tags, source, pushed)
     t.commit_offsets(intent["positions"])
     return version
 
 
 def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any],
-                   version: int) -> tuple[dict[str, Path], dict[str, Any]]:
-    """Delta/anchor/manifest files (trainer/publish.py) for `version`, logged as `ships/<ship_id>/delta`.
+                   version: int) -> tuple[dict[str, Path], dict[str, Any], Any]:
+    """Delta/anchor/manifest files (trainer/publish.py) for `version`, logged as `ships/<ship_id>/delta`,
+    their tag info, and the delta as an app.replica.pushed.PushedDelta (None for an anchor-only version).
 
     The parent's bf16 weights and manifest come from the registry (or memory). A parent shipped
     without a manifest makes this version an anchor (the chain restarts there).
     """
     if importlib.util.find_spec("trainer.publish") is None:
         log.info("trainer/publish.py not present: shipping without a delta")
-        return {}, {"status": "unavailable"}
+        return {}, {"status": "unavailable"}, None
     from app.replica.pushed import PushedDelta
     from kernels.delta.manifest import MANIFEST_FILE, Manifest
     from trainer.publish import publish_version
@@ -154,10 +156,10 @@ def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any
             # for replicas (app/replica/hints.py): the delta they fetch alone and the hash it must give
             "checkpoint_sha256": m.checkpoint_sha256, "delta_file": m.delta.file if m.delta else None,
             "delta_sha256": m.delta.sha256 if m.delta else None}
-    # kept for the push to `<ns>.deltas` right before `version_registered` (app/replica/pushed.py)
-    t.pushed_delta = PushedDelta(t.settings.model_name, m.version, m.parent_version, m.delta.file, m.delta.sha256,
-                                 (out / "delta" / m.delta.file).read_bytes()) if m.delta else None
-    return {"delta": out / "delta"}, info
+    # for the push to `<ns>.deltas` right before `version_registered` (app/replica/pushed.py)
+    pushed = PushedDelta(t.settings.model_name, m.version, m.parent_version, m.delta.file, m.delta.sha256,
+                         (out / "delta" / m.delta.file).read_bytes()) if m.delta else None
+    return {"delta": out / "delta"}, info, pushed
 
 
 def _download_text(t: "Trainer", version: int, rel: str) -> str | None:
@@ -175,7 +177,8 @@ def _download_text(t: "Trainer", version: int, rel: str) -> str | None:
         return Path(path).read_text()
 
 
-def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dict[str, str], source: str) -> None:
+def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dict[str, str], source: str,
+                   pushed: Any = None) -> None:
     if importlib.util.find_spec("app.deployments.events") is None:
         log.info("app/deployments/events.py not present: no version_registered event")
         return
@@ -196,14 +199,12 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
                  "train_metrics": json.loads(tags["train_metrics"]),
                  # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
                  "artifacts": hints})
-    pushed = t.pushed_delta
     if ok and hints.get("delta") and pushed is not None and (pushed.version, pushed.file, pushed.sha256) \
             == (str(version), d["delta_file"], d["delta_sha256"]):
         from app.replica.pushed import publish_delta
 
         # before the event: a replica that reads the event has the bytes (or downloads them: nothing lost)
         publish_delta(t.settings, pushed)
-    t.pushed_delta = None
     dlog = DeploymentLog(t.settings)
     try:
         dlog.publish(event)

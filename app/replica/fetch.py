@@ -82,6 +82,7 @@ class Fetched:
     digests: dict[str, str] = field(default_factory=dict)  # per-tensor SHA-256s verified against the manifest
     timings: dict[str, float] = field(default_factory=dict)  # seconds per stage (lookup, download, decode)
     config_reused: bool = False  # the config came from a held version (hash given by the deployment log)
+    pushed_rejected: int = 0  # pushed deltas that failed verification (the originals were downloaded)
 
 
 def _kind(filename: str) -> str:
@@ -111,7 +112,6 @@ class VersionFetcher:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fetch")
         self.pushed = PushedDeltas(max_bytes=pushed_max_bytes)  # deltas received on `<ns>.deltas` (app/replica/pushed.py)
-        self.pushed_rejected = 0  # pushed deltas that failed verification (then downloaded)
 
     # --- MLflow ---------------------------------------------------------------------------------------
     def champion_alias(self) -> str | None:
@@ -278,6 +278,7 @@ class VersionFetcher:
         base = (below[-1], held[below[-1]]) if below else None
         chain: list[str] = []
         sizes: dict[str, int] = {}
+        rejected: list[str] = []  # pushed deltas that failed verification
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
 
@@ -298,7 +299,7 @@ class VersionFetcher:
                 config_future = self._pool.submit(self.policy_config, target)  # overlaps with the weights
             got = None
             if base is not None:
-                got = self._hinted_path(target, base, fetch, timings, chain, sizes)
+                got = self._hinted_path(target, base, fetch, timings, chain, sizes, rejected)
                 if isinstance(got, str):  # a stale hint or a corrupt delta: the manifest path decides which
                     got = None
                 if got is None:
@@ -322,10 +323,10 @@ class VersionFetcher:
         timings["total"] = time.perf_counter() - t0
         return Fetched(version=target, state=state, config=config, sha256=checkpoint_sha, path=path,
                        chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks, digests=digests, timings=timings,
-                       config_reused=reused is not None)
+                       config_reused=reused is not None, pushed_rejected=len(rejected))
 
     def _hinted_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
-                     chain: list[str], sizes: dict[str, int],
+                     chain: list[str], sizes: dict[str, int], rejected: list[str],
                      ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
         """The delta alone (one GET, or none when it was pushed on `<ns>.deltas`), verified against
         what the deployment log published for the target (app/replica/hints.py): the file's size and
@@ -349,7 +350,7 @@ class VersionFetcher:
                 timings["download"] = 0.0
                 return got
             self.pushed.drop(target, hint.delta_file)  # then download the original from MLflow
-            self.pushed_rejected += 1
+            rejected.append(f"{target}/{hint.delta_file}")
         t0 = time.perf_counter()
         try:
             blob = fetch(target, hint.delta_file)

@@ -232,9 +232,8 @@ class SyncAgent:
                 m.FALLBACKS.labels(self.cfg.id).inc(fetched.fallbacks)
             if fetched.bytes_by_kind.get("pushed"):
                 m.PUSHED.labels(self.cfg.id, "used").inc()
-            rejected, self.fetcher.pushed_rejected = getattr(self.fetcher, "pushed_rejected", 0), 0
-            if rejected:
-                m.PUSHED.labels(self.cfg.id, "rejected").inc(rejected)
+            if getattr(fetched, "pushed_rejected", 0):
+                m.PUSHED.labels(self.cfg.id, "rejected").inc(fetched.pushed_rejected)
             if self.cfg.debug_pause_in_apply > 0:  # testing only: a window to kill the replica mid-apply
                 log.warning("debug pause of %.1fs while applying v%s", self.cfg.debug_pause_in_apply, target)
                 self.in_progress = {"slot": slot, "version": target, "stage": "debug_pause"}

@@ -104,7 +104,7 @@ def test_a_pushed_delta_replaces_the_download_and_is_verified_like_it(chain, tmp
         assert got.chain == [f"kafka:2/{m2.delta.file}"] and got.bytes_by_kind == {"pushed": len(blob)}
         assert got.sha256 == m2.checkpoint_sha256 and got.digests == {t.name: t.sha256 for t in m2.tensors}
         assert all(torch.equal(got.state[k].view(torch.int16), s2[k].view(torch.int16)) for k in s2)
-        assert f.pushed_rejected == 0
+        assert got.pushed_rejected == 0
     finally:
         f.close()
 
@@ -123,7 +123,7 @@ def test_a_corrupt_pushed_delta_is_dropped_and_the_original_downloaded(chain, tm
         assert hashlib.sha256(bytes(bad)).hexdigest() != m2.delta.sha256
         got = f.fetch("2", {"1": held})
         assert f.gets == [f"2/{m2.delta.file}"] and got.chain == [f"2/{m2.delta.file}"], (f.gets, got.chain)
-        assert f.pushed_rejected == 1 and f.pushed.get("2", m2.delta.file) is None
+        assert got.pushed_rejected == 1 and f.pushed.get("2", m2.delta.file) is None
         assert got.sha256 == m2.checkpoint_sha256
         assert all(torch.equal(got.state[k].view(torch.int16), s2[k].view(torch.int16)) for k in s2)
     finally:
