@@ -17,10 +17,11 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     BeforeValidator,
@@ -52,7 +53,41 @@ def _require_rfc3339_string(v: Any) -> Any:
     return v
 
 
-Timestamp = Annotated[AwareDatetime, Field(strict=False), BeforeValidator(_require_rfc3339_string)]
+def _in_utc(v: datetime) -> datetime:
+    """The same instant in UTC; refuses offsets that push it outside years 1-9999 (not representable)."""
+    try:
+        return v.astimezone(timezone.utc)
+    except OverflowError:
+        raise ValueError(f"{v.isoformat()} is outside the representable range (years 0001-9999 in UTC)") from None
+
+
+# Every reader of an event timestamp goes through this one type: the ingest schema below, and
+# `parse_ts` for the downstream readers (streams, controller, trainer), so they cannot disagree.
+Timestamp = Annotated[AwareDatetime, Field(strict=False), BeforeValidator(_require_rfc3339_string),
+                      AfterValidator(_in_utc)]
+_timestamp: TypeAdapter[datetime] = TypeAdapter(Timestamp)
+
+
+def parse_ts(value: str | datetime) -> datetime:
+    """An event timestamp (RFC 3339 text, or an aware datetime) as an aware UTC datetime.
+
+    The one parser of event time: it accepts exactly what ingest accepts (same pydantic type),
+    so an event that passed `POST /v1/events` always parses downstream. Raises ValueError
+    (naming the problem) for anything else."""
+    try:
+        return _timestamp.validate_python(value)
+    except ValidationError as exc:
+        raise ValueError(f"invalid timestamp {value!r}: {exc.errors(include_url=False)[0]['msg']}") from None
+
+
+def format_ts(value: datetime) -> str:
+    """The canonical text of an instant: UTC, microseconds, upper-case Z (`2026-11-21T10:00:00.123456Z`).
+
+    Ingest rewrites every accepted event's `ts` to this form before producing it."""
+    if value.tzinfo is not timezone.utc:
+        assert value.utcoffset() is not None, f"format_ts needs an aware datetime, got {value!r}"
+        value = _in_utc(value)
+    return value.isoformat("T", "microseconds")[:-6] + "Z"  # UTC: the text ends with "+00:00"
 
 
 class _Envelope(BaseModel):
@@ -211,14 +246,20 @@ def _reject_constant(name: str) -> float:
 
 
 def validate_batch(events: list[Any]) -> tuple[list[Event], list[FieldError]]:
-    """Validate every event of a batch; returns (parsed, errors) — errors for every bad event."""
+    """Validate every event of a batch; returns (parsed, errors) — errors for every bad event.
+
+    Normalises in place: each valid event dict's `ts` is rewritten to its canonical form
+    (`format_ts`), so what ingest produces to Kafka carries one timestamp spelling."""
     parsed: list[Event] = []
     errors: list[FieldError] = []
     for i, obj in enumerate(events):
         try:
-            parsed.append(parse_event(obj, i))
+            event = parse_event(obj, i)
         except EventValidationError as exc:
             errors.extend(exc.errors)
+            continue
+        parsed.append(event)
+        obj["ts"] = format_ts(event.ts)
     return parsed, errors
 
 

@@ -22,10 +22,11 @@ are None; no feedback at all gives reward 0.0 and components None.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from app.events import parse_ts
 
 
 class RewardWeights(BaseModel):
@@ -70,8 +71,7 @@ def resolve_spec(version: str, weights: RewardWeights | None = None,
 
 
 def _ts(ev: dict[str, Any]) -> float:
-    ts = ev["ts"]
-    return ts.timestamp() if isinstance(ts, datetime) else datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+    return parse_ts(ev["ts"]).timestamp()  # the ingest schema's own parser: what ingest accepted parses here
 
 
 def _order(ev: dict[str, Any]) -> tuple[float, str]:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from app.deployments.events import EVENT_TYPES
+from app.events import parse_ts as parse_event_ts
 
 Phase = Literal["idle", "canary", "paused"]
 
@@ -33,10 +34,11 @@ def vkey(version: str | None) -> int:
 
 
 def parse_ts(value: Any) -> datetime:
-    if isinstance(value, datetime):
-        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
-    assert isinstance(value, str), f"event ts must be RFC 3339 text or datetime, got {value!r}"
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    """An event's ts as aware UTC: the event schema's one parser (app/events.py); a naive datetime
+    (SQLite projection rows hand back naive UTC) is taken as UTC."""
+    if isinstance(value, datetime) and value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return parse_event_ts(value)
 
 
 class Decision(BaseModel):
