@@ -60,6 +60,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -109,6 +110,19 @@ CHANGELOG = Counter("flywheel_streams_changelog_records_total", "Changelog recor
 
 
 TABLES = ("labels", "generations", "buckets", "metric-buckets")  # the Faust tables build_app declares
+
+
+def dlq_envelope(reason: str, errors: list, topic: str, partition: int, offset: int | None,
+                 key: bytes | None, value: bytes | None) -> dict[str, Any]:
+    """A `<ns>.dlq` record (streams.records.DlqRecord; the same envelope as app/deadletter.py)."""
+    return {"reason": reason, "errors": errors, "consumer": "streams", "topic": topic, "partition": partition,
+            "offset": offset, "key_b64": base64.b64encode(key).decode() if key is not None else None,
+            "value_b64": base64.b64encode(value).decode() if value is not None else None,
+            "detected_at": iso_now(time.time)}
+
+
+def _failure(field: str, exc: BaseException) -> dict[str, str]:
+    return {"field": field, "message": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
 def progress_key(partition: int) -> str:
@@ -307,7 +321,7 @@ class Runtime:
             for view in views:
                 view.partition = msg.partition
             if msg.topic == self.ticks:
-                out += self.on_tick(msg.partition, event.value)
+                out += self.on_tick(msg, event.value)
             else:
                 out += self.on_record(msg, event.key, event.value)
                 last[msg.partition] = msg.offset
@@ -375,6 +389,8 @@ class Runtime:
         return {tp.partition: o for tp, o in offsets.items()}
 
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
+        """Decode, validate and join one interactions record. A record that fails anywhere (decode,
+        validation, key, or the join itself) becomes a DLQ record; it never raises."""
         p = msg.partition
         self.last_processed[p] = msg.offset
         try:
@@ -390,26 +406,51 @@ class Runtime:
                               [{"field": "(key)", "message": "the record key must be the event's request_id (the join relies on it)"}])]
         _EVENTS_OK.inc()
         rt = msg.timestamp if msg.timestamp else time.time()
-        out = self.aggregator.on_event(p, obj, rt)
-        return [self._dlq(msg, key, value, e.value["reason"], e.value["errors"]) if e.topic == "dlq" else e for e in out]
+        try:
+            out = self.aggregator.on_event(p, obj, rt)
+        except Exception as exc:  # noqa: BLE001 - one record must not stop the worker (docs/STREAMS.md)
+            log.exception("interactions[%d]@%d could not be joined; dead-lettered", p, msg.offset)
+            return [self._dlq(msg, key, value, "processing_failed", [_failure("(join)", exc)])]
+        return [self._dlq(msg, key, value, e.value["reason"], e.value["errors"]) if e.topic == "dlq" and e.key is None
+                else self._resolve(p, e) for e in out]
 
     def _dlq(self, msg: Any, key: bytes | None, value: bytes | None, reason: str, errors: list) -> Emit:
+        """The DLQ record of the consumed record `msg` (its original bytes)."""
         _EVENTS_DLQ.inc()
-        return Emit("dlq", None, {
-            "reason": reason, "errors": errors, "topic": msg.topic, "partition": msg.partition, "offset": msg.offset,
-            "key_b64": base64.b64encode(key).decode() if key is not None else None,
-            "value_b64": base64.b64encode(value).decode() if value is not None else None,
-            "detected_at": iso_now(time.time)})
+        return Emit("dlq", None, dlq_envelope(reason, errors, msg.topic, msg.partition, msg.offset, key, value))
+
+    def _resolve(self, p: int, e: Emit) -> Emit:
+        """An aggregator output as sent: a DLQ entry about a stored event (a label that failed to
+        close; `e.key` its request_id) gets the envelope of the event as it was on the topic."""
+        if e.topic != "dlq":
+            return e
+        return Emit("dlq", None, dlq_envelope(e.value["reason"], e.value["errors"], self.interactions, p, None,
+                                              e.key.encode(), orjson.dumps(e.value["event"])))
 
     # --- ticks -------------------------------------------------------------------------------
-    def on_tick(self, p: int, value: bytes) -> list[Emit]:
-        tick = json.loads(value)
+    def on_tick(self, msg: Any, value: bytes | None) -> list[Emit]:
+        p = msg.partition
+        try:
+            tick = orjson.loads(value if value is not None else b"")
+            now, hw = float(tick["now"]), int(tick["hw"])
+            assert math.isfinite(now), f"now is {now}"
+        except Exception as exc:  # noqa: BLE001 - not a tick this worker wrote
+            return [self._dlq(msg, msg.key, value, "invalid_tick", [_failure("(tick)", exc)])]
         processed = self.last_processed.get(p, -1) + 1  # set from the state's progress on assignment
-        if processed < int(tick["hw"]):
+        if processed < hw:
             return []  # records below the tick's end offset are still unprocessed: record time rules
-        out = self.aggregator.on_tick(p, float(tick["now"]) - self.cfg.skew_margin)
+        out = self.aggregator.on_tick(p, now - self.cfg.skew_margin)  # a label that fails to close is a DLQ entry
         WATERMARK_LAG.set(max(0.0, time.time() - min(self.aggregator.watermark(q) for q in self.aggregator._wm)))
-        return out
+        return [self._resolve(p, e) for e in out]
+
+    # --- metric partials -------------------------------------------------------------------------
+    def on_partial(self, msg: Any, value: bytes | None) -> Emit:
+        """Merge one partial into its version-metrics record, or dead-letter it (`invalid_partial`)."""
+        try:
+            return self.merger.on_partial(orjson.loads(value if value is not None else b""))
+        except Exception as exc:  # noqa: BLE001 - one record must not stop the merger
+            log.exception("%s[%d]@%d is not a usable metrics partial; dead-lettered", msg.topic, msg.partition, msg.offset)
+            return self._dlq(msg, msg.key, value, "invalid_partial", [_failure("(partial)", exc)])
 
     async def send_ticks(self) -> None:
         """Send one tick per assigned interactions partition (own Kafka clients: Faust's consumer thread stays free)."""
@@ -533,7 +574,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     @app.agent(topics["partials"], concurrency=1, supervisor_strategy=CrashingSupervisor)
     async def merge_metrics(stream):  # noqa: ANN001
         async for event in stream.events():
-            await rt.send(rt.merger.on_partial(orjson.loads(event.value)))
+            await rt.send(rt.on_partial(event.message, event.value))
 
     @app.timer(cfg.tick_interval)
     async def tick() -> None:

@@ -27,15 +27,20 @@ The generation payload lives in `generations` until the close (written once, not
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
-from streams.records import add_sums, empty_sums, rollout_sums, version_metrics
+from pydantic import BaseModel, ConfigDict, Field
+
+from streams.records import SUM_FIELDS, add_sums, empty_sums, rollout_sums, version_metrics
 from streams.reward import RewardSpec, compute_reward
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -182,7 +187,7 @@ class Aggregator:
             if st is None or st.get("dl") != dl or st.get("p") != p:
                 continue  # stale heap entry (the label moved on)
             if st["st"] == "open":
-                out.append(self._close(p, rid, st))
+                out += self._close_or_fail(p, rid, st)
             elif st["st"] == "pending":
                 out += self._orphan(p, rid, st)
             else:  # closed / idle past retention
@@ -204,8 +209,28 @@ class Aggregator:
             self.buckets.pop(key, None)
         return out
 
+    def _close_or_fail(self, p: int, rid: str, st: dict) -> list[Emit]:
+        """Close an open label; if closing raises, the label fails instead of the worker.
+
+        A failed label becomes `idle` (kept `retention_s` so replayed events stay deduplicated;
+        feedback arriving later is orphaned as for any idle label) and each of its events (the
+        generation and every feedback) comes back as a DLQ entry keyed by request_id with reason
+        `label_close_failed`. Nothing of the label was written before the failure: `_close`
+        changes state only after the rollout and its sums are built."""
+        try:
+            return [self._close(p, rid, st)]
+        except Exception as exc:  # noqa: BLE001 - one label must not stop labelling for everyone
+            log.exception("label %s failed to close; its events are dead-lettered", rid)
+            gen = self.generations.pop(rid, None)
+            self.labels[rid] = {"p": p, "st": "idle", "dl": st["dl"] + self.retention_s, "seen": st["seen"], "gen": None}
+            heapq.heappush(self._heap[p], (st["dl"] + self.retention_s, rid))
+            self.open_labels -= 1
+            errors = [{"field": "(label)", "message": f"closing the label of {rid!r} failed: {type(exc).__name__}: {exc}"[:2000]}]
+            events = ([gen] if gen is not None else []) + [f["ev"] for f in st["fb"]]
+            return [Emit("dlq", rid, {"reason": "label_close_failed", "errors": errors, "event": ev}) for ev in events]
+
     def _close(self, p: int, rid: str, st: dict) -> Emit:
-        gen = self.generations.pop(rid)
+        gen = self.generations[rid]
         res = compute_reward(self.spec, [f["ev"] for f in st["fb"]])
         rollout = {
             "request_id": rid, "session_id": gen["session_id"], "group_id": gen.get("group_id"),
@@ -218,6 +243,7 @@ class Aggregator:
         }
         bucket = math.floor(st["dl"] / self.bucket_s) * self.bucket_s
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)
+        del self.generations[rid]  # from here on nothing raises: the label is closed
         self.labels[rid] = {"p": p, "st": "closed", "dl": st["dl"] + self.retention_s, "seen": st["seen"],
                             "gen": st["gen"], "b": bucket, "v": gen["model_version"], "m": sums, "closed": st["dl"]}
         self._index[p].setdefault(bucket, set()).add(rid)
@@ -279,13 +305,29 @@ class MetricsMerger:
         self.state = state
 
     def on_partial(self, partial: dict[str, Any]) -> Emit:
-        key = f"{partial['model_version']}|{partial['bucket_start']!r}"
+        """Raises (ValueError, KeyError, TypeError) for a partial that is not one the aggregator writes;
+        the state is changed only once the merged record was built."""
+        partial = Partial.model_validate(partial)
+        key = f"{partial.model_version}|{partial.bucket_start!r}"
         cur = self.state.get(key) or {"parts": {}}
-        parts = dict(cur["parts"], **{str(partial["partition"]): partial["sums"]})
-        self.state[key] = {"parts": parts}
+        parts = dict(cur["parts"], **{str(partial.partition): partial.sums})
         total = empty_sums()
         for sums in parts.values():
             add_sums(total, sums)
-        rec = version_metrics(partial["model_version"], partial["bucket_start"], partial["bucket_seconds"],
-                              partial["reward_spec"], [int(k) for k in parts], total)
-        return Emit("version-metrics", partial["model_version"], rec.model_dump(mode="json"))
+        rec = version_metrics(partial.model_version, partial.bucket_start, partial.bucket_seconds,
+                              partial.reward_spec, [int(k) for k in parts], total)
+        self.state[key] = {"parts": parts}
+        return Emit("version-metrics", partial.model_version, rec.model_dump(mode="json"))
+
+
+class Partial(BaseModel):
+    """A record of `<ns>.streams-metric-partials` as `Aggregator._emit_buckets` writes it."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    model_version: str = Field(min_length=1)
+    bucket_start: float
+    bucket_seconds: float = Field(gt=0)
+    partition: int = Field(ge=0)
+    reward_spec: str
+    sums: dict[Literal[SUM_FIELDS], float]  # type: ignore[valid-type]

@@ -8,7 +8,7 @@
   (`orphan`: its generation never arrived within the wait window; `after_close`: it
   arrived after the label closed).
 - `DlqRecord` on `flywheel.dlq` (no key): the original record value as base64 with the
-  reason and the validation errors.
+  reason, the errors and the consumer that dead-lettered it (every role writes this envelope).
 - `VersionMetrics` on `flywheel.version-metrics` (key model_version): additive sums per
   model_version and time bucket plus derived means. `bucket_id` identifies the bucket; a
   later record with the same bucket_id supersedes an earlier one (it includes more
@@ -80,13 +80,18 @@ class LateRecord(BaseModel):
 
 
 class DlqRecord(BaseModel):
+    """A record some consumer could not use (the envelope of app/deadletter.py; docs/STREAMS.md lists the reasons)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    reason: str = Field(description="invalid_json | invalid_event | key_mismatch | conflicting_generation")
+    reason: str = Field(description="streams: invalid_json | invalid_event | key_mismatch | conflicting_generation | "
+                                    "processing_failed | label_close_failed | invalid_tick | invalid_partial; "
+                                    "other consumers: docs/DEPLOYMENTS.md")
     errors: list[dict[str, Any]]
+    consumer: str | None = Field(None, description="who dead-lettered it: streams, projector, replica, controller, trainer")
     topic: str
-    partition: int
-    offset: int
+    partition: int | None
+    offset: int | None = Field(description="None for an event dead-lettered from the worker's state (label_close_failed)")
     key_b64: str | None
     value_b64: str | None
     detected_at: str
