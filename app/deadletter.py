@@ -21,6 +21,11 @@ inspected or re-published after a fix.
 `send` waits for the broker's acknowledgement; when the broker does not take it (it is the
 same broker the record came from, so this is an outage, not a bad record) the record is
 logged in full instead and counted with `delivered="false"`: the consumer still goes on.
+
+Delivery is at least once: one `DeadLetters` sends a record (topic, partition, offset) once,
+but a consumer that replays its topic from the beginning after a restart (the controller, a
+replica) dead-letters its bad records again. `(consumer, topic, partition, offset)`
+identifies a dead letter; readers of the DLQ dedupe on it.
 """
 
 from __future__ import annotations
@@ -65,13 +70,20 @@ class DeadLetters:
         self.settings, self.consumer = settings, consumer
         self.topic = settings.topic("dlq")
         self._producer = None
+        self._sent: set[tuple[str, int | None, int | None]] = set()  # (topic, partition, offset) delivered
 
     def send(self, rec: Any, reason: str, errors: list[dict[str, Any]]) -> bool:
         """Dead-letter the consumed record `rec` (its topic, partition, offset, key, value); True once the
         broker acknowledged it, False when it was logged instead."""
+        where = (rec.topic, rec.partition, rec.offset)
+        if where in self._sent:  # read again (a consumer re-reading its topic): already on the DLQ
+            return True
         key = rec.key.encode() if isinstance(rec.key, str) else rec.key
-        return self.send_envelope(envelope(self.consumer, reason, errors, rec.topic, rec.partition, rec.offset,
-                                           key, rec.value))
+        delivered = self.send_envelope(envelope(self.consumer, reason, errors, rec.topic, rec.partition, rec.offset,
+                                                key, rec.value))
+        if delivered:
+            self._sent.add(where)
+        return delivered
 
     def send_envelope(self, env: dict[str, Any]) -> bool:
         from kafka.errors import KafkaError

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from prometheus_client import Counter, Gauge
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.controller import canary
 from app.controller.aliases import sync_aliases
@@ -49,6 +50,28 @@ DELTA = Gauge("flywheel_controller_last_delta", "Last analysed reward difference
 CAUGHT_UP = Gauge("flywheel_controller_caught_up", "1 once the deployments log has been replayed")
 
 GateFn = Callable[[str, str | None], Any]  # (version, champion) -> GateResult
+
+
+class MetricsRecord(BaseModel):
+    """The fields of a `<ns>.version-metrics` record (streams.records.VersionMetrics) the controller reads."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model_version: str = Field(min_length=1)
+    bucket_start: float
+    bucket_id: str | None = None
+    n: int = Field(0, ge=0)
+    sums: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _sums_add_up(self) -> "MetricsRecord":
+        if self.sums.get("n", 0.0) < 0 or self.sums.get("reward_sumsq", 0.0) < 0:
+            raise ValueError("sums.n and sums.reward_sumsq cannot be negative")
+        return self
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
 
 
 class Controller:
@@ -71,6 +94,7 @@ class Controller:
         # worker thread so canary analysis keeps its cadence meanwhile; tests drive it inline
         self.background_gate = background_gate
         self._gate_job: tuple[str, Any] | None = None  # (version, future) in flight
+        self.dead: Any = None  # app.deadletter.DeadLetters, created with the first record
 
     # --- events ---------------------------------------------------------------------------------
     def publish(self, events: list[dict[str, Any]]) -> None:
@@ -84,21 +108,59 @@ class Controller:
                      ev["traffic_pct"], ev["reason"])
 
     def on_deployment(self, ev: dict[str, Any]) -> None:
+        """Fold one deployment event (a decoded, valid DeploymentEvent as a dict). The fold and the
+        state machine run before anything changes: if they raise, the state is as before the event."""
         eid = ev.get("event_id")
         if eid in self.seen or ev.get("model") != self.model:
             return
         self.seen.add(eid)
-        if ev.get("type") == "alias_changed":  # MLflow's aliases moved outside Flywheel: `_synced` is stale,
-            self._synced = None  # so re-check them on the next tick even if the state returns to it
         if not self.caught_up:
             self.state = apply_event(self.state, ev)
-            return
-        self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
-        self.publish(out)
+        else:
+            self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
+        if ev.get("type") == "alias_changed":  # MLflow's aliases moved outside Flywheel: `_synced` is stale,
+            self._synced = None  # so re-check them on the next tick even if the state returns to it
+        if self.caught_up:
+            self.publish(out)
 
     def on_metrics(self, rec: dict[str, Any]) -> None:
-        bid = rec.get("bucket_id") or f"{rec.get('model_version')}/{rec.get('bucket_start')}"
+        """Keep one version-metrics record (latest per bucket_id); raises ValueError for a record
+        `window` could not sum (it is checked here, not on every tick)."""
+        checked = MetricsRecord.model_validate(rec)
+        bid = checked.bucket_id or f"{checked.model_version}/{checked.bucket_start}"
         self.buckets[bid] = rec
+
+    def consume(self, rec: Any) -> None:
+        """One record of the deployments or version-metrics topic. A record that does not decode, or
+        that the fold or the state machine cannot take, is dead-lettered (docs/DEPLOYMENTS.md, "Bad
+        records") and the loop goes on; only a failure to publish (Kafka) propagates."""
+        from kafka.errors import KafkaError
+
+        from app.deadletter import DeadLetters, error
+        from app.deployments.events import InvalidRecord, decode_event
+
+        if self.dead is None:
+            self.dead = DeadLetters(self.settings, consumer="controller")
+        deployments = rec.topic == self.settings.topic("deployments")
+        try:
+            if deployments:
+                self.on_deployment(decode_event(rec.value).model_dump(mode="json"))
+            else:
+                try:
+                    value = json.loads(rec.value or b"", parse_constant=_refuse_constant)
+                except ValueError as exc:
+                    raise InvalidRecord("invalid_json", error("(record)", f"not valid JSON: {exc}")) from None
+                self.on_metrics(value)
+        except KafkaError:
+            raise
+        except InvalidRecord as exc:
+            self.dead.send(rec, exc.reason, exc.errors)
+        except ValidationError as exc:
+            self.dead.send(rec, "invalid_metrics",
+                           [{"field": ".".join(map(str, e["loc"])) or "(record)", "message": e["msg"]} for e in exc.errors(include_url=False)])
+        except Exception as exc:  # noqa: BLE001 - one record must not stop the controller
+            log.exception("%s[%d]@%d could not be applied", rec.topic, rec.partition, rec.offset)
+            self.dead.send(rec, "apply_failed", error("(apply)", f"{type(exc).__name__}: {exc}"))
 
     def window(self, version: str | None, since: datetime | None) -> canary.ArmStats:
         """Sufficient statistics of `version`'s rewards over buckets that started at or after `since`."""
@@ -249,19 +311,9 @@ class Controller:
             next_tick = 0.0
             while not stop.is_set():
                 batch = consumer.poll(timeout_ms=200)
-                for tp, records in batch.items():
+                for records in batch.values():
                     for rec in records:
-                        if not rec.value:
-                            continue
-                        try:
-                            value = json.loads(rec.value)
-                        except ValueError:
-                            log.error("skipping undecodable record %s[%d]@%d", tp.topic, tp.partition, rec.offset)
-                            continue
-                        if tp.topic == dep_topic:
-                            self.on_deployment(value)
-                        else:
-                            self.on_metrics(value)
+                        self.consume(rec)
                 if not self.caught_up and all(consumer.position(tp) >= dep_end[tp] for tp in dep):
                     self.caught_up = True
                     CAUGHT_UP.set(1)
@@ -278,6 +330,8 @@ class Controller:
                 reconciler.stop()
             consumer.close()
             self.dlog.close()
+            if self.dead is not None:
+                self.dead.close()
 
     def _start_alias_watch(self) -> Reconciler | None:
         if self.client is None:

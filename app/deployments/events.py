@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal, get_args
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.deployments.metrics import INVALID_EVENTS, PUBLISHED
+from app.events import Timestamp
 from app.kafka_io import dumps, make_consumer, make_producer
 from app.settings import Settings
 
@@ -46,6 +48,15 @@ EventType = Literal[
 Source = Literal["trainer", "controller", "api", "mlflow-ui", "replica"]
 EVENT_TYPES: tuple[str, ...] = get_args(EventType)
 SOURCES: tuple[str, ...] = get_args(Source)
+
+VERSION_PATTERN = r"^[0-9]{1,32}$"  # MLflow model versions are decimal numbers (the controller orders them as ints)
+# `details` keys the projections and folds read: (kind, limit), checked when present and not null, so a
+# record every consumer decodes is one every consumer can apply (the SQL columns' types and sizes)
+_DETAIL_FIELDS: dict[str, tuple[str, int]] = {
+    "step": ("int", 2**31), "rollouts_consumed": ("int", 2**63), "run_id": ("str", 64), "reward_spec": ("str", 16),
+    "url": ("str", 512), "status": ("str", 32), "alias": ("str", 16), "in_response_to": ("str", 64),
+    "champion_version": ("version", 32), "candidate_version": ("version", 32),
+}
 
 REPLICA_TYPES = frozenset({"replica_synced", "replica_sync_failed", "replica_heartbeat"})
 # types whose `version` may be absent: an alias can be deleted; a fresh replica serves nothing yet
@@ -78,19 +89,15 @@ class DeploymentEvent(BaseModel):
                           description="Unique id; the projections dedupe on it. Reuse it when re-publishing the same decision.")
     type: EventType = Field(description="What happened.")
     model: str = Field(min_length=1, max_length=128, description="Registered model name (the Kafka key).")
-    version: str | None = Field(None, min_length=1, max_length=32, description="The version the event is about (the target of a move).")
-    from_version: str | None = Field(None, min_length=1, max_length=32, description="The version it moves away from (parent, old champion, old alias target).")
+    version: str | None = Field(None, pattern=VERSION_PATTERN, max_length=32, description="The version the event is about (the target of a move); an MLflow version number.")
+    from_version: str | None = Field(None, pattern=VERSION_PATTERN, max_length=32, description="The version it moves away from (parent, old champion, old alias target).")
     traffic_pct: float | None = Field(None, ge=0.0, le=100.0, description="Candidate's share of sessions in percent, for canary events.")
     source: Source = Field(description="Who decided: trainer, controller, api (operator verb), mlflow-ui (alias move), replica.")
     actor: str = Field("", max_length=128, description="Person or process behind the decision.")
     reason: str = Field("", max_length=4096, description="Why, in words an operator understands.")
     details: dict[str, Any] = Field(default_factory=dict, description="Type-specific payload (gate results, analysis, lineage, replica report).")
-    ts: AwareDatetime = Field(default_factory=_utcnow, description="When the decision was made (RFC 3339 with timezone).")
-
-    @field_validator("ts")
-    @classmethod
-    def _ts_in_utc(cls, v: datetime) -> datetime:
-        return v.astimezone(timezone.utc)  # one representation everywhere (SQLite stores naive UTC)
+    ts: Timestamp = Field(default_factory=_utcnow, description="When the decision was made (RFC 3339 with timezone; "
+                                                                 "the interaction events' parser, held in UTC).")
 
     @model_validator(mode="after")
     def _type_specific_fields(self) -> "DeploymentEvent":
@@ -106,14 +113,19 @@ class DeploymentEvent(BaseModel):
                 raise ValueError(f"a {self.type} event needs details.replica_id (1-128 chars)")
             if self.details.get("slot", "champion") not in ("champion", "candidate"):
                 raise ValueError("details.slot must be 'champion' or 'candidate'")
-        for key in ("step",):
-            if key in self.details and not (isinstance(self.details[key], int) and not isinstance(self.details[key], bool)):
-                raise ValueError(f"details.{key} must be an integer, got {self.details[key]!r}")
+        for key, (kind, limit) in _DETAIL_FIELDS.items():
+            if self.details.get(key) is not None:
+                problem = _detail_problem(self.details[key], kind, limit)
+                if problem:
+                    raise ValueError(f"details.{key} {problem}, got {self.details[key]!r:.100}")
         if "analysis" in self.details and not isinstance(self.details["analysis"], dict):
             raise ValueError("details.analysis must be an object")
         bad = _non_finite(self.details, "details")
         if bad:
             raise ValueError(f"{bad} is NaN or infinite; JSON cannot carry it (send null or a string)")
+        bad = _nul(self.model_dump(include={"actor", "reason", "details"}), "")
+        if bad:
+            raise ValueError(f"{bad.lstrip('.')} contains a NUL character, which PostgreSQL text and JSON cannot store")
         return self
 
     def to_bytes(self) -> bytes:
@@ -123,6 +135,19 @@ class DeploymentEvent(BaseModel):
     @classmethod
     def from_bytes(cls, raw: bytes) -> "DeploymentEvent":
         return cls.model_validate_json(raw)
+
+
+def _detail_problem(value: Any, kind: str, limit: int) -> str | None:
+    """What is wrong with one conventional `details` value (None: fine)."""
+    if kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "must be an integer"
+        return None if 0 <= value < limit else f"must be in [0, {limit})"
+    if not isinstance(value, str):
+        return "must be a string"
+    if kind == "version" and not re.fullmatch(VERSION_PATTERN, value):
+        return "must be an MLflow version number (decimal digits)"
+    return None if len(value) <= limit else f"must be at most {limit} characters"
 
 
 def _non_finite(value: Any, path: str) -> str | None:
@@ -136,6 +161,22 @@ def _non_finite(value: Any, path: str) -> str | None:
     else:
         return None
     return next((bad for p, v in items if (bad := _non_finite(v, p))), None)
+
+
+def _nul(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) holding U+0000 inside `value`, or None."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, dict):
+        items = ((f"{path}.{k}", v) for k, v in value.items())
+        bad_key = next((f"{path}.{k!r}" for k in value if isinstance(k, str) and "\x00" in k), None)
+        if bad_key:
+            return bad_key
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    return next((bad for p, v in items if (bad := _nul(v, p))), None)
 
 
 @dataclass(frozen=True)
@@ -225,12 +266,33 @@ class DeploymentLog:
         self.close()
 
 
-def decode_record(partition: int, offset: int, value: bytes | None) -> LoggedEvent | None:
-    """A LoggedEvent, or None (logged and counted) when the record is not a valid event."""
+class InvalidRecord(ValueError):
+    """A record of the deployment log that is not a valid event: `reason` (invalid_json | invalid_event)
+    and `errors` ([{"field", "message"}]) as they go into a DLQ envelope (app/deadletter.py)."""
+
+    def __init__(self, reason: str, errors: list[dict[str, str]]):
+        self.reason, self.errors = reason, errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+def decode_event(value: bytes | None) -> DeploymentEvent:
+    """The event in a record value; raises InvalidRecord saying why it is not one."""
     try:
-        return LoggedEvent(partition, offset, DeploymentEvent.from_bytes(value or b""))
+        return DeploymentEvent.from_bytes(value or b"")
     except ValidationError as exc:
+        errors = [{"field": ".".join(map(str, e["loc"])) or "(event)", "message": e["msg"]} for e in exc.errors(include_url=False)]
+        json_error = any(e["type"] == "json_invalid" for e in exc.errors(include_url=False))
+        raise InvalidRecord("invalid_json" if json_error else "invalid_event", errors) from None
+
+
+def decode_record(partition: int, offset: int, value: bytes | None) -> LoggedEvent | None:
+    """A LoggedEvent, or None (logged and counted) when the record is not a valid event.
+
+    Every reader of the log decodes with this (or `decode_event`), so they all skip the same records;
+    the consumers that follow the log also dead-letter them (docs/DEPLOYMENTS.md, "Bad records")."""
+    try:
+        return LoggedEvent(partition, offset, decode_event(value))
+    except InvalidRecord as exc:
         INVALID_EVENTS.inc()
-        log.error("skipping invalid record at deployments[%d]@%d: %s", partition, offset,
-                  "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+        log.error("skipping invalid record at deployments[%d]@%d: %s", partition, offset, exc)
         return None

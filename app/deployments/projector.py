@@ -33,8 +33,8 @@ from sqlalchemy.orm import Session
 
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica
-from app.deployments.events import DeploymentEvent, DeploymentLog, LoggedEvent, decode_record
-from app.deployments.metrics import PROJECTED, PROJECTED_OFFSET
+from app.deployments.events import DeploymentEvent, DeploymentLog, InvalidRecord, LoggedEvent, decode_event
+from app.deployments.metrics import INVALID_EVENTS, PROJECTED, PROJECTED_OFFSET
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -260,6 +260,28 @@ def apply_events(session: Session, events: Iterable[LoggedEvent]) -> int:
     return sum(apply_event(session, logged) for logged in events)
 
 
+# Database errors that say the database is away, not that the event is bad: the batch is retried.
+TRANSIENT_DB_ERRORS: tuple[type[Exception], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError,
+                                                    sa.exc.DisconnectionError, sa.exc.TimeoutError)
+
+
+def apply_or_skip(session: Session, logged: LoggedEvent) -> tuple[bool, Exception | None]:
+    """(applied, failure) of one event applied inside a savepoint. An event the projections cannot
+    take (an error that is not the database being away) is rolled back alone and returned as the
+    failure, so the others still apply. `follow` and `rebuild` both skip such an event, so a
+    rebuild reproduces what `follow` wrote."""
+    try:
+        with session.begin_nested():
+            return apply_event(session, logged), None
+    except TRANSIENT_DB_ERRORS:
+        raise
+    except Exception as exc:  # noqa: BLE001 - one event must not stop the projections (docs/DEPLOYMENTS.md)
+        PROJECTED.labels("failed").inc()
+        log.error("deployments[%d]@%d (%s %s) cannot be projected, skipped: %s: %s", logged.partition, logged.offset,
+                  logged.event.type, logged.event.event_id, type(exc).__name__, exc)
+        return False, exc
+
+
 # --- rebuild ----------------------------------------------------------------------------------
 def reset_projections(session: Session) -> None:
     """Empty every projection table inside the session's transaction (see module docstring)."""
@@ -305,7 +327,7 @@ def rebuild(settings: Settings, db_url: str | None = None,
         reset_projections(session)
         for logged in DeploymentLog(settings).read(until_end=True):
             read += 1
-            applied += apply_event(session, logged)
+            applied += apply_or_skip(session, logged)[0]
             if progress is not None:
                 progress(read)
     report = RebuildReport(read, applied, read - applied, time.monotonic() - started)
@@ -320,10 +342,14 @@ def follow(settings: Settings, db_url: str | None = None, stop: threading.Event 
     """Consume the topic with a consumer group and apply each poll batch in one transaction.
 
     Offsets are committed after the database commit, so a crash re-delivers at most one batch,
-    which the event_id / offset dedupe turns into no-ops. A database error rewinds to the
-    batch's first offsets and retries after `retry_backoff_s`. Returns when `stop` is set.
+    which the event_id / offset dedupe turns into no-ops. A database error that says the database
+    is away rewinds to the batch's first offsets and retries after `retry_backoff_s`. A record
+    that is not a valid event, or an event the projections cannot take (`apply_or_skip`), is
+    skipped and dead-lettered to `<ns>.dlq` once the batch committed (reasons invalid_json,
+    invalid_event, apply_failed). Returns when `stop` is set.
     """
     from app.db.session import session_scope
+    from app.deadletter import DeadLetters, error
     from app.kafka_io import make_consumer
 
     url = db_url or settings.db_url
@@ -338,28 +364,39 @@ def follow(settings: Settings, db_url: str | None = None, stop: threading.Event 
             consumer.close()
             return
     consumer.subscribe([topic])
+    dead = DeadLetters(settings, consumer="projector")
     log.info("projector following %s into %s (group %s)", settings.topic("deployments"), url, group_id)
     try:
         while not stop.is_set():
             batch = consumer.poll(timeout_ms=int(poll_timeout_s * 1000))
             if not batch:
                 continue
+            bad: list[tuple[Any, str, list[dict[str, str]]]] = []  # (record, reason, errors), sent after the commit
             try:
                 with session_scope(url) as session:
                     for records in batch.values():
                         for rec in records:
-                            logged = decode_record(rec.partition, rec.offset, rec.value)
-                            if logged is not None:
-                                apply_event(session, logged)
+                            try:
+                                logged = LoggedEvent(rec.partition, rec.offset, decode_event(rec.value))
+                            except InvalidRecord as exc:
+                                INVALID_EVENTS.inc()
+                                bad.append((rec, exc.reason, exc.errors))
+                                continue
+                            _, failed = apply_or_skip(session, logged)
+                            if failed is not None:
+                                bad.append((rec, "apply_failed", error("(apply)", f"{type(failed).__name__}: {failed}")))
             except sa.exc.SQLAlchemyError as exc:
                 log.warning("projector: database error, retrying the batch in %.1fs: %s", retry_backoff_s, exc)
                 for tp, records in batch.items():
                     consumer.seek(tp, records[0].offset)
                 stop.wait(retry_backoff_s)
                 continue
+            for rec, reason, errors in bad:
+                dead.send(rec, reason, errors)
             consumer.commit()
     finally:
         consumer.close()
+        dead.close()
 
 
 def projection_rows(session: Session) -> dict[str, list[dict[str, Any]]]:

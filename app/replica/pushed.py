@@ -48,16 +48,34 @@ class PushedDelta:
         """(key, value, headers) of the Kafka record."""
         return self.model, self.data, [(h, str(getattr(self, h)).encode()) for h in HEADERS]
 
-    @classmethod
-    def from_record(cls, rec: Any, model: str | None = None) -> "PushedDelta | None":
-        """The delta in a consumed record, or None (logged) when its headers are incomplete, or it is
-        another model's when `model` is given."""
-        headers = {k: v.decode("utf-8", "replace") for k, v in (rec.headers or [])}
+    @staticmethod
+    def problem(rec: Any) -> str | None:
+        """Why a consumed record of `<ns>.deltas` is not a pushed delta (None: it is one)."""
+        headers = {k: v for k, v in (rec.headers or [])}
         missing = [h for h in HEADERS if not headers.get(h)]
         if missing or rec.value is None:
-            log.warning("%s@%s offset %s is not a pushed delta (missing %s); ignored", rec.topic, rec.partition,
-                        rec.offset, missing or ["value"])
+            return f"missing {', '.join(missing or ['value'])}"
+        try:
+            version, parent = headers["version"].decode(), headers["parent_version"].decode()
+            sha = headers["sha256"].decode()
+        except (UnicodeDecodeError, AttributeError):
+            return "headers are not UTF-8 text"
+        if not (version.isdigit() and parent.isdigit()):
+            return f"version {version!r} / parent_version {parent!r} are not MLflow version numbers"
+        if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+            return f"sha256 {sha[:80]!r} is not 64 lower-case hex digits"
+        return None
+
+    @classmethod
+    def from_record(cls, rec: Any, model: str | None = None) -> "PushedDelta | None":
+        """The delta in a consumed record, or None (logged) when it is not one (`problem`), or it is
+        another model's when `model` is given."""
+        problem = cls.problem(rec)
+        if problem is not None:
+            log.warning("%s@%s offset %s is not a pushed delta (%s); ignored", rec.topic, rec.partition,
+                        rec.offset, problem)
             return None
+        headers = {k: v.decode() for k, v in (rec.headers or [])}
         if model is not None and headers["model"] != model:
             return None
         return cls(data=bytes(rec.value), **{h: headers[h] for h in HEADERS})

@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from app.controller.state import DeploymentState, apply_event
+from app.deadletter import DeadLetters
 from app.deployments.events import REPLICA_TYPES, DeploymentEvent, DeploymentLog
 from app.replica import metrics as m
 from app.replica.config import ReplicaConfig
@@ -58,6 +59,7 @@ class SyncAgent:
                                                  pushed_max_bytes=cfg.pushed_max_bytes)
         self.state = DeploymentState(model=settings.model_name)
         self.events = DeploymentLog(settings)
+        self.dead = DeadLetters(settings, consumer=f"replica:{cfg.id}")
         self.last_result: dict[str, Any] | None = None
         self.in_progress: dict[str, Any] | None = None  # the version being applied, for /v1/status
         self.caught_up = threading.Event()  # set once the log was read to its end at start
@@ -76,6 +78,7 @@ class SyncAgent:
         self._stop.set()
         self._thread.join(timeout_s)
         self.events.close()
+        self.dead.close()
         if hasattr(self.fetcher, "close"):
             self.fetcher.close()
 
@@ -138,7 +141,11 @@ class SyncAgent:
         return [TopicPartition(topic, p) for p in sorted(parts)]
 
     def _fold(self, batch: dict) -> None:
-        from app.deployments.events import decode_record
+        """Fold a poll's records. A record that is not a valid event or pushed delta, or that the fold
+        cannot take, is dead-lettered and skipped (the state stays as before it); nothing here raises
+        for a bad record, so the agent never re-reads the log in a loop because of one."""
+        from app.deadletter import error
+        from app.deployments.events import InvalidRecord, decode_event
         from app.replica.pushed import PushedDelta
 
         deltas = self.settings.topic("deltas")
@@ -146,18 +153,34 @@ class SyncAgent:
         for tp, records in sorted(batch.items(), key=lambda kv: kv[0].topic != deltas):
             if tp.topic == deltas:
                 for rec in records:
-                    if self.fetcher.pushed.offer(PushedDelta.from_record(rec, self.settings.model_name)):
+                    problem = PushedDelta.problem(rec)
+                    if problem is not None:
+                        self.dead.send(rec, "invalid_pushed_delta", error("(record)", problem))
+                    elif self.fetcher.pushed.offer(PushedDelta.from_record(rec, self.settings.model_name)):
                         m.PUSHED.labels(self.cfg.id, "received").inc()
                 continue
             for rec in records:
-                logged = decode_record(rec.partition, rec.offset, rec.value)
-                if logged is None or logged.event.type in REPLICA_TYPES or logged.event.event_id in self._seen:
+                try:
+                    event = decode_event(rec.value)
+                except InvalidRecord as exc:
+                    self.dead.send(rec, exc.reason, exc.errors)
+                    continue
+                if event.type in REPLICA_TYPES or event.event_id in self._seen:
                     continue  # replica reports do not change the desired state
-                self._seen.add(logged.event.event_id)
-                hint = ArtifactHint.from_details(logged.event.details) if logged.event.version else None
-                if hint is not None and hasattr(self.fetcher, "learn"):
-                    self.fetcher.learn(logged.event.version, hint)  # no MLflow look-up when it syncs
-                self.state = apply_event(self.state, logged.event.model_dump(mode="json"))
+                try:
+                    self._apply(event)
+                except Exception as exc:  # noqa: BLE001 - one event must not stop syncing (docs/DEPLOYMENTS.md)
+                    log.exception("replica %s: deployments[%d]@%d cannot be folded", self.cfg.id, rec.partition, rec.offset)
+                    self.dead.send(rec, "apply_failed", error("(apply)", f"{type(exc).__name__}: {exc}"))
+                self._seen.add(event.event_id)
+
+    def _apply(self, event: DeploymentEvent) -> None:
+        """Fold one event (pure: the state changes only if the fold returns) and hand its artifact hint on."""
+        state = apply_event(self.state, event.model_dump(mode="json"))
+        hint = ArtifactHint.from_details(event.details) if event.version else None
+        if hint is not None and hasattr(self.fetcher, "learn"):
+            self.fetcher.learn(event.version, hint)  # no MLflow look-up when it syncs
+        self.state = state
 
     # --- reconcile ----------------------------------------------------------------------------------
     def reconcile(self) -> Serving:
