@@ -74,6 +74,23 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def decode_metrics(raw: bytes | None) -> dict[str, Any]:
+    """A version-metrics record value as a dict the controller can sum (`window`), or InvalidRecord
+    (invalid_json | invalid_metrics): checked once on arrival, not on every tick."""
+    from app.deployments.events import InvalidRecord
+
+    try:
+        value = json.loads(raw or b"", parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise InvalidRecord("invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}]) from None
+    try:
+        MetricsRecord.model_validate(value)
+    except ValidationError as exc:
+        raise InvalidRecord("invalid_metrics", [{"field": ".".join(map(str, e["loc"])) or "(record)", "message": e["msg"]}
+                                                for e in exc.errors(include_url=False)]) from None
+    return value
+
+
 class Controller:
     def __init__(self, settings: Settings, cs: ControllerSettings, client=None, gate: GateFn | None = None,  # noqa: ANN001
                  clock: Callable[[], float] = time.time, background_gate: bool = False):
@@ -108,59 +125,55 @@ class Controller:
                      ev["traffic_pct"], ev["reason"])
 
     def on_deployment(self, ev: dict[str, Any]) -> None:
-        """Fold one deployment event (a decoded, valid DeploymentEvent as a dict). The fold and the
-        state machine run before anything changes: if they raise, the state is as before the event."""
+        """Fold one deployment event (a decoded, valid DeploymentEvent as a dict) and publish what the
+        state machine decides."""
+        self.publish(self.fold(ev))
+
+    def fold(self, ev: dict[str, Any]) -> list[dict[str, Any]]:
+        """The state after `ev` and the decisions to publish (none before catching up). The fold and
+        the state machine run before anything changes: if they raise, the state is as before."""
         eid = ev.get("event_id")
         if eid in self.seen or ev.get("model") != self.model:
-            return
-        self.seen.add(eid)
+            return []
+        out: list[dict[str, Any]] = []
         if not self.caught_up:
             self.state = apply_event(self.state, ev)
         else:
             self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
+        self.seen.add(eid)
         if ev.get("type") == "alias_changed":  # MLflow's aliases moved outside Flywheel: `_synced` is stale,
             self._synced = None  # so re-check them on the next tick even if the state returns to it
-        if self.caught_up:
-            self.publish(out)
+        return out
 
     def on_metrics(self, rec: dict[str, Any]) -> None:
-        """Keep one version-metrics record (latest per bucket_id); raises ValueError for a record
-        `window` could not sum (it is checked here, not on every tick)."""
-        checked = MetricsRecord.model_validate(rec)
-        bid = checked.bucket_id or f"{checked.model_version}/{checked.bucket_start}"
+        """Keep one version-metrics record (latest per bucket_id); `consume` checked it (MetricsRecord)."""
+        bid = rec.get("bucket_id") or f"{rec.get('model_version')}/{rec.get('bucket_start')}"
         self.buckets[bid] = rec
 
     def consume(self, rec: Any) -> None:
         """One record of the deployments or version-metrics topic. A record that does not decode, or
         that the fold or the state machine cannot take, is dead-lettered (docs/DEPLOYMENTS.md, "Bad
-        records") and the loop goes on; only a failure to publish (Kafka) propagates."""
-        from kafka.errors import KafkaError
-
+        records") and the loop goes on. Publishing the decisions is outside that: a failure there
+        (Kafka, or an invalid decision: a bug) propagates as before, the input record is not blamed."""
         from app.deadletter import DeadLetters, error
         from app.deployments.events import InvalidRecord, decode_event
 
         if self.dead is None:
             self.dead = DeadLetters(self.settings, consumer="controller")
-        deployments = rec.topic == self.settings.topic("deployments")
         try:
-            if deployments:
-                self.on_deployment(decode_event(rec.value).model_dump(mode="json"))
+            if rec.topic == self.settings.topic("deployments"):
+                decisions = self.fold(decode_event(rec.value).model_dump(mode="json"))
             else:
-                try:
-                    value = json.loads(rec.value or b"", parse_constant=_refuse_constant)
-                except ValueError as exc:
-                    raise InvalidRecord("invalid_json", error("(record)", f"not valid JSON: {exc}")) from None
-                self.on_metrics(value)
-        except KafkaError:
-            raise
+                self.on_metrics(decode_metrics(rec.value))
+                return
         except InvalidRecord as exc:
             self.dead.send(rec, exc.reason, exc.errors)
-        except ValidationError as exc:
-            self.dead.send(rec, "invalid_metrics",
-                           [{"field": ".".join(map(str, e["loc"])) or "(record)", "message": e["msg"]} for e in exc.errors(include_url=False)])
+            return
         except Exception as exc:  # noqa: BLE001 - one record must not stop the controller
-            log.exception("%s[%d]@%d could not be applied", rec.topic, rec.partition, rec.offset)
+            log.exception("%s[%d]@%d could not be folded", rec.topic, rec.partition, rec.offset)
             self.dead.send(rec, "apply_failed", error("(apply)", f"{type(exc).__name__}: {exc}"))
+            return
+        self.publish(decisions)
 
     def window(self, version: str | None, since: datetime | None) -> canary.ArmStats:
         """Sufficient statistics of `version`'s rewards over buckets that started at or after `since`."""
