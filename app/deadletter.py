@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import base64
 import logging
-import time
+from datetime import datetime, timezone
 from typing import Any
 
 from prometheus_client import Counter
@@ -50,12 +50,10 @@ DEAD_LETTERS = Counter("flywheel_dead_letters_total",
 def envelope(consumer: str, reason: str, errors: list[dict[str, Any]], topic: str, partition: int | None,
              offset: int | None, key: bytes | None, value: bytes | None) -> dict[str, Any]:
     """The DLQ record of one unusable record (see the module docstring)."""
-    from datetime import datetime, timezone
-
     return {"reason": reason, "errors": errors, "consumer": consumer, "topic": topic, "partition": partition,
             "offset": offset, "key_b64": base64.b64encode(key).decode() if key is not None else None,
             "value_b64": base64.b64encode(value).decode() if value is not None else None,
-            "detected_at": format_ts(datetime.fromtimestamp(time.time(), tz=timezone.utc))}
+            "detected_at": format_ts(datetime.now(timezone.utc))}
 
 
 def error(field: str, message: str) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.controller.state import apply_event, DeploymentState
+from app.controller.state import DeploymentState, apply_event
 from app.events import format_ts, parse_event, parse_ts, validate_batch
 from streams.reward import RewardSpec, RewardWeights, compute_reward
 
