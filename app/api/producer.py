@@ -164,10 +164,13 @@ class EventProducer:
             self._lease = None
             self.replacements += 1
         self._retired.add(lease)
-        self._release(lease, 0)
+        self._stop_if_unused(lease)
 
-    def _release(self, lease: _Lease, n: int = 1) -> None:
-        lease.users -= n
+    def _release(self, lease: _Lease) -> None:
+        lease.users -= 1
+        self._stop_if_unused(lease)
+
+    def _stop_if_unused(self, lease: _Lease) -> None:
         if lease.retired and lease.users == 0 and lease in self._retired:
             self._retired.discard(lease)
             self._stop_later(lease.producer)
