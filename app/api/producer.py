@@ -11,7 +11,9 @@ acknowledgements under one deadline (`asyncio.wait_for`). Two kinds of failure:
   against `max_request_size` (= the interactions topic's `max.message.bytes`,
   app/settings.py) before anything of the batch is sent, so a batch the broker would refuse
   for its size is never sent: such a refusal would also spend an idempotent sequence number
-  the broker never saw and break the partition for every later batch.
+  the broker never saw and break the partition for every later batch. At start-up
+  (`connect()`) the topic's actual limit is read from the broker, and a smaller one (a
+  cluster configured by hand) lowers the check to it.
 - `KafkaUnavailable`: anything else on the Kafka side (timeout, connection, broker error):
   the route answers 503 + Retry-After and the client retries with the same event_ids.
 
@@ -110,6 +112,7 @@ class EventProducer:
         )
         self._config.update(overrides)
         self.max_record_bytes: int = self._config["max_request_size"]
+        self._topic = settings.topic("interactions")
         self._lease: _Lease | None = None  # the producer new requests get
         self._retired: set[_Lease] = set()  # replaced, still used by requests that hold them
         self._start_lock: asyncio.Lock | None = None
@@ -238,12 +241,46 @@ class EventProducer:
             raise failed
 
     async def connect(self) -> None:
-        """Start the producer now (at start-up) instead of on the first request; errors are logged."""
+        """Start the producer now (at start-up) instead of on the first request, and lower the
+        record-size check to the topic's limit if that is smaller; errors are logged."""
         try:
             await asyncio.wait_for(self._get_lease(), self.timeout_s)
         except Exception as exc:  # Kafka may be down at start-up; requests retry the connection
             log.warning("kafka not reachable at start-up (%s: %s); POST /v1/events answers 503 until it is",
                         type(exc).__name__, exc)
+            return
+        try:
+            limit = await asyncio.wait_for(self._topic_record_limit(), self.timeout_s)
+        except Exception as exc:  # the check is a safeguard; the configured limit stays in force
+            log.warning("could not read max.message.bytes of %s (%s: %s); records are checked against %d bytes",
+                        self._topic, type(exc).__name__, exc, self.max_record_bytes)
+            return
+        if limit is not None and limit < self.max_record_bytes:
+            log.warning("%s accepts records of at most %d bytes (max.message.bytes), less than the %d the API is "
+                        "configured for; larger events are answered 413. Set the topic's max.message.bytes to %d.",
+                        self._topic, limit, self.max_record_bytes, self.max_record_bytes)
+            self.max_record_bytes = limit
+
+    async def _topic_record_limit(self) -> int | None:
+        """The topic's effective `max.message.bytes` as the broker reports it (None if it has no such topic)."""
+        from aiokafka.admin import AIOKafkaAdminClient
+        from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=self._config["bootstrap_servers"],
+                                    request_timeout_ms=self._config["request_timeout_ms"])
+        await admin.start()
+        try:
+            responses = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, self._topic, {"max.message.bytes": None})])
+        finally:
+            await admin.close()
+        for resource in responses[0].to_object()["resources"]:
+            if resource["error_code"] != 0:
+                return None
+            for entry in resource["config_entries"]:
+                if entry["config_names"] == "max.message.bytes":
+                    return int(entry["config_value"])
+        return None
 
     async def aclose(self) -> None:
         """Flush what is buffered (bounded by the produce timeout) and stop. Safe to call twice."""

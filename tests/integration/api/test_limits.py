@@ -8,7 +8,9 @@ request's failure from every other request's answer.
   every valid batch gets 202 and is on Kafka, and the shared producer is never replaced.
 - The producer itself (EventProducer on the real broker): a record over its record limit is
   RecordRejected before anything of its batch is sent and leaves the producer alone; replacing
-  the producer (what a broker failure does) does not fail the batches in flight on the old one.
+  the producer (what a broker failure does) does not fail the batches in flight on the old one;
+  a topic configured by hand with a smaller limit lowers the producer's check to it (413, not a
+  broker refusal that would break the partition's idempotent sequence).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
+import uuid
 
 import httpx
 import orjson
@@ -164,3 +168,32 @@ def test_replacing_the_producer_does_not_fail_the_batches_in_flight_on_the_old_o
     assert fresh and producer.replacements == 1, "requests after the replacement use a new producer"
     keys = sorted(k for k, _ in read_interactions(settings))
     assert keys == sorted(k for batch in batches for k, _ in batch)
+
+
+def test_a_topic_configured_with_a_smaller_record_limit_lowers_the_check_and_larger_events_are_413(api_factory, kafka):
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    namespace = f"small{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    try:  # an interactions topic set up by hand with a 200,000-byte record limit
+        admin.create_topics([NewTopic(f"{namespace}.interactions", num_partitions=3, replication_factor=1,
+                                      topic_configs={"max.message.bytes": "200000"})])
+    finally:
+        admin.close()
+    api = api_factory(topic_namespace=namespace, create_topics=False)
+    producer = api.server.server.config.app.state.event_producer
+    deadline = time.monotonic() + 30
+    while producer.max_record_bytes != 200_000:  # connect() runs in the background at start-up
+        assert time.monotonic() < deadline, f"the producer kept {producer.max_record_bytes}"
+        time.sleep(0.1)
+
+    big = event_of_size(250_000, 1)
+    resp = api.post_events({"events": [event("accept", 0), big]})
+    assert resp.status_code == 413, resp.text[:300]
+    (error,) = resp.json()["errors"]
+    assert error["index"] == 1 and "the record limit is 200000" in error["message"], error
+    ok = [event("accept", 2), event_of_size(150_000, 3)]
+    assert api.post_events({"events": ok}).status_code == 202
+    assert sorted(json.loads(v)["event_id"] for _, v in read_interactions(api.settings)) == sorted(e["event_id"] for e in ok)
+    assert producer.replacements == 0
