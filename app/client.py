@@ -4,10 +4,20 @@ It batches events, fills in `event_id` (uuid4) and `ts` (now, UTC) when absent, 
 batches to `POST /v1/events`. 503 / 429 / 5xx answers and connection errors are retried
 with exponential backoff and jitter (tenacity), honouring the server's Retry-After, and a
 retry re-sends the SAME events with the SAME event_ids, so the pipeline's event_id dedupe
-makes retries safe. A 4xx validation answer is not retried: `FeedbackRejected` carries the
-server's `errors` list (`[{"index", "field", "message"}]`). Pending events are flushed when
-the batch is full, every `flush_interval_s` by a background thread, on `flush()`, on
-`close()` and on leaving a `with` block.
+makes retries safe. A 4xx answer is never re-sent as it was:
+
+- 413 naming events (each over the server's `max_event_bytes`): those events are refused
+  and the rest of the batch is posted again without them;
+- 413 for the whole body (over `max_body_bytes`): the batch is halved and each half posted,
+  down to one event, which is then refused;
+- any other 4xx (422 validation, 401, 403): the batch is refused.
+
+Refused events end in one `FeedbackRejected` per flush, raised after every other pending
+event was posted, carrying the server's `errors` (`[{"index", "field", "message"}]`, index
+into the exception's `events`); background flushes collect it in `errors` and `close()`
+raises it. Event ids never change. Pending events are flushed when the batch is full,
+every `flush_interval_s` by a background thread, on `flush()`, on `close()` and on leaving
+a `with` block.
 
     from app.client import FeedbackClient
 
@@ -41,14 +51,17 @@ class FeedbackError(Exception):
 
 
 class FeedbackRejected(FeedbackError):
-    """The server refused a batch for a reason retrying cannot fix (422, 413 for one event, 401, 403).
+    """The server refused events for a reason retrying cannot fix (422, 413 for one event, 401, 403).
 
-    `errors` is the server's list of `{"index", "field", "message"}` (index within `events`),
-    or one entry built from the server's `detail` for non-validation answers.
+    `events` are the refused events (the rest of the flush was posted); `errors` is the
+    server's list of `{"index", "field", "message"}` with `index` into `events`, or one entry
+    built from the server's `detail` for non-validation answers. `status_code` is the first
+    refusal's; `accepted` counts the events of the same flush that were accepted.
     """
 
-    def __init__(self, status_code: int, errors: list[dict[str, Any]], events: list[dict[str, Any]]):
-        self.status_code, self.errors, self.events = status_code, errors, events
+    def __init__(self, status_code: int, errors: list[dict[str, Any]], events: list[dict[str, Any]],
+                 accepted: int = 0):
+        self.status_code, self.errors, self.events, self.accepted = status_code, errors, events, accepted
         lines = "; ".join(f"[{e.get('index')}] {e.get('field')}: {e.get('message')}" for e in errors[:10])
         more = f" (+{len(errors) - 10} more)" if len(errors) > 10 else ""
         super().__init__(f"server rejected a batch of {len(events)} events with HTTP {status_code}: {lines}{more}")
@@ -56,6 +69,16 @@ class FeedbackRejected(FeedbackError):
 
 class FeedbackUnavailable(FeedbackError):
     """The server or Kafka stayed unavailable through every retry; the events stay pending."""
+
+
+class _Unsent(Exception):
+    """FeedbackUnavailable during a flush: the events not yet accepted (kept pending), and the
+    count accepted and the refusals before it happened."""
+
+    def __init__(self, error: FeedbackUnavailable, events: list[dict[str, Any]], accepted: int,
+                 refused: list["FeedbackRejected"]):
+        super().__init__(str(error))
+        self.error, self.events, self.accepted, self.refused = error, events, accepted, refused
 
 
 class _Retryable(Exception):
@@ -81,6 +104,7 @@ class FeedbackClient:
         backoff_initial_s: float = 0.25,
         backoff_max_s: float = 10.0,
         timeout_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
     ):
         """
         base_url: the API root, e.g. http://127.0.0.1:8000.
@@ -91,13 +115,14 @@ class FeedbackClient:
         backoff_initial_s, backoff_max_s: exponential backoff with jitter between retries; a
             Retry-After from the server is honoured (up to 60 s) when it asks for longer.
         timeout_s: HTTP timeout of one request.
+        transport: an httpx transport to use instead of the network (tests, proxies).
         """
         assert 1 <= batch_size <= 1000, f"batch_size must be in 1..1000 (the server's limit), got {batch_size}"
         assert max_retries >= 0 and flush_interval_s >= 0, f"{max_retries=} {flush_interval_s=} must be >= 0"
         self.batch_size, self.max_retries = batch_size, max_retries
         self.errors: list[FeedbackError] = []  # failures of background flushes (also logged)
         self._backoff = wait_exponential_jitter(initial=backoff_initial_s, max=backoff_max_s)
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s,
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport,
                                   headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
         self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # guards _pending
@@ -174,25 +199,63 @@ class FeedbackClient:
     def flush(self) -> int:
         """Post every pending event; returns how many were accepted.
 
-        Raises FeedbackRejected (that batch is dropped: resending it cannot succeed) or
-        FeedbackUnavailable (that batch and the rest stay pending for the next flush).
+        Raises FeedbackRejected for the events the server refused (after posting all the
+        others: they cannot succeed by resending) or FeedbackUnavailable (the events not yet
+        accepted stay pending, in order, for the next flush).
         """
-        accepted = 0
+        accepted, refused = 0, []
         with self._flush_lock:
             while True:
                 with self._lock:
                     batch = self._pending[: self.batch_size]
                     del self._pending[: len(batch)]
                 if not batch:
-                    return accepted
+                    break
                 try:
-                    accepted += self._post(batch)
-                except FeedbackUnavailable:
+                    n, rejected = self._post(batch)
+                except _Unsent as exc:
                     with self._lock:
-                        self._pending[:0] = batch  # keep order and event_ids for the next attempt
-                    raise
+                        self._pending[:0] = exc.events  # keep order and event_ids for the next attempt
+                    refused.extend(exc.refused)
+                    if refused:  # not lost: reported like a background failure
+                        self._record(_merge(refused, accepted + exc.accepted))
+                    raise exc.error from None
+                accepted += n
+                refused.extend(rejected)
+        if refused:
+            raise _merge(refused, accepted)
+        return accepted
 
-    def _post(self, batch: list[dict[str, Any]]) -> int:
+    def _post(self, batch: list[dict[str, Any]]) -> tuple[int, list[FeedbackRejected]]:
+        """Post `batch`, splitting it on 413; returns (accepted, refusals). Raises _Unsent."""
+        accepted, refused = 0, []
+        todo = [batch]
+        while todo:
+            part = todo.pop(0)
+            try:
+                resp = self._post_with_retries(part)
+            except FeedbackUnavailable as exc:
+                raise _Unsent(exc, [ev for p in [part, *todo] for ev in p], accepted, refused) from None
+            if resp.status_code == 202:
+                accepted += int(resp.json().get("accepted", len(part)))
+                continue
+            errors = _server_errors(resp)
+            named = sorted({e["index"] for e in errors if isinstance(e.get("index"), int) and 0 <= e["index"] < len(part)})
+            if resp.status_code == 413 and named:  # events over the per-event limit: refuse them, post the rest
+                refused.append(FeedbackRejected(413, [_reindex(e, named) for e in errors if e.get("index") in named],
+                                                [part[i] for i in named]))
+                rest = [ev for i, ev in enumerate(part) if i not in named]
+                if rest:
+                    todo.insert(0, rest)
+            elif resp.status_code == 413 and len(part) > 1:  # too many bytes for one request: halve it
+                half = len(part) // 2
+                todo[:0] = [part[:half], part[half:]]
+            else:
+                refused.append(FeedbackRejected(resp.status_code, errors, part))
+        return accepted, refused
+
+    def _post_with_retries(self, batch: list[dict[str, Any]]) -> httpx.Response:
+        """The server's answer to `batch` other than 429/5xx; FeedbackUnavailable after every retry."""
         body = json.dumps({"events": batch}, separators=(",", ":"), allow_nan=False).encode()
         retrying = Retrying(stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
                             retry=retry_if_exception_type(_Retryable), reraise=True, before_sleep=self._log_retry)
@@ -202,12 +265,7 @@ class FeedbackClient:
                     resp = self._post_once(body)
         except _Retryable as exc:
             raise FeedbackUnavailable(f"{len(batch)} events not accepted after {self.max_retries} retries: {exc}") from exc
-        if resp.status_code == 202:
-            return int(resp.json().get("accepted", len(batch)))
-        if resp.status_code == 413 and len(batch) > 1:  # too many bytes for one request: split it
-            half = len(batch) // 2
-            return self._post(batch[:half]) + self._post(batch[half:])
-        raise FeedbackRejected(resp.status_code, _server_errors(resp), batch)
+        return resp
 
     def _post_once(self, body: bytes) -> httpx.Response:
         try:
@@ -235,8 +293,11 @@ class FeedbackClient:
             try:
                 self.flush()
             except FeedbackError as exc:
-                log.error("background flush failed: %s", exc)
-                self.errors.append(exc)
+                self._record(exc)
+
+    def _record(self, exc: FeedbackError) -> None:
+        log.error("flush failed: %s", exc)
+        self.errors.append(exc)
 
     # --- lifecycle ---------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -261,6 +322,21 @@ class FeedbackClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _reindex(error: dict[str, Any], named: list[int]) -> dict[str, Any]:
+    return {**error, "index": named.index(error["index"])}
+
+
+def _merge(refused: list[FeedbackRejected], accepted: int) -> FeedbackRejected:
+    """One FeedbackRejected for the refusals of one flush (indices shifted into the joined events)."""
+    events: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    for r in refused:
+        errors.extend({**e, "index": e["index"] + len(events)} if isinstance(e.get("index"), int) else e
+                      for e in r.errors)
+        events.extend(r.events)
+    return FeedbackRejected(refused[0].status_code, errors, events, accepted)
 
 
 def _retry_after(resp: httpx.Response) -> float | None:

@@ -3,6 +3,9 @@
 Producers use acks=all with idempotence (kafka-python 3.x defaults, made explicit here),
 crc32c from the `crc32c` extra, and a bounded `max_block_ms` so an unreachable broker
 surfaces as an error instead of a hang. Values are JSON bytes; keys are UTF-8 strings.
+`max_request_size` (a per-record cap as well as a request cap in kafka-python) is the largest
+record limit of any topic (`<ns>.deltas`, app/settings.py), and consumers fetch records up
+to that size from one partition.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.settings import Settings
+from app.settings import KAFKA_DELTAS_MAX_MESSAGE_BYTES, KAFKA_PRODUCER_MAX_REQUEST_BYTES, Settings
 
 
 def make_producer(settings: Settings, **overrides: Any) -> "KafkaProducer":  # noqa: F821
@@ -22,7 +25,7 @@ def make_producer(settings: Settings, **overrides: Any) -> "KafkaProducer":  # n
         enable_idempotence=True,
         linger_ms=2,
         batch_size=256 * 1024,
-        max_request_size=8 * 1024 * 1024,
+        max_request_size=KAFKA_PRODUCER_MAX_REQUEST_BYTES,  # every topic's largest record fits (deltas)
         max_block_ms=int(settings.kafka_produce_timeout * 1000),
         request_timeout_ms=max(1000, int(settings.kafka_produce_timeout * 1000)),
         retry_backoff_ms=50,
@@ -43,7 +46,7 @@ def make_consumer(settings: Settings, *topics: str, group_id: str | None, **over
         auto_offset_reset="earliest",
         max_poll_records=1000,
         fetch_max_bytes=32 * 1024 * 1024,
-        max_partition_fetch_bytes=8 * 1024 * 1024,
+        max_partition_fetch_bytes=KAFKA_DELTAS_MAX_MESSAGE_BYTES,  # the largest record of any topic
     )
     cfg.update(overrides)
     return KafkaConsumer(*topics, **cfg)

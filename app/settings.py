@@ -48,6 +48,17 @@ def parse_duration(value: object) -> float:
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
+# Kafka record limits (bytes), one chain from the HTTP body to the broker; tests/unit/test_kafka_limits.py
+# checks that it holds. An event of `max_event_bytes` becomes one record whose batch is at most
+# `max_event_bytes + KAFKA_RECORD_OVERHEAD_BYTES`: a v2 batch header is 61 bytes, a record's framing
+# (length, attributes, timestamp and offset deltas, key and value lengths, header count; varints)
+# at most 31, and the key (a request_id of up to 128 characters) at most 512 bytes of UTF-8.
+KAFKA_MESSAGE_MAX_BYTES = 1_048_588  # broker message.max.bytes and <ns>.interactions max.message.bytes (Kafka's default, set explicitly)
+KAFKA_RECORD_OVERHEAD_BYTES = 1024  # upper bound of batch header + record framing + key for one event record
+KAFKA_DERIVED_MAX_MESSAGE_BYTES = 4 << 20  # rollouts / late / dlq: records that embed an event (base64 in the dlq: x4/3)
+KAFKA_DELTAS_MAX_MESSAGE_BYTES = 8 << 20  # <ns>.deltas: pushed weight deltas (delta_push_max_bytes <= 7 MiB)
+KAFKA_PRODUCER_MAX_REQUEST_BYTES = 8 << 20  # kafka-python producers: any record of any topic above must fit
+
 
 class Settings(BaseSettings):
     """Configuration shared by every role. Each field maps to `FLYWHEEL_<NAME>`."""
@@ -84,6 +95,7 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, description="Port of `flywheel api`.")
     max_batch_events: int = Field(1000, ge=1, description="Maximum events per POST /v1/events (contract: 1000).")
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1, description="Maximum request body of POST /v1/events (contract: 4 MiB).")
+    max_event_bytes: int = Field(1_000_000, ge=1024, le=KAFKA_MESSAGE_MAX_BYTES - KAFKA_RECORD_OVERHEAD_BYTES, description="Maximum size of one event of POST /v1/events, as compact JSON (the Kafka record value); a batch with a larger event is refused with 413 naming it. At most the interactions topic's record limit (1048588) minus 1024 bytes for the key and record-batch framing.")
     rate_limit_per_s: float = Field(200.0, gt=0, description="Per-key sustained request rate (token bucket refill, requests/s).")
     rate_limit_burst: int = Field(400, ge=1, description="Per-key burst size of the token bucket.")
 
@@ -102,6 +114,13 @@ class Settings(BaseSettings):
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,100}", v):
             raise ValueError(f"FLYWHEEL_TOPIC_NAMESPACE {v!r} may only contain letters, digits, '.', '_' and '-'")
         return v
+
+    @model_validator(mode="after")
+    def _one_event_fits_in_a_body(self) -> "Settings":
+        if self.max_body_bytes < self.max_event_bytes + len(b'{"events":[]}'):
+            raise ValueError(f"FLYWHEEL_MAX_BODY_BYTES ({self.max_body_bytes}) must hold one event of "
+                             f"FLYWHEEL_MAX_EVENT_BYTES ({self.max_event_bytes}) plus the {{\"events\":[...]}} envelope")
+        return self
 
     @model_validator(mode="after")
     def _secrets_outside_local(self) -> "Settings":
@@ -127,14 +146,15 @@ class Settings(BaseSettings):
 
 # logical name -> (partitions setting or None for default, extra topic configs)
 TOPICS: dict[str, dict[str, str]] = {
-    "interactions": {},
-    "rollouts": {"cleanup.policy": "compact"},
+    "interactions": {"max.message.bytes": str(KAFKA_MESSAGE_MAX_BYTES)},
+    "rollouts": {"cleanup.policy": "compact", "max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)},
     "version-metrics": {},
     "deployments": {},
-    "late": {},
-    "dlq": {},
+    "late": {"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)},
+    "dlq": {"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)},
     # pushed deltas (app/replica/pushed.py): a copy for replicas; MLflow keeps the originals
-    "deltas": {"retention.ms": str(24 * 3600 * 1000), "retention.bytes": str(1 << 30), "max.message.bytes": str(8 << 20)},
+    "deltas": {"retention.ms": str(24 * 3600 * 1000), "retention.bytes": str(1 << 30),
+               "max.message.bytes": str(KAFKA_DELTAS_MAX_MESSAGE_BYTES)},
 }
 
 

@@ -7,7 +7,7 @@ so other roles running in the same process (`flywheel run`) appear on the same p
 |---|---|---|
 | `flywheel_api_events_accepted_total` | — | events acknowledged by Kafka and answered 202 |
 | `flywheel_api_events_rejected_total` | reason | events in batches answered 4xx/503 (where the count is known) |
-| `flywheel_api_batches_total` | outcome | POST /v1/events outcomes: accepted, invalid_json, invalid_body, empty_batch, too_many_events, invalid_event, too_large, unavailable |
+| `flywheel_api_batches_total` | outcome | POST /v1/events outcomes: accepted, invalid_json, invalid_body, empty_batch, too_many_events, invalid_event, too_large (body), event_too_large, record_rejected, unsupported_encoding, unavailable |
 | `flywheel_api_produce_seconds` | — | produce + acknowledgement time of one accepted batch |
 | `flywheel_api_rate_limited_total` | — | requests answered 429 |
 | `flywheel_api_http_requests_total` | method, route, status | every HTTP request, by route template |

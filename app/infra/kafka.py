@@ -26,7 +26,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.settings import TOPICS, Settings, topic_partitions
+from app.settings import KAFKA_MESSAGE_MAX_BYTES, TOPICS, Settings, topic_partitions
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,9 @@ class LocalKafka:
             "log.retention.hours=-1",
             "log.cleaner.min.compaction.lag.ms=0",
             "log.segment.bytes=67108864",
+            # the record limit of topics without their own max.message.bytes (app/settings.py: the chain
+            # max_event_bytes -> producer max_request_size -> topic/broker limits)
+            f"message.max.bytes={KAFKA_MESSAGE_MAX_BYTES}",
             "",
         ]))
         return cfg

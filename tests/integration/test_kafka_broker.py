@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from app.infra.kafka import LocalKafka, ensure_topics
-from app.settings import TOPICS
+from app.settings import KAFKA_MESSAGE_MAX_BYTES, KAFKA_RECORD_OVERHEAD_BYTES, TOPICS
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -37,6 +37,39 @@ def test_topics_are_created_with_configured_partitions_and_rollouts_compacted(ma
         assert deltas["retention.ms"]["value"] == str(24 * 3600 * 1000)
     finally:
         admin.close()
+
+
+def test_record_limits_agree_from_the_http_body_to_the_live_broker(make_settings):
+    """The chain of app/settings.py, read from the running broker and the configured clients."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType
+
+    from app.api.producer import EventProducer
+    from app.kafka_io import make_consumer, make_producer
+
+    s = make_settings()
+    admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+    try:
+        brokers = admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, "1")], config_filter="all")["broker"]
+        broker = next(iter(brokers.values()))
+        topics = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.topic(n)) for n in TOPICS],
+                                        config_filter="all")["topic"]
+    finally:
+        admin.close()
+    limits = {n: int(topics[s.topic(n)]["max.message.bytes"]["value"]) for n in TOPICS}
+    assert int(broker["message.max.bytes"]["value"]) == KAFKA_MESSAGE_MAX_BYTES
+    api_producer = EventProducer(s)
+    assert s.max_event_bytes + KAFKA_RECORD_OVERHEAD_BYTES <= api_producer.max_record_bytes <= limits["interactions"], (
+        "an accepted event fits the API producer's record limit, which is within the topic's")
+    assert s.max_body_bytes >= s.max_event_bytes + len(b'{"events":[]}')
+    producer = make_producer(s)
+    consumer = make_consumer(s, group_id=None)
+    try:
+        assert producer.config["max_request_size"] >= max(limits.values()), limits
+        assert consumer.config["max_partition_fetch_bytes"] >= max(limits.values()), limits
+    finally:
+        producer.close(timeout=5)
+        consumer.close()
 
 
 def test_broker_restarts_on_same_storage_and_keeps_records(tmp_path):

@@ -2,25 +2,40 @@
 
 A batch is all-or-nothing:
 
+- a `Content-Encoding` other than identity -> 415 (bodies are plain JSON; nothing is
+  decompressed);
 - body over `max_body_bytes` (4 MiB) -> 413, checked on Content-Length up front and again
   on the bytes actually streamed (chunked or lying clients cannot get past it);
-- not JSON, NaN/Infinity, not `{"events": [...]}`, empty, over `max_batch_events` (1000),
-  or any event invalid -> 422 `{"errors": [{"index", "field", "message"}]}` listing every
-  problem, and nothing is produced (`index` is null for problems with the whole body);
+- not JSON (including NaN/Infinity, lone surrogates, invalid UTF-8, nesting deeper than
+  orjson's 1024 levels), not `{"events": [...]}`, empty, or over `max_batch_events` (1000)
+  -> 422 `{"errors": [{"index", "field", "message"}]}` (`index` is null for problems with
+  the whole body);
+- any event whose compact JSON (the Kafka record value) is over `max_event_bytes`
+  (1,000,000) -> 413 `{"errors": [...]}` naming every such event by index and the limit;
+- any event invalid, or an object with a duplicate key -> 422 listing every problem;
 - otherwise each event's original JSON object (compact) goes to `<ns>.interactions` keyed
   by its `request_id`, and 202 `{"accepted": n}` comes back only after the broker
   acknowledged every record (acks=all, idempotent producer);
-- Kafka unreachable or slower than `kafka_produce_timeout` -> 503 with Retry-After.
+- Kafka refuses a record for what it is -> 413/422 naming it (never retryable);
+  Kafka unreachable or slower than `kafka_produce_timeout` -> 503 with Retry-After.
+
+Nothing of a refused batch is produced. The size limits form one chain (app/settings.py):
+`max_event_bytes` + key and framing <= the producer's `max_request_size` = the topic's and
+broker's record limit, and `max_body_bytes` holds at least one event of `max_event_bytes`.
 
 The body is parsed once with orjson (which rejects NaN/Infinity like standard JSON), the
 dicts are validated with the strict pydantic union of app/events.py, and the producer gets
 `orjson.dumps(original_dict)`: no per-event pydantic re-serialisation on the hot path.
+orjson keeps the last of duplicate keys silently; a cheap count of `"key":` markers finds
+bodies that may have any, and only those are parsed a second time to name them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 from typing import Annotated, Any
 
@@ -30,7 +45,7 @@ from fastapi.responses import JSONResponse, Response
 
 from app.api.deps import require_scope
 from app.api.metrics import BATCHES, EVENTS_ACCEPTED, EVENTS_REJECTED, PRODUCE_SECONDS
-from app.api.producer import EventProducer, KafkaUnavailable
+from app.api.producer import EventProducer, KafkaUnavailable, RecordRejected
 from app.api.ratelimit import TokenBucketLimiter
 from app.db.models import ApiKey
 from app.events import validate_batch
@@ -40,6 +55,7 @@ log = logging.getLogger(__name__)
 router = APIRouter(tags=["ingest"])
 
 _NON_STANDARD_CONSTANTS = ("NaN", "Infinity", "-Infinity")
+_KEY_MARKER = re.compile(rb'"\s*:')  # every object key ends with one; so may a string value
 
 
 def _reject(outcome: str, errors: list[dict[str, Any]], n_events: int = 0, code: int = 422) -> JSONResponse:
@@ -80,13 +96,45 @@ def _json_error_message(body: bytes, exc: orjson.JSONDecodeError) -> str:
     return f"not valid JSON: {exc}"
 
 
+def _oversized(records: list[tuple[str, bytes]], limit: int) -> list[dict[str, Any]]:
+    return [{"index": i, "field": "(event)",
+             "message": f"event is {len(value)} bytes as compact JSON; the limit is {limit} bytes (max_event_bytes)"}
+            for i, (_key, value) in enumerate(records) if len(value) > limit]
+
+
+def _duplicate_key_errors(body: bytes, doc: dict[str, Any], events: list[Any]) -> list[dict[str, Any]]:
+    """Objects of a valid batch that name a key twice (orjson kept the last value), by event index.
+
+    Runs after validation, so the events are flat objects: a second parse is needed only when
+    the body has more `"...":` markers than the parsed objects have keys (a duplicate, or a
+    string value that contains `":`).
+    """
+    if len(_KEY_MARKER.findall(body)) == len(doc) + sum(len(e) for e in events):
+        return []
+    found: list[dict[str, Any]] = []
+    objects = 0
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:  # called per event in order, then the body
+        nonlocal objects
+        keys = [k for k, _ in pairs]
+        index = objects if objects < len(events) else None
+        found.extend({"index": index, "field": k, "message": "duplicate key: a JSON object may name each field once"}
+                     for k in sorted({k for k in keys if keys.count(k) > 1}))
+        objects += 1
+        return dict(pairs)
+
+    json.loads(body, object_pairs_hook=hook)
+    return found
+
+
 @router.post(
     "/v1/events",
     status_code=status.HTTP_202_ACCEPTED,
     summary="Ingest a batch of interaction events (all-or-nothing)",
     responses={
         202: {"description": "every event acknowledged by Kafka", "content": {"application/json": {"example": {"accepted": 2}}}},
-        413: {"description": "body over the size limit"},
+        413: {"description": "body over max_body_bytes, or events over max_event_bytes (`errors` names them)"},
+        415: {"description": "a Content-Encoding other than identity (send plain JSON)"},
         422: {"description": "invalid body or events; nothing written",
               "content": {"application/json": {"example": {"errors": [{"index": 0, "field": "logprobs.1", "message": "Input should be less than or equal to 0"}]}}}},
         429: {"description": "per-key rate limit; see Retry-After"},
@@ -95,6 +143,12 @@ def _json_error_message(body: bytes, exc: orjson.JSONDecodeError) -> str:
 )
 async def post_events(request: Request, _key: Annotated[ApiKey, Depends(require_scope("ingest"))]) -> Response:
     settings = request.app.state.settings
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        BATCHES.labels("unsupported_encoding").inc()
+        return JSONResponse({"errors": [_body_error(
+            "(Content-Encoding)", f"Content-Encoding {encoding!r} is not supported; send the body as plain JSON")]},
+            status_code=415)
     try:
         body = await _read_body(request, settings.max_body_bytes)
     except HTTPException:
@@ -121,15 +175,27 @@ async def post_events(request: Request, _key: Annotated[ApiKey, Depends(require_
                        [_body_error("events", f"{len(events)} events in one batch; the limit is {limit}, split it")],
                        n_events=len(events))
 
+    records = [(ev.get("request_id") if isinstance(ev, dict) else None, orjson.dumps(ev)) for ev in events]
+    oversized = _oversized(records, settings.max_event_bytes)
+    if oversized:
+        return _reject("event_too_large", oversized, n_events=len(events), code=413)
+
     _parsed, errors = validate_batch(events)
     if errors:
         return _reject("invalid_event", [e.model_dump() for e in errors], n_events=len(events))
+    duplicates = _duplicate_key_errors(body, doc, events)
+    if duplicates:
+        return _reject("invalid_event", duplicates, n_events=len(events))
 
-    records = [(ev["request_id"], orjson.dumps(ev)) for ev in events]
     producer: EventProducer = request.app.state.event_producer
     start = time.perf_counter()
     try:
         await producer.produce(settings.topic("interactions"), records)
+    except RecordRejected as exc:
+        log.warning("Kafka refused records of a batch of %d events: %s", len(events), exc)
+        return _reject("event_too_large" if exc.too_large else "record_rejected",
+                       [{"index": i, "field": "(event)", "message": m} for i, m in exc.errors],
+                       n_events=len(events), code=413 if exc.too_large else 422)
     except KafkaUnavailable as exc:
         log.warning("503 for a batch of %d events: %s", len(events), exc)
         BATCHES.labels("unavailable").inc()

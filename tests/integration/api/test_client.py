@@ -95,3 +95,30 @@ def test_429_is_retried_honouring_retry_after(api_factory):
     assert sorted(json.loads(v)["event_id"] for _, v in read_interactions(api.settings)) == sorted(ids)
     text = httpx.get(f"{api.url}/metrics").text
     assert 'route="/v1/events",status="429"' in text
+
+
+def test_an_oversized_event_is_refused_alone_and_the_rest_of_its_batch_lands_with_the_same_ids(api):
+    fc = FeedbackClient(api.url, api.ingest_key, batch_size=100, flush_interval_s=0)
+    ids = [fc.accept(f"req-{i}", "s") for i in range(4)]
+    tokens = [7] * (api.settings.max_event_bytes // 2 + 10)  # '7,' per token: just over the limit
+    big = fc.generation("req-big", "s", model_version="4", prompt_tokens=tokens, completion_tokens=[1],
+                        logprobs=[-0.5], temperature=1.0)
+    ids += [fc.reject(f"req-{i}", "s") for i in range(4, 8)]
+    with pytest.raises(FeedbackRejected) as exc:
+        fc.flush()
+    assert exc.value.status_code == 413
+    assert [e["event_id"] for e in exc.value.events] == [big]
+    assert exc.value.errors[0]["index"] == 0 and f"the limit is {api.settings.max_event_bytes} bytes" in exc.value.errors[0]["message"]
+    assert exc.value.accepted == 8 and fc.pending == 0
+    fc.close()
+    assert sorted(json.loads(v)["event_id"] for _, v in read_interactions(api.settings)) == sorted(ids)
+
+
+def test_a_batch_over_the_body_limit_is_halved_until_every_part_is_accepted(api_factory):
+    api = api_factory(max_event_bytes=10_000, max_body_bytes=40_000)
+    with FeedbackClient(api.url, api.ingest_key, batch_size=100, flush_interval_s=0) as fc:
+        ids = [fc.tool_error(f"req-{i}", "s", message="m" * 4000, token_index=0) for i in range(24)]  # ~100 KB
+        assert fc.flush() == 24
+    assert sorted(json.loads(v)["event_id"] for _, v in read_interactions(api.settings)) == sorted(ids)
+    text = httpx.get(f"{api.url}/metrics").text
+    assert 'flywheel_api_batches_total{outcome="too_large"}' in text, "the server saw the over-limit body first"
