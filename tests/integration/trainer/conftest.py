@@ -6,8 +6,10 @@ the real policy so behaviour log-probs and routes are the replica's numbers.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -63,6 +65,48 @@ def produce(settings, records: list[dict[str, Any]]) -> None:
         producer.flush(30)
     finally:
         producer.close(5)
+
+
+def produce_raw(settings, records: list[tuple[str | None, bytes | None]]) -> None:
+    """(key, value) records as they are, bytes that are not JSON and tombstones included."""
+    producer = make_producer(settings)
+    try:
+        for key, value in records:
+            producer.send(settings.topic("rollouts"), key=key, value=value)
+        producer.flush(30)
+    finally:
+        producer.close(5)
+
+
+def read_dlq(settings, expect: int, timeout: float = 60.0, settle: float = 1.0) -> list[dict[str, Any]]:
+    """The dead letters about `<ns>.rollouts` (streams' DlqRecord, value decoded to `value` bytes), once
+    at least `expect` arrived (then `settle` s more), or what arrived by `timeout`."""
+    from streams.records import DlqRecord
+
+    cons = make_consumer(settings, settings.topic("dlq"), group_id=None, consumer_timeout_ms=200)
+    out: list[dict[str, Any]] = []
+    deadline, settle_until = time.monotonic() + timeout, None
+    try:
+        while time.monotonic() < deadline:
+            for rec in cons:
+                d = DlqRecord.model_validate_json(rec.value).model_dump()
+                if d["topic"] == settings.topic("rollouts"):
+                    d["value"] = base64.b64decode(d["value_b64"]) if d["value_b64"] is not None else None
+                    out.append(d)
+            if len(out) >= expect and settle_until is None:
+                settle_until = time.monotonic() + settle
+            if settle_until is not None and time.monotonic() >= settle_until:
+                break
+    finally:
+        cons.close()
+    return out
+
+
+def refused_count(reason: str) -> float:
+    """This process's `flywheel_trainer_rollouts_refused_total{reason}`."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("flywheel_trainer_rollouts_refused_total", {"reason": reason}) or 0.0
 
 
 def committed_offsets(settings, group: str) -> dict[int, int | None]:
