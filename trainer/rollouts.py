@@ -68,7 +68,7 @@ class Rollout(BaseModel):
     reward: float
     components: dict[str, Any] | None = None
     tool_errors: list[ToolErrorInfo] = Field(default_factory=list)
-    reward_spec: str = "v1"
+    reward_spec: str = Field("v1", max_length=64)  # every distinct spec goes into a version's tags
     generated_at: str | None = None
     labelled_at: str | None = None
     closed_by: str | None = None
@@ -114,7 +114,10 @@ class Rollout(BaseModel):
         return decode_routes(self.routes, tuple(self.route_shape))  # type: ignore[arg-type]
 
     def version_number(self) -> int | None:
-        return int(self.model_version) if self.model_version.isdigit() else None
+        """The version as an int; None (counted as stale) unless it is 1 to 18 ASCII digits
+        ("²".isdigit() is True and int() refuses it; int() also refuses > 4300 digits)."""
+        v = self.model_version
+        return int(v) if v.isascii() and v.isdigit() and len(v) <= 18 else None
 
 
 def parse_rollout(value: bytes | None, spec: ModelSpec | None = None) -> tuple[Rollout | None, Refusal | None]:

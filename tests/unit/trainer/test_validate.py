@@ -186,3 +186,9 @@ def test_refusal_log_is_rate_limited_per_reason(caplog):
     rl.interval_s = 0  # the next line reports the suppressed ones
     assert rl.warning("token_out_of_vocab", "bad again")
     assert "bad again (999 more token_out_of_vocab suppressed" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.parametrize("version, number", [("7", 7), ("²", None), ("9" * 5000, None), ("v3", None), ("007", 7)])
+def test_model_versions_that_are_not_plain_numbers_are_stale_not_an_exception(spec, version, number):
+    r, refusal = parse_rollout(json.dumps(record(model_version=version)).encode(), spec)
+    assert refusal is None and r.version_number() == number
