@@ -11,7 +11,9 @@ a fault injected in this test, standing in for a bug no validation foresaw).
 Checked: the trainer never raises and ships a version whose lineage is exactly the 12 good
 ones (`rollouts_skipped`: 7 invalid, 1 failed), every bad record is on `<ns>.dlq` with its
 reason and its original bytes, and `flywheel_trainer_rollouts_refused_total{reason}` counted
-each one.
+each one. A second test runs the role itself (`python -m trainer.launch`) on the same bad
+records: the process is still running after them, commits past them, serves the counts on
+its Prometheus endpoint and stops cleanly.
 
 Run: .venv/bin/pytest tests/integration/hostile/test_trainer_poison.py -q
 """
@@ -28,10 +30,13 @@ from mlflow import MlflowClient
 
 from app.events import encode_routes
 from app.kafka_io import dumps
-from tests.integration.trainer.conftest import (drain, produce_raw, read_dlq, refused_count, rollout_records,
-                                                trainer_env)  # noqa: F401 - trainer_env is a fixture
+from tests.conftest import free_port
+from tests.integration.trainer.conftest import (TINY_POLICY, TrainerProcess, committed_offsets, drain, end_offsets,
+                                                produce_raw, read_dlq, refused_count, rollout_records, trainer_env,
+                                                trainer_env_vars, wait_for)  # noqa: F401 - trainer_env is a fixture
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
+from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -113,3 +118,44 @@ def test_poison_rollouts_are_dead_lettered_and_the_trainer_ships_only_the_good_o
         assert {r: after[r] - before[r] for r in after} == expected
     finally:
         trainer.close()
+
+
+def test_the_trainer_process_keeps_running_and_exports_the_refusals(trainer_env, tmp_path):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    settings, cfg = trainer_env
+    cfg.update(metrics_port=free_port(), max_wait_s=1.0)
+    policy = build_policy(TINY_POLICY)  # the subprocess's base version v1 (no pretraining, seed 0)
+    good = rollout_records(policy, 1, 4, lambda text: 1.0 if "(" in text else 0.0, seed=9, prefix="fine-")
+    bad = [b for b in poison_records(good, policy.tokenizer.encode(FAULT_MARK)) if b[0] != "step_failed"]
+    produce_raw(settings, [(k, v) for _, k, v in bad] + [(r["request_id"], dumps(r)) for r in good])
+
+    log = tmp_path / "trainer.log"
+    env = trainer_env_vars(settings.model_copy(update={"ship_interval": 2}), cfg)
+    p = TrainerProcess(env, log)
+    try:
+        ends = end_offsets(settings)
+        wait_for(lambda: committed_offsets(settings, cfg["consumer_group"]) == ends, 300, "offsets committed past the bad records",
+                 p.proc, log)
+        assert p.proc.poll() is None, "the trainer role is still running"
+        text = httpx.get(f"http://127.0.0.1:{cfg['metrics_port']}/metrics", timeout=10).text
+        refused = {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text)
+                   if fam.name == "flywheel_trainer_rollouts_refused" for s in fam.samples if s.name.endswith("_total")}
+        expected = {}
+        for reason, _, _ in bad:
+            expected[reason] = expected.get(reason, 0) + 1
+        assert {r: v for r, v in refused.items() if v} == expected, refused
+        assert refused["step_failed"] == 0 and refused["invalid_reward"] == 0, "every reason is exported, at 0"
+    finally:
+        rc = p.terminate()
+    assert rc == 0, log.read_text()[-3000:]
+    letters = read_dlq(settings, expect=len(bad))
+    assert sorted((base64.b64decode(d["key_b64"]).decode(), d["reason"]) for d in letters) == \
+        sorted((k, r) for r, k, _ in bad)
+    client = MlflowClient(settings.mlflow_uri)
+    trained = []
+    for mv in client.search_model_versions(f"name='{settings.model_name}'"):
+        trained += json.loads(Path(client.download_artifacts(
+            mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path))).read_text())
+    assert sorted(trained) == sorted(r["request_id"] for r in good)

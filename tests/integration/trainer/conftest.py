@@ -9,6 +9,9 @@ from __future__ import annotations
 import base64
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,6 +22,7 @@ import pytest
 from app.events import encode_routes
 from app.kafka_io import dumps, make_consumer, make_producer
 
+REPO = Path(__file__).resolve().parents[3]
 TINY_POLICY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 32, "n_experts": 2, "top_k": 1, "max_context": 64}
 PROMPTS = ["def add(a, b):\n    ", "def f(x):\n    ", "x = [", "for i in range(", "class A:\n    ", "if x > 0:\n    "]
 
@@ -155,3 +159,34 @@ def trainer_env_vars(settings, cfg: dict[str, Any]) -> dict[str, str]:
     for k, v in cfg.items():
         env[f"FLYWHEEL_TRAINER_{k.upper()}"] = json.dumps(v) if isinstance(v, dict) else str(v)
     return env
+
+
+def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{log.read_text()[-4000:]}" if log else ""))
+
+
+class TrainerProcess:
+    def __init__(self, env: dict[str, str], log: Path, module: str = "trainer.launch"):
+        self.log = log
+        self.out = open(log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", module], env=env, cwd=REPO,
+                                     stdout=self.out, stderr=subprocess.STDOUT)
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.out.close()
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(120)
+        self.out.close()
+        return rc

@@ -27,10 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -38,43 +34,11 @@ import pytest
 from mlflow import MlflowClient
 
 from app.kafka_io import dumps
-from tests.integration.trainer.conftest import (TINY_POLICY, committed_offsets, end_offsets, produce, produce_raw, read_dlq,
-                                                rollout_records, trainer_env_vars)
+from tests.integration.trainer.conftest import (TINY_POLICY, TrainerProcess, committed_offsets, end_offsets, produce,
+                                                produce_raw, read_dlq, rollout_records, trainer_env_vars, wait_for)
 from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-REPO = Path(__file__).resolve().parents[3]
-
-
-def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{log.read_text()[-4000:]}" if log else ""))
-
-
-class TrainerProcess:
-    def __init__(self, env: dict[str, str], log: Path, module: str = "trainer.launch"):
-        self.log = log
-        self.out = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", module], env=env, cwd=REPO,
-                                     stdout=self.out, stderr=subprocess.STDOUT)
-
-    def kill9(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-        self.out.close()
-
-    def terminate(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(120)
-        self.out.close()
-        return rc
 
 
 def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice(trainer_env, tmp_path):
