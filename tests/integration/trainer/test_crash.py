@@ -190,3 +190,42 @@ def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_coun
 
     assert {(base64.b64decode(k).decode(), r) for k, r in reasons} == {("culprit", "step_failed"), ("oov", "token_out_of_vocab")}
     assert all("injected fault" in d["errors"][0]["exception"] for d in letters if d["reason"] == "step_failed")
+
+
+def test_an_exception_escaping_a_step_is_not_saved_as_trained_by_the_shutdown(trainer_env, monkeypatch):
+    """In-process: an exception between taking a batch and accounting it (injected) reaches
+    `close()`, which must not save positions and lineage that no optimizer step stands behind."""
+    from trainer.checkpoint import load_state
+    from trainer.config import TrainerConfig
+    from trainer.loop import Trainer
+    from tests.integration.trainer.conftest import drain
+
+    settings, cfg_kw = trainer_env
+    trainer = Trainer(settings, TrainerConfig(**cfg_kw))  # checkpoint_every=1: every step saved
+    records = rollout_records(trainer.policy, 1, 8, lambda text: float(len(text) % 2), seed=11)
+    produce(settings, records[:4])
+    drain(trainer, 4)
+    saved = load_state(cfg_kw["state_dir"])
+    assert len(saved["pending"]["request_ids"]) == 4
+
+    produce(settings, records[4:])
+
+    def dies(batch):
+        raise RuntimeError("injected: the process fails after taking a batch, before accounting it")
+
+    monkeypatch.setattr(trainer, "_account", dies)
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(400):
+            trainer.train_step()
+    trainer.close()  # what the launcher's `finally` does
+    after = load_state(cfg_kw["state_dir"])
+    assert after["positions"] == saved["positions"] and after["step"] == saved["step"]
+    assert after["pending"]["request_ids"] == saved["pending"]["request_ids"], "nothing untrained saved as trained"
+
+    again = Trainer(settings, TrainerConfig(**cfg_kw))
+    try:
+        drain(again, 8)
+        ids = again.pending["request_ids"]
+        assert sorted(ids) == sorted(r["request_id"] for r in records), f"lost or doubled: {Counter(ids)}"
+    finally:
+        again.close()
