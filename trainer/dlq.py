@@ -77,8 +77,9 @@ class DeadLetters:
     """Sends refused records to the DLQ topic and makes sure they arrived before positions pass them."""
 
     def __init__(self, producer: Any, topic: str, max_value_bytes: int, *, flush_timeout_s: float = 30.0,
-                 max_attempts: int = 3):
+                 max_attempts: int = 3, reap_at: int = 10_000):
         self.producer, self.topic = producer, topic
+        self.reap_at = reap_at  # unacknowledged letters kept in memory before acknowledged ones are dropped
         self.max_value_bytes = max_value_bytes
         self.flush_timeout_s, self.max_attempts = flush_timeout_s, max_attempts
         self._unacked: list[_Letter] = []
@@ -87,6 +88,10 @@ class DeadLetters:
         letter = _Letter(src, reason, errors)
         self._send(letter)
         self._unacked.append(letter)
+        if len(self._unacked) >= self.reap_at:  # a flood between two saves: forget the acknowledged ones
+            self._unacked = [x for x in self._unacked if not (x.future.is_done and x.future.succeeded())]
+            if len(self._unacked) >= self.reap_at:
+                self.flush()
 
     def _send(self, letter: _Letter) -> None:
         from kafka.errors import MessageSizeTooLargeError

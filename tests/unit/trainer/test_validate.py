@@ -143,6 +143,9 @@ class _Future:
     def failed(self) -> bool:
         return self.exception is not None
 
+    def succeeded(self) -> bool:
+        return self.exception is None
+
 
 class _FlakyProducer:
     """Stands in for a broker that fails given deliveries (a real one cannot be made to fail on demand here)."""
@@ -192,3 +195,11 @@ def test_refusal_log_is_rate_limited_per_reason(caplog):
 def test_model_versions_that_are_not_plain_numbers_are_stale_not_an_exception(spec, version, number):
     r, refusal = parse_rollout(json.dumps(record(model_version=version)).encode(), spec)
     assert refusal is None and r.version_number() == number
+
+
+def test_a_flood_of_dead_letters_keeps_only_the_unacknowledged_ones_in_memory():
+    prod = _FlakyProducer([])
+    dl = DeadLetters(prod, "ns.dlq", 1 << 20, reap_at=100)
+    for i in range(1000):
+        dl.send(Source("ns.rollouts", 0, i, None, b"v"), "invalid_json", [{"field": "(record)", "message": "x"}])
+    assert len(prod.sent) == 1000 and dl.pending() < 100
