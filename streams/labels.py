@@ -239,7 +239,7 @@ class Aggregator:
             "routes": gen.get("routes"), "route_shape": gen.get("route_shape"),
             "reward": res.reward, "components": res.components, "tool_errors": res.tool_errors,
             "reward_spec": self.spec.version, "generated_at": gen["ts"], "labelled_at": iso_now(self.clock),
-            "closed_by": "window",
+            "closed_by": "window", "tokenizer": gen.get("tokenizer"), "temperature": gen.get("temperature"),
         }
         bucket = math.floor(st["dl"] / self.bucket_s) * self.bucket_s
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 ROLLOUT_FIELDS = ("request_id", "session_id", "group_id", "model_version", "prompt_tokens", "completion_tokens",
                   "logprobs", "routes", "route_shape", "reward", "components", "tool_errors", "reward_spec",
-                  "generated_at", "labelled_at", "closed_by")
+                  "generated_at", "labelled_at", "closed_by", "tokenizer", "temperature")
 
 
 class Components(BaseModel):
@@ -68,6 +68,8 @@ class Rollout(BaseModel):
     generated_at: str = Field(description="the generation event's ts (RFC 3339)")
     labelled_at: str = Field(description="wall-clock time the label closed (RFC 3339)")
     closed_by: Literal["window"] = Field(description="what closed the label; v1 closes only by its wait window")
+    tokenizer: str | None = Field(None, description="the generation's tokenizer (the trainer refuses one that is not its model's)")
+    temperature: float | None = Field(None, description="the generation's sampling temperature")
 
 
 class LateRecord(BaseModel):

@@ -4,7 +4,8 @@
 Policy.logprobs takes) plus right-padded [B, T] float32 tensors: behaviour log-probs, the
 token mask, rewards. `teacher_inputs` builds, for rollouts with tool_error feedback, the
 teacher's context: prompt + completion[:k] + the error message and hint (as text), then the
-student's own tokens completion[k:], where k is the earliest error's token_index.
+student's own tokens completion[k:], where k is the earliest error's token_index. A rollout whose
+tail completion[k:] fills the whole context has no room for the feedback and gets no teacher.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def teacher_inputs(rollouts: list[Rollout], tokenizer: Tokenizer, max_context: i
         tail = list(r.completion_tokens[k:])
         if max_context is not None:
             room = max_context - 1 - len(tail)  # 1 for bos
-            assert room > 0, f"rollout {r.request_id}: completion tail of {len(tail)} tokens leaves no room in {max_context}"
+            if room <= 0:  # the tail fills the context: no room for the feedback, so no teacher for this row
+                continue
             ctx = ctx[-room:]
         out.rows.append(i)
         out.starts.append(k)

@@ -45,6 +45,11 @@ class TrainerConfig(BaseSettings):
     distill_coef: float = Field(0.1, ge=0, description="Weight of self-distillation on rollouts with tool_error feedback (0 disables it).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature the behaviour log-probs were taken at (log-probs of softmax(logits/T)).")
     replay_routes: bool = Field(True, description="Replay the MoE routes logged at inference (DESIGN.md bit-exact contract).")
+    max_abs_reward: float = Field(1e6, gt=0, description="Rollouts whose absolute reward exceeds this are refused (`invalid_reward`); a reward beyond float32 range (e.g. 1e300) turns every advantage of its batch into NaN.")
+
+    # --- refused rollouts (trainer/validate.py, trainer/dlq.py) ---------------------------------
+    dlq_max_value_bytes: int = Field(262144, ge=0, description="A refused record's value is copied into its dead letter on `<ns>.dlq` up to this size; a larger one is referenced by topic/partition/offset and sha256 only (keeps the envelope under the broker's record limit).")
+    refusal_log_interval_s: float = Field(10.0, ge=0, description="Refused rollouts are logged at most once per reason per this many seconds (with the number suppressed).")
 
     # --- shipping ----------------------------------------------------------------------------------
     min_rollouts: int = Field(1, ge=1, description="A ship happens only if at least this many rollouts were trained on since the last one.")

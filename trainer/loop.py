@@ -12,6 +12,14 @@ Exactly-once and crash safety (docs/TRAINER.md has the full protocol):
   (tag `ship_id`), then commits the offsets, then clears the intent; a restart that finds an
   intent looks the ship_id up in the registry and either finishes (commit) or redoes the ship.
 
+What counts as trained: only the rollouts an optimizer step consumed. Lineage and the
+`trained` counter are updated after the step succeeded. A step that raises is not fatal:
+each rollout of the batch is probed alone (forward + backward, no optimizer step), the ones
+that raise alone are dead-lettered as `step_failed` with the exception, the rest are retried
+as one step; if that raises too (a failure of the batch as a whole), all of them are
+dead-lettered. Between `take()` and that accounting the in-memory state is not saved by
+`close()`, so a process that dies there restarts from the last consistent save.
+
     from trainer.loop import Trainer
     t = Trainer(settings, TrainerConfig()); t.run(stop_event); t.close()
 """
@@ -23,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -36,13 +45,19 @@ from trainer import objective as obj
 from trainer.batch import collate, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
 from trainer.config import TrainerConfig
-from trainer.metrics import BUFFERED, LAST_VERSION, ROLLOUTS, SHIPS, STEP_GAUGES, STEPS
+from trainer.dlq import DeadLetters, RateLimitedLog
+from trainer.metrics import BUFFERED, LAST_VERSION, ROLLOUTS, SHIPS, STEP_FAILURES, STEP_GAUGES, STEPS
 from trainer.policy import Policy, build_policy
 from trainer.registry import CHAMPION, Registry
 from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake
 from trainer.shipping import execute_ship, new_pending
+from trainer.validate import ModelSpec, Refusal
 
 log = logging.getLogger(__name__)
+
+
+class StepError(RuntimeError):
+    """A step whose loss or gradient is not finite (nothing was applied)."""
 
 
 class Trainer:
@@ -73,11 +88,16 @@ class Trainer:
         self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, bf16 weights) last shipped
         self.ref_version: int | None = None
         self.dlq = make_producer(settings)
+        self.dead_letters = DeadLetters(self.dlq, settings.topic("dlq"), cfg.dlq_max_value_bytes)
+        self.spec = ModelSpec.of(self.policy, replay_routes=cfg.replay_routes, max_abs_reward=cfg.max_abs_reward)
         self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4))
         self.intake = RolloutIntake(self.consumer, self.topic, positions=state["positions"],
                                     seen=DedupeSet(cfg.dedupe_capacity, state["seen"]), max_staleness=cfg.max_staleness,
-                                    dlq=self.dlq, dlq_topic=settings.topic("dlq"))
+                                    spec=self.spec, dead_letters=self.dead_letters,
+                                    log_interval_s=cfg.refusal_log_interval_s)
         self._joined = False
+        self._unsaved_take = False  # a batch left the buffer and is not accounted yet: close() must not save
+        self._warn = RateLimitedLog(cfg.refusal_log_interval_s)
         if self.intent is not None:  # a ship was in flight when the last process died, or this is the base
             log.info("resuming ship %s (parent v%s)", self.intent["ship_id"], self.intent["parent_version"])
             self._finish_ship()
@@ -162,10 +182,12 @@ class Trainer:
         if not self.intake.ready(self.cfg.batch_size, self.cfg.max_wait_s):
             return None
         batch = self.intake.take(self.cfg.batch_size, self.last_shipped)
-        self._account(batch)
-        if not batch.rollouts:
+        self._unsaved_take = True
+        metrics = self._train_isolating(batch) if batch.rollouts else None
+        self._account(batch)  # after the step: only rollouts it consumed count as trained
+        self._unsaved_take = False
+        if metrics is None:
             return None
-        metrics = self.forward_backward(batch)
         self.step += 1
         self.pending["steps"] += 1
         for k, v in metrics.items():
@@ -174,18 +196,83 @@ class Trainer:
         for k, g in STEP_GAUGES.items():
             if k in metrics:
                 g.set(metrics[k])
-        self.registry.log_metrics(self.run_id, metrics, self.step)
+        try:
+            self.registry.log_metrics(self.run_id, metrics, self.step)
+        except Exception as exc:  # noqa: BLE001 - a flaky metrics sink must not undo or stop training
+            self._warn.warning("log_metrics", "step %d metrics not logged to MLflow: %r", self.step, exc)
         self._pause("after_optimizer_step")
         if self.step % self.cfg.checkpoint_every == 0:
             self.save()
         return metrics
+
+    def _train_isolating(self, batch: Batch) -> dict[str, float] | None:
+        """One optimizer step on `batch`; on an exception, isolate and dead-letter the culprits.
+
+        Leaves in `batch.rollouts` exactly the rollouts a step consumed (none if no step ran) and
+        counts the others in `batch.skipped["failed"]`. Returns the step metrics or None.
+        """
+        try:
+            return self.forward_backward(batch)
+        except Exception as exc:  # noqa: BLE001 - a rollout must never stop the trainer
+            STEP_FAILURES.inc()
+            first = exc
+            log.warning("optimizer step on %d rollouts raised %r; probing them one by one", len(batch.rollouts), exc,
+                        exc_info=True)
+        culprits: dict[int, BaseException] = {}
+        if len(batch.rollouts) == 1:
+            culprits[0] = first
+        else:
+            for i, r in enumerate(batch.rollouts):
+                err = self._probe(batch.only([i]))
+                if err is not None:
+                    culprits[i] = err
+        keep = [i for i in range(len(batch.rollouts)) if i not in culprits]
+        metrics = None
+        if culprits and keep:
+            retry = batch.only(keep)
+            try:
+                metrics = self.forward_backward(retry)
+            except Exception as exc:  # noqa: BLE001
+                STEP_FAILURES.inc()
+                culprits.update((i, exc) for i in keep)
+                keep = []
+        elif not culprits:  # no rollout fails alone: the batch as a whole does
+            culprits = {i: first for i in keep}
+            keep = []
+        for i, err in sorted(culprits.items()):
+            r = batch.rollouts[i]
+            src = batch.sources.get(r.request_id)
+            refusal = Refusal("step_failed", f"the optimizer step raised on this rollout: {err!r}"[:2000])
+            if src is not None:
+                self.intake.refuse(src, refusal, exception="".join(traceback.format_exception_only(err)).strip())
+        batch.skipped["failed"] += len(culprits)
+        trained = batch.only(keep)
+        batch.rollouts, batch.staleness = trained.rollouts, trained.staleness
+        return metrics
+
+    def _probe(self, batch: Batch) -> BaseException | None:
+        """Forward + backward of `batch` without an optimizer step: the exception it raises, or None."""
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, _, _ = self._loss(batch)
+            if not torch.isfinite(loss):
+                raise StepError(f"loss is {float(loss)}")
+            loss.backward()
+            for prm in self.policy.parameters():
+                if prm.grad is not None and not torch.isfinite(prm.grad).all():
+                    raise StepError("gradient is not finite")
+            return None
+        except Exception as exc:  # noqa: BLE001
+            return exc
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _account(self, batch: Batch) -> None:
         p = self.pending
         for part, off in batch.first_offsets.items():
             p["first_offsets"].setdefault(part, off)
         for reason in SKIP_REASONS:
-            p["skipped"][reason] += batch.skipped[reason]
+            p["skipped"][reason] = p["skipped"].get(reason, 0) + batch.skipped[reason]
             if batch.skipped[reason]:
                 ROLLOUTS.labels(reason).inc(batch.skipped[reason])
         p["rollouts"] += len(batch.rollouts)
@@ -197,6 +284,35 @@ class Trainer:
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
+        """Loss, backward, clip, optimizer step. Raises before touching the weights if anything fails
+        or is not finite (the optimizer step is the last thing that can change state)."""
+        cfg, policy = self.cfg, self.policy
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            loss, m, (logp, pg, w, c) = self._loss(batch)
+            if not torch.isfinite(loss):
+                raise StepError(f"loss is {float(loss)}")
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                raise StepError(f"gradient norm is {float(grad_norm)}")
+            n_tok = float(c.mask.sum())
+            stale = torch.tensor(batch.staleness, dtype=torch.float32)
+            m.update(loss=float(loss.detach()), pg_loss=float(pg.detach()), reward_mean=float(c.rewards.mean()),
+                     ess=w.ess, clip_fraction=w.clip_fraction, masked_fraction=w.masked_fraction,
+                     staleness_mean=float(stale.mean()), staleness_max=float(stale.max()),
+                     logprob_gap=float(((logp.detach() - c.behav).abs() * c.mask).sum() / max(n_tok, 1.0)),
+                     grad_norm=float(grad_norm), batch_rollouts=float(len(batch.rollouts)), batch_tokens=n_tok)
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.optimizer.step()
+        if "kl" in m:
+            self.kl_ctl.update(m["kl"])
+        return m
+
+    def _loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], tuple[Any, ...]]:
+        """The objective on `batch` (no backward): (loss, metrics so far, (logp, pg, weights, collated))."""
         cfg, policy = self.cfg, self.policy
         c = collate(batch.rollouts)
         routes = c.routes if cfg.replay_routes else None
@@ -207,7 +323,6 @@ class Trainer:
         adv = obj.advantages(c.rewards, c.group_ids)
         pg = obj.policy_gradient_loss(logp, adv, w, c.mask)  # masked sequences shrink the step (objective.py)
         loss = pg
-        n_tok = float(c.mask.sum())
         m: dict[str, float] = {}
         if self.ref_policy is not None:
             with torch.no_grad():
@@ -228,19 +343,7 @@ class Trainer:
                 loss = loss + cfg.distill_coef * dl
                 m["distill_kl"] = dkl
                 m["distill_rollouts"] = float(len(t.rows))
-        if "kl" in m:
-            self.kl_ctl.update(m["kl"])
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-        self.optimizer.step()
-        stale = torch.tensor(batch.staleness, dtype=torch.float32)
-        m.update(loss=float(loss.detach()), pg_loss=float(pg.detach()), reward_mean=float(c.rewards.mean()),
-                 ess=w.ess, clip_fraction=w.clip_fraction, masked_fraction=w.masked_fraction,
-                 staleness_mean=float(stale.mean()), staleness_max=float(stale.max()),
-                 logprob_gap=float(((logp.detach() - c.behav).abs() * c.mask).sum() / max(n_tok, 1.0)),
-                 grad_norm=float(grad_norm), batch_rollouts=float(len(batch.rollouts)), batch_tokens=n_tok)
-        return m
+        return loss, m, (logp, pg, w, c)
 
     # --- shipping ------------------------------------------------------------------------------------
     def ship_due(self) -> bool:
@@ -314,6 +417,8 @@ class Trainer:
                     pending=self.pending, intent=self.intent, run_id=self.run_id, kl_coef=self.kl_ctl.coef)
 
     def save(self) -> None:
+        """Save the state, after the dead letters of every record before the saved positions are acknowledged."""
+        self.dead_letters.flush()
         save_state(self.state_dir, self.state_dict())
 
     def _pause(self, point: str) -> None:
@@ -340,7 +445,7 @@ class Trainer:
     def close(self) -> None:
         """Save the state and release Kafka/MLflow resources (safe after a failure)."""
         try:
-            if self.intent is None:
+            if self.intent is None and not self._unsaved_take:
                 self.save()
         finally:
             self.consumer.close(autocommit=False)

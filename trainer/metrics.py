@@ -7,7 +7,17 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
 
-ROLLOUTS = Counter("flywheel_trainer_rollouts_total", "Rollouts processed by the trainer, by outcome.", ["outcome"])
+from trainer.validate import REFUSAL_REASONS
+
+ROLLOUTS = Counter("flywheel_trainer_rollouts_total", "Rollouts processed by the trainer, by outcome (trained = consumed "
+                   "by an optimizer step; duplicate, stale, invalid = refused at intake, failed = the step raised on it).",
+                   ["outcome"])
+REFUSED = Counter("flywheel_trainer_rollouts_refused_total", "Rollouts refused and dead-lettered, by reason "
+                  "(trainer/validate.py; step_failed = the optimizer step raised on it).", ["reason"])
+for _reason in REFUSAL_REASONS:
+    REFUSED.labels(_reason)  # every reason is exported from the start, at 0
+STEP_FAILURES = Counter("flywheel_trainer_step_failures_total", "Optimizer steps that raised (the batch was then "
+                        "retried without the rollouts that raise alone; see docs/TRAINER.md).")
 STEPS = Counter("flywheel_trainer_steps_total", "Optimizer steps.")
 SHIPS = Counter("flywheel_trainer_ships_total", "Versions registered by this process (incl. resumed ships).")
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")

@@ -1,9 +1,12 @@
 """Rollout intake: consume `flywheel.rollouts`, validate, dedupe by request_id, skip stale, batch.
 
 The record schema is DESIGN.md's rollout record, as streams/records.py `Rollout` defines it
-(the producer's contract, validated first); `Rollout` here adds the invariants training
-needs. A record that fails either is counted as `invalid` and copied to `flywheel.dlq` with
-the reason, never silently dropped.
+(the producer's contract, validated first); `Rollout` here adds the structural invariants
+training needs, and trainer/validate.py checks it against the model being trained (tokenizer,
+vocabulary, context, routes, log-probs, reward, temperature). A record that fails any of them
+is refused: counted (`flywheel_trainer_rollouts_refused_total{reason}`), logged (rate-limited),
+dead-lettered to `<ns>.dlq` with its reason and original bytes (trainer/dlq.py), and skipped
+as `invalid`; it never reaches a step.
 
 Exactly-once bookkeeping (see docs/TRAINER.md):
 - `positions[p]` is the next offset of partition p that the trainer has NOT yet processed
@@ -20,6 +23,8 @@ Exactly-once bookkeeping (see docs/TRAINER.md):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import math
 import time
@@ -30,9 +35,14 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainer.dlq import DeadLetters, RateLimitedLog, Source
+from trainer.metrics import REFUSED
+from trainer.validate import ModelSpec, Refusal, check_rollout
+
 log = logging.getLogger(__name__)
 
-SKIP_REASONS = ("duplicate", "stale", "invalid")
+# `invalid`: refused at intake (trainer/validate.py); `failed`: the optimizer step raised on it
+SKIP_REASONS = ("duplicate", "stale", "invalid", "failed")
 
 
 class ToolErrorInfo(BaseModel):
@@ -58,10 +68,12 @@ class Rollout(BaseModel):
     reward: float
     components: dict[str, Any] | None = None
     tool_errors: list[ToolErrorInfo] = Field(default_factory=list)
-    reward_spec: str = "v1"
+    reward_spec: str = Field("v1", max_length=64)  # every distinct spec goes into a version's tags
     generated_at: str | None = None
     labelled_at: str | None = None
     closed_by: str | None = None
+    tokenizer: str | None = None  # the generation's tokenizer (checked against the model's when present)
+    temperature: float | None = None  # the generation's sampling temperature
 
     @field_validator("model_version", mode="before")
     @classmethod
@@ -79,15 +91,18 @@ class Rollout(BaseModel):
     def _consistent(self) -> "Rollout":
         if len(self.logprobs) != len(self.completion_tokens):
             raise ValueError(f"logprobs has {len(self.logprobs)} values for {len(self.completion_tokens)} completion tokens")
-        if any(not math.isfinite(x) or x > 0 for x in self.logprobs):
-            raise ValueError("logprobs must be finite and <= 0")
-        if not math.isfinite(self.reward):
-            raise ValueError("reward must be finite")
         if (self.routes is None) != (self.route_shape is None):
             raise ValueError("routes and route_shape go together")
         if self.route_shape is not None:
-            if len(self.route_shape) != 3 or self.route_shape[0] != len(self.completion_tokens):
+            if len(self.route_shape) != 3 or self.route_shape[0] != len(self.completion_tokens) or min(self.route_shape) < 0:
                 raise ValueError(f"route_shape {self.route_shape} must be [len(completion_tokens), layers, top_k]")
+            try:
+                n = len(base64.b64decode(self.routes, validate=True))  # type: ignore[arg-type]
+            except (binascii.Error, ValueError) as exc:
+                raise ValueError(f"routes is not valid base64: {exc}") from None
+            need = 4 * math.prod(self.route_shape)
+            if n != need:
+                raise ValueError(f"routes decodes to {n} bytes; route_shape {self.route_shape} needs {need}")
         return self
 
     def routes_array(self) -> np.ndarray | None:
@@ -99,23 +114,42 @@ class Rollout(BaseModel):
         return decode_routes(self.routes, tuple(self.route_shape))  # type: ignore[arg-type]
 
     def version_number(self) -> int | None:
-        return int(self.model_version) if self.model_version.isdigit() else None
+        """The version as an int; None (counted as stale) unless it is 1 to 18 ASCII digits
+        ("²".isdigit() is True and int() refuses it; int() also refuses > 4300 digits)."""
+        v = self.model_version
+        return int(v) if v.isascii() and v.isdigit() and len(v) <= 18 else None
 
 
-def parse_rollout(value: bytes) -> tuple[Rollout | None, str]:
-    """(rollout, "") or (None, reason a user can act on).
+def parse_rollout(value: bytes | None, spec: ModelSpec | None = None) -> tuple[Rollout | None, Refusal | None]:
+    """(rollout, None) or (None, the refusal: a reason and a message a user can act on).
 
     First the producer's schema (streams/records.py `Rollout`, the contract of the topic), then
-    the invariants the trainer relies on (lengths, finite log-probs <= 0, route shapes).
+    the structural invariants the trainer relies on (lengths, route bytes), then, given the
+    model's `spec`, trainer/validate.py's checks. Never raises on any bytes.
     """
     from streams.records import Rollout as StreamsRollout
 
+    if not value:
+        return None, Refusal("invalid_json", "empty value (a tombstone or no bytes)")
     try:
         contract = StreamsRollout.model_validate_json(value)
-        return Rollout.model_validate(contract.model_dump()), ""
     except ValidationError as exc:
         first = exc.errors()[0]
-        return None, f"{'.'.join(str(p) for p in first['loc']) or 'record'}: {first['msg']}"
+        if first["type"].startswith("json_") or not first["loc"]:
+            return None, Refusal("invalid_json", f"not a JSON object: {first['msg']}")
+        return None, _schema_refusal(first)
+    except Exception as exc:  # noqa: BLE001 - any parser failure is this record's problem, not the trainer's
+        return None, Refusal("invalid_json", f"undecodable: {exc!r}"[:500])
+    try:
+        r = Rollout.model_validate(contract.model_dump())
+    except ValidationError as exc:
+        return None, _schema_refusal(exc.errors()[0])
+    return r, (check_rollout(r, spec) if spec is not None else None)
+
+
+def _schema_refusal(err: dict[str, Any]) -> Refusal:
+    loc = ".".join(str(p) for p in err["loc"]) or "(record)"
+    return Refusal("invalid_rollout", f"{loc}: {err['msg']}", loc)
 
 
 class DedupeSet:
@@ -147,6 +181,7 @@ class Entry:
     arrived: float
     rollout: Rollout | None
     reason: str = ""  # skip reason at intake ("duplicate", "invalid")
+    source: Source | None = None  # the original record, kept for a dead letter should the step fail
 
 
 @dataclass
@@ -157,20 +192,28 @@ class Batch:
     skipped: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SKIP_REASONS})
     first_offsets: dict[int, int] = field(default_factory=dict)  # partition -> first offset processed
     staleness: list[int] = field(default_factory=list)  # versions behind, per fresh rollout
+    sources: dict[str, Source] = field(default_factory=dict)  # request_id -> original record
+
+    def only(self, keep: list[int]) -> "Batch":
+        """The same batch restricted to the rollouts at indices `keep` (skip counts and offsets unchanged)."""
+        return Batch(rollouts=[self.rollouts[i] for i in keep], skipped=self.skipped, first_offsets=self.first_offsets,
+                     staleness=[self.staleness[i] for i in keep], sources=self.sources)
 
 
 class RolloutIntake:
     """Buffered, deduped, exactly-once-friendly reader of the rollouts topic."""
 
     def __init__(self, consumer: Any, topic: str, *, positions: dict[int, int], seen: DedupeSet,
-                 max_staleness: int, dlq: Any = None, dlq_topic: str | None = None):
+                 max_staleness: int, spec: ModelSpec | None = None, dead_letters: DeadLetters | None = None,
+                 log_interval_s: float = 10.0):
         from kafka import ConsumerRebalanceListener
 
         self.consumer, self.topic = consumer, topic
         self.positions = dict(positions)
         self.seen = seen
         self.max_staleness = max_staleness
-        self.dlq, self.dlq_topic = dlq, dlq_topic
+        self.spec, self.dead_letters = spec, dead_letters
+        self.refusal_log = RateLimitedLog(log_interval_s)
         self.buffer: deque[Entry] = deque()
         self._buffered_ids: dict[str, int] = {}
         intake = self
@@ -196,17 +239,28 @@ class RolloutIntake:
         for tp, records in got.items():
             for rec in records:
                 n += 1
-                rollout, reason = parse_rollout(rec.value)
-                if rollout is None:
-                    log.warning("invalid rollout at %s:%d: %s", tp.partition, rec.offset, reason)
-                    self._to_dlq(rec, reason)
+                src = Source(self.topic, tp.partition, rec.offset, rec.key, rec.value)
+                rollout, refusal = parse_rollout(rec.value, self.spec)
+                if refusal is not None:
+                    self.refuse(src, refusal)
                     self.buffer.append(Entry(tp.partition, rec.offset, now, None, "invalid"))
                 elif rollout.request_id in self.seen or rollout.request_id in self._buffered_ids:
                     self.buffer.append(Entry(tp.partition, rec.offset, now, None, "duplicate"))
                 else:
                     self._buffered_ids[rollout.request_id] = self._buffered_ids.get(rollout.request_id, 0) + 1
-                    self.buffer.append(Entry(tp.partition, rec.offset, now, rollout))
+                    self.buffer.append(Entry(tp.partition, rec.offset, now, rollout, source=src))
         return n
+
+    def refuse(self, src: Source, refusal: Refusal, exception: str | None = None) -> None:
+        """Count, log (rate-limited) and dead-letter one refused record."""
+        REFUSED.labels(refusal.reason).inc()
+        self.refusal_log.warning(refusal.reason, "refused rollout at %s:%d:%d: %s", src.topic, src.partition, src.offset,
+                                 refusal)
+        if self.dead_letters is not None:
+            error: dict[str, Any] = {"field": refusal.field, "message": refusal.message}
+            if exception is not None:
+                error["exception"] = exception
+            self.dead_letters.send(src, refusal.reason, [error])
 
     def ready(self, batch_size: int, max_wait_s: float) -> bool:
         """True when a step should run: a full batch, a batch that waited long enough, or skips to drain."""
@@ -237,6 +291,8 @@ class RolloutIntake:
                 continue
             batch.rollouts.append(e.rollout)
             batch.staleness.append(behind)
+            if e.source is not None:
+                batch.sources[rid] = e.source
         return batch
 
     def _staleness(self, r: Rollout, current: int | None) -> int | None:
@@ -259,22 +315,6 @@ class RolloutIntake:
             else:
                 kept.append(e)
         self.buffer = kept
-
-    def _to_dlq(self, rec: Any, reason: str) -> None:
-        """Copy an invalid record to the DLQ in streams' `DlqRecord` shape (reason `invalid_rollout`)."""
-        if self.dlq is None or self.dlq_topic is None:
-            return
-        import base64
-        from datetime import datetime, timezone
-
-        from app.kafka_io import dumps
-        from streams.records import DlqRecord
-
-        b64 = lambda b: base64.b64encode(b).decode() if b is not None else None  # noqa: E731
-        record = DlqRecord(reason="invalid_rollout", errors=[{"message": reason}], topic=self.topic, partition=rec.partition,
-                           offset=rec.offset, key_b64=b64(rec.key), value_b64=b64(rec.value),
-                           detected_at=datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"))
-        self.dlq.send(self.dlq_topic, value=dumps(record.model_dump()))
 
     def buffered(self) -> int:
         return len(self.buffer)

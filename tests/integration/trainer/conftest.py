@@ -6,8 +6,13 @@ the real policy so behaviour log-probs and routes are the replica's numbers.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -17,6 +22,7 @@ import pytest
 from app.events import encode_routes
 from app.kafka_io import dumps, make_consumer, make_producer
 
+REPO = Path(__file__).resolve().parents[3]
 TINY_POLICY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 32, "n_experts": 2, "top_k": 1, "max_context": 64}
 PROMPTS = ["def add(a, b):\n    ", "def f(x):\n    ", "x = [", "for i in range(", "class A:\n    ", "if x > 0:\n    "]
 
@@ -65,6 +71,48 @@ def produce(settings, records: list[dict[str, Any]]) -> None:
         producer.close(5)
 
 
+def produce_raw(settings, records: list[tuple[str | None, bytes | None]]) -> None:
+    """(key, value) records as they are, bytes that are not JSON and tombstones included."""
+    producer = make_producer(settings)
+    try:
+        for key, value in records:
+            producer.send(settings.topic("rollouts"), key=key, value=value)
+        producer.flush(30)
+    finally:
+        producer.close(5)
+
+
+def read_dlq(settings, expect: int, timeout: float = 60.0, settle: float = 1.0) -> list[dict[str, Any]]:
+    """The dead letters about `<ns>.rollouts` (streams' DlqRecord, value decoded to `value` bytes), once
+    at least `expect` arrived (then `settle` s more), or what arrived by `timeout`."""
+    from streams.records import DlqRecord
+
+    cons = make_consumer(settings, settings.topic("dlq"), group_id=None, consumer_timeout_ms=200)
+    out: list[dict[str, Any]] = []
+    deadline, settle_until = time.monotonic() + timeout, None
+    try:
+        while time.monotonic() < deadline:
+            for rec in cons:
+                d = DlqRecord.model_validate_json(rec.value).model_dump()
+                if d["topic"] == settings.topic("rollouts"):
+                    d["value"] = base64.b64decode(d["value_b64"]) if d["value_b64"] is not None else None
+                    out.append(d)
+            if len(out) >= expect and settle_until is None:
+                settle_until = time.monotonic() + settle
+            if settle_until is not None and time.monotonic() >= settle_until:
+                break
+    finally:
+        cons.close()
+    return out
+
+
+def refused_count(reason: str) -> float:
+    """This process's `flywheel_trainer_rollouts_refused_total{reason}`."""
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("flywheel_trainer_rollouts_refused_total", {"reason": reason}) or 0.0
+
+
 def committed_offsets(settings, group: str) -> dict[int, int | None]:
     from kafka import TopicPartition
 
@@ -111,3 +159,34 @@ def trainer_env_vars(settings, cfg: dict[str, Any]) -> dict[str, str]:
     for k, v in cfg.items():
         env[f"FLYWHEEL_TRAINER_{k.upper()}"] = json.dumps(v) if isinstance(v, dict) else str(v)
     return env
+
+
+def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{log.read_text()[-4000:]}" if log else ""))
+
+
+class TrainerProcess:
+    def __init__(self, env: dict[str, str], log: Path, module: str = "trainer.launch"):
+        self.log = log
+        self.out = open(log, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", module], env=env, cwd=REPO,
+                                     stdout=self.out, stderr=subprocess.STDOUT)
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.out.close()
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(120)
+        self.out.close()
+        return rc

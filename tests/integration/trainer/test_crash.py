@@ -9,6 +9,11 @@ The test hook FLYWHEEL_TRAINER_PAUSE_AT stops the process at a precise point and
 3. after_register: version created, offsets NOT yet committed (checked);
 4. a clean run finishes the pending ship, trains the rest, ships, and is stopped with SIGTERM.
 
+A second test gives the trainer a rollout its forward raises on (a fault injected by the test
+launcher tests/integration/trainer/fault_trainer.py) and out-of-vocabulary garbage: the
+trainer keeps running, dead-letters them, is SIGKILLed right after and restarted; no version
+counts as trained a rollout no optimizer step consumed.
+
 Checked at the end: every record of the topic is accounted for exactly once — the lineage
 artifacts (request ids) of all versions are exactly the produced rollouts with no repeats,
 `rollouts_consumed` sums to their number, skipped counts match the duplicates and the invalid
@@ -22,53 +27,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.integration.trainer.conftest import (TINY_POLICY, committed_offsets, end_offsets, produce, rollout_records,
-                                                trainer_env_vars)
+from app.kafka_io import dumps
+from tests.integration.trainer.conftest import (TINY_POLICY, TrainerProcess, committed_offsets, end_offsets, produce,
+                                                produce_raw, read_dlq, rollout_records, trainer_env_vars, wait_for)
 from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
-REPO = Path(__file__).resolve().parents[3]
-
-
-def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{log.read_text()[-4000:]}" if log else ""))
-
-
-class TrainerProcess:
-    def __init__(self, env: dict[str, str], log: Path):
-        self.log = log
-        self.out = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "trainer.launch"], env=env, cwd=REPO,
-                                     stdout=self.out, stderr=subprocess.STDOUT)
-
-    def kill9(self) -> None:
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-        self.out.close()
-
-    def terminate(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(120)
-        self.out.close()
-        return rc
 
 
 def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice(trainer_env, tmp_path):
@@ -165,3 +135,97 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
             assert a == covered, f"partition {part}: gap or overlap at {a} (covered to {covered}): {spans}"
             covered = b
         assert covered == end, f"partition {part}: lineage covers [0, {covered}) of [0, {end})"
+
+
+def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_counts_after_sigkill(trainer_env, tmp_path):
+    settings, cfg = trainer_env
+    cfg.update(checkpoint_every=1, batch_size=4, max_wait_s=1.0)
+    client = MlflowClient(settings.mlflow_uri)
+    log = tmp_path / "trainer.log"
+    env = dict(trainer_env_vars(settings, cfg), FLYWHEEL_TEST_FAULT_MARK="#STEP-FAULT#")
+
+    def start(ship_interval: float) -> TrainerProcess:
+        e = dict(env, FLYWHEEL_SHIP_INTERVAL=str(ship_interval))
+        return TrainerProcess(e, log, module="tests.integration.trainer.fault_trainer")
+
+    policy = build_policy(TINY_POLICY)
+    good = rollout_records(policy, 1, 16, lambda text: 1.0 if "x" in text else 0.0, seed=7, prefix="ok-")
+    culprit = dict(good[0], request_id="culprit", prompt_tokens=policy.tokenizer.encode("#STEP-FAULT#") + good[0]["prompt_tokens"])
+    oov = dict(good[1], request_id="oov", completion_tokens=[999] + good[1]["completion_tokens"][1:])
+    produce(settings, good[:3] + [culprit] + good[3:6])
+    produce_raw(settings, [("oov", dumps(oov))])
+
+    # 1. the culprit's step raises inside the trainer: it keeps running; SIGKILL it right after the dead letter
+    p = start(3600)
+    wait_for(lambda: any(d["reason"] == "step_failed" for d in read_dlq(settings, 1, timeout=2, settle=0)), 300,
+             "the culprit's dead letter", p.proc, log)
+    wait_for(lambda: any(d["reason"] == "token_out_of_vocab" for d in read_dlq(settings, 2, timeout=2, settle=0)), 300,
+             "the out-of-vocabulary dead letter", p.proc, log)
+    assert p.proc.poll() is None, "the trainer is still running after a step raised"
+    p.kill9()
+
+    # 2. restart (the culprit may be re-read and raise again), more rollouts, ship, SIGTERM
+    produce(settings, good[6:])
+    p = start(2)
+    ends = end_offsets(settings)
+    wait_for(lambda: committed_offsets(settings, cfg["consumer_group"]) == ends, 300, "all offsets committed", p.proc, log)
+    assert p.terminate() == 0, log.read_text()[-3000:]
+
+    versions = sorted(client.search_model_versions(f"name='{settings.model_name}'"), key=lambda mv: int(mv.version))
+    trained: list[str] = []
+    skipped: Counter = Counter()
+    for mv in versions:
+        ids = json.loads(Path(client.download_artifacts(
+            mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path))).read_text())
+        assert len(ids) == int(mv.tags["rollouts_consumed"])
+        trained += ids
+        skipped.update(json.loads(mv.tags["rollouts_skipped"]))
+    assert "culprit" not in trained and "oov" not in trained, "a rollout no step consumed is counted as trained"
+    assert sorted(trained) == sorted(r["request_id"] for r in good), f"trained twice or lost: {Counter(trained)}"
+    assert sum(int(mv.tags["rollouts_consumed"]) for mv in versions) == 16
+    assert skipped["failed"] == 1 and skipped["invalid"] == 1 and skipped["duplicate"] == 0
+    letters = read_dlq(settings, 2, timeout=10)
+    reasons = {(d["key_b64"], d["reason"]) for d in letters}
+    import base64
+
+    assert {(base64.b64decode(k).decode(), r) for k, r in reasons} == {("culprit", "step_failed"), ("oov", "token_out_of_vocab")}
+    assert all("injected fault" in d["errors"][0]["exception"] for d in letters if d["reason"] == "step_failed")
+
+
+def test_an_exception_escaping_a_step_is_not_saved_as_trained_by_the_shutdown(trainer_env, monkeypatch):
+    """In-process: an exception between taking a batch and accounting it (injected) reaches
+    `close()`, which must not save positions and lineage that no optimizer step stands behind."""
+    from trainer.checkpoint import load_state
+    from trainer.config import TrainerConfig
+    from trainer.loop import Trainer
+    from tests.integration.trainer.conftest import drain
+
+    settings, cfg_kw = trainer_env
+    trainer = Trainer(settings, TrainerConfig(**cfg_kw))  # checkpoint_every=1: every step saved
+    records = rollout_records(trainer.policy, 1, 8, lambda text: float(len(text) % 2), seed=11)
+    produce(settings, records[:4])
+    drain(trainer, 4)
+    saved = load_state(cfg_kw["state_dir"])
+    assert len(saved["pending"]["request_ids"]) == 4
+
+    produce(settings, records[4:])
+
+    def dies(batch):
+        raise RuntimeError("injected: the process fails after taking a batch, before accounting it")
+
+    monkeypatch.setattr(trainer, "_account", dies)
+    with pytest.raises(RuntimeError, match="injected"):
+        for _ in range(400):
+            trainer.train_step()
+    trainer.close()  # what the launcher's `finally` does
+    after = load_state(cfg_kw["state_dir"])
+    assert after["positions"] == saved["positions"] and after["step"] == saved["step"]
+    assert after["pending"]["request_ids"] == saved["pending"]["request_ids"], "nothing untrained saved as trained"
+
+    again = Trainer(settings, TrainerConfig(**cfg_kw))
+    try:
+        drain(again, 8)
+        ids = again.pending["request_ids"]
+        assert sorted(ids) == sorted(r["request_id"] for r in records), f"lost or doubled: {Counter(ids)}"
+    finally:
+        again.close()

@@ -54,7 +54,7 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         tags = mv.tags
         assert tags["parent_version"] == "1" and tags["rollouts_consumed"] == "10" and tags["reward_spec"] == "v1"
         assert tags["rollout_status"] == "registered" and len(tags["ship_id"]) == 32
-        assert json.loads(tags["rollouts_skipped"]) == {"duplicate": 1, "invalid": 0, "stale": 0}
+        assert json.loads(tags["rollouts_skipped"]) == {"duplicate": 1, "failed": 0, "invalid": 0, "stale": 0}
         offsets = json.loads(tags["kafka_offsets"])
         ends = end_offsets(settings)
         assert offsets["topic"] == settings.topic("rollouts")
