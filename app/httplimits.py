@@ -272,7 +272,7 @@ class _Exchange:
 
     async def run(self, app: Any) -> None:
         if self.declared is not None and self.declared > self.limit:
-            await self.reject(413, "body_too_large", f"request body of {self.declared} bytes is over the "
+            await self.reject(413, "body_too_large", f"request body of {self.declared} bytes exceeds the "
                                                      f"{self.limit}-byte limit of {self.scope['path']}")
             return
         try:
@@ -302,7 +302,7 @@ class _Exchange:
         if not message.get("more_body", False):
             self.body_done = True
         if self.received > self.limit:
-            await self.reject(413, "body_too_large", f"request body is over the {self.limit}-byte limit of "
+            await self.reject(413, "body_too_large", f"request body exceeds the {self.limit}-byte limit of "
                                                      f"{self.scope['path']}")
             return {"type": "http.disconnect"}
         return message

@@ -100,7 +100,7 @@ class Settings(BaseSettings):
     admin_max_body_bytes: int = Field(16 * 1024, ge=1024, description="Largest body of the admin verbs (POST /v1/deployments/{verb}).")
     webhook_max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest MLflow webhook delivery (POST /v1/hooks/mlflow); checked on Content-Length before the body is read.")
     webhook_clock_skew: Duration = Field(60.0, ge=0, description="Extra time a webhook delivery id is remembered beyond the replay window on either side, against clock steps.")
-    webhook_dedupe_max_ids: int = Field(100_000, ge=100, description="Most webhook delivery ids remembered at once (about 250 bytes each); when full, new deliveries get 503 + Retry-After until ids expire, rather than forgetting ids that could still be replayed.")
+    webhook_dedupe_max_ids: int = Field(20_000, ge=100, description="Most webhook delivery ids remembered at once (at most ~400 bytes each: 8 MB at the default); when full, new deliveries get 503 + Retry-After until ids expire, rather than forgetting ids that could still be replayed.")
 
     @field_validator("kafka_bootstrap")
     @classmethod

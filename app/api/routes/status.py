@@ -11,7 +11,7 @@ projections of `flywheel.deployments` (app/deployments/projector.py):
   status and the version's own events; 404 with the known versions when it is unknown.
 
 These endpoints only read SQL; the projector keeps the tables current. Every parameter is
-bounded before it reaches SQL: `cursor` is 0..2^63-1 (a garbage or out-of-range cursor is 422,
+bounded before it reaches SQL: `cursor` is 0..2^31-1 (a garbage or out-of-range cursor is 422,
 not a database error), names and versions are at most 256 / 64 characters without control
 characters (a NUL byte is refused by PostgreSQL).
 """
@@ -35,7 +35,7 @@ ReadKey = Annotated[ApiKey, Depends(require_scope("read"))]
 
 MAX_HISTORY = 500
 MAX_ANCESTORS = 100
-MAX_CURSOR = 2**63 - 1  # BIGINT; larger values overflow the database driver
+MAX_CURSOR = 2**31 - 1  # `seq` is an INTEGER column (32-bit on PostgreSQL); larger cursors overflow the query
 _PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
 ModelName = Annotated[str | None, Query(max_length=256, pattern=_PRINTABLE, description="Only this registered model.")]
 VersionQuery = Annotated[str | None, Query(max_length=64, pattern=_PRINTABLE,

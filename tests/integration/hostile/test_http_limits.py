@@ -230,6 +230,23 @@ def test_an_oversized_head_is_answered_431(api):
     assert status_of(raw) == 431, raw[:200]
 
 
+def test_an_endless_header_value_is_answered_431_without_waiting_for_its_end(api):
+    """httptools buffers a header value until it ends: the raw bytes of an unfinished head count too."""
+    s = connect(api)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Endless: ")
+    t0 = time.monotonic()
+    try:
+        for _ in range(64):  # up to 64 x 1 KiB, never a line end
+            s.sendall(b"e" * 1024)
+            if select.select([s], [], [], 0.005)[0]:
+                break  # the answer is there: stop sending (more bytes would make the close a reset)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    raw, _ = read_until_closed(s)
+    assert status_of(raw) == 431, raw[:200]
+    assert time.monotonic() - t0 < HEAD_S, "refused on size, not by the head timeout"
+
+
 # --- connection cap -------------------------------------------------------------------------------
 def test_the_connection_cap_holds_and_frees_up(api):
     hogs = [connect(api) for _ in range(MAX_CONNECTIONS)]  # open, silent

@@ -97,7 +97,7 @@ def test_dedupe_survives_a_wall_clock_step_back_within_the_skew():
     d = DeliveryDedupe(window_s=10, skew_s=5)
     assert d.begin("x", ts=1000, now=0, wall=1000) is Seen.NEW
     d.done("x")
-    # 24 s later on the monotonic clock (past 2 x window + skew? no: 25), wall clock stepped back 4 s
+    # 24 s later on the monotonic clock (retention 2 x 10 + 5 = 25 s), the wall clock stepped back 4 s
     assert d.begin("x", ts=1000, now=24, wall=1020) is Seen.DUPLICATE
     # monotonic retention over, but the wall clock says a replay (ts 1000) could still pass: keep it
     assert d.begin("x", ts=1000, now=30, wall=1012) is Seen.DUPLICATE
