@@ -142,6 +142,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             REJECTED.labels("connection_limit").inc()
             log.debug("refused a connection from %s: %d open, the cap is %d", self.client, len(self.connections) - 1,
                       self.limits.max_connections)
+            self.connections.discard(self)  # not admitted: it must not count against the admitted ones
             transport.write(_raw_response(503, "Service Unavailable",
                                           f"too many open connections (limit {self.limits.max_connections}); retry",
                                           extra="retry-after: 1\r\n"))

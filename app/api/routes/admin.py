@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
 
 from app.api.deps import SettingsDep, require_scope
 from app.api.jsonbody import JsonBodyError, parse_json
@@ -43,6 +43,16 @@ class VerbRequest(BaseModel):
     model: str | None = Field(None, max_length=128, description="Registered model (default: FLYWHEEL_MODEL_NAME).")
     version: str | None = Field(None, max_length=32, description="rollback: the target version (default: the newest known-good).")
     skip_remaining: bool = Field(False, description="promote: skip the remaining canary steps and make the candidate champion now.")
+
+    @field_validator("reason", "model", "version")
+    @classmethod
+    def _no_control_characters(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # these strings travel in deployment events to SQL projections (PostgreSQL refuses NUL)
+        allowed = "\t\n\r" if info.field_name == "reason" else ""
+        for i, ch in enumerate(v or ""):
+            if (ch < " " and ch not in allowed) or ch == "\x7f":
+                raise ValueError(f"control character U+{ord(ch):04X} at position {i} is not allowed")
+        return v
 
 
 def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:  # noqa: ANN001

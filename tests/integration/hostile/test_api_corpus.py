@@ -69,6 +69,8 @@ ADMIN_CORPUS = [  # (name, raw body, field named (None: the body as a whole), wo
     ("unknown-field", b'{"skip_remaining_steps": true}', "skip_remaining_steps", "Extra inputs"),
     ("too-long", json.dumps({"reason": "x" * 5000}).encode(), "reason", "at most 4096"),
     ("version-too-long", json.dumps({"version": "9" * 100}).encode(), "version", "at most 32"),
+    ("nul-in-reason", b'{"reason": "a\\u0000b"}', "reason", "control character U+0000 at position 1"),
+    ("escape-in-model", b'{"model": "m\\u001b[31m"}', "model", "control character U+001B"),
 ]
 
 
