@@ -138,7 +138,7 @@ STATUS_CORPUS = [  # (path with query, words in the error)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-def status_api(request, make_settings, monkeypatch):
+def status_api(request, make_settings):
     overrides = {}
     if request.param == "postgres":
         overrides["database_url"] = request.getfixturevalue("fresh_postgres_url")
