@@ -173,7 +173,13 @@ async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]
         DELIVERIES.labels("invalid").inc()
         raise
     delivery_id = delivery.delivery_id
-    res = await run_in_threadpool(_resources, request.app)
+    try:
+        res = await run_in_threadpool(_resources, request.app)
+    except Exception as exc:  # MLflow client or deployment log not available yet: MLflow retries
+        DELIVERIES.labels("error").inc()
+        log.exception("webhook receiver could not start its MLflow client / deployment log")
+        raise HTTPException(503, f"the receiver is not ready ({type(exc).__name__}); retry",
+                            headers={"Retry-After": "2"}) from None
     dedupe: DeliveryDedupe = res["dedupe"]
     seen = dedupe.begin(delivery_id, delivery.ts)
     if seen is Seen.DUPLICATE:
