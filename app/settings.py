@@ -99,6 +99,21 @@ class Settings(BaseSettings):
     rate_limit_per_s: float = Field(200.0, gt=0, description="Per-key sustained request rate (token bucket refill, requests/s).")
     rate_limit_burst: int = Field(400, ge=1, description="Per-key burst size of the token bucket.")
 
+    # --- HTTP server limits (the API and every replica; app/httplimits.py, docs/API.md "Limits") --------------
+    http_head_timeout: Duration = Field(10.0, gt=0, description="A connection must send a complete request head (request line and headers) within this long of opening, or of the first byte of its next request; otherwise it is closed (408 if part of a head arrived).")
+    http_body_idle_timeout: Duration = Field(10.0, gt=0, description="Longest wait for the next chunk of a request body; then 408 and the connection is closed.")
+    http_body_timeout: Duration = Field(60.0, gt=0, description="Total time a request may keep the server waiting for its body; then 408 and the connection is closed.")
+    http_keepalive_timeout: Duration = Field(5.0, gt=0, description="An idle keep-alive connection is closed after this long.")
+    http_max_connections: int = Field(512, ge=1, description="Open connections per server process; one more is answered 503 with Retry-After and closed.")
+    http_max_head_bytes: int = Field(16384, ge=1024, description="Largest request head (request line and headers); larger ones are answered 431 and closed.")
+    http_max_body_bytes: int = Field(1024 * 1024, ge=1, description="Largest request body on routes without their own limit (413). POST /v1/events uses `max_body_bytes`, the admin verbs `admin_max_body_bytes`, the webhook receiver `webhook_max_body_bytes`.")
+    http_drain_max_bytes: int = Field(16 * 1024 * 1024, ge=0, description="A request answered before its body was read (413, 401, ...) has the rest of its body read and discarded up to this many bytes, so that clients which send the whole body before reading get the answer; beyond it the answer is sent with Connection: close.")
+    http_drain_timeout: Duration = Field(10.0, ge=0, description="Longest time spent draining such a body (see `http_drain_max_bytes`).")
+    admin_max_body_bytes: int = Field(16 * 1024, ge=1024, description="Largest body of the admin verbs (POST /v1/deployments/{verb}).")
+    webhook_max_body_bytes: int = Field(64 * 1024, ge=1024, description="Largest MLflow webhook delivery (POST /v1/hooks/mlflow); checked on Content-Length before the body is read.")
+    webhook_clock_skew: Duration = Field(60.0, ge=0, description="Extra time a webhook delivery id is remembered beyond the replay window on either side, against clock steps.")
+    webhook_dedupe_max_ids: int = Field(20_000, ge=100, description="Most webhook delivery ids remembered at once (at most ~400 bytes each: 8 MB at the default); when full, new deliveries get 503 + Retry-After until ids expire, rather than forgetting ids that could still be replayed.")
+
     @field_validator("kafka_bootstrap")
     @classmethod
     def _bootstrap_has_ports(cls, v: str) -> str:

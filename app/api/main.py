@@ -71,4 +71,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(hooks.router)  # POST /v1/hooks/mlflow
     hooks.install(app)  # warm the receiver's MLflow client and deployment log at start-up
     # ------------------------------------------------------------------------------------------
+    from app.httplimits import BodyLimitMiddleware, body_limits
+
+    # added last = outermost: body limits and timeouts hold before any route (or auth) runs
+    app.add_middleware(BodyLimitMiddleware, limits=body_limits(settings, {
+        "/v1/events": settings.max_body_bytes, "/v1/deployments/": settings.admin_max_body_bytes,
+        "/v1/hooks/mlflow": settings.webhook_max_body_bytes}))
     return app

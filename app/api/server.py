@@ -2,10 +2,11 @@
 
 `serve(settings)` is the production path: it applies the database migrations first
 (`alembic upgrade head`, the pre-start step), then runs uvicorn on one event loop with
-uvloop/httptools where installed. Scale out with more processes behind a load balancer.
+uvloop/httptools, under the connection limits of app/httplimits.py (head/body/keep-alive
+timeouts, head size, connection cap). Scale out with more processes behind a load balancer.
 
-`ServerThread` runs the same app on a free port inside the current process (integration
-tests, `bench/ingest.py`); it does NOT migrate — tests create their DB with `upgrade(url)`.
+`ServerThread` runs the same app, under the same limits, on a free port inside the current
+process (integration tests); it does NOT migrate — tests create their DB with `upgrade(url)`.
 
     with ServerThread(create_app(settings)) as srv:
         httpx.post(f"{srv.url}/v1/events", ...)
@@ -21,6 +22,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from app.httplimits import uvicorn_config
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,8 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None, 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(settings.db_url)
     app = create_app(settings)
-    uvicorn.run(app, host=host or settings.api_host, port=port or settings.api_port, log_level=log_level,
-                access_log=False, timeout_graceful_shutdown=10)
+    uvicorn.Server(uvicorn_config(app, settings, host=host or settings.api_host, port=port or settings.api_port,
+                                  log_level=log_level, timeout_graceful_shutdown=10)).run()
 
 
 def _free_port() -> int:
@@ -45,12 +47,17 @@ def _free_port() -> int:
 
 
 class ServerThread:
-    """A uvicorn server in a daemon thread, started and stopped as a context manager."""
+    """A uvicorn server in a daemon thread, started and stopped as a context manager.
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+    Its limits come from `settings`, else from the app's own (`app.state.settings`), else the defaults.
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
+                 settings: Settings | None = None):
         self.host, self.port = host, port or _free_port()
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level, access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=5)
+        settings = settings or getattr(app.state, "settings", None) or Settings()
+        config = uvicorn_config(app, settings, host=self.host, port=self.port, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 

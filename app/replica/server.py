@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.httplimits import BodyLimitMiddleware, body_limits, uvicorn_config
 from app.replica import metrics as m
 from app.replica.config import ReplicaConfig
 from app.replica.routing import pick_slot
@@ -156,6 +157,7 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
     app = FastAPI(title=f"Flywheel replica {cfg.id}", version="0.1.0", lifespan=lifespan)
     app.state.replica = replica
+    app.add_middleware(BodyLimitMiddleware, limits=body_limits(settings))  # app/httplimits.py: body size, timeouts
 
     @app.post("/v1/complete")
     async def complete(req: CompleteRequest) -> Response:
@@ -242,6 +244,7 @@ def serve(settings: Settings, cfg: ReplicaConfig, log_level: str = "info") -> No
     import uvicorn
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    uvicorn.run(create_app(settings, cfg), host=cfg.host, port=cfg.port, log_level=log_level, access_log=False,
-                timeout_graceful_shutdown=10)
+    config = uvicorn_config(create_app(settings, cfg), settings, host=cfg.host, port=cfg.port, log_level=log_level,
+                            timeout_graceful_shutdown=10)  # connection limits: app/httplimits.py
+    uvicorn.Server(config).run()
 

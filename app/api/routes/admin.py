@@ -8,6 +8,11 @@ the given reason. The controller carries them out (MLflow aliases, traffic). Ans
 canary running); 422 for a bad target (rollback to a version that is not one of the last N
 known-good ones); 503 when Kafka is unavailable.
 
+The key is checked before the body is read (401/403 never cost a body read), the body is
+capped at `admin_max_body_bytes` (413, app/httplimits.py) and parsed here as strict JSON
+(app/api/jsonbody.py): NaN/Infinity, out-of-range numbers, lone surrogates and deep nesting
+are 422 naming the field, like any other invalid field. An empty body means all defaults.
+
     curl -X POST -H "Authorization: Bearer $ADMIN_KEY" -d '{"reason": "bad outputs", "version": "6"}' \
          http://127.0.0.1:8000/v1/deployments/rollback
 """
@@ -17,11 +22,13 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
 
 from app.api.deps import SettingsDep, require_scope
+from app.api.jsonbody import JsonBodyError, parse_json
 from app.db.models import ApiKey
 
 log = logging.getLogger(__name__)
@@ -36,6 +43,16 @@ class VerbRequest(BaseModel):
     model: str | None = Field(None, max_length=128, description="Registered model (default: FLYWHEEL_MODEL_NAME).")
     version: str | None = Field(None, max_length=32, description="rollback: the target version (default: the newest known-good).")
     skip_remaining: bool = Field(False, description="promote: skip the remaining canary steps and make the candidate champion now.")
+
+    @field_validator("reason", "model", "version")
+    @classmethod
+    def _no_control_characters(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # these strings travel in deployment events to SQL projections (PostgreSQL refuses NUL)
+        allowed = "\t\n\r" if info.field_name == "reason" else ""
+        for i, ch in enumerate(v or ""):
+            if (ch < " " and ch not in allowed) or ch == "\x7f":
+                raise ValueError(f"control character U+{ord(ch):04X} at position {i} is not allowed")
+        return v
 
 
 def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:  # noqa: ANN001
@@ -56,13 +73,31 @@ def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[
     return events
 
 
+async def read_verb_request(request: Request) -> VerbRequest:
+    """The body as a VerbRequest (read after authentication); RequestValidationError (422) naming the field."""
+    raw = await request.body()
+    if not raw.strip():
+        return VerbRequest()
+    try:
+        doc = parse_json(raw, max_depth=8)
+    except JsonBodyError as exc:
+        raise RequestValidationError(exc.detail()) from None
+    try:
+        return VerbRequest.model_validate(doc)
+    except ValidationError as exc:  # without the offending input: it may not even be encodable
+        raise RequestValidationError([{"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+                                      for e in exc.errors(include_url=False)]) from None
+
+
 def _verb_route(verb: str):  # noqa: ANN202
-    async def handler(body: VerbRequest, settings: SettingsDep,
+    async def handler(request: Request, settings: SettingsDep,
                       key: Annotated[ApiKey, Depends(require_scope("admin"))]) -> dict[str, Any]:
+        # no body parameter: FastAPI would read and validate a declared body before running the auth dependency
         from kafka.errors import KafkaError
 
         from app.controller.canary import CommandRejected
 
+        body = await read_verb_request(request)
         actor = key.name or f"key:{key.prefix}"
         try:
             events = await run_in_threadpool(_carry_out, settings, verb, body, actor)
@@ -79,4 +114,5 @@ def _verb_route(verb: str):  # noqa: ANN202
 
 for _verb in ("promote", "abort", "rollback", "pause", "resume"):
     router.add_api_route(f"/v1/deployments/{_verb}", _verb_route(_verb), methods=["POST"], status_code=202,
-                         summary=f"Operator verb: {_verb}")
+                         summary=f"Operator verb: {_verb}", openapi_extra={"requestBody": {
+                             "required": False, "content": {"application/json": {"schema": VerbRequest.model_json_schema()}}}})

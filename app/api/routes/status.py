@@ -10,7 +10,10 @@ projections of `flywheel.deployments` (app/deployments/projector.py):
 - `GET /v1/models/{version}`: lineage (parent chain), gate results, online metrics, rollout
   status and the version's own events; 404 with the known versions when it is unknown.
 
-These endpoints only read SQL; the projector keeps the tables current.
+These endpoints only read SQL; the projector keeps the tables current. Every parameter is
+bounded before it reaches SQL: `cursor` is 0..2^31-1 (a garbage or out-of-range cursor is 422,
+not a database error), names and versions are at most 256 / 64 characters without control
+characters (a NUL byte is refused by PostgreSQL).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any
 
 import sqlalchemy as sa
-from fastapi import APIRouter, Depends, HTTPException, Query, status
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
 
 from app.api.deps import SessionDep, SettingsDep, require_scope
@@ -32,6 +35,11 @@ ReadKey = Annotated[ApiKey, Depends(require_scope("read"))]
 
 MAX_HISTORY = 500
 MAX_ANCESTORS = 100
+MAX_CURSOR = 2**31 - 1  # `seq` is an INTEGER column (32-bit on PostgreSQL); larger cursors overflow the query
+_PRINTABLE = r"^[^\x00-\x1f\x7f]*$"
+ModelName = Annotated[str | None, Query(max_length=256, pattern=_PRINTABLE, description="Only this registered model.")]
+VersionQuery = Annotated[str | None, Query(max_length=64, pattern=_PRINTABLE,
+                                           description="Only events whose version or from_version is this.")]
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -157,8 +165,7 @@ def _replica_public(rep: Replica, now: datetime) -> ReplicaPublic:
 
 # --- endpoints ----------------------------------------------------------------------------------
 @router.get("/v1/deployments", response_model=DeploymentsPublic)
-def deployments(_key: ReadKey, session: SessionDep, settings: SettingsDep,
-                model: Annotated[str | None, Query(description="Only this registered model.")] = None) -> DeploymentsPublic:
+def deployments(_key: ReadKey, session: SessionDep, settings: SettingsDep, model: ModelName = None) -> DeploymentsPublic:
     """Champion, candidate, traffic split, phase, step, last analysis, replicas and next checkpoint ETA per model."""
     now = datetime.now(timezone.utc)
     q = sa.select(DeploymentState).order_by(DeploymentState.model)
@@ -188,10 +195,10 @@ def history(
     _key: ReadKey,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=MAX_HISTORY, description=f"Page size, 1..{MAX_HISTORY}.")] = 50,
-    cursor: Annotated[int | None, Query(ge=0, description="`next_cursor` of the previous page.")] = None,
-    model: Annotated[str | None, Query(description="Only this registered model.")] = None,
-    type: Annotated[list[EventType] | None, Query(description="Only these event types (repeatable).")] = None,  # noqa: A002
-    version: Annotated[str | None, Query(description="Only events whose version or from_version is this.")] = None,
+    cursor: Annotated[int | None, Query(ge=0, le=MAX_CURSOR, description="`next_cursor` of the previous page.")] = None,
+    model: ModelName = None,
+    type: Annotated[list[EventType] | None, Query(max_length=32, description="Only these event types (repeatable).")] = None,  # noqa: A002
+    version: VersionQuery = None,
     source: Annotated[Source | None, Query(description="Only events from this source.")] = None,
 ) -> HistoryPublic:
     """Deployment events, newest first, keyset-paginated."""
@@ -216,11 +223,12 @@ def history(
 
 @router.get("/v1/models/{version}", response_model=ModelVersionPublic)
 def model_version(
-    version: str,
+    version: Annotated[str, Path(max_length=64, pattern=_PRINTABLE, description="The model version.")],
     _key: ReadKey,
     session: SessionDep,
     settings: SettingsDep,
-    model: Annotated[str | None, Query(description="Registered model (default: FLYWHEEL_MODEL_NAME).")] = None,
+    model: Annotated[str | None, Query(max_length=256, pattern=_PRINTABLE,
+                                       description="Registered model (default: FLYWHEEL_MODEL_NAME).")] = None,
 ) -> ModelVersionPublic:
     """Lineage, gate results, online metrics and rollout status of one model version."""
     model = model or settings.model_name
