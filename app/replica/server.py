@@ -160,7 +160,8 @@ class Replica:
         self.producer = EventProducer(settings)
         self.topic = settings.topic("interactions")
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{cfg.id}")
-        self.queue: GenerationQueue | None = None  # made in start(): it needs the running loop
+        self.queue: GenerationQueue | None = None  # made in start(), on the serving event loop
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.api_key = cfg.api_key.get_secret_value().encode("ascii") if cfg.api_key is not None else None
         self.start_sync = start_sync
         self.agent = None
@@ -174,6 +175,7 @@ class Replica:
             log.info("replica %s serving from its cache: %s", self.id, serving.versions())
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.queue = GenerationQueue(self.id, self.pool, max_queued=self.cfg.max_queued,
                                      max_queued_cost=self.cfg.max_queued_cost)
         await asyncio.to_thread(self.restore)
