@@ -9,15 +9,17 @@ here, in the event loop, never in the executor's own (unbounded) queue:
 - **Bounds.** At most `max_queued` requests wait, and the sum of their costs (`n * max_tokens`,
   the tokens they may generate) is at most `max_queued_cost`. A request that would exceed either
   is refused at once with `QueueFull` (the route answers 503 + Retry-After) and costs nothing.
-- **Order.** When the thread frees up, the waiting request with the smallest
-  `arrived + cost * s_per_cost` goes next: shortest-job-first with linear aging. A 1-token request
-  passes every queued maximal one that has not yet waited as long as it is expected to run, and a
-  maximal request is passed only by requests that arrived less than its own expected run time
-  after it, so nothing starves. `s_per_cost` is the measured generation time per cost unit (moving
-  averages of model seconds and of cost, seeded by `initial_s_per_cost`).
-- **Worst case.** A request waits for the call running when it arrived plus the queued requests
-  ordered before it; those are bounded by `max_queued_cost`, so the wait is at most about
-  `(max_request_cost + max_queued_cost) * s_per_cost` (docs/REPLICA.md has measured figures).
+- **Order.** When the thread frees up, the next request is the cheapest waiting one (smallest
+  cost, then the earliest), so a 1-token request does not wait behind queued maximal ones;
+  except that a request which has waited longer than the time to drain a full queue
+  (`max_queued_cost * s_per_cost`) is overdue, and overdue requests go first, oldest first, so
+  nothing starves. `s_per_cost` is the measured generation time per cost unit (moving averages
+  of model seconds and of cost, seeded by `initial_s_per_cost`).
+- **Worst case.** A request waits for the call running when it arrived, then for cheaper or
+  overdue requests; queued work is bounded by `max_queued_cost`, and a request becomes overdue
+  after one full-queue drain time, so any request waits at most about
+  `(max_request_cost + 2 * max_queued_cost) * s_per_cost`, and a cheap one usually just for the
+  running call (docs/REPLICA.md has measured figures).
 - **Disconnects.** When its turn comes, a request first awaits `still_wanted()`; if the client
   has gone, `ClientGone` is raised and the thread goes to the next one without generating.
 - **Cancellation.** A waiting request that is cancelled leaves the queue; one cancelled while its
@@ -114,15 +116,21 @@ class GenerationQueue:
         m.QUEUE_REJECTIONS.labels(self.replica_id, reason).inc()
         raise QueueFull(reason, f"generation queue full: {detail}", self.retry_after_s())
 
-    def _key(self, t: _Ticket) -> float:
-        return t.arrived + t.cost * self.s_per_cost
+    def overdue_after_s(self) -> float:
+        """How long a request may wait before it goes ahead of cheaper ones: one full-queue drain."""
+        return self.max_queued_cost * self.s_per_cost
 
     def _dispatch(self) -> None:
-        """Give the free thread to the waiting request with the smallest key."""
+        """Give the free thread to the oldest overdue request, else to the cheapest waiting one."""
         self._queued = [t for t in self._queued if not t.turn.done()]  # cancelled while waiting
         if self._running_cost is not None or not self._queued:
             return
-        nxt = min(self._queued, key=self._key)
+        now, overdue_after = self.clock(), self.overdue_after_s()
+
+        def order(t: _Ticket) -> tuple[int, float, float]:
+            return (0, t.arrived, 0.0) if now - t.arrived >= overdue_after else (1, t.cost, t.arrived)
+
+        nxt = min(self._queued, key=order)
         self._queued.remove(nxt)
         self._running_cost = nxt.cost
         nxt.turn.set_result(None)

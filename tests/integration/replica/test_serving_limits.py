@@ -114,6 +114,7 @@ def test_the_serving_key_guards_complete_and_leaves_health_readiness_and_metrics
     assert r.status_code == 200, r.text
     assert httpx.get(f"{srv.url}/healthz").status_code == 200
     assert httpx.get(f"{srv.url}/readyz").status_code == 200
+    assert httpx.get(f"{srv.url}/v1/status").status_code == 200
     assert metric(srv, "flywheel_replica_requests_total", replica_id="replica-key", outcome="unauthorized") == 5
 
 

@@ -111,18 +111,19 @@ def test_a_short_request_goes_before_long_ones_that_arrived_earlier():
     run(main())
 
 
-def test_a_long_request_that_waited_its_expected_run_time_is_not_passed_by_new_short_ones():
+def test_a_long_request_that_waited_a_full_queue_drain_is_overdue_and_goes_before_new_short_ones():
     async def main() -> None:
         pool = ThreadPoolExecutor(1)
         clock = FakeClock()
-        q = GenerationQueue("rq-aging", pool, max_queued=16, max_queued_cost=10_000, initial_s_per_cost=0.01,
+        q = GenerationQueue("rq-aging", pool, max_queued=16, max_queued_cost=1000, initial_s_per_cost=0.01,
                             clock=clock)
+        assert q.overdue_after_s() == pytest.approx(10.0)  # 1000 cost units at 0.01 s each
         gate, order = Gate(), []
-        busy = asyncio.create_task(q.run(600, gate))  # runs the 6 s below: s_per_cost stays 0.01
+        busy = asyncio.create_task(q.run(1100, gate))  # runs the 11 s below: s_per_cost stays 0.01
         await _until(gate.started.is_set, "the first call")
-        long = asyncio.create_task(q.run(500, order.append, "long"))  # expected to run 5 s
+        long = asyncio.create_task(q.run(500, order.append, "long"))
         await _until(lambda: q.depth == 1, "long queued")
-        clock.t += 6.0  # it has now waited longer than it will run
+        clock.t += 11.0  # it has now waited longer than a full queue takes to drain
         short = asyncio.create_task(q.run(1, order.append, "short"))
         await _until(lambda: q.depth == 2, "short queued")
         gate.release.set()
