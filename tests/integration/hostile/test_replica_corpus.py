@@ -29,6 +29,7 @@ CORPUS: list[tuple[str, bytes, str]] = [
     ("temperature string", b'{' + OK + b', "temperature": "0.7"}', "temperature"),
     ("temperature bool", b'{' + OK + b', "temperature": true}', "temperature"),
     ("temperature null", b'{' + OK + b', "temperature": null}', "temperature"),
+    ("temperature huge integer", b'{' + OK + b', "temperature": 1' + b"0" * 4000 + b'}', "temperature"),
     ("prompt lone high surrogate", b'{"session_id": "s", "prompt": "ab\\ud800cd", "max_tokens": 4}', "prompt"),
     ("prompt lone low surrogate", b'{"session_id": "s", "prompt": "\\udc00", "max_tokens": 4}', "prompt"),
     ("prompt reversed surrogate pair", b'{"session_id": "s", "prompt": "\\udc00\\ud800", "max_tokens": 4}',
