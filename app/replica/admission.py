@@ -15,11 +15,11 @@ here, in the event loop, never in the executor's own (unbounded) queue:
   (`max_queued_cost * s_per_cost`) is overdue, and overdue requests go first, oldest first, so
   nothing starves. `s_per_cost` is the measured generation time per cost unit (moving averages
   of model seconds and of cost, seeded by `initial_s_per_cost`).
-- **Worst case.** A request waits for the call running when it arrived, then for cheaper or
-  overdue requests; queued work is bounded by `max_queued_cost`, and a request becomes overdue
-  after one full-queue drain time, so any request waits at most about
-  `(max_request_cost + 2 * max_queued_cost) * s_per_cost`, and a cheap one usually just for the
-  running call (docs/REPLICA.md has measured figures).
+- **Worst case.** A request waits for the call running when it arrived (at most one maximal
+  request), then for cheaper requests until it is overdue (one full-queue drain, plus the call
+  started just before), then for the older overdue ones (at most the queue it arrived behind):
+  about `2 * (max_request_cost + max_queued_cost) * s_per_cost` in all. A cheap request
+  usually waits just for the running call (docs/REPLICA.md has measured figures).
 - **Disconnects.** When its turn comes, a request first awaits `still_wanted()`; if the client
   has gone, `ClientGone` is raised and the thread goes to the next one without generating.
 - **Cancellation.** A waiting request that is cancelled leaves the queue; one cancelled while its
