@@ -112,3 +112,18 @@ def test_hostile_bodies_with_the_serving_key_set_still_need_the_key_first(seeded
     for _, raw, _ in CORPUS[:5]:
         r = httpx.post(f"{srv.url}/v1/complete", content=raw, timeout=30)
         assert r.status_code == 401, r.text
+
+
+def test_with_the_minimum_lowered_the_sampler_guard_still_answers_422_instead_of_sampling_nan(seeded_replica):
+    """Defence in depth: a replica configured to accept any positive temperature still refuses the
+    ones whose logits / T overflow, from the sampler's own check, and keeps serving."""
+    srv = seeded_replica(id="replica-hostile-guard", min_temperature=5e-324)
+    for temperature in (1e-300, 5e-324, 1e-45):
+        r = httpx.post(f"{srv.url}/v1/complete", json={"session_id": "s", "prompt": "x", "max_tokens": 4,
+                                                        "temperature": temperature}, timeout=60)
+        assert r.status_code == 422, (temperature, r.text)
+        (err,) = r.json()["detail"]
+        assert err["loc"] == ["body", "temperature"] and "too small" in err["msg"], err
+    ok = httpx.post(f"{srv.url}/v1/complete", json={"session_id": "s", "prompt": "x", "max_tokens": 4,
+                                                     "temperature": 1e-3}, timeout=60)
+    assert ok.status_code == 200, ok.text
