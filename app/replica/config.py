@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.settings import Duration
@@ -33,6 +33,17 @@ class ReplicaConfig(BaseSettings):
     max_n: int = Field(8, ge=1, description="Largest `n` (candidates per request).")
     max_prompt_chars: int = Field(65536, ge=1, description="Longest prompt accepted; longer prompts get 422. "
                                                              "Prompts longer than the model's context keep their end.")
+    min_temperature: float = Field(0.01, gt=0.0, le=1.0, description="Smallest non-zero `temperature` a request may "
+                                   "ask for (0 = greedy); smaller ones get 422: logits / T overflows float32 long "
+                                   "before T reaches 0, and such a distribution is greedy in effect.")
+    max_queued: int = Field(16, ge=0, description="Most requests waiting for the generation thread (besides the one "
+                                                  "running); more get 503 + Retry-After at once, without generating.")
+    max_queued_cost: int = Field(4096, ge=1, description="Most tokens the waiting requests may generate together "
+                                                         "(sum of `n * max_tokens`); a request that would exceed it "
+                                                         "gets 503 + Retry-After. At least `max_n * max_tokens`.")
+    api_key: SecretStr | None = Field(None, description="When set, `POST /v1/complete` needs `Authorization: Bearer "
+                                                        "<key>` (401 otherwise); health, readiness and metrics stay "
+                                                        "open.")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads for generation (one model call at a time).")
     decode_threads: int = Field(1, ge=1, description="Threads of the verified delta decode. The fast decoder is mostly "
                                                       "Python per tensor (the GIL), so more threads only pay off for "
@@ -58,6 +69,23 @@ class ReplicaConfig(BaseSettings):
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError(f"advertise_url must start with http:// or https://, got {v!r}")
         return v
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            return None  # an empty FLYWHEEL_REPLICA_API_KEY means no key
+        if v is not None and not v.get_secret_value().isascii():
+            raise ValueError("api_key must be ASCII (it travels in an HTTP header)")
+        return v
+
+    @model_validator(mode="after")
+    def _a_maximal_request_fits(self) -> "ReplicaConfig":
+        if self.max_queued_cost < self.max_n * self.max_tokens:
+            raise ValueError(f"max_queued_cost ({self.max_queued_cost}) must be at least max_n * max_tokens "
+                             f"({self.max_n} * {self.max_tokens}), or a maximal request could never queue; "
+                             f"raise FLYWHEEL_REPLICA_MAX_QUEUED_COST or lower the other two")
+        return self
 
     def resolved_cache_dir(self, data_dir: Path) -> Path:
         return self.cache_dir or Path(data_dir) / "replicas" / self.id

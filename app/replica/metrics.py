@@ -4,7 +4,11 @@ Every metric carries `replica_id`, so several replicas in one process (tests, be
 
 | metric | labels | what |
 |---|---|---|
-| `flywheel_replica_requests_total` | replica_id, slot, outcome | POST /v1/complete by slot and outcome (ok, invalid, not_ready, unavailable) |
+| `flywheel_replica_requests_total` | replica_id, slot, outcome | POST /v1/complete by slot and outcome (ok, invalid, unauthorized, not_ready, rejected, disconnected, unavailable) |
+| `flywheel_replica_queue_depth` | replica_id | requests waiting for the generation thread (not counting the running one) |
+| `flywheel_replica_queue_cost` | replica_id | sum of `n * max_tokens` of the waiting requests |
+| `flywheel_replica_queue_wait_seconds` | replica_id | time from admission to the start of a request's model call |
+| `flywheel_replica_queue_rejections_total` | replica_id, reason | requests refused with 503 because the queue was full (`requests` or `cost` bound) |
 | `flywheel_replica_request_seconds` | replica_id | request latency (generation + Kafka ack) |
 | `flywheel_replica_generation_seconds` | replica_id | model time of one request |
 | `flywheel_replica_tokens_total` | replica_id, version, kind | prompt / completion tokens |
@@ -29,6 +33,12 @@ REQUEST_SECONDS = Histogram("flywheel_replica_request_seconds", "POST /v1/comple
                             ["replica_id"], buckets=_LAT)
 GENERATION_SECONDS = Histogram("flywheel_replica_generation_seconds", "Model time of one request.",
                                ["replica_id"], buckets=_LAT)
+QUEUE_DEPTH = Gauge("flywheel_replica_queue_depth", "Requests waiting for the generation thread.", ["replica_id"])
+QUEUE_COST = Gauge("flywheel_replica_queue_cost", "Sum of n * max_tokens of the waiting requests.", ["replica_id"])
+QUEUE_WAIT_SECONDS = Histogram("flywheel_replica_queue_wait_seconds", "Admission to the start of the model call.",
+                               ["replica_id"], buckets=(0.001,) + _LAT)
+QUEUE_REJECTIONS = Counter("flywheel_replica_queue_rejections_total", "Requests refused because the generation "
+                           "queue was full, by bound (requests, cost).", ["replica_id", "reason"])
 TOKENS = Counter("flywheel_replica_tokens_total", "Prompt and completion tokens by serving version.",
                  ["replica_id", "version", "kind"])
 SERVING_VERSION = Gauge("flywheel_replica_serving_version", "Version served per slot (-1: none).",

@@ -4,7 +4,8 @@
 
 `POST /v1/complete` `{session_id, prompt, max_tokens, temperature, n}` picks the champion or the
 candidate by a stable hash of `session_id` (routing.py), samples `n` completions in one batch on
-a single-thread executor (the event loop never blocks; one model call at a time per replica),
+a single generation thread behind a bounded, cost-aware queue (admission.py: the event loop never
+blocks; one model call at a time per replica; a full queue answers 503 + Retry-After at once),
 writes one `generation` event per completion to `<ns>.interactions` (prompt/completion tokens,
 behaviour log-probs, MoE routes, temperature, group_id, latency, tokenizer, model_version), and
 answers only after Kafka acknowledged them all (503 + Retry-After otherwise):
@@ -17,6 +18,13 @@ own and their events share `group_id` = the top-level request_id. `tokens` is th
 completion tokens. Prompts longer than the model's context keep their end (like an editor's
 context window); the event records the tokens the model actually saw.
 
+Input is validated before any model work and every refusal is a 422 naming the field: the body
+is decoded with the standard JSON decoder (so NaN, Infinity, huge numbers and lone-surrogate
+escapes reach the field validators), strings must be valid Unicode, `temperature` is 0 (greedy)
+or at least `min_temperature`, and the prompt must encode with the served version's tokenizer.
+With `FLYWHEEL_REPLICA_API_KEY` set, the route checks `Authorization: Bearer <key>` (constant
+time) before reading the body; health, readiness and metrics stay open.
+
 The request picks its `LoadedVersion` from one snapshot of the weight store and keeps it until
 it has answered, so a sync that swaps versions meanwhile never affects it (weights.py).
 """
@@ -24,6 +32,8 @@ it has answered, so a sync that swaps versions meanwhile never affects it (weigh
 from __future__ import annotations
 
 import asyncio
+import hmac
+import json
 import logging
 import secrets
 import time
@@ -31,15 +41,17 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
+from app.events import Id
 from app.httplimits import BodyLimitMiddleware, body_limits, uvicorn_config
 from app.replica import metrics as m
+from app.replica.admission import ClientGone, GenerationQueue, QueueFull
 from app.replica.config import ReplicaConfig
 from app.replica.routing import pick_slot
 from app.replica.weights import LoadedVersion, WeightCache, WeightStore
@@ -48,16 +60,81 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
+def _valid_unicode(v: str) -> str:
+    """Refuse lone surrogates (JSON's `"\\ud800"` decodes to one): they cannot be encoded, tokenized or logged."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"contains a lone surrogate (U+{ord(v[exc.start]):04X} at index {exc.start}), which is "
+                         f"not valid Unicode; send UTF-8 text") from None
+    return v
+
+
+Text = Annotated[str, Field(strict=True), AfterValidator(_valid_unicode)]
+
+
 class CompleteRequest(BaseModel):
     """Body of POST /v1/complete (limits beyond these come from ReplicaConfig, checked in the route)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    session_id: str = Field(min_length=1, max_length=128, description="Editor session; picks champion vs candidate.")
-    prompt: str = Field(description="Text to complete.")
-    max_tokens: int = Field(64, ge=1, description="Most completion tokens per candidate.")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False, description="0 = greedy.")
-    n: int = Field(1, ge=1, description="Candidates for this context (n > 1 share a group_id).")
+    session_id: Annotated[Id, Field(strict=True), AfterValidator(_valid_unicode)] = Field(
+        description="Editor session; picks champion vs candidate.")
+    prompt: Text = Field(description="Text to complete (may be empty).")
+    max_tokens: int = Field(64, ge=1, strict=True, description="Most completion tokens per candidate.")
+    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False, strict=True,
+                               description="0 = greedy; otherwise at least the replica's `min_temperature`.")
+    n: int = Field(1, ge=1, strict=True, description="Candidates for this context (n > 1 share a group_id).")
+
+
+class RequestInvalid(Exception):
+    """A 422: `errors` in FastAPI's shape, `[{loc: ["body", field...], msg, type}]`."""
+
+    def __init__(self, errors: list[dict[str, Any]]):
+        super().__init__(errors)
+        self.errors = errors
+
+
+def _printable(v: Any, limit: int = 200) -> Any:
+    """A loc item or message that is safe to send back (no lone surrogates, bounded length)."""
+    if not isinstance(v, str):
+        return v
+    v = v.encode("utf-8", "backslashreplace").decode("utf-8")
+    return v if len(v) <= limit else v[:limit] + "…"
+
+
+def parse_complete_request(raw: bytes) -> CompleteRequest:
+    """Decode and validate a /v1/complete body; RequestInvalid names the field (or `body`).
+
+    The standard JSON decoder reads the body first so that NaN, Infinity, huge numbers and
+    lone-surrogate escapes reach the model's validators, which name the field they are in."""
+    def body_error(msg: str, type_: str = "json_invalid") -> RequestInvalid:
+        return RequestInvalid([{"loc": ["body"], "msg": msg, "type": type_}])
+
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise body_error(f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})", "utf8_invalid") from None
+    try:
+        obj = json.loads(text)
+    except RecursionError:
+        raise body_error("the body is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, and integers longer than Python's 4300-digit limit
+        raise body_error(f"the body is not valid JSON: {_printable(str(exc))}") from None
+    if isinstance(obj, dict):  # pydantic cannot name a key that is not valid Unicode: name it here
+        for key in obj:
+            try:
+                key.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestInvalid([{"loc": ["body", _printable(key)], "msg": "field name contains a lone "
+                                       "surrogate, which is not valid Unicode", "type": "string_unicode"}]) from None
+    try:
+        return CompleteRequest.model_validate(obj)
+    except ValidationError as exc:
+        raise RequestInvalid([{"loc": ["body", *map(_printable, e["loc"])], "msg": _printable(e["msg"], 500),
+                               "type": e["type"]}
+                              for e in exc.errors(include_url=False, include_context=False, include_input=False)
+                              ]) from None
 
 
 def _error(field: str, msg: str, status: int = 422) -> JSONResponse:
@@ -84,6 +161,9 @@ class Replica:
         self.producer = EventProducer(settings)
         self.topic = settings.topic("interactions")
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{cfg.id}")
+        self.queue: GenerationQueue | None = None  # made in start(), on the serving event loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.api_key = cfg.api_key.get_secret_value().encode("ascii") if cfg.api_key is not None else None
         self.start_sync = start_sync
         self.agent = None
 
@@ -96,6 +176,9 @@ class Replica:
             log.info("replica %s serving from its cache: %s", self.id, serving.versions())
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue = GenerationQueue(self.id, self.pool, max_queued=self.cfg.max_queued,
+                                     max_queued_cost=self.cfg.max_queued_cost)
         await asyncio.to_thread(self.restore)
         await self.producer.connect()
         if self.start_sync:
@@ -111,19 +194,38 @@ class Replica:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # --- generation -----------------------------------------------------------------------------------
-    def _generate(self, lv: LoadedVersion, req: CompleteRequest, max_tokens: int) -> tuple[list[int], list[Any], float]:
-        """Runs on the generation thread: (prompt tokens seen, samples, model seconds)."""
-        policy = lv.policy
-        tok = policy.tokenizer
-        prompt = tok.encode(req.prompt)
+    def authorized(self, request: Request) -> bool:
+        """True without a serving key; else whether `Authorization: Bearer <key>` matches (constant time)."""
+        if self.api_key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key)
+
+    @staticmethod
+    def encode_prompt(lv: LoadedVersion, req: CompleteRequest) -> list[int]:
+        """The prompt tokens the model will see (the end of the prompt when it is longer than the context).
+
+        Raises ValueError when the version's tokenizer cannot encode the prompt."""
+        tok = lv.policy.tokenizer
+        try:
+            prompt = tok.encode(req.prompt)
+        except (ValueError, UnicodeError) as exc:
+            raise ValueError(f"the tokenizer {tok.name} cannot encode the prompt: {exc}") from None
+        bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise ValueError(f"the tokenizer {tok.name} produced ids outside its vocabulary: {bad[:5]}")
         ctx = int(lv.config.get("max_context") or 0)
         if ctx:
-            keep = ctx - 1 - max_tokens
+            keep = ctx - 1 - req.max_tokens
             prompt = prompt[-keep:] if keep > 0 else []
+        return prompt
+
+    def _generate(self, lv: LoadedVersion, prompt: list[int], req: CompleteRequest) -> tuple[list[Any], float]:
+        """Runs on the generation thread: (samples, model seconds)."""
         t0 = time.perf_counter()
-        samples = policy.generate([prompt] * req.n, max_tokens=max_tokens, temperature=req.temperature,
-                                  seed=secrets.randbits(62))
-        return prompt, samples, time.perf_counter() - t0
+        samples = lv.policy.generate([prompt] * req.n, max_tokens=req.max_tokens, temperature=req.temperature,
+                                     seed=secrets.randbits(62))
+        return samples, time.perf_counter() - t0
 
     def generation_event(self, *, request_id: str, req: CompleteRequest, lv: LoadedVersion, prompt: list[int],
                          sample: Any, group_id: str | None, latency_ms: float) -> dict[str, Any]:
@@ -159,21 +261,44 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
     app.state.replica = replica
     app.add_middleware(BodyLimitMiddleware, limits=body_limits(settings))  # app/httplimits.py: body size, timeouts
 
-    @app.post("/v1/complete")
-    async def complete(req: CompleteRequest) -> Response:
+    def invalid(slot: str, field: str, msg: str) -> JSONResponse:
+        m.REQUESTS.labels(cfg.id, slot, "invalid").inc()
+        return _error(field, msg)
+
+    def check_limits(req: CompleteRequest) -> JSONResponse | None:
+        """The replica's own bounds on an otherwise valid request (422 naming the field)."""
+        if req.n > cfg.max_n:
+            return invalid("none", "n", f"n is {req.n}; this replica serves at most {cfg.max_n} candidates per request")
+        if req.max_tokens > cfg.max_tokens:
+            return invalid("none", "max_tokens", f"max_tokens is {req.max_tokens}; this replica allows at most "
+                                                 f"{cfg.max_tokens}")
+        if len(req.prompt) > cfg.max_prompt_chars:
+            return invalid("none", "prompt", f"prompt has {len(req.prompt)} characters; at most "
+                                             f"{cfg.max_prompt_chars} are accepted")
+        if 0.0 < req.temperature < cfg.min_temperature:
+            return invalid("none", "temperature", f"temperature {req.temperature!r} is below this replica's smallest "
+                                                  f"non-zero temperature {cfg.min_temperature}; send 0 for greedy")
+        return None
+
+    @app.post("/v1/complete", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": CompleteRequest.model_json_schema()}}}})
+    async def complete(request: Request) -> Response:
         from app.api.producer import KafkaUnavailable
         from app.kafka_io import dumps
+        from trainer.policy.base import SamplingError
 
+        if not replica.authorized(request):  # before the body is read
+            m.REQUESTS.labels(cfg.id, "none", "unauthorized").inc()
+            return JSONResponse({"detail": "this replica needs a serving key: send Authorization: Bearer <key>"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
         t_start = time.perf_counter()
-        if req.n > cfg.max_n:
+        try:
+            req = parse_complete_request(await request.body())
+        except RequestInvalid as exc:
             m.REQUESTS.labels(cfg.id, "none", "invalid").inc()
-            return _error("n", f"n is {req.n}; this replica serves at most {cfg.max_n} candidates per request")
-        if req.max_tokens > cfg.max_tokens:
-            m.REQUESTS.labels(cfg.id, "none", "invalid").inc()
-            return _error("max_tokens", f"max_tokens is {req.max_tokens}; this replica allows at most {cfg.max_tokens}")
-        if len(req.prompt) > cfg.max_prompt_chars:
-            m.REQUESTS.labels(cfg.id, "none", "invalid").inc()
-            return _error("prompt", f"prompt has {len(req.prompt)} characters; at most {cfg.max_prompt_chars} are accepted")
+            return JSONResponse({"detail": exc.errors}, status_code=422)
+        if (refused := check_limits(req)) is not None:
+            return refused
         serving = replica.store.snapshot()  # one consistent snapshot for the whole request
         if serving.champion is None:
             m.REQUESTS.labels(cfg.id, "none", "not_ready").inc()
@@ -184,11 +309,29 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         assert lv is not None
         ctx = int(lv.config.get("max_context") or 0)
         if ctx and req.max_tokens > ctx - 1:
-            m.REQUESTS.labels(cfg.id, slot, "invalid").inc()
-            return _error("max_tokens", f"max_tokens is {req.max_tokens}; the model's context holds {ctx} tokens "
-                                        f"including bos, so at most {ctx - 1}")
-        loop = asyncio.get_running_loop()
-        prompt, samples, gen_s = await loop.run_in_executor(replica.pool, replica._generate, lv, req, req.max_tokens)
+            return invalid(slot, "max_tokens", f"max_tokens is {req.max_tokens}; the model's context holds {ctx} "
+                                               f"tokens including bos, so at most {ctx - 1}")
+        try:
+            prompt = replica.encode_prompt(lv, req)
+        except ValueError as exc:
+            return invalid(slot, "prompt", str(exc))
+
+        async def still_wanted() -> bool:
+            return not await request.is_disconnected()
+
+        assert replica.queue is not None, "the replica has not started"
+        try:
+            samples, gen_s = await replica.queue.run(req.n * req.max_tokens, replica._generate, lv, prompt, req,
+                                                     still_wanted=still_wanted)
+        except QueueFull as exc:
+            m.REQUESTS.labels(cfg.id, slot, "rejected").inc()
+            return JSONResponse({"detail": exc.detail}, status_code=503,
+                                headers={"Retry-After": str(exc.retry_after_s)})
+        except ClientGone:
+            m.REQUESTS.labels(cfg.id, slot, "disconnected").inc()
+            return Response(status_code=499)  # nobody reads it; nothing was generated or logged
+        except SamplingError as exc:
+            return invalid(slot, "temperature", str(exc))
         m.GENERATION_SECONDS.labels(cfg.id).observe(gen_s)
         top_id = uuid.uuid4().hex
         ids = [top_id] if req.n == 1 else [uuid.uuid4().hex for _ in range(req.n)]

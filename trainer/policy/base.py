@@ -17,6 +17,7 @@ Conventions
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,35 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, tokens: list[int]) -> str: ...
+
+
+class SamplingError(ValueError):
+    """`generate` refused its arguments: a temperature that is negative or not finite, or so small
+    that logits / T is not finite (the sampling distribution would be NaN)."""
+
+
+class NonFiniteLogits(FloatingPointError):
+    """The model itself produced NaN or infinite logits (broken weights, not a bad request)."""
+
+
+def check_sampling_distribution(logits: torch.Tensor, logp: torch.Tensor, temperature: float) -> None:
+    """Raise unless `logp` = log_softmax(logits / T) [B, V] is finite, so NaN or inf never reaches
+    the sampler (torch.multinomial raises on them, argmax silently picks garbage)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits(f"the model produced non-finite logits ({int((~torch.isfinite(logits)).sum())} of "
+                              f"{logits.numel()} values)")
+    if not bool(torch.isfinite(logp).all()):
+        raise SamplingError(f"temperature {temperature!r} is too small for these logits: logits / T is not finite "
+                            f"in float32 (largest |logit| {float(logits.abs().max()):.4g}); use 0 for greedy")
+
+
+def check_temperature(temperature: float) -> None:
+    try:
+        ok = math.isfinite(float(temperature)) and float(temperature) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise SamplingError(f"temperature must be a finite number >= 0, got {temperature!r}")
 
 
 @dataclass

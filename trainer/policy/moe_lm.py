@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kernels.invariant import COMPUTE_DTYPE, get_ops
 from kernels.logprobs import log_probs, token_logprobs
 from kernels.moe import load_balance_loss, moe_ffn, route
-from trainer.policy.base import Policy, Sample
+from trainer.policy.base import Policy, Sample, check_sampling_distribution, check_temperature
 from trainer.policy.tokenizer import ByteTokenizer
 
 
@@ -210,7 +210,7 @@ class MoEPolicy(Policy):
     def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 1.0,
                  seed: int | None = None) -> list[Sample]:
         assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
-        assert temperature >= 0, f"temperature must be >= 0, got {temperature}"
+        check_temperature(temperature)
         for p in prompts:
             self._check_lengths(len(p), max_tokens)
         if not prompts:
@@ -234,7 +234,9 @@ class MoEPolicy(Policy):
         out_rt = [[] for _ in range(b)]
         done = torch.zeros(b, dtype=torch.bool)
         for step in range(max_tokens):
-            logp = log_probs(self.lm_logits(h_last), temperature, self.ops)  # [B, V]
+            logits = self.lm_logits(h_last)
+            logp = log_probs(logits, temperature, self.ops)  # [B, V]
+            check_sampling_distribution(logits, logp, temperature)  # raises before NaN can be sampled
             if temperature > 0:
                 nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
             else:

@@ -63,6 +63,59 @@ def replica_factory(make_settings, tmp_path) -> Iterator[Callable[..., Any]]:
         s.stop()
 
 
+@pytest.fixture()
+def seeded_replica(replica_factory, make_settings, tmp_path) -> Callable[..., Any]:
+    """Start a replica (no sync agent) that serves tiny version 7 from its verified cache at once;
+    keyword arguments are ReplicaConfig fields."""
+    from app.replica.weights import WeightCache, load_verified
+    from kernels.delta.hashing import checkpoint_sha256
+
+    def _start(**cfg: Any):
+        model_cfg, state = tiny_state(7)
+        cache_dir = tmp_path / f"seeded-{cfg.get('id', 'replica-1')}"
+        cache = WeightCache(cache_dir)
+        cache.put(load_verified("7", state, model_cfg, checkpoint_sha256(state)))
+        cache.set_serving(cache.restore())
+        return replica_factory(make_settings(), start_sync=False, cache_dir=cache_dir, **cfg)
+
+    return _start
+
+
+def metric(srv, name: str, **labels: str) -> float:  # noqa: ANN001 - a replica_factory server
+    """The sum of the samples of the replica's /metrics that match, read over HTTP (0 when absent)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
+
+class HeldThread:
+    """Holds a replica's generation thread with a test-controlled call in its own GenerationQueue,
+    so requests sent meanwhile queue deterministically (the queue sees the thread as busy)."""
+
+    def __init__(self, srv) -> None:  # noqa: ANN001 - a replica_factory server
+        import asyncio
+        import threading
+
+        self.started, self.release = threading.Event(), threading.Event()
+        replica = srv.replica
+        self.future = asyncio.run_coroutine_threadsafe(replica.queue.run(1, self._hold), replica.loop)
+        assert self.started.wait(30), "the held call never started"
+
+    def _hold(self) -> None:
+        self.started.set()
+        assert self.release.wait(120), "the held generation thread was never released"
+
+    def __enter__(self) -> "HeldThread":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release.set()
+        self.future.result(30)
+
+
 # a 'training step' (nudge `frac` of every float tensor's elements); one implementation for all tests
 from tests.integration.rollout.stack import nudged as perturb  # noqa: E402,F401 (re-exported)
 

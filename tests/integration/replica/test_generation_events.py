@@ -20,16 +20,10 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture()
-def seeded(replica_factory, make_settings, tmp_path):
+def seeded(seeded_replica):
     """A replica (no sync agent) serving tiny version 7 from its verified cache."""
     cfg, state = tiny_state(7)
-    cache_dir = tmp_path / "seeded-cache"
-    cache = WeightCache(cache_dir)
-    lv = load_verified("7", state, cfg, checkpoint_sha256(state))
-    cache.put(lv)
-    cache.set_serving(cache.restore())
-    srv = replica_factory(make_settings(), start_sync=False, cache_dir=cache_dir, id="replica-gen")
-    return srv, cfg, state
+    return seeded_replica(id="replica-gen"), cfg, state
 
 
 def test_n_candidates_share_a_group_and_their_events_validate_and_replay_bit_exactly(seeded):
