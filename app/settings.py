@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     auth_failure_rate_per_s: float = Field(0.5, gt=0, description="Refill of each client address's failed-authentication budget (failures/s).")
     auth_max_clients: int = Field(10_000, ge=1, description="Client addresses whose failed-authentication budget the API tracks; the longest-idle is forgotten past it.")
     auth_known_key_window: Duration = Field(600.0, ge=0, le=86400, description="A client address over its failed-authentication budget still gets requests with a key that authenticated within this window checked (and served); any other token from it is answered 429 without a database lookup.")
-    trust_forwarded_for: bool = Field(False, description="Take the client address from the last `X-Forwarded-For` entry (set it only behind a proxy that appends it); otherwise the TCP peer address.")
+    trusted_proxies: str = Field("", description="Comma-separated addresses or networks (`127.0.0.1`, `10.0.0.0/8`, `*`) of proxies in front of `flywheel api` whose `X-Forwarded-For` names the client (the rightmost address that is not itself a trusted proxy). Empty: `X-Forwarded-For` is ignored and the client is the TCP peer. Failed authentications are budgeted per client address.")
 
     @field_validator("kafka_bootstrap")
     @classmethod

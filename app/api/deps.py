@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections.abc import Callable, Iterator
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
@@ -80,19 +80,23 @@ def bearer_token(request: Request) -> tuple[str | None, str, str]:
     return token, "", ""
 
 
-def client_address(request: Request, trust_forwarded_for: bool) -> str:
+def proxy_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's proxy options for `trusted_proxies`: X-Forwarded-For is honoured only from those peers.
+
+    uvicorn's own default trusts it from loopback peers; this turns that off unless configured.
+    """
+    trusted = settings.trusted_proxies.strip()
+    return {"proxy_headers": bool(trusted), "forwarded_allow_ips": trusted or None}
+
+
+def client_address(request: Request) -> str:
     """The address failed authentications are counted against.
 
-    The TCP peer, or with `trust_forwarded_for` the last `X-Forwarded-For` entry (the one the
-    proxy in front appended; earlier entries are the client's to forge). IPv6 addresses count
-    per /64, the block one subscriber usually holds.
+    The TCP peer, or, for a peer in `trusted_proxies`, the client its X-Forwarded-For names
+    (uvicorn resolves that before the app runs; see `proxy_options`). IPv6 addresses count per
+    /64, the block one subscriber usually holds.
     """
-    host = ""
-    if trust_forwarded_for:
-        forwarded = request.headers.getlist("x-forwarded-for")
-        host = forwarded[-1].rsplit(",", 1)[-1].strip() if forwarded else ""
-    if not host:
-        host = request.client.host if request.client else ""
+    host = request.client.host if request.client else ""
     if ":" in host:
         try:
             return str(ipaddress.IPv6Network(f"{host}/64", strict=False))
@@ -142,7 +146,7 @@ async def authenticate(request: Request, settings: SettingsDep) -> ApiKey:
         row = cache.get(token)
         if row is not None:
             return row
-    client = client_address(request, settings.trust_forwarded_for)
+    client = client_address(request)
     if token is None:
         _refuse(request, client, reason, message)
     reason = cache.refusal(token)

@@ -21,6 +21,7 @@ import time
 import uvicorn
 from fastapi import FastAPI
 
+from app.api.deps import proxy_options
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None, 
     upgrade(settings.db_url)
     app = create_app(settings)
     uvicorn.run(app, host=host or settings.api_host, port=port or settings.api_port, log_level=log_level,
-                access_log=False, timeout_graceful_shutdown=10)
+                access_log=False, timeout_graceful_shutdown=10, **proxy_options(settings))
 
 
 def _free_port() -> int:
@@ -50,7 +51,8 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
         self.host, self.port = host, port or _free_port()
         config = uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level, access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=5)
+                                lifespan="on", timeout_graceful_shutdown=5,
+                                **proxy_options(getattr(app.state, "settings", None) or Settings()))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
 
