@@ -213,7 +213,7 @@ def keys_list(
         table.add_row(f"fw_{row['prefix']}", row["name"], ",".join(row["scopes"]), row["created_at"],
                       row["revoked_at"] or "")
     Console(width=200).print(table)
-    console.print(f"{len(rows)} keys, {sum(r['revoked_at'] is None for r in rows)} active")
+    console.print(f"{len(rows)} key{'' if len(rows) == 1 else 's'}, {sum(r['revoked_at'] is None for r in rows)} active")
 
 
 @keys_app.command("revoke")
