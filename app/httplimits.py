@@ -96,6 +96,15 @@ def body_limits(settings: Settings, routes: Mapping[str, int] | None = None) -> 
                       drain_max_bytes=settings.http_drain_max_bytes, drain_timeout_s=settings.http_drain_timeout)
 
 
+def proxy_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's proxy options for `trusted_proxies`: X-Forwarded-For is honoured only from those peers.
+
+    uvicorn's own default trusts it from loopback peers; this turns that off unless configured.
+    """
+    trusted = settings.trusted_proxies.strip()
+    return {"proxy_headers": bool(trusted), "forwarded_allow_ips": trusted or None}
+
+
 def uvicorn_config(app: Any, settings: Settings, *, host: str, port: int, log_level: str = "info", **kwargs: Any):
     """A `uvicorn.Config` serving `app` with the connection limits of `settings`."""
     import uvicorn
@@ -107,7 +116,8 @@ def uvicorn_config(app: Any, settings: Settings, *, host: str, port: int, log_le
                           # while connections or tasks >= limit) then never fires below that cap
                           limit_concurrency=limits.max_connections + 1,
                           timeout_keep_alive=limits.keepalive_timeout_s,  # type: ignore[arg-type]  (float works)
-                          h11_max_incomplete_event_size=limits.max_head_bytes, **kwargs)
+                          h11_max_incomplete_event_size=limits.max_head_bytes,
+                          **{**proxy_options(settings), **kwargs})
 
 
 def _raw_response(status: int, phrase: str, message: str, extra: str = "") -> bytes:

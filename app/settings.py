@@ -98,6 +98,14 @@ class Settings(BaseSettings):
     max_event_bytes: int = Field(1_000_000, ge=1024, le=KAFKA_MESSAGE_MAX_BYTES - KAFKA_RECORD_OVERHEAD_BYTES, description="Maximum size of one event of POST /v1/events, as compact JSON (the Kafka record value); a batch with a larger event is refused with 413 naming it. At most the interactions topic's record limit (1048588) minus 1024 bytes for the key and record-batch framing.")
     rate_limit_per_s: float = Field(200.0, gt=0, description="Per-key sustained request rate (token bucket refill, requests/s).")
     rate_limit_burst: int = Field(400, ge=1, description="Per-key burst size of the token bucket.")
+    key_cache_ttl: Duration = Field(1.0, ge=0, le=60, description="How long the API trusts a key it looked up in the database: a key revoked with `flywheel keys revoke` is refused by every request that reaches the API more than this long after the revocation committed. 0: look the key up on every request.")
+    key_negative_cache_ttl: Duration = Field(30.0, ge=0, le=3600, description="How long the API remembers a well-formed token that is not an active key, so repeating it costs no database lookup.")
+    key_cache_max_entries: int = Field(10_000, ge=1, description="Entries in each of the API's key caches (valid keys; unknown or revoked tokens); the oldest is evicted past it.")
+    auth_failure_burst: int = Field(20, ge=1, description="Failed authentications one client address may make in a burst before its requests are answered 429.")
+    auth_failure_rate_per_s: float = Field(0.5, gt=0, description="Refill of each client address's failed-authentication budget (failures/s).")
+    auth_max_clients: int = Field(10_000, ge=1, description="Client addresses whose failed-authentication budget the API tracks; the longest-idle is forgotten past it.")
+    auth_known_key_window: Duration = Field(600.0, ge=0, le=86400, description="A client address over its failed-authentication budget still gets requests with a key that authenticated within this window checked (and served); any other token from it is answered 429 without a database lookup.")
+    trusted_proxies: str = Field("", description="Comma-separated addresses or networks (`127.0.0.1`, `10.0.0.0/8`, `*`) of proxies in front of `flywheel api` whose `X-Forwarded-For` names the client (the rightmost address that is not itself a trusted proxy). Empty: `X-Forwarded-For` is ignored and the client is the TCP peer. Failed authentications are budgeted per client address.")
 
     # --- HTTP server limits (the API and every replica; app/httplimits.py, docs/API.md "Limits") --------------
     http_head_timeout: Duration = Field(10.0, gt=0, description="A connection must send a complete request head (request line and headers) within this long of opening, or of the first byte of its next request; otherwise it is closed (408 if part of a head arrived).")

@@ -3,19 +3,26 @@
     @router.get("/v1/deployments")
     def status(key: Annotated[ApiKey, Depends(require_scope("read"))], session: SessionDep): ...
 
-401 without a valid key, 403 with a key that lacks the scope (DESIGN.md, HTTP API).
+401 without a valid key, 403 with a key that lacks the scope (DESIGN.md, HTTP API); 429 with
+Retry-After for a client address that failed authentication more than its budget allows
+(`auth_failure_burst`, refilled at `auth_failure_rate_per_s`). Keys are cached by
+app.api.main.KeyCache: a revoked key is refused within `key_cache_ttl`. docs/API.md, "Limits".
 """
 
 from __future__ import annotations
 
+import ipaddress
+import math
 from collections.abc import Callable, Iterator
-from typing import Annotated
+from typing import Annotated, Any, NoReturn
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy.orm import Session
 
-from app.db.keys import lookup_key
+from app.api.metrics import AUTH_FAILURES, AUTH_THROTTLED, KEY_LOOKUPS
+from app.api.ratelimit import TokenBucketLimiter
+from app.db.keys import KEY_PATTERN, find_key
 from app.db.models import ApiKey
 from app.db.session import get_sessionmaker
 from app.settings import Settings
@@ -41,26 +48,108 @@ def get_session(settings: SettingsDep) -> Iterator[Session]:
 SessionDep = Annotated[Session, Depends(get_session)]
 
 
-def _lookup_key(db_url: str, token: str) -> ApiKey | None:
+# An Authorization header longer than this is refused unread (a key is 55 characters).
+MAX_AUTHORIZATION_CHARS = 256
+AUTH_REASONS = ("missing", "scheme", "malformed", "unknown", "revoked")
+
+
+def bearer_token(request: Request) -> tuple[str | None, str, str]:
+    """(token, "", "") for a well-formed `Authorization: Bearer fw_...` header, else (None, reason, message).
+
+    Pure string checks, no database: one header, at most MAX_AUTHORIZATION_CHARS, ASCII, the
+    Bearer scheme (any case), and a token of the shape every key has (app/db/keys.py KEY_PATTERN).
+    """
+    values = request.headers.getlist("authorization")
+    if not values:
+        return None, "missing", "missing bearer token: send 'Authorization: Bearer <key>'"
+    if len(values) > 1:
+        return None, "malformed", f"{len(values)} Authorization headers; send exactly one"
+    header = values[0]
+    if len(header) > MAX_AUTHORIZATION_CHARS:
+        return None, "malformed", f"Authorization header longer than {MAX_AUTHORIZATION_CHARS} characters"
+    if not header.isascii():
+        return None, "malformed", "Authorization header contains non-ASCII characters"
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return None, "scheme", "Authorization must use the Bearer scheme: 'Authorization: Bearer <key>'"
+    token = token.strip()
+    if not token:
+        return None, "malformed", "empty bearer token: send 'Authorization: Bearer <key>'"
+    if not KEY_PATTERN.fullmatch(token):
+        return None, "malformed", "invalid bearer token: not the shape of a Flywheel API key (fw_<8 hex digits>_<43 characters>)"
+    return token, "", ""
+
+
+def client_address(request: Request) -> str:
+    """The address failed authentications are counted against.
+
+    The TCP peer, or, for a peer in `trusted_proxies`, the client its X-Forwarded-For names
+    (uvicorn resolves that before the app runs; see `app.httplimits.proxy_options`). IPv6 addresses count per
+    /64, the block one subscriber usually holds.
+    """
+    host = request.client.host if request.client else ""
+    if ":" in host:
+        try:
+            return str(ipaddress.IPv6Network(f"{host}/64", strict=False))
+        except ValueError:
+            pass
+    return host[:64]
+
+
+def _find_key(db_url: str, token: str) -> ApiKey | None:
+    KEY_LOOKUPS.inc()
     with get_sessionmaker(db_url)() as session:
-        return lookup_key(session, token)
+        return find_key(session, token)
+
+
+def _refuse(request: Request, client: str, reason: str, message: str) -> NoReturn:
+    """401 for a failed authentication, charged to the client's budget; 429 once it is spent."""
+    AUTH_FAILURES.labels(reason).inc()
+    throttle = request.app.state.auth_throttle
+    wait_s = throttle.try_take(client)
+    if wait_s > 0:
+        _throttled(throttle, wait_s)
+    raise HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _throttled(throttle: TokenBucketLimiter, wait_s: float) -> NoReturn:
+    AUTH_THROTTLED.inc()
+    raise HTTPException(
+        status.HTTP_429_TOO_MANY_REQUESTS,
+        f"too many failed authentications from this address (burst {throttle.burst:g}, then "
+        f"{throttle.rate_per_s:g}/s); retry after {wait_s:.1f}s",
+        headers={"Retry-After": str(max(1, math.ceil(wait_s)))},
+    )
 
 
 async def authenticate(request: Request, settings: SettingsDep) -> ApiKey:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing bearer token: send 'Authorization: Bearer <key>'",
-                            headers={"WWW-Authenticate": "Bearer"})
-    cache = request.app.state.key_cache  # token -> ApiKey, short-lived (see app.api.main)
-    row = cache.get(token.strip())
-    if row is None:
-        row = await run_in_threadpool(_lookup_key, settings.db_url, token.strip())  # cache miss only
-        if row is None:
-            raise HTTPException(status.HTTP_401_UNAUTHORIZED, "invalid or revoked API key",
-                                headers={"WWW-Authenticate": "Bearer"})
-        cache.put(token.strip(), row)
-    return row
+    """The caller's active key, or 401 (429 for a client address over its failure budget).
+
+    Hot path: a well-formed token whose key is in the key cache returns with no other work.
+    Otherwise, in order: a malformed header fails without a lookup; a token refused recently
+    fails from the cache; a client address over its budget gets 429 without a lookup unless
+    the token authenticated within `auth_known_key_window` (so a valid key keeps working
+    from an address that also sends bad ones); else one shared database lookup.
+    """
+    cache = request.app.state.key_cache  # app.api.main.KeyCache
+    token, reason, message = bearer_token(request)
+    if token is not None:
+        row = cache.get(token)
+        if row is not None:
+            return row
+    client = client_address(request)
+    if token is None:
+        _refuse(request, client, reason, message)
+    reason = cache.refusal(token)
+    if reason is None:
+        throttle = request.app.state.auth_throttle
+        wait_s = throttle.wait_s(client)
+        if wait_s > 0 and not cache.known(token):
+            _throttled(throttle, wait_s)
+        row, reason = await cache.resolve(token, lambda t: run_in_threadpool(_find_key, settings.db_url, t))
+        if row is not None:
+            return row
+    _refuse(request, client, reason, "invalid or revoked API key")
 
 
 def require_scope(scope: str) -> Callable[..., ApiKey]:

@@ -10,6 +10,9 @@ so other roles running in the same process (`flywheel run`) appear on the same p
 | `flywheel_api_batches_total` | outcome | POST /v1/events outcomes: accepted, invalid_json, invalid_body, empty_batch, too_many_events, invalid_event, too_large (body), event_too_large, record_rejected, unsupported_encoding, unavailable |
 | `flywheel_api_produce_seconds` | — | produce + acknowledgement time of one accepted batch |
 | `flywheel_api_rate_limited_total` | — | requests answered 429 |
+| `flywheel_api_auth_failures_total` | reason | failed authentications: missing, scheme, malformed, unknown, revoked |
+| `flywheel_api_auth_throttled_total` | — | requests answered 429 because their client address is over its failed-authentication budget |
+| `flywheel_api_key_lookups_total` | — | database lookups of API keys (key cache misses) |
 | `flywheel_api_http_requests_total` | method, route, status | every HTTP request, by route template |
 | `flywheel_api_http_request_seconds` | method, route | request duration |
 """
@@ -28,6 +31,10 @@ PRODUCE_SECONDS = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 RATE_LIMITED = Counter("flywheel_api_rate_limited_total", "Requests answered 429 by the per-key rate limit.")
+AUTH_FAILURES = Counter("flywheel_api_auth_failures_total", "Failed authentications by reason.", ["reason"])
+AUTH_THROTTLED = Counter("flywheel_api_auth_throttled_total",
+                         "Requests answered 429 because their client address is over its failed-authentication budget.")
+KEY_LOOKUPS = Counter("flywheel_api_key_lookups_total", "Database lookups of API keys (key cache misses).")
 HTTP_REQUESTS = Counter("flywheel_api_http_requests_total", "HTTP requests by route template and status.",
                         ["method", "route", "status"])
 HTTP_SECONDS = Histogram(

@@ -1,9 +1,10 @@
-"""API keys: stored hashed with scopes; `flywheel keys create` and `flywheel db upgrade`
+"""API keys: stored hashed with scopes; `flywheel keys create|list|revoke` and `flywheel db upgrade`
 through the real CLI (subprocess, temp FLYWHEEL_DATA_DIR) on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from app.db.keys import create_key, lookup_key
+from app.db.keys import KeyNotFound, create_key, lookup_key, revoke_key
 from app.db.migrate import current_revision, head_revision, upgrade
 
 pytestmark = pytest.mark.integration
@@ -22,13 +23,14 @@ pytestmark = pytest.mark.integration
 FLYWHEEL = Path(sys.executable).parent / "flywheel"
 
 
-def _cli(args: list[str], data_dir: Path, db_url: str) -> subprocess.CompletedProcess:
+def _cli(args: list[str], data_dir: Path, db_url: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     env["FLYWHEEL_DATA_DIR"] = str(data_dir)
     if not db_url.startswith("sqlite"):
         env["FLYWHEEL_DATABASE_URL"] = db_url
     proc = subprocess.run([str(FLYWHEEL), *args], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"flywheel {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == expect_rc, (f"flywheel {' '.join(args)} exited {proc.returncode}, expected {expect_rc}:\n"
+                                          f"{proc.stdout}\n{proc.stderr}")
     return proc
 
 
@@ -121,3 +123,88 @@ def test_cli_db_upgrade_migrates_to_head(db_url: str, tmp_path: Path) -> None:
         engine.dispose()
     _cli(["db", "upgrade"], data_dir, db_url)  # idempotent
     assert current_revision(url) == head_revision()
+
+
+def _listed(data_dir: Path, db_url: str) -> dict[str, dict]:
+    proc = _cli(["keys", "list", "--json"], data_dir, db_url)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return {r["prefix"]: r for r in rows}
+
+
+def test_cli_keys_list_shows_every_key_without_its_secret(db_url: str, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    assert _listed(data_dir, db_url) == {}, "a fresh database lists no keys"
+    a = _cli(["keys", "create", "--scope", "ingest", "--name", "editor"], data_dir, db_url).stdout.split()[-1]
+    b = _cli(["keys", "create", "--scope", "read", "--scope", "admin", "--name", "ops"], data_dir, db_url).stdout.split()[-1]
+    listed = _listed(data_dir, db_url)
+    pa, pb = a.split("_")[1], b.split("_")[1]
+    assert set(listed) == {pa, pb}
+    assert listed[pa]["name"] == "editor" and listed[pa]["scopes"] == ["ingest"] and listed[pa]["revoked_at"] is None
+    assert listed[pb]["scopes"] == ["admin", "read"]
+    assert datetime.fromisoformat(listed[pa]["created_at"]).tzinfo is not None, "times are shown with their zone"
+    table = _cli(["keys", "list"], data_dir, db_url)
+    for key, prefix in ((a, pa), (b, pb)):
+        assert f"fw_{prefix}" in table.stdout, table.stdout
+        assert key.rsplit("_", 1)[1] not in table.stdout + table.stderr, "the secret part is never shown"
+    assert "editor" in table.stdout and "ops" in table.stdout
+
+
+def test_cli_keys_revoke_sets_revoked_at_once_and_is_idempotent(db_url: str, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    key = _cli(["keys", "create", "--scope", "ingest", "--name", "leaked"], data_dir, db_url).stdout.split()[-1]
+    other = _cli(["keys", "create", "--scope", "ingest", "--name", "kept"], data_dir, db_url).stdout.split()[-1]
+    prefix = key.split("_")[1]
+    proc = _cli(["keys", "revoke", f"fw_{prefix}"], data_dir, db_url)
+    assert "revoked" in proc.stderr and prefix in proc.stderr, proc.stderr
+    listed = _listed(data_dir, db_url)
+    first = listed[prefix]["revoked_at"]
+    assert first is not None and listed[other.split("_")[1]]["revoked_at"] is None, listed
+    engine = sa.create_engine(_cli_db_url(db_url, data_dir))
+    try:
+        with Session(engine) as s:
+            assert lookup_key(s, key) is None, "a revoked key does not authenticate"
+            assert lookup_key(s, other) is not None
+    finally:
+        engine.dispose()
+    proc = _cli(["keys", "revoke", prefix.upper()[:6]], data_dir, db_url)  # again, by a shorter upper-case prefix
+    assert "already revoked" in proc.stderr, proc.stderr
+    assert _listed(data_dir, db_url)[prefix]["revoked_at"] == first, "revoking again keeps the first revoked_at"
+
+
+def test_cli_keys_revoke_refuses_unknown_ambiguous_and_malformed_prefixes(db_url: str, tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    _cli(["db", "upgrade"], data_dir, db_url)
+    url = _cli_db_url(db_url, data_dir)
+    engine = sa.create_engine(url)
+    try:
+        with Session(engine) as s:  # two keys whose prefixes share 6 digits (forced: random ones rarely do)
+            for prefix, name in (("abcdef01", "one"), ("abcdef02", "two")):
+                _, row = create_key(s, ["ingest"], name=name)
+                row.prefix = prefix
+            s.commit()
+    finally:
+        engine.dispose()
+    proc = _cli(["keys", "revoke", "abcdef"], data_dir, db_url, expect_rc=1)
+    assert "matches 2 keys" in proc.stderr and "abcdef01" in proc.stderr and "abcdef02" in proc.stderr, proc.stderr
+    proc = _cli(["keys", "revoke", "fw_12345678"], data_dir, db_url, expect_rc=1)
+    assert "no API key" in proc.stderr, proc.stderr
+    for bad in ("abc", "xyz12345", "fw_abcdef01_" + "A" * 43, "abcdef012"):
+        proc = _cli(["keys", "revoke", bad], data_dir, db_url, expect_rc=2)
+        assert "is not a key prefix" in proc.stderr, (bad, proc.stderr)
+    assert all(r["revoked_at"] is None for r in _listed(data_dir, db_url).values()), "nothing was revoked"
+    _cli(["keys", "revoke", "abcdef02"], data_dir, db_url)
+    listed = _listed(data_dir, db_url)
+    assert listed["abcdef02"]["revoked_at"] is not None and listed["abcdef01"]["revoked_at"] is None
+
+
+def test_revoke_key_in_code_raises_for_no_match(db_url: str) -> None:
+    upgrade(db_url)
+    engine = sa.create_engine(db_url)
+    try:
+        with Session(engine) as s:
+            with pytest.raises(KeyNotFound, match="no API key"):
+                revoke_key(s, "0000")
+            with pytest.raises(ValueError, match="not a key prefix"):
+                revoke_key(s, "")
+    finally:
+        engine.dispose()

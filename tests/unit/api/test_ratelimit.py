@@ -49,3 +49,31 @@ def test_refill_never_exceeds_burst_and_retry_after_reflects_the_wait():
     with pytest.raises(HTTPException) as exc:
         limiter.check(1)
     assert exc.value.headers["Retry-After"] == "4"
+
+
+def test_wait_s_peeks_without_taking():
+    clock = Clock()
+    limiter = TokenBucketLimiter(rate_per_s=0.5, burst=2, clock=clock)
+    assert limiter.wait_s("10.0.0.1") == 0.0 and len(limiter) == 0, "a peek at an unseen key creates no state"
+    assert limiter.try_take("10.0.0.1") == 0.0
+    assert limiter.wait_s("10.0.0.1") == 0.0
+    assert limiter.try_take("10.0.0.1") == 0.0
+    assert limiter.wait_s("10.0.0.1") == pytest.approx(2.0)
+    assert limiter.wait_s("10.0.0.1") == pytest.approx(2.0), "peeking twice took nothing"
+    clock.t += 2.0
+    assert limiter.wait_s("10.0.0.1") == 0.0
+
+
+def test_memory_is_bounded_and_the_least_recently_used_bucket_is_forgotten():
+    clock = Clock()
+    limiter = TokenBucketLimiter(rate_per_s=0.001, burst=1, clock=clock, max_keys=3)
+    for client in ("a", "b", "c"):
+        assert limiter.try_take(client) == 0.0
+    assert limiter.try_take("a") > 0  # a is empty, and now the most recently used
+    assert limiter.try_take("d") == 0.0  # evicts b, the least recently used
+    assert len(limiter) == 3
+    assert limiter.wait_s("a") > 0 and limiter.wait_s("c") > 0 and limiter.wait_s("d") > 0, "recent buckets kept"
+    assert limiter.wait_s("b") == 0.0, "b was forgotten: a full bucket again"
+    for i in range(1000):
+        limiter.try_take(f"flood-{i}")
+    assert len(limiter) == 3
