@@ -45,3 +45,66 @@ def local_services(kafka: str | None = None, mlflow_uri: str | None = None, cons
             stop_server(mlflow)
         if broker is not None:
             broker.stop()
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of process `pid` in MiB (VmRSS from /proc, Linux); NaN once it has exited."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return float("nan")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The `q` quantile (0..1) of `xs` by nearest rank; NaN for no samples."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def start_role(argv: list[str], env: dict[str, str], log_path: Path, ready_url: str,
+               timeout_s: float = 180.0) -> "subprocess.Popen":
+    """Start a role (e.g. `[python, -m, app.cli, api, ...]`) in its own session, logging to
+    `log_path`, and wait until `ready_url` answers 200; raises (with the log's path) if it exits
+    or is not ready within `timeout_s`. Stop it with `stop_role`."""
+    import subprocess
+    import time
+
+    import httpx
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{' '.join(argv[2:4])} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(ready_url, timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_role(proc)
+            raise TimeoutError(f"{ready_url} not ready after {timeout_s:.0f}s; see {log_path}")
+        time.sleep(0.3)
+
+
+def stop_role(proc: "subprocess.Popen", timeout_s: float = 30.0) -> None:
+    """SIGINT the role's process group (graceful), SIGKILL it if it has not exited in `timeout_s`."""
+    import os
+    import signal
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
