@@ -37,6 +37,7 @@ from pydantic import (
 MAX_ID_LEN = 128
 MAX_COMPLETION_TOKENS = 32768
 MAX_TEXT_LEN = 4096
+MAX_TEMPERATURE = 100.0  # the replicas' upper bound (app/replica/server.py)
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -113,7 +114,7 @@ class Generation(_Envelope):
     # for a tuple; the BeforeValidator (added by the replica work) turns it into a tuple, items stay strict ints.
     route_shape: Annotated[tuple[NonNegInt, NonNegInt, NonNegInt] | None,
                            BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)] = None
-    temperature: float = Field(ge=0.0)
+    temperature: float = Field(ge=0.0, le=MAX_TEMPERATURE)
     group_id: Id | None = None
     latency_ms: float | None = Field(None, ge=0.0)
     tokenizer: str = Field(min_length=1, max_length=64)
@@ -163,6 +164,13 @@ class EditPersistence(_Envelope):
 class Rating(_Envelope):
     type: Literal["rating"]
     value: Literal[-1, 1]
+
+    @field_validator("value", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # True == 1 would pass the literal check
+            raise ValueError("must be the number -1 or 1, not a boolean")
+        return v
 
 
 class ToolError(_Envelope):

@@ -283,7 +283,7 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
     @app.post("/v1/complete", openapi_extra={"requestBody": {
         "required": True, "content": {"application/json": {"schema": CompleteRequest.model_json_schema()}}}})
     async def complete(request: Request) -> Response:
-        from app.api.producer import KafkaUnavailable
+        from app.api.producer import KafkaUnavailable, RecordRejected
         from app.kafka_io import dumps
         from trainer.policy.base import SamplingError
 
@@ -341,6 +341,13 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
                                            group_id=group_id, latency_ms=latency_ms) for rid, s in zip(ids, samples)]
         try:
             await replica.producer.produce(replica.topic, [(e["request_id"], dumps(e)) for e in events])
+        except RecordRejected as exc:  # e.g. an event over the topic's record limit: nothing was sent
+            m.REQUESTS.labels(cfg.id, slot, "invalid").inc()
+            log.warning("generation events refused before sending: %s", exc)
+            return JSONResponse({"detail": [{"loc": ["body", "max_tokens"], "type": "value_error",
+                                             "msg": f"the generation could not be recorded ({exc}); ask for fewer "
+                                                    "tokens or candidates, or send a shorter prompt"}]},
+                                status_code=413 if exc.too_large else 422)
         except KafkaUnavailable as exc:
             m.REQUESTS.labels(cfg.id, slot, "unavailable").inc()
             log.warning("generation events not acknowledged: %s", exc)

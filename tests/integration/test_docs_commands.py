@@ -224,9 +224,9 @@ def test_doc_block_runs(docs_stack: DocsStack, block: Block):
 
 
 def test_the_harness_fails_a_block_on_a_4xx(docs_stack: DocsStack):
-    """The README's old mistake (a JSON body sent as a form) must fail its block, and so must a 409."""
-    form = run_block(docs_stack, 'curl -X POST "$API/v1/deployments/pause" -H "Authorization: Bearer $ADMIN" '
-                                 "-d '{\"reason\": \"x\"}'\necho not reached")
+    """The README's old mistake (a field the API does not have) must fail its block, and so must a 409."""
+    form = run_block(docs_stack, 'curl -X POST "$API/v1/deployments/promote" -H "Authorization: Bearer $ADMIN" '
+                                 "-d '{\"reason\": \"x\", \"skip_remaining_steps\": true}'\necho not reached")
     assert form.returncode == 22 and f"{CURL_MARK} 422" in form.stdout and "not reached" not in form.stdout, form
     conflict = run_block(docs_stack, 'H=(-H "Authorization: Bearer $ADMIN" -H "content-type: application/json")\n'
                                      'curl -X POST "$API/v1/deployments/resume" "${H[@]}" -d "{}"')
