@@ -1,8 +1,9 @@
 """Serve the API with uvicorn: `flywheel api --host --port`, and a thread-hosted server for tests.
 
-`serve(settings)` is the production path: it applies the database migrations first
-(`alembic upgrade head`, the pre-start step), then runs uvicorn on one event loop with
-uvloop/httptools where installed. Scale out with more processes behind a load balancer.
+`serve(settings)` is the production path: uvicorn on one event loop with uvloop/httptools where
+installed, serving at once; the database migrations (`alembic upgrade head`, the pre-start step)
+are applied in the background as soon as the database answers, /readyz says 503 until then.
+Scale out with more processes behind a load balancer.
 
 `ServerThread` runs the same app on a free port inside the current process (integration
 tests, `bench/ingest.py`); it does NOT migrate — tests create their DB with `upgrade(url)`.
@@ -27,13 +28,14 @@ log = logging.getLogger(__name__)
 
 
 def serve(settings: Settings, host: str | None = None, port: int | None = None, log_level: str = "info") -> None:
-    """Migrate the database, then serve the API until interrupted."""
+    """Serve the API until interrupted; the migrations are applied once the database answers
+    (in the background: /readyz says what is missing meanwhile, app/api/routes/health.py)."""
     from app.api.main import create_app
-    from app.db.migrate import upgrade
+    from app.api.routes.health import migrate_in_background
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    upgrade(settings.db_url)
     app = create_app(settings)
+    migrate_in_background(app)
     uvicorn.run(app, host=host or settings.api_host, port=port or settings.api_port, log_level=log_level,
                 access_log=False, timeout_graceful_shutdown=10)
 

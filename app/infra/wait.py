@@ -67,7 +67,9 @@ def waiting() -> dict[str, str]:
 
 def _reason(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return text[:300] if isinstance(exc, NotReady) else f"{type(exc).__name__}: {text}"[:300]
+    if isinstance(exc, NotReady) or text.startswith(type(exc).__name__):
+        return text[:300]
+    return f"{type(exc).__name__}: {text}"[:300]
 
 
 class Waiter:
@@ -155,8 +157,25 @@ def wait_for(what: str, attempt: Callable[[], T], *, stop: threading.Event | Non
 CHECK_TIMEOUT_S = 5.0  # one try of a check below; a down dependency fails a try within this
 
 
+_kafka_waits = 0  # kafka_ready calls in progress in this process
+
+
+class _QuietWhileWaiting(logging.Filter):
+    """kafka-python's connection layer logs several lines (up to ERROR) on every failed try to
+    reach a broker: while a Kafka wait is in progress, its one `waiting for` line says the same,
+    so those are dropped (one line per wait, not five per try)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _kafka_waits
+
+
+_quiet = _QuietWhileWaiting()
+KAFKA_NET_LOGGERS = ("kafka.net.manager", "kafka.net.connection", "kafka.conn", "kafka.client_async")
+
+
 def kafka_ready(settings: "Settings", topics: list[str], stop: threading.Event | None = None) -> None:  # noqa: F821
     """Wait until the broker answers and every topic in `topics` (full names) has partitions."""
+    global _kafka_waits
     from app.kafka_io import make_consumer
 
     ms = int(CHECK_TIMEOUT_S * 1000)
@@ -173,7 +192,15 @@ def kafka_ready(settings: "Settings", topics: list[str], stop: threading.Event |
                            f"`flywheel kafka topics` creates them)")
 
     what = f"Kafka at {settings.kafka_bootstrap}" + (f" with topic(s) {', '.join(topics)}" if topics else "")
-    wait_for(what, attempt, stop=stop)
+    for name in KAFKA_NET_LOGGERS:
+        logging.getLogger(name).addFilter(_quiet)  # idempotent
+    with _lock:
+        _kafka_waits += 1
+    try:
+        wait_for(what, attempt, stop=stop)
+    finally:
+        with _lock:
+            _kafka_waits -= 1
 
 
 def mlflow_ready(uri: str, stop: threading.Event | None = None) -> None:
