@@ -40,6 +40,7 @@ from app.controller.aliases import read_snapshot, sync_aliases
 from app.controller.config import ControllerSettings
 from app.controller.reconciler import Reconciler, alias_lock, reconcile_once
 from app.controller.state import DeploymentState, apply_event
+from app.infra.wait import Waiter
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Controller:
         self._synced: tuple[str | None, str | None] | None = None
         self._gate_failures: dict[str, int] = {}
         self._awaiting: set[str] = set()  # alias_changed events published for record_serving_champion
+        self._mlflow_wait = Waiter(f"MLflow at {settings.mlflow_uri} to sync the aliases of {self.model}")
         self.last_analysis: canary.Analysis | None = None
         # background_gate (the `flywheel controller` role): the gate (minutes on a CPU) runs in a
         # worker thread so canary analysis keeps its cadence meanwhile; tests drive it inline
@@ -132,8 +134,22 @@ class Controller:
         if isinstance(inp, canary.Observe):  # for /metrics and logs only (not part of the folded state)
             self.last_analysis = canary.analyze(inp.candidate, inp.champion, self.cfg)
         self.publish(out)
-        self.sync_mlflow()
+        self._sync_mlflow_or_wait()
         self._export()
+
+    def _sync_mlflow_or_wait(self) -> None:
+        """sync_mlflow, but an MLflow server that went away is waited for (one log line, the next
+        tick tries again) instead of ending the controller; the decisions are in the log already."""
+        from mlflow.exceptions import MlflowException
+        from requests import RequestException
+
+        try:
+            self.sync_mlflow()
+        except (MlflowException, RequestException, OSError) as exc:
+            self._mlflow_wait.pending(f"{type(exc).__name__}: {str(exc)[:300]}")
+            return
+        if self._mlflow_wait.active:
+            self._mlflow_wait.there()
 
     def run_gates(self) -> None:
         """Gate the newest registered version without a verdict, once there is a champion (older ones

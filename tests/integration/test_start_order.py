@@ -9,7 +9,7 @@ the real PostgreSQL behind a TCP forwarder that starts listening later (the data
 - the controller, in-process on the session broker and MLflow server, before the model is
   registered: it waits (one log line), then records the champion the trainer set, gates the
   versions that get registered, starts a canary, and an alias move made in MLflow reaches the
-  deployment log;
+  deployment log; an MLflow server that goes away later is waited for too;
 - `flywheel api`, `flywheel projections follow`, `flywheel streams`, `flywheel trainer` and
   `flywheel replica` as processes before the broker, MLflow and the database: each stays up and
   logs what it waits for (the API's and the replica's /readyz say it); then the broker, the
@@ -142,6 +142,37 @@ def test_controller_started_before_the_model_is_registered_waits_then_gates_and_
         stop.set()
         th.join(30)
     assert not th.is_alive()
+
+
+def test_controller_tick_waits_for_an_mlflow_server_that_went_away(make_settings, monkeypatch, caplog) -> None:
+    """Aliases are synced every tick; an MLflow server that is gone is waited for, not fatal."""
+    from mlflow import MlflowClient
+
+    from app.controller.config import ControllerSettings
+    from app.controller.controller import Controller
+    from app.controller.state import Decision
+    from app.infra.wait import waiting
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail each call at once (default: minutes of retries)
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    model = f"start-order-{uuid.uuid4().hex[:8]}"
+    settings = make_settings(model_name=model, mlflow_uri=gone)
+    ctl = Controller(settings, ControllerSettings(webhooks_enabled=False, metrics_port=0),
+                     MlflowClient(tracking_uri=gone, registry_uri=gone))
+    ctl.caught_up = True
+    caplog.set_level(logging.INFO)
+    try:
+        ctl.on_deployment(Decision(type="promoted", version="1", traffic_pct=100.0, source="api",
+                                   actor="test").to_event(model))
+        for _ in range(3):
+            ctl.tick()  # raised MlflowException out of the controller's loop before
+        what = f"MLflow at {gone} to sync the aliases of {model}"
+        assert what in waiting(), waiting()
+        assert sum(f"waiting for {what}" in r.getMessage() for r in caplog.records) == 1
+        assert ctl.state.champion == "1"
+    finally:
+        ctl.dlog.close()
+        ctl._mlflow_wait.there()  # leave no waiting() entry behind for later tests in this process
 
 
 # --- every other role before the broker, MLflow and the database (processes) ----------------
