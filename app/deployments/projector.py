@@ -119,8 +119,12 @@ def _on_registered(session: Session, ev: DeploymentEvent, state: DeploymentState
 
 
 def _on_gate(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
+    """The verdict; a version already serving as champion (recorded before its gate finished)
+    keeps the status `champion`."""
     mv = _version(session, ev, ev.version)
-    mv.gate, mv.status, mv.updated_at = dict(ev.details), ev.type, ev.ts
+    mv.gate, mv.updated_at = dict(ev.details), ev.ts
+    if state.champion != ev.version:
+        mv.status = ev.type
 
 
 def _on_canary_started(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:

@@ -255,6 +255,14 @@ class Role:
 
         wait_until(seen, timeout_s, f"{needle!r} in the log of {self.name}")
 
+    def wait_line(self, *parts: str, timeout_s: float) -> None:
+        """Until one line of the log contains every one of `parts`."""
+        def seen() -> bool:
+            assert self.alive(), f"{self.name} exited:\n{self.tail()}"
+            return any(all(p in line for p in parts) for line in self.text().splitlines())
+
+        wait_until(seen, timeout_s, f"a line with {parts} in the log of {self.name}")
+
     def stop(self, timeout_s: float = 30.0) -> None:
         if not self.alive():
             return
@@ -320,24 +328,26 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(fres
         assert f'flywheel_waiting_for{{dependency="Kafka at {settings.kafka_bootstrap}"}} 1.0' in waiting_metric
         assert all(role.alive() for role in roles), "\n".join(role.tail() for role in roles)
 
-        # 2. the broker (with the topics, as `flywheel kafka start` makes them) and the database
+        # 2. MLflow first: the trainer goes on to wait for the broker; the others still wait
+        mlflow = MlflowServer(tmp_path, ports["mlflow"])
+        mlflow.wait_ready()
+        trainer.wait_log(f"the MLflow server at {settings.mlflow_uri} is there", 120)
+        trainer.wait_log(kafka_line, 120)
+        assert all(role.alive() for role in roles), "\n".join(role.tail() for role in roles)
+
+        # 3. the broker (with the topics, as `flywheel kafka start` makes them) and the database
         broker.start(timeout=180)
         ensure_topics(settings)
         forwarder.start()
         wait_until(lambda: httpx.get(f"{api_url}/readyz", timeout=30).status_code == 200, 180, "the API ready")
         # (the API does not wait for Kafka, its producer connects lazily; projections waits for
         # the database first, so by then the broker is up and there is no Kafka wait to log)
-        for role in (streams, replica):
-            role.wait_log(f"Kafka at {settings.kafka_bootstrap}", 120)
+        for role in (streams, trainer, replica):
+            role.wait_line(f"Kafka at {settings.kafka_bootstrap}", "is there", timeout_s=120)
         projections.wait_log("projector following", 120)
         replica.wait_log(f"waiting for a champion named in {settings.topic('deployments')}", 120)
-        trainer.wait_log(f"waiting for the MLflow server at {settings.mlflow_uri}", 5)
-        assert "is there" not in trainer.text(), "the trainer must still wait for MLflow"
 
-        # 3. MLflow: the trainer registers its base version; the projector writes it down
-        mlflow = MlflowServer(tmp_path, ports["mlflow"])
-        mlflow.wait_ready()
-        trainer.wait_log(f"the MLflow server at {settings.mlflow_uri} is there", 120)
+        # the trainer registers its base version; the projector writes it down
         wait_until(lambda: any(e["type"] == "version_registered" and e["version"] == "1"
                                for e in deployment_events(settings)), 300, "the trainer's base version")
         keys = _keys(fresh_postgres_url)
@@ -347,6 +357,7 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(fres
         controller = Role("controller", ["controller"], env, logs)
         wait_until(lambda: httpx.get(f"{replica_url}/readyz", timeout=10).json().get("champion") == "1", 240,
                    "the replica serving v1")
+
         def status_champion() -> str | None:
             r = httpx.get(f"{api_url}/v1/deployments", params={"model": model},
                           headers={"Authorization": f"Bearer {keys['read']}"}, timeout=10)
