@@ -73,7 +73,10 @@ class Trainer:
         self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, bf16 weights) last shipped
         self.ref_version: int | None = None
         self.dlq = make_producer(settings)
-        self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4))
+        # metadata refreshed every 30 s (default 5 min): a member that joined the group while a fresh
+        # broker did not yet report the topic's partitions is assigned nothing until its next refresh
+        self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4),
+                                      metadata_max_age_ms=30_000)
         self.intake = RolloutIntake(self.consumer, self.topic, positions=state["positions"],
                                     seen=DedupeSet(cfg.dedupe_capacity, state["seen"]), max_staleness=cfg.max_staleness,
                                     dlq=self.dlq, dlq_topic=settings.topic("dlq"))
