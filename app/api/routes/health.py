@@ -65,7 +65,7 @@ async def _bounded(fn, *args, timeout_s: float) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
-async def _migrations_pending(migrated: threading.Event) -> tuple[bool, str]:
+async def _migrations_pending() -> tuple[bool, str]:
     from app.infra.wait import waiting
 
     why = "; ".join(f"{what}: {reason}" for what, reason in waiting().items() if "database" in what)
@@ -74,7 +74,7 @@ async def _migrations_pending(migrated: threading.Event) -> tuple[bool, str]:
 
 async def _run_checks(settings: Settings, migrated: threading.Event | None = None) -> dict[str, dict]:
     start = time.perf_counter()
-    db_check = (_migrations_pending(migrated) if migrated is not None and not migrated.is_set()
+    db_check = (_migrations_pending() if migrated is not None and not migrated.is_set()
                 else _bounded(_check_db, settings, timeout_s=READY_TIMEOUT_S))
     (k_ok, k_msg), (d_ok, d_msg) = await asyncio.gather(
         _bounded(_check_kafka, settings, READY_TIMEOUT_S, timeout_s=READY_TIMEOUT_S), db_check)
