@@ -268,20 +268,26 @@ def projections_rebuild() -> None:
 
 @projections_app.command("follow")
 def projections_follow() -> None:
-    """Keep the projections up to date: consume flywheel.deployments (group flywheel-projector)."""
+    """Keep the projections up to date: consume flywheel.deployments (group flywheel-projector).
+
+    Waits for the database, then the broker and the topic, whatever starts first."""
     import signal
     import threading
 
     from app.db.migrate import upgrade
     from app.deployments.projector import follow
+    from app.infra.wait import Stopped, database_ready, wait_for
 
     s = _settings()
     s.data_dir.mkdir(parents=True, exist_ok=True)
-    upgrade(s.db_url, "head")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
+        database_ready(s.db_url, stop)  # then the broker and the topic (follow)
+        wait_for("the database migrations (alembic upgrade head)", lambda: upgrade(s.db_url, "head"), stop=stop)
         follow(s, stop=stop)
+    except Stopped:
+        return
     except KeyboardInterrupt:
         stop.set()
 
@@ -292,7 +298,7 @@ def api_cmd(
     host: Annotated[Optional[str], typer.Option(help="Bind address (default: FLYWHEEL_API_HOST, 127.0.0.1).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Port (default: FLYWHEEL_API_PORT, 8000).")] = None,
 ) -> None:
-    """Serve the HTTP API (ingest, health, metrics); applies the database migrations first."""
+    """Serve the HTTP API (ingest, health, metrics); applies the migrations once the database answers (/readyz says what is missing)."""
     from app.api.server import serve
 
     serve(_settings(), host, port)

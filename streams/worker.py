@@ -1,7 +1,8 @@
 """Run one streams worker: `flywheel streams` (or `python -m streams.worker`).
 
-Validates the config (reward spec guard), creates missing topics, serves Prometheus
-metrics, then runs the Faust worker until SIGTERM/SIGINT. Start more processes with the
+Validates the config (reward spec guard), serves Prometheus metrics, waits for the broker
+(app/infra/wait.py: started first, it stays up and says so), creates missing topics, then
+runs the Faust worker until SIGTERM/SIGINT. Start more processes with the
 same settings to split the partitions (one Kafka consumer group).
 """
 
@@ -30,12 +31,15 @@ def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = Non
         prof, out = cProfile.Profile(), os.environ["FLYWHEEL_STREAMS_PROFILE"]
         prof.enable()
         atexit.register(lambda: (prof.disable(), prof.dump_stats(out)))
+    from app.infra.wait import kafka_ready
+
     settings = settings or get_settings()
     cfg = cfg or StreamsConfig()
-    ensure_internal_topics(settings, cfg)
-    if cfg.metrics_port:
+    if cfg.metrics_port:  # first: flywheel_waiting_for says what the worker waits for
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
         log.info("prometheus metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
+    kafka_ready(settings, [])  # until the broker answers (backoff; SIGTERM ends the process meanwhile)
+    ensure_internal_topics(settings, cfg)
     app, _ = build_app(settings, cfg)
     worker = Worker(app, loglevel=loglevel or cfg.log_level, quiet=True)
     # Faust's start-up spinner sets the root logger to DEBUG and never resets it, so every

@@ -2,6 +2,8 @@
 
 Config comes from the environment (FLYWHEEL_* in app/settings.py, FLYWHEEL_TRAINER_* in
 trainer/config.py) and is validated before the heavy imports, so a bad value fails at once.
+Before building the trainer it waits for the MLflow server and for the broker with its topics
+(started first, it stays up and says what it waits for; docs/SCALING.md, "Start order").
 SIGTERM/SIGINT stop the loop after the current step and save the state; SIGKILL loses
 nothing either (docs/TRAINER.md, "Crash safety").
 """
@@ -13,6 +15,19 @@ import signal
 import threading
 
 log = logging.getLogger(__name__)
+
+
+def wait_for_dependencies(settings, stop: threading.Event) -> bool:  # noqa: ANN001 - app.settings.Settings
+    """The MLflow server, then the broker with the trainer's topics (app/infra/wait.py: backoff,
+    one log line each). False when `stop` came first."""
+    from app.infra.wait import Stopped, kafka_ready, mlflow_ready
+
+    try:
+        mlflow_ready(settings.mlflow_uri, stop)
+        kafka_ready(settings, [settings.topic(t) for t in ("rollouts", "dlq", "deployments")], stop)
+    except Stopped:
+        return False
+    return True
 
 
 def main() -> None:
@@ -30,6 +45,8 @@ def main() -> None:
         signal.signal(sig, lambda *_: stop.set())
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port)
+    if not wait_for_dependencies(settings, stop):
+        return
     trainer = Trainer(settings, cfg)
     try:
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:

@@ -90,7 +90,10 @@ class Trainer:
         self.dlq = make_producer(settings)
         self.dead_letters = DeadLetters(self.dlq, settings.topic("dlq"), cfg.dlq_max_value_bytes)
         self.spec = ModelSpec.of(self.policy, replay_routes=cfg.replay_routes, max_abs_reward=cfg.max_abs_reward)
-        self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4))
+        # metadata refreshed every 30 s (default 5 min): a member that joined the group while a fresh
+        # broker did not yet report the topic's partitions is assigned nothing until its next refresh
+        self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4),
+                                      metadata_max_age_ms=30_000)
         self.intake = RolloutIntake(self.consumer, self.topic, positions=state["positions"],
                                     seen=DedupeSet(cfg.dedupe_capacity, state["seen"]), max_staleness=cfg.max_staleness,
                                     spec=self.spec, dead_letters=self.dead_letters,

@@ -1,9 +1,10 @@
 """Serve the API with uvicorn: `flywheel api --host --port`, and a thread-hosted server for tests.
 
-`serve(settings)` is the production path: it applies the database migrations first
-(`alembic upgrade head`, the pre-start step), then runs uvicorn on one event loop with
-uvloop/httptools, under the connection limits of app/httplimits.py (head/body/keep-alive
-timeouts, head size, connection cap). Scale out with more processes behind a load balancer.
+`serve(settings)` is the production path: uvicorn on one event loop with uvloop/httptools, under
+the connection limits of app/httplimits.py (head/body/keep-alive timeouts, head size, connection
+cap), serving at once; the database migrations (`alembic upgrade head`, the pre-start step) are
+applied in the background as soon as the database answers, and /readyz says 503 until then.
+Scale out with more processes behind a load balancer.
 
 `ServerThread` runs the same app, under the same limits, on a free port inside the current
 process (integration tests); it does NOT migrate — tests create their DB with `upgrade(url)`.
@@ -29,13 +30,14 @@ log = logging.getLogger(__name__)
 
 
 def serve(settings: Settings, host: str | None = None, port: int | None = None, log_level: str = "info") -> None:
-    """Migrate the database, then serve the API until interrupted."""
+    """Serve the API until interrupted; the migrations are applied once the database answers
+    (in the background: /readyz says what is missing meanwhile, app/api/routes/health.py)."""
     from app.api.main import create_app
-    from app.db.migrate import upgrade
+    from app.api.routes.health import migrate_in_background
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    upgrade(settings.db_url)
     app = create_app(settings)
+    migrate_in_background(app)
     uvicorn.Server(uvicorn_config(app, settings, host=host or settings.api_host, port=port or settings.api_port,
                                   log_level=log_level, timeout_graceful_shutdown=10)).run()
 

@@ -2,7 +2,9 @@
 
     Controller(settings, ControllerSettings(), client).run(stop_event)
 
-One process per model. It
+One process per model. Started before its dependencies, it waits (app/infra/wait.py: backoff,
+one log line each) for the broker and its topics, then, once it has replayed the log, for the
+MLflow server and the registered model (the trainer creates it). It
 1. replays `flywheel.deployments` from the beginning into `DeploymentState` (no side effects
    until it has caught up with the end of the log, so a restart never repeats a decision);
 2. follows that topic and `flywheel.version-metrics` (latest record per bucket_id wins);
@@ -11,7 +13,9 @@ One process per model. It
    step's window (buckets that started at or after the step start) for candidate and champion;
 5. publishes what the state machine decides (events are folded into the state at once and
    skipped when they come back from the topic), then makes MLflow's aliases match the state
-   (aliases.sync_aliases, under the same lock as the alias reconciler);
+   (aliases.sync_aliases, under the same lock as the alias reconciler); while the log names no
+   champion it first records the one MLflow's `champion` alias names (`record_serving_champion`),
+   so what replicas serve is always what the log says;
 6. runs the polling alias reconciler in a thread and registers the MLflow webhook, so alias
    moves made in the MLflow UI come back as `alias_changed` events, which step 4 answers;
 7. exposes Prometheus metrics (gauges of champion/candidate/traffic/phase, decision counters).
@@ -33,10 +37,11 @@ from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.controller import canary
-from app.controller.aliases import sync_aliases
+from app.controller.aliases import read_snapshot, sync_aliases
 from app.controller.config import ControllerSettings
 from app.controller.reconciler import Reconciler, alias_lock, reconcile_once
 from app.controller.state import DeploymentState, apply_event
+from app.infra.wait import Waiter
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -106,6 +111,8 @@ class Controller:
         self.caught_up = False
         self._synced: tuple[str | None, str | None] | None = None
         self._gate_failures: dict[str, int] = {}
+        self._awaiting: set[str] = set()  # alias_changed events published for record_serving_champion
+        self._mlflow_wait = Waiter(f"MLflow at {settings.mlflow_uri} to sync the aliases of {self.model}")
         self.last_analysis: canary.Analysis | None = None
         # background_gate (the `flywheel controller` role): the gate (minutes on a CPU) runs in a
         # worker thread so canary analysis keeps its cadence meanwhile; tests drive it inline
@@ -202,8 +209,22 @@ class Controller:
         if isinstance(inp, canary.Observe):  # for /metrics and logs only (not part of the folded state)
             self.last_analysis = canary.analyze(inp.candidate, inp.champion, self.cfg)
         self.publish(out)
-        self.sync_mlflow()
+        self._sync_mlflow_or_wait()
         self._export()
+
+    def _sync_mlflow_or_wait(self) -> None:
+        """sync_mlflow, but an MLflow server that went away is waited for (one log line, the next
+        tick tries again) instead of ending the controller; the decisions are in the log already."""
+        from mlflow.exceptions import MlflowException
+        from requests import RequestException
+
+        try:
+            self.sync_mlflow()
+        except (MlflowException, RequestException, OSError) as exc:
+            self._mlflow_wait.pending(f"{type(exc).__name__}: {str(exc)[:300]}")
+            return
+        if self._mlflow_wait.active:
+            self._mlflow_wait.there()
 
     def run_gates(self) -> None:
         """Gate the newest registered version without a verdict, once there is a champion (older ones
@@ -273,8 +294,12 @@ class Controller:
 
     def sync_mlflow(self) -> None:
         """Make MLflow's aliases match the state (first publishing any move made outside Flywheel)."""
+        if self.client is None:
+            return
+        if self.state.champion is None and self.record_serving_champion():
+            return  # the log names the serving champion now; sync on the next tick
         want = (self.state.champion, self.state.candidate)
-        if self.client is None or want == self._synced:
+        if want == self._synced:
             return
         with alias_lock:
             moved = reconcile_once(self.client, self.model, self.publish_foreign, via="poll")
@@ -282,6 +307,33 @@ class Controller:
                 return  # fold the outside move first; sync next tick
             sync_aliases(self.client, self.model, {"champion": want[0], "candidate": want[1]})
         self._synced = want
+
+    def record_serving_champion(self) -> bool:
+        """While the log names no champion, record the one MLflow's `champion` alias names, which is
+        what replicas are asked to serve: the trainer sets that alias on its base version (as
+        Flywheel, acknowledged), and an operator may set it in the MLflow UI before any controller
+        ran. An outside move is published by the reconciler as `alias_changed` from `mlflow-ui`; a
+        Flywheel-made one becomes `alias_changed` from `controller`. Either way the deployment log,
+        the status API and the replicas name the same champion. Returns True if it published."""
+        if self._awaiting - self.seen:
+            return True  # an outside move was published: it names the champion once it comes back
+        with alias_lock:
+            moved = reconcile_once(self.client, self.model, self.publish_foreign, via="poll")
+            if moved:
+                self._awaiting = {ev["event_id"] for ev in moved}
+                return True
+            alias = read_snapshot(self.client, self.model).aliases["champion"]
+        if alias is None:
+            return False
+        ev = canary.Decision(type="alias_changed", version=alias, reason=(
+            f"recorded the serving champion: MLflow's champion alias names version {alias} (set by Flywheel, "
+            f"e.g. the trainer on its base version) and the deployment log named none"),
+            details={"alias": "champion", "recorded": True}).to_event(self.model)
+        self.seen.add(ev["event_id"])
+        self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
+        self.publish([ev, *out])
+        self._synced = None
+        return True
 
     def publish_foreign(self, ev: dict[str, Any]) -> None:
         """An alias_changed event found by the reconciler: publish, and let the loop fold it when it comes back."""
@@ -303,9 +355,15 @@ class Controller:
     def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> None:
         from kafka import TopicPartition
 
+        from app.infra.wait import Stopped, kafka_ready
         from app.kafka_io import make_consumer
 
         dep_topic, met_topic = self.settings.topic("deployments"), self.settings.topic("version-metrics")
+        try:
+            kafka_ready(self.settings, [dep_topic, met_topic], stop)
+        except Stopped:
+            self.dlog.close()
+            return
         consumer = make_consumer(self.settings, group_id=None)
         reconciler = None
         try:
@@ -332,6 +390,8 @@ class Controller:
                     CAUGHT_UP.set(1)
                     log.info("caught up: champion %s, candidate %s, phase %s", self.state.champion,
                              self.state.candidate, self.state.phase)
+                    if not self._wait_for_registry(stop):
+                        break
                     reconciler = self._start_alias_watch()
                     if on_ready is not None:
                         on_ready()
@@ -345,6 +405,20 @@ class Controller:
             self.dlog.close()
             if self.dead is not None:
                 self.dead.close()
+
+    def _wait_for_registry(self, stop: threading.Event) -> bool:
+        """Before the first MLflow call: wait for the server and the registered model (the trainer
+        creates it). Records on the topics stay there meanwhile. False if `stop` came first."""
+        from app.infra.wait import Stopped, mlflow_ready, registered_model_ready
+
+        if self.client is None:
+            return True
+        try:
+            mlflow_ready(self.settings.mlflow_uri, stop)
+            registered_model_ready(self.client, self.model, stop)
+        except Stopped:
+            return False
+        return True
 
     def _start_alias_watch(self) -> Reconciler | None:
         if self.client is None:

@@ -77,7 +77,8 @@ def reconcile_once(client, model: str, publish: Callable[[dict[str, Any]], Any],
 
 
 class Reconciler:
-    """Polls MLflow every `interval_s` in a daemon thread (the webhook fallback)."""
+    """Polls MLflow every `interval_s` in a daemon thread (the webhook fallback). A failed pass
+    (MLflow or Kafka away) is retried next interval, with one `waiting for` line (app/infra/wait.py)."""
 
     def __init__(self, client, model: str, publish: Callable[[dict[str, Any]], Any], interval_s: float):  # noqa: ANN001
         assert interval_s > 0, f"poll interval must be > 0, got {interval_s}"
@@ -86,11 +87,18 @@ class Reconciler:
         self._thread: threading.Thread | None = None
 
     def run_forever(self) -> None:
+        from app.infra.wait import Waiter
+
+        away = Waiter(f"MLflow and Kafka to reconcile the aliases of {self.model}")
         while not self._stop.is_set():
             try:
                 reconcile_once(self.client, self.model, self.publish, via="poll")
-            except Exception:  # MLflow or Kafka briefly away: try again next interval
-                log.exception("alias reconciliation of %s failed; retrying in %.1fs", self.model, self.interval_s)
+            except Exception as exc:  # MLflow or Kafka away: one log line, try again next interval
+                log.debug("alias reconciliation of %s failed", self.model, exc_info=True)
+                away.pending(f"{type(exc).__name__}: {str(exc)[:300]} (next try in {self.interval_s:g}s)")
+            else:
+                if away.active:
+                    away.there()
             self._stop.wait(self.interval_s)
 
     def start(self) -> "Reconciler":

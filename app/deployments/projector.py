@@ -119,8 +119,12 @@ def _on_registered(session: Session, ev: DeploymentEvent, state: DeploymentState
 
 
 def _on_gate(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
+    """The verdict; a version already serving as champion (recorded before its gate finished)
+    keeps the status `champion`."""
     mv = _version(session, ev, ev.version)
-    mv.gate, mv.status, mv.updated_at = dict(ev.details), ev.type, ev.ts
+    mv.gate, mv.updated_at = dict(ev.details), ev.ts
+    if state.champion != ev.version:
+        mv.status = ev.type
 
 
 def _on_canary_started(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
@@ -341,6 +345,7 @@ def follow(settings: Settings, db_url: str | None = None, stop: threading.Event 
            group_id: str = PROJECTOR_GROUP, poll_timeout_s: float = 1.0, retry_backoff_s: float = 1.0) -> None:
     """Consume the topic with a consumer group and apply each poll batch in one transaction.
 
+    Waits first for the broker and the topic (app/infra/wait.py: backoff, one log line).
     Offsets are committed after the database commit, so a crash re-delivers at most one batch,
     which the event_id / offset dedupe turns into no-ops. A database error that says the database
     is away rewinds to the batch's first offsets and retries after `retry_backoff_s`. A record
@@ -350,19 +355,20 @@ def follow(settings: Settings, db_url: str | None = None, stop: threading.Event 
     """
     from app.db.session import session_scope
     from app.deadletter import DeadLetters, error
+    from app.infra.wait import Stopped, kafka_ready
     from app.kafka_io import make_consumer
 
     url = db_url or settings.db_url
     stop = stop or threading.Event()
     topic = settings.topic("deployments")
+    # subscribe only once the broker answers and the topic's partitions are known: a group member
+    # that joins before the metadata exists gets no partitions until its next metadata refresh
+    try:
+        kafka_ready(settings, [topic], stop)
+    except Stopped:
+        return
     consumer = make_consumer(settings, group_id=group_id, metadata_max_age_ms=30_000)
-    # subscribe only once the topic's partitions are known: a group member that joins before
-    # the metadata exists gets no partitions until its next metadata refresh
-    while not consumer.partitions_for_topic(topic):
-        log.warning("projector: topic %s has no partitions yet; waiting (create it with `flywheel kafka start`)", topic)
-        if stop.wait(retry_backoff_s):
-            consumer.close()
-            return
+    consumer.partitions_for_topic(topic)  # load this consumer's metadata before it joins the group
     consumer.subscribe([topic])
     dead = DeadLetters(settings, consumer="projector")
     log.info("projector following %s into %s (group %s)", settings.topic("deployments"), url, group_id)

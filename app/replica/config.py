@@ -57,8 +57,6 @@ class ReplicaConfig(BaseSettings):
     heartbeat_interval: Duration = Field(15.0, description="How often the replica publishes `replica_heartbeat`.")
     poll_interval: Duration = Field(1.0, description="Kafka poll timeout of the deployment follower.")
     retry_interval: Duration = Field(5.0, description="Wait before retrying a failed sync of the same target.")
-    alias_fallback: bool = Field(True, description="When the deployment log names no champion yet, serve the MLflow "
-                                                   "`champion` alias (the trainer sets it for the base version).")
     debug_pause_in_apply: Duration = Field(0.0, description="Testing only: stall this long in the middle of applying a "
                                                              "version (reconstructed and verified, not yet loaded or "
                                                              "swapped), so tests can kill a replica mid-apply. Keep 0.")

@@ -378,8 +378,12 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
     @app.get("/readyz")
     async def readyz() -> Response:
+        from app.infra.wait import waiting
+
         serving = replica.store.snapshot()
         body = {"ready": serving.champion is not None, **serving.versions()}
+        if pending := waiting():  # what it waits for (broker, a champion in the log), app/infra/wait.py
+            body["waiting_for"] = pending
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     @app.get("/metrics")

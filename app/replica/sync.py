@@ -23,9 +23,13 @@ topic and, whenever what it serves differs from what is desired, reconciles:
 A sync that fails (fetch error, hash mismatch on every path) leaves the old weights serving,
 publishes `replica_sync_failed` and is retried after `retry_interval`. A successful one
 publishes `replica_synced`. Every `heartbeat_interval` the agent publishes `replica_heartbeat`
-with the versions it serves. When the log names no champion yet (the trainer sets the MLflow
-`champion` alias on the base version before the controller says anything), the agent serves
-the MLflow alias (`alias_fallback`).
+with the versions it serves.
+
+Start order: the agent waits for the broker and the topic (app/infra/wait.py: backoff, one log
+line), and serves nothing until the log names a champion (one `waiting for` line, /readyz 503).
+It never serves MLflow's `champion` alias on its own: what a replica serves is always what the
+log (and so the status API) says. The controller records the version the alias names when the
+log names none (the trainer's base version, or a move made in the MLflow UI), docs/REPLICA.md.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 from app.controller.state import DeploymentState, apply_event
 from app.deadletter import DeadLetters
 from app.deployments.events import REPLICA_TYPES, DeploymentEvent, DeploymentLog
+from app.infra.wait import Waiter
 from app.replica import metrics as m
 from app.replica.config import ReplicaConfig
 from app.replica.hints import ArtifactHint
@@ -65,7 +70,7 @@ class SyncAgent:
         self.caught_up = threading.Event()  # set once the log was read to its end at start
         self._stop = threading.Event()
         self._retry_at: dict[tuple[str, str], float] = {}  # (slot, version) -> monotonic time of the next attempt
-        self._alias: tuple[float, str | None] = (0.0, None)  # (checked at, MLflow champion alias)
+        self._no_champion = Waiter(f"a champion named in {settings.topic('deployments')}")
         self._next_heartbeat = 0.0
         self._seen: set[str] = set()
         self._thread = threading.Thread(target=self._run, name=f"sync-{cfg.id}", daemon=True)
@@ -84,21 +89,20 @@ class SyncAgent:
 
     def desired(self) -> dict[str, Any]:
         s = self.state
-        champion = s.champion
-        if champion is None and self.cfg.alias_fallback:
-            champion = self._alias[1]
-        return {"champion": champion, "candidate": s.candidate, "traffic_pct": s.traffic_pct if s.candidate else 0.0}
+        return {"champion": s.champion, "candidate": s.candidate, "traffic_pct": s.traffic_pct if s.candidate else 0.0}
 
     # --- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
         from kafka import TopicPartition
 
+        from app.infra.wait import Stopped, kafka_ready
         from app.kafka_io import make_consumer
 
         topic = self.settings.topic("deployments")
         while not self._stop.is_set():
             consumer = None
             try:
+                kafka_ready(self.settings, [topic], self._stop)  # backoff, one log line, until it is there
                 consumer = make_consumer(self.settings, group_id=None)
                 parts = consumer.partitions_for_topic(topic)
                 assert parts, f"topic {topic} does not exist; create it with `flywheel kafka start` (ensure_topics)"
@@ -120,6 +124,8 @@ class SyncAgent:
                         log.info("replica %s caught up with %s: desired %s", self.cfg.id, topic, self.desired())
                     self.reconcile()
                     self._heartbeat()
+            except Stopped:
+                return
             except Exception:  # keep the replica serving; the next pass re-reads the log
                 log.exception("sync agent of %s failed; restarting it in %.0fs", self.cfg.id, self.cfg.retry_interval)
                 self._stop.wait(self.cfg.retry_interval)
@@ -185,11 +191,14 @@ class SyncAgent:
     # --- reconcile ----------------------------------------------------------------------------------
     def reconcile(self) -> Serving:
         """Bring the store to the desired versions (one atomic swap); returns what is served after."""
-        self._refresh_alias()
         want = self.desired()
         serving = self.store.snapshot()
         if want["champion"] is None:
+            self._no_champion.pending("the log names none yet (the controller records the trainer's first "
+                                      "version, or a promotion)")
             return serving
+        if self._no_champion.active:
+            self._no_champion.there()
         now = time.monotonic()
         new: dict[str, LoadedVersion | None] = {}
         outcomes: list[tuple[str, str, str | None, dict[str, Any]]] = []  # (slot, version, from, info)
@@ -307,16 +316,3 @@ class SyncAgent:
         serving = self.store.snapshot()
         self._publish("replica_heartbeat", serving.champion.version if serving.champion else None, None, serving, {},
                       "heartbeat")
-
-    def _refresh_alias(self) -> None:
-        if self.state.champion is not None or not self.cfg.alias_fallback:
-            return
-        checked, _ = self._alias
-        if time.monotonic() - checked < self.cfg.retry_interval and checked:
-            return
-        try:
-            alias = self.fetcher.champion_alias()
-        except Exception as exc:  # MLflow down: try again later
-            log.warning("could not read the MLflow champion alias: %s", exc)
-            alias = self._alias[1]
-        self._alias = (time.monotonic(), alias)

@@ -6,6 +6,9 @@
   503 with the failing check(s) named and their error. Checks run in threads with a bounded
   wait, and concurrent probes share one in-flight check, so a dead broker can neither hang
   the probe nor pile up threads. (The MLflow check joins when the registry role lands.)
+  While `flywheel api` still waits to apply the migrations (`migrate_in_background`), the
+  database check fails with what it waits for, and `waiting_for` lists every dependency this
+  process waits for with the last reason (app/infra/wait.py).
 - `/metrics`: Prometheus text format from the process-wide registry (app/api/metrics.py).
 """
 
@@ -13,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -61,14 +65,52 @@ async def _bounded(fn, *args, timeout_s: float) -> tuple[bool, str]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
-async def _run_checks(settings: Settings) -> dict[str, dict]:
+async def _migrations_pending() -> tuple[bool, str]:
+    from app.infra.wait import waiting
+
+    why = "; ".join(f"{what}: {reason}" for what, reason in waiting().items() if "database" in what)
+    return False, f"migrations not applied yet (waiting for {why or 'the database'})"
+
+
+async def _run_checks(settings: Settings, migrated: threading.Event | None = None) -> dict[str, dict]:
     start = time.perf_counter()
+    db_check = (_migrations_pending() if migrated is not None and not migrated.is_set()
+                else _bounded(_check_db, settings, timeout_s=READY_TIMEOUT_S))
     (k_ok, k_msg), (d_ok, d_msg) = await asyncio.gather(
-        _bounded(_check_kafka, settings, READY_TIMEOUT_S, timeout_s=READY_TIMEOUT_S),
-        _bounded(_check_db, settings, timeout_s=READY_TIMEOUT_S),
-    )
+        _bounded(_check_kafka, settings, READY_TIMEOUT_S, timeout_s=READY_TIMEOUT_S), db_check)
     log.debug("readiness checks took %.3fs", time.perf_counter() - start)
     return {"kafka": {"ok": k_ok, "detail": k_msg}, "database": {"ok": d_ok, "detail": d_msg}}
+
+
+def migrate_in_background(app: FastAPI) -> None:
+    """`flywheel api`'s pre-start step (`alembic upgrade head`) without holding the server back:
+    at start-up a thread waits for the database (app/infra/wait.py: backoff, one log line),
+    applies the migrations and sets `app.state.migrated`; until then /readyz answers 503 with
+    the database check saying what it waits for. Shutdown ends the wait."""
+    from app.db.migrate import upgrade
+    from app.infra.wait import Stopped, database_ready, wait_for
+
+    url = app.state.settings.db_url
+    stop, migrated = threading.Event(), threading.Event()
+    app.state.migrated = migrated
+
+    def run() -> None:
+        try:
+            database_ready(url, stop)
+            wait_for("the database migrations (alembic upgrade head)", lambda: upgrade(url), stop=stop)
+        except Stopped:
+            return
+        migrated.set()
+        log.info("database migrations applied; the API is ready once Kafka answers too")
+
+    async def _start(app: FastAPI) -> None:
+        threading.Thread(target=run, name="api-migrate", daemon=True).start()
+
+    async def _stop(app: FastAPI) -> None:
+        stop.set()
+
+    app.state.startup_hooks.append(_start)
+    app.state.shutdown_hooks.append(_stop)
 
 
 @router.get("/healthz", summary="Liveness")
@@ -81,12 +123,16 @@ async def readyz(request: Request) -> JSONResponse:
     state = request.app.state
     task = getattr(state, "readyz_inflight", None)
     if task is None or task.done():  # share one in-flight check between concurrent probes
-        task = state.readyz_inflight = asyncio.ensure_future(_run_checks(state.settings))
+        task = state.readyz_inflight = asyncio.ensure_future(_run_checks(state.settings, getattr(state, "migrated", None)))
     checks = await asyncio.shield(task)
     failed = sorted(name for name, c in checks.items() if not c["ok"])
     body = {"ready": not failed, "checks": checks}
     if failed:
         body["failed"] = failed
+    from app.infra.wait import waiting
+
+    if pending := waiting():
+        body["waiting_for"] = pending
     return JSONResponse(body, status_code=503 if failed else 200)
 
 
