@@ -152,7 +152,7 @@ ENCODINGS = [
 ]
 
 _AUTH = frozenset({401, 429})
-_AUTH_SAYS = r"bearer|api key|too many|rate"
+_AUTH_SAYS = r"bearer|api key|authorization header|too many|rate"
 AUTH = [
     Case("no-header", _PLAIN, _AUTH, _AUTH_SAYS, auth=None),
     Case("wrong-scheme", _PLAIN, _AUTH, _AUTH_SAYS, auth="Basic dXNlcjpwYXNz"),
