@@ -120,6 +120,28 @@ def uvicorn_config(app: Any, settings: Settings, *, host: str, port: int, log_le
                           **{**proxy_options(settings), **kwargs})
 
 
+async def read_capped(request: Any, limit: int, too_large_detail: str) -> bytes:
+    """A route's body, or HTTPException(413, too_large_detail) as soon as it is known to exceed `limit`.
+
+    `BodyLimitMiddleware` already bounds every route; a route with a tighter, route-specific limit
+    (and its own 413 message) reads through this: the declared length first, then the bytes as
+    they stream (chunked or lying clients cannot get past it).
+    """
+    from fastapi import HTTPException
+
+    too_large = HTTPException(413, too_large_detail)
+    declared = request.headers.get("content-length", "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _raw_response(status: int, phrase: str, message: str, extra: str = "") -> bytes:
     body = message.encode()
     return (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"

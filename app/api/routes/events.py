@@ -48,6 +48,7 @@ from app.api.metrics import BATCHES, EVENTS_ACCEPTED, EVENTS_REJECTED, PRODUCE_S
 from app.api.producer import EventProducer, KafkaUnavailable, RecordRejected
 from app.api.ratelimit import TokenBucketLimiter
 from app.db.models import ApiKey
+from app.httplimits import read_capped
 from app.events import validate_batch
 
 log = logging.getLogger(__name__)
@@ -67,22 +68,6 @@ def _reject(outcome: str, errors: list[dict[str, Any]], n_events: int = 0, code:
 
 def _body_error(field: str, message: str) -> dict[str, Any]:
     return {"index": None, "field": field, "message": message}
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, or HTTPException(413) as soon as it is known to exceed `limit` bytes."""
-    too_large = HTTPException(status.HTTP_413_CONTENT_TOO_LARGE,
-                              f"request body exceeds {limit} bytes; split the events into smaller batches")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _json_error_message(body: bytes, exc: orjson.JSONDecodeError) -> str:
@@ -150,7 +135,8 @@ async def post_events(request: Request, _key: Annotated[ApiKey, Depends(require_
             "(Content-Encoding)", f"Content-Encoding {encoding!r} is not supported; send the body as plain JSON")]},
             status_code=415)
     try:
-        body = await _read_body(request, settings.max_body_bytes)
+        body = await read_capped(request, settings.max_body_bytes, f"request body exceeds {settings.max_body_bytes} bytes; "
+                                 "split the events into smaller batches")
     except HTTPException:
         BATCHES.labels("too_large").inc()
         raise

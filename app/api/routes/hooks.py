@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from app.api.deps import SettingsDep
 from app.api.jsonbody import JsonBodyError, parse_json
 from app.controller.webhooks import DeliveryDedupe, Seen, WebhookRejected, check_headers, check_signature
+from app.httplimits import read_capped
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["hooks"])
@@ -118,20 +119,6 @@ def _rejected(exc: WebhookRejected) -> HTTPException:
     return HTTPException(exc.status, str(exc))
 
 
-async def _read_capped(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    too_large = HTTPException(413, f"webhook body over {limit} bytes (MLflow's alias deliveries are a few hundred)")
-    if declared.strip().isdigit() and int(declared) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _payload(body: bytes, model_name: str) -> tuple[WebhookPayload, AliasData | None]:
     """The validated payload, and its alias data when it is an alias event of `model_name`."""
     try:
@@ -159,7 +146,9 @@ async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]
     except WebhookRejected as exc:
         raise _rejected(exc) from None
     try:
-        body = await _read_capped(request, settings.webhook_max_body_bytes)
+        limit = settings.webhook_max_body_bytes
+        body = await read_capped(request, limit, f"webhook body over {limit} bytes "
+                                                 "(MLflow's alias deliveries are a few hundred)")
     except HTTPException:
         DELIVERIES.labels("too_large").inc()
         raise
