@@ -20,7 +20,10 @@ def test_nan_and_corrupted_checkpoints_are_stopped_by_the_gate_and_never_served(
     v1 = stack.bootstrap_champion()
     base = stack.versions.states[v1]
     t0 = time.monotonic()
+    # one at a time: the controller gates the newest registered version without a verdict, and a
+    # version registered before its predecessor's gate started supersedes it (run_gates)
     v_nan = stack.versions.add(with_nan(base), parent=v1)
+    wait_for(lambda: v_nan in {e["version"] for e in stack.history(type="gate_failed")}, 240, "the NaN version's gate_failed")
     v_big = stack.versions.add(blown_up(base), parent=v1)
 
     failed = wait_for(lambda: {e["version"]: e for e in stack.history(type="gate_failed")}.keys() >= {v_nan, v_big}
