@@ -34,22 +34,13 @@ from tests.integration.replica.conftest import (  # noqa: F401  (fixtures)
     replica_factory,
     status,
 )
+from tests.integration.rollout.stack import wait_for
 from tests.integration.streams.conftest import produce, read_topic, start_worker  # noqa: F401  (fixture)
 from tests.integration.streams.test_worker_broker import metric
 
 pytestmark = pytest.mark.integration
 
 NOT_JSON = b"\xff\xfe{not json at all"
-
-
-def wait_for(pred, timeout: float, what: str, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def dead_letters(settings, consumer_prefix: str, want: int, timeout: float = 60.0) -> list[dict]:
