@@ -37,10 +37,15 @@ class ControllerSettings(BaseSettings):
     step_deadline: Duration = Field(3 * 3600.0, description="An inconclusive step pauses for an operator after this long.")
     alpha: float = Field(0.05, gt=0, lt=1, description="Error level of the canary's confidence sequence.")
     margin: float = Field(0.05, ge=0, description="Non-inferiority margin (reward units): not worse than this counts as equal.")
+    cs_target_n: int = Field(1000, ge=1, description="Samples at which the canary's confidence sequence is tightest (set near a step's expected sample size).")
     known_good_n: int = Field(5, ge=1, description="How many previous known-good versions `rollback` may target.")
     # gate
     gate_enabled: bool = Field(True, description="Run the offline gate on version_registered (off: every version passes untested, recorded as such).")
     gate_rollouts: int = Field(256, ge=0, description="Held-out logged rollouts the gate evaluates on (newest first).")
+    gate_reward_rollouts: int = Field(2000, ge=0, description="Newest logged rollouts the gate's reward model is fitted on.")
+    gate_reward_margin: float = Field(0.02, ge=0, description="The gate fails a version whose predicted reward is confidently below the champion's by more than this.")
+    gate_samples_per_prompt: int = Field(4, ge=1, description="Completions the gate samples per prompt from candidate and champion each.")
+    gate_max_kl: float | None = Field(None, gt=0, description="Fail versions above this KL(candidate||champion) per token; unset: the KL is recorded, not judged.")
     # aliases and webhooks
     poll_interval: Duration = Field(5.0, description="How often the reconciler compares MLflow aliases with Flywheel's copy.")
     webhooks_enabled: bool = Field(True, description="Register an MLflow webhook for alias moves (the poller runs either way).")
@@ -53,10 +58,11 @@ class ControllerSettings(BaseSettings):
     def canary(self) -> CanaryConfig:
         return CanaryConfig(steps=self.steps, min_step_s=self.min_step, min_samples=self.min_samples,
                             step_deadline_s=self.step_deadline, alpha=self.alpha, margin=self.margin,
-                            known_good_n=self.known_good_n)
+                            known_good_n=self.known_good_n, cs_target_n=self.cs_target_n)
 
     def gate(self) -> GateConfig:
-        return GateConfig()
+        return GateConfig(reward_margin=self.gate_reward_margin, samples_per_prompt=self.gate_samples_per_prompt,
+                          max_kl=self.gate_max_kl)
 
 
 @lru_cache(maxsize=1)

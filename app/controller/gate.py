@@ -4,16 +4,22 @@
     tags = result.tags()          # -> MLflow version tags `flywheel.gate.*`
     decision = result.decision(version, parent)   # -> gate_passed / gate_failed event
 
-Checks (each pass | fail | skipped, with value and threshold; see monitors.py and ope.py):
+Checks (each pass | fail | skipped | info, with value and threshold; see monitors.py and ope.py):
 1. numerical sanity: finite weights, bounded relative change vs the parent version;
-2. off-policy reward on held-out logged rollouts: SNIPS and doubly robust (ridge reward model
-   on cheap completion features; the DM term uses the candidate's own completion for each
-   logged prompt), bootstrap interval of the improvement over the logged reward, and the
-   effective sample size; fails when the interval's upper end lies below -margin
-   (confidently worse) and, with `require_ess`, when the ESS is too small to say anything;
-3. KL(candidate || champion) per token on the candidate's samples, within a bound;
-4. the fixed regression prompt set (regression_prompts.json);
-5. behaviour monitors: empty completions, completion length shift, tool-error rate.
+2. predicted reward vs the champion (`reward_vs_champion`, the quality verdict): candidate and
+   champion each sample `samples_per_prompt` completions for the same logged prompts with the
+   same random stream (common random numbers: where the two policies agree they draw the same
+   completion, so the difference has a small variance); a reward model fitted on logged
+   (completion text, reward) pairs (ope.TextRewardModel) scores both; fails when the bootstrap
+   interval's upper end of (candidate - champion) lies below -reward_margin (confidently worse);
+3. off-policy reward on held-out logged rollouts vs the logged reward (`ope_reward`): SNIPS and
+   doubly robust with bootstrap intervals and the effective sample size; sequence-level
+   importance weights collapse once the candidate has moved from the logging policies (the ESS
+   falls below `min_ess`), and the check is then skipped as inconclusive;
+4. KL(candidate || champion) per token on the candidate's samples: recorded (`info`) as the
+   trainer's trust-region figure, not a verdict on quality; a fail only when `max_kl` is set;
+5. the fixed regression prompt set (regression_prompts.json);
+6. behaviour monitors: empty completions, completion length shift, tool-error rate.
 
 The gate passes when no check fails. A skipped check (no champion loaded, no held-out data)
 is recorded as skipped with its reason, never as a pass.
@@ -51,12 +57,16 @@ class GateConfig(BaseModel):
     min_ess: float = Field(20.0, ge=1, description="Effective sample size below which the OPE is called inconclusive.")
     require_ess: bool = Field(False, description="Fail (instead of skip) the OPE check when the ESS is below min_ess.")
     ridge_lambda: float = Field(1.0, ge=0, description="Ridge penalty of the DR reward model.")
-    max_kl: float = Field(0.5, gt=0, description="Max mean per-token KL(candidate||champion) in nats.")
+    reward_margin: float = Field(0.02, ge=0, description="Fail when the bootstrap upper bound of (candidate - champion) predicted reward is below -margin.")
+    min_reward_rollouts: int = Field(100, ge=10, description="Logged rollouts the reward model needs before its comparison is a verdict (fewer: skipped).")
+    samples_per_prompt: int = Field(4, ge=1, description="Completions each of candidate and champion samples per prompt for the reward comparison, KL and monitors.")
+    ridge_lambda_text: float = Field(3.0, ge=0, description="Ridge penalty of the text reward model (ope.TextRewardModel).")
+    max_kl: float | None = Field(None, gt=0, description="Fail above this mean per-token KL(candidate||champion) in nats; None: KL is recorded, not judged (it is the trainer's trust region, not quality).")
     regression_tolerance: float = Field(0.25, ge=0, description="Max rise of per-token NLL on the regression set, nats.")
     max_empty_increase: float = Field(0.1, ge=0, description="Max absolute increase of the empty-completion rate.")
     length_k_std: float = Field(2.0, gt=0, description="Max shift of mean completion length, in champion standard deviations.")
     max_tool_error_increase: float = Field(0.1, ge=0, description="Max increase of the estimated tool-error rate.")
-    sample_prompts: int = Field(32, ge=1, description="Prompts sampled from both policies for KL and behaviour monitors.")
+    sample_prompts: int = Field(64, ge=1, description="Prompts sampled from both policies for the reward comparison, KL and behaviour monitors.")
     max_tokens: int = Field(48, ge=1, description="Tokens per sampled completion.")
     seed: int = Field(0, description="Seed of sampling and bootstrap (the gate is reproducible).")
 
@@ -70,6 +80,7 @@ class GateInputs:
     candidate: Any = None  # trainer.policy.base.Policy with the candidate's weights, or None
     champion: Any = None  # Policy with the champion's weights, or None
     rollouts: Sequence[dict[str, Any]] = ()  # held-out logged rollouts
+    reward_rollouts: Sequence[dict[str, Any]] | None = None  # logged rollouts to fit the reward model (default: rollouts)
     regression_pairs: Sequence[tuple[str, str]] | None = None  # default: regression_prompts.json
 
 
@@ -123,7 +134,39 @@ def _logprobs(policy: Any, prompts: list[list[int]], completions: list[list[int]
         return policy.logprobs(prompts, completions, routes=None, temperature=1.0).to(torch.float32)
 
 
-def _ope_check(inp: GateInputs, cfg: GateConfig, cand_samples: list[list[int]] | None) -> tuple[list[Check], dict]:
+def _decode(policy: Any, tokens: Sequence[int]) -> str:
+    tok = policy.tokenizer
+    return tok.decode(_strip_eos(tokens, getattr(tok, "eos_id", None)))
+
+
+def fit_reward_model(policy: Any, rollouts: Sequence[dict[str, Any]], cfg: GateConfig) -> ope.TextRewardModel | None:
+    """The direct method's reward model, fitted on logged (completion text, reward); None when there
+    are fewer than `min_reward_rollouts` usable rollouts."""
+    rolls = [r for r in rollouts if r.get("completion_tokens") is not None and r.get("reward") is not None]
+    if len(rolls) < cfg.min_reward_rollouts:
+        return None
+    texts = [_decode(policy, r["completion_tokens"]) for r in rolls]
+    return ope.TextRewardModel(cfg.ridge_lambda_text).fit(texts, [float(r["reward"]) for r in rolls], seed=cfg.seed)
+
+
+def reward_check(model: ope.TextRewardModel | None, cand_texts: list[str], champ_texts: list[str], k: int,
+                 cfg: GateConfig, n_available: int) -> Check:
+    """Predicted reward of the candidate's vs the champion's own completions on the same prompts."""
+    if model is None:
+        return Check("reward_vs_champion", "skipped",
+                     detail=f"{n_available} logged rollouts to fit the reward model, {cfg.min_reward_rollouts} needed")
+    c = model.predict(cand_texts).reshape(-1, k)
+    h = model.predict(champ_texts).reshape(-1, k)
+    diff, (lo, hi) = ope.paired_difference(c, h, cfg.n_boot, cfg.ope_alpha, cfg.seed)
+    detail = (f"predicted reward candidate {c.mean():.4f} vs champion {h.mean():.4f}: difference {diff:+.4f}, "
+              f"{100 * (1 - cfg.ope_alpha):g}% CI [{lo:+.4f}, {hi:+.4f}] over {c.shape[0]} prompts x {k}; reward model "
+              f"fitted on {model.n} logged rollouts, cross-validated R^2 {model.cv_r2:.3f}")
+    return Check("reward_vs_champion", "fail" if hi < -cfg.reward_margin else "pass", value=diff,
+                 threshold=-cfg.reward_margin, detail=detail)
+
+
+def _ope_check(inp: GateInputs, cfg: GateConfig, cand_samples: list[list[int]] | None,
+               model: ope.TextRewardModel | None) -> tuple[list[Check], dict]:
     rolls = [r for r in inp.rollouts if r.get("completion_tokens")]
     if not rolls:
         return [Check("ope_reward", "skipped", detail="no held-out logged rollouts")], {}
@@ -137,13 +180,10 @@ def _ope_check(inp: GateInputs, cfg: GateConfig, cand_samples: list[list[int]] |
     rewards = np.array([float(r["reward"]) for r in rolls], dtype=np.float64)
     if not np.all(np.isfinite(log_w)):
         return [Check("ope_reward", "fail", detail="candidate log-probs on logged completions are not finite")], {}
-    eos = getattr(getattr(inp.candidate, "tokenizer", None), "eos_id", None)
     q_logged = v_target = None
-    if cand_samples is not None and len(cand_samples) == len(rolls):
-        X = np.stack([ope.completion_features(len(p), c, eos) for p, c in zip(prompts, comps)])
-        model = ope.RidgeRewardModel(cfg.ridge_lambda).fit(X, rewards)
-        q_logged = model.predict(X)
-        v_target = model.predict(np.stack([ope.completion_features(len(p), c, eos) for p, c in zip(prompts, cand_samples)]))
+    if model is not None and cand_samples is not None and len(cand_samples) == len(rolls):
+        q_logged = model.predict([_decode(inp.candidate, c) for c in comps])
+        v_target = model.predict([_decode(inp.candidate, c) for c in cand_samples])
     res = ope.estimate(rewards, log_w, q_logged, v_target, n_boot=cfg.n_boot, alpha=cfg.ope_alpha, seed=cfg.seed)
     lo, hi = res.improvement_ci
     summary = res.as_dict()
@@ -169,31 +209,40 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
     cand, champ = inp.candidate, inp.champion
     eos = getattr(getattr(cand, "tokenizer", None), "eos_id", None)
     rolls = [r for r in inp.rollouts if r.get("completion_tokens")]
+    fit_on = list(inp.reward_rollouts) if inp.reward_rollouts is not None else rolls
+    model = fit_reward_model(cand, fit_on, cfg) if cand is not None else None
     cand_samples = None
     if cand is not None and rolls:
         with torch.no_grad():
             smp = cand.generate([list(r["prompt_tokens"]) for r in rolls], max_tokens=cfg.max_tokens, temperature=1.0,
                                 seed=cfg.seed)
         cand_samples = [_strip_eos(s.tokens, eos) for s in smp]
-    ope_checks, ope_summary = _ope_check(inp, cfg, cand_samples)
+    ope_checks, ope_summary = _ope_check(inp, cfg, cand_samples, model)
     checks += ope_checks
     tool = ope_summary.pop("tool_error", None)
+    if model is not None:
+        ope_summary["reward_model"] = {"n": model.n, "cv_r2": model.cv_r2}
     if cand is None or champ is None:
         why = "candidate policy not loaded" if cand is None else "no champion to compare with"
-        checks += [Check(n, "skipped", detail=why) for n in ("kl_to_champion", "regression_prompts", "behaviour")]
+        checks += [Check(n, "skipped", detail=why) for n in ("reward_vs_champion", "kl_to_champion", "regression_prompts",
+                                                              "behaviour")]
         return GateResult(checks, ope_summary)
     tok = cand.tokenizer
     prompts = [list(r["prompt_tokens"]) for r in rolls][: cfg.sample_prompts]
     pairs = inp.regression_pairs if inp.regression_pairs is not None else load_regression_pairs()
     if not prompts:
         prompts = [tok.encode(p) for p, _ in pairs][: cfg.sample_prompts]
-    with torch.no_grad():
-        c_smp = cand.generate(prompts, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
-        h_smp = champ.generate(prompts, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
+    k = cfg.samples_per_prompt
+    batch = [p for p in prompts for _ in range(k)]
+    with torch.no_grad():  # one seed for both: common random numbers (module docstring)
+        c_smp = cand.generate(batch, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
+        h_smp = champ.generate(batch, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
+    checks.append(reward_check(model, [_decode(cand, s.tokens) for s in c_smp], [_decode(champ, s.tokens) for s in h_smp],
+                               k, cfg, len(fit_on)))
     c_toks = [list(s.tokens) for s in c_smp]
     lengths = [len(t) for t in c_toks]
     if sum(lengths):
-        checks.append(kl_check(_logprobs(cand, prompts, c_toks), _logprobs(champ, prompts, c_toks), lengths, cfg.max_kl))
+        checks.append(kl_check(_logprobs(cand, batch, c_toks), _logprobs(champ, batch, c_toks), lengths, cfg.max_kl))
     else:
         checks.append(Check("kl_to_champion", "skipped", detail="the candidate produced no tokens"))
     r_prompts = [tok.encode(p) for p, _ in pairs]

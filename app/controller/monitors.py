@@ -25,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-Status = Literal["pass", "fail", "skipped"]
+Status = Literal["pass", "fail", "skipped", "info"]  # info: recorded for people, not a criterion
 
 
 @dataclass
@@ -77,15 +77,18 @@ def _masked_sums(lp: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, 
     return (lp64 * mask).sum(dim=1).numpy(), int(sum(lengths))
 
 
-def kl_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], max_kl: float) -> Check:
-    """cand_lp, champ_lp: float32 [B, T] log-probs of the candidate's own samples under each policy."""
+def kl_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], max_kl: float | None) -> Check:
+    """cand_lp, champ_lp: float32 [B, T] log-probs of the candidate's own samples under each policy.
+    With `max_kl` None the KL is recorded (`info`), not judged."""
     if sum(lengths) == 0:
         return Check("kl_to_champion", "skipped", detail="the candidate produced no tokens on the KL prompts")
     diff, tokens = _masked_sums(cand_lp - champ_lp, lengths)
     kl = float(diff.sum() / tokens)
+    detail = f"mean per-token KL(candidate||champion) {kl:.4g} nats over {tokens} tokens"
+    if max_kl is None:
+        return Check("kl_to_champion", "info", value=kl, detail=f"{detail} (the trainer's trust region, not a criterion)")
     ok = math.isfinite(kl) and kl <= max_kl
-    return Check("kl_to_champion", "pass" if ok else "fail", value=kl, threshold=max_kl,
-                 detail=f"mean per-token KL(candidate||champion) {kl:.4g} nats over {tokens} tokens")
+    return Check("kl_to_champion", "pass" if ok else "fail", value=kl, threshold=max_kl, detail=detail)
 
 
 def regression_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], tolerance: float) -> Check:

@@ -20,6 +20,7 @@ References: Swaminathan & Joachims 2015 (SNIPS); Dudik, Langford & Li 2011 (DR).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -140,3 +141,80 @@ def estimate(rewards: np.ndarray, log_w: np.ndarray, q_logged: np.ndarray | None
     imp_ci = bootstrap_ci(lambda i: point(i) - float(np.mean(r[i])), n, n_boot, alpha, seed)
     return OpeResult(n=n, behaviour_value=float(r.mean()), snips=sn, snips_ci=snips_ci, dr=dr, dr_ci=dr_ci,
                      improvement_ci=imp_ci, ess=effective_sample_size(lw), max_weight=float(normalized_weights(lw).max()))
+
+
+# --- the reward model of the direct method --------------------------------------------------
+PREFIX_BYTES = 12  # prefixes of the stripped completion up to this many bytes are features
+HASH_BUCKETS = 512  # buckets of each hashed feature family
+N_TEXT_FEATURES = 5 + HASH_BUCKETS + 256 + HASH_BUCKETS
+
+
+def _bucket(family: str, key: bytes) -> int:
+    return zlib.crc32(family.encode() + b"\0" + key) % HASH_BUCKETS
+
+
+def text_features(text: str) -> np.ndarray:
+    """Features of one completion's text that a reward model can learn user taste from, without
+    knowing it: [1, bytes/64, lines/8, empty, one line] + hashed prefixes of the stripped text
+    (how it starts: `return`, `if`, `#`, ...) + the share of each byte value + a hashed bag of byte
+    3-grams (what it contains), normalised by the number of 3-grams. Stable hashes (crc32),
+    float64 [N_TEXT_FEATURES]."""
+    body = text.strip().encode("utf-8", "replace")
+    lines = body.count(b"\n") + 1 if body else 0
+    head = np.array([1.0, len(body) / 64.0, min(lines, 8) / 8.0, float(not body), float(lines == 1)], dtype=F64)
+    prefix = np.zeros(HASH_BUCKETS, dtype=F64)
+    for k in range(1, min(len(body), PREFIX_BYTES) + 1):
+        prefix[_bucket("prefix", body[:k])] = 1.0
+    unigrams = np.bincount(np.frombuffer(body, dtype=np.uint8), minlength=256).astype(F64) / max(len(body), 1)
+    grams = np.zeros(HASH_BUCKETS, dtype=F64)
+    n3 = max(len(body) - 2, 0)
+    for i in range(n3):
+        grams[_bucket("3gram", body[i:i + 3])] += 1.0 / n3
+    return np.concatenate([head, prefix, unigrams, grams])
+
+
+class TextRewardModel:
+    """A ridge regression of logged reward on `text_features` of the completion: the gate's
+    direct-method estimate of what users would make of a completion it has not shown anyone.
+
+    `cv_r2` (k-fold cross-validated R^2) says how much of the reward the features explain on
+    rollouts the fit did not see: near 0, the model sees no taste and its comparisons are noise.
+    """
+
+    def __init__(self, lam: float = 3.0):
+        self.ridge = RidgeRewardModel(lam)
+        self.n, self.cv_r2 = 0, float("nan")
+
+    @staticmethod
+    def featurize(texts: Sequence[str]) -> np.ndarray:
+        return np.stack([text_features(t) for t in texts]) if texts else np.zeros((0, N_TEXT_FEATURES))
+
+    def fit(self, texts: Sequence[str], rewards: Sequence[float], folds: int = 5, seed: int = 0) -> "TextRewardModel":
+        X, y = self.featurize(texts), np.asarray(rewards, dtype=F64)
+        assert X.shape[0] == y.shape[0] and y.size >= 2, f"{X.shape[0]} texts vs {y.size} rewards (need >= 2)"
+        self.n = int(y.size)
+        if y.size >= 2 * folds:
+            order = np.random.default_rng(seed).permutation(y.size)
+            pred = np.empty_like(y)
+            for f in range(folds):
+                test = order[f::folds]
+                train = np.setdiff1d(order, test)
+                pred[test] = RidgeRewardModel(self.ridge.lam).fit(X[train], y[train]).predict(X[test])
+            ss = float(np.sum((y - y.mean()) ** 2))
+            self.cv_r2 = 1.0 - float(np.sum((y - pred) ** 2)) / ss if ss > 0 else float("nan")
+        self.ridge.fit(X, y)
+        return self
+
+    def predict(self, texts: Sequence[str]) -> np.ndarray:
+        return self.ridge.predict(self.featurize(texts))
+
+
+def paired_difference(cand: np.ndarray, champ: np.ndarray, n_boot: int = 1000, alpha: float = 0.05,
+                      seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """Mean over prompts of (candidate - champion) predicted reward, [P, K] arrays of K samples per
+    prompt each, and its percentile bootstrap interval resampling prompts (the samples of one prompt
+    stay together, so the pairing by prompt and by random stream is kept)."""
+    c, h = np.asarray(cand, dtype=F64), np.asarray(champ, dtype=F64)
+    assert c.shape == h.shape and c.ndim == 2 and c.shape[0] > 0, f"candidate {c.shape} vs champion {h.shape}"
+    d = c.mean(axis=1) - h.mean(axis=1)
+    return float(d.mean()), bootstrap_ci(lambda i: float(d[i].mean()), d.size, n_boot, alpha, seed)

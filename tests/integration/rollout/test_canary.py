@@ -39,7 +39,7 @@ def start_canary(stack) -> tuple[str, str]:
     st = wait_for(lambda: (s := stack.status()).get("candidate") == v2 and s, 30, "status API to show the canary")
     assert (st["champion"], st["phase"], st["traffic"]["candidate_pct"]) == (v1, "canary", 5.0), st
     gate = stack.model_version(v2)["gate"]
-    assert gate["passed"] is True and {c["name"]: c["status"] for c in gate["checks"]}["kl_to_champion"] == "pass", gate
+    assert gate["passed"] is True and {c["name"]: c["status"] for c in gate["checks"]}["kl_to_champion"] == "info", gate
     # the aliases move in the controller's tick right after it publishes the canary, which the status
     # projection may show first
     wait_for(lambda: stack.aliases() == {"champion": v1, "candidate": v2}, 30, "MLflow aliases 1/2")

@@ -94,6 +94,7 @@ def test_big_weight_change_fails_and_small_one_passes():
 def test_kl_and_regression_checks_by_hand():
     cand = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, 0.0, 0.0]])
     champ = cand - 0.1  # candidate is 0.1 nats more likely on each of its own 3 tokens
+    assert kl_check(cand, champ, [2, 1], max_kl=None).status == "info"
     c = kl_check(cand, champ, [2, 1], max_kl=0.05)
     assert c.value == pytest.approx(0.1) and c.status == "fail"
     assert kl_check(cand, champ, [2, 1], max_kl=0.2).status == "pass"
@@ -148,7 +149,8 @@ def test_gate_passes_a_mild_improvement_and_records_tags():
                               candidate=cand, champion=champ, rollouts=logged_rollouts(champ, 200, reward_a)), CFG)
     assert res.passed, res.summary()
     names = {c.name: c.status for c in res.checks}
-    assert names["ope_reward"] == "pass" and names["kl_to_champion"] == "pass" and names["weights_finite"] == "pass"
+    assert names["ope_reward"] == "pass" and names["weights_finite"] == "pass"
+    assert names["reward_vs_champion"] == "pass" and names["kl_to_champion"] == "info"
     assert res.ope["dr"] is not None and res.ope["ess"] > 5
     assert res.ope["snips"] > res.ope["behaviour_value"], "more 'a' must estimate a higher reward"
     tags = res.tags()
@@ -162,7 +164,15 @@ def test_gate_fails_a_policy_that_learned_to_say_nothing():
     res = run_gate(GateInputs(candidate_state=hacker.serving_state_dict(), parent_state=None,
                               candidate=hacker, champion=champ, rollouts=logged_rollouts(champ, 100, reward_a)), CFG)
     failed = {c.name for c in res.failed}
-    assert not res.passed and {"empty_completion_rate", "kl_to_champion"} <= failed, res.summary()
+    # the reward model never saw an empty completion logged, so its prediction for one is the mean
+    # (no verdict either way): the behaviour monitor is what catches it
+    assert not res.passed and "empty_completion_rate" in failed, res.summary()
+    kl = next(c for c in res.checks if c.name == "kl_to_champion")
+    assert kl.status == "info" and kl.value > 1.0, "the KL is recorded, not a verdict"
+    strict = run_gate(GateInputs(candidate_state=hacker.serving_state_dict(), parent_state=None, candidate=hacker,
+                                 champion=champ, rollouts=logged_rollouts(champ, 100, reward_a)),
+                      CFG.model_copy(update={"max_kl": 0.5}))
+    assert "kl_to_champion" in {c.name for c in strict.failed}, "a configured bound still fails"
     d = res.decision("3", "1")
     assert d.type == "gate_failed" and "empty_completion_rate" in d.reason
 
@@ -182,3 +192,65 @@ def test_gate_without_policies_or_data_skips_honestly():
     assert res.passed
     assert {c.name: c.status for c in res.checks}["ope_reward"] == "skipped"
     assert "skipped" in res.decision("2", "1").reason
+
+
+# --- the quality verdict: predicted reward of the candidate's own completions vs the champion's ----
+def test_text_reward_model_learns_a_taste_it_is_not_told():
+    """Users like completions that start with `return` (the simulator's hidden taste, here as data)."""
+    rng = np.random.default_rng(0)
+    texts, rewards = [], []
+    for _ in range(600):
+        direct = rng.random() < 0.3
+        body = "return a + b" if direct else rng.choice(["x = a\n    return x", "if a:\n        pass", "s = 0"])
+        texts.append(str(body) + " " * int(rng.integers(0, 3)))
+        rewards.append((1.6 if direct else -0.3) + rng.normal(0, 0.3))
+    m = ope.TextRewardModel().fit(texts, rewards)
+    assert m.cv_r2 > 0.8, m.cv_r2
+    direct, other = m.predict(["return b - a", "y = 1\n    return y"])
+    assert direct - other > 0.7, (direct, other)  # unseen texts: shrunk towards the mean, same order
+
+
+def test_paired_difference_interval_by_hand():
+    c = np.array([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0]])
+    h = np.zeros((3, 2))
+    diff, (lo, hi) = ope.paired_difference(c, h, n_boot=400)
+    assert diff == pytest.approx(0.5)  # prompt means 1, 0, 0.5
+    assert 0.0 <= lo <= 0.5 <= hi <= 1.0
+
+
+def reward_b(tokens):  # reward: share of tokens that are 'b'
+    return sum(t == 98 for t in tokens) / max(len(tokens), 1)
+
+
+def test_gate_judges_quality_against_the_champion_in_both_directions():
+    """A clearly worse candidate fails on reward_vs_champion even though its KL is small, and a
+    clearly better one passes even though it moved far (large KL), where the sequence-level
+    importance weights collapse (ope_reward skipped for its ESS)."""
+    champ = favouring([97, 98, 99], 5.0)  # ~21% 'b'
+    logged = logged_rollouts(champ, 300, reward_b)
+    worse = favouring([97, 98, 99], 5.0)
+    better = favouring([98], 5.0)  # ~37% 'b'
+    with torch.no_grad():
+        worse.logits[98] -= 2.0  # ~5% 'b'
+    cfg = CFG.model_copy(update={"sample_prompts": 32, "samples_per_prompt": 4, "min_ess": 20})
+    res_w = run_gate(GateInputs(candidate_state=worse.serving_state_dict(), parent_state=champ.serving_state_dict(),
+                                candidate=worse, champion=champ, rollouts=logged), cfg)
+    checks_w = {c.name: c for c in res_w.checks}
+    assert checks_w["reward_vs_champion"].status == "fail", checks_w["reward_vs_champion"].detail
+    assert checks_w["kl_to_champion"].value < 0.2
+    res_b = run_gate(GateInputs(candidate_state=better.serving_state_dict(), parent_state=champ.serving_state_dict(),
+                                candidate=better, champion=champ, rollouts=logged), cfg)
+    checks_b = {c.name: c for c in res_b.checks}
+    assert checks_b["reward_vs_champion"].status == "pass" and checks_b["reward_vs_champion"].value > 0.03, \
+        checks_b["reward_vs_champion"].detail
+    assert checks_b["kl_to_champion"].value > 0.5 and checks_b["kl_to_champion"].status == "info"
+    assert res_b.ope["reward_model"]["n"] == 300
+
+
+def test_reward_comparison_is_skipped_without_enough_logged_data():
+    champ = favouring([97, 98, 99], 2.0)
+    cand = favouring([97, 98, 99], 2.0)
+    res = run_gate(GateInputs(candidate_state=cand.serving_state_dict(), parent_state=champ.serving_state_dict(),
+                              candidate=cand, champion=champ, rollouts=logged_rollouts(champ, 40, reward_b)), CFG)
+    c = {c.name: c for c in res.checks}["reward_vs_champion"]
+    assert c.status == "skipped" and "40 logged rollouts" in c.detail
