@@ -70,6 +70,8 @@ class TrainerConfig(BaseSettings):
     # --- operations -----------------------------------------------------------------------------
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port (0 disables the HTTP server).")
     poll_timeout_ms: int = Field(200, ge=1, description="Kafka poll timeout of the intake.")
+    rebase_on_reject: bool = Field(True, description="When the gate finds a version this trainer shipped confidently worse than the champion (`reward_vs_champion` failed), continue from the champion's weights with fresh optimizer moments instead of from the rejected line.")
+    verdict_check_s: float = Field(15.0, gt=0, description="How often the trainer reads the gate's verdicts on its versions (MLflow version tags).")
     plant_bad_version: int = Field(0, ge=0, description="DEMO: ship version N with its weights blown up (the largest matrix x64) so the gate can be seen stopping it; the trainer keeps training from its real weights. 0 = never.")
     pause_at: str | None = Field(None, description=f"TEST HOOK: pause forever at a point ({', '.join(PAUSE_POINTS)}; `after_optimizer_step:N` = at step N), writing `<state_dir>/paused-at` so a test can SIGKILL the process there.")
 

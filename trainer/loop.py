@@ -46,7 +46,7 @@ from trainer.batch import collate, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
 from trainer.config import TrainerConfig
 from trainer.dlq import DeadLetters, RateLimitedLog
-from trainer.metrics import BUFFERED, LAST_VERSION, ROLLOUTS, SHIPS, STEP_FAILURES, STEP_GAUGES, STEPS
+from trainer.metrics import BUFFERED, LAST_VERSION, REBASES, ROLLOUTS, SHIPS, STEP_FAILURES, STEP_GAUGES, STEPS
 from trainer.policy import Policy, build_policy
 from trainer.registry import CHAMPION, Registry
 from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake
@@ -83,6 +83,8 @@ class Trainer:
         self.committed: dict[int, int] = dict(state["committed"])
         self.pending: dict[str, Any] = state["pending"]
         self.intent: dict[str, Any] | None = state["intent"]
+        self.verdicts_seen: int = int(state.get("verdicts_seen", 0))  # versions up to this one were checked for a rejection
+        self._verdict_checked_at = 0.0
         self.run_id = self.registry.start_run(state.get("run_id"))
         self.ref_policy: Policy | None = None
         self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, bf16 weights) last shipped
@@ -342,7 +344,7 @@ class Trainer:
                 with torch.no_grad():
                     t_lp = policy.logprobs(t.prompts, t.tails, None, cfg.temperature)
                 teacher, dmask = scatter_teacher(t_lp, t, tuple(logp.shape))
-                dl, dkl = obj.distill_loss(logp, teacher, dmask, w)
+                dl, dkl = obj.distill_loss(logp, teacher, dmask, w, c.mask)
                 loss = loss + cfg.distill_coef * dl
                 m["distill_kl"] = dkl
                 m["distill_rollouts"] = float(len(t.rows))
@@ -387,6 +389,45 @@ class Trainer:
         self._refresh_reference()
         return version
 
+    # --- rebasing on a rejection -----------------------------------------------------------------------
+    def maybe_rebase(self, now: float | None = None) -> int | None:
+        """Continue from the champion when the gate found one of this trainer's versions confidently
+        worse than it (`flywheel.gate.reward_vs_champion` = fail; planted versions excepted). The
+        trainer's later weights descend from that rejected line, so training on would ship its
+        descendants. Returns the champion version rebased on, or None.
+
+        Reads the verdict tags of versions newer than `verdicts_seen` every `verdict_check_s`. The
+        rebase loads the champion's serving weights, clears the optimizer moments, records
+        `rebased_on` in the pending lineage and saves the state, so a restart continues from there.
+        """
+        now = time.monotonic() if now is None else now
+        if not self.cfg.rebase_on_reject or self.last_shipped is None or now - self._verdict_checked_at < self.cfg.verdict_check_s:
+            return None
+        self._verdict_checked_at = now
+        rejected, newest_verdict = None, self.verdicts_seen
+        for mv in self.registry.versions():
+            v, tags = int(mv.version), dict(mv.tags or {})
+            if v <= self.verdicts_seen or "flywheel.gate.status" not in tags:
+                continue
+            newest_verdict = max(newest_verdict, v)
+            if tags.get("flywheel.gate.reward_vs_champion", "").startswith("fail") and tags.get("planted_bad") != "true":
+                rejected = v
+        if newest_verdict == self.verdicts_seen:
+            return None
+        self.verdicts_seen = newest_verdict
+        champ = self.registry.alias_version(CHAMPION)
+        if rejected is None or champ is None or champ >= rejected:
+            return None  # `verdicts_seen` is saved with the next state; re-reading passed verdicts changes nothing
+        self.policy.load_serving_state_dict(self.registry.download_serving_state(champ))
+        self.optimizer.state.clear()
+        self.pending["rebased_on"] = champ
+        REBASES.inc()
+        log.warning("the gate found v%d confidently worse than champion v%d: continuing from v%d's weights "
+                    "(fresh optimizer moments)", rejected, champ, champ)
+        self.save()
+        self._refresh_reference()
+        return champ
+
     def _ensure_joined(self, timeout_s: float = 600.0) -> None:
         """Commits need a group member: poll until the consumer has its partitions.
 
@@ -417,7 +458,8 @@ class Trainer:
                     optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
                     step=self.step, positions=dict(self.intake.positions), seen=self.intake.seen.to_list(),
                     last_shipped=self.last_shipped, last_ship_at=self.last_ship_at, committed=dict(self.committed),
-                    pending=self.pending, intent=self.intent, run_id=self.run_id, kl_coef=self.kl_ctl.coef)
+                    pending=self.pending, intent=self.intent, run_id=self.run_id, kl_coef=self.kl_ctl.coef,
+                    verdicts_seen=self.verdicts_seen)
 
     def save(self) -> None:
         """Save the state, after the dead letters of every record before the saved positions are acknowledged."""
@@ -441,6 +483,7 @@ class Trainer:
     def run(self, stop: threading.Event, on_step: Callable[[int, dict[str, float] | None], None] | None = None) -> None:
         while not stop.is_set():
             metrics = self.train_step()
+            self.maybe_rebase()
             self.maybe_ship()
             if on_step is not None:
                 on_step(self.step, metrics)

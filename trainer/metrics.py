@@ -19,6 +19,8 @@ for _reason in REFUSAL_REASONS:
 STEP_FAILURES = Counter("flywheel_trainer_step_failures_total", "Optimizer steps that raised (the batch was then "
                         "retried without the rollouts that raise alone; see docs/TRAINER.md).")
 STEPS = Counter("flywheel_trainer_steps_total", "Optimizer steps.")
+REBASES = Counter("flywheel_trainer_rebases_total", "Times the trainer continued from the champion because the gate "
+                  "found one of its versions confidently worse than the champion.")
 SHIPS = Counter("flywheel_trainer_ships_total", "Versions registered by this process (incl. resumed ships).")
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
 BUFFERED = Gauge("flywheel_trainer_buffered_records", "Records fetched but not yet trained on or skipped.")

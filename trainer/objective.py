@@ -163,15 +163,23 @@ class AdaptiveKL:
 
 
 def distill_loss(logp: torch.Tensor, logp_teacher: torch.Tensor, distill_mask: torch.Tensor,
-                 w: ISWeights) -> tuple[torch.Tensor, float]:
+                 w: ISWeights, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Self-distillation surrogate and the k1 reverse-KL estimate on the distilled tokens.
 
     distill_mask: {0,1} float32 [B, T], 1 on completion tokens at/after a tool error.
+    mask: the batch's completion-token mask [B, T]: the surrogate is summed over the distilled
+    kept tokens and divided by ALL completion tokens of the batch, the policy-gradient term's
+    denominator, so a distilled token weighs what a policy-gradient token weighs. (Divided by
+    the distilled tokens alone, one tool error in a batch of 16 moved the weights like a whole
+    batch: measured in the demo, steps with distillation had gradient norms 5-48x the others,
+    the global clip then shrank the policy gradient by as much, and held-out acceptance fell
+    from 0.52 to 0.32 in three versions; docs/TRAINER.md "Where the drift came from".)
+    With `mask` None the denominator is the distilled kept tokens.
     Returns (loss whose gradient is the IS-weighted reverse-KL score-function gradient,
              mean(logp - logp_teacher) over the distilled kept tokens as a float).
     """
     keep = w.keep * distill_mask.to(torch.float32)
     gap = (logp.detach() - logp_teacher.detach()) * keep
-    loss = _token_mean(w.weights * gap * logp, keep)
+    loss = _token_mean(w.weights * gap * logp, keep if mask is None else mask.to(torch.float32))
     n = float(keep.sum())
     return loss, (float(gap.sum()) / n if n else 0.0)

@@ -56,6 +56,7 @@ def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
         "train_metrics": json.dumps(summary, sort_keys=True),
         "trainer_step": str(intent["step"]),
         "rollout_status": "registered",
+        **({"rebased_on": str(p["rebased_on"])} if p.get("rebased_on") is not None else {}),
     }
 
 

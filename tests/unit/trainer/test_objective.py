@@ -126,6 +126,23 @@ def test_self_distillation_only_on_tokens_after_the_error():
     assert torch.allclose(logp.grad, torch.tensor([[0.0, 1 / 3, 0.0, 1 / 3]]), atol=1e-6)
 
 
+def test_distillation_shares_the_policy_gradient_denominator():
+    """One distilled token in a batch of 2 x 4 completion tokens weighs 1/8, as a policy-gradient token
+    does, not a whole batch's worth (the trainer passes the batch mask)."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5, -1.0], [-1.0, -1.0, -1.0, -1.0]], requires_grad=True)
+    teacher = torch.tensor([[-1.0, -2.0, -0.5, -11.0], [-1.0, -1.0, -1.0, -1.0]])
+    dmask = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])  # one tool error, on the last token
+    mask = torch.ones(2, 4)
+    w = importance_weights(logp, logp.detach().clone(), mask)
+    loss, k1 = distill_loss(logp, teacher, dmask, w, mask)
+    assert k1 == pytest.approx(10.0)  # the gap on the distilled token
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, 0.0, 10 / 8], [0.0] * 4]), atol=1e-6)
+    alone = logp.detach().clone().requires_grad_(True)
+    distill_loss(alone, teacher, dmask, importance_weights(alone, alone.detach().clone(), mask))[0].backward()
+    assert float(alone.grad[0, 3]) == pytest.approx(10.0), "divided by the distilled tokens alone: 8x the weight"
+
+
 def test_distillation_surrogate_gradient_equals_exact_reverse_kl_gradient():
     """Reference path: over a 4-way categorical, sum_y p(y) * surrogate(y) has the gradient of KL(p || q)."""
     theta = torch.tensor([0.3, -0.2, 1.0, 0.1], requires_grad=True)
