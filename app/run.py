@@ -36,13 +36,17 @@ DEMO_ENV = {
     # the trainer, not traffic, is the bottleneck on a small machine: 2 requests/s (x2 candidates)
     # is more than it trains on, and leaves it the CPU
     "FLYWHEEL_SIMULATE_RPS": "2",
-    # the gate recomputes log-probs of its held-out rollouts with the invariant kernels: 256 took
-    # 2-5 minutes per version on 2 busy cores, longer than the ship interval
     "FLYWHEEL_CONTROLLER_GATE_ROLLOUTS": "64",
-    "FLYWHEEL_CONTROLLER_STEPS": "25,50,100",  # a canary must finish before the next ship supersedes it
-    "FLYWHEEL_CONTROLLER_MIN_STEP": "15s",
-    "FLYWHEEL_CONTROLLER_MIN_SAMPLES": "20",
-    "FLYWHEEL_CONTROLLER_STEP_DEADLINE": "5m",
+    # one canary step at 50% (the most informative split), then promotion. At ~4 labelled completions
+    # a second the confidence sequence of a 50/50 split narrows to about +-0.25 reward units in two
+    # minutes: a non-inferiority margin of 0.15 lets an equal-or-better version through within about
+    # one ship interval, and a confidently worse one is rolled back
+    "FLYWHEEL_CONTROLLER_STEPS": "50,100",
+    "FLYWHEEL_CONTROLLER_MIN_STEP": "30s",
+    "FLYWHEEL_CONTROLLER_MIN_SAMPLES": "60",
+    "FLYWHEEL_CONTROLLER_MARGIN": "0.15",
+    "FLYWHEEL_CONTROLLER_CS_TARGET_N": "400",
+    "FLYWHEEL_CONTROLLER_STEP_DEADLINE": "4m",
     "FLYWHEEL_STREAMS_METRICS_BUCKET": "10s",
     # the demo plants one bad checkpoint (weights blown up) to show the gate stopping it
     "FLYWHEEL_TRAINER_PLANT_BAD_VERSION": "4",
