@@ -352,6 +352,7 @@ def streams_relabel(
     next to the live ones, and prints the counts as one JSON line."""
     import json as _json
 
+    from kafka.errors import KafkaError
     from pydantic import ValidationError
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -389,8 +390,9 @@ def streams_relabel(
         task = bar.add_task(f"{settings.topic('interactions')} -> {spec.version}", total=None)
         try:
             counts = relabel(settings, cfg, opts, progress=lambda done, total: bar.update(task, completed=done, total=total))
-        except RuntimeError as exc:
-            console.print(f"[red]relabel failed:[/red] {exc}")
+        except (RuntimeError, KafkaError) as exc:  # a write the broker refused, no progress, no topic
+            console.print(f"[red]relabel failed:[/red] {type(exc).__name__}: {exc} (records acknowledged before "
+                          "the failure stay on the topics; run it again: the trainer dedupes the repeats)")
             raise typer.Exit(1) from None
     summary = dict(counts.as_dict(), reward_spec=spec.version, relabel_run=opts.run_id, dry_run=dry_run)
     typer.echo(_json.dumps(summary, sort_keys=True))

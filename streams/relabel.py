@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 SPEC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # no '|': the relabelled key splits at its last '|'
 SKIP_REASONS = ("no_feedback", "before_since", "after_until", "window_open", "orphan_feedback", "feedback_after_close")
 _LATE = {"orphan": "orphan_feedback", "after_close": "feedback_after_close"}
+SETTLE_EVERY = 10_000  # records sent between waits for the broker's acknowledgements
 
 
 def relabel_key(request_id: str, reward_spec: str) -> str:
@@ -116,6 +117,7 @@ class Relabeller:
         self.agg = Aggregator(spec, window_s, retention_s, bucket_s, {}, {}, {}, empty_max_tokens=empty_max_tokens,
                               clock=clock)
         self.gen_rt: dict[str, float] = {}  # request_id -> record time of its generation, until its label closes
+        self.partitions: set[int] = set()
         self.counts = RelabelCounts()
 
     def feed(self, partition: int, offset: int, key: bytes | None, value: bytes | None, rt: float) -> list[Emit]:
@@ -123,8 +125,10 @@ class Relabeller:
         ev = decode_interaction(key, value)
         if isinstance(ev, Refused):
             return [self._dead_letter(ev.reason, ev.errors, self.topic, partition, offset, key, value)]
-        if ev["type"] == "generation" and ev["request_id"] not in self.gen_rt:
-            self.gen_rt[ev["request_id"]] = rt
+        rid = ev["request_id"]
+        if ev["type"] == "generation" and rid not in self.gen_rt and (self.agg.labels.get(rid) or {}).get("gen") is None:
+            self.gen_rt[rid] = rt  # the generation that opens the label (a repeat or a conflicting one does not)
+        self.partitions.add(partition)
         before = self.agg.duplicates
         out = self.agg.on_event(partition, ev, rt)
         self.counts.duplicates += self.agg.duplicates - before
@@ -133,7 +137,7 @@ class Relabeller:
     def finish(self, watermark: float) -> list[Emit]:
         """Close every label whose window ended by `watermark`; count the ones still open as skipped."""
         out: list[Emit] = []
-        for p in sorted(self.agg._heap):
+        for p in sorted(self.partitions):
             out += self._route(p, self.agg.advance(p, watermark), self.topic)
         for rid, st in self.agg.labels.items():
             if st["st"] == "open":
@@ -227,7 +231,8 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
             progress: Callable[[int, int], None] | None = None) -> RelabelCounts:
     """Replay, label and (unless a dry run) write. `progress(done, total)` is called as records are read.
 
-    Raises RuntimeError when the broker refuses a write or the replay stops making progress."""
+    Raises kafka.errors.KafkaError when the broker refuses a write, RuntimeError when the topic is missing
+    or the replay stops making progress (no record for `idle_timeout_s`)."""
     from app.kafka_io import make_consumer, make_producer
 
     started = time.time()
@@ -238,7 +243,18 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
                       topic=topic, empty_max_tokens=cfg.empty_completion_max_tokens)
     consumer = make_consumer(settings, group_id=None, consumer_timeout_ms=1000)  # no group: nothing is committed
     producer = None if opts.dry_run else make_producer(settings)
-    sends: list[Any] = []
+    sends: list[tuple[str, Any]] = []
+
+    def settle() -> None:
+        """Wait for every record sent so far; a record the broker refused fails the run (raises KafkaError)."""
+        assert producer is not None, "a dry run sends nothing"
+        producer.flush(timeout=max(30.0, settings.kafka_produce_timeout * 2))
+        for kind, fut in sends:
+            fut.get(timeout=settings.kafka_produce_timeout)
+            if kind == "rollouts":
+                core.counts.written += 1
+        sends.clear()
+
     try:
         plan = plan_offsets(consumer, topic, opts, window)
         todo = {tp: rng for tp, rng in plan.items() if rng[1] > rng[0]}
@@ -256,6 +272,8 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
                 if producer is not None:
                     target = settings.topic("rollouts") if e.topic == "rollouts" else settings.topic("dlq")
                     sends.append((e.topic, producer.send(target, key=e.key, value=orjson.dumps(e.value))))
+            if len(sends) >= SETTLE_EVERY:
+                settle()  # bounded memory: futures of at most this many records are held
 
         while todo:
             batch = consumer.poll(timeout_ms=500, max_records=2000)
@@ -283,11 +301,7 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
             watermark = min(watermark, opts.until.timestamp() + window)
         emit(core.finish(watermark))
         if producer is not None:
-            producer.flush(timeout=max(30.0, settings.kafka_produce_timeout * 2))
-            for kind, fut in sends:
-                fut.get(timeout=settings.kafka_produce_timeout)  # raises KafkaError: the run fails loudly
-                if kind == "rollouts":
-                    core.counts.written += 1
+            settle()
         if progress is not None:
             progress(total, total)
         return core.counts
