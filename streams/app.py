@@ -71,11 +71,10 @@ from faust.sensors import Monitor
 from mode.supervisors import CrashingSupervisor
 from prometheus_client import Counter, Gauge, Histogram
 
-from app.events import EventValidationError, parse_event
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.consumer import install as install_eager_drain
-from streams.labels import Aggregator, Emit, MetricsMerger, iso_now
+from streams.labels import Aggregator, Emit, MetricsMerger, Refused, decode_interaction, iso_now
 from streams.outbox import KafkaOutbox, Outbox
 from streams.state import BatchedTable
 
@@ -393,17 +392,9 @@ class Runtime:
         validation, key, or the join itself) becomes a DLQ record; it never raises."""
         p = msg.partition
         self.last_processed[p] = msg.offset
-        try:
-            obj = orjson.loads(value if value is not None else b"")  # strict: NaN/Infinity and bad UTF-8 rejected
-        except orjson.JSONDecodeError as exc:
-            return [self._dlq(msg, key, value, "invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}])]
-        try:
-            parse_event(obj)
-        except EventValidationError as exc:
-            return [self._dlq(msg, key, value, "invalid_event", [e.model_dump() for e in exc.errors])]
-        if key is None or key != obj["request_id"].encode():
-            return [self._dlq(msg, key, value, "key_mismatch",
-                              [{"field": "(key)", "message": "the record key must be the event's request_id (the join relies on it)"}])]
+        obj = decode_interaction(key, value)
+        if isinstance(obj, Refused):
+            return [self._dlq(msg, key, value, obj.reason, obj.errors)]
         _EVENTS_OK.inc()
         rt = msg.timestamp if msg.timestamp else time.time()
         try:

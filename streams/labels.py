@@ -35,8 +35,10 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.events import EventValidationError, parse_event
 from streams.records import SUM_FIELDS, add_sums, empty_sums, rollout_sums, version_metrics
 from streams.reward import RewardSpec, compute_reward
 
@@ -54,6 +56,32 @@ class Emit:
 
 def iso_now(clock: Callable[[], float]) -> str:
     return datetime.fromtimestamp(clock(), tz=timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Why an interactions record cannot be joined: a DLQ reason and its errors."""
+
+    reason: str
+    errors: list[dict[str, Any]]
+
+
+def decode_interaction(key: bytes | None, value: bytes | None) -> dict[str, Any] | Refused:
+    """The event of one interactions record, or why it is refused (`invalid_json`, `invalid_event`,
+    `key_mismatch`). The one decoder of the topic for everything that joins it (the streams worker,
+    `flywheel streams relabel`), so both accept and refuse exactly the same records."""
+    try:
+        obj = orjson.loads(value if value is not None else b"")  # strict: NaN/Infinity and bad UTF-8 rejected
+    except orjson.JSONDecodeError as exc:
+        return Refused("invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}])
+    try:
+        parse_event(obj)
+    except EventValidationError as exc:
+        return Refused("invalid_event", [e.model_dump() for e in exc.errors])
+    if key is None or key != obj["request_id"].encode():
+        return Refused("key_mismatch", [{"field": "(key)", "message": "the record key must be the event's request_id "
+                                                                     "(the join relies on it)"}])
+    return obj
 
 
 class Aggregator:

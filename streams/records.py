@@ -70,6 +70,8 @@ class Rollout(BaseModel):
     closed_by: Literal["window"] = Field(description="what closed the label; v1 closes only by its wait window")
     tokenizer: str | None = Field(None, description="the generation's tokenizer (the trainer refuses one that is not its model's)")
     temperature: float | None = Field(None, description="the generation's sampling temperature")
+    relabel_run: str | None = Field(None, max_length=64, description="id of the `flywheel streams relabel` run that wrote "
+                                    "this record (key '<request_id>|<reward_spec>'); None for the live worker's rollouts")
 
 
 class LateRecord(BaseModel):

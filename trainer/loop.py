@@ -49,7 +49,7 @@ from trainer.dlq import DeadLetters, RateLimitedLog
 from trainer.metrics import BUFFERED, LAST_VERSION, REBASES, ROLLOUTS, SHIPS, STEP_FAILURES, STEP_GAUGES, STEPS
 from trainer.policy import Policy, build_policy
 from trainer.registry import CHAMPION, Registry
-from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake
+from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake, dedupe_key
 from trainer.shipping import execute_ship, new_pending
 from trainer.validate import ModelSpec, Refusal
 
@@ -246,7 +246,7 @@ class Trainer:
             keep = []
         for i, err in sorted(culprits.items()):
             r = batch.rollouts[i]
-            src = batch.sources.get(r.request_id)
+            src = batch.sources.get(dedupe_key(r))
             refusal = Refusal("step_failed", f"the optimizer step raised on this rollout: {err!r}"[:2000])
             if src is not None:
                 self.intake.refuse(src, refusal, exception="".join(traceback.format_exception_only(err)).strip())
@@ -283,9 +283,12 @@ class Trainer:
         p["rollouts"] += len(batch.rollouts)
         p["request_ids"].extend(r.request_id for r in batch.rollouts)
         p["reward_sum"] += sum(r.reward for r in batch.rollouts)
+        counts = p.setdefault("reward_spec_counts", {})  # absent from a state saved by an older trainer
         for r in batch.rollouts:
             if r.reward_spec not in p["reward_specs"]:
                 p["reward_specs"].append(r.reward_spec)
+            counts[r.reward_spec] = counts.get(r.reward_spec, 0) + 1
+        p["relabelled"] = p.get("relabelled", 0) + sum(1 for r in batch.rollouts if r.relabel_run is not None)
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:

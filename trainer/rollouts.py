@@ -1,4 +1,4 @@
-"""Rollout intake: consume `flywheel.rollouts`, validate, dedupe by request_id, skip stale, batch.
+"""Rollout intake: consume `flywheel.rollouts`, validate, dedupe by (request_id, reward_spec), skip stale, batch.
 
 The record schema is DESIGN.md's rollout record, as streams/records.py `Rollout` defines it
 (the producer's contract, validated first); `Rollout` here adds the structural invariants
@@ -13,12 +13,19 @@ Exactly-once bookkeeping (see docs/TRAINER.md):
   (trained on or skipped). It moves only when an entry leaves the buffer through `take()`,
   so it always matches the weights that were trained on everything before it. The loop
   saves it with the weights and seeks to it on restart (the rebalance listener).
-- `seen` holds the request_ids already processed; a record whose id is seen, or already
-  waiting in the buffer, is a `duplicate`. It is saved with the state, so dedupe survives
-  restarts. Ids of records still in the buffer are not in `seen` (they are re-read after a
-  crash and must not look like duplicates then).
-- Staleness is decided at `take()` time against the last shipped version: a rollout whose
-  `model_version` is more than `max_staleness` versions older is skipped as `stale`.
+- `seen` holds the (request_id, reward_spec) keys already processed (`dedupe_key`); a record
+  whose key is seen, or already waiting in the buffer, is a `duplicate`. The same generation
+  labelled under two specs (the live worker's and a `flywheel streams relabel` run's) is two
+  rollouts, each trained on once. It is saved with the state, so dedupe survives restarts.
+  Keys of records still in the buffer are not in `seen` (they are re-read after a crash and
+  must not look like duplicates then). State files that hold plain request_ids (written before
+  the key had the spec) still load: such an id was a live rollout, so it matches live
+  rollouts of that request_id and never a relabelled one.
+- Staleness is decided at `take()` time against the last shipped version: a live rollout whose
+  `model_version` is more than `max_staleness` versions older is skipped as `stale`. A
+  relabelled rollout (`relabel_run` set) is old by construction and is exempt: the objective's
+  importance weights and sequence mask (trainer/objective.py) bound what it can move, as they
+  do for every rollout. One whose version is not a number is still skipped as `stale`.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ class Rollout(BaseModel):
     closed_by: str | None = None
     tokenizer: str | None = None  # the generation's tokenizer (checked against the model's when present)
     temperature: float | None = None  # the generation's sampling temperature
+    relabel_run: str | None = None  # set by `flywheel streams relabel` (exempt from max_staleness)
 
     @field_validator("model_version", mode="before")
     @classmethod
@@ -152,26 +160,42 @@ def _schema_refusal(err: dict[str, Any]) -> Refusal:
     return Refusal("invalid_rollout", f"{loc}: {err['msg']}", loc)
 
 
+DedupeKey = tuple[str, str]  # (request_id, reward_spec)
+
+
+def dedupe_key(r: Rollout) -> DedupeKey:
+    """What makes a rollout new data: its generation and the spec it was labelled with."""
+    return (r.request_id, r.reward_spec)
+
+
 class DedupeSet:
-    """Insertion-ordered set of request_ids with a capacity (oldest evicted first)."""
+    """Insertion-ordered set of (request_id, reward_spec) keys with a capacity (oldest evicted first).
 
-    def __init__(self, capacity: int, items: list[str] | None = None):
+    `items` as saved by `to_list`: [request_id, reward_spec] pairs; a plain request_id (a state
+    file from before the key had the spec) stays a legacy entry that matches live rollouts only."""
+
+    def __init__(self, capacity: int, items: list[Any] | None = None):
         self.capacity = capacity
-        self._d: OrderedDict[str, None] = OrderedDict((i, None) for i in (items or [])[-capacity:])
+        self._d: OrderedDict[DedupeKey | str, None] = OrderedDict()
+        for item in (items or [])[-capacity:]:
+            self._d[item if isinstance(item, str) else (str(item[0]), str(item[1]))] = None
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: DedupeKey | str) -> bool:
         return key in self._d
+
+    def seen(self, r: Rollout) -> bool:
+        return dedupe_key(r) in self._d or (r.relabel_run is None and r.request_id in self._d)
 
     def __len__(self) -> int:
         return len(self._d)
 
-    def add(self, key: str) -> None:
+    def add(self, key: DedupeKey) -> None:
         self._d[key] = None
         if len(self._d) > self.capacity:
             self._d.popitem(last=False)
 
-    def to_list(self) -> list[str]:
-        return list(self._d)
+    def to_list(self) -> list[Any]:
+        return [k if isinstance(k, str) else list(k) for k in self._d]
 
 
 @dataclass
@@ -192,7 +216,7 @@ class Batch:
     skipped: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SKIP_REASONS})
     first_offsets: dict[int, int] = field(default_factory=dict)  # partition -> first offset processed
     staleness: list[int] = field(default_factory=list)  # versions behind, per fresh rollout
-    sources: dict[str, Source] = field(default_factory=dict)  # request_id -> original record
+    sources: dict[DedupeKey, Source] = field(default_factory=dict)  # dedupe_key -> original record
 
     def only(self, keep: list[int]) -> "Batch":
         """The same batch restricted to the rollouts at indices `keep` (skip counts and offsets unchanged)."""
@@ -215,7 +239,7 @@ class RolloutIntake:
         self.spec, self.dead_letters = spec, dead_letters
         self.refusal_log = RateLimitedLog(log_interval_s)
         self.buffer: deque[Entry] = deque()
-        self._buffered_ids: dict[str, int] = {}
+        self._buffered_ids: dict[DedupeKey, int] = {}
         intake = self
 
         class _Listener(ConsumerRebalanceListener):
@@ -244,10 +268,11 @@ class RolloutIntake:
                 if refusal is not None:
                     self.refuse(src, refusal)
                     self.buffer.append(Entry(tp.partition, rec.offset, now, None, "invalid"))
-                elif rollout.request_id in self.seen or rollout.request_id in self._buffered_ids:
+                elif self.seen.seen(rollout) or dedupe_key(rollout) in self._buffered_ids:
                     self.buffer.append(Entry(tp.partition, rec.offset, now, None, "duplicate"))
                 else:
-                    self._buffered_ids[rollout.request_id] = self._buffered_ids.get(rollout.request_id, 0) + 1
+                    key = dedupe_key(rollout)
+                    self._buffered_ids[key] = self._buffered_ids.get(key, 0) + 1
                     self.buffer.append(Entry(tp.partition, rec.offset, now, rollout, source=src))
         return n
 
@@ -280,19 +305,19 @@ class RolloutIntake:
             if e.rollout is None:
                 batch.skipped[e.reason] += 1
                 continue
-            rid = e.rollout.request_id
-            self._buffered_ids[rid] -= 1
-            if not self._buffered_ids[rid]:
-                del self._buffered_ids[rid]
-            self.seen.add(rid)
+            key = dedupe_key(e.rollout)
+            self._buffered_ids[key] -= 1
+            if not self._buffered_ids[key]:
+                del self._buffered_ids[key]
+            self.seen.add(key)
             behind = self._staleness(e.rollout, current_version)
-            if behind is None or behind > self.max_staleness:
+            if behind is None or (behind > self.max_staleness and e.rollout.relabel_run is None):
                 batch.skipped["stale"] += 1
                 continue
             batch.rollouts.append(e.rollout)
             batch.staleness.append(behind)
             if e.source is not None:
-                batch.sources[rid] = e.source
+                batch.sources[key] = e.source
         return batch
 
     def _staleness(self, r: Rollout, current: int | None) -> int | None:
@@ -308,10 +333,10 @@ class RolloutIntake:
         for e in self.buffer:
             if e.partition in parts:
                 if e.rollout is not None:
-                    rid = e.rollout.request_id
-                    self._buffered_ids[rid] -= 1
-                    if not self._buffered_ids[rid]:
-                        del self._buffered_ids[rid]
+                    key = dedupe_key(e.rollout)
+                    self._buffered_ids[key] -= 1
+                    if not self._buffered_ids[key]:
+                        del self._buffered_ids[key]
             else:
                 kept.append(e)
         self.buffer = kept

@@ -38,7 +38,13 @@ log = logging.getLogger(__name__)
 def new_pending() -> dict[str, Any]:
     """Lineage accumulated since the last ship (saved in the trainer state)."""
     return dict(rollouts=0, request_ids=[], skipped={r: 0 for r in SKIP_REASONS}, first_offsets={}, reward_sum=0.0,
-                metric_sums={}, steps=0, reward_specs=[])
+                metric_sums={}, steps=0, reward_specs=[], reward_spec_counts={}, relabelled=0)
+
+
+def reward_spec_detail(specs: str) -> str | None:
+    """The `reward_spec` of a `version_registered` event: the comma-joined specs when they fit the
+    projection's column (16 characters), else None; `reward_specs` always has them all with counts."""
+    return specs if specs != "none" and len(specs) <= 16 else None
 
 
 def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
@@ -53,6 +59,10 @@ def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
         "rollouts_skipped": json.dumps(p["skipped"], sort_keys=True),
         "kafka_offsets": json.dumps({"topic": topic, "partitions": {str(k): v for k, v in sorted(intent["ranges"].items())}}),
         "reward_spec": ",".join(p["reward_specs"]) or "none",
+        # rollouts trained per reward spec (relabelled ones under their new spec); "{}" from a pending
+        # saved by a trainer that did not count them
+        "reward_specs": json.dumps(p.get("reward_spec_counts", {}), sort_keys=True),
+        "rollouts_relabelled": str(p.get("relabelled", 0)),
         "train_metrics": json.dumps(summary, sort_keys=True),
         "trainer_step": str(intent["step"]),
         "rollout_status": "registered",
@@ -196,7 +206,10 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
         from_version=None if intent["parent_version"] is None else str(intent["parent_version"]), source="trainer",
         actor="flywheel-trainer", reason=f"{tags['kind']} version: {tags['rollouts_consumed']} rollouts",
         details={"run_id": t.run_id, "ship_id": intent["ship_id"], "rollouts_consumed": int(tags["rollouts_consumed"]),
-                 "reward_spec": tags["reward_spec"], "kafka_offsets": json.loads(tags["kafka_offsets"]),
+                 "reward_spec": reward_spec_detail(tags["reward_spec"]),
+                 "reward_specs": json.loads(tags["reward_specs"]),
+                 "rollouts_relabelled": int(tags["rollouts_relabelled"]),
+                 "kafka_offsets": json.loads(tags["kafka_offsets"]),
                  "train_metrics": json.loads(tags["train_metrics"]),
                  # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
                  "artifacts": hints})

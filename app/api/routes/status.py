@@ -121,7 +121,11 @@ class LineagePublic(BaseModel):
     ancestors: list[str] = Field(description="Parent, grandparent, ... as far as the projections know.")
     run_id: str | None
     rollouts_consumed: int | None
-    reward_spec: str | None
+    reward_spec: str | None = Field(description="The reward spec versions of the rollouts trained on, comma-joined "
+                                                "(null when they do not fit 16 characters: see reward_specs).")
+    reward_specs: dict[str, int] = Field(description="Rollouts trained on per reward spec version (relabelled rollouts "
+                                                     "under their new spec); empty for versions registered without counts.")
+    rollouts_relabelled: int | None = Field(description="How many of them came from `flywheel streams relabel`.")
     details: dict[str, Any] = Field(description="Everything else the trainer recorded (Kafka offset ranges, hashes, ...).")
 
 
@@ -145,6 +149,18 @@ class ModelVersionPublic(BaseModel):
     created_at: datetime
     updated_at: datetime
     events: list[DeploymentEventPublic] = Field(description="Events about this version, newest first (at most 100).")
+
+
+def _spec_counts(value: Any) -> dict[str, int]:
+    """`details.reward_specs` of a version_registered event as {spec: count}; anything else is {}
+    (the event log is shared: a malformed entry must not make the version unreadable)."""
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _event_public(row: EventRow) -> DeploymentEventPublic:
@@ -260,6 +276,8 @@ def model_version(
         model=model, version=version,
         lineage=LineagePublic(parent_version=mv.parent_version, ancestors=ancestors, run_id=mv.run_id,
                               rollouts_consumed=mv.rollouts_consumed, reward_spec=mv.reward_spec,
+                              reward_specs=_spec_counts((mv.lineage or {}).get("reward_specs")),
+                              rollouts_relabelled=_int_or_none((mv.lineage or {}).get("rollouts_relabelled")),
                               details=mv.lineage or {}),
         gate=mv.gate or {}, online=mv.online or {},
         rollout=RolloutPublic(

@@ -217,3 +217,24 @@ def test_unknown_model_version_is_a_clear_404(api: StatusApi) -> None:
     detail = r.json()["detail"]
     assert r.status_code == 404 and "'99'" in detail and "unknown" in detail and "known versions: 1, 2, 3, 4, 5" in detail, detail
     assert api.get("/v1/models/1", model="nope").status_code == 404
+
+
+def test_model_version_shows_the_reward_specs_it_trained_on(api: StatusApi) -> None:
+    """What trainer/shipping.py publishes for a version trained on live v1 and relabelled v2 rollouts:
+    counts per spec in `reward_specs`, the relabelled share, and a comma list that may be too long
+    for the 16-character column (then null, the counts still complete)."""
+    from app.deployments.events import DeploymentEvent
+
+    def registered(version: str, specs: dict[str, int], joined: str | None) -> DeploymentEvent:
+        return DeploymentEvent(type="version_registered", model=MODEL, version=version, source="trainer",
+                               details={"run_id": "run-r", "rollouts_consumed": sum(specs.values()), "reward_spec": joined,
+                                        "reward_specs": specs, "rollouts_relabelled": specs.get("v2", 0)})
+
+    api.project([registered("1", {"v1": 40}, "v1"), registered("2", {"v1": 30, "v2": 70}, "v1,v2"),
+                 registered("3", {"v1": 5, "v2-no-tool-hack": 9}, None)])
+    v2 = api.get("/v1/models/2").json()["lineage"]
+    assert (v2["reward_spec"], v2["reward_specs"], v2["rollouts_relabelled"]) == ("v1,v2", {"v1": 30, "v2": 70}, 70)
+    v3 = api.get("/v1/models/3").json()["lineage"]
+    assert (v3["reward_spec"], v3["reward_specs"]) == (None, {"v1": 5, "v2-no-tool-hack": 9})
+    v1 = api.get("/v1/models/1").json()["lineage"]
+    assert (v1["reward_specs"], v1["rollouts_relabelled"]) == ({"v1": 40}, 0)
