@@ -57,6 +57,11 @@ def heldout_plot(rows: list[VersionRow]) -> str | None:
         ax = fig.add_subplot()
         xs = [vkey(r.version) for r in pts]
         ax.plot(xs, [r.heldout.acceptance for r in pts], color=GREY, lw=1, zorder=1)
+        champs = [r for r in pts if r.promoted]  # what served, version after version: it should only go up
+        if len(champs) > 1:
+            ax.step([vkey(r.version) for r in champs] + [xs[-1]],
+                    [r.heldout.acceptance for r in champs] + [champs[-1].heldout.acceptance],
+                    where="post", color=GREEN, lw=2.5, alpha=0.35, zorder=1)
         for x, r in zip(xs, pts):
             h, colour = r.heldout, _row_colour(r)
             if h.ci_low is not None and h.ci_high is not None:
@@ -68,8 +73,6 @@ def heldout_plot(rows: list[VersionRow]) -> str | None:
                 ax.annotate(f"{h.acceptance:.3f}", (x, h.ci_high if h.ci_high is not None else h.acceptance),
                             textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7, color=DARK)
         ax.axhline(pts[0].heldout.acceptance, color=DARK, ls=":", lw=1)
-        ax.text(xs[-1], pts[0].heldout.acceptance, f" first version v{pts[0].version}", va="bottom", ha="right",
-                fontsize=7, color=DARK)
         ax.set_xticks(xs, [f"v{r.version}" for r in pts])
         ax.set_ylabel("held-out acceptance")
         ax.set_title("Held-out acceptance per version")
@@ -78,7 +81,9 @@ def heldout_plot(rows: list[VersionRow]) -> str | None:
                            Line2D([], [], color=GREEN, marker="*", ms=10, ls="", label="champion now"),
                            Line2D([], [], color=ORANGE, marker="o", ls="", label="rolled back"),
                            Line2D([], [], color=RED, marker="X", ls="", label="gate failed"),
-                           Line2D([], [], color=BLUE, marker="o", ls="", label="other")],
+                           Line2D([], [], color=BLUE, marker="o", ls="", label="other"),
+                           Line2D([], [], color=GREEN, lw=2.5, alpha=0.35, label="promoted champions"),
+                           Line2D([], [], color=DARK, ls=":", label=f"first version (v{pts[0].version})")],
                    loc="outside right upper")
         return _uri(fig)
 
