@@ -111,11 +111,16 @@ def _utc(value: Any) -> datetime:
 
 def load_report_data(src: ReportSources) -> ReportData:
     """Read MLflow and the deployments log; SourceMissing when one of them cannot be reached."""
+    from mlflow.exceptions import MlflowException
+
     client = _mlflow_client(src.mlflow_uri)
     data = ReportData(model=src.model, generated_at=datetime.now(timezone.utc), sources=src.describe())
-    data.versions = _versions(client, src.model)
-    data.trainer = _run_metrics(client, TRAINER_EXPERIMENT, f"tags.model_name = '{src.model}'", TRAINER_METRICS)
-    data.heldout = _run_metrics(client, HELDOUT_EXPERIMENT, f"tags.model = '{src.model}'", (HELDOUT, *HELDOUT_CI))
+    try:
+        data.versions = _versions(client, src.model)
+        data.trainer = _run_metrics(client, TRAINER_EXPERIMENT, f"tags.model_name = '{src.model}'", TRAINER_METRICS)
+        data.heldout = _run_metrics(client, HELDOUT_EXPERIMENT, f"tags.model = '{src.model}'", (HELDOUT, *HELDOUT_CI))
+    except MlflowException as exc:  # e.g. a store written by another MLflow version, a server answering 5xx
+        raise SourceMissing(f"cannot read MLflow at {_safe_url(src.mlflow_uri)}: {exc}") from None
     loader = {"db": _events_from_db, "api": _events_from_api, "kafka": _events_from_kafka}[src.events]
     data.events = loader(src)  # in log order (projection seq / topic offset)
     log.info("report of %s: %d versions, %d trainer steps, %d deployment events", src.model, len(data.versions),

@@ -260,17 +260,35 @@ def test_report_of_a_data_dir_shows_every_decision_and_renders_cleanly(history: 
     print(f"screenshot: {shot.png} ({shot.page_height:.0f}px tall)")
 
 
-def test_report_of_a_running_stack_reads_mlflow_and_the_topic(history: History, mlflow_server, tmp_path: Path):
-    by_dir, by_stack = tmp_path / "dir.html", tmp_path / "stack.html"
+def test_report_of_a_running_stack_reads_mlflow_and_the_topic_or_the_api(history: History, mlflow_server, tmp_path: Path):
+    """The same history read three ways (data dir; MLflow server + topic; MLflow server + the API over
+    real HTTP) gives the same rows."""
+    from app.api.main import create_app
+    from app.api.server import ServerThread
+    from app.db.keys import create_key
+    from app.db.session import session_scope
+
+    by_dir = tmp_path / "dir.html"
     assert run_report(history, "--out", str(by_dir)).returncode == 0
-    done = run_report(history, "--out", str(by_stack), "--mlflow-uri", mlflow_server.uri, "--from-kafka",
-                      "--data-dir", str(tmp_path / "nowhere"))
-    assert done.returncode == 0, done.stderr
-    stack = by_stack.read_text()
-    assert f"topic {history.settings.topic('deployments')}" in stack and mlflow_server.uri in stack
-    for sid in ("versions", "gate"):
-        assert rows(stack, sid) == rows(by_dir.read_text(), sid), sid
-    assert canary_rows(stack) == canary_rows(by_dir.read_text())
+    expected = by_dir.read_text()
+    with session_scope(history.settings.db_url) as session:
+        read_key, _ = create_key(session, ["read"], name="report-test")
+    with ServerThread(create_app(history.settings)) as api:
+        ways = {"kafka": (["--from-kafka"], f"topic {history.settings.topic('deployments')}"),
+                "api": (["--api", api.url, "--api-key", read_key], f"{api.url}/v1/deployments/history")}
+        for way, (args, source) in ways.items():
+            out = tmp_path / f"{way}.html"
+            done = run_report(history, "--out", str(out), "--mlflow-uri", mlflow_server.uri,
+                              "--data-dir", str(tmp_path / "nowhere"), *args)
+            assert done.returncode == 0, (way, done.stderr)
+            page = out.read_text()
+            assert source in page and mlflow_server.uri in page, way
+            for sid in ("versions", "gate"):
+                assert rows(page, sid) == rows(expected, sid), (way, sid)
+            assert canary_rows(page) == canary_rows(expected), way
+            assert section(page, "timeline").count("<li") == section(expected, "timeline").count("<li") == 3, way
+        refused = run_report(history, "--mlflow-uri", mlflow_server.uri, "--api", api.url, "--api-key", "fw_00000000_" + "A" * 43)
+        assert refused.returncode == 2 and "refused the key" in refused.stderr, refused.stderr
 
 
 def test_missing_sources_are_named_with_exit_2(mlflow_server, tmp_path: Path):
