@@ -30,7 +30,7 @@ img.plot{display:block;width:100%;max-width:1080px;height:auto;margin:4px 0 10px
 table{border-collapse:collapse;font-size:12.5px;width:100%}
 th,td{border-bottom:1px solid #e3e8eb;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#eef2f4;font-weight:600}td.num{text-align:right;font-variant-numeric:tabular-nums}
-.pass{color:#2e7d32}.fail{color:#c62828;font-weight:600}.skipped{color:#90a4ae}
+.pass{color:#2e7d32}.fail{color:#c62828;font-weight:600}.skipped{color:#90a4ae}.info{color:#546e7a}
 td.cell-fail{background:#fdecea}th.check{font-size:11.5px;min-width:64px}
 .badge{display:inline-block;border-radius:10px;padding:0 8px;font-size:12px;background:#eceff1}
 .badge.good{background:#e0f2e9;color:#1b5e20}.badge.bad{background:#fdecea;color:#b71c1c}
