@@ -151,8 +151,12 @@ def canary_plot(steps: list[CanaryStep]) -> str | None:
         margins = sorted({s.margin for s in pts if s.margin is not None})
         for m in margins:
             ax.axhline(-m, color=RED, ls="--", lw=0.9)
-        ax.set_xticks(range(len(pts)), [f"v{s.version}\nstep {s.step}" + (f"\n{s.traffic_pct:g}%" if s.traffic_pct is not None else "")
-                                         for s in pts])
+        if len(pts) <= 16:
+            ax.set_xticks(range(len(pts)), [f"v{s.version}\nstep {s.step}" + (f"\n{s.traffic_pct:g}%" if s.traffic_pct is not None else "")
+                                             for s in pts])
+        else:  # many steps: one compact rotated label each
+            ax.set_xticks(range(len(pts)), [f"v{s.version} {s.traffic_pct:g}%" if s.traffic_pct is not None else f"v{s.version} #{s.step}"
+                                             for s in pts], rotation=90, fontsize=7)
         ax.set_xlim(-0.6, len(pts) - 0.4)
         ax.set_ylabel("reward delta, candidate − champion")
         ax.set_title("Canary steps: delta and confidence-sequence bounds")
@@ -184,7 +188,8 @@ def timeline_plot(r: Rollout, until: datetime) -> str | None:
     if not r.marks:
         return None
     with matplotlib.rc_context(STYLE):
-        fig = Figure(figsize=(WIDTH_IN, 3.8), layout="constrained")
+        versions = sorted({vkey(m.version) for m in r.marks})
+        fig = Figure(figsize=(WIDTH_IN, max(3.2, 1.2 + 0.28 * len(versions))), layout="constrained")
         ax = fig.add_subplot()
         end = max(until, max(m.ts for m in r.marks))
         for start, stop, v in r.champion_spans:
@@ -196,7 +201,6 @@ def timeline_plot(r: Rollout, until: datetime) -> str | None:
                 ax.scatter([m.ts for m in ms], [vkey(m.version) for m in ms], marker=marker, color=colour, s=size, zorder=3,
                            label=label if label and label not in seen else None)
                 seen.add(label or "")
-        versions = sorted({vkey(m.version) for m in r.marks})
         ax.set_yticks(versions, [f"v{v}" for v in versions])
         ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))
         ax.set_xlabel("time (UTC)")
