@@ -187,6 +187,7 @@ class Rollout:
     marks: list[Mark] = field(default_factory=list)
     champion_spans: list[tuple[datetime, datetime | None, str]] = field(default_factory=list)  # (from, to, version)
     canary: dict[str, str] = field(default_factory=dict)  # version -> outcome of its last canary
+    served: list[str] = field(default_factory=list)  # versions that served as champion, in the order they started
     promoted: dict[str, datetime] = field(default_factory=dict)
     rolled_back: dict[str, datetime] = field(default_factory=dict)
     registered: dict[str, dict[str, Any]] = field(default_factory=dict)  # version -> its version_registered event
@@ -207,6 +208,8 @@ def rollout(events: list[dict[str, Any]]) -> Rollout:
             r.champion_spans[-1] = (start, ts, v)
         r.champion_spans.append((ts, None, version))
         champion = version
+        if version not in r.served:
+            r.served.append(version)
 
     for ev in events:
         t, v, ts = ev["type"], ev.get("version"), ev["ts"]
@@ -263,6 +266,7 @@ class VersionRow:
     canary: str  # promoted | rolled back | aborted | paused | in canary | "" (none)
     promoted: bool
     rolled_back: bool
+    served: bool  # served as champion at some point (promoted, or the champion alias recorded / moved to it)
     champion_now: bool
     reward_spec: str | None
 
@@ -281,7 +285,7 @@ def version_rows(data: ReportData) -> list[VersionRow]:
         parent = t.get("parent_version") or reg.get("from_version")
         spec = t.get("reward_spec") or (reg.get("details") or {}).get("reward_spec")
         rows.append(VersionRow(v, kind, None if parent in (None, "", "none") else str(parent), held.get(v), gates.get(v),
-                               r.canary.get(v, ""), v in r.promoted, v in r.rolled_back, v == champion_now,
+                               r.canary.get(v, ""), v in r.promoted, v in r.rolled_back, v in r.served, v == champion_now,
                                None if spec in (None, "", "none") else spec))
     return rows
 

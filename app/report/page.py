@@ -150,6 +150,8 @@ def _badge(row: VersionRow) -> str:
     parts = []
     if row.champion_now:
         parts.append('<span class="badge good">champion</span>')
+    elif row.served and not row.promoted:
+        parts.append('<span class="badge">served as champion</span>')
     if row.promoted:
         parts.append('<span class="badge good">promoted</span>')
     if row.rolled_back:

@@ -42,7 +42,7 @@ def _row_colour(row: VersionRow) -> str:
         return RED
     if row.rolled_back:
         return ORANGE
-    if row.promoted or row.champion_now:
+    if row.served:
         return GREEN
     return BLUE
 
@@ -57,7 +57,7 @@ def heldout_plot(rows: list[VersionRow]) -> str | None:
         ax = fig.add_subplot()
         xs = [vkey(r.version) for r in pts]
         ax.plot(xs, [r.heldout.acceptance for r in pts], color=GREY, lw=1, zorder=1)
-        champs = [r for r in pts if r.promoted]  # what served, version after version: it should only go up
+        champs = [r for r in pts if r.served]  # what served, version after version: it should only go up
         if len(champs) > 1:
             ax.step([vkey(r.version) for r in champs] + [xs[-1]],
                     [r.heldout.acceptance for r in champs] + [champs[-1].heldout.acceptance],
@@ -77,12 +77,12 @@ def heldout_plot(rows: list[VersionRow]) -> str | None:
         ax.set_ylabel("held-out acceptance")
         ax.set_title("Held-out acceptance per version")
         ax.margins(y=0.2)
-        fig.legend(handles=[Line2D([], [], color=GREEN, marker="o", ls="", label="promoted / champion"),
+        fig.legend(handles=[Line2D([], [], color=GREEN, marker="o", ls="", label="served as champion"),
                            Line2D([], [], color=GREEN, marker="*", ms=10, ls="", label="champion now"),
                            Line2D([], [], color=ORANGE, marker="o", ls="", label="rolled back"),
                            Line2D([], [], color=RED, marker="X", ls="", label="gate failed"),
                            Line2D([], [], color=BLUE, marker="o", ls="", label="other"),
-                           Line2D([], [], color=GREEN, lw=2.5, alpha=0.35, label="promoted champions"),
+                           Line2D([], [], color=GREEN, lw=2.5, alpha=0.35, label="champions, version after version"),
                            Line2D([], [], color=DARK, ls=":", label=f"first version (v{pts[0].version})")],
                    loc="outside right upper")
         return _uri(fig)

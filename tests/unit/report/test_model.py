@@ -121,3 +121,12 @@ def test_a_long_training_run_is_strided_to_a_bounded_figure():
     small = training_plot({"reward_mean": [(s, (s % 97) / 97) for s in range(MAX_POINTS)]}, {})
     large = training_plot({"reward_mean": [(s, (s % 97) / 97) for s in range(n)]}, {})
     assert small and large and len(large) < 3 * len(small), (len(small), len(large))
+
+
+def test_a_champion_recorded_from_the_alias_served_without_a_promotion():
+    log = [ev(0, "version_registered", "1"), ev(1, "alias_changed", "1", alias="champion"),
+           ev(2, "version_registered", "2", "1"), ev(3, "promoted", "2", "1", 100.0)]
+    rows = {r.version: r for r in version_rows(ReportData("m", T0, events=log))}
+    assert (rows["1"].served, rows["1"].promoted, rows["1"].champion_now) == (True, False, False)
+    assert (rows["2"].served, rows["2"].promoted, rows["2"].champion_now) == (True, True, True)
+    assert rollout(log).served == ["1", "2"]
