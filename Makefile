@@ -43,6 +43,11 @@ test-unit: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/ingest.py
 
+# docs/report.png: the report of a real data dir (FLYWHEEL_DATA_DIR, default .flywheel) in headless Chromium.
+.PHONY: report-screenshot
+report-screenshot: $(STAMP) chromium
+	$(BIN)/python -m app.report.screenshot --data-dir $${FLYWHEEL_DATA_DIR:-.flywheel} --out docs/report.png
+
 # Re-pin: resolve pyproject.toml's dependencies and freeze them.
 lock:
 	rm -rf /tmp/flywheel-lock && $(PYTHON) -m venv /tmp/flywheel-lock

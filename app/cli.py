@@ -9,6 +9,7 @@ so `flywheel --help` is instant.
     flywheel keys create --scope ingest
     flywheel keys list | revoke PREFIX
     flywheel api --host 0.0.0.0 --port 8000
+    flywheel report --out report.html   # one self-contained HTML page of the loop's history
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -527,6 +529,38 @@ def simulate(
         stop.set()
     console.print(f"requests {stats.requests}, completions {stats.completions}, events {stats.events}, "
                   f"errors {stats.errors}, acceptance by version {stats.acceptance()}")
+
+
+@app.command("report")
+def report(
+    data_dir: Annotated[Optional[Path], typer.Option(help="Data dir to report on (default FLYWHEEL_DATA_DIR): its MLflow "
+                                                          "store and app database are read directly.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Where to write the page (default <data_dir>/report.html).")] = None,
+    mlflow_uri: Annotated[Optional[str], typer.Option(help="A running MLflow server instead of <data_dir>/mlflow/mlflow.db.")] = None,
+    api: Annotated[Optional[str], typer.Option(help="Read deployment events from a running API's /v1/deployments/history.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="Read-scope key for --api (default: <data_dir>/local-keys.json).",
+                                                   envvar="FLYWHEEL_REPORT_API_KEY")] = None,
+    from_kafka: Annotated[bool, typer.Option("--from-kafka", help="Read deployment events from the <ns>.deployments topic.")] = False,
+    model: Annotated[Optional[str], typer.Option(help="Registered model (default FLYWHEEL_MODEL_NAME).")] = None,
+) -> None:
+    """One self-contained HTML page: held-out acceptance, training curves, gate, canary, promotions and rollbacks."""
+    import os
+
+    from app.report import ReportSources, SourceMissing, build_report, load_report_data, write_report
+
+    s = _settings()
+    updates = {k: v for k, v in (("data_dir", data_dir), ("model_name", model)) if v is not None}
+    s = s.model_copy(update=updates) if updates else s
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that went away: fail in seconds, not minutes
+    try:
+        src = ReportSources.resolve(s, mlflow_uri=mlflow_uri, api_url=api, api_key=api_key, from_kafka=from_kafka)
+        data = load_report_data(src)
+    except SourceMissing as exc:
+        console.print(f"report: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    path = write_report(build_report(data), out or s.data_dir / "report.html")
+    console.print(f"report of {data.model}: {len(data.versions)} versions, {len(data.events)} deployment events")
+    typer.echo(str(path))
 
 
 def main() -> None:

@@ -8,7 +8,8 @@ weights and `config.json` for `trainer.policy.build_policy`; trainer/registry.py
 is the version tag `parent_version`. Held-out rollouts: the newest `n_rollouts` records of
 `<ns>.rollouts` at offsets the version did not train on (at or past the end of its
 `kafka_offsets` ranges tag), deduplicated by request_id (the topic is compacted and
-at-least-once).
+at-least-once), without relabelled records (`relabel_run`: old generations under another spec).
+The reward model is fitted on the newest `n_reward_rollouts` records read the same way.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def held_out_rollouts(settings: Settings, trained: dict[str, Any] | None, limit:
         for rec in consumer:
             if rec.value:
                 r = json.loads(rec.value)
+                if r.get("relabel_run"):  # a replay of old generations under another spec: not what serves now
+                    continue
                 out[r.get("request_id", f"{rec.partition}:{rec.offset}")] = r
             if all(consumer.position(tp) >= end[tp] for tp in tps):
                 break

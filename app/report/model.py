@@ -1,0 +1,300 @@
+"""What a report is made of, and the pure folds that turn it into the page's rows and series.
+
+`ReportData` is everything read from the sources (app/report/sources.py): the registry's
+versions and their tags, the trainer's per-step metrics, the held-out metrics per version and
+the deployment events (DESIGN.md contract, oldest first, `ts` an aware datetime). The functions
+below read nothing else, so the page is a function of the data (tests/unit/report).
+
+Conventions of the log that the folds rely on (app/controller/canary.py):
+- a canary judgement travels in `details.analysis` (verdict, delta = candidate - champion mean
+  reward, lower/upper = confidence-sequence bounds, margin) of `traffic_shifted`, `promoted`,
+  `rolled_back` and `canary_paused`; it judges the step that was running *before* the event,
+  at that step's traffic share;
+- `rolled_back` names the restored version in `version` and the rolled-back one in
+  `from_version` (default: the candidate, else the champion).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+HELDOUT = "heldout_acceptance"
+HELDOUT_CI = ("heldout_acceptance_ci_low", "heldout_acceptance_ci_high")
+TRAINER_METRICS = ("reward_mean", "kl", "loss")
+ANALYSIS_TYPES = frozenset({"traffic_shifted", "promoted", "rolled_back", "canary_paused", "canary_resumed"})
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """One registered model version as the registry has it."""
+
+    version: str
+    tags: dict[str, str] = field(default_factory=dict)
+    created: datetime | None = None
+
+
+@dataclass
+class ReportData:
+    model: str  # registered model name
+    generated_at: datetime
+    versions: list[VersionInfo] = field(default_factory=list)  # registry, oldest first
+    trainer: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(optimizer step, value)]
+    heldout: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(version, value)]
+    events: list[dict[str, Any]] = field(default_factory=list)  # deployment events of `model`, oldest first
+    sources: dict[str, str] = field(default_factory=dict)  # what was read ("MLflow" -> uri, ...), shown in the footer
+
+
+def vkey(version: str | None) -> int:
+    return int(version) if version is not None and str(version).isdigit() else -1
+
+
+# --- held-out acceptance ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeldOut:
+    acceptance: float
+    ci_low: float | None = None
+    ci_high: float | None = None
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def heldout_by_version(data: ReportData) -> dict[str, HeldOut]:
+    """Held-out acceptance per version: the `flywheel-heldout` metric at step = version, else the
+    version's tag; the confidence interval from the `_ci_low`/`_ci_high` metrics or tags when present."""
+    def series(name: str) -> dict[str, float]:
+        return {str(step): value for step, value in data.heldout.get(name, [])}  # later points win
+
+    acc, lo, hi = series(HELDOUT), series(HELDOUT_CI[0]), series(HELDOUT_CI[1])
+    out: dict[str, HeldOut] = {}
+    for v in sorted({*acc, *(vi.version for vi in data.versions)}, key=vkey):
+        tags = next((vi.tags for vi in data.versions if vi.version == v), {})
+        a = acc.get(v, _float(tags.get(HELDOUT)))
+        if a is None:
+            continue
+        low = lo.get(v, _float(tags.get(HELDOUT_CI[0])))
+        high = hi.get(v, _float(tags.get(HELDOUT_CI[1])))
+        out[v] = HeldOut(a, low, high) if low is not None and high is not None else HeldOut(a)
+    return out
+
+
+# --- gate -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GateVerdict:
+    passed: bool
+    checks: list[dict[str, Any]]  # [{"name", "status" pass|fail|skipped, "value", "threshold", "detail"}]
+    reason: str = ""
+    source: str = "event"  # event (gate_passed/gate_failed details) | tags (MLflow flywheel.gate.*)
+
+    @property
+    def failing(self) -> list[dict[str, Any]]:
+        return [c for c in self.checks if c.get("status") == "fail"]
+
+
+def _checks_from_tags(tags: dict[str, str]) -> list[dict[str, Any]]:
+    """`flywheel.gate.<check>` = "pass 0.12" | "fail 0.73" | "skipped" -> check dicts (ope.* are estimates)."""
+    out = []
+    for key, raw in sorted(tags.items()):
+        name = key.removeprefix("flywheel.gate.")
+        if not key.startswith("flywheel.gate.") or name == "status" or name.startswith("ope."):
+            continue
+        status, _, value = raw.partition(" ")
+        out.append({"name": name, "status": status, "value": _float(value), "threshold": None, "detail": ""})
+    return out
+
+
+def gate_by_version(data: ReportData) -> dict[str, GateVerdict]:
+    """The last gate verdict per version from the log; the registry tags for versions the log lacks."""
+    out: dict[str, GateVerdict] = {}
+    for ev in data.events:
+        if ev["type"] in ("gate_passed", "gate_failed") and ev.get("version"):
+            checks = [c for c in (ev.get("details") or {}).get("checks", []) if isinstance(c, dict)]
+            out[ev["version"]] = GateVerdict(ev["type"] == "gate_passed", checks, ev.get("reason") or "")
+    for vi in data.versions:
+        status = vi.tags.get("flywheel.gate.status")
+        if vi.version not in out and status in ("passed", "failed"):
+            out[vi.version] = GateVerdict(status == "passed", _checks_from_tags(vi.tags), source="tags")
+    return out
+
+
+def check_names(gates: dict[str, GateVerdict]) -> list[str]:
+    """Every check name seen, in the order the gate runs them (first appearance)."""
+    names: list[str] = []
+    for v in sorted(gates, key=vkey):
+        for c in gates[v].checks:
+            if c.get("name") and c["name"] not in names:
+                names.append(c["name"])
+    return names
+
+
+# --- canary steps ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CanaryStep:
+    """One judged canary step: the analysis an event carried, placed at the step it judged."""
+
+    version: str  # the candidate
+    step: int  # index of the judged step (0 = first)
+    traffic_pct: float | None  # the judged step's share of sessions
+    outcome: str  # the event that carried it: traffic_shifted | promoted | rolled_back | canary_paused | ...
+    verdict: str
+    delta: float | None
+    lower: float | None
+    upper: float | None
+    margin: float | None
+    n_candidate: int
+    n_champion: int
+    ts: datetime
+
+
+def canary_steps(events: list[dict[str, Any]]) -> list[CanaryStep]:
+    steps: list[CanaryStep] = []
+    current: dict[str, tuple[int, float | None]] = {}  # candidate -> (running step, its traffic)
+    for ev in events:
+        t, d = ev["type"], ev.get("details") or {}
+        cand = ev.get("from_version") if t == "rolled_back" else ev.get("version")
+        analysis = d.get("analysis")
+        if t in ANALYSIS_TYPES and cand is not None and isinstance(analysis, dict):
+            step, pct = current.get(cand, (int(d.get("step") or 0), ev.get("traffic_pct")))
+            steps.append(CanaryStep(
+                version=cand, step=step, traffic_pct=pct, outcome=t, verdict=str(analysis.get("verdict", "")),
+                delta=_float(analysis.get("delta")), lower=_float(analysis.get("lower")), upper=_float(analysis.get("upper")),
+                margin=_float(analysis.get("margin")), n_candidate=int((analysis.get("candidate") or {}).get("n") or 0),
+                n_champion=int((analysis.get("champion") or {}).get("n") or 0), ts=ev["ts"]))
+        if t in ("canary_started", "traffic_shifted") and ev.get("version"):
+            current[ev["version"]] = (int(d.get("step") or 0), ev.get("traffic_pct"))
+    return steps
+
+
+# --- the rollout as it happened -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Mark:
+    """One point on the timeline."""
+
+    ts: datetime
+    version: str
+    kind: str  # registered | gate_passed | gate_failed | canary_started | traffic_shifted | canary_paused | promoted | rolled_back | aborted
+    label: str
+
+
+@dataclass
+class Rollout:
+    marks: list[Mark] = field(default_factory=list)
+    champion_spans: list[tuple[datetime, datetime | None, str]] = field(default_factory=list)  # (from, to, version)
+    canary: dict[str, str] = field(default_factory=dict)  # version -> outcome of its last canary
+    served: list[str] = field(default_factory=list)  # versions that served as champion, in the order they started
+    promoted: dict[str, datetime] = field(default_factory=dict)
+    rolled_back: dict[str, datetime] = field(default_factory=dict)
+    registered: dict[str, dict[str, Any]] = field(default_factory=dict)  # version -> its version_registered event
+
+
+def rollout(events: list[dict[str, Any]]) -> Rollout:
+    """Fold the log into timeline marks, champion spans and per-version outcomes."""
+    r = Rollout()
+    champion: str | None = None
+    candidate: str | None = None
+
+    def crown(ts: datetime, version: str | None) -> None:
+        nonlocal champion
+        if version is None or version == champion:
+            return
+        if r.champion_spans:
+            start, _, v = r.champion_spans[-1]
+            r.champion_spans[-1] = (start, ts, v)
+        r.champion_spans.append((ts, None, version))
+        champion = version
+        if version not in r.served:
+            r.served.append(version)
+
+    for ev in events:
+        t, v, ts = ev["type"], ev.get("version"), ev["ts"]
+        if t == "version_registered" and v:
+            r.registered[v] = ev
+            r.marks.append(Mark(ts, v, "registered", f"v{v} registered"))
+        elif t in ("gate_passed", "gate_failed") and v:
+            failing = [c.get("name") for c in (ev.get("details") or {}).get("checks", [])
+                       if isinstance(c, dict) and c.get("status") == "fail"]
+            r.marks.append(Mark(ts, v, t, f"v{v} gate {'passed' if t == 'gate_passed' else 'failed: ' + ', '.join(failing)}"))
+        elif t == "canary_started" and v:
+            candidate = v
+            r.canary[v] = "in canary"
+            r.marks.append(Mark(ts, v, t, f"v{v} canary at {ev.get('traffic_pct') or 0:g}%"))
+        elif t == "traffic_shifted" and v:
+            r.marks.append(Mark(ts, v, t, f"v{v} to {ev.get('traffic_pct') or 0:g}%"))
+        elif t in ("canary_paused", "canary_resumed") and v:
+            r.canary[v] = "paused" if t == "canary_paused" else "in canary"
+            r.marks.append(Mark(ts, v, t, f"v{v} canary {t.removeprefix('canary_')}"))
+        elif t == "promoted" and v:
+            if v in r.canary or candidate == v:
+                r.canary[v] = "promoted"
+            r.promoted[v] = ts
+            r.marks.append(Mark(ts, v, t, f"v{v} promoted" + (f" over v{champion}" if champion and champion != v else "")))
+            crown(ts, v)
+            candidate = None if candidate == v else candidate
+        elif t == "rolled_back":
+            bad = ev.get("from_version") or candidate or champion
+            if bad is not None and bad != v:
+                r.rolled_back[bad] = ts
+                if bad in r.canary:
+                    r.canary[bad] = "rolled back"
+                r.marks.append(Mark(ts, bad, t, f"v{bad} rolled back to v{v}"))
+            crown(ts, v)
+            candidate = None
+        elif t == "aborted" and v:
+            if v in r.canary:
+                r.canary[v] = "aborted"
+            r.marks.append(Mark(ts, v, t, f"v{v} canary aborted"))
+            candidate = None if candidate == v else candidate
+        elif t == "alias_changed" and v and (ev.get("details") or {}).get("alias") == "champion":
+            crown(ts, v)
+    return r
+
+
+# --- the per-version table ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class VersionRow:
+    version: str
+    kind: str
+    parent: str | None
+    heldout: HeldOut | None
+    gate: GateVerdict | None
+    canary: str  # promoted | rolled back | aborted | paused | in canary | "" (none)
+    promoted: bool
+    rolled_back: bool
+    served: bool  # served as champion at some point (promoted, or the champion alias recorded / moved to it)
+    champion_now: bool
+    reward_spec: str | None
+
+
+def version_rows(data: ReportData) -> list[VersionRow]:
+    """One row per version known to the registry or the log, oldest first."""
+    held, gates, r = heldout_by_version(data), gate_by_version(data), rollout(data.events)
+    tags = {vi.version: vi.tags for vi in data.versions}
+    champion_now = r.champion_spans[-1][2] if r.champion_spans else None
+    rows = []
+    for v in sorted({*tags, *r.registered, *gates, *held}, key=vkey):
+        t, reg = tags.get(v, {}), r.registered.get(v, {})
+        kind = t.get("kind") or (reg.get("reason", "").split(" version", 1)[0] if reg else "") or "?"
+        if t.get("planted_bad") == "true":
+            kind += " (planted bad)"
+        parent = t.get("parent_version") or reg.get("from_version")
+        spec = t.get("reward_spec") or (reg.get("details") or {}).get("reward_spec")
+        rows.append(VersionRow(v, kind, None if parent in (None, "", "none") else str(parent), held.get(v), gates.get(v),
+                               r.canary.get(v, ""), v in r.promoted, v in r.rolled_back, v in r.served, v == champion_now,
+                               None if spec in (None, "", "none") else spec))
+    return rows
+
+
+def ship_steps(data: ReportData) -> dict[str, int]:
+    """Optimizer step at which each version shipped (version tag `trainer_step`), for the training plot."""
+    out = {}
+    for vi in data.versions:
+        step = _float(vi.tags.get("trainer_step"))
+        if step is not None:
+            out[vi.version] = int(step)
+    return out
