@@ -542,6 +542,7 @@ def report(
                                                    envvar="FLYWHEEL_REPORT_API_KEY")] = None,
     from_kafka: Annotated[bool, typer.Option("--from-kafka", help="Read deployment events from the <ns>.deployments topic.")] = False,
     model: Annotated[Optional[str], typer.Option(help="Registered model (default FLYWHEEL_MODEL_NAME).")] = None,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Also print the per-version table as Markdown.")] = False,
 ) -> None:
     """One self-contained HTML page: held-out acceptance, training curves, gate, canary, promotions and rollbacks."""
     import os
@@ -560,6 +561,10 @@ def report(
         raise typer.Exit(2) from None
     path = write_report(build_report(data), out or s.data_dir / "report.html")
     console.print(f"report of {data.model}: {len(data.versions)} versions, {len(data.events)} deployment events")
+    if markdown:
+        from app.report.model import markdown_table, version_rows
+
+        typer.echo(markdown_table(version_rows(data)))
     typer.echo(str(path))
 
 

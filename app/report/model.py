@@ -298,3 +298,18 @@ def ship_steps(data: ReportData) -> dict[str, int]:
         if step is not None:
             out[vi.version] = int(step)
     return out
+
+
+def markdown_table(rows: list[VersionRow]) -> str:
+    """The per-version table as Markdown (`flywheel report --markdown`): what a note or README quotes."""
+    out = ["| version | kind | held-out acceptance | 95% CI | gate | failing checks | canary |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        h = r.heldout
+        acc = f"{h.acceptance:.3f}" if h else ""
+        ci = f"[{h.ci_low:.3f}, {h.ci_high:.3f}]" if h and h.ci_low is not None and h.ci_high is not None else ""
+        gate = "" if r.gate is None else ("passed" if r.gate.passed else "failed")
+        failing = ", ".join(f"{c['name']} {c['value']:.3g}" if isinstance(c.get("value"), (int, float)) else c["name"]
+                            for c in (r.gate.failing if r.gate else []))
+        canary = r.canary or ("champion" if r.served else "")
+        out.append(f"| {r.version} | {r.kind} | {acc} | {ci} | {gate} | {failing} | {canary} |")
+    return "\n".join(out)

@@ -130,3 +130,14 @@ def test_a_champion_recorded_from_the_alias_served_without_a_promotion():
     assert (rows["1"].served, rows["1"].promoted, rows["1"].champion_now) == (True, False, False)
     assert (rows["2"].served, rows["2"].promoted, rows["2"].champion_now) == (True, True, True)
     assert rollout(log).served == ["1", "2"]
+
+
+def test_markdown_table_names_the_failing_check_and_the_interval():
+    from app.report.model import GateVerdict, HeldOut, VersionRow, markdown_table
+
+    rows = [VersionRow("1", "base", None, HeldOut(0.356, 0.31, 0.40), GateVerdict(True, []), "", False, False, True, False, "v1"),
+            VersionRow("2", "trained", "1", HeldOut(0.3), GateVerdict(False, [{"name": "reward_vs_champion", "status": "fail",
+                                                                                 "value": -0.149}]), "", False, False, False, False, "v1")]
+    lines = markdown_table(rows).splitlines()
+    assert lines[2] == "| 1 | base | 0.356 | [0.310, 0.400] | passed |  | champion |"
+    assert lines[3] == "| 2 | trained | 0.300 |  | failed | reward_vs_champion -0.149 |  |"
