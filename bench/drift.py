@@ -13,7 +13,8 @@ the behaviour policy, and self-distillation on tool-error feedback), as trainer/
 tokens of the batch, as the policy gradient), `kept` (the distilled tokens alone) or `off`. Every `--version-steps` steps it "ships": with
 `--behaviour follow` the behaviour policy becomes the trainer's weights (every version is
 promoted), with `frozen` it stays the base (no version is ever promoted). Held-out acceptance
-(app/simulate/evaluate.py's metric: held-out prompts and users) is measured at every ship.
+(app/simulate/evaluate.py's metric: held-out prompts and users) is measured at every ship, on
+the trainer's fp32 weights and on the bf16 serving weights a replica would load.
 Prints one line per version and writes the curve as JSON.
 """
 
@@ -81,6 +82,7 @@ def main() -> None:
     spec = RewardSpec(version="v1", weights=KNOWN_SPECS["v1"])
     policy = load(args.config, args.base)
     behaviour = load(args.config, args.base)
+    served = load(args.config, args.base)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     users = population(64, seed=args.seed)
     train_prompts = prompt_pool(512, seed=args.seed)
@@ -136,10 +138,12 @@ def main() -> None:
             if args.behaviour == "follow":
                 behaviour.load_serving_state_dict(policy.serving_state_dict())
             acc = heldout(policy, eval_prompts, eval_users)
+            served.load_serving_state_dict(policy.serving_state_dict())  # bf16, as a replica serves it
+            acc_served = heldout(served, eval_prompts, eval_users)
             gmax = max(grad_norms[-args.version_steps:])
             curve.append({"version": v, "step": step, "heldout": acc, "kl": float(kl.detach()), "masked": w.masked_fraction,
-                          "reward_mean": float(rewards.mean()), "max_grad_norm": gmax})
-            print(f"{args.behaviour}/{args.distill}: v{v} step {step} held-out {acc:.3f} kl {float(kl.detach()):.3f} "
+                          "reward_mean": float(rewards.mean()), "max_grad_norm": gmax, "heldout_served": acc_served})
+            print(f"{args.behaviour}/{args.distill}: v{v} step {step} held-out {acc:.3f} (served bf16 {acc_served:.3f}) kl {float(kl.detach()):.3f} "
                   f"masked {w.masked_fraction:.2f} max grad norm {gmax:.1f} batch reward {float(rewards.mean()):+.3f} "
                   f"({time.monotonic() - t0:.0f}s)", flush=True)
     if args.out:
