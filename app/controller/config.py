@@ -45,6 +45,7 @@ class ControllerSettings(BaseSettings):
     gate_reward_rollouts: int = Field(2000, ge=0, description="Newest logged rollouts the gate's reward model is fitted on.")
     gate_reward_margin: float = Field(0.02, ge=0, description="The gate fails a version whose predicted reward is confidently below the champion's by more than this.")
     gate_samples_per_prompt: int = Field(4, ge=1, description="Completions the gate samples per prompt from candidate and champion each.")
+    gate_regression_tolerance: float = Field(1.0, ge=0, description="The gate fails a version whose per-token NLL on the fixed regression set rises more than this (nats) over the champion's.")
     gate_max_kl: float | None = Field(None, gt=0, description="Fail versions above this KL(candidate||champion) per token; unset: the KL is recorded, not judged.")
     # aliases and webhooks
     poll_interval: Duration = Field(5.0, description="How often the reconciler compares MLflow aliases with Flywheel's copy.")
@@ -62,7 +63,7 @@ class ControllerSettings(BaseSettings):
 
     def gate(self) -> GateConfig:
         return GateConfig(reward_margin=self.gate_reward_margin, samples_per_prompt=self.gate_samples_per_prompt,
-                          max_kl=self.gate_max_kl)
+                          max_kl=self.gate_max_kl, regression_tolerance=self.gate_regression_tolerance)
 
 
 @lru_cache(maxsize=1)
