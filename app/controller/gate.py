@@ -13,7 +13,9 @@ Checks (each pass | fail | skipped, with value and threshold; see monitors.py an
    (confidently worse) and, with `require_ess`, when the ESS is too small to say anything;
 3. KL(candidate || champion) per token on the candidate's samples, within a bound;
 4. the fixed regression prompt set (regression_prompts.json);
-5. behaviour monitors: empty completions, completion length shift, tool-error rate.
+5. behaviour monitors: empty completions, completion length shift, tool-error rate;
+6. reward-hack monitors: tool-call validity rate and no-edit rate of the candidate's samples
+   vs the champion's (app/edits.py), each with a two-proportion confidence bound.
 
 The gate passes when no check fails. A skipped check (no champion loaded, no held-out data)
 is recorded as skipped with its reason, never as a pass.
@@ -33,7 +35,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.controller import ope
-from app.controller.monitors import Check, behaviour_checks, kl_check, regression_check, weight_sanity
+from app.controller.monitors import Check, behaviour_checks, edit_checks, kl_check, regression_check, weight_sanity
 from app.controller.state import Decision
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,9 @@ class GateConfig(BaseModel):
     max_empty_increase: float = Field(0.1, ge=0, description="Max absolute increase of the empty-completion rate.")
     length_k_std: float = Field(2.0, gt=0, description="Max shift of mean completion length, in champion standard deviations.")
     max_tool_error_increase: float = Field(0.1, ge=0, description="Max increase of the estimated tool-error rate.")
+    max_invalid_increase: float = Field(0.05, ge=0, description="Fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
+    max_no_edit_increase: float = Field(0.05, ge=0, description="Fail when the candidate's no-edit rate (empty or comment-only completions) exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
+    monitor_alpha: float = Field(0.05, gt=0, lt=1, description="One-sided error level of the validity and no-edit rate bounds.")
     sample_prompts: int = Field(32, ge=1, description="Prompts sampled from both policies for KL and behaviour monitors.")
     max_tokens: int = Field(48, ge=1, description="Tokens per sampled completion.")
     seed: int = Field(0, description="Seed of sampling and bootstrap (the gate is reproducible).")
@@ -180,7 +185,8 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
     tool = ope_summary.pop("tool_error", None)
     if cand is None or champ is None:
         why = "candidate policy not loaded" if cand is None else "no champion to compare with"
-        checks += [Check(n, "skipped", detail=why) for n in ("kl_to_champion", "regression_prompts", "behaviour")]
+        checks += [Check(n, "skipped", detail=why) for n in ("kl_to_champion", "regression_prompts", "behaviour",
+                                                             "tool_call_validity_rate", "no_edit_rate")]
         return GateResult(checks, ope_summary)
     tok = cand.tokenizer
     prompts = [list(r["prompt_tokens"]) for r in rolls][: cfg.sample_prompts]
@@ -204,4 +210,7 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
                                max_empty_increase=cfg.max_empty_increase, length_k_std=cfg.length_k_std,
                                tool_error=tuple(tool) if tool else None, max_tool_error_increase=cfg.max_tool_error_increase,
                                tool_error_ess=ope_summary.get("ess"), min_ess=cfg.min_ess, require_ess=cfg.require_ess)
+    checks += edit_checks([tok.decode(_strip_eos(s.tokens, eos)) for s in c_smp], [tok.decode(_strip_eos(s.tokens, eos)) for s in h_smp],
+                          max_invalid_increase=cfg.max_invalid_increase, max_no_edit_increase=cfg.max_no_edit_increase,
+                          alpha=cfg.monitor_alpha)
     return GateResult(checks, ope_summary)
