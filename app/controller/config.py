@@ -38,6 +38,8 @@ class ControllerSettings(BaseSettings):
     alpha: float = Field(0.05, gt=0, lt=1, description="Error level of the canary's confidence sequence.")
     margin: float = Field(0.05, ge=0, description="Non-inferiority margin (reward units): not worse than this counts as equal.")
     known_good_n: int = Field(5, ge=1, description="How many previous known-good versions `rollback` may target.")
+    guardrails: bool = Field(True, description="Roll back a canary confidently worse on acceptance, kept-edit rate or follow-up sentiment, whatever its reward.")
+    guardrail_margin: float = Field(0.02, ge=0, description="Non-inferiority margin of the canary's user-outcome guardrails (rate or sentiment units).")
     # gate
     gate_enabled: bool = Field(True, description="Run the offline gate on version_registered (off: every version passes untested, recorded as such).")
     gate_rollouts: int = Field(256, ge=0, description="Held-out logged rollouts the gate evaluates on (newest first).")
@@ -53,7 +55,8 @@ class ControllerSettings(BaseSettings):
     def canary(self) -> CanaryConfig:
         return CanaryConfig(steps=self.steps, min_step_s=self.min_step, min_samples=self.min_samples,
                             step_deadline_s=self.step_deadline, alpha=self.alpha, margin=self.margin,
-                            known_good_n=self.known_good_n)
+                            known_good_n=self.known_good_n, guardrails=self.guardrails,
+                            guardrail_margin=self.guardrail_margin)
 
     def gate(self) -> GateConfig:
         return GateConfig()
