@@ -52,6 +52,8 @@ TRAFFIC = Gauge("flywheel_controller_candidate_traffic_pct", "Candidate's share 
 VERSIONS = Gauge("flywheel_controller_version", "Serving versions by role", ["role"])
 PHASE = Gauge("flywheel_controller_phase", "1 for the current canary phase", ["phase"])
 DELTA = Gauge("flywheel_controller_last_delta", "Last analysed reward difference candidate - champion")
+GUARDRAIL_DELTA = Gauge("flywheel_controller_last_guardrail_delta",
+                        "Last analysed user-outcome difference candidate - champion", ["guardrail"])
 CAUGHT_UP = Gauge("flywheel_controller_caught_up", "1 once the deployments log has been replayed")
 
 GateFn = Callable[[str, str | None], Any]  # (version, champion) -> GateResult
@@ -359,6 +361,8 @@ class Controller:
             PHASE.labels(p).set(1.0 if s.phase == p else 0.0)
         if self.last_analysis is not None and self.last_analysis.delta is not None:
             DELTA.set(self.last_analysis.delta)
+            for name, g in self.last_analysis.guardrails.items():
+                GUARDRAIL_DELTA.labels(name).set(g["delta"])
 
     # --- the loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> None:

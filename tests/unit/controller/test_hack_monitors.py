@@ -93,3 +93,13 @@ def test_gate_passes_the_monitors_for_a_real_policy_that_did_not_hack():
         cand.logits[ord("a")] += 0.3
     checks = {c.name: c.status for c in _gate(cand, champ).checks}
     assert checks["tool_call_validity_rate"] == "pass" and checks["no_edit_rate"] == "pass", checks
+
+
+def test_controller_settings_carry_the_monitor_margins(monkeypatch):
+    from app.controller.config import ControllerSettings
+
+    monkeypatch.setenv("FLYWHEEL_CONTROLLER_GATE_MAX_INVALID_INCREASE", "1")
+    monkeypatch.setenv("FLYWHEEL_CONTROLLER_GUARDRAIL_MARGIN", "0.1")
+    cs = ControllerSettings()
+    assert cs.gate().max_invalid_increase == 1.0 and cs.gate().max_no_edit_increase == 0.05
+    assert cs.canary().guardrail_margin == 0.1 and cs.canary().guardrails is True
