@@ -25,7 +25,8 @@ Guardrails on what users do, not on the reward. A reward spec can be gamed (docs
 "Reward hacks"): a version can raise the labelled reward while users are served worse. So
 the same confidence sequence also compares, per shown completion, the acceptance rate
 (accepts / n), the kept-edit rate (accepted x persistence: persistence_sum / n) and the
-follow-up sentiment (followup_sum / n, 0 without a follow-up), from the same version-metrics
+follow-up sentiment (followup_sum / n, 0 without a follow-up) and the tool-call success rate
+(completions without a tool error: 1 - tool_error_rollouts / n), from the same version-metrics
 sums. Their second moments are bounded, not summed (the records carry no sum of squares):
 x^2 <= x for values in [0, 1] and x^2 <= 1 for a sentiment in [-1, 1], which only widens the
 sequence, so its coverage holds. A candidate whose upper bound on a guardrail lies below
@@ -58,7 +59,7 @@ class CanaryConfig(BaseModel):
     margin: float = Field(0.05, ge=0, description="Non-inferiority margin in reward units: 'equal' means not worse than this.")
     cs_target_n: int = Field(1000, ge=1, description="Sample size at which the confidence sequence is tightest (tunes rho).")
     known_good_n: int = Field(5, ge=1, description="How many previous known-good versions an operator may roll back to.")
-    guardrails: bool = Field(True, description="Roll back a candidate confidently worse on a user-outcome guardrail (acceptance, kept edits, follow-up sentiment).")
+    guardrails: bool = Field(True, description="Roll back a candidate confidently worse on a user-outcome guardrail (acceptance, kept edits, follow-up sentiment, tool-call success).")
     guardrail_margin: float = Field(0.02, ge=0, description="Non-inferiority margin of the guardrails, in rate (or sentiment) units.")
 
     @field_validator("steps")
@@ -82,11 +83,13 @@ class ArmStats:
     persistence_sum: float = 0.0  # persistence of accepted completions (0 for the others)
     followup_n: float = 0.0
     followup_sum: float = 0.0
+    tool_error_rollouts: float = 0.0  # completions with at least one tool error
 
     def __add__(self, other: "ArmStats") -> "ArmStats":
         return ArmStats(self.n + other.n, self.reward_sum + other.reward_sum, self.reward_sumsq + other.reward_sumsq,
                         self.accepts + other.accepts, self.persistence_sum + other.persistence_sum,
-                        self.followup_n + other.followup_n, self.followup_sum + other.followup_sum)
+                        self.followup_n + other.followup_n, self.followup_sum + other.followup_sum,
+                        self.tool_error_rollouts + other.tool_error_rollouts)
 
     @property
     def mean(self) -> float:
@@ -96,10 +99,11 @@ class ArmStats:
         """guardrail -> (sum, upper bound of the sum of squares) of its per-completion value."""
         return {"acceptance_rate": (self.accepts, self.accepts),  # 0/1: x^2 = x
                 "kept_edit_rate": (self.persistence_sum, self.persistence_sum),  # [0, 1]: x^2 <= x
-                "followup_sentiment": (self.followup_sum, self.followup_n)}  # [-1, 1], 0 without one: x^2 <= 1
+                "followup_sentiment": (self.followup_sum, self.followup_n),  # [-1, 1], 0 without one: x^2 <= 1
+                "tool_call_success_rate": (self.n - self.tool_error_rollouts,) * 2}  # 0/1: no tool error
 
 
-GUARDRAILS = ("acceptance_rate", "kept_edit_rate", "followup_sentiment")
+GUARDRAILS = ("acceptance_rate", "kept_edit_rate", "followup_sentiment", "tool_call_success_rate")
 
 
 def cs_radius(sigma: float, t: int, alpha: float, target_n: int) -> float:

@@ -38,7 +38,7 @@ class ControllerSettings(BaseSettings):
     alpha: float = Field(0.05, gt=0, lt=1, description="Error level of the canary's confidence sequence.")
     margin: float = Field(0.05, ge=0, description="Non-inferiority margin (reward units): not worse than this counts as equal.")
     known_good_n: int = Field(5, ge=1, description="How many previous known-good versions `rollback` may target.")
-    guardrails: bool = Field(True, description="Roll back a canary confidently worse on acceptance, kept-edit rate or follow-up sentiment, whatever its reward.")
+    guardrails: bool = Field(True, description="Roll back a canary confidently worse on acceptance, kept-edit rate, follow-up sentiment or tool-call success rate, whatever its reward.")
     guardrail_margin: float = Field(0.02, ge=0, description="Non-inferiority margin of the canary's user-outcome guardrails (rate or sentiment units).")
     # gate
     gate_enabled: bool = Field(True, description="Run the offline gate on version_registered (off: every version passes untested, recorded as such).")

@@ -75,7 +75,7 @@ class MetricsRecord(BaseModel):
         if self.sums.get("n", 0.0) < 0 or self.sums.get("reward_sumsq", 0.0) < 0:
             raise ValueError("sums.n and sums.reward_sumsq cannot be negative")
         n, tol = self.sums.get("n", float(self.n)), 1e-6 * (1.0 + self.sums.get("n", float(self.n)))
-        for name in ("accepts", "persistence_sum", "followup_n"):  # the canary's guardrail bounds rely on these
+        for name in ("accepts", "persistence_sum", "followup_n", "tool_error_rollouts"):  # the canary's guardrail bounds rely on these
             if not -tol <= self.sums.get(name, 0.0) <= n + tol:
                 raise ValueError(f"sums.{name} {self.sums[name]} must lie in [0, sums.n = {n}]")
         if abs(self.sums.get("followup_sum", 0.0)) > self.sums.get("followup_n", 0.0) + tol:
@@ -203,7 +203,7 @@ class Controller:
                 total = total + canary.ArmStats(int(s.get("n", rec.get("n", 0))), float(s.get("reward_sum", 0.0)),
                                                 float(s.get("reward_sumsq", 0.0)), float(s.get("accepts", 0.0)),
                                                 float(s.get("persistence_sum", 0.0)), float(s.get("followup_n", 0.0)),
-                                                float(s.get("followup_sum", 0.0)))
+                                                float(s.get("followup_sum", 0.0)), float(s.get("tool_error_rollouts", 0.0)))
         return total
 
     # --- periodic work ----------------------------------------------------------------------------

@@ -12,12 +12,13 @@ from tests.unit.controller.test_canary import CFG, T0, arm, canary_state
 
 
 def outcomes(n: int, reward_mean: float, accept: float, kept: float, followup_share: float = 0.0,
-             sentiment: float = 0.0) -> ArmStats:
+             sentiment: float = 0.0, tool_errors: float = 0.0) -> ArmStats:
     """n completions: a share `accept` accepted, mean kept fraction `kept` among them, a share
-    `followup_share` with a follow-up of this sentiment; rewards with the given mean (sd 0.5)."""
+    `followup_share` with a follow-up of this sentiment, a share `tool_errors` with a tool error;
+    rewards with the given mean (sd 0.5)."""
     base = arm(n, reward_mean)
     return replace(base, accepts=n * accept, persistence_sum=n * accept * kept, followup_n=n * followup_share,
-                   followup_sum=n * followup_share * sentiment)
+                   followup_sum=n * followup_share * sentiment, tool_error_rollouts=n * tool_errors)
 
 
 def test_guardrail_means_come_from_the_sums():
@@ -48,6 +49,9 @@ def test_kept_edits_and_followups_are_guardrails_too():
     unhappier = (outcomes(2000, 0.6, 0.5, 0.8, 0.9, -0.8), outcomes(2000, 0.4, 0.5, 0.8, 0.1, -0.5))
     _, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), *unhappier), CFG)
     assert out[0]["type"] == "rolled_back" and out[0]["details"]["guardrail"] == "followup_sentiment", out[0]["reason"]
+    broken_calls = (outcomes(2000, 0.6, 0.5, 0.8, tool_errors=0.3), outcomes(2000, 0.4, 0.5, 0.8, tool_errors=0.05))
+    _, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), *broken_calls), CFG)
+    assert out[0]["type"] == "rolled_back" and out[0]["details"]["guardrail"] == "tool_call_success_rate", out[0]["reason"]
 
 
 def test_equal_outcomes_and_a_better_reward_advance():
@@ -65,7 +69,7 @@ def test_guardrails_off_judges_the_reward_alone():
 
 def test_reward_only_stats_never_trip_a_guardrail():
     a = analyze(arm(400, 0.5), arm(400, 0.5), CFG)
-    assert a.worst_guardrail() is None and all(g["verdict"] == "better_or_equal" for g in a.guardrails.values())
+    assert a.worst_guardrail() is None and all(g["verdict"] != "worse" and g["delta"] == 0 for g in a.guardrails.values())
 
 
 def test_false_guardrail_rollbacks_of_equal_arms_under_repeated_looks_are_rare():
@@ -82,7 +86,8 @@ def test_false_guardrail_rollbacks_of_equal_arms_under_repeated_looks_are_rare()
                     acc = rng.random() < 0.4
                     keep = rng.random() if acc else 0.0
                     fu = rng.random() < 0.3
-                    one = ArmStats(1, 0.0, 0.0, float(acc), keep, float(fu), -rng.random() if fu else 0.0)
+                    one = ArmStats(1, 0.0, 0.0, float(acc), keep, float(fu), -rng.random() if fu else 0.0,
+                                   float(rng.random() < 0.1))
                     c, h = (c + one, h) if who == "c" else (c, h + one)
             if analyze(c, h, cfg).worst_guardrail() is not None:
                 tripped += 1
@@ -102,14 +107,15 @@ def test_window_sums_carry_the_outcomes_and_old_records_read_as_zero():
 
     new = {"model_version": "2", "bucket_start": 100.0, "n": 10,
            "sums": {"n": 10.0, "reward_sum": 3.0, "reward_sumsq": 2.0, "accepts": 4.0, "persistence_sum": 3.2,
-                    "followup_n": 2.0, "followup_sum": -1.1}}
+                    "followup_n": 2.0, "followup_sum": -1.1, "tool_error_rollouts": 3.0}}
     old = {"model_version": "2", "bucket_start": 101.0, "n": 5, "sums": {"n": 5.0, "reward_sum": 1.0, "reward_sumsq": 1.0}}
     for rec in (new, old):
         decode_metrics(json.dumps(rec).encode())
     buckets = SimpleNamespace(buckets={"a": new, "b": old})
     w = Controller.window(buckets, "2", datetime.fromtimestamp(50, tz=timezone.utc))
-    assert w == ArmStats(15, 4.0, 3.0, 4.0, 3.2, 2.0, -1.1)
-    for bad in ({"accepts": 11.0}, {"persistence_sum": -1.0}, {"followup_n": 2.0, "followup_sum": -2.5}):
+    assert w == ArmStats(15, 4.0, 3.0, 4.0, 3.2, 2.0, -1.1, 3.0)
+    for bad in ({"accepts": 11.0}, {"persistence_sum": -1.0}, {"followup_n": 2.0, "followup_sum": -2.5},
+                {"tool_error_rollouts": 12.0}):
         rec = dict(new, sums={**new["sums"], **bad})
         with pytest.raises(InvalidRecord) as err:
             decode_metrics(json.dumps(rec).encode())
