@@ -152,3 +152,30 @@ def test_react_is_unchanged_for_normal_completions_on_normal_requests():
 def test_default_preference_keeps_the_former_acceptance_model():
     pref = Preference()
     assert (pref.w_direct, pref.short_bytes, pref.w_short, pref.w_broken, pref.bias) == (4.5, 24, 0.5, -1.5, -2.5)
+
+
+def test_the_streams_join_labels_a_question_by_the_spec_and_counts_its_followup():
+    """The simulator's events for a question go through the real join (streams/labels.py): under
+    v1 the follow-up makes the reward negative; under hackable-silence it is 0, while the version
+    metrics still count the unhappy follow-up (what the canary's guardrail reads)."""
+    import math
+
+    from streams.labels import Aggregator
+    from streams.records import Rollout
+    from streams.reward import resolve_spec
+    from tests.unit.streams.factories import generation, ts
+
+    u = SimulatedUser("u", seed=11)
+    events = u.react(QUESTION, hard=True)
+    for spec, check in (("v1", lambda r: r < -0.25), ("hackable-silence", lambda r: r == 0.0)):
+        agg = Aggregator(resolve_spec(spec), 10.0, 1e9, 60.0, {}, {}, {}, clock=lambda: 1.8e9)
+        out = agg.on_event(0, generation("r1"), 100.0)
+        for i, e in enumerate(events):
+            out += agg.on_event(0, {**e, "event_id": f"f{i}", "request_id": "r1", "session_id": "s-r1", "ts": ts(1.0)},
+                                101.0 + i)
+        out += agg.advance(0, math.inf)
+        [rollout] = [Rollout.model_validate(e.value) for e in out if e.topic == "rollouts"]
+        [partial] = [e.value for e in out if e.topic == "partials"]
+        assert check(rollout.reward) and rollout.reward_spec == spec, (spec, rollout.reward, events)
+        assert partial["sums"]["followup_n"] == 1.0 and partial["sums"]["followup_sum"] < 0
+        assert partial["sums"]["accepts"] == 0.0 and partial["sums"]["rejects"] == 0.0
