@@ -210,7 +210,7 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
                                max_empty_increase=cfg.max_empty_increase, length_k_std=cfg.length_k_std,
                                tool_error=tuple(tool) if tool else None, max_tool_error_increase=cfg.max_tool_error_increase,
                                tool_error_ess=ope_summary.get("ess"), min_ess=cfg.min_ess, require_ess=cfg.require_ess)
-    checks += edit_checks([tok.decode(_strip_eos(s.tokens, eos)) for s in c_smp], [tok.decode(_strip_eos(s.tokens, eos)) for s in h_smp],
-                          max_invalid_increase=cfg.max_invalid_increase, max_no_edit_increase=cfg.max_no_edit_increase,
-                          alpha=cfg.monitor_alpha)
+    c_texts, h_texts = ([tok.decode(_strip_eos(s.tokens, eos)) for s in smp] for smp in (c_smp, h_smp))
+    checks += edit_checks(c_texts, h_texts, max_invalid_increase=cfg.max_invalid_increase,
+                          max_no_edit_increase=cfg.max_no_edit_increase, alpha=cfg.monitor_alpha)
     return GateResult(checks, ope_summary)
