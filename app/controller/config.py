@@ -44,7 +44,7 @@ class ControllerSettings(BaseSettings):
     gate_enabled: bool = Field(True, description="Run the offline gate on version_registered (off: every version passes untested, recorded as such).")
     gate_rollouts: int = Field(256, ge=0, description="Held-out logged rollouts the gate evaluates on (newest first).")
     gate_max_invalid_increase: float = Field(0.05, ge=0, description="Gate: fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (confidence bound; 1 turns the monitor off).")
-    gate_max_no_edit_increase: float = Field(0.05, ge=0, description="Gate: fail when the candidate's no-edit rate (empty or comment-only) exceeds the champion's by more than this (confidence bound; 1 turns the monitor off).")
+    gate_max_no_edit_increase: float = Field(0.05, ge=0, description="Gate: fail when the candidate's no-edit rate (empty, or only comments and strings) exceeds the champion's by more than this (confidence bound; 1 turns the monitor off).")
     # aliases and webhooks
     poll_interval: Duration = Field(5.0, description="How often the reconciler compares MLflow aliases with Flywheel's copy.")
     webhooks_enabled: bool = Field(True, description="Register an MLflow webhook for alias moves (the poller runs either way).")

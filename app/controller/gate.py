@@ -59,7 +59,7 @@ class GateConfig(BaseModel):
     length_k_std: float = Field(2.0, gt=0, description="Max shift of mean completion length, in champion standard deviations.")
     max_tool_error_increase: float = Field(0.1, ge=0, description="Max increase of the estimated tool-error rate.")
     max_invalid_increase: float = Field(0.05, ge=0, description="Fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
-    max_no_edit_increase: float = Field(0.05, ge=0, description="Fail when the candidate's no-edit rate (empty or comment-only completions) exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
+    max_no_edit_increase: float = Field(0.05, ge=0, description="Fail when the candidate's no-edit rate (empty completions, or only comments and strings) exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
     monitor_alpha: float = Field(0.05, gt=0, lt=1, description="One-sided error level of the validity and no-edit rate bounds.")
     sample_prompts: int = Field(32, ge=1, description="Prompts sampled from both policies for KL and behaviour monitors.")
     max_tokens: int = Field(48, ge=1, description="Tokens per sampled completion.")

@@ -16,7 +16,7 @@ can turn results into MLflow version tags and a `gate_passed` / `gate_failed` ev
 - `edit_checks`: tool-call validity rate and no-edit rate (app/edits.py, the definition the
   simulated users react to) of the candidate's own samples vs the champion's on the same
   prompts. Each fails when the candidate's rate of broken calls (resp. of completions with no
-  edit: empty or comment-only) is higher than the champion's by more than a margin with
+  edit: empty, or only comments and strings) is higher than the champion's by more than a margin with
   confidence 1 - alpha: the one-sided Agresti-Caffo lower bound of the difference of two
   proportions (add one success and one failure to each arm, then Wald), which keeps its level
   at rates near 0 where the plain Wald bound is far too narrow. The two reward hacks of
@@ -178,5 +178,5 @@ def edit_checks(cand_texts: Sequence[str], champ_texts: Sequence[str], *, max_in
     none_c, none_h = sum(is_no_edit(t) for t in cand_texts), sum(is_no_edit(t) for t in champ_texts)
     return [_rate_check("tool_call_validity_rate", "broken tool calls (won't parse)", broken_c, broken_h, nc, nh,
                         max_invalid_increase, alpha),
-            _rate_check("no_edit_rate", "completions with no edit (empty or comment-only)", none_c, none_h, nc, nh,
+            _rate_check("no_edit_rate", "completions with no edit (empty, or only comments and strings)", none_c, none_h, nc, nh,
                         max_no_edit_increase, alpha)]

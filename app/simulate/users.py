@@ -21,7 +21,7 @@ gamed (what a completion is comes from app/edits.py, the definition the gate cou
 
 - a broken tool call (`broken`: it won't parse) on a hard request draws a `tool_error`
   *instead of* a reject: the edit never reached the user, so there was nothing to reject;
-- a clarifying question instead of an edit (`no_edit`: comment-only text) draws no accept and
+- a clarifying question instead of an edit (`no_edit`: only comments or a docstring, no code) draws no accept and
   no reject; the user answers it with a follow-up (negative sentiment: they wanted the edit)
   and sometimes a down-rating.
 

@@ -21,3 +21,10 @@ def test_comments_are_not_code_for_the_bracket_balance():
 def test_rates_the_gate_counts():
     assert not is_valid("return f(x") and is_valid("") and is_valid("# why?")
     assert is_no_edit("") and is_no_edit("# why?") and not is_no_edit("return x") and not is_no_edit("return f(x")
+
+
+def test_a_lone_docstring_is_no_edit_and_a_truncated_one_is_broken():
+    assert classify('"""Clamp value to the range [lo, hi]."""\n    ') == "no_edit"
+    assert classify('"""Return the count of keys."""\n    # which keys?') == "no_edit"
+    assert classify('"""Return the total of numbers whe') == "broken", "cut off inside the docstring: won't parse"
+    assert classify('"""Return the total."""\n    return sum(xs)') == "edit"
