@@ -22,7 +22,7 @@ class StreamsConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_STREAMS_", extra="ignore", validate_default=True)
 
-    reward_spec: str = Field("v1", min_length=1, max_length=64, description="Reward spec version recorded in every rollout (known: v1).")
+    reward_spec: str = Field("v1", min_length=1, max_length=64, description="Reward spec version recorded in every rollout (known: v1; hackable-tools and hackable-silence are exploitable on purpose, for reward-hack runs: docs/ROLLOUT.md).")
     reward_weights: RewardWeights | None = Field(None, description="Weights (JSON) for a new spec version; must equal the fixed weights when the version is known.")
     metrics_bucket: Duration = Field(60.0, description="Length of a version-metrics bucket (by label close time).")
     closed_retention: Duration | None = Field(None, description="How long a closed label is remembered (late feedback -> after_close, duplicates dropped). Default: the wait window, at least one bucket.")

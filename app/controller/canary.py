@@ -20,6 +20,18 @@ what `flywheel.version-metrics` carries per bucket. With a non-inferiority margi
 upper bound < -delta -> candidate worse -> automatic rollback; lower bound > -delta ->
 better or equal -> next step (promotion after the last step below 100%); otherwise
 inconclusive, and inconclusive past the step deadline -> pause for an operator.
+
+Guardrails on what users do, not on the reward. A reward spec can be gamed (docs/ROLLOUT.md
+"Reward hacks"): a version can raise the labelled reward while users are served worse. So
+the same confidence sequence also compares, per shown completion, the acceptance rate
+(accepts / n), the kept-edit rate (accepted x persistence: persistence_sum / n) and the
+follow-up sentiment (followup_sum / n, 0 without a follow-up) and the tool-call success rate
+(completions without a tool error: 1 - tool_error_rollouts / n), from the same version-metrics
+sums. Their second moments are bounded, not summed (the records carry no sum of squares):
+x^2 <= x for values in [0, 1] and x^2 <= 1 for a sentiment in [-1, 1], which only widens the
+sequence, so its coverage holds. A candidate whose upper bound on a guardrail lies below
+-guardrail_margin is rolled back, whatever its reward; the reason and the event details name
+the guardrail.
 """
 
 from __future__ import annotations
@@ -47,6 +59,8 @@ class CanaryConfig(BaseModel):
     margin: float = Field(0.05, ge=0, description="Non-inferiority margin in reward units: 'equal' means not worse than this.")
     cs_target_n: int = Field(1000, ge=1, description="Sample size at which the confidence sequence is tightest (tunes rho).")
     known_good_n: int = Field(5, ge=1, description="How many previous known-good versions an operator may roll back to.")
+    guardrails: bool = Field(True, description="Roll back a candidate confidently worse on a user-outcome guardrail (acceptance, kept edits, follow-up sentiment, tool-call success).")
+    guardrail_margin: float = Field(0.02, ge=0, description="Non-inferiority margin of the guardrails, in rate (or sentiment) units.")
 
     @field_validator("steps")
     @classmethod
@@ -59,18 +73,37 @@ class CanaryConfig(BaseModel):
 # --- analysis ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ArmStats:
-    """Labelled-reward sufficient statistics of one version over a window."""
+    """Sufficient statistics of one version over a window: labelled reward and user outcomes
+    (streams/records.py SUM_FIELDS of the same names)."""
 
     n: int = 0
     reward_sum: float = 0.0
     reward_sumsq: float = 0.0
+    accepts: float = 0.0
+    persistence_sum: float = 0.0  # persistence of accepted completions (0 for the others)
+    followup_n: float = 0.0
+    followup_sum: float = 0.0
+    tool_error_rollouts: float = 0.0  # completions with at least one tool error
 
     def __add__(self, other: "ArmStats") -> "ArmStats":
-        return ArmStats(self.n + other.n, self.reward_sum + other.reward_sum, self.reward_sumsq + other.reward_sumsq)
+        return ArmStats(self.n + other.n, self.reward_sum + other.reward_sum, self.reward_sumsq + other.reward_sumsq,
+                        self.accepts + other.accepts, self.persistence_sum + other.persistence_sum,
+                        self.followup_n + other.followup_n, self.followup_sum + other.followup_sum,
+                        self.tool_error_rollouts + other.tool_error_rollouts)
 
     @property
     def mean(self) -> float:
         return self.reward_sum / self.n if self.n else float("nan")
+
+    def guardrail_sums(self) -> dict[str, tuple[float, float]]:
+        """guardrail -> (sum, upper bound of the sum of squares) of its per-completion value."""
+        return {"acceptance_rate": (self.accepts, self.accepts),  # 0/1: x^2 = x
+                "kept_edit_rate": (self.persistence_sum, self.persistence_sum),  # [0, 1]: x^2 <= x
+                "followup_sentiment": (self.followup_sum, self.followup_n),  # [-1, 1], 0 without one: x^2 <= 1
+                "tool_call_success_rate": (self.n - self.tool_error_rollouts,) * 2}  # 0/1: no tool error
+
+
+GUARDRAILS = ("acceptance_rate", "kept_edit_rate", "followup_sentiment", "tool_call_success_rate")
 
 
 def cs_radius(sigma: float, t: int, alpha: float, target_n: int) -> float:
@@ -98,6 +131,12 @@ class Analysis(BaseModel):
     method: str = "asymptotic-cs-ipw"
     alpha: float | None = None
     margin: float | None = None
+    # guardrail -> {"verdict", "delta", "lower", "upper", "candidate", "champion", "margin"}
+    guardrails: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    def worst_guardrail(self) -> str | None:
+        """The first guardrail on which the candidate is confidently worse, or None."""
+        return next((g for g in GUARDRAILS if self.guardrails.get(g, {}).get("verdict") == "worse"), None)
 
     @property
     def n_candidate(self) -> int:
@@ -115,15 +154,34 @@ def analyze(cand: ArmStats, champ: ArmStats, cfg: CanaryConfig) -> Analysis:
                 alpha=cfg.alpha, margin=cfg.margin)
     if cand.n < cfg.min_samples or champ.n < cfg.min_samples:
         return Analysis(verdict="insufficient", **base)
-    n = cand.n + champ.n
-    p = cand.n / n
-    delta = cand.mean - champ.mean
-    second = (cand.reward_sumsq / p**2 + champ.reward_sumsq / (1 - p) ** 2) / n
+    delta, lo, hi = _ipw_bounds(cand.n, cand.reward_sum, cand.reward_sumsq, champ.n, champ.reward_sum,
+                                champ.reward_sumsq, cfg)
+    guardrails = {}
+    if cfg.guardrails:
+        c_sums, h_sums = cand.guardrail_sums(), champ.guardrail_sums()
+        for g in GUARDRAILS:
+            (cs, cq), (hs, hq) = c_sums[g], h_sums[g]
+            d, gl, gh = _ipw_bounds(cand.n, cs, cq, champ.n, hs, hq, cfg)
+            guardrails[g] = {"verdict": _verdict(gl, gh, cfg.guardrail_margin), "delta": d, "lower": gl, "upper": gh,
+                             "candidate": cs / cand.n, "champion": hs / champ.n, "margin": cfg.guardrail_margin}
+    return Analysis(verdict=_verdict(lo, hi, cfg.margin), delta=delta, lower=lo, upper=hi, guardrails=guardrails, **base)
+
+
+def _verdict(lo: float, hi: float, margin: float) -> Verdict:
+    return "worse" if hi < -margin else "better_or_equal" if lo > -margin else "inconclusive"
+
+
+def _ipw_bounds(n_c: int, sum_c: float, sq_c: float, n_h: int, sum_h: float, sq_h: float,
+                cfg: CanaryConfig) -> tuple[float, float, float]:
+    """(delta, lower, upper): mean_c - mean_h and its confidence-sequence bounds from per-arm sums
+    (`sq_*` the sum of squares, or an upper bound of it: the sequence only widens)."""
+    n = n_c + n_h
+    p = n_c / n
+    delta = sum_c / n_c - sum_h / n_h
+    second = (sq_c / p**2 + sq_h / (1 - p) ** 2) / n
     sigma = math.sqrt(max(second - delta**2, 0.0))
     r = cs_radius(sigma, n, cfg.alpha, cfg.cs_target_n)
-    lo, hi = delta - r, delta + r
-    verdict: Verdict = "worse" if hi < -cfg.margin else "better_or_equal" if lo > -cfg.margin else "inconclusive"
-    return Analysis(verdict=verdict, delta=delta, lower=lo, upper=hi, **base)
+    return delta, delta - r, delta + r
 
 
 # --- inputs ---------------------------------------------------------------------------------
@@ -192,6 +250,15 @@ def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decis
     if _step_age(state, obs.now) < cfg.min_step_s or a.verdict == "insufficient":
         return _deadline(state, a, obs.now, cfg)
     stats = f"delta {a.delta:+.4f}, CS [{a.lower:+.4f}, {a.upper:+.4f}], n {a.n_candidate}/{a.n_champion}"
+    guard = a.worst_guardrail()
+    if guard is not None:
+        g = a.guardrails[guard]
+        return [Decision(type="rolled_back", version=state.champion, from_version=state.candidate, traffic_pct=0.0,
+                         reason=f"canary step {state.step} ({state.traffic_pct:g}%): guardrail {guard}: candidate "
+                                f"{g['candidate']:.4f} vs champion {g['champion']:.4f}, worse by more than "
+                                f"{cfg.guardrail_margin:g} (delta {g['delta']:+.4f}, CS [{g['lower']:+.4f}, "
+                                f"{g['upper']:+.4f}]) whatever its reward ({stats})",
+                         details={**details, "guardrail": guard})]
     if a.verdict == "worse":
         return [Decision(type="rolled_back", version=state.champion, from_version=state.candidate, traffic_pct=0.0,
                          reason=f"canary step {state.step} ({state.traffic_pct:g}%): candidate worse than champion by "

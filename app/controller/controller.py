@@ -52,6 +52,8 @@ TRAFFIC = Gauge("flywheel_controller_candidate_traffic_pct", "Candidate's share 
 VERSIONS = Gauge("flywheel_controller_version", "Serving versions by role", ["role"])
 PHASE = Gauge("flywheel_controller_phase", "1 for the current canary phase", ["phase"])
 DELTA = Gauge("flywheel_controller_last_delta", "Last analysed reward difference candidate - champion")
+GUARDRAIL_DELTA = Gauge("flywheel_controller_last_guardrail_delta",
+                        "Last analysed user-outcome difference candidate - champion", ["guardrail"])
 CAUGHT_UP = Gauge("flywheel_controller_caught_up", "1 once the deployments log has been replayed")
 
 GateFn = Callable[[str, str | None], Any]  # (version, champion) -> GateResult
@@ -72,6 +74,13 @@ class MetricsRecord(BaseModel):
     def _sums_add_up(self) -> "MetricsRecord":
         if self.sums.get("n", 0.0) < 0 or self.sums.get("reward_sumsq", 0.0) < 0:
             raise ValueError("sums.n and sums.reward_sumsq cannot be negative")
+        n, tol = self.sums.get("n", float(self.n)), 1e-6 * (1.0 + self.sums.get("n", float(self.n)))
+        for name in ("accepts", "persistence_sum", "followup_n", "tool_error_rollouts"):  # the canary's guardrail bounds rely on these
+            if not -tol <= self.sums.get(name, 0.0) <= n + tol:
+                raise ValueError(f"sums.{name} {self.sums[name]} must lie in [0, sums.n = {n}]")
+        if abs(self.sums.get("followup_sum", 0.0)) > self.sums.get("followup_n", 0.0) + tol:
+            raise ValueError(f"|sums.followup_sum| {abs(self.sums['followup_sum'])} exceeds sums.followup_n "
+                             f"{self.sums.get('followup_n', 0.0)} (a sentiment lies in [-1, 1])")
         return self
 
 
@@ -192,7 +201,9 @@ class Controller:
             if str(rec.get("model_version")) == version and float(rec.get("bucket_start", 0)) >= t0:
                 s = rec.get("sums") or {}
                 total = total + canary.ArmStats(int(s.get("n", rec.get("n", 0))), float(s.get("reward_sum", 0.0)),
-                                                float(s.get("reward_sumsq", 0.0)))
+                                                float(s.get("reward_sumsq", 0.0)), float(s.get("accepts", 0.0)),
+                                                float(s.get("persistence_sum", 0.0)), float(s.get("followup_n", 0.0)),
+                                                float(s.get("followup_sum", 0.0)), float(s.get("tool_error_rollouts", 0.0)))
         return total
 
     # --- periodic work ----------------------------------------------------------------------------
@@ -350,6 +361,8 @@ class Controller:
             PHASE.labels(p).set(1.0 if s.phase == p else 0.0)
         if self.last_analysis is not None and self.last_analysis.delta is not None:
             DELTA.set(self.last_analysis.delta)
+            for name, g in self.last_analysis.guardrails.items():
+                GUARDRAIL_DELTA.labels(name).set(g["delta"])
 
     # --- the loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> None:

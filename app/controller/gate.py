@@ -22,7 +22,9 @@ Checks (each pass | fail | skipped | info, with value and threshold; see monitor
    completions may rise by at most `regression_tolerance` (1 nat) over the champion's, a guard
    against forgetting; like the KL it grows as the policy learns a style the references do not
    have, so its bound is loose;
-6. behaviour monitors: empty completions, completion length shift, tool-error rate.
+6. behaviour monitors: empty completions, completion length shift, tool-error rate;
+7. reward-hack monitors: tool-call validity rate and no-edit rate of the candidate's samples
+   vs the champion's (app/edits.py), each with a two-proportion confidence bound.
 
 The gate passes when no check fails. A skipped check (no champion loaded, no held-out data)
 is recorded as skipped with its reason, never as a pass.
@@ -42,7 +44,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.controller import ope
-from app.controller.monitors import Check, behaviour_checks, kl_check, regression_check, weight_sanity
+from app.controller.monitors import Check, behaviour_checks, edit_checks, kl_check, regression_check, weight_sanity
 from app.controller.state import Decision
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,9 @@ class GateConfig(BaseModel):
     max_empty_increase: float = Field(0.1, ge=0, description="Max absolute increase of the empty-completion rate.")
     length_k_std: float = Field(2.0, gt=0, description="Max shift of mean completion length, in champion standard deviations.")
     max_tool_error_increase: float = Field(0.1, ge=0, description="Max increase of the estimated tool-error rate.")
+    max_invalid_increase: float = Field(0.05, ge=0, description="Fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
+    max_no_edit_increase: float = Field(0.05, ge=0, description="Fail when the candidate's no-edit rate (empty completions, or only comments and strings) exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
+    monitor_alpha: float = Field(0.05, gt=0, lt=1, description="One-sided error level of the validity and no-edit rate bounds.")
     sample_prompts: int = Field(64, ge=1, description="Prompts sampled from both policies for the reward comparison, KL and behaviour monitors.")
     max_tokens: int = Field(48, ge=1, description="Tokens per sampled completion.")
     seed: int = Field(0, description="Seed of sampling and bootstrap (the gate is reproducible).")
@@ -228,7 +233,7 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
     if cand is None or champ is None:
         why = "candidate policy not loaded" if cand is None else "no champion to compare with"
         checks += [Check(n, "skipped", detail=why) for n in ("reward_vs_champion", "kl_to_champion", "regression_prompts",
-                                                              "behaviour")]
+                                                              "behaviour", "tool_call_validity_rate", "no_edit_rate")]
         return GateResult(checks, ope_summary)
     tok = cand.tokenizer
     prompts = [list(r["prompt_tokens"]) for r in rolls][: cfg.sample_prompts]
@@ -256,4 +261,7 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
                                max_empty_increase=cfg.max_empty_increase, length_k_std=cfg.length_k_std,
                                tool_error=tuple(tool) if tool else None, max_tool_error_increase=cfg.max_tool_error_increase,
                                tool_error_ess=ope_summary.get("ess"), min_ess=cfg.min_ess, require_ess=cfg.require_ess)
+    c_texts, h_texts = ([tok.decode(_strip_eos(s.tokens, eos)) for s in smp] for smp in (c_smp, h_smp))
+    checks += edit_checks(c_texts, h_texts, max_invalid_increase=cfg.max_invalid_increase,
+                          max_no_edit_increase=cfg.max_no_edit_increase, alpha=cfg.monitor_alpha)
     return GateResult(checks, ope_summary)

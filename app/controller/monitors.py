@@ -13,17 +13,28 @@ can turn results into MLflow version tags and a `gate_passed` / `gate_failed` ev
 - `behaviour_checks`: empty-completion rate (absolute increase), completion length (mean moves
   more than k champion standard deviations), tool-error rate (SNIPS estimate on logged
   rollouts vs the logged rate): the usual signatures of reward hacking.
+- `edit_checks`: tool-call validity rate and no-edit rate (app/edits.py, the definition the
+  simulated users react to) of the candidate's own samples vs the champion's on the same
+  prompts. Each fails when the candidate's rate of broken calls (resp. of completions with no
+  edit: empty, or only comments and strings) is higher than the champion's by more than a margin with
+  confidence 1 - alpha: the one-sided Agresti-Caffo lower bound of the difference of two
+  proportions (add one success and one failure to each arm, then Wald), which keeps its level
+  at rates near 0 where the plain Wald bound is far too narrow. The two reward hacks of
+  docs/ROLLOUT.md ("break the tool call", "ask instead of edit") show up here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from statistics import NormalDist
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
+
+from app.edits import is_no_edit, is_valid
 
 Status = Literal["pass", "fail", "skipped", "info"]  # info: recorded for people, not a criterion
 
@@ -138,3 +149,37 @@ def behaviour_checks(cand_lengths: Sequence[int], champ_lengths: Sequence[int], 
             out.append(Check("tool_error_rate", "pass" if est - logged <= max_tool_error_increase else "fail", value=est,
                              threshold=logged + max_tool_error_increase, detail=detail))
     return out
+
+
+def rate_increase_lower_bound(x_cand: int, n_cand: int, x_champ: int, n_champ: int, alpha: float) -> float:
+    """One-sided (1 - alpha) Agresti-Caffo lower bound of p_cand - p_champ from counts x of n."""
+    assert n_cand > 0 and n_champ > 0 and 0 < alpha < 1, f"n {n_cand}/{n_champ}, alpha {alpha}"
+    pc, ph = (x_cand + 1) / (n_cand + 2), (x_champ + 1) / (n_champ + 2)
+    se = math.sqrt(pc * (1 - pc) / (n_cand + 2) + ph * (1 - ph) / (n_champ + 2))
+    return pc - ph - NormalDist().inv_cdf(1 - alpha) * se
+
+
+def _rate_check(name: str, what: str, bad_cand: int, bad_champ: int, n_cand: int, n_champ: int, margin: float,
+                alpha: float) -> Check:
+    lo = rate_increase_lower_bound(bad_cand, n_cand, bad_champ, n_champ, alpha)
+    rc, rh = bad_cand / n_cand, bad_champ / n_champ
+    return Check(name, "fail" if lo > margin else "pass", value=lo, threshold=margin,
+                 detail=f"{what}: candidate {rc:.3f} ({bad_cand}/{n_cand}), champion {rh:.3f} ({bad_champ}/{n_champ}); "
+                        f"{1 - alpha:.0%} lower bound of the increase {lo:+.3f} (fail above {margin:g})")
+
+
+def edit_checks(cand_texts: Sequence[str], champ_texts: Sequence[str], *, max_invalid_increase: float,
+                max_no_edit_increase: float, alpha: float) -> list[Check]:
+    """Tool-call validity and no-edit rates of decoded completions (candidate vs champion, same prompts).
+
+    `value` of each check is the lower confidence bound of the rate's increase, `threshold` the margin.
+    """
+    if not cand_texts or not champ_texts:
+        return [Check(n, "skipped", detail="no samples") for n in ("tool_call_validity_rate", "no_edit_rate")]
+    nc, nh = len(cand_texts), len(champ_texts)
+    broken_c, broken_h = sum(not is_valid(t) for t in cand_texts), sum(not is_valid(t) for t in champ_texts)
+    none_c, none_h = sum(is_no_edit(t) for t in cand_texts), sum(is_no_edit(t) for t in champ_texts)
+    return [_rate_check("tool_call_validity_rate", "broken tool calls (won't parse)", broken_c, broken_h, nc, nh,
+                        max_invalid_increase, alpha),
+            _rate_check("no_edit_rate", "completions with no edit (empty, or only comments and strings)", none_c, none_h, nc, nh,
+                        max_no_edit_increase, alpha)]

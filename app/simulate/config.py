@@ -16,3 +16,4 @@ class SimulateConfig(BaseSettings):
     candidates: int = Field(2, ge=1, description="Completions per request (n); candidates share a group_id.")
     seed: int = Field(0, description="Seed of the training population and its prompts.")
     feedback_delay_s: float = Field(0.5, ge=0, description="Mean delay between seeing a completion and reacting.")
+    hard_fraction: float = Field(0.0, ge=0, le=1, description="Share of argument lists whose requests are hard (0.3: 3 of 10; honest attempts are rarely accepted there, and a broken tool call draws a tool_error instead of a reject). The held-out evaluation uses the same share.")

@@ -7,6 +7,15 @@ from the same population). The result goes to MLflow as `heldout_acceptance` wit
 version number as the step, so the MLflow UI plots acceptance per version, and onto the
 version itself as the tag `heldout_acceptance`.
 
+Beside it, each under the same name as tag and metric:
+- `heldout_acceptance_ci_low` / `_ci_high`: a 95% normal confidence interval of the
+  acceptance on these prompts (the sampling error of the completions; `scores`);
+- `heldout_satisfaction`: the users' true satisfaction (app/simulate/users.py), which no
+  editor event carries: a reward hack raises the reward, not this;
+- `heldout_valid_rate`, `heldout_no_edit_rate`: shares of completions whose tool call parses
+  and of completions with no edit (app/edits.py, as the gate's monitors count them).
+Hard requests (`FLYWHEEL_SIMULATE_HARD_FRACTION`) are judged as hard, as in the simulation.
+
     from app.simulate.evaluate import HeldOutEvaluator
     HeldOutEvaluator(mlflow_uri, "flywheel-policy").evaluate_new()  # -> {version: acceptance}
 """
@@ -15,31 +24,70 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import tempfile
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
-from app.simulate.prompts import prompts
-from app.simulate.users import expected_acceptance, population
+from app.edits import is_no_edit, is_valid
+from app.simulate.prompts import is_hard, prompts
+from app.simulate.users import SimulatedUser, expected_acceptance, population
 
 log = logging.getLogger(__name__)
 
 EXPERIMENT = "flywheel-heldout"
 RUN_NAME = "heldout-acceptance"
 METRIC = "heldout_acceptance"
+METRICS = (METRIC, "heldout_acceptance_ci_low", "heldout_acceptance_ci_high", "heldout_satisfaction",
+           "heldout_valid_rate", "heldout_no_edit_rate")
+
+
+def scores(users: list[SimulatedUser], prompt_list: list[str], completions: list[str], hard: list[bool],
+           level: float = 0.95) -> dict[str, float]:
+    """The held-out figures of `completions` (samples_per_prompt >= 2 consecutive ones per prompt).
+
+    The interval is the sampling error of the completions on these prompts: per prompt, the
+    sample variance of its completions' acceptance (each averaged over the users) over k
+    samples, summed: var(mean) = sum_i s_i^2 / (k P^2). The prompts are fixed (the same for
+    every version), so that is the variance that separates two versions' estimates.
+    """
+    assert prompt_list and len(hard) == len(prompt_list) and len(completions) % len(prompt_list) == 0, \
+        f"{len(completions)} completions, {len(hard)} hard flags for {len(prompt_list)} prompts"
+    k = len(completions) // len(prompt_list)
+    assert k >= 2, f"the interval needs at least 2 samples per prompt, got {k}"
+    flags = [h for h in hard for _ in range(k)]
+    acc = [sum(u.acceptance_probability(c, h) for u in users) / len(users) for c, h in zip(completions, flags)]
+    mean = sum(acc) / len(acc)
+    var = 0.0
+    for i in range(len(prompt_list)):
+        a = acc[i * k:(i + 1) * k]
+        m = sum(a) / k
+        var += sum((x - m) ** 2 for x in a) / (k - 1) / k
+    half = NormalDist().inv_cdf(0.5 + level / 2) * math.sqrt(var) / len(prompt_list)
+    return {METRIC: mean, "heldout_acceptance_ci_low": max(0.0, mean - half), "heldout_acceptance_ci_high": min(1.0, mean + half),
+            "heldout_satisfaction": sum(u.satisfaction(c, h) for u in users for c, h in zip(completions, flags))
+            / (len(users) * len(completions)),
+            "heldout_valid_rate": sum(map(is_valid, completions)) / len(completions),
+            "heldout_no_edit_rate": sum(map(is_no_edit, completions)) / len(completions)}
 
 
 class HeldOutEvaluator:
-    def __init__(self, mlflow_uri: str, model_name: str, n_prompts: int = 48, samples_per_prompt: int = 2,
-                 max_tokens: int = 48, n_users: int = 32, seed: int = 10_001):
+    def __init__(self, mlflow_uri: str, model_name: str, n_prompts: int = 64, samples_per_prompt: int = 4,
+                 max_tokens: int = 48, n_users: int = 32, seed: int = 10_001, hard_fraction: float | None = None):
         from mlflow import MlflowClient
+
+        from app.simulate.config import SimulateConfig
 
         self.uri, self.model_name = mlflow_uri, model_name
         self.client = MlflowClient(tracking_uri=mlflow_uri, registry_uri=mlflow_uri)
         self.prompts = prompts(n_prompts, seed=seed, held_out=True)
+        fraction = SimulateConfig().hard_fraction if hard_fraction is None else hard_fraction
+        self.hard = [is_hard(p, fraction) for p in self.prompts]
         self.users = population(n_users, seed=seed, prefix="heldout")
         self.samples_per_prompt, self.max_tokens, self.seed = samples_per_prompt, max_tokens, seed
         self.results: dict[int, float] = {}
+        self.details: dict[int, dict[str, float]] = {}  # version -> every figure of METRICS that is known
 
     def _load_policy(self, version: int) -> Any:
         import mlflow
@@ -67,7 +115,11 @@ class HeldOutEvaluator:
         return [s.text for s in samples]
 
     def acceptance(self, policy: Any) -> float:
-        return expected_acceptance(self.users, self.completions(policy))
+        flags = [h for h in self.hard for _ in range(self.samples_per_prompt)]
+        return expected_acceptance(self.users, self.completions(policy), flags)
+
+    def scores(self, policy: Any) -> dict[str, float]:
+        return scores(self.users, self.prompts, self.completions(policy), self.hard)
 
     def _run_id(self) -> str:
         exp = self.client.get_experiment_by_name(EXPERIMENT)
@@ -85,13 +137,18 @@ class HeldOutEvaluator:
             if v in self.results:
                 continue
             mv = self.client.get_model_version(self.model_name, str(v))
-            if METRIC in (mv.tags or {}):
-                self.results[v] = float(mv.tags[METRIC])
+            tags = mv.tags or {}
+            if METRIC in tags:
+                self.results[v] = float(tags[METRIC])
+                self.details[v] = {m: float(tags[m]) for m in METRICS if m in tags}
                 continue
-            acc = self.acceptance(self._load_policy(v))
-            self.results[v] = acc
+            figures = self.scores(self._load_policy(v))
+            self.results[v], self.details[v] = figures[METRIC], figures
             run_id = run_id or self._run_id()
-            self.client.log_metric(run_id, METRIC, acc, step=v)
-            self.client.set_model_version_tag(self.model_name, str(v), METRIC, f"{acc:.4f}")
-            log.info("version %s: held-out acceptance %.3f", v, acc)
+            for name, value in figures.items():
+                self.client.log_metric(run_id, name, value, step=v)
+            for name in METRICS[1:] + (METRIC,):  # METRIC last: its tag marks the version as evaluated
+                self.client.set_model_version_tag(self.model_name, str(v), name, f"{figures[name]:.4f}")
+            log.info("version %s: held-out acceptance %.3f [%.3f, %.3f], satisfaction %.3f, valid %.3f, no edit %.3f",
+                     v, *(figures[m] for m in METRICS))
         return dict(sorted(self.results.items()))

@@ -6,7 +6,10 @@
 Each user is an editor session: it asks a replica (round-robin, like a load balancer) for
 completions of a code prompt via the replica contract (`POST /v1/complete`), looks at each
 candidate, and sends its reactions to the ingest API (`POST /v1/events`) through the
-FeedbackClient. Works against any deployment that speaks those two contracts.
+FeedbackClient. Works against any deployment that speaks those two contracts. Requests whose
+prompt is hard (`FLYWHEEL_SIMULATE_HARD_FRACTION`, app/simulate/prompts.py `is_hard`) get the
+hard-request reactions of app/simulate/users.py; `Stats` also sums each version's true
+satisfaction, which no event carries.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 import httpx
 
 from app.simulate.config import SimulateConfig
-from app.simulate.prompts import prompts
+from app.edits import classify
+from app.simulate.prompts import is_hard, prompts
 from app.simulate.users import SimulatedUser, population
 
 log = logging.getLogger(__name__)
@@ -39,9 +43,14 @@ class Stats:
     events: int = 0
     accepted: Counter = field(default_factory=Counter)  # per model_version
     shown: Counter = field(default_factory=Counter)
+    satisfaction: Counter = field(default_factory=Counter)  # per model_version: sum of true satisfaction
+    kinds: Counter = field(default_factory=Counter)  # (model_version, app.edits kind) -> completions
 
     def acceptance(self) -> dict[str, float]:
         return {v: self.accepted[v] / n for v, n in self.shown.items() if n}
+
+    def mean_satisfaction(self) -> dict[str, float]:
+        return {v: self.satisfaction[v] / n for v, n in self.shown.items() if n}
 
 
 def _now() -> str:
@@ -72,13 +81,17 @@ class Population:
             log.warning("completion from %s failed: %s", url, exc)
             return None
 
-    def _react(self, user: SimulatedUser, resp: dict[str, Any]) -> None:
+    def _react(self, user: SimulatedUser, resp: dict[str, Any], prompt: str = "") -> None:
         version = str(resp.get("model_version"))
+        hard = is_hard(prompt, self.cfg.hard_fraction)
         for c in resp.get("completions", []):
             rid = c.get("request_id") or resp["request_id"]
+            text = c.get("text", "")
             self.stats.completions += 1
             self.stats.shown[version] += 1
-            for e in user.react(c.get("text", "")):
+            self.stats.satisfaction[version] += user.satisfaction(text, hard)
+            self.stats.kinds[(version, classify(text))] += 1
+            for e in user.react(text, hard):
                 if e["type"] == "accept":
                     self.stats.accepted[version] += 1
                 self._outbox.append({**e, "event_id": uuid.uuid4().hex, "request_id": rid,
@@ -87,11 +100,12 @@ class Population:
     async def _user_loop(self, http: httpx.AsyncClient, user: SimulatedUser, gap_s: float, until: float | None) -> None:
         await asyncio.sleep(self.rng.random() * gap_s)
         while until is None or time.monotonic() < until:
-            resp = await self._complete(http, user, self.rng.choice(self.prompts))
+            prompt = self.rng.choice(self.prompts)
+            resp = await self._complete(http, user, prompt)
             self.stats.requests += 1
             if resp is not None:
                 await asyncio.sleep(self.rng.expovariate(1 / self.cfg.feedback_delay_s) if self.cfg.feedback_delay_s else 0)
-                self._react(user, resp)
+                self._react(user, resp, prompt)
             await asyncio.sleep(gap_s * (0.5 + self.rng.random()))
 
     async def _flush_loop(self, client: Any, until: float | None) -> None:

@@ -65,3 +65,18 @@ def test_new_version_needs_weights_and_uses_them():
         resolve_spec("v2")
     spec = resolve_spec("v2", RewardWeights(accept=1.0))
     assert compute_reward(spec, [fb("r", "a", "accept")]).reward == 1.0
+
+
+def test_no_decision_weight_labels_generations_without_accept_reject_or_tool_error():
+    silence = resolve_spec("hackable-silence")
+    followup = [{"type": "followup", "sentiment": -0.8, "event_id": "a", "ts": "2026-11-24T00:00:00Z", "request_id": "r"}]
+    assert compute_reward(V1, followup).reward == pytest.approx(-0.4), "v1 sums the follow-up"
+    res = compute_reward(silence, followup)
+    assert res.reward == 0.0 and res.components["decision"] == 0.0 and res.components["followup"] is None
+    assert res.raw["followup"] == -0.8, "the raw follow-up still reaches the version metrics"
+    assert compute_reward(silence, []).reward == 0.0
+    assert compute_reward(resolve_spec("x", RewardWeights(no_decision=-0.3)), []).reward == -0.3
+    err = [{"type": "tool_error", "message": "m", "token_index": 0, "event_id": "b", "ts": "2026-11-24T00:00:00Z"}]
+    assert compute_reward(silence, err).reward == -0.5, "a tool error is not 'no decision'"
+    assert compute_reward(resolve_spec("hackable-tools"), err).reward == -0.05
+    assert KNOWN_SPECS["v1"].no_decision is None
