@@ -289,6 +289,11 @@ def check_command(words: list[str], extra_opts: list[str]) -> list[str]:
         paths = [a.split("::")[0] for a in args if not a.startswith("-") and a != "pytest"]
         return [f"no test path {p}" for p in paths if not (REPO / p).exists()] or ([] if paths else ["pytest without a path"])
     if prog in (".venv/bin/python", "python"):
+        if args[:1] == ["-m"]:  # python -m package.module: the module's file, and its options
+            script = REPO / (args[1].replace(".", "/") + ".py")
+            if not script.is_file():
+                return [f"no module {args[1]}"]
+            return [f"{args[1]} has no option {o}" for o in opts if f'"{o}"' not in script.read_text()]
         script = REPO / args[0]
         if not script.is_file():
             return [f"no script {args[0]}"]
