@@ -124,7 +124,9 @@ class HeldOutEvaluator:
     def _run_id(self) -> str:
         exp = self.client.get_experiment_by_name(EXPERIMENT)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT)
-        runs = self.client.search_runs([exp_id], filter_string=f"tags.mlflow.runName = '{RUN_NAME}'", max_results=1)
+        # one run per registered model: two models on one server must not share metric steps (= versions)
+        runs = self.client.search_runs([exp_id], filter_string=f"tags.mlflow.runName = '{RUN_NAME}' and "
+                                                                f"tags.model = '{self.model_name}'", max_results=1)
         if runs:
             return runs[0].info.run_id
         return self.client.create_run(exp_id, run_name=RUN_NAME, tags={"model": self.model_name}).info.run_id

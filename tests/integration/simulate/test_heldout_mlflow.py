@@ -42,7 +42,9 @@ def test_heldout_figures_become_tags_and_metrics(mlflow_server, tmp_path: Path):
     tags = client.get_model_version(model, mv.version).tags
     assert {m: float(tags[m]) for m in METRICS} == pytest.approx(figures, abs=1e-4)
     exp = client.get_experiment_by_name(EXPERIMENT)
-    [hrun] = client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.runName = '{RUN_NAME}'")
+    # the server is shared with other tests' models: each model has its own held-out run
+    [hrun] = client.search_runs([exp.experiment_id],
+                                filter_string=f"tags.mlflow.runName = '{RUN_NAME}' and tags.model = '{model}'")
     for m in METRICS:
         [point] = [p for p in client.get_metric_history(hrun.info.run_id, m) if p.step == int(mv.version)]
         assert point.value == pytest.approx(figures[m])
