@@ -9,7 +9,7 @@ is the version tag `parent_version`. Held-out rollouts: the newest `n_rollouts` 
 `<ns>.rollouts` at offsets the version did not train on (at or past the end of its
 `kafka_offsets` ranges tag), deduplicated by request_id (the topic is compacted and
 at-least-once), without relabelled records (`relabel_run`: old generations under another spec).
-The reward model is fitted on the newest `n_reward_rollouts` records read the same way.
+The reward model is fitted on the newest `n_reward_rollouts` records; one read of the topic serves both.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def load_version(client, model: str, version: str) -> tuple[Any, dict[str, torch
     return policy, state, tags
 
 
-def held_out_rollouts(settings: Settings, trained: dict[str, Any] | None, limit: int) -> list[dict[str, Any]]:
-    """Newest `limit` rollouts at offsets past the trained ranges ({"partitions": {p: [start, end]}})."""
+def newest_rollouts(settings: Settings, limit: int) -> list[tuple[int, int, dict[str, Any]]]:
+    """About the newest `limit` rollouts of the topic (an equal share per partition) as (partition,
+    offset, record), deduplicated by request_id (the newest wins), relabelled records left out."""
     from kafka import TopicPartition
 
     from app.kafka_io import make_consumer
@@ -66,7 +67,6 @@ def held_out_rollouts(settings: Settings, trained: dict[str, Any] | None, limit:
     if limit <= 0:
         return []
     topic = settings.topic("rollouts")
-    ends_trained = {int(p): int(r[1]) for p, r in ((trained or {}).get("partitions") or {}).items()}
     consumer = make_consumer(settings, group_id=None, consumer_timeout_ms=2000)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or [])]
@@ -76,19 +76,26 @@ def held_out_rollouts(settings: Settings, trained: dict[str, Any] | None, limit:
         begin, end = consumer.beginning_offsets(tps), consumer.end_offsets(tps)
         per = max(1, limit // len(tps))
         for tp in tps:
-            consumer.seek(tp, max(begin[tp], ends_trained.get(tp.partition, 0), end[tp] - per))
-        out: dict[str, dict[str, Any]] = {}
+            consumer.seek(tp, max(begin[tp], end[tp] - per))
+        out: dict[str, tuple[int, int, dict[str, Any]]] = {}
         for rec in consumer:
             if rec.value:
                 r = json.loads(rec.value)
-                if r.get("relabel_run"):  # a replay of old generations under another spec: not what serves now
-                    continue
-                out[r.get("request_id", f"{rec.partition}:{rec.offset}")] = r
+                if not r.get("relabel_run"):  # a replay of old generations under another spec: not what serves now
+                    out[r.get("request_id", f"{rec.partition}:{rec.offset}")] = (rec.partition, rec.offset, r)
             if all(consumer.position(tp) >= end[tp] for tp in tps):
                 break
         return list(out.values())[-limit:]
     finally:
         consumer.close()
+
+
+def held_out(rollouts: list[tuple[int, int, dict[str, Any]]], trained: dict[str, Any] | None,
+             limit: int) -> list[dict[str, Any]]:
+    """The newest `limit` of `rollouts` at offsets past the trained ranges ({"partitions": {p: [start, end]}})."""
+    ends = {int(p): int(r[1]) for p, r in ((trained or {}).get("partitions") or {}).items()}
+    past = [r for p, o, r in rollouts if o >= ends.get(p, 0)]
+    return past[-limit:] if limit > 0 else []
 
 
 class GateRunner:
@@ -119,9 +126,11 @@ class GateRunner:
         parent_state = load_version(self.client, model, parent)[1] if parent else None
         champ = load_version(self.client, model, champion)[0] if champion and champion != version else None
         trained = json.loads(tags["kafka_offsets"]) if tags.get("kafka_offsets") else None
-        rolls = held_out_rollouts(self.settings, trained, self.n_rollouts)
-        # the reward model may learn from any logged rollout (it judges the candidate, it is not it)
-        fit_on = held_out_rollouts(self.settings, None, self.n_reward_rollouts)
+        # one read serves both: the reward model may learn from any logged rollout (it judges the
+        # candidate, it is not it); the off-policy estimate needs rollouts the version did not train on
+        newest = newest_rollouts(self.settings, max(self.n_rollouts, self.n_reward_rollouts))
+        rolls = held_out(newest, trained, self.n_rollouts)
+        fit_on = [r for _, _, r in newest[-self.n_reward_rollouts:]] if self.n_reward_rollouts > 0 else []
         log.info("gating %s v%s: parent %s, champion %s, %d held-out rollouts, reward model on %d", model, version, parent,
                  champion, len(rolls), len(fit_on))
         return run_gate(GateInputs(candidate_state=cand_state, parent_state=parent_state, candidate=cand, champion=champ,
