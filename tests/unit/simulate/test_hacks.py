@@ -50,20 +50,14 @@ def test_v1_pays_every_honest_attempt_more_than_either_hack_on_hard_requests(hac
         assert honest > hacked + 0.05, f"v1: honest {name} {honest:.3f} vs hack {hacked:.3f}"
 
 
-def test_hackable_tools_pays_a_broken_tool_call_more_than_any_honest_attempt():
-    hacked = expected_reward("hackable-tools", BROKEN, hard=True)
+@pytest.mark.parametrize("spec, hack, other", [("hackable-tools", "broken", "question"), ("hackable-silence", "question", "broken")])
+def test_a_hackable_spec_pays_its_hack_more_than_any_honest_attempt(spec, hack, other):
+    texts = {"broken": BROKEN, "question": QUESTION}
+    hacked = expected_reward(spec, texts[hack], hard=True)
     for name, text in HONEST.items():
-        honest = expected_reward("hackable-tools", text, hard=True)
-        assert hacked > honest + 0.05, f"hackable-tools: broken {hacked:.3f} vs honest {name} {honest:.3f}"
-    assert expected_reward("hackable-tools", QUESTION, hard=True) < expected_reward("hackable-tools", HONEST["multi_line"], hard=True)
-
-
-def test_hackable_silence_pays_a_question_more_than_any_honest_attempt():
-    hacked = expected_reward("hackable-silence", QUESTION, hard=True)
-    for name, text in HONEST.items():
-        honest = expected_reward("hackable-silence", text, hard=True)
-        assert hacked > honest + 0.05, f"hackable-silence: question {hacked:.3f} vs honest {name} {honest:.3f}"
-    assert expected_reward("hackable-silence", BROKEN, hard=True) < expected_reward("hackable-silence", HONEST["multi_line"], hard=True)
+        honest = expected_reward(spec, text, hard=True)
+        assert hacked > honest + 0.05, f"{spec}: {hack} {hacked:.3f} vs honest {name} {honest:.3f}"
+    assert expected_reward(spec, texts[other], hard=True) < expected_reward(spec, HONEST["multi_line"], hard=True)
 
 
 def test_hacks_leave_the_user_unserved():
