@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 
-.PHONY: run test test-unit test-integration venv postgres kafka-jars chromium bench lock clean
+.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium bench lock clean
 
 venv: $(STAMP)
 
@@ -33,9 +33,19 @@ chromium:
 run: $(STAMP)
 	$(BIN)/flywheel run
 
-# Second README command: the full test suite against the real Kafka, PostgreSQL and MLflow.
-test: $(STAMP) postgres kafka-jars chromium
+# Second README command: lint, then the full test suite against the real Kafka, PostgreSQL and MLflow.
+test: lint $(STAMP) postgres kafka-jars chromium
 	$(BIN)/python -m pytest tests
+
+# ruff (lint and format, configured in pyproject.toml).
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# Rewrite the tree in ruff's format and apply its safe fixes.
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit

@@ -17,13 +17,18 @@ from __future__ import annotations
 import enum
 import logging
 import sys
+from datetime import UTC
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Flywheel: online learning from production feedback.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Flywheel: online learning from production feedback.",
+)
 kafka_app = typer.Typer(no_args_is_help=True, help="The embedded single-node Kafka broker (KRaft).")
 db_app = typer.Typer(no_args_is_help=True, help="The app database (SQLAlchemy + Alembic).")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys (stored hashed, with scopes).")
@@ -39,8 +44,12 @@ console = Console(stderr=True)
 def _setup_logging(verbose: bool = False) -> None:
     from rich.logging import RichHandler
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(name)s: %(message)s",
-                        handlers=[RichHandler(console=console, show_path=False)], force=True)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(name)s: %(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+        force=True,
+    )
     for noisy in ("kafka", "aiokafka", "urllib3", "httpx", "alembic"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -58,7 +67,9 @@ def _settings():
 
 
 @app.callback()
-def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False) -> None:
+def _main(
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Debug logging.")] = False,
+) -> None:
     _setup_logging(verbose)
 
 
@@ -70,10 +81,14 @@ def kafka_start() -> None:
 
     s = _settings()
     broker = LocalKafka.from_settings(s)
-    with console.status(f"starting Kafka on {broker.bootstrap} (first start resolves jars from Maven Central)..."):
+    with console.status(
+        f"starting Kafka on {broker.bootstrap} (first start resolves jars from Maven Central)..."
+    ):
         broker.start()
         created = ensure_topics(s, broker.bootstrap)
-    console.print(f"kafka running on {broker.bootstrap} (pid {broker.pid()}), logs in {broker.home / 'logs'}")
+    console.print(
+        f"kafka running on {broker.bootstrap} (pid {broker.pid()}), logs in {broker.home / 'logs'}"
+    )
     if created:
         console.print(f"created topics: {', '.join(created)}")
 
@@ -116,7 +131,11 @@ def kafka_status() -> None:
 
 
 @app.command("config")
-def config(markdown: Annotated[bool, typer.Option("--markdown", help="Print the README's reference table.")] = False) -> None:
+def config(
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Print the README's reference table.")
+    ] = False,
+) -> None:
     """Every FLYWHEEL_* setting with its default and meaning (the configuration reference)."""
     from app.config_reference import all_settings
     from app.config_reference import markdown as render
@@ -145,7 +164,9 @@ def db_upgrade(revision: Annotated[str, typer.Argument(help="Target revision.")]
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: Annotated[str, typer.Argument(help="Target revision, e.g. base or -1.")]) -> None:
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(help="Target revision, e.g. base or -1.")],
+) -> None:
     """Revert the Alembic migrations down to REVISION."""
     from app.db.migrate import downgrade
 
@@ -162,7 +183,10 @@ class Scope(str, enum.Enum):
 
 @keys_app.command("create")
 def keys_create(
-    scope: Annotated[list[Scope], typer.Option("--scope", "-s", help="ingest, read or admin; repeat for several.")],
+    scope: Annotated[
+        list[Scope],
+        typer.Option("--scope", "-s", help="ingest, read or admin; repeat for several."),
+    ],
     name: Annotated[str, typer.Option(help="A label for the key (who or what uses it).")] = "",
 ) -> None:
     """Create an API key. The key is printed alone on the last line of stdout (shown only once)."""
@@ -175,20 +199,25 @@ def keys_create(
     upgrade(s.db_url, "head")
     with session_scope(s.db_url) as session:
         key, row = create_key(session, [sc.value for sc in scope], name=name)
-        console.print(f"created key {row.prefix} with scopes {row.scopes} (store it now; it is not shown again)")
+        console.print(
+            f"created key {row.prefix} with scopes {row.scopes} (store it now; it is not shown again)"
+        )
     typer.echo(key)
 
 
-def _utc_iso(dt) -> str:  # noqa: ANN001
+def _utc_iso(dt) -> str:
     """ISO 8601 in UTC; SQLite hands back naive datetimes that were stored as UTC."""
-    from datetime import timezone
 
-    return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).astimezone(timezone.utc).isoformat(timespec="seconds")
+    return (
+        (dt if dt.tzinfo else dt.replace(tzinfo=UTC)).astimezone(UTC).isoformat(timespec="seconds")
+    )
 
 
 @keys_app.command("list")
 def keys_list(
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per key on stdout instead of a table.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="One JSON object per key on stdout instead of a table.")
+    ] = False,
 ) -> None:
     """Every API key: prefix, name, scopes, created and revoked times (never the key itself)."""
     import json
@@ -203,25 +232,44 @@ def keys_list(
     s.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(s.db_url, "head")
     with session_scope(s.db_url) as session:
-        rows = [{"prefix": r.prefix, "name": r.name, "scopes": sorted(r.scope_set),
-                 "created_at": _utc_iso(r.created_at), "revoked_at": _utc_iso(r.revoked_at) if r.revoked_at else None}
-                for r in list_keys(session)]
+        rows = [
+            {
+                "prefix": r.prefix,
+                "name": r.name,
+                "scopes": sorted(r.scope_set),
+                "created_at": _utc_iso(r.created_at),
+                "revoked_at": _utc_iso(r.revoked_at) if r.revoked_at else None,
+            }
+            for r in list_keys(session)
+        ]
     if as_json:
         for row in rows:
             typer.echo(json.dumps(row))
         return
     table = Table("prefix", "name", "scopes", "created", "revoked")
     for row in rows:
-        table.add_row(f"fw_{row['prefix']}", row["name"], ",".join(row["scopes"]), row["created_at"],
-                      row["revoked_at"] or "")
+        table.add_row(
+            f"fw_{row['prefix']}",
+            row["name"],
+            ",".join(row["scopes"]),
+            row["created_at"],
+            row["revoked_at"] or "",
+        )
     Console(width=200).print(table)
-    console.print(f"{len(rows)} key{'' if len(rows) == 1 else 's'}, {sum(r['revoked_at'] is None for r in rows)} active")
+    console.print(
+        f"{len(rows)} key{'' if len(rows) == 1 else 's'}, {sum(r['revoked_at'] is None for r in rows)} active"
+    )
 
 
 @keys_app.command("revoke")
 def keys_revoke(
-    prefix: Annotated[str, typer.Argument(help="The key's prefix as `flywheel keys list` shows it (fw_1a2b3c4d), "
-                                               "or its first 4+ hex digits.")],
+    prefix: Annotated[
+        str,
+        typer.Argument(
+            help="The key's prefix as `flywheel keys list` shows it (fw_1a2b3c4d), "
+            "or its first 4+ hex digits."
+        ),
+    ],
 ) -> None:
     """Revoke one API key by prefix (idempotent). Exit 1 when no key or several keys match."""
     from app.db.keys import KeyNotFound, revoke_key
@@ -243,10 +291,14 @@ def keys_revoke(
         raise typer.Exit(1) from None
     when = _utc_iso(key.revoked_at)
     if done.already_revoked:
-        console.print(f"key fw_{key.prefix} ({key.name or 'unnamed'}) was already revoked at {when}")
+        console.print(
+            f"key fw_{key.prefix} ({key.name or 'unnamed'}) was already revoked at {when}"
+        )
     else:
-        console.print(f"revoked key fw_{key.prefix} ({key.name or 'unnamed'}) at {when}; the API refuses it within "
-                      f"FLYWHEEL_KEY_CACHE_TTL ({s.key_cache_ttl:g}s)")
+        console.print(
+            f"revoked key fw_{key.prefix} ({key.name or 'unnamed'}) at {when}; the API refuses it within "
+            f"FLYWHEEL_KEY_CACHE_TTL ({s.key_cache_ttl:g}s)"
+        )
 
 
 # --- projections (app/deployments/projector.py) ------------------------------------------------
@@ -261,11 +313,15 @@ def projections_rebuild() -> None:
     s = _settings()
     s.data_dir.mkdir(parents=True, exist_ok=True)
     upgrade(s.db_url, "head")
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True) as bar:
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), console=console, transient=True
+    ) as bar:
         task = bar.add_task(f"replaying {s.topic('deployments')}", total=None)
         report = rebuild(s, progress=lambda n: bar.update(task, description=f"replayed {n} events"))
-    console.print(f"rebuilt projections in {s.db_url} from {s.topic('deployments')}: {report.events_read} events read, "
-                  f"{report.events_applied} applied, {report.duplicates} duplicates, {report.seconds:.2f}s")
+    console.print(
+        f"rebuilt projections in {s.db_url} from {s.topic('deployments')}: {report.events_read} events read, "
+        f"{report.events_applied} applied, {report.duplicates} duplicates, {report.seconds:.2f}s"
+    )
 
 
 @projections_app.command("follow")
@@ -286,7 +342,11 @@ def projections_follow() -> None:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         database_ready(s.db_url, stop)  # then the broker and the topic (follow)
-        wait_for("the database migrations (alembic upgrade head)", lambda: upgrade(s.db_url, "head"), stop=stop)
+        wait_for(
+            "the database migrations (alembic upgrade head)",
+            lambda: upgrade(s.db_url, "head"),
+            stop=stop,
+        )
         follow(s, stop=stop)
     except Stopped:
         return
@@ -297,19 +357,30 @@ def projections_follow() -> None:
 # --- roles (each added by the issue that builds it) ---------------------------------------------
 @app.command("api")
 def api_cmd(
-    host: Annotated[Optional[str], typer.Option(help="Bind address (default: FLYWHEEL_API_HOST, 127.0.0.1).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default: FLYWHEEL_API_PORT, 8000).")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Bind address (default: FLYWHEEL_API_HOST, 127.0.0.1).")
+    ] = None,
+    port: Annotated[
+        int | None, typer.Option(help="Port (default: FLYWHEEL_API_PORT, 8000).")
+    ] = None,
 ) -> None:
     """Serve the HTTP API (ingest, health, metrics); applies the migrations once the database answers (/readyz says what is missing)."""
     from app.api.server import serve
 
     serve(_settings(), host, port)
 
-streams_app = typer.Typer(help="The streams role: `flywheel streams` runs a worker; `relabel` re-derives rewards from the log.")
+
+streams_app = typer.Typer(
+    help="The streams role: `flywheel streams` runs a worker; `relabel` re-derives rewards from the log."
+)
 app.add_typer(streams_app, name="streams")
 
-_STREAMS_HOST = Annotated[Optional[str], typer.Option(help="Bind address of the Prometheus /metrics endpoint.")]
-_STREAMS_PORT = Annotated[Optional[int], typer.Option(help="Port of the Prometheus endpoint (0 disables).")]
+_STREAMS_HOST = Annotated[
+    str | None, typer.Option(help="Bind address of the Prometheus /metrics endpoint.")
+]
+_STREAMS_PORT = Annotated[
+    int | None, typer.Option(help="Port of the Prometheus endpoint (0 disables).")
+]
 
 
 @streams_app.callback(invoke_without_command=True)
@@ -332,21 +403,62 @@ def _run_streams_worker(host: str | None, port: int | None) -> None:
     from streams.worker import run_worker
 
     try:
-        cfg = StreamsConfig(**{k: v for k, v in {"metrics_host": host, "metrics_port": port}.items() if v is not None})
+        cfg = StreamsConfig(
+            **{
+                k: v
+                for k, v in {"metrics_host": host, "metrics_port": port}.items()
+                if v is not None
+            }
+        )
     except ValidationError as exc:
         console.print(f"[red]invalid streams configuration:[/red]\n{exc}")
         raise typer.Exit(2) from None
-    run_worker(_settings(), cfg, loglevel="INFO" if logging.getLogger().level <= logging.DEBUG else None)
+    run_worker(
+        _settings(), cfg, loglevel="INFO" if logging.getLogger().level <= logging.DEBUG else None
+    )
 
 
 @streams_app.command("relabel")
 def streams_relabel(
-    reward_spec: Annotated[str, typer.Option("--reward-spec", help="Version of the spec to label with (known: v1, or any new name with --reward-weights).")],
-    since: Annotated[str, typer.Option("--since", help="Replay interactions recorded at or after this RFC 3339 time, e.g. 2026-11-21T10:00:00Z.")],
-    until: Annotated[Optional[str], typer.Option("--until", help="Only generations recorded before this time (default: everything up to the end of the log at start).")] = None,
-    reward_weights: Annotated[Optional[str], typer.Option("--reward-weights", help='Weights (JSON) of a spec version that is not known, e.g. \'{"tool_error": -1.5}\' (unset weights keep v1\'s).')] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Replay and count; write nothing.")] = False,
-    idle_timeout: Annotated[float, typer.Option("--idle-timeout", min=1.0, help="Fail when no record arrives for this many seconds while the replay is below its end offsets.")] = 60.0,
+    reward_spec: Annotated[
+        str,
+        typer.Option(
+            "--reward-spec",
+            help="Version of the spec to label with (known: v1, or any new name with --reward-weights).",
+        ),
+    ],
+    since: Annotated[
+        str,
+        typer.Option(
+            "--since",
+            help="Replay interactions recorded at or after this RFC 3339 time, e.g. 2026-11-21T10:00:00Z.",
+        ),
+    ],
+    until: Annotated[
+        str | None,
+        typer.Option(
+            "--until",
+            help="Only generations recorded before this time (default: everything up to the end of the log at start).",
+        ),
+    ] = None,
+    reward_weights: Annotated[
+        str | None,
+        typer.Option(
+            "--reward-weights",
+            help="Weights (JSON) of a spec version that is not known, e.g. '{\"tool_error\": -1.5}' (unset weights keep v1's).",
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Replay and count; write nothing.")
+    ] = False,
+    idle_timeout: Annotated[
+        float,
+        typer.Option(
+            "--idle-timeout",
+            min=1.0,
+            help="Fail when no record arrives for this many seconds while the replay is below its end offsets.",
+        ),
+    ] = 60.0,
 ) -> None:
     """Re-label interactions under another reward spec, beside the live worker (docs/STREAMS.md).
 
@@ -367,42 +479,80 @@ def streams_relabel(
         raise typer.Exit(2)
 
     try:
-        weights = RewardWeights.model_validate_json(reward_weights) if reward_weights is not None else None
+        weights = (
+            RewardWeights.model_validate_json(reward_weights)
+            if reward_weights is not None
+            else None
+        )
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         where = ".".join(str(p) for p in first["loc"]) or "(value)"
-        refuse(f"--reward-weights is not a weights object: {where}: {first['msg']} "
-               f"(fields: {', '.join(RewardWeights.model_fields)})")
+        refuse(
+            f"--reward-weights is not a weights object: {where}: {first['msg']} "
+            f"(fields: {', '.join(RewardWeights.model_fields)})"
+        )
     try:
         spec = resolve_spec(reward_spec, weights)
-        opts = RelabelOptions(spec=spec, since=parse_time(since, "--since"),
-                              until=parse_time(until, "--until") if until is not None else None,
-                              dry_run=dry_run, idle_timeout_s=idle_timeout)
+        opts = RelabelOptions(
+            spec=spec,
+            since=parse_time(since, "--since"),
+            until=parse_time(until, "--until") if until is not None else None,
+            dry_run=dry_run,
+            idle_timeout_s=idle_timeout,
+        )
     except ValueError as exc:
-        refuse(str(exc).replace("FLYWHEEL_STREAMS_REWARD_WEIGHTS (JSON)", "--reward-weights (JSON)")
-               .replace("set FLYWHEEL_STREAMS_REWARD_SPEC to a new name", "pass --reward-spec a new name"))
+        refuse(
+            str(exc)
+            .replace("FLYWHEEL_STREAMS_REWARD_WEIGHTS (JSON)", "--reward-weights (JSON)")
+            .replace(
+                "set FLYWHEEL_STREAMS_REWARD_SPEC to a new name", "pass --reward-spec a new name"
+            )
+        )
     try:
         cfg = StreamsConfig()
     except ValidationError as exc:
         console.print(f"[red]invalid streams configuration:[/red]\n{exc}")
         raise typer.Exit(2) from None
     settings = _settings()
-    with Progress(TextColumn("relabel {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as bar:
+    with Progress(
+        TextColumn("relabel {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as bar:
         task = bar.add_task(f"{settings.topic('interactions')} -> {spec.version}", total=None)
         try:
-            counts = relabel(settings, cfg, opts, progress=lambda done, total: bar.update(task, completed=done, total=total))
-        except (RuntimeError, KafkaError) as exc:  # a write the broker refused, no progress, no topic
-            console.print(f"[red]relabel failed:[/red] {type(exc).__name__}: {exc} (records acknowledged before "
-                          "the failure stay on the topics; run it again: the trainer dedupes the repeats)")
+            counts = relabel(
+                settings,
+                cfg,
+                opts,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+        except (
+            RuntimeError,
+            KafkaError,
+        ) as exc:  # a write the broker refused, no progress, no topic
+            console.print(
+                f"[red]relabel failed:[/red] {type(exc).__name__}: {exc} (records acknowledged before "
+                "the failure stay on the topics; run it again: the trainer dedupes the repeats)"
+            )
             raise typer.Exit(1) from None
-    summary = dict(counts.as_dict(), reward_spec=spec.version, relabel_run=opts.run_id, dry_run=dry_run)
+    summary = dict(
+        counts.as_dict(), reward_spec=spec.version, relabel_run=opts.run_id, dry_run=dry_run
+    )
     typer.echo(_json.dumps(summary, sort_keys=True))
 
 
 @app.command("trainer")
 def trainer_cmd(
-    port: Annotated[Optional[int], typer.Option(help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_TRAINER_METRICS_PORT).")] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_TRAINER_METRICS_PORT)."
+        ),
+    ] = None,
 ) -> None:
     """Continuous RL trainer: consume rollouts, train, register a version every FLYWHEEL_SHIP_INTERVAL (docs/TRAINER.md)."""
     import os
@@ -417,7 +567,12 @@ def trainer_cmd(
 
 @app.command("controller")
 def controller_cmd(
-    port: Annotated[Optional[int], typer.Option(help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_CONTROLLER_METRICS_PORT).")] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_CONTROLLER_METRICS_PORT)."
+        ),
+    ] = None,
 ) -> None:
     """Rollout controller: offline gate, canary steps, promote/rollback, MLflow aliases (webhook + poll). docs/ROLLOUT.md."""
     from app.controller.launch import run_controller
@@ -427,51 +582,97 @@ def controller_cmd(
 
 @app.command("pretrain")
 def pretrain_cmd(
-    out: Annotated[str, typer.Option("--out", help="Directory for config.json + model.safetensors (fp32 masters).")],
+    out: Annotated[
+        str,
+        typer.Option("--out", help="Directory for config.json + model.safetensors (fp32 masters)."),
+    ],
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 600,
-    seed: Annotated[int, typer.Option(help="Seed of the corpus, the initialisation and the batches.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the corpus, the initialisation and the batches.")
+    ] = 0,
     batch_size: Annotated[int, typer.Option(help="Documents per step.")] = 16,
-    threads: Annotated[int, typer.Option(help="torch intra-op threads (1 avoids contention on small shared boxes).")] = 1,
+    threads: Annotated[
+        int,
+        typer.Option(help="torch intra-op threads (1 avoids contention on small shared boxes)."),
+    ] = 1,
 ) -> None:
     """Pretrain the base policy on the synthetic code corpus and save it (trainer/pretrain.py, docs/NUMERICS.md)."""
     import torch
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     from trainer.pretrain import pretrain_to_dir
 
     torch.set_num_threads(threads)
-    with Progress(TextColumn("pretrain"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-                  TimeRemainingColumn(), console=console) as progress:
+    with Progress(
+        TextColumn("pretrain"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as progress:
         task = progress.add_task("pretrain", total=steps, loss="-")
-        policy, path = pretrain_to_dir(out, {"batch_size": batch_size}, steps=steps, seed=seed,
-                                       on_step=lambda s, loss: progress.update(task, advance=1, loss=f"{loss:.3f}"))
-    sample = policy.generate([policy.tokenizer.encode("def ")], max_tokens=160, temperature=0.7, seed=seed)[0]
+        policy, path = pretrain_to_dir(
+            out,
+            {"batch_size": batch_size},
+            steps=steps,
+            seed=seed,
+            on_step=lambda s, loss: progress.update(task, advance=1, loss=f"{loss:.3f}"),
+        )
+    sample = policy.generate(
+        [policy.tokenizer.encode("def ")], max_tokens=160, temperature=0.7, seed=seed
+    )[0]
     console.print(f"saved {path}; sample (T=0.7):\n[cyan]def {sample.text}[/cyan]")
 
 
 @app.command("run")
 def run(
     replicas: Annotated[int, typer.Option(help="Inference replicas to start.")] = 2,
-    replica_base_port: Annotated[int, typer.Option(help="Replica i listens on this port + i.")] = 8100,
-    no_simulate: Annotated[bool, typer.Option("--no-simulate", help="Do not start the simulated editor population.")] = False,
-    no_live: Annotated[bool, typer.Option("--no-live", help="Plain log lines instead of the live status view.")] = False,
-    duration: Annotated[Optional[str], typer.Option(help="Stop by itself after this long (e.g. 10m).")] = None,
+    replica_base_port: Annotated[
+        int, typer.Option(help="Replica i listens on this port + i.")
+    ] = 8100,
+    no_simulate: Annotated[
+        bool, typer.Option("--no-simulate", help="Do not start the simulated editor population.")
+    ] = False,
+    no_live: Annotated[
+        bool, typer.Option("--no-live", help="Plain log lines instead of the live status view.")
+    ] = False,
+    duration: Annotated[
+        str | None, typer.Option(help="Stop by itself after this long (e.g. 10m).")
+    ] = None,
 ) -> None:
     """Run the whole loop locally on the embedded defaults (Kafka, MLflow, API and every role)."""
     from app.run import RunOptions, run_local
     from app.settings import parse_duration
 
-    opts = RunOptions(replicas=replicas, replica_base_port=replica_base_port, simulate=not no_simulate, live=not no_live,
-                      duration_s=parse_duration(duration) if duration else None)
+    opts = RunOptions(
+        replicas=replicas,
+        replica_base_port=replica_base_port,
+        simulate=not no_simulate,
+        live=not no_live,
+        duration_s=parse_duration(duration) if duration else None,
+    )
     raise typer.Exit(run_local(_settings(), opts))
-
 
 
 @app.command("replica")
 def replica(
-    host: Annotated[Optional[str], typer.Option(help="Bind address (default FLYWHEEL_REPLICA_HOST).")] = None,
-    port: Annotated[Optional[int], typer.Option(help="Port (default FLYWHEEL_REPLICA_PORT).")] = None,
-    replica_id: Annotated[Optional[str], typer.Option("--replica-id", help="Id in events and metrics (default FLYWHEEL_REPLICA_ID).")] = None,
+    host: Annotated[
+        str | None, typer.Option(help="Bind address (default FLYWHEEL_REPLICA_HOST).")
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default FLYWHEEL_REPLICA_PORT).")] = None,
+    replica_id: Annotated[
+        str | None,
+        typer.Option(
+            "--replica-id", help="Id in events and metrics (default FLYWHEEL_REPLICA_ID)."
+        ),
+    ] = None,
 ) -> None:
     """An inference replica: POST /v1/complete, follows flywheel.deployments, syncs weights by verified deltas."""
     from pydantic import ValidationError
@@ -479,7 +680,9 @@ def replica(
     from app.replica.config import ReplicaConfig
     from app.replica.server import serve
 
-    overrides = {k: v for k, v in (("host", host), ("port", port), ("id", replica_id)) if v is not None}
+    overrides = {
+        k: v for k, v in (("host", host), ("port", port), ("id", replica_id)) if v is not None
+    }
     try:
         cfg = ReplicaConfig(**overrides)
     except ValidationError as exc:
@@ -491,10 +694,16 @@ def replica(
 @app.command("simulate")
 def simulate(
     api: Annotated[str, typer.Option(help="Ingest API root, e.g. http://127.0.0.1:8000.")],
-    api_key: Annotated[str, typer.Option(help="A key with the ingest scope.", envvar="FLYWHEEL_SIMULATE_API_KEY")],
+    api_key: Annotated[
+        str, typer.Option(help="A key with the ingest scope.", envvar="FLYWHEEL_SIMULATE_API_KEY")
+    ],
     replica: Annotated[list[str], typer.Option(help="Replica root URL; repeat for several.")],
-    duration: Annotated[Optional[str], typer.Option(help="Stop after this long (e.g. 10m); default: until Ctrl-C.")] = None,
-    evaluate: Annotated[bool, typer.Option(help="Also score every registered version on held-out users (MLflow).")] = True,
+    duration: Annotated[
+        str | None, typer.Option(help="Stop after this long (e.g. 10m); default: until Ctrl-C.")
+    ] = None,
+    evaluate: Annotated[
+        bool, typer.Option(help="Also score every registered version on held-out users (MLflow).")
+    ] = True,
 ) -> None:
     """A simulated editor population: ask replicas for completions, send feedback to the API."""
     import asyncio
@@ -516,8 +725,10 @@ def simulate(
                 try:
                     results = evaluator.evaluate_new()
                     if results:
-                        console.print("held-out acceptance by version: "
-                                      + ", ".join(f"v{v}={a:.3f}" for v, a in results.items()))
+                        console.print(
+                            "held-out acceptance by version: "
+                            + ", ".join(f"v{v}={a:.3f}" for v, a in results.items())
+                        )
                 except Exception as exc:  # registry not up yet, or a version still uploading
                     logging.getLogger(__name__).warning("held-out evaluation failed: %s", exc)
 
@@ -527,40 +738,82 @@ def simulate(
         stats = asyncio.run(pop.run(parse_duration(duration) if duration else None))
     finally:
         stop.set()
-    console.print(f"requests {stats.requests}, completions {stats.completions}, events {stats.events}, "
-                  f"errors {stats.errors}, acceptance by version {stats.acceptance()}")
+    console.print(
+        f"requests {stats.requests}, completions {stats.completions}, events {stats.events}, "
+        f"errors {stats.errors}, acceptance by version {stats.acceptance()}"
+    )
 
 
 @app.command("report")
 def report(
-    data_dir: Annotated[Optional[Path], typer.Option(help="Data dir to report on (default FLYWHEEL_DATA_DIR): its MLflow "
-                                                          "store and app database are read directly.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Where to write the page (default <data_dir>/report.html).")] = None,
-    mlflow_uri: Annotated[Optional[str], typer.Option(help="A running MLflow server instead of <data_dir>/mlflow/mlflow.db.")] = None,
-    api: Annotated[Optional[str], typer.Option(help="Read deployment events from a running API's /v1/deployments/history.")] = None,
-    api_key: Annotated[Optional[str], typer.Option(help="Read-scope key for --api (default: <data_dir>/local-keys.json).",
-                                                   envvar="FLYWHEEL_REPORT_API_KEY")] = None,
-    from_kafka: Annotated[bool, typer.Option("--from-kafka", help="Read deployment events from the <ns>.deployments topic.")] = False,
-    model: Annotated[Optional[str], typer.Option(help="Registered model (default FLYWHEEL_MODEL_NAME).")] = None,
-    markdown: Annotated[bool, typer.Option("--markdown", help="Also print the per-version table as Markdown.")] = False,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Data dir to report on (default FLYWHEEL_DATA_DIR): its MLflow "
+            "store and app database are read directly."
+        ),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Where to write the page (default <data_dir>/report.html)."),
+    ] = None,
+    mlflow_uri: Annotated[
+        str | None,
+        typer.Option(help="A running MLflow server instead of <data_dir>/mlflow/mlflow.db."),
+    ] = None,
+    api: Annotated[
+        str | None,
+        typer.Option(help="Read deployment events from a running API's /v1/deployments/history."),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Read-scope key for --api (default: <data_dir>/local-keys.json).",
+            envvar="FLYWHEEL_REPORT_API_KEY",
+        ),
+    ] = None,
+    from_kafka: Annotated[
+        bool,
+        typer.Option(
+            "--from-kafka", help="Read deployment events from the <ns>.deployments topic."
+        ),
+    ] = False,
+    model: Annotated[
+        str | None, typer.Option(help="Registered model (default FLYWHEEL_MODEL_NAME).")
+    ] = None,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="Also print the per-version table as Markdown.")
+    ] = False,
 ) -> None:
     """One self-contained HTML page: held-out acceptance, training curves, gate, canary, promotions and rollbacks."""
     import os
 
-    from app.report import ReportSources, SourceMissing, build_report, load_report_data, write_report
+    from app.report import (
+        ReportSources,
+        SourceMissing,
+        build_report,
+        load_report_data,
+        write_report,
+    )
 
     s = _settings()
     updates = {k: v for k, v in (("data_dir", data_dir), ("model_name", model)) if v is not None}
     s = s.model_copy(update=updates) if updates else s
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # a server that went away: fail in seconds, not minutes
+    os.environ.setdefault(
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"
+    )  # a server that went away: fail in seconds, not minutes
     try:
-        src = ReportSources.resolve(s, mlflow_uri=mlflow_uri, api_url=api, api_key=api_key, from_kafka=from_kafka)
+        src = ReportSources.resolve(
+            s, mlflow_uri=mlflow_uri, api_url=api, api_key=api_key, from_kafka=from_kafka
+        )
         data = load_report_data(src)
     except SourceMissing as exc:
         console.print(f"report: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     path = write_report(build_report(data), out or s.data_dir / "report.html")
-    console.print(f"report of {data.model}: {len(data.versions)} versions, {len(data.events)} deployment events")
+    console.print(
+        f"report of {data.model}: {len(data.versions)} versions, {len(data.events)} deployment events"
+    )
     if markdown:
         from app.report.model import markdown_table, version_rows
 

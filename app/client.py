@@ -34,11 +34,17 @@ import json
 import logging
 import threading
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +65,26 @@ class FeedbackRejected(FeedbackError):
     refusal's; `accepted` counts the events of the same flush that were accepted.
     """
 
-    def __init__(self, status_code: int, errors: list[dict[str, Any]], events: list[dict[str, Any]],
-                 accepted: int = 0):
-        self.status_code, self.errors, self.events, self.accepted = status_code, errors, events, accepted
-        lines = "; ".join(f"[{e.get('index')}] {e.get('field')}: {e.get('message')}" for e in errors[:10])
+    def __init__(
+        self,
+        status_code: int,
+        errors: list[dict[str, Any]],
+        events: list[dict[str, Any]],
+        accepted: int = 0,
+    ):
+        self.status_code, self.errors, self.events, self.accepted = (
+            status_code,
+            errors,
+            events,
+            accepted,
+        )
+        lines = "; ".join(
+            f"[{e.get('index')}] {e.get('field')}: {e.get('message')}" for e in errors[:10]
+        )
         more = f" (+{len(errors) - 10} more)" if len(errors) > 10 else ""
-        super().__init__(f"server rejected a batch of {len(events)} events with HTTP {status_code}: {lines}{more}")
+        super().__init__(
+            f"server rejected a batch of {len(events)} events with HTTP {status_code}: {lines}{more}"
+        )
 
 
 class FeedbackUnavailable(FeedbackError):
@@ -75,8 +95,13 @@ class _Unsent(Exception):
     """FeedbackUnavailable during a flush: the events not yet accepted (kept pending), and the
     count accepted and the refusals before it happened."""
 
-    def __init__(self, error: FeedbackUnavailable, events: list[dict[str, Any]], accepted: int,
-                 refused: list["FeedbackRejected"]):
+    def __init__(
+        self,
+        error: FeedbackUnavailable,
+        events: list[dict[str, Any]],
+        accepted: int,
+        refused: list[FeedbackRejected],
+    ):
         super().__init__(str(error))
         self.error, self.events, self.accepted, self.refused = error, events, accepted, refused
 
@@ -88,7 +113,7 @@ class _Retryable(Exception):
 
 
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class FeedbackClient:
@@ -117,13 +142,21 @@ class FeedbackClient:
         timeout_s: HTTP timeout of one request.
         transport: an httpx transport to use instead of the network (tests, proxies).
         """
-        assert 1 <= batch_size <= 1000, f"batch_size must be in 1..1000 (the server's limit), got {batch_size}"
-        assert max_retries >= 0 and flush_interval_s >= 0, f"{max_retries=} {flush_interval_s=} must be >= 0"
+        assert 1 <= batch_size <= 1000, (
+            f"batch_size must be in 1..1000 (the server's limit), got {batch_size}"
+        )
+        assert max_retries >= 0 and flush_interval_s >= 0, (
+            f"{max_retries=} {flush_interval_s=} must be >= 0"
+        )
         self.batch_size, self.max_retries = batch_size, max_retries
         self.errors: list[FeedbackError] = []  # failures of background flushes (also logged)
         self._backoff = wait_exponential_jitter(initial=backoff_initial_s, max=backoff_max_s)
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport,
-                                  headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"})
+        self._http = httpx.Client(
+            base_url=base_url.rstrip("/"),
+            timeout=timeout_s,
+            transport=transport,
+            headers={"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"},
+        )
         self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()  # guards _pending
         self._flush_lock = threading.Lock()  # one batch in flight at a time, in order
@@ -131,8 +164,12 @@ class FeedbackClient:
         self._closed = False
         self._timer = None
         if flush_interval_s > 0:
-            self._timer = threading.Thread(target=self._flush_periodically, args=(flush_interval_s,),
-                                           name="feedback-flush", daemon=True)
+            self._timer = threading.Thread(
+                target=self._flush_periodically,
+                args=(flush_interval_s,),
+                name="feedback-flush",
+                daemon=True,
+            )
             self._timer.start()
 
     # --- events -----------------------------------------------------------------------------------
@@ -149,7 +186,9 @@ class FeedbackClient:
         try:  # fail here, at the caller, rather than in a later (background) flush
             json.dumps(ev, allow_nan=False)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"event {ev['event_id']} is not valid JSON ({exc}); NaN/Infinity are rejected") from None
+            raise ValueError(
+                f"event {ev['event_id']} is not valid JSON ({exc}); NaN/Infinity are rejected"
+            ) from None
         with self._lock:
             self._pending.append(ev)
             full = len(self._pending) >= self.batch_size
@@ -157,18 +196,46 @@ class FeedbackClient:
             self.flush()
         return ev["event_id"]
 
-    def _event(self, type_: str, request_id: str, session_id: str, common: dict[str, Any], **fields: Any) -> str:
-        return self.send({"type": type_, "request_id": request_id, "session_id": session_id, **common, **fields})
+    def _event(
+        self, type_: str, request_id: str, session_id: str, common: dict[str, Any], **fields: Any
+    ) -> str:
+        return self.send(
+            {"type": type_, "request_id": request_id, "session_id": session_id, **common, **fields}
+        )
 
-    def generation(self, request_id: str, session_id: str, *, model_version: str, prompt_tokens: list[int],
-                   completion_tokens: list[int], logprobs: list[float], temperature: float, tokenizer: str = "byte-v1",
-                   routes: str | None = None, route_shape: list[int] | None = None, group_id: str | None = None,
-                   latency_ms: float | None = None, **common: Any) -> str:
-        return self._event("generation", request_id, session_id, common, model_version=model_version,
-                           prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, logprobs=logprobs,
-                           temperature=temperature, tokenizer=tokenizer, routes=routes,
-                           route_shape=list(route_shape) if route_shape is not None else None,
-                           group_id=group_id, latency_ms=latency_ms)
+    def generation(
+        self,
+        request_id: str,
+        session_id: str,
+        *,
+        model_version: str,
+        prompt_tokens: list[int],
+        completion_tokens: list[int],
+        logprobs: list[float],
+        temperature: float,
+        tokenizer: str = "byte-v1",
+        routes: str | None = None,
+        route_shape: list[int] | None = None,
+        group_id: str | None = None,
+        latency_ms: float | None = None,
+        **common: Any,
+    ) -> str:
+        return self._event(
+            "generation",
+            request_id,
+            session_id,
+            common,
+            model_version=model_version,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            logprobs=logprobs,
+            temperature=temperature,
+            tokenizer=tokenizer,
+            routes=routes,
+            route_shape=list(route_shape) if route_shape is not None else None,
+            group_id=group_id,
+            latency_ms=latency_ms,
+        )
 
     def accept(self, request_id: str, session_id: str, **common: Any) -> str:
         return self._event("accept", request_id, session_id, common)
@@ -176,16 +243,34 @@ class FeedbackClient:
     def reject(self, request_id: str, session_id: str, **common: Any) -> str:
         return self._event("reject", request_id, session_id, common)
 
-    def edit_persistence(self, request_id: str, session_id: str, fraction: float, after_s: float, **common: Any) -> str:
-        return self._event("edit_persistence", request_id, session_id, common, fraction=fraction, after_s=after_s)
+    def edit_persistence(
+        self, request_id: str, session_id: str, fraction: float, after_s: float, **common: Any
+    ) -> str:
+        return self._event(
+            "edit_persistence", request_id, session_id, common, fraction=fraction, after_s=after_s
+        )
 
     def rating(self, request_id: str, session_id: str, value: int, **common: Any) -> str:
         return self._event("rating", request_id, session_id, common, value=value)
 
-    def tool_error(self, request_id: str, session_id: str, message: str, token_index: int,
-                   hint: str | None = None, **common: Any) -> str:
-        return self._event("tool_error", request_id, session_id, common, message=message,
-                           token_index=token_index, hint=hint)
+    def tool_error(
+        self,
+        request_id: str,
+        session_id: str,
+        message: str,
+        token_index: int,
+        hint: str | None = None,
+        **common: Any,
+    ) -> str:
+        return self._event(
+            "tool_error",
+            request_id,
+            session_id,
+            common,
+            message=message,
+            token_index=token_index,
+            hint=hint,
+        )
 
     def followup(self, request_id: str, session_id: str, sentiment: float, **common: Any) -> str:
         return self._event("followup", request_id, session_id, common, sentiment=sentiment)
@@ -215,7 +300,9 @@ class FeedbackClient:
                     n, rejected = self._post(batch)
                 except _Unsent as exc:
                     with self._lock:
-                        self._pending[:0] = exc.events  # keep order and event_ids for the next attempt
+                        self._pending[:0] = (
+                            exc.events
+                        )  # keep order and event_ids for the next attempt
                     refused.extend(exc.refused)
                     if refused:  # not lost: reported like a background failure
                         self._record(_merge(refused, accepted + exc.accepted))
@@ -235,19 +322,36 @@ class FeedbackClient:
             try:
                 resp = self._post_with_retries(part)
             except FeedbackUnavailable as exc:
-                raise _Unsent(exc, [ev for p in [part, *todo] for ev in p], accepted, refused) from None
+                raise _Unsent(
+                    exc, [ev for p in [part, *todo] for ev in p], accepted, refused
+                ) from None
             if resp.status_code == 202:
                 accepted += int(resp.json().get("accepted", len(part)))
                 continue
             errors = _server_errors(resp)
-            named = sorted({e["index"] for e in errors if isinstance(e.get("index"), int) and 0 <= e["index"] < len(part)})
-            if resp.status_code == 413 and named:  # events over the per-event limit: refuse them, post the rest
-                refused.append(FeedbackRejected(413, [_reindex(e, named) for e in errors if e.get("index") in named],
-                                                [part[i] for i in named]))
+            named = sorted(
+                {
+                    e["index"]
+                    for e in errors
+                    if isinstance(e.get("index"), int) and 0 <= e["index"] < len(part)
+                }
+            )
+            if (
+                resp.status_code == 413 and named
+            ):  # events over the per-event limit: refuse them, post the rest
+                refused.append(
+                    FeedbackRejected(
+                        413,
+                        [_reindex(e, named) for e in errors if e.get("index") in named],
+                        [part[i] for i in named],
+                    )
+                )
                 rest = [ev for i, ev in enumerate(part) if i not in named]
                 if rest:
                     todo.insert(0, rest)
-            elif resp.status_code == 413 and len(part) > 1:  # too many bytes for one request: halve it
+            elif (
+                resp.status_code == 413 and len(part) > 1
+            ):  # too many bytes for one request: halve it
                 half = len(part) // 2
                 todo[:0] = [part[:half], part[half:]]
             else:
@@ -257,14 +361,21 @@ class FeedbackClient:
     def _post_with_retries(self, batch: list[dict[str, Any]]) -> httpx.Response:
         """The server's answer to `batch` other than 429/5xx; FeedbackUnavailable after every retry."""
         body = json.dumps({"events": batch}, separators=(",", ":"), allow_nan=False).encode()
-        retrying = Retrying(stop=stop_after_attempt(self.max_retries + 1), wait=self._wait,
-                            retry=retry_if_exception_type(_Retryable), reraise=True, before_sleep=self._log_retry)
+        retrying = Retrying(
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=self._wait,
+            retry=retry_if_exception_type(_Retryable),
+            reraise=True,
+            before_sleep=self._log_retry,
+        )
         try:
             for attempt in retrying:
                 with attempt:
                     resp = self._post_once(body)
         except _Retryable as exc:
-            raise FeedbackUnavailable(f"{len(batch)} events not accepted after {self.max_retries} retries: {exc}") from exc
+            raise FeedbackUnavailable(
+                f"{len(batch)} events not accepted after {self.max_retries} retries: {exc}"
+            ) from exc
         return resp
 
     def _post_once(self, body: bytes) -> httpx.Response:
@@ -285,8 +396,12 @@ class FeedbackClient:
     @staticmethod
     def _log_retry(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
-        log.warning("feedback batch not accepted (%s); retry %d in %.2fs", exc, state.attempt_number,
-                    state.next_action.sleep if state.next_action else 0.0)
+        log.warning(
+            "feedback batch not accepted (%s); retry %d in %.2fs",
+            exc,
+            state.attempt_number,
+            state.next_action.sleep if state.next_action else 0.0,
+        )
 
     def _flush_periodically(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -317,7 +432,7 @@ class FeedbackClient:
         if rejected:
             raise rejected[0]
 
-    def __enter__(self) -> "FeedbackClient":
+    def __enter__(self) -> FeedbackClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -333,8 +448,10 @@ def _merge(refused: list[FeedbackRejected], accepted: int) -> FeedbackRejected:
     events: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     for r in refused:
-        errors.extend({**e, "index": e["index"] + len(events)} if isinstance(e.get("index"), int) else e
-                      for e in r.errors)
+        errors.extend(
+            {**e, "index": e["index"] + len(events)} if isinstance(e.get("index"), int) else e
+            for e in r.errors
+        )
         events.extend(r.events)
     return FeedbackRejected(refused[0].status_code, errors, events, accepted)
 

@@ -12,8 +12,14 @@ from typing import Any
 from pydantic_settings import BaseSettings
 
 # modules that define pydantic-settings classes (role configs live with their role)
-SETTINGS_MODULES = ["app.settings", "streams.config", "trainer.config", "app.controller.config", "app.replica.config",
-                    "app.simulate.config"]
+SETTINGS_MODULES = [
+    "app.settings",
+    "streams.config",
+    "trainer.config",
+    "app.controller.config",
+    "app.replica.config",
+    "app.simulate.config",
+]
 
 
 @dataclass(frozen=True)
@@ -30,12 +36,18 @@ def settings_classes() -> list[type[BaseSettings]]:
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as exc:
-            if exc.name and (name == exc.name or name.startswith(exc.name + ".")):  # role not in this build
+            if exc.name and (
+                name == exc.name or name.startswith(exc.name + ".")
+            ):  # role not in this build
                 continue
             raise
         for obj in vars(mod).values():
-            if isinstance(obj, type) and issubclass(obj, BaseSettings) and obj is not BaseSettings \
-                    and obj.__module__ == mod.__name__:
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, BaseSettings)
+                and obj is not BaseSettings
+                and obj.__module__ == mod.__name__
+            ):
                 out.append(obj)
     return out
 
@@ -46,8 +58,14 @@ def all_settings() -> list[SettingInfo]:
         prefix = cls.model_config.get("env_prefix", "")
         for fname, field in cls.model_fields.items():
             default = field.default if field.default_factory is None else field.default_factory()
-            rows.append(SettingInfo(f"{prefix}{fname}".upper(), f"{cls.__module__}.{cls.__name__}", default,
-                                    field.description or ""))
+            rows.append(
+                SettingInfo(
+                    f"{prefix}{fname}".upper(),
+                    f"{cls.__module__}.{cls.__name__}",
+                    default,
+                    field.description or "",
+                )
+            )
     return rows
 
 
@@ -57,7 +75,9 @@ def known_env_names() -> set[str]:
 
 def markdown() -> str:
     lines = ["| variable | default | what |", "|---|---|---|"]
-    for s in sorted(all_settings(), key=lambda s: (s.owner != "app.settings.Settings", s.owner, s.env)):
+    for s in sorted(
+        all_settings(), key=lambda s: (s.owner != "app.settings.Settings", s.owner, s.env)
+    ):
         default = "" if s.default is None else f"`{s.default}`"
         lines.append(f"| `{s.env}` | {default} | {s.description} |")
     return "\n".join(lines)

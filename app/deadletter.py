@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import Counter
@@ -42,18 +42,36 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-DEAD_LETTERS = Counter("flywheel_dead_letters_total",
-                       "Records a consumer could not use, by consumer and reason (delivered=false: the DLQ "
-                       "itself was unavailable and the record was logged instead)", ["consumer", "reason", "delivered"])
+DEAD_LETTERS = Counter(
+    "flywheel_dead_letters_total",
+    "Records a consumer could not use, by consumer and reason (delivered=false: the DLQ "
+    "itself was unavailable and the record was logged instead)",
+    ["consumer", "reason", "delivered"],
+)
 
 
-def envelope(consumer: str, reason: str, errors: list[dict[str, Any]], topic: str, partition: int | None,
-             offset: int | None, key: bytes | None, value: bytes | None) -> dict[str, Any]:
+def envelope(
+    consumer: str,
+    reason: str,
+    errors: list[dict[str, Any]],
+    topic: str,
+    partition: int | None,
+    offset: int | None,
+    key: bytes | None,
+    value: bytes | None,
+) -> dict[str, Any]:
     """The DLQ record of one unusable record (see the module docstring)."""
-    return {"reason": reason, "errors": errors, "consumer": consumer, "topic": topic, "partition": partition,
-            "offset": offset, "key_b64": base64.b64encode(key).decode() if key is not None else None,
-            "value_b64": base64.b64encode(value).decode() if value is not None else None,
-            "detected_at": format_ts(datetime.now(timezone.utc))}
+    return {
+        "reason": reason,
+        "errors": errors,
+        "consumer": consumer,
+        "topic": topic,
+        "partition": partition,
+        "offset": offset,
+        "key_b64": base64.b64encode(key).decode() if key is not None else None,
+        "value_b64": base64.b64encode(value).decode() if value is not None else None,
+        "detected_at": format_ts(datetime.now(UTC)),
+    }
 
 
 def error(field: str, message: str) -> list[dict[str, Any]]:
@@ -68,7 +86,9 @@ class DeadLetters:
         self.settings, self.consumer = settings, consumer
         self.topic = settings.topic("dlq")
         self._producer = None
-        self._sent: set[tuple[str, int | None, int | None]] = set()  # (topic, partition, offset) delivered
+        self._sent: set[tuple[str, int | None, int | None]] = (
+            set()
+        )  # (topic, partition, offset) delivered
 
     def send(self, rec: Any, reason: str, errors: list[dict[str, Any]]) -> bool:
         """Dead-letter the consumed record `rec` (its topic, partition, offset, key, value); True once the
@@ -77,8 +97,11 @@ class DeadLetters:
         if where in self._sent:  # read again (a consumer re-reading its topic): already on the DLQ
             return True
         key = rec.key.encode() if isinstance(rec.key, str) else rec.key
-        delivered = self.send_envelope(envelope(self.consumer, reason, errors, rec.topic, rec.partition, rec.offset,
-                                                key, rec.value))
+        delivered = self.send_envelope(
+            envelope(
+                self.consumer, reason, errors, rec.topic, rec.partition, rec.offset, key, rec.value
+            )
+        )
         if delivered:
             self._sent.add(where)
         return delivered
@@ -88,16 +111,30 @@ class DeadLetters:
 
         from app.kafka_io import dumps, make_producer
 
-        log.error("%s: dead-lettering %s[%s]@%s (%s): %s", self.consumer, env["topic"], env["partition"],
-                  env["offset"], env["reason"], "; ".join(f"{e['field']}: {e['message']}" for e in env["errors"])[:1000])
+        log.error(
+            "%s: dead-lettering %s[%s]@%s (%s): %s",
+            self.consumer,
+            env["topic"],
+            env["partition"],
+            env["offset"],
+            env["reason"],
+            "; ".join(f"{e['field']}: {e['message']}" for e in env["errors"])[:1000],
+        )
         try:
             if self._producer is None:
                 self._producer = make_producer(self.settings, linger_ms=0)
-            self._producer.send(self.topic, value=dumps(env)).get(timeout=max(1.0, self.settings.kafka_produce_timeout * 2))
+            self._producer.send(self.topic, value=dumps(env)).get(
+                timeout=max(1.0, self.settings.kafka_produce_timeout * 2)
+            )
         except KafkaError as exc:
             DEAD_LETTERS.labels(self.consumer, env["reason"], "false").inc()
-            log.error("%s: the dead-letter topic %s is unavailable (%s); the record is skipped, here in full: %s",
-                      self.consumer, self.topic, exc, env)
+            log.error(
+                "%s: the dead-letter topic %s is unavailable (%s); the record is skipped, here in full: %s",
+                self.consumer,
+                self.topic,
+                exc,
+                env,
+            )
             return False
         DEAD_LETTERS.labels(self.consumer, env["reason"], "true").inc()
         return True

@@ -17,8 +17,8 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from datetime import datetime, timezone
-from typing import Annotated, Any, Literal, Union
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -48,7 +48,9 @@ def _require_rfc3339_string(v: Any) -> Any:
     if isinstance(v, datetime):  # already parsed (python callers)
         return v
     if not isinstance(v, str):
-        raise ValueError("must be an RFC 3339 timestamp string with a timezone, e.g. 2026-11-21T10:00:00Z")
+        raise ValueError(
+            "must be an RFC 3339 timestamp string with a timezone, e.g. 2026-11-21T10:00:00Z"
+        )
     if "T" not in v.upper() and " " not in v:
         raise ValueError("must be an RFC 3339 timestamp (date and time), e.g. 2026-11-21T10:00:00Z")
     return v
@@ -57,15 +59,21 @@ def _require_rfc3339_string(v: Any) -> Any:
 def _in_utc(v: datetime) -> datetime:
     """The same instant in UTC; refuses offsets that push it outside years 1-9999 (not representable)."""
     try:
-        return v.astimezone(timezone.utc)
+        return v.astimezone(UTC)
     except OverflowError:
-        raise ValueError(f"{v.isoformat()} is outside the representable range (years 0001-9999 in UTC)") from None
+        raise ValueError(
+            f"{v.isoformat()} is outside the representable range (years 0001-9999 in UTC)"
+        ) from None
 
 
 # Every reader of an event timestamp goes through this one type: the ingest schema below, and
 # `parse_ts` for the downstream readers (streams, controller, trainer), so they cannot disagree.
-Timestamp = Annotated[AwareDatetime, Field(strict=False), BeforeValidator(_require_rfc3339_string),
-                      AfterValidator(_in_utc)]
+Timestamp = Annotated[
+    AwareDatetime,
+    Field(strict=False),
+    BeforeValidator(_require_rfc3339_string),
+    AfterValidator(_in_utc),
+]
 _timestamp: TypeAdapter[datetime] = TypeAdapter(Timestamp)
 
 
@@ -78,14 +86,16 @@ def parse_ts(value: str | datetime) -> datetime:
     try:
         return _timestamp.validate_python(value)
     except ValidationError as exc:
-        raise ValueError(f"invalid timestamp {value!r}: {exc.errors(include_url=False)[0]['msg']}") from None
+        raise ValueError(
+            f"invalid timestamp {value!r}: {exc.errors(include_url=False)[0]['msg']}"
+        ) from None
 
 
 def format_ts(value: datetime) -> str:
     """The canonical text of an instant: UTC, microseconds, upper-case Z (`2026-11-21T10:00:00.123456Z`).
 
     Ingest rewrites every accepted event's `ts` to this form before producing it."""
-    if value.tzinfo is not timezone.utc:
+    if value.tzinfo is not UTC:
         assert value.utcoffset() is not None, f"format_ts needs an aware datetime, got {value!r}"
         value = _in_utc(value)
     return value.isoformat("T", "microseconds")[:-6] + "Z"  # UTC: the text ends with "+00:00"
@@ -112,8 +122,10 @@ class Generation(_Envelope):
     routes: str | None = None  # base64 of little-endian int32 expert ids, shape route_shape
     # [len(completion_tokens), layers, top_k]. A JSON array arrives as a list, which strict mode would refuse
     # for a tuple; the BeforeValidator (added by the replica work) turns it into a tuple, items stay strict ints.
-    route_shape: Annotated[tuple[NonNegInt, NonNegInt, NonNegInt] | None,
-                           BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v)] = None
+    route_shape: Annotated[
+        tuple[NonNegInt, NonNegInt, NonNegInt] | None,
+        BeforeValidator(lambda v: tuple(v) if isinstance(v, list) else v),
+    ] = None
     temperature: float = Field(ge=0.0, le=MAX_TEMPERATURE)
     group_id: Id | None = None
     latency_ms: float | None = Field(None, ge=0.0)
@@ -122,13 +134,17 @@ class Generation(_Envelope):
     @field_validator("logprobs")
     @classmethod
     def _one_logprob_per_token(cls, v: list[float], info: ValidationInfo) -> list[float]:
-        tokens = info.data.get("completion_tokens")  # absent when completion_tokens itself was invalid
+        tokens = info.data.get(
+            "completion_tokens"
+        )  # absent when completion_tokens itself was invalid
         if tokens is not None and len(v) != len(tokens):
-            raise ValueError(f"logprobs has {len(v)} entries but completion_tokens has {len(tokens)}; they must match")
+            raise ValueError(
+                f"logprobs has {len(v)} entries but completion_tokens has {len(tokens)}; they must match"
+            )
         return v
 
     @model_validator(mode="after")
-    def _shapes_agree(self) -> "Generation":
+    def _shapes_agree(self) -> Generation:
         n = len(self.completion_tokens)
         if (self.routes is None) != (self.route_shape is None):
             raise ValueError("routes and route_shape must be given together")
@@ -186,7 +202,7 @@ class Followup(_Envelope):
 
 
 Event = Annotated[
-    Union[Generation, Accept, Reject, EditPersistence, Rating, ToolError, Followup],
+    Generation | Accept | Reject | EditPersistence | Rating | ToolError | Followup,
     Field(discriminator="type"),
 ]
 FEEDBACK_TYPES = ("accept", "reject", "edit_persistence", "rating", "tool_error", "followup")
@@ -225,7 +241,7 @@ def _field_errors(exc: ValidationError, index: int) -> list[FieldError]:
         elif err["type"] in ("union_tag_invalid", "union_tag_not_found"):
             msg = f"{msg}; expected one of {', '.join(EVENT_TYPES)}"
         elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
+            msg = msg[len("Value error, ") :]
         out.append(FieldError(index=index, field=field, message=msg))
     return out
 
@@ -233,7 +249,9 @@ def _field_errors(exc: ValidationError, index: int) -> list[FieldError]:
 def parse_event(obj: Any, index: int = 0) -> Event:
     """Validate one decoded JSON object; raises EventValidationError naming each bad field."""
     if not isinstance(obj, dict):
-        raise EventValidationError([FieldError(index=index, field="(event)", message="each event must be a JSON object")])
+        raise EventValidationError(
+            [FieldError(index=index, field="(event)", message="each event must be a JSON object")]
+        )
     try:
         return _adapter.validate_python(obj)
     except ValidationError as exc:
@@ -245,7 +263,9 @@ def parse_event_bytes(raw: bytes) -> Event:
     try:
         obj = json.loads(raw, parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
-        raise EventValidationError([FieldError(index=0, field="(record)", message=f"not valid JSON: {exc}")]) from None
+        raise EventValidationError(
+            [FieldError(index=0, field="(record)", message=f"not valid JSON: {exc}")]
+        ) from None
     return parse_event(obj)
 
 
@@ -276,7 +296,7 @@ def dumps_event(event: Event) -> bytes:
     return event.model_dump_json(exclude_none=True).encode()
 
 
-def encode_routes(ids: "Any") -> tuple[str, tuple[int, int, int]]:
+def encode_routes(ids: Any) -> tuple[str, tuple[int, int, int]]:
     """Pack an int array of shape [T, layers, top_k] into (base64 little-endian int32, shape)."""
     import numpy as np
 
@@ -285,7 +305,7 @@ def encode_routes(ids: "Any") -> tuple[str, tuple[int, int, int]]:
     return base64.b64encode(arr.tobytes()).decode(), tuple(int(s) for s in arr.shape)  # type: ignore[return-value]
 
 
-def decode_routes(routes: str, shape: tuple[int, int, int]) -> "Any":
+def decode_routes(routes: str, shape: tuple[int, int, int]) -> Any:
     """Inverse of encode_routes: a numpy int32 array of `shape`."""
     import numpy as np
 

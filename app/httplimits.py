@@ -47,10 +47,17 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-REJECTED = Counter("flywheel_http_rejected_total", "Requests and connections refused by the HTTP limits, by reason "
-                   "(body_too_large, body_timeout, head_timeout, head_too_large, connection_limit).", ["reason"])
-DRAINED = Counter("flywheel_http_drained_bytes_total", "Body bytes read and discarded so that a client that was "
-                  "answered early (413, 401, ...) can read the answer.")
+REJECTED = Counter(
+    "flywheel_http_rejected_total",
+    "Requests and connections refused by the HTTP limits, by reason "
+    "(body_too_large, body_timeout, head_timeout, head_too_large, connection_limit).",
+    ["reason"],
+)
+DRAINED = Counter(
+    "flywheel_http_drained_bytes_total",
+    "Body bytes read and discarded so that a client that was "
+    "answered early (413, 401, ...) can read the answer.",
+)
 
 
 # --- settings -> limits -----------------------------------------------------------------------------
@@ -69,7 +76,9 @@ class BodyLimits:
     """Per-request body limits of `BodyLimitMiddleware`."""
 
     default_bytes: int  # routes without their own limit
-    routes: tuple[tuple[str, int], ...]  # (path or path prefix ending in '/', limit); the longest match wins
+    routes: tuple[
+        tuple[str, int], ...
+    ]  # (path or path prefix ending in '/', limit); the longest match wins
     idle_timeout_s: float  # longest wait for the next body chunk
     total_timeout_s: float  # total time spent waiting for body bytes
     drain_max_bytes: int  # read and discard at most this much of an early-answered request's body
@@ -85,15 +94,24 @@ class BodyLimits:
 
 
 def server_limits(settings: Settings) -> ServerLimits:
-    return ServerLimits(head_timeout_s=settings.http_head_timeout, keepalive_timeout_s=settings.http_keepalive_timeout,
-                        max_connections=settings.http_max_connections, max_head_bytes=settings.http_max_head_bytes)
+    return ServerLimits(
+        head_timeout_s=settings.http_head_timeout,
+        keepalive_timeout_s=settings.http_keepalive_timeout,
+        max_connections=settings.http_max_connections,
+        max_head_bytes=settings.http_max_head_bytes,
+    )
 
 
 def body_limits(settings: Settings, routes: Mapping[str, int] | None = None) -> BodyLimits:
     """The body limits of `settings`, with per-route byte limits (`{"/v1/events": n, "/v1/admin/": m}`)."""
-    return BodyLimits(default_bytes=settings.http_max_body_bytes, routes=tuple((routes or {}).items()),
-                      idle_timeout_s=settings.http_body_idle_timeout, total_timeout_s=settings.http_body_timeout,
-                      drain_max_bytes=settings.http_drain_max_bytes, drain_timeout_s=settings.http_drain_timeout)
+    return BodyLimits(
+        default_bytes=settings.http_max_body_bytes,
+        routes=tuple((routes or {}).items()),
+        idle_timeout_s=settings.http_body_idle_timeout,
+        total_timeout_s=settings.http_body_timeout,
+        drain_max_bytes=settings.http_drain_max_bytes,
+        drain_timeout_s=settings.http_drain_timeout,
+    )
 
 
 def proxy_options(settings: Settings) -> dict[str, Any]:
@@ -105,19 +123,27 @@ def proxy_options(settings: Settings) -> dict[str, Any]:
     return {"proxy_headers": bool(trusted), "forwarded_allow_ips": trusted or None}
 
 
-def uvicorn_config(app: Any, settings: Settings, *, host: str, port: int, log_level: str = "info", **kwargs: Any):
+def uvicorn_config(
+    app: Any, settings: Settings, *, host: str, port: int, log_level: str = "info", **kwargs: Any
+):
     """A `uvicorn.Config` serving `app` with the connection limits of `settings`."""
     import uvicorn
 
     limits = server_limits(settings)
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          http=GuardedHttpToolsProtocol.with_limits(limits),
-                          # the protocol closes connection max+1 itself; uvicorn's own check (503 on a request
-                          # while connections or tasks >= limit) then never fires below that cap
-                          limit_concurrency=limits.max_connections + 1,
-                          timeout_keep_alive=limits.keepalive_timeout_s,  # type: ignore[arg-type]  (float works)
-                          h11_max_incomplete_event_size=limits.max_head_bytes,
-                          **{**proxy_options(settings), **kwargs})
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        http=GuardedHttpToolsProtocol.with_limits(limits),
+        # the protocol closes connection max+1 itself; uvicorn's own check (503 on a request
+        # while connections or tasks >= limit) then never fires below that cap
+        limit_concurrency=limits.max_connections + 1,
+        timeout_keep_alive=limits.keepalive_timeout_s,  # type: ignore[arg-type]  (float works)
+        h11_max_incomplete_event_size=limits.max_head_bytes,
+        **{**proxy_options(settings), **kwargs},
+    )
 
 
 async def read_capped(request: Any, limit: int, too_large_detail: str) -> bytes:
@@ -144,8 +170,10 @@ async def read_capped(request: Any, limit: int, too_large_detail: str) -> bytes:
 
 def _raw_response(status: int, phrase: str, message: str, extra: str = "") -> bytes:
     body = message.encode()
-    return (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"
-            f"{extra}connection: close\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status} {phrase}\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: {len(body)}\r\n"
+        f"{extra}connection: close\r\n\r\n"
+    ).encode() + body
 
 
 # --- connections ------------------------------------------------------------------------------------
@@ -159,8 +187,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     Use `GuardedHttpToolsProtocol.with_limits(limits)` as uvicorn's `http=` (see `uvicorn_config`).
     """
 
-    limits: ServerLimits = ServerLimits(head_timeout_s=10.0, keepalive_timeout_s=5.0, max_connections=1000,
-                                        max_head_bytes=16384)
+    limits: ServerLimits = ServerLimits(
+        head_timeout_s=10.0, keepalive_timeout_s=5.0, max_connections=1000, max_head_bytes=16384
+    )
 
     @classmethod
     def with_limits(cls, limits: ServerLimits) -> type[GuardedHttpToolsProtocol]:
@@ -172,12 +201,23 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             REJECTED.labels("connection_limit").inc()
-            log.debug("refused a connection from %s: %d open, the cap is %d", self.client, len(self.connections) - 1,
-                      self.limits.max_connections)
-            self.connections.discard(self)  # not admitted: it must not count against the admitted ones
-            transport.write(_raw_response(503, "Service Unavailable",
-                                          f"too many open connections (limit {self.limits.max_connections}); retry",
-                                          extra="retry-after: 1\r\n"))
+            log.debug(
+                "refused a connection from %s: %d open, the cap is %d",
+                self.client,
+                len(self.connections) - 1,
+                self.limits.max_connections,
+            )
+            self.connections.discard(
+                self
+            )  # not admitted: it must not count against the admitted ones
+            transport.write(
+                _raw_response(
+                    503,
+                    "Service Unavailable",
+                    f"too many open connections (limit {self.limits.max_connections}); retry",
+                    extra="retry-after: 1\r\n",
+                )
+            )
             transport.close()
             return
         self._arm_head_timer()
@@ -198,8 +238,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             return
         except httptools.HttpParserError:
             if self._head_too_large:
-                self._refuse_head(431, "Request Header Fields Too Large", "head_too_large",
-                                  f"request head over {self.limits.max_head_bytes} bytes")
+                self._refuse_head(
+                    431,
+                    "Request Header Fields Too Large",
+                    "head_too_large",
+                    f"request head over {self.limits.max_head_bytes} bytes",
+                )
             else:
                 self.logger.warning("Invalid HTTP request received.")
                 self.send_400_response("Invalid HTTP request received.")
@@ -209,8 +253,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # value internally until it ends, so the callbacks alone would not see a giant value)
             self._head_bytes += len(data)
             if self._head_bytes > self.limits.max_head_bytes:
-                self._refuse_head(431, "Request Header Fields Too Large", "head_too_large",
-                                  f"request head over {self.limits.max_head_bytes} bytes")
+                self._refuse_head(
+                    431,
+                    "Request Header Fields Too Large",
+                    "head_too_large",
+                    f"request head over {self.limits.max_head_bytes} bytes",
+                )
 
     # parser callbacks
     def on_message_begin(self) -> None:
@@ -254,8 +302,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self._head_bytes or self._head_seen:
-            self._refuse_head(408, "Request Timeout", "head_timeout",
-                              f"request head not complete within {self.limits.head_timeout_s:g}s")
+            self._refuse_head(
+                408,
+                "Request Timeout",
+                "head_timeout",
+                f"request head not complete within {self.limits.head_timeout_s:g}s",
+            )
         else:  # a connection that never sent a byte (or went quiet between requests' heads)
             REJECTED.labels("head_timeout").inc()
             self.transport.close()
@@ -305,28 +357,42 @@ class _Exchange:
 
     async def run(self, app: Any) -> None:
         if self.declared is not None and self.declared > self.limit:
-            await self.reject(413, "body_too_large", f"request body of {self.declared} bytes exceeds the "
-                                                     f"{self.limit}-byte limit of {self.scope['path']}")
+            await self.reject(
+                413,
+                "body_too_large",
+                f"request body of {self.declared} bytes exceeds the "
+                f"{self.limit}-byte limit of {self.scope['path']}",
+            )
             return
         try:
             await app(self.scope, self.receive, self.send)
         except Exception:
             if not self.answered:
                 raise
-            log.debug("%s %s: the app failed after the request was answered by the HTTP limits",
-                      self.scope.get("method"), self.scope["path"], exc_info=True)
+            log.debug(
+                "%s %s: the app failed after the request was answered by the HTTP limits",
+                self.scope.get("method"),
+                self.scope["path"],
+                exc_info=True,
+            )
 
     async def receive(self) -> dict:
         if self.answered:
             return {"type": "http.disconnect"}
         if self.body_done:
-            return await self._receive()  # after the body: disconnect notifications, unbounded by design
+            return (
+                await self._receive()
+            )  # after the body: disconnect notifications, unbounded by design
         self.receive_called = True
         message = await self._timed_receive(min(self.limits.idle_timeout_s, self.wait_budget))
         if message is None:
-            await self.reject(408, "body_timeout", f"request body not received in time (at most "
-                                                   f"{self.limits.idle_timeout_s:g}s between chunks, "
-                                                   f"{self.limits.total_timeout_s:g}s in all)")
+            await self.reject(
+                408,
+                "body_timeout",
+                f"request body not received in time (at most "
+                f"{self.limits.idle_timeout_s:g}s between chunks, "
+                f"{self.limits.total_timeout_s:g}s in all)",
+            )
             return {"type": "http.disconnect"}
         if message["type"] != "http.request":
             self.body_done = True
@@ -335,8 +401,11 @@ class _Exchange:
         if not message.get("more_body", False):
             self.body_done = True
         if self.received > self.limit:
-            await self.reject(413, "body_too_large", f"request body exceeds the {self.limit}-byte limit of "
-                                                     f"{self.scope['path']}")
+            await self.reject(
+                413,
+                "body_too_large",
+                f"request body exceeds the {self.limit}-byte limit of {self.scope['path']}",
+            )
             return {"type": "http.disconnect"}
         return message
 
@@ -352,14 +421,24 @@ class _Exchange:
     async def reject(self, status: int, reason: str, detail: str) -> None:
         """Answer `status` with `{"detail": ...}` in place of the app (if it has not started answering)."""
         REJECTED.labels(reason).inc()
-        log.info("%s %s answered %d: %s", self.scope.get("method"), self.scope["path"], status, detail)
-        if self.response_started:  # nothing can be said any more; dropping the rest makes uvicorn close
+        log.info(
+            "%s %s answered %d: %s", self.scope.get("method"), self.scope["path"], status, detail
+        )
+        if (
+            self.response_started
+        ):  # nothing can be said any more; dropping the rest makes uvicorn close
             self.answered = True
             return
         self.response_started = True
         body = json.dumps({"detail": detail}).encode()
-        start = {"type": "http.response.start", "status": status,
-                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+        start = {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
         if status != 408:
             start = await self._settled(start)
         else:
@@ -392,13 +471,18 @@ class _Exchange:
     async def _drain(self) -> None:
         if self.expect_continue and not self.receive_called:
             return  # uvicorn sends 100 Continue only when the app reads: the client has not sent the body
-        if self.declared is not None and self.declared - self.received > self.limits.drain_max_bytes:
+        if (
+            self.declared is not None
+            and self.declared - self.received > self.limits.drain_max_bytes
+        ):
             return  # too much to read for an answer: close instead
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.limits.drain_timeout_s
         drained = 0
         while not self.body_done and drained <= self.limits.drain_max_bytes:
-            message = await self._timed_receive(min(deadline - loop.time(), self.limits.idle_timeout_s))
+            message = await self._timed_receive(
+                min(deadline - loop.time(), self.limits.idle_timeout_s)
+            )
             if message is None:
                 break
             if message["type"] != "http.request":

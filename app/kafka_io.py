@@ -16,38 +16,40 @@ from typing import Any
 from app.settings import KAFKA_DELTAS_MAX_MESSAGE_BYTES, KAFKA_PRODUCER_MAX_REQUEST_BYTES, Settings
 
 
-def make_producer(settings: Settings, **overrides: Any) -> "KafkaProducer":  # noqa: F821
+def make_producer(settings: Settings, **overrides: Any) -> KafkaProducer:  # noqa: F821
     from kafka import KafkaProducer
 
-    cfg: dict[str, Any] = dict(
-        bootstrap_servers=settings.kafka_bootstrap.split(","),
-        acks="all",
-        enable_idempotence=True,
-        linger_ms=2,
-        batch_size=256 * 1024,
-        max_request_size=KAFKA_PRODUCER_MAX_REQUEST_BYTES,  # every topic's largest record fits (deltas)
-        max_block_ms=int(settings.kafka_produce_timeout * 1000),
-        request_timeout_ms=max(1000, int(settings.kafka_produce_timeout * 1000)),
-        retry_backoff_ms=50,
-        key_serializer=lambda k: k.encode() if isinstance(k, str) else k,
-    )
+    cfg: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap.split(","),
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": 2,
+        "batch_size": 256 * 1024,
+        "max_request_size": KAFKA_PRODUCER_MAX_REQUEST_BYTES,  # every topic's largest record fits (deltas)
+        "max_block_ms": int(settings.kafka_produce_timeout * 1000),
+        "request_timeout_ms": max(1000, int(settings.kafka_produce_timeout * 1000)),
+        "retry_backoff_ms": 50,
+        "key_serializer": lambda k: k.encode() if isinstance(k, str) else k,
+    }
     cfg.update(overrides)
     return KafkaProducer(**cfg)
 
 
-def make_consumer(settings: Settings, *topics: str, group_id: str | None, **overrides: Any) -> "KafkaConsumer":  # noqa: F821
+def make_consumer(
+    settings: Settings, *topics: str, group_id: str | None, **overrides: Any
+) -> KafkaConsumer:  # noqa: F821
     """A consumer of `topics` (full names). Manual commits: roles commit when work is durable."""
     from kafka import KafkaConsumer
 
-    cfg: dict[str, Any] = dict(
-        bootstrap_servers=settings.kafka_bootstrap.split(","),
-        group_id=group_id,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        max_poll_records=1000,
-        fetch_max_bytes=32 * 1024 * 1024,
-        max_partition_fetch_bytes=KAFKA_DELTAS_MAX_MESSAGE_BYTES,  # the largest record of any topic
-    )
+    cfg: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap.split(","),
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_poll_records": 1000,
+        "fetch_max_bytes": 32 * 1024 * 1024,
+        "max_partition_fetch_bytes": KAFKA_DELTAS_MAX_MESSAGE_BYTES,  # the largest record of any topic
+    }
     cfg.update(overrides)
     return KafkaConsumer(*topics, **cfg)
 

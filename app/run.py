@@ -130,17 +130,24 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     _stop_on_signals()
     data_dir = settings.data_dir.resolve()
-    env = {**{k: v for k, v in DEMO_ENV.items() if k not in os.environ},
-           "FLYWHEEL_DATA_DIR": str(data_dir), "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-           "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri, "MLFLOW_TRACKING_URI": settings.mlflow_uri,
-           "FLYWHEEL_DATABASE_URL": settings.db_url, **opts.extra_env}
+    env = {
+        **{k: v for k, v in DEMO_ENV.items() if k not in os.environ},
+        "FLYWHEEL_DATA_DIR": str(data_dir),
+        "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
+        "MLFLOW_TRACKING_URI": settings.mlflow_uri,
+        "FLYWHEEL_DATABASE_URL": settings.db_url,
+        **opts.extra_env,
+    }
     py = [sys.executable, "-m", "app.cli"]
     sup = Supervisor(data_dir / "logs", env)
     broker = LocalKafka.from_settings(settings)
     started_broker = False
     roles = available_roles()
     try:
-        with console.status("starting Kafka (the first start resolves its jars from Maven Central)..."):
+        with console.status(
+            "starting Kafka (the first start resolves its jars from Maven Central)..."
+        ):
             started_broker = not broker.running()
             broker.start()
             ensure_topics(settings)
@@ -148,21 +155,38 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
 
         upgrade(settings.db_url)
         keys = local_keys(settings)
-        console.print(f"[green]✓[/green] database {settings.db_url}  (local API keys in {data_dir / 'local-keys.json'})")
+        console.print(
+            f"[green]✓[/green] database {settings.db_url}  (local API keys in {data_dir / 'local-keys.json'})"
+        )
 
         mhost, mport = host_port(settings.mlflow_uri)
         if _http_ok(f"{settings.mlflow_uri}/health"):
-            console.print(f"[yellow]•[/yellow] reusing the MLflow server already on {settings.mlflow_uri}")
+            console.print(
+                f"[yellow]•[/yellow] reusing the MLflow server already on {settings.mlflow_uri}"
+            )
         else:
             with console.status("starting the MLflow server..."):
-                sup.start(RoleSpec("mlflow", mlflow_server_argv(data_dir / "mlflow", mhost, mport), env=WEBHOOK_ENV,
-                                   url=settings.mlflow_uri, ready=lambda: _http_ok(f"{settings.mlflow_uri}/health")))
+                sup.start(
+                    RoleSpec(
+                        "mlflow",
+                        mlflow_server_argv(data_dir / "mlflow", mhost, mport),
+                        env=WEBHOOK_ENV,
+                        url=settings.mlflow_uri,
+                        ready=lambda: _http_ok(f"{settings.mlflow_uri}/health"),
+                    )
+                )
             console.print(f"[green]✓[/green] mlflow  {settings.mlflow_uri}")
 
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         with console.status("starting the API..."):
-            sup.start(RoleSpec("api", py + ["api", "--host", settings.api_host, "--port", str(settings.api_port)],
-                               url=f"{api_url}/docs", ready=lambda: _http_ok(f"{api_url}/healthz")))
+            sup.start(
+                RoleSpec(
+                    "api",
+                    py + ["api", "--host", settings.api_host, "--port", str(settings.api_port)],
+                    url=f"{api_url}/docs",
+                    ready=lambda: _http_ok(f"{api_url}/healthz"),
+                )
+            )
         console.print(f"[green]✓[/green] api     {api_url}/docs")
 
         sup.start(RoleSpec("projections", py + ["projections", "follow"]), wait=False)
@@ -177,17 +201,46 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
                 port = opts.replica_base_port + i
                 url = f"http://127.0.0.1:{port}"
                 replica_urls.append(url)
-                sup.start(RoleSpec(f"replica-{i}", py + ["replica", "--host", "127.0.0.1", "--port", str(port),
-                                                          "--replica-id", f"replica-{i}"],
-                                   url=url), wait=False)
+                sup.start(
+                    RoleSpec(
+                        f"replica-{i}",
+                        py
+                        + [
+                            "replica",
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(port),
+                            "--replica-id",
+                            f"replica-{i}",
+                        ],
+                        url=url,
+                    ),
+                    wait=False,
+                )
                 console.print(f"[green]✓[/green] replica-{i} {url}")
         if opts.simulate and "simulate" in roles and replica_urls:
-            sup.start(RoleSpec("simulate", py + ["simulate", "--api", api_url, "--api-key", keys["ingest"],
-                                                 *sum((["--replica", u] for u in replica_urls), [])]), wait=False)
+            sup.start(
+                RoleSpec(
+                    "simulate",
+                    py
+                    + [
+                        "simulate",
+                        "--api",
+                        api_url,
+                        "--api-key",
+                        keys["ingest"],
+                        *sum((["--replica", u] for u in replica_urls), []),
+                    ],
+                ),
+                wait=False,
+            )
             console.print("[green]✓[/green] simulated editor population")
 
-        console.print(f"\nAPI docs  {api_url}/docs\nMLflow UI {settings.mlflow_uri}\nStatus    {api_url}/v1/deployments "
-                      f"(read key in {data_dir / 'local-keys.json'})\nLogs      {data_dir / 'logs'}\nCtrl-C stops everything.\n")
+        console.print(
+            f"\nAPI docs  {api_url}/docs\nMLflow UI {settings.mlflow_uri}\nStatus    {api_url}/v1/deployments "
+            f"(read key in {data_dir / 'local-keys.json'})\nLogs      {data_dir / 'logs'}\nCtrl-C stops everything.\n"
+        )
         from app.status_view import StatusView
 
         view = StatusView(api_url, keys["read"], sup)

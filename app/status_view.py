@@ -18,7 +18,9 @@ from rich.table import Table
 class StatusView:
     def __init__(self, api_url: str, read_key: str, supervisor: Any, interval_s: float = 2.0):
         self.api_url, self.sup, self.interval_s = api_url, supervisor, interval_s
-        self.http = httpx.Client(base_url=api_url, headers={"Authorization": f"Bearer {read_key}"}, timeout=3)
+        self.http = httpx.Client(
+            base_url=api_url, headers={"Authorization": f"Bearer {read_key}"}, timeout=3
+        )
         self.messages: list[str] = []
 
     def _get(self, path: str, **params: Any) -> Any:
@@ -33,18 +35,41 @@ class StatusView:
         for col in ("role", "pid", "state", "restarts", "url"):
             roles.add_column(col)
         for rp in self.sup.roles:
-            roles.add_row(rp.spec.name, str(rp.proc.pid if rp.proc else "-"), rp.state, str(rp.restarts), rp.spec.url or "")
+            roles.add_row(
+                rp.spec.name,
+                str(rp.proc.pid if rp.proc else "-"),
+                rp.state,
+                str(rp.restarts),
+                rp.spec.url or "",
+            )
         parts: list[Any] = [roles]
         status = self._get("/v1/deployments")
         if status:
             dep = Table(title="deployments", expand=True)
-            for col in ("model", "champion", "candidate", "traffic %", "phase", "replicas", "next ship"):
+            for col in (
+                "model",
+                "champion",
+                "candidate",
+                "traffic %",
+                "phase",
+                "replicas",
+                "next ship",
+            ):
                 dep.add_column(col)
             for m in status.get("models", []):
-                reps = ", ".join(f"{r.get('replica_id')}:{r.get('champion_version')}/{r.get('candidate_version')}"
-                                 for r in m.get("replicas", []))
-                dep.add_row(str(m.get("model")), str(m.get("champion")), str(m.get("candidate")),
-                            str(m.get("traffic_pct")), str(m.get("phase")), reps, str(m.get("next_checkpoint_eta")))
+                reps = ", ".join(
+                    f"{r.get('replica_id')}:{r.get('champion_version')}/{r.get('candidate_version')}"
+                    for r in m.get("replicas", [])
+                )
+                dep.add_row(
+                    str(m.get("model")),
+                    str(m.get("champion")),
+                    str(m.get("candidate")),
+                    str(m.get("traffic_pct")),
+                    str(m.get("phase")),
+                    reps,
+                    str(m.get("next_checkpoint_eta")),
+                )
             parts.append(dep)
         history = self._get("/v1/deployments/history", limit=8)
         if history:
@@ -52,8 +77,14 @@ class StatusView:
             for col in ("ts", "type", "version", "from", "source", "reason"):
                 hist.add_column(col)
             for e in history.get("events", []):
-                hist.add_row(str(e.get("ts", ""))[:19], e.get("type", ""), str(e.get("version")), str(e.get("from_version")),
-                             e.get("source", ""), (e.get("reason") or "")[:60])
+                hist.add_row(
+                    str(e.get("ts", ""))[:19],
+                    e.get("type", ""),
+                    str(e.get("version")),
+                    str(e.get("from_version")),
+                    e.get("source", ""),
+                    (e.get("reason") or "")[:60],
+                )
             parts.append(hist)
         if self.messages:
             parts.append("\n".join(self.messages[-5:]))

@@ -61,23 +61,35 @@ class Supervisor:
     def _spawn(self, rp: RoleProcess) -> None:
         out = open(self.log_path(rp.spec.name), "ab")
         env = dict(self.base_env, **rp.spec.env, PYTHONUNBUFFERED="1")
-        rp.proc = subprocess.Popen(rp.spec.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=env, start_new_session=True)
+        rp.proc = subprocess.Popen(
+            rp.spec.argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         out.close()
         rp.state, rp.started_at = "starting", time.monotonic()
-        log.info("started %s (pid %s), log %s", rp.spec.name, rp.proc.pid, self.log_path(rp.spec.name))
+        log.info(
+            "started %s (pid %s), log %s", rp.spec.name, rp.proc.pid, self.log_path(rp.spec.name)
+        )
 
     def wait_ready(self, rp: RoleProcess) -> None:
         deadline = time.monotonic() + rp.spec.ready_timeout
         while time.monotonic() < deadline:
             if rp.proc is not None and rp.proc.poll() is not None:
                 tail = self.log_path(rp.spec.name).read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{rp.spec.name} exited with {rp.proc.returncode} while starting:\n{tail}")
+                raise RuntimeError(
+                    f"{rp.spec.name} exited with {rp.proc.returncode} while starting:\n{tail}"
+                )
             if rp.spec.ready is None or rp.spec.ready():
                 rp.state = "ready"
                 return
             time.sleep(0.5)
-        raise TimeoutError(f"{rp.spec.name} not ready after {rp.spec.ready_timeout:.0f}s; see {self.log_path(rp.spec.name)}")
+        raise TimeoutError(
+            f"{rp.spec.name} not ready after {rp.spec.ready_timeout:.0f}s; see {self.log_path(rp.spec.name)}"
+        )
 
     def poll(self) -> list[str]:
         """Check every role once: mark crashes, restart with exponential backoff. Returns messages."""

@@ -1,12 +1,13 @@
 """What several benchmarks share: an embedded Kafka broker and MLflow server for one run.
 
-    with local_services(kafka=None, mlflow_uri=None, console=console) as (bootstrap, uri, work):
-        ...   # the given services, or ones started here (and stopped on exit) under `work`
+with local_services(kafka=None, mlflow_uri=None, console=console) as (bootstrap, uri, work):
+    ...   # the given services, or ones started here (and stopped on exit) under `work`
 """
 
 from __future__ import annotations
 
 import contextlib
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -17,8 +18,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 @contextlib.contextmanager
-def local_services(kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None,
-                   prefix: str = "flywheel-bench-") -> Iterator[tuple[str, str, Path]]:
+def local_services(
+    kafka: str | None = None,
+    mlflow_uri: str | None = None,
+    console: Any = None,
+    prefix: str = "flywheel-bench-",
+) -> Iterator[tuple[str, str, Path]]:
     """(Kafka bootstrap, MLflow URI, work dir): the given services, or embedded ones started here."""
     from app.infra.kafka import LocalKafka
     from app.infra.mlflow_server import start_server, stop_server, wait_healthy
@@ -29,7 +34,9 @@ def local_services(kafka: str | None = None, mlflow_uri: str | None = None, cons
     say = console.print if console is not None else (lambda *_: None)
     try:
         if kafka is None:
-            broker = LocalKafka(home=work / "kafka", port=free_port(), controller_port=free_port(), heap="512m")
+            broker = LocalKafka(
+                home=work / "kafka", port=free_port(), controller_port=free_port(), heap="512m"
+            )
             say("starting Kafka…")
             broker.start(timeout=180)
             kafka = broker.bootstrap
@@ -66,23 +73,31 @@ def percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def start_role(argv: list[str], env: dict[str, str], log_path: Path, ready_url: str,
-               timeout_s: float = 180.0) -> "subprocess.Popen":
+def start_role(
+    argv: list[str], env: dict[str, str], log_path: Path, ready_url: str, timeout_s: float = 180.0
+) -> subprocess.Popen:
     """Start a role (e.g. `[python, -m, app.cli, api, ...]`) in its own session, logging to
     `log_path`, and wait until `ready_url` answers 200; raises (with the log's path) if it exits
     or is not ready within `timeout_s`. Stop it with `stop_role`."""
-    import subprocess
     import time
 
     import httpx
 
     repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=repo,
+        env=env,
+        stdout=open(log_path, "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise RuntimeError(f"{' '.join(argv[2:4])} exited with {proc.returncode}; see {log_path}")
+            raise RuntimeError(
+                f"{' '.join(argv[2:4])} exited with {proc.returncode}; see {log_path}"
+            )
         try:
             if httpx.get(ready_url, timeout=5).status_code == 200:
                 return proc
@@ -94,11 +109,10 @@ def start_role(argv: list[str], env: dict[str, str], log_path: Path, ready_url: 
         time.sleep(0.3)
 
 
-def stop_role(proc: "subprocess.Popen", timeout_s: float = 30.0) -> None:
+def stop_role(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
     """SIGINT the role's process group (graceful), SIGKILL it if it has not exited in `timeout_s`."""
     import os
     import signal
-    import subprocess
 
     if proc.poll() is not None:
         return

@@ -53,24 +53,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="short warm-up, lr {1e-6, 1e-5}, 1 step")
-    p.add_argument("--level", type=int, default=None, help="zstd level for the codec and the baselines")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="warm-up steps at lr 1e-3 (default: fallback 150, policy 20; quick 5)")
+    p.add_argument(
+        "--level", type=int, default=None, help="zstd level for the codec and the baselines"
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="warm-up steps at lr 1e-3 (default: fallback 150, policy 20; quick 5)",
+    )
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq", type=int, default=None, help="bytes per sequence (default: fallback 128, policy 64)")
-    p.add_argument("--lrs", default=None, help="comma-separated learning rates (default 1e-6,1e-5,1e-4)")
-    p.add_argument("--steps", default=None,
-                   help="comma-separated optimizer steps between versions (default: fallback 1,10,100; policy 1,10)")
-    p.add_argument("--model", choices=["policy", "fallback"], default="fallback",
-                   help="policy: the built-in policy (trainer.policy; ~1.5-5 s per training step on the shared "
-                        "2 CPU cores); fallback: the ~0.88M-parameter transformer below (~0.3 s per step)")
-    p.add_argument("--no-sync", action="store_true", help="skip the replica sync part (policy only)")
-    p.add_argument("--sync-rounds", type=int, default=10,
-                   help="measured replica sync rounds (policy only; one more warm-up round runs first)")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help="bytes per sequence (default: fallback 128, policy 64)",
+    )
+    p.add_argument(
+        "--lrs", default=None, help="comma-separated learning rates (default 1e-6,1e-5,1e-4)"
+    )
+    p.add_argument(
+        "--steps",
+        default=None,
+        help="comma-separated optimizer steps between versions (default: fallback 1,10,100; policy 1,10)",
+    )
+    p.add_argument(
+        "--model",
+        choices=["policy", "fallback"],
+        default="fallback",
+        help="policy: the built-in policy (trainer.policy; ~1.5-5 s per training step on the shared "
+        "2 CPU cores); fallback: the ~0.88M-parameter transformer below (~0.3 s per step)",
+    )
+    p.add_argument(
+        "--no-sync", action="store_true", help="skip the replica sync part (policy only)"
+    )
+    p.add_argument(
+        "--sync-rounds",
+        type=int,
+        default=10,
+        help="measured replica sync rounds (policy only; one more warm-up round runs first)",
+    )
     return p.parse_args()
 
 
 # ------------------------------------------------------------------ model + data
+
 
 def load_text_bytes(limit: int = 4_000_000) -> bytes:
     files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))
@@ -94,7 +121,10 @@ class Trainer:
         if model_kind == "policy":
             try:
                 from trainer.policy import build_policy
-                self.model = build_policy({**(policy_config or {}), "kernels": "default"})  # plain torch ops: training speed
+
+                self.model = build_policy(
+                    {**(policy_config or {}), "kernels": "default"}
+                )  # plain torch ops: training speed
                 self.kind = "built-in policy " + self.model.config_dict()["type"]
             except ImportError:
                 self.model = None
@@ -102,10 +132,13 @@ class Trainer:
             self.model, self.kind = FallbackLM(), "fallback transformer"
         from trainer.config import TrainerConfig
 
-        tc = TrainerConfig()  # the trainer's optimizer: AdamW betas, weight decay, clipping, default lr
+        tc = (
+            TrainerConfig()
+        )  # the trainer's optimizer: AdamW betas, weight decay, clipping, default lr
         self.default_lr, self.max_grad_norm = tc.lr, tc.max_grad_norm
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=tuple(tc.betas),
-                                     weight_decay=tc.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=1e-3, betas=tuple(tc.betas), weight_decay=tc.weight_decay
+        )
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
@@ -113,10 +146,12 @@ class Trainer:
     def loss(self):
         torch = self.torch
         ix = torch.randint(0, len(self.data) - self.seq - 1, (self.batch,), generator=self.gen)
-        x = torch.stack([self.data[i:i + self.seq + 1] for i in ix])
+        x = torch.stack([self.data[i : i + self.seq + 1] for i in ix])
         if isinstance(self.model, FallbackLM):
             logits = self.model(x[:, :-1])
-            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
+            )
         rows = x.tolist()
         lp = self.model.logprobs([r[:1] for r in rows], [r[1:] for r in rows])
         return -lp.mean()
@@ -133,7 +168,10 @@ class Trainer:
 
     def serving(self) -> dict:
         if isinstance(self.model, FallbackLM):
-            return {k: v.detach().to(self.torch.bfloat16).clone() for k, v in self.model.state_dict().items()}
+            return {
+                k: v.detach().to(self.torch.bfloat16).clone()
+                for k, v in self.model.state_dict().items()
+            }
         return {k: v.clone() for k, v in self.model.serving_state_dict().items()}
 
     def snapshot(self):
@@ -145,6 +183,7 @@ class Trainer:
 
 
 # ------------------------------------------------------------------ measurements
+
 
 def measure(base: dict, target: dict, level: int, repeats: int = 3) -> dict:
     import numpy as np
@@ -163,7 +202,7 @@ def measure(base: dict, target: dict, level: int, repeats: int = 3) -> dict:
     xorz = len(zc.compress(xor))
     changed = sum(int((tensor_bits(base[n]) != tensor_bits(target[n])).sum()) for n in names)
     numel = sum(base[n].numel() for n in names)
-    out = dict(frac=changed / numel, full=full, zfull=zfull, xorz=xorz)
+    out = {"frac": changed / numel, "full": full, "zfull": zfull, "xorz": xorz}
     blobs = {}
     for impl in ("reference", "fast"):
         enc_s, dec_s = [], []
@@ -175,7 +214,9 @@ def measure(base: dict, target: dict, level: int, repeats: int = 3) -> dict:
             t2 = time.perf_counter()
             enc_s.append(t1 - t0)
             dec_s.append(t2 - t1)
-        assert all(np.array_equal(tensor_bits(dec[n]), tensor_bits(target[n])) for n in names), "not bit-exact"
+        assert all(np.array_equal(tensor_bits(dec[n]), tensor_bits(target[n])) for n in names), (
+            "not bit-exact"
+        )
         out[f"enc_{impl}"] = full / 1e6 / min(enc_s)
         out[f"dec_{impl}"] = full / 1e6 / min(dec_s)
     out["same_bytes"] = blobs["reference"] == blobs["fast"]
@@ -195,23 +236,30 @@ def main() -> None:
 
     level = args.level or DEFAULT_LEVEL
     policy = args.model == "policy"
-    warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20 if policy else 150)
+    warmup = (
+        args.warmup if args.warmup is not None else (5 if args.quick else 20 if policy else 150)
+    )
     if args.steps:
         steps_grid = tuple(sorted({int(x) for x in args.steps.split(",")}))
     else:
         steps_grid = (1,) if args.quick else (1, 10) if policy else (1, 10, 100)
-    lrs = tuple(float(x) for x in args.lrs.split(",")) if args.lrs else (
-        (1e-6, 1e-5) if args.quick else (1e-6, 1e-5, 1e-4))
+    lrs = (
+        tuple(float(x) for x in args.lrs.split(","))
+        if args.lrs
+        else ((1e-6, 1e-5) if args.quick else (1e-6, 1e-5, 1e-4))
+    )
     console = Console(width=170)
     tr = Trainer(args.model, args.batch, args.seq or (64 if policy else 128))
     # versions one step apart at the default lr: a warm-up round + the measured ones
     sync_steps = 1 + args.sync_rounds if policy and not args.no_sync else 0
     if sync_steps and tr.default_lr not in lrs:
         lrs = tuple(sorted(lrs + (tr.default_lr,)))
-    console.print(f"model: {tr.kind}, {tr.n_params():,} parameters; warm-up {warmup} steps at lr 1e-3; "
-                  f"batch {tr.batch} x {tr.seq} bytes; zstd level {level}; trainer optimizer (AdamW betas "
-                  f"{tuple(tr.opt.defaults['betas'])}, weight decay {tr.opt.defaults['weight_decay']}, clip "
-                  f"{tr.max_grad_norm}); * = trainer default lr {tr.default_lr:g}")
+    console.print(
+        f"model: {tr.kind}, {tr.n_params():,} parameters; warm-up {warmup} steps at lr 1e-3; "
+        f"batch {tr.batch} x {tr.seq} bytes; zstd level {level}; trainer optimizer (AdamW betas "
+        f"{tuple(tr.opt.defaults['betas'])}, weight decay {tr.opt.defaults['weight_decay']}, clip "
+        f"{tr.max_grad_norm}); * = trainer default lr {tr.default_lr:g}"
+    )
     t_train = time.perf_counter()
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("warm-up", total=warmup)
@@ -236,43 +284,79 @@ def main() -> None:
                     pairs[(lr, done)] = (base, tr.serving())
                 if lr == tr.default_lr and done <= sync_steps:
                     chain.append(tr.serving())
-    console.print(f"warm-up loss {loss:.3f}; training took {time.perf_counter() - t_train:.0f} s "
-                  f"({warmup + sum(max(max(steps_grid), sync_steps if lr == tr.default_lr else 0) for lr in lrs)} steps)")
+    console.print(
+        f"warm-up loss {loss:.3f}; training took {time.perf_counter() - t_train:.0f} s "
+        f"({warmup + sum(max(max(steps_grid), sync_steps if lr == tr.default_lr else 0) for lr in lrs)} steps)"
+    )
     table = Table(title="delta codec vs baselines (ratios = baseline bytes / delta bytes)")
-    for col in ("lr", "steps", "changed", "delta KB", "vs bf16", "vs zstd(full)", "vs XOR+zstd",
-                "XOR+zstd vs bf16", "enc ref MB/s", "enc fast MB/s", "dec ref MB/s", "dec fast MB/s", "ans",
-                "same bytes"):
+    for col in (
+        "lr",
+        "steps",
+        "changed",
+        "delta KB",
+        "vs bf16",
+        "vs zstd(full)",
+        "vs XOR+zstd",
+        "XOR+zstd vs bf16",
+        "enc ref MB/s",
+        "enc fast MB/s",
+        "dec ref MB/s",
+        "dec fast MB/s",
+        "ans",
+        "same bytes",
+    ):
         table.add_column(col, justify="right")
     results = {}
     for (lr, s), (base, target) in sorted(pairs.items()):
         r = measure(base, target, level)
         results[(lr, s)] = r
-        table.add_row(f"{lr:g}{'*' if lr == tr.default_lr else ''}", str(s), f"{100 * r['frac']:.2f}%",
-                      f"{r['delta'] / 1024:.1f}",
-                      f"{r['full'] / r['delta']:.1f}x", f"{r['zfull'] / r['delta']:.1f}x",
-                      f"{r['xorz'] / r['delta']:.2f}x", f"{r['full'] / r['xorz']:.1f}x",
-                      f"{r['enc_reference']:.1f}", f"{r['enc_fast']:.1f}", f"{r['dec_reference']:.1f}",
-                      f"{r['dec_fast']:.1f}", r["ans"], str(r["same_bytes"]))
+        table.add_row(
+            f"{lr:g}{'*' if lr == tr.default_lr else ''}",
+            str(s),
+            f"{100 * r['frac']:.2f}%",
+            f"{r['delta'] / 1024:.1f}",
+            f"{r['full'] / r['delta']:.1f}x",
+            f"{r['zfull'] / r['delta']:.1f}x",
+            f"{r['xorz'] / r['delta']:.2f}x",
+            f"{r['full'] / r['xorz']:.1f}x",
+            f"{r['enc_reference']:.1f}",
+            f"{r['enc_fast']:.1f}",
+            f"{r['dec_reference']:.1f}",
+            f"{r['dec_fast']:.1f}",
+            r["ans"],
+            str(r["same_bytes"]),
+        )
     console.print(table)
     first = results.get((1e-6, 1))
     ok_xor = all(r["xorz"] / r["delta"] >= 1.5 for r in results.values())
     if first is not None:
         ok_100 = first["full"] / first["delta"] >= 100
-        console.print(f"target >= 100x vs bf16 at lr 1e-6 / 1 step: {'MET' if ok_100 else 'MISSED'} "
-                      f"({first['full'] / first['delta']:.0f}x)")
-    console.print(f">= 1.5x vs XOR+zstd everywhere: {'MET' if ok_xor else 'MISSED'} "
-                  f"(min {min(r['xorz'] / r['delta'] for r in results.values()):.2f}x)")
+        console.print(
+            f"target >= 100x vs bf16 at lr 1e-6 / 1 step: {'MET' if ok_100 else 'MISSED'} "
+            f"({first['full'] / first['delta']:.0f}x)"
+        )
+    console.print(
+        f">= 1.5x vs XOR+zstd everywhere: {'MET' if ok_xor else 'MISSED'} "
+        f"(min {min(r['xorz'] / r['delta'] for r in results.values()):.2f}x)"
+    )
     d = results.get((tr.default_lr, 1))
     if d is not None:
-        console.print(f"trainer default lr {tr.default_lr:g}, 1 step between versions: {100 * d['frac']:.2f}% changed, "
-                      f"{d['full'] / d['delta']:.0f}x vs bf16, {d['zfull'] / d['delta']:.0f}x vs zstd(full), "
-                      f"{d['xorz'] / d['delta']:.2f}x vs XOR+zstd; fast codec encode {d['enc_fast']:.0f} MB/s, "
-                      f"decode {d['dec_fast']:.0f} MB/s")
+        console.print(
+            f"trainer default lr {tr.default_lr:g}, 1 step between versions: {100 * d['frac']:.2f}% changed, "
+            f"{d['full'] / d['delta']:.0f}x vs bf16, {d['zfull'] / d['delta']:.0f}x vs zstd(full), "
+            f"{d['xorz'] / d['delta']:.2f}x vs XOR+zstd; fast codec encode {d['enc_fast']:.0f} MB/s, "
+            f"decode {d['dec_fast']:.0f} MB/s"
+        )
     for s in steps_grid:
         row = [(lr, results[(lr, s)]) for lr in lrs if (lr, s) in results]
-        console.print(f"{s} step(s), ratio vs bf16 by lr: " + ", ".join(
-            f"{lr:g}{'*' if lr == tr.default_lr else ''} -> {r['full'] / r['delta']:.0f}x "
-            f"({100 * r['frac']:.1f}% changed)" for lr, r in row))
+        console.print(
+            f"{s} step(s), ratio vs bf16 by lr: "
+            + ", ".join(
+                f"{lr:g}{'*' if lr == tr.default_lr else ''} -> {r['full'] / r['delta']:.0f}x "
+                f"({100 * r['frac']:.1f}% changed)"
+                for lr, r in row
+            )
+        )
     # ---- issue 5: time to sync 4 local replicas vs the floor (payload / measured loopback
     # bandwidth + apply time), on versions one step apart at the trainer's default lr;
     # bench/sync_replicas.py starts its own Kafka + MLflow and 4 replica processes.
@@ -297,7 +381,9 @@ def _define_fallback():
             super().__init__()
             self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
             self.attn = torch.nn.MultiheadAttention(d, h, batch_first=True)
-            self.ff = torch.nn.Sequential(torch.nn.Linear(d, ff), torch.nn.GELU(), torch.nn.Linear(ff, d))
+            self.ff = torch.nn.Sequential(
+                torch.nn.Linear(d, ff), torch.nn.GELU(), torch.nn.Linear(ff, d)
+            )
 
         def forward(self, x, mask):
             h = self.ln1(x)
@@ -307,8 +393,15 @@ def _define_fallback():
     class FallbackLM(torch.nn.Module):
         """~0.88M-parameter byte-level transformer (d 128, 4 layers, 4 heads, ff 512)."""
 
-        def __init__(self, vocab: int = 256, d: int = 128, layers: int = 4, heads: int = 4, ff: int = 512,
-                     ctx: int = 256):
+        def __init__(
+            self,
+            vocab: int = 256,
+            d: int = 128,
+            layers: int = 4,
+            heads: int = 4,
+            ff: int = 512,
+            ctx: int = 256,
+        ):
             super().__init__()
             self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(ctx, d)
             self.blocks = torch.nn.ModuleList([Block(d, heads, ff) for _ in range(layers)])

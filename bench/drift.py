@@ -25,7 +25,6 @@ import json
 import time
 import uuid
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import torch
@@ -38,7 +37,7 @@ from trainer.batch import scatter_teacher, teacher_inputs
 from trainer.policy import build_policy
 
 
-def load(config: Path, weights: Path):  # noqa: ANN201
+def load(config: Path, weights: Path):
     from safetensors.torch import load_file
 
     p = build_policy(json.loads(config.read_text()))
@@ -47,15 +46,21 @@ def load(config: Path, weights: Path):  # noqa: ANN201
     return p
 
 
-def label(user, text: str, spec: RewardSpec) -> tuple[float, list]:  # noqa: ANN001
+def label(user, text: str, spec: RewardSpec) -> tuple[float, list]:
     """(reward, tool errors) of one completion, as the streams worker labels the user's reactions."""
-    events = [{**e, "event_id": uuid.uuid4().hex, "ts": f"2026-01-01T00:00:{i:02d}Z"} for i, e in enumerate(user.react(text))]
-    errors = [SimpleNamespace(token_index=e["token_index"], message=e["message"], hint=e.get("hint"))
-              for e in events if e["type"] == "tool_error"]
+    events = [
+        {**e, "event_id": uuid.uuid4().hex, "ts": f"2026-01-01T00:00:{i:02d}Z"}
+        for i, e in enumerate(user.react(text))
+    ]
+    errors = [
+        SimpleNamespace(token_index=e["token_index"], message=e["message"], hint=e.get("hint"))
+        for e in events
+        if e["type"] == "tool_error"
+    ]
     return compute_reward(spec, events).reward, errors
 
 
-def heldout(policy, eval_prompts, users, seed: int = 10_001) -> float:  # noqa: ANN001
+def heldout(policy, eval_prompts, users, seed: int = 10_001) -> float:
     tok = policy.tokenizer
     batch = [tok.encode(p) for p in eval_prompts for _ in range(2)]
     with torch.no_grad():
@@ -69,7 +74,12 @@ def main() -> None:
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--behaviour", choices=["follow", "frozen"], required=True)
     ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--version-steps", type=int, default=10, help="optimizer steps per shipped version (the demo: ~10)")
+    ap.add_argument(
+        "--version-steps",
+        type=int,
+        default=10,
+        help="optimizer steps per shipped version (the demo: ~10)",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--kl-coef", type=float, default=0.01)
@@ -86,7 +96,10 @@ def main() -> None:
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     users = population(64, seed=args.seed)
     train_prompts = prompt_pool(512, seed=args.seed)
-    eval_prompts, eval_users = prompt_pool(48, seed=10_001, held_out=True), population(32, seed=10_001, prefix="heldout")
+    eval_prompts, eval_users = (
+        prompt_pool(48, seed=10_001, held_out=True),
+        population(32, seed=10_001, prefix="heldout"),
+    )
     tok = policy.tokenizer
     curve = [{"version": 0, "step": 0, "heldout": heldout(policy, eval_prompts, eval_users)}]
     print(f"{args.behaviour}/{args.distill}: v0 held-out {curve[0]['heldout']:.3f}", flush=True)
@@ -97,8 +110,12 @@ def main() -> None:
         idx = torch.randint(0, len(train_prompts), (args.batch // 2,), generator=g).tolist()
         ptoks = [tok.encode(train_prompts[i]) for i in idx for _ in range(2)]
         with torch.no_grad():
-            smp = behaviour.generate(ptoks, max_tokens=48, temperature=1.0, seed=args.seed * 100_000 + step)
-        labels = [label(users[(step * 7 + j) % len(users)], s.text, spec) for j, s in enumerate(smp)]
+            smp = behaviour.generate(
+                ptoks, max_tokens=48, temperature=1.0, seed=args.seed * 100_000 + step
+            )
+        labels = [
+            label(users[(step * 7 + j) % len(users)], s.text, spec) for j, s in enumerate(smp)
+        ]
         rewards = torch.tensor([r for r, _ in labels])
         comps = [s.tokens for s in smp]
         t_max = max(len(c) for c in comps)
@@ -118,14 +135,18 @@ def main() -> None:
         loss = loss + args.kl_coef * kl
         dkl = 0.0
         if args.distill != "off":
-            rolls = [SimpleNamespace(prompt_tokens=p, completion_tokens=c, tool_errors=e)
-                     for p, c, (_, e) in zip(ptoks, comps, labels)]
+            rolls = [
+                SimpleNamespace(prompt_tokens=p, completion_tokens=c, tool_errors=e)
+                for p, c, (_, e) in zip(ptoks, comps, labels)
+            ]
             t = teacher_inputs(rolls, tok, policy.config_dict().get("max_context"))
             if t.rows:
                 with torch.no_grad():
                     t_lp = policy.logprobs(t.prompts, t.tails, None, 1.0)
                 teacher, dmask = scatter_teacher(t_lp, t, tuple(logp.shape))
-                dl, dkl = obj.distill_loss(logp, teacher, dmask, w, mask if args.distill == "batch" else None)
+                dl, dkl = obj.distill_loss(
+                    logp, teacher, dmask, w, mask if args.distill == "batch" else None
+                )
                 loss = loss + args.distill_coef * dl
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -138,17 +159,36 @@ def main() -> None:
             if args.behaviour == "follow":
                 behaviour.load_serving_state_dict(policy.serving_state_dict())
             acc = heldout(policy, eval_prompts, eval_users)
-            served.load_serving_state_dict(policy.serving_state_dict())  # bf16, as a replica serves it
+            served.load_serving_state_dict(
+                policy.serving_state_dict()
+            )  # bf16, as a replica serves it
             acc_served = heldout(served, eval_prompts, eval_users)
-            gmax = max(grad_norms[-args.version_steps:])
-            curve.append({"version": v, "step": step, "heldout": acc, "kl": float(kl.detach()), "masked": w.masked_fraction,
-                          "reward_mean": float(rewards.mean()), "max_grad_norm": gmax, "heldout_served": acc_served})
-            print(f"{args.behaviour}/{args.distill}: v{v} step {step} held-out {acc:.3f} (served bf16 {acc_served:.3f}) kl {float(kl.detach()):.3f} "
-                  f"masked {w.masked_fraction:.2f} max grad norm {gmax:.1f} batch reward {float(rewards.mean()):+.3f} "
-                  f"({time.monotonic() - t0:.0f}s)", flush=True)
+            gmax = max(grad_norms[-args.version_steps :])
+            curve.append(
+                {
+                    "version": v,
+                    "step": step,
+                    "heldout": acc,
+                    "kl": float(kl.detach()),
+                    "masked": w.masked_fraction,
+                    "reward_mean": float(rewards.mean()),
+                    "max_grad_norm": gmax,
+                    "heldout_served": acc_served,
+                }
+            )
+            print(
+                f"{args.behaviour}/{args.distill}: v{v} step {step} held-out {acc:.3f} (served bf16 {acc_served:.3f}) kl {float(kl.detach()):.3f} "
+                f"masked {w.masked_fraction:.2f} max grad norm {gmax:.1f} batch reward {float(rewards.mean()):+.3f} "
+                f"({time.monotonic() - t0:.0f}s)",
+                flush=True,
+            )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "curve": curve}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "curve": curve}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -47,7 +47,9 @@ sys.path.insert(0, str(REPO))
 from app.settings import Settings  # noqa: E402
 
 BATCH = 100
-warnings.filterwarnings("ignore", category=DeprecationWarning)  # kafka-python's key_serializer notice
+warnings.filterwarnings(
+    "ignore", category=DeprecationWarning
+)  # kafka-python's key_serializer notice
 
 
 def free_port() -> int:
@@ -61,15 +63,22 @@ def make_events(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        out.append({
-            "event_id": uuid.UUID(int=rng.getrandbits(128), version=4).hex, "type": "generation",
-            "request_id": f"req-{i}-{rng.getrandbits(32):08x}", "session_id": f"sess-{i % 97}",
-            "ts": "2026-11-21T10:00:00.123Z", "model_version": "12",
-            "prompt_tokens": [rng.randrange(256) for _ in range(64)],
-            "completion_tokens": [rng.randrange(256) for _ in range(48)],
-            "logprobs": [-round(rng.random() * 4, 4) for _ in range(48)],
-            "temperature": 1.0, "tokenizer": "byte-v1", "latency_ms": round(rng.random() * 100, 2),
-        })
+        out.append(
+            {
+                "event_id": uuid.UUID(int=rng.getrandbits(128), version=4).hex,
+                "type": "generation",
+                "request_id": f"req-{i}-{rng.getrandbits(32):08x}",
+                "session_id": f"sess-{i % 97}",
+                "ts": "2026-11-21T10:00:00.123Z",
+                "model_version": "12",
+                "prompt_tokens": [rng.randrange(256) for _ in range(64)],
+                "completion_tokens": [rng.randrange(256) for _ in range(48)],
+                "logprobs": [-round(rng.random() * 4, 4) for _ in range(48)],
+                "temperature": 1.0,
+                "tokenizer": "byte-v1",
+                "latency_ms": round(rng.random() * 100, 2),
+            }
+        )
     return out
 
 
@@ -166,8 +175,11 @@ def run_api(url: str, key: str, batches: list, connections: int, server_pid: int
     def work(b) -> float:
         client = getattr(local, "client", None)
         if client is None:
-            client = local.client = httpx.Client(base_url=url, timeout=60, headers={
-                "Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            client = local.client = httpx.Client(
+                base_url=url,
+                timeout=60,
+                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            )
         t0 = time.perf_counter()
         resp = client.post("/v1/events", content=b[1])
         lat = time.perf_counter() - t0
@@ -180,15 +192,30 @@ def run_api(url: str, key: str, batches: list, connections: int, server_pid: int
     return res
 
 
-def start_api(settings: Settings, port: int, log_path: Path, profile: Path | None = None) -> subprocess.Popen:
-    env = dict(os.environ, FLYWHEEL_DATA_DIR=str(settings.data_dir), FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
-               FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace, FLYWHEEL_RATE_LIMIT_PER_S="1000000",
-               FLYWHEEL_RATE_LIMIT_BURST="1000000")
-    prefix = [sys.executable] if profile is None else [
-        sys.executable, "-m", "pyinstrument", "--renderer", "text", "--outfile", str(profile)]
-    proc = subprocess.Popen([*prefix, "-m", "app.cli", "api", "--host", "127.0.0.1", "--port", str(port)],
-                            cwd=REPO, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+def start_api(
+    settings: Settings, port: int, log_path: Path, profile: Path | None = None
+) -> subprocess.Popen:
+    env = dict(
+        os.environ,
+        FLYWHEEL_DATA_DIR=str(settings.data_dir),
+        FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace,
+        FLYWHEEL_RATE_LIMIT_PER_S="1000000",
+        FLYWHEEL_RATE_LIMIT_BURST="1000000",
+    )
+    prefix = (
+        [sys.executable]
+        if profile is None
+        else [sys.executable, "-m", "pyinstrument", "--renderer", "text", "--outfile", str(profile)]
+    )
+    proc = subprocess.Popen(
+        [*prefix, "-m", "app.cli", "api", "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=open(log_path, "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:
@@ -203,7 +230,9 @@ def start_api(settings: Settings, port: int, log_path: Path, profile: Path | Non
         time.sleep(0.3)
 
 
-def wait_idle(pid: int, timeout_s: float = 120.0, window_s: float = 1.0, max_busy: float = 0.05) -> None:
+def wait_idle(
+    pid: int, timeout_s: float = 120.0, window_s: float = 1.0, max_busy: float = 0.05
+) -> None:
     """Wait until process `pid` uses < `max_busy` of a core over `window_s`: start-up work in the
     background (other routers warm up, e.g. importing mlflow for the webhook receiver) must not
     be billed to the first measured round."""
@@ -216,13 +245,26 @@ def wait_idle(pid: int, timeout_s: float = 120.0, window_s: float = 1.0, max_bus
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--events", type=int, default=40_000, help="events per side per round")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating raw/api rounds; the best of each is compared")
-    ap.add_argument("--connections", type=int, default=4, help="concurrent HTTP connections / producer threads")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternating raw/api rounds; the best of each is compared",
+    )
+    ap.add_argument(
+        "--connections", type=int, default=4, help="concurrent HTTP connections / producer threads"
+    )
     ap.add_argument("--quick", action="store_true", help="5k events, 1 round")
-    ap.add_argument("--profile", type=Path, default=None,
-                    help="run the API under pyinstrument (pip install pyinstrument) and write its text report here")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="run the API under pyinstrument (pip install pyinstrument) and write its text report here",
+    )
     args = ap.parse_args()
     if args.quick:
         args.events, args.rounds = 5_000, 1
@@ -237,13 +279,18 @@ def main() -> None:
 
     console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-ingest-"))
-    broker = LocalKafka(home=tmp / "kafka", port=free_port(), controller_port=free_port(), heap="768m")
+    broker = LocalKafka(
+        home=tmp / "kafka", port=free_port(), controller_port=free_port(), heap="768m"
+    )
     api_proc = None
     try:
         with console.status("starting Kafka (real broker, KRaft)..."):
             broker.start(timeout=180)
-        settings = Settings(data_dir=tmp / "data", kafka_bootstrap=broker.bootstrap,
-                            topic_namespace=f"bench{uuid.uuid4().hex[:8]}")
+        settings = Settings(
+            data_dir=tmp / "data",
+            kafka_bootstrap=broker.bootstrap,
+            topic_namespace=f"bench{uuid.uuid4().hex[:8]}",
+        )
         settings.data_dir.mkdir(parents=True)
         ensure_topics(settings)
         upgrade(settings.db_url)
@@ -258,16 +305,18 @@ def main() -> None:
             events = make_events(args.events)
             batches = []
             for i in range(0, len(events), BATCH):
-                chunk = events[i:i + BATCH]
+                chunk = events[i : i + BATCH]
                 records = [(e["request_id"], orjson.dumps(e)) for e in chunk]
                 batches.append((records, orjson.dumps({"events": chunk})))
         mean_size = sum(len(v) for b in batches for _, v in b[0]) / len(events)
         del events, chunk
         gc.collect()
         gc.freeze()  # the load generator's own heap must not cost it full-GC pauses mid-run
-        console.print(f"{args.events} events of {mean_size:.0f} B mean in {len(batches)} batches of {BATCH}, "
-                      f"{args.connections} connections, broker {broker.bootstrap}, partitions "
-                      f"{settings.interactions_partitions}")
+        console.print(
+            f"{args.events} events of {mean_size:.0f} B mean in {len(batches)} batches of {BATCH}, "
+            f"{args.connections} connections, broker {broker.bootstrap}, partitions "
+            f"{settings.interactions_partitions}"
+        )
         run_api(url, key, batches[:5], 1, api_proc.pid)  # warm-up: connection, producer metadata
         with console.status("waiting for the API process to finish its start-up work..."):
             wait_idle(api_proc.pid)
@@ -276,10 +325,15 @@ def main() -> None:
         for r in range(args.rounds):
             for side in ("raw", "api"):
                 with console.status(f"round {r + 1}/{args.rounds}: {side}..."):
-                    res = (run_raw(settings, batches, args.connections) if side == "raw"
-                           else run_api(url, key, batches, args.connections, api_proc.pid))
-                console.print(f"  round {r + 1} {side}: {res.eps:,.0f} events/s, p50 {res.pct(0.5):.1f} ms, "
-                              f"p99 {res.pct(0.99):.1f} ms, {res.cpu_s / res.events * 1e6:.0f} CPU-us/event")
+                    res = (
+                        run_raw(settings, batches, args.connections)
+                        if side == "raw"
+                        else run_api(url, key, batches, args.connections, api_proc.pid)
+                    )
+                console.print(
+                    f"  round {r + 1} {side}: {res.eps:,.0f} events/s, p50 {res.pct(0.5):.1f} ms, "
+                    f"p99 {res.pct(0.99):.1f} ms, {res.cpu_s / res.events * 1e6:.0f} CPU-us/event"
+                )
                 if side not in best or res.eps > best[side].eps:
                     best[side] = res
 
@@ -288,17 +342,25 @@ def main() -> None:
             table.add_column(col, justify="right" if col != "path" else "left")
         for side in ("raw", "api"):
             res = best[side]
-            table.add_row(res.name, f"{res.eps:,.0f}", f"{res.bytes / res.seconds / 1e6:.1f}",
-                          f"{res.pct(0.5):.1f}", f"{res.pct(0.99):.1f}", f"{res.cpu_s / res.events * 1e6:.0f}")
+            table.add_row(
+                res.name,
+                f"{res.eps:,.0f}",
+                f"{res.bytes / res.seconds / 1e6:.1f}",
+                f"{res.pct(0.5):.1f}",
+                f"{res.pct(0.99):.1f}",
+                f"{res.cpu_s / res.events * 1e6:.0f}",
+            )
         console.print(table)
         ratio = best["api"].eps / best["raw"].eps
         verdict = "[green]meets[/green]" if ratio >= 0.5 else "[red]below[/red]"
         console.print(f"ratio api/raw = {ratio:.2f}x ({verdict} the 0.5x target)")
-        print(f"RESULT raw_eps={best['raw'].eps:.0f} api_eps={best['api'].eps:.0f} ratio={ratio:.3f} "
-              f"api_p50_ms={best['api'].pct(0.5):.1f} api_p99_ms={best['api'].pct(0.99):.1f} "
-              f"raw_p50_ms={best['raw'].pct(0.5):.1f} raw_p99_ms={best['raw'].pct(0.99):.1f} "
-              f"api_cpu_us_per_event={best['api'].cpu_s / best['api'].events * 1e6:.0f} "
-              f"raw_cpu_us_per_event={best['raw'].cpu_s / best['raw'].events * 1e6:.0f}")
+        print(
+            f"RESULT raw_eps={best['raw'].eps:.0f} api_eps={best['api'].eps:.0f} ratio={ratio:.3f} "
+            f"api_p50_ms={best['api'].pct(0.5):.1f} api_p99_ms={best['api'].pct(0.99):.1f} "
+            f"raw_p50_ms={best['raw'].pct(0.5):.1f} raw_p99_ms={best['raw'].pct(0.99):.1f} "
+            f"api_cpu_us_per_event={best['api'].cpu_s / best['api'].events * 1e6:.0f} "
+            f"raw_cpu_us_per_event={best['raw'].cpu_s / best['raw'].events * 1e6:.0f}"
+        )
     finally:
         if api_proc is not None and api_proc.poll() is None:
             os.killpg(api_proc.pid, signal.SIGINT)  # graceful; lets --profile write its report

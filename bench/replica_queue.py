@@ -32,10 +32,20 @@ from typing import Any
 
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # bench/trainer.py would shadow the trainer package
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # after PYTHONPATH: another checkout can be measured
+sys.path.append(
+    str(Path(__file__).resolve().parents[1])
+)  # after PYTHONPATH: another checkout can be measured
 
-TINY = {"type": "moe-byte", "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "n_experts": 2, "top_k": 1,
-        "max_context": 64}
+TINY = {
+    "type": "moe-byte",
+    "d_model": 16,
+    "n_layers": 1,
+    "n_heads": 2,
+    "d_ff": 16,
+    "n_experts": 2,
+    "top_k": 1,
+    "max_context": 64,
+}
 
 
 @contextlib.contextmanager
@@ -48,12 +58,17 @@ def kafka_settings(bootstrap: str | None, work: Path) -> Iterator[Any]:
     broker = None
     try:
         if bootstrap is None:
-            broker = LocalKafka(home=work / "kafka", port=free_port(), controller_port=free_port(), heap="512m")
+            broker = LocalKafka(
+                home=work / "kafka", port=free_port(), controller_port=free_port(), heap="512m"
+            )
             print("starting Kafka…", flush=True)
             broker.start(timeout=180)
             bootstrap = broker.bootstrap
-        settings = Settings(data_dir=work / "data", kafka_bootstrap=bootstrap,
-                            topic_namespace=f"benchq{uuid.uuid4().hex[:8]}")
+        settings = Settings(
+            data_dir=work / "data",
+            kafka_bootstrap=bootstrap,
+            topic_namespace=f"benchq{uuid.uuid4().hex[:8]}",
+        )
         ensure_topics(settings)
         yield settings
     finally:
@@ -82,8 +97,13 @@ def serve_child(spec_json: str) -> None:
     cache.set_serving(cache.restore())
     settings = Settings(**spec["settings"])
     cfg = ReplicaConfig(id="bench-queue", cache_dir=cache_dir, port=spec["port"], **spec["limits"])
-    uvicorn.run(create_app(settings, cfg, start_sync=False), host="127.0.0.1", port=spec["port"],
-                log_level="warning", access_log=False)
+    uvicorn.run(
+        create_app(settings, cfg, start_sync=False),
+        host="127.0.0.1",
+        port=spec["port"],
+        log_level="warning",
+        access_log=False,
+    )
 
 
 @contextlib.contextmanager
@@ -100,13 +120,25 @@ def replica_process(settings: Any, policy_cfg: dict, work: Path, limits: dict) -
     from tests.conftest import free_port
 
     known = {k: v for k, v in limits.items() if k in ReplicaConfig.model_fields}
-    print(f"replica limits: {known} (ignored, unknown to this code: {sorted(set(limits) - set(known)) or 'none'})")
+    print(
+        f"replica limits: {known} (ignored, unknown to this code: {sorted(set(limits) - set(known)) or 'none'})"
+    )
     port = free_port()
-    spec = {"policy": policy_cfg, "cache_dir": str(work / "cache"), "port": port, "limits": known,
-            "settings": {"data_dir": str(work / "data"), "kafka_bootstrap": settings.kafka_bootstrap,
-                         "topic_namespace": settings.topic_namespace}}
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(spec)],
-                            env=os.environ.copy())
+    spec = {
+        "policy": policy_cfg,
+        "cache_dir": str(work / "cache"),
+        "port": port,
+        "limits": known,
+        "settings": {
+            "data_dir": str(work / "data"),
+            "kafka_bootstrap": settings.kafka_bootstrap,
+            "topic_namespace": settings.topic_namespace,
+        },
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(spec)],
+        env=os.environ.copy(),
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -150,31 +182,50 @@ def one_round(url: str, maximal: dict, one_token: dict, k: int) -> dict:
     for t in threads:
         t.join(900)
     ok = [s for c, s in results if c == 200]
-    return {"one_token_s": seconds, "one_token_status": status,
-            "maximal_ok": len(ok), "maximal_refused": sum(1 for c, _ in results if c == 503),
-            "maximal_other": sum(1 for c, _ in results if c not in (200, 503)),
-            "maximal_slowest_s": max(ok) if ok else None,
-            "refused_slowest_s": max((s for c, s in results if c == 503), default=None)}
+    return {
+        "one_token_s": seconds,
+        "one_token_status": status,
+        "maximal_ok": len(ok),
+        "maximal_refused": sum(1 for c, _ in results if c == 503),
+        "maximal_other": sum(1 for c, _ in results if c not in (200, 503)),
+        "maximal_slowest_s": max(ok) if ok else None,
+        "refused_slowest_s": max((s for c, s in results if c == 503), default=None),
+    }
 
 
 def queue_wait(url: str) -> str:
     import httpx
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    lines = [ln for ln in text.splitlines() if ln.startswith("flywheel_replica_queue_wait_seconds_")
-             and ('_sum' in ln or '_count' in ln)]
+    lines = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("flywheel_replica_queue_wait_seconds_")
+        and ("_sum" in ln or "_count" in ln)
+    ]
     return "; ".join(lines) or "(no queue metrics in this code)"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--policy", choices=("tiny", "default"), default="tiny")
     ap.add_argument("--maximal", type=int, default=16, help="maximal requests per burst")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--kafka", default=None, help="bootstrap of a running broker (default: start one)")
+    ap.add_argument(
+        "--kafka", default=None, help="bootstrap of a running broker (default: start one)"
+    )
     ap.add_argument("--max-n", type=int, default=8)
-    ap.add_argument("--max-queued", type=int, default=None, help="FLYWHEEL_REPLICA_MAX_QUEUED (default: the setting's)")
-    ap.add_argument("--max-queued-cost", type=int, default=None, help="FLYWHEEL_REPLICA_MAX_QUEUED_COST")
+    ap.add_argument(
+        "--max-queued",
+        type=int,
+        default=None,
+        help="FLYWHEEL_REPLICA_MAX_QUEUED (default: the setting's)",
+    )
+    ap.add_argument(
+        "--max-queued-cost", type=int, default=None, help="FLYWHEEL_REPLICA_MAX_QUEUED_COST"
+    )
     ap.add_argument("--serve-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve_child is not None:
@@ -194,30 +245,44 @@ def main() -> None:
         limits["max_queued"] = args.max_queued
     if args.max_queued_cost is not None:
         limits["max_queued_cost"] = args.max_queued_cost
-    maximal = {"session_id": "bench", "prompt": "def f(x):", "max_tokens": min(256, ctx - 1), "n": args.max_n,
-               "temperature": 1.0}
+    maximal = {
+        "session_id": "bench",
+        "prompt": "def f(x):",
+        "max_tokens": min(256, ctx - 1),
+        "n": args.max_n,
+        "temperature": 1.0,
+    }
     one_token = {"session_id": "bench", "prompt": "def f(x):", "max_tokens": 1, "n": 1}
 
-    with tempfile.TemporaryDirectory(prefix="flywheel-bench-queue-") as tmp, \
-            kafka_settings(args.kafka, Path(tmp)) as settings:
+    with (
+        tempfile.TemporaryDirectory(prefix="flywheel-bench-queue-") as tmp,
+        kafka_settings(args.kafka, Path(tmp)) as settings,
+    ):
         with replica_process(settings, policy_cfg, Path(tmp), limits) as url:
             for _ in range(2):  # warm-up: topic metadata, producer connection, first model call
                 post(url, one_token)
             alone_max = [post(url, maximal)[1] for _ in range(2)]
             alone_one = [post(url, one_token)[1] for _ in range(3)]
-            print(f"policy {args.policy}: maximal request (n={args.max_n}, max_tokens={maximal['max_tokens']}) alone "
-                  f"{statistics.median(alone_max):.3f} s; one-token request alone {statistics.median(alone_one):.3f} s")
+            print(
+                f"policy {args.policy}: maximal request (n={args.max_n}, max_tokens={maximal['max_tokens']}) alone "
+                f"{statistics.median(alone_max):.3f} s; one-token request alone {statistics.median(alone_one):.3f} s"
+            )
             rounds = []
             for i in range(args.rounds):
                 r = one_round(url, maximal, one_token, args.maximal)
                 rounds.append(r)
-                print(f"round {i + 1}: one-token request {r['one_token_s']:.3f} s (HTTP {r['one_token_status']}); "
-                      f"{args.maximal} maximal: {r['maximal_ok']} answered 200 (slowest "
-                      f"{r['maximal_slowest_s'] or 0:.2f} s), {r['maximal_refused']} refused with 503 (slowest "
-                      f"refusal {r['refused_slowest_s'] or 0:.3f} s), {r['maximal_other']} other", flush=True)
+                print(
+                    f"round {i + 1}: one-token request {r['one_token_s']:.3f} s (HTTP {r['one_token_status']}); "
+                    f"{args.maximal} maximal: {r['maximal_ok']} answered 200 (slowest "
+                    f"{r['maximal_slowest_s'] or 0:.2f} s), {r['maximal_refused']} refused with 503 (slowest "
+                    f"refusal {r['refused_slowest_s'] or 0:.3f} s), {r['maximal_other']} other",
+                    flush=True,
+                )
             waits = [r["one_token_s"] for r in rounds]
-            print(f"one-token request behind {args.maximal} maximal ones: median {statistics.median(waits):.3f} s "
-                  f"(min {min(waits):.3f}, max {max(waits):.3f}) over {len(waits)} rounds")
+            print(
+                f"one-token request behind {args.maximal} maximal ones: median {statistics.median(waits):.3f} s "
+                f"(min {min(waits):.3f}, max {max(waits):.3f}) over {len(waits)} rounds"
+            )
             print(f"queue wait metric: {queue_wait(url)}")
 
 

@@ -47,12 +47,28 @@ FLAGGER_S = 60.0 * 5  # Flagger: analysis interval 1m x threshold 5 failed check
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="2 runs per trigger and mode")
-    p.add_argument("--runs", type=int, default=None, help="runs per trigger and mode (default 5, quick 2)")
-    p.add_argument("--poll-interval", type=float, default=5.0, help="the controller's alias poll interval, s (default 5)")
-    p.add_argument("--tick-interval", type=float, default=2.0, help="the controller's tick interval, s (default 2)")
+    p.add_argument(
+        "--runs", type=int, default=None, help="runs per trigger and mode (default 5, quick 2)"
+    )
+    p.add_argument(
+        "--poll-interval",
+        type=float,
+        default=5.0,
+        help="the controller's alias poll interval, s (default 5)",
+    )
+    p.add_argument(
+        "--tick-interval",
+        type=float,
+        default=2.0,
+        help="the controller's tick interval, s (default 2)",
+    )
     p.add_argument("--modes", default="webhooks,polling", help="comma-separated: webhooks, polling")
-    p.add_argument("--kafka", default=None, help="reuse this Kafka bootstrap instead of starting a broker")
-    p.add_argument("--mlflow", default=None, help="reuse this MLflow server URI instead of starting one")
+    p.add_argument(
+        "--kafka", default=None, help="reuse this Kafka bootstrap instead of starting a broker"
+    )
+    p.add_argument(
+        "--mlflow", default=None, help="reuse this MLflow server URI instead of starting one"
+    )
     args = p.parse_args()
     args.runs = args.runs or (2 if args.quick else 5)
     assert args.runs >= 1, f"--runs must be >= 1, got {args.runs}"
@@ -67,7 +83,7 @@ def percentile(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def event_delay(stack, type_: str, version: str, wall0: float) -> float | None:  # noqa: ANN001
+def event_delay(stack, type_: str, version: str, wall0: float) -> float | None:
     """Seconds from wall0 to the newest `type_` event that targets `version` (its ts is the publisher's clock)."""
     evs = [e for e in stack.log_events(type_) if e["version"] == version]
     if not evs:
@@ -75,7 +91,9 @@ def event_delay(stack, type_: str, version: str, wall0: float) -> float | None: 
     return datetime.fromisoformat(evs[-1]["ts"].replace("Z", "+00:00")).timestamp() - wall0
 
 
-def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, work: Path, console) -> dict[str, Any]:  # noqa: ANN001
+def run_mode(
+    webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, work: Path, console
+) -> dict[str, Any]:
     from app.controller.config import ControllerSettings
     from app.deployments.events import DeploymentEvent, DeploymentLog
     from app.infra.kafka import ensure_topics
@@ -84,20 +102,34 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
 
     mode = "webhooks" if webhooks else "polling"
     tag = uuid.uuid4().hex[:6]
-    settings = Settings(data_dir=work / f"data-{mode}", kafka_bootstrap=kafka, mlflow_uri=uri,
-                        topic_namespace=f"rb{tag}", model_name=f"bench-rollback-{mode}-{tag}",
-                        webhook_secret="bench-webhook-secret")
+    settings = Settings(
+        data_dir=work / f"data-{mode}",
+        kafka_bootstrap=kafka,
+        mlflow_uri=uri,
+        topic_namespace=f"rb{tag}",
+        model_name=f"bench-rollback-{mode}-{tag}",
+        webhook_secret="bench-webhook-secret",
+    )
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     ensure_topics(settings)
-    cs = ControllerSettings(min_step=2.0, min_samples=50, step_deadline=3600.0, tick_interval=args.tick_interval,
-                            poll_interval=args.poll_interval, webhooks_enabled=webhooks, metrics_port=0,
-                            gate_enabled=False)
+    cs = ControllerSettings(
+        min_step=2.0,
+        min_samples=50,
+        step_deadline=3600.0,
+        tick_interval=args.tick_interval,
+        poll_interval=args.poll_interval,
+        webhooks_enabled=webhooks,
+        metrics_port=0,
+        gate_enabled=False,
+    )
     stack = RolloutStack(settings, cs, work / f"stack-{mode}").start()
     times: dict[str, list[float]] = {t: [] for t in TRIGGERS}
     decided: dict[str, list[float]] = {t: [] for t in TRIGGERS}
     slack = args.poll_interval + 60.0
     try:
-        console.print(f"{mode}: registering the champion history (v1 base, v2 promoted by an operator)…")
+        console.print(
+            f"{mode}: registering the champion history (v1 base, v2 promoted by an operator)…"
+        )
         base = tiny_policy_state(0)
         v1 = stack.versions.add(base, kind="base")
         stack.wait_serving(v1, None, timeout=300)
@@ -106,14 +138,24 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
         r = stack.verb("promote", reason="bench set-up", skip_remaining=True)
         assert r.status_code == 202, r.text
         stack.wait_serving(v2, None, timeout=120)
-        wait_for(lambda: stack.aliases() == {"champion": v2}, 120, "MLflow aliases after the operator's promote")
+        wait_for(
+            lambda: stack.aliases() == {"champion": v2},
+            120,
+            "MLflow aliases after the operator's promote",
+        )
         console.print(f"{mode}: uploading {args.runs} candidates for the failed-analysis runs…")
-        candidates = [stack.versions.upload(nudged(base, 100 + i), parent=v1) for i in range(args.runs)]
+        candidates = [
+            stack.versions.upload(nudged(base, 100 + i), parent=v1) for i in range(args.runs)
+        ]
 
         def settled(champion: str) -> None:
             """The controller has also moved MLflow's aliases (it does so on its next tick, possibly after
             the replicas swapped): only then is a new move in the UI a move away from `champion`."""
-            wait_for(lambda: stack.aliases() == {"champion": champion}, slack, f"MLflow aliases {{champion: {champion}}}")
+            wait_for(
+                lambda: stack.aliases() == {"champion": champion},
+                slack,
+                f"MLflow aliases {{champion: {champion}}}",
+            )
 
         def ui_move(target: str, record: bool) -> None:
             if record:  # a random phase against the controller's poll and tick loops
@@ -123,7 +165,9 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
             stack.wait_serving(target, None, timeout=slack, every=0.05)
             if record:
                 times["ui"].append(time.monotonic() - t0)
-                decided["ui"].append(event_delay(stack, "alias_changed", target, wall0) or float("nan"))
+                decided["ui"].append(
+                    event_delay(stack, "alias_changed", target, wall0) or float("nan")
+                )
             settled(target)
 
         for i in range(args.runs):
@@ -142,8 +186,17 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
 
             wall0, t0 = time.time(), time.monotonic()
             with DeploymentLog(settings) as dlog:
-                dlog.publish(DeploymentEvent(type="rolled_back", model=stack.model, version=v1, from_version=v2,
-                                             source="api", actor="bench", reason=f"bench floor run {i}"))
+                dlog.publish(
+                    DeploymentEvent(
+                        type="rolled_back",
+                        model=stack.model,
+                        version=v1,
+                        from_version=v2,
+                        source="api",
+                        actor="bench",
+                        reason=f"bench floor run {i}",
+                    )
+                )
             stack.wait_serving(v1, None, timeout=slack, every=0.05)
             times["floor"].append(time.monotonic() - t0)
             decided["floor"].append(0.0)
@@ -162,51 +215,88 @@ def run_mode(webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, wor
             times["analysis"].append(time.monotonic() - t0)
             decided["analysis"].append(event_delay(stack, "rolled_back", v2, wall0) or float("nan"))
             settled(v2)
-            console.print(f"{mode}: run {i + 1}/{args.runs}: " + ", ".join(f"{t} {times[t][-1]:.2f}s" for t in TRIGGERS))
+            console.print(
+                f"{mode}: run {i + 1}/{args.runs}: "
+                + ", ".join(f"{t} {times[t][-1]:.2f}s" for t in TRIGGERS)
+            )
     finally:
         stack.stop()
     return {"mode": mode, "times": times, "decided": decided}
 
 
-def report(results: list[dict[str, Any]], args: argparse.Namespace, console) -> None:  # noqa: ANN001
+def report(results: list[dict[str, Any]], args: argparse.Namespace, console) -> None:
     from rich.table import Table
 
-    t = Table(title=f"rollback trigger -> both replicas serve the target ({args.runs} runs each; "
-                    f"poll {args.poll_interval:g}s, tick {args.tick_interval:g}s)")
-    for col in ("mode", "trigger", "decision p50", "replicas p50", "p95", "max", "vs floor", "target", "met"):
+    t = Table(
+        title=f"rollback trigger -> both replicas serve the target ({args.runs} runs each; "
+        f"poll {args.poll_interval:g}s, tick {args.tick_interval:g}s)"
+    )
+    for col in (
+        "mode",
+        "trigger",
+        "decision p50",
+        "replicas p50",
+        "p95",
+        "max",
+        "vs floor",
+        "target",
+        "met",
+    ):
         t.add_column(col, justify="right" if col not in ("mode", "trigger") else "left")
     for res in results:
         floor = statistics.median(res["times"]["floor"])
         for trig in TRIGGERS:
             xs = res["times"][trig]
-            target = 10.0 if res["mode"] == "webhooks" or trig != "ui" else args.poll_interval + 10.0
+            target = (
+                10.0 if res["mode"] == "webhooks" or trig != "ui" else args.poll_interval + 10.0
+            )
             p95 = percentile(xs, 95)
             dec = [d for d in res["decided"][trig] if d == d]
-            t.add_row(res["mode"], trig, f"{statistics.median(dec):.2f}s" if dec else "-", f"{statistics.median(xs):.2f}s",
-                      f"{p95:.2f}s", f"{max(xs):.2f}s", f"{statistics.median(xs) / floor:.1f}x" if trig != "floor" else "1.0x",
-                      f"<= {target:g}s", "yes" if p95 <= target else "NO")
+            t.add_row(
+                res["mode"],
+                trig,
+                f"{statistics.median(dec):.2f}s" if dec else "-",
+                f"{statistics.median(xs):.2f}s",
+                f"{p95:.2f}s",
+                f"{max(xs):.2f}s",
+                f"{statistics.median(xs) / floor:.1f}x" if trig != "floor" else "1.0x",
+                f"<= {target:g}s",
+                "yes" if p95 <= target else "NO",
+            )
     console.print(t)
-    console.print("decision = trigger -> the deciding event on flywheel.deployments (alias_changed / rolled_back); "
-                  "replicas = trigger -> both replicas serving the target.")
-    console.print(f"For scale: Flagger's default automatic rollback needs interval x threshold failed checks "
-                  f"(1 min x 5) = {FLAGGER_S:.0f}s; the `analysis` p50 here is "
-                  + ", ".join(f"{FLAGGER_S / statistics.median(r['times']['analysis']):.0f}x faster ({r['mode']})"
-                              for r in results) + " (once the canary's minimum step time has passed).")
+    console.print(
+        "decision = trigger -> the deciding event on flywheel.deployments (alias_changed / rolled_back); "
+        "replicas = trigger -> both replicas serving the target."
+    )
+    console.print(
+        f"For scale: Flagger's default automatic rollback needs interval x threshold failed checks "
+        f"(1 min x 5) = {FLAGGER_S:.0f}s; the `analysis` p50 here is "
+        + ", ".join(
+            f"{FLAGGER_S / statistics.median(r['times']['analysis']):.0f}x faster ({r['mode']})"
+            for r in results
+        )
+        + " (once the canary's minimum step time has passed)."
+    )
 
 
 def main() -> None:
     args = parse_args()
     import logging
 
-    from rich.console import Console
-
     from common import local_services
+    from rich.console import Console
 
     logging.basicConfig(level=logging.WARNING)
     console = Console(width=150)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    assert set(modes) <= {"webhooks", "polling"} and modes, f"--modes takes webhooks and/or polling, got {args.modes!r}"
-    with local_services(args.kafka, args.mlflow, console, prefix="flywheel-bench-rollback-") as (kafka, uri, work):
+    assert set(modes) <= {"webhooks", "polling"} and modes, (
+        f"--modes takes webhooks and/or polling, got {args.modes!r}"
+    )
+    with local_services(args.kafka, args.mlflow, console, prefix="flywheel-bench-rollback-") as (
+        kafka,
+        uri,
+        work,
+    ):
         results = [run_mode(m == "webhooks", args, kafka, uri, work, console) for m in modes]
     report(results, args, console)
 

@@ -56,7 +56,9 @@ sys.path.insert(0, str(REPO))
 from bench.common import local_services, percentile, rss_mib, start_role, stop_role  # noqa: E402
 from bench.ingest import wait_idle  # noqa: E402
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)  # kafka-python's key_serializer notice
+warnings.filterwarnings(
+    "ignore", category=DeprecationWarning
+)  # kafka-python's key_serializer notice
 PHASES = ("baseline", "soak", "recovery")
 OUTCOMES = ("accepted", "rejected", "5xx", "hung", "reset")
 
@@ -75,7 +77,9 @@ class Tally:
     slow: Counter = field(default_factory=Counter)  # (target, mode, outcome) -> connections
     slow_held_s: list = field(default_factory=list)  # how long each server-closed connection lived
 
-    def record(self, kind: str, phase: str, case: str, outcome: str, status: str, latency: float | None) -> None:
+    def record(
+        self, kind: str, phase: str, case: str, outcome: str, status: str, latency: float | None
+    ) -> None:
         with self.lock:
             self.outcomes[kind, phase, outcome] += 1
             self.statuses[kind, case, status] += 1
@@ -92,7 +96,7 @@ class Clock:
         self.hostile = threading.Event()  # set during the soak phase only
 
 
-def classify(call) -> tuple[str, str, httpx.Response | None, float]:  # noqa: ANN001
+def classify(call) -> tuple[str, str, httpx.Response | None, float]:
     """Run `call()` (an httpx request) -> (outcome, status or error name, response, seconds)."""
     t0 = time.perf_counter()
     try:
@@ -132,15 +136,33 @@ def feedback_events(n: int) -> list[dict]:
     out = []
     for _ in range(n):
         rid = uuid.uuid4().hex
-        out.append({"event_id": uuid.uuid4().hex, "type": "rating", "request_id": rid, "session_id": "soak",
-                    "ts": TS, "value": 1})
+        out.append(
+            {
+                "event_id": uuid.uuid4().hex,
+                "type": "rating",
+                "request_id": rid,
+                "session_id": "soak",
+                "ts": TS,
+                "value": 1,
+            }
+        )
     return out
 
 
 def generation_event(prompt_tokens: int) -> dict:
-    return {"event_id": uuid.uuid4().hex, "type": "generation", "request_id": uuid.uuid4().hex, "session_id": "soak",
-            "ts": TS, "model_version": "1", "prompt_tokens": [200] * prompt_tokens, "completion_tokens": [33, 10],
-            "logprobs": [-0.5, -0.25], "temperature": 1.0, "tokenizer": "byte-v1"}
+    return {
+        "event_id": uuid.uuid4().hex,
+        "type": "generation",
+        "request_id": uuid.uuid4().hex,
+        "session_id": "soak",
+        "ts": TS,
+        "model_version": "1",
+        "prompt_tokens": [200] * prompt_tokens,
+        "completion_tokens": [33, 10],
+        "logprobs": [-0.5, -0.25],
+        "temperature": 1.0,
+        "tokenizer": "byte-v1",
+    }
 
 
 @dataclass
@@ -166,7 +188,12 @@ def hostile_cases(ingest_key: str) -> list[Case]:
 
     big_events = []  # ~8 KB tool_error events (each valid) until the body is over the 4 MiB limit
     while sum(map(len, map(orjson.dumps, big_events))) < int(4.3e6):
-        e = {**feedback_events(1)[0], "type": "tool_error", "message": "x" * 4096, "hint": "y" * 4096}
+        e = {
+            **feedback_events(1)[0],
+            "type": "tool_error",
+            "message": "x" * 4096,
+            "hint": "y" * 4096,
+        }
         e.pop("value")
         big_events.append(e)
     big_body = orjson.dumps({"events": big_events})
@@ -174,30 +201,112 @@ def hostile_cases(ingest_key: str) -> list[Case]:
     return [
         Case("malformed_json", "api", "/v1/events", b'{"events": [{"event_id": ', auth),
         Case("nan_literal", "api", "/v1/events", ev().replace(b'"value":1', b'"value":NaN'), auth),
-        Case("deep_nesting", "api", "/v1/events", b'{"events": ' + b"[" * depth + b"]" * depth + b"}", auth),
-        Case("invalid_events", "api", "/v1/events", orjson.dumps({"events": [
-            {**feedback_events(1)[0], "value": 3}, {**feedback_events(1)[0], "ts": "2026-11-21T10:00:00"},
-            {**feedback_events(1)[0], "type": "bogus"}, {**feedback_events(1)[0], "colour": "red"}]}), auth),
-        Case("too_many_events", "api", "/v1/events", orjson.dumps({"events": feedback_events(1001)}), auth),
+        Case(
+            "deep_nesting",
+            "api",
+            "/v1/events",
+            b'{"events": ' + b"[" * depth + b"]" * depth + b"}",
+            auth,
+        ),
+        Case(
+            "invalid_events",
+            "api",
+            "/v1/events",
+            orjson.dumps(
+                {
+                    "events": [
+                        {**feedback_events(1)[0], "value": 3},
+                        {**feedback_events(1)[0], "ts": "2026-11-21T10:00:00"},
+                        {**feedback_events(1)[0], "type": "bogus"},
+                        {**feedback_events(1)[0], "colour": "red"},
+                    ]
+                }
+            ),
+            auth,
+        ),
+        Case(
+            "too_many_events",
+            "api",
+            "/v1/events",
+            orjson.dumps({"events": feedback_events(1001)}),
+            auth,
+        ),
         Case("body_over_limit", "api", "/v1/events", big_body, auth),
-        Case("event_over_record_limit", "api", "/v1/events",
-             orjson.dumps({"events": [generation_event(300_000)]}), auth, fresh_ids=True),
-        Case("bad_key", "api", "/v1/events", ev(), {**js, "Authorization": "Bearer fw_deadbeef_" + "x" * 40}),
+        Case(
+            "event_over_record_limit",
+            "api",
+            "/v1/events",
+            orjson.dumps({"events": [generation_event(300_000)]}),
+            auth,
+            fresh_ids=True,
+        ),
+        Case(
+            "bad_key",
+            "api",
+            "/v1/events",
+            ev(),
+            {**js, "Authorization": "Bearer fw_deadbeef_" + "x" * 40},
+        ),
         Case("no_key", "api", "/v1/events", ev(), js),
-        Case("form_content_type", "api", "/v1/events", ev(),
-             {**auth, "Content-Type": "application/x-www-form-urlencoded"}, fresh_ids=True),
-        Case("lowercase_z_ts", "api", "/v1/events", ev(ts="2026-11-21t10:00:00z"), auth, fresh_ids=True),
-        Case("webhook_unsigned_big", "api", "/v1/hooks/mlflow", b'{"x": "' + b"y" * (8 << 20) + b'"}', js),
-        Case("admin_bad_key_nan", "api", "/v1/deployments/pause", b'{"reason": NaN}',
-             {**js, "Authorization": "Bearer fw_deadbeef_" + "x" * 40}),
+        Case(
+            "form_content_type",
+            "api",
+            "/v1/events",
+            ev(),
+            {**auth, "Content-Type": "application/x-www-form-urlencoded"},
+            fresh_ids=True,
+        ),
+        Case(
+            "lowercase_z_ts",
+            "api",
+            "/v1/events",
+            ev(ts="2026-11-21t10:00:00z"),
+            auth,
+            fresh_ids=True,
+        ),
+        Case(
+            "webhook_unsigned_big",
+            "api",
+            "/v1/hooks/mlflow",
+            b'{"x": "' + b"y" * (8 << 20) + b'"}',
+            js,
+        ),
+        Case(
+            "admin_bad_key_nan",
+            "api",
+            "/v1/deployments/pause",
+            b'{"reason": NaN}',
+            {**js, "Authorization": "Bearer fw_deadbeef_" + "x" * 40},
+        ),
         Case("r_malformed_json", "replica", "/v1/complete", b'{"prompt": ', js),
-        Case("r_tiny_temperature", "replica", "/v1/complete",
-             b'{"session_id": "s", "prompt": "def f(", "max_tokens": 4, "temperature": 1e-300}', js),
-        Case("r_lone_surrogate", "replica", "/v1/complete",
-             b'{"session_id": "s", "prompt": "\\ud800", "max_tokens": 4}', js),
-        Case("r_huge_prompt", "replica", "/v1/complete",
-             orjson.dumps({"session_id": "s", "prompt": "a" * (8 << 20), "max_tokens": 4}), js),
-        Case("r_huge_n", "replica", "/v1/complete", b'{"session_id": "s", "prompt": "x", "n": 1000000000}', js),
+        Case(
+            "r_tiny_temperature",
+            "replica",
+            "/v1/complete",
+            b'{"session_id": "s", "prompt": "def f(", "max_tokens": 4, "temperature": 1e-300}',
+            js,
+        ),
+        Case(
+            "r_lone_surrogate",
+            "replica",
+            "/v1/complete",
+            b'{"session_id": "s", "prompt": "\\ud800", "max_tokens": 4}',
+            js,
+        ),
+        Case(
+            "r_huge_prompt",
+            "replica",
+            "/v1/complete",
+            orjson.dumps({"session_id": "s", "prompt": "a" * (8 << 20), "max_tokens": 4}),
+            js,
+        ),
+        Case(
+            "r_huge_n",
+            "replica",
+            "/v1/complete",
+            b'{"session_id": "s", "prompt": "x", "n": 1000000000}',
+            js,
+        ),
     ]
 
 
@@ -210,7 +319,9 @@ def refresh_ids(body: bytes) -> tuple[bytes, list[str]]:
 
 
 # --- clients -------------------------------------------------------------------------------------
-def valid_ingest(clock: Clock, tally: Tally, url: str, key: str, rate: float, batch: int, timeout: float) -> None:
+def valid_ingest(
+    clock: Clock, tally: Tally, url: str, key: str, rate: float, batch: int, timeout: float
+) -> None:
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     client = httpx.Client(base_url=url, headers=headers, timeout=timeout)
     for _ in paced(clock, rate):
@@ -231,7 +342,12 @@ def valid_ingest(clock: Clock, tally: Tally, url: str, key: str, rate: float, ba
 def valid_complete(clock: Clock, tally: Tally, url: str, rate: float, timeout: float) -> None:
     client = httpx.Client(base_url=url, timeout=timeout)
     for i, _ in enumerate(paced(clock, rate)):
-        body = {"session_id": f"soak-{i % 50}", "prompt": "def add(a, b):\n    ", "max_tokens": 8, "temperature": 0.8}
+        body = {
+            "session_id": f"soak-{i % 50}",
+            "prompt": "def add(a, b):\n    ",
+            "max_tokens": 8,
+            "temperature": 0.8,
+        }
         phase = clock.phase
         outcome, status, resp, dt = classify(lambda: client.post("/v1/complete", json=body))
         tally.record("complete", phase, "valid", outcome, status, dt)
@@ -244,16 +360,25 @@ def valid_complete(clock: Clock, tally: Tally, url: str, rate: float, timeout: f
     client.close()
 
 
-def invalid_client(clock: Clock, tally: Tally, urls: dict[str, str], cases: list[Case], start: int, rate: float,
-                   timeout: float) -> None:
+def invalid_client(
+    clock: Clock,
+    tally: Tally,
+    urls: dict[str, str],
+    cases: list[Case],
+    start: int,
+    rate: float,
+    timeout: float,
+) -> None:
     clients = {t: httpx.Client(base_url=u, timeout=timeout) for t, u in urls.items()}
     order = itertools.cycle(cases[start:] + cases[:start])
     for _ in paced(clock, rate, active=clock.hostile):
         case = next(order)
-        body, ids = (refresh_ids(case.body) if case.fresh_ids else (case.body, []))
+        body, ids = refresh_ids(case.body) if case.fresh_ids else (case.body, [])
         client = clients[case.target]
         phase = clock.phase
-        outcome, status, resp, _ = classify(lambda: client.post(case.path, content=body, headers=case.headers))
+        outcome, status, resp, _ = classify(
+            lambda: client.post(case.path, content=body, headers=case.headers)
+        )
         tally.record(f"invalid→{case.target}", phase, case.name, outcome, status, None)
         if resp is not None and resp.status_code == 202 and ids:
             with tally.lock:
@@ -270,14 +395,25 @@ def _slow_open(host: str, port: int, mode: str, path: str, key: str) -> socket.s
     if mode == "head":
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nX-Slow: ".encode())
     else:
-        s.sendall((f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
-                   f"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n" + '{"events": [').encode())
+        s.sendall(
+            (
+                f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n" + '{"events": ['
+            ).encode()
+        )
     s.setblocking(False)
     return s
 
 
-def slow_client(clock: Clock, tally: Tally, targets: list[tuple[str, str, int, str]], key: str, conns: int,
-                hold_s: float, trickle_s: float) -> None:
+def slow_client(
+    clock: Clock,
+    tally: Tally,
+    targets: list[tuple[str, str, int, str]],
+    key: str,
+    conns: int,
+    hold_s: float,
+    trickle_s: float,
+) -> None:
     """Keep `conns` half-sent requests open, one byte every `trickle_s`, each up to `hold_s`."""
     live: list[tuple[socket.socket, str, str, float]] = []
     pick = itertools.cycle([(t, m) for t in targets for m in ("head", "body")])
@@ -327,19 +463,21 @@ def slow_client(clock: Clock, tally: Tally, targets: list[tuple[str, str, int, s
 
 
 # --- the stack -----------------------------------------------------------------------------------
-def register_tiny_policy(settings, console) -> None:  # noqa: ANN001
+def register_tiny_policy(settings, console) -> None:
     """Version 1 of a tiny policy in MLflow as the trainer ships it, announced as champion."""
     from tests.integration.replica.conftest import Registered, publish_deployment
     from tests.unit.replica.conftest import TINY, tiny_state
 
-    reg = Registered(settings.mlflow_uri, settings.model_name, {**TINY, "init_seed": 0}, anchor_every=8)
+    reg = Registered(
+        settings.mlflow_uri, settings.model_name, {**TINY, "init_seed": 0}, anchor_every=8
+    )
     reg.add(tiny_state(0)[1])
     publish_deployment(settings, "version_registered", "1")
     publish_deployment(settings, "promoted", "1")
     console.print(f"registered {settings.model_name} v1 (tiny policy) and promoted it")
 
 
-def read_back(settings, timeout_s: float = 180.0) -> tuple[set[str], set[str]]:  # noqa: ANN001
+def read_back(settings, timeout_s: float = 180.0) -> tuple[set[str], set[str]]:
     """(event_ids, generation request_ids) on the interactions topic, read to its end offsets."""
     from kafka import TopicPartition
 
@@ -369,7 +507,9 @@ def read_back(settings, timeout_s: float = 180.0) -> tuple[set[str], set[str]]: 
 
 
 # --- report --------------------------------------------------------------------------------------
-def report(console, tally: Tally, rss: dict[str, dict[str, float]], lost: dict[str, int], args) -> None:  # noqa: ANN001
+def report(
+    console, tally: Tally, rss: dict[str, dict[str, float]], lost: dict[str, int], args
+) -> None:
     from rich.table import Table
 
     t = Table(title="requests per client kind and phase")
@@ -382,8 +522,13 @@ def report(console, tally: Tally, rss: dict[str, dict[str, float]], lost: dict[s
             if not any(row):
                 continue
             lat = tally.latencies.get((kind, phase), [])
-            t.add_row(kind, phase, *map(str, row), f"{percentile(lat, 0.5) * 1e3:.1f}" if lat else "-",
-                      f"{percentile(lat, 0.99) * 1e3:.1f}" if lat else "-")
+            t.add_row(
+                kind,
+                phase,
+                *map(str, row),
+                f"{percentile(lat, 0.5) * 1e3:.1f}" if lat else "-",
+                f"{percentile(lat, 0.99) * 1e3:.1f}" if lat else "-",
+            )
     console.print(t)
 
     c = Table(title="hostile cases (soak phase): answers")
@@ -398,60 +543,133 @@ def report(console, tally: Tally, rss: dict[str, dict[str, float]], lost: dict[s
         c.add_row(kind, case, ", ".join(answers))
     console.print(c)
 
-    s = Table(title=f"slow connections (one byte every {args.slow_trickle:g} s, client bound {args.slow_hold:g} s)")
-    for col in ("target", "mode", "closed_by_server", "held_to_bound", "held_to_phase_end", "connect_failed"):
+    s = Table(
+        title=f"slow connections (one byte every {args.slow_trickle:g} s, client bound {args.slow_hold:g} s)"
+    )
+    for col in (
+        "target",
+        "mode",
+        "closed_by_server",
+        "held_to_bound",
+        "held_to_phase_end",
+        "connect_failed",
+    ):
         s.add_column(col, justify="left" if col in ("target", "mode") else "right")
     for name, mode in sorted({(n, m) for n, m, _ in tally.slow}):
-        s.add_row(name, mode, *(str(tally.slow[name, mode, o]) for o in
-                                ("closed_by_server", "held_to_bound", "held_to_phase_end", "connect_failed")))
+        s.add_row(
+            name,
+            mode,
+            *(
+                str(tally.slow[name, mode, o])
+                for o in (
+                    "closed_by_server",
+                    "held_to_bound",
+                    "held_to_phase_end",
+                    "connect_failed",
+                )
+            ),
+        )
     console.print(s)
     if tally.slow_held_s:
-        console.print(f"server-closed slow connections lived p50 {percentile(tally.slow_held_s, 0.5):.1f} s, "
-                      f"max {max(tally.slow_held_s):.1f} s")
+        console.print(
+            f"server-closed slow connections lived p50 {percentile(tally.slow_held_s, 0.5):.1f} s, "
+            f"max {max(tally.slow_held_s):.1f} s"
+        )
 
     for role, r in rss.items():
         console.print(f"RSS {role}: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in r.items()))
     summary = []
     for kind in ("ingest", "complete"):
-        base, soak = tally.latencies.get((kind, "baseline"), []), tally.latencies.get((kind, "soak"), [])
+        base, soak = (
+            tally.latencies.get((kind, "baseline"), []),
+            tally.latencies.get((kind, "soak"), []),
+        )
         if base and soak:
             b99, s99 = percentile(base, 0.99), percentile(soak, 0.99)
-            console.print(f"{kind}: valid clients' p99 {s99 * 1e3:.1f} ms under the soak vs {b99 * 1e3:.1f} ms "
-                          f"baseline: ratio {s99 / b99:.2f}x")
+            console.print(
+                f"{kind}: valid clients' p99 {s99 * 1e3:.1f} ms under the soak vs {b99 * 1e3:.1f} ms "
+                f"baseline: ratio {s99 / b99:.2f}x"
+            )
             summary.append(f"{kind}_p99_ratio={s99 / b99:.3f}")
-        elif tally.outcomes[kind, "baseline", "accepted"] or tally.outcomes[kind, "soak", "accepted"]:
+        elif (
+            tally.outcomes[kind, "baseline", "accepted"] or tally.outcomes[kind, "soak", "accepted"]
+        ):
             console.print(f"{kind}: no accepted requests in one of the phases; no p99 ratio")
     totals = {o: sum(n for (k, _, oo), n in tally.outcomes.items() if oo == o) for o in OUTCOMES}
-    console.print(f"acknowledged: {len(tally.acked_events)} events (API), {len(tally.acked_generations)} generations "
-                  f"(replica); lost: {lost['events']} events, {lost['generations']} generations"
-                  + (" [green](none)[/green]" if not any(lost.values()) else " [red]LOST[/red]"))
-    print("RESULT " + " ".join([f"{k}={v}" for k, v in totals.items()] + summary + [
-        f"lost_events={lost['events']}", f"lost_generations={lost['generations']}",
-        f"slow_closed_by_server={sum(n for (_, _, o), n in tally.slow.items() if o == 'closed_by_server')}",
-        f"slow_held_to_bound={sum(n for (_, _, o), n in tally.slow.items() if o == 'held_to_bound')}",
-        *(f"rss_{role}_mib={r['before']:.0f}->{r['after']:.0f}" for role, r in rss.items())]))
+    console.print(
+        f"acknowledged: {len(tally.acked_events)} events (API), {len(tally.acked_generations)} generations "
+        f"(replica); lost: {lost['events']} events, {lost['generations']} generations"
+        + (" [green](none)[/green]" if not any(lost.values()) else " [red]LOST[/red]")
+    )
+    print(
+        "RESULT "
+        + " ".join(
+            [f"{k}={v}" for k, v in totals.items()]
+            + summary
+            + [
+                f"lost_events={lost['events']}",
+                f"lost_generations={lost['generations']}",
+                f"slow_closed_by_server={sum(n for (_, _, o), n in tally.slow.items() if o == 'closed_by_server')}",
+                f"slow_held_to_bound={sum(n for (_, _, o), n in tally.slow.items() if o == 'held_to_bound')}",
+                *(f"rss_{role}_mib={r['before']:.0f}->{r['after']:.0f}" for role, r in rss.items()),
+            ]
+        )
+    )
 
 
 # --- main ----------------------------------------------------------------------------------------
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline", type=float, default=30.0, help="seconds of the valid clients alone, before")
-    ap.add_argument("--duration", type=float, default=180.0, help="seconds of the soak (valid + hostile clients)")
-    ap.add_argument("--recovery", type=float, default=30.0, help="seconds of the valid clients alone, after")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--baseline", type=float, default=30.0, help="seconds of the valid clients alone, before"
+    )
+    ap.add_argument(
+        "--duration",
+        type=float,
+        default=180.0,
+        help="seconds of the soak (valid + hostile clients)",
+    )
+    ap.add_argument(
+        "--recovery", type=float, default=30.0, help="seconds of the valid clients alone, after"
+    )
     ap.add_argument("--quick", action="store_true", help="10 s + 40 s + 10 s")
-    ap.add_argument("--no-replica", dest="replica", action="store_false",
-                    help="the API alone (no MLflow server, no replica)")
-    ap.add_argument("--valid-clients", type=int, default=4, help="paced ingest clients (10-event batches)")
-    ap.add_argument("--valid-rate", type=float, default=10.0, help="requests/s of each valid ingest client")
-    ap.add_argument("--complete-rate", type=float, default=4.0, help="requests/s of the valid replica client")
+    ap.add_argument(
+        "--no-replica",
+        dest="replica",
+        action="store_false",
+        help="the API alone (no MLflow server, no replica)",
+    )
+    ap.add_argument(
+        "--valid-clients", type=int, default=4, help="paced ingest clients (10-event batches)"
+    )
+    ap.add_argument(
+        "--valid-rate", type=float, default=10.0, help="requests/s of each valid ingest client"
+    )
+    ap.add_argument(
+        "--complete-rate", type=float, default=4.0, help="requests/s of the valid replica client"
+    )
     ap.add_argument("--invalid-clients", type=int, default=3)
-    ap.add_argument("--invalid-rate", type=float, default=4.0, help="requests/s of each invalid client")
+    ap.add_argument(
+        "--invalid-rate", type=float, default=4.0, help="requests/s of each invalid client"
+    )
     ap.add_argument("--slow-clients", type=int, default=2, help="threads of slow connections")
-    ap.add_argument("--slow-conns", type=int, default=24, help="connections each slow thread keeps open")
-    ap.add_argument("--slow-hold", type=float, default=30.0, help="the longest a slow connection is held (s)")
-    ap.add_argument("--slow-trickle", type=float, default=2.0, help="seconds between a slow client's bytes")
-    ap.add_argument("--timeout", type=float, default=30.0, help="request timeout: no answer by then = hung")
-    ap.add_argument("--kafka", default=None, help="reuse this Kafka bootstrap instead of starting a broker")
+    ap.add_argument(
+        "--slow-conns", type=int, default=24, help="connections each slow thread keeps open"
+    )
+    ap.add_argument(
+        "--slow-hold", type=float, default=30.0, help="the longest a slow connection is held (s)"
+    )
+    ap.add_argument(
+        "--slow-trickle", type=float, default=2.0, help="seconds between a slow client's bytes"
+    )
+    ap.add_argument(
+        "--timeout", type=float, default=30.0, help="request timeout: no answer by then = hung"
+    )
+    ap.add_argument(
+        "--kafka", default=None, help="reuse this Kafka bootstrap instead of starting a broker"
+    )
     args = ap.parse_args()
     if args.quick:
         args.baseline, args.duration, args.recovery, args.slow_hold = 10.0, 40.0, 10.0, 15.0
@@ -467,24 +685,50 @@ def main() -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 140)
     procs: dict[str, object] = {}
-    with local_services(kafka=args.kafka, mlflow_uri=None if args.replica else "", console=console,
-                        prefix="flywheel-soak-") as (bootstrap, mlflow_uri, work):
+    with local_services(
+        kafka=args.kafka,
+        mlflow_uri=None if args.replica else "",
+        console=console,
+        prefix="flywheel-soak-",
+    ) as (bootstrap, mlflow_uri, work):
         try:
-            settings = Settings(data_dir=work / "data", kafka_bootstrap=bootstrap, mlflow_uri=mlflow_uri or
-                                "http://127.0.0.1:9", topic_namespace=f"soak{uuid.uuid4().hex[:8]}",
-                                model_name=f"soak-policy-{uuid.uuid4().hex[:6]}")
+            settings = Settings(
+                data_dir=work / "data",
+                kafka_bootstrap=bootstrap,
+                mlflow_uri=mlflow_uri or "http://127.0.0.1:9",
+                topic_namespace=f"soak{uuid.uuid4().hex[:8]}",
+                model_name=f"soak-policy-{uuid.uuid4().hex[:6]}",
+            )
             settings.data_dir.mkdir(parents=True)
             ensure_topics(settings)
             upgrade(settings.db_url)
             with session_scope(settings.db_url) as session:
                 key, _ = create_key(session, ["ingest"], name="soak")
-            env = dict(os.environ, FLYWHEEL_DATA_DIR=str(settings.data_dir), FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap,
-                       FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace, FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
-                       FLYWHEEL_MODEL_NAME=settings.model_name)
+            env = dict(
+                os.environ,
+                FLYWHEEL_DATA_DIR=str(settings.data_dir),
+                FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap,
+                FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace,
+                FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
+                FLYWHEEL_MODEL_NAME=settings.model_name,
+            )
             api_port = free_port()
             with console.status("starting flywheel api..."):
-                procs["api"] = start_role([sys.executable, "-m", "app.cli", "api", "--host", "127.0.0.1", "--port",
-                                           str(api_port)], env, work / "api.log", f"http://127.0.0.1:{api_port}/readyz")
+                procs["api"] = start_role(
+                    [
+                        sys.executable,
+                        "-m",
+                        "app.cli",
+                        "api",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(api_port),
+                    ],
+                    env,
+                    work / "api.log",
+                    f"http://127.0.0.1:{api_port}/readyz",
+                )
             urls = {"api": f"http://127.0.0.1:{api_port}"}
             slow_targets = [("api", "127.0.0.1", api_port, "/v1/events")]
             if args.replica:
@@ -492,51 +736,125 @@ def main() -> int:
                     register_tiny_policy(settings, console)
                     rport = free_port()
                     procs["replica"] = start_role(
-                        [sys.executable, "-m", "app.cli", "replica", "--host", "127.0.0.1", "--port", str(rport),
-                         "--replica-id", "soak-r1"], {**env, "FLYWHEEL_REPLICA_CACHE_DIR": str(work / "cache")},
-                        work / "replica.log", f"http://127.0.0.1:{rport}/readyz", timeout_s=300)
+                        [
+                            sys.executable,
+                            "-m",
+                            "app.cli",
+                            "replica",
+                            "--host",
+                            "127.0.0.1",
+                            "--port",
+                            str(rport),
+                            "--replica-id",
+                            "soak-r1",
+                        ],
+                        {**env, "FLYWHEEL_REPLICA_CACHE_DIR": str(work / "cache")},
+                        work / "replica.log",
+                        f"http://127.0.0.1:{rport}/readyz",
+                        timeout_s=300,
+                    )
                 urls["replica"] = f"http://127.0.0.1:{rport}"
                 slow_targets.append(("replica", "127.0.0.1", rport, "/v1/complete"))
             broker_pid = LocalKafka(home=work / "kafka").pid() if args.kafka is None else None
-            pids = {**{name: p.pid for name, p in procs.items()}, **({"kafka": broker_pid} if broker_pid else {})}
+            pids = {
+                **{name: p.pid for name, p in procs.items()},
+                **({"kafka": broker_pid} if broker_pid else {}),
+            }
             return run_phases(console, args, settings, key, urls, slow_targets, pids, work)
         finally:
             for p in procs.values():
                 stop_role(p)
 
 
-def run_phases(console, args, settings, key: str, urls: dict[str, str], slow_targets, pids: dict[str, int],  # noqa: ANN001
-               work: Path) -> int:
+def run_phases(
+    console,
+    args,
+    settings,
+    key: str,
+    urls: dict[str, str],
+    slow_targets,
+    pids: dict[str, int],
+    work: Path,
+) -> int:
     cases = [c for c in hostile_cases(key) if c.target in urls]
     clock, tally = Clock(), Tally()
-    threads = [threading.Thread(target=valid_ingest, args=(clock, tally, urls["api"], key, args.valid_rate, 10,
-                                                           args.timeout), name=f"valid-{i}", daemon=True)
-               for i in range(args.valid_clients)]
+    threads = [
+        threading.Thread(
+            target=valid_ingest,
+            args=(clock, tally, urls["api"], key, args.valid_rate, 10, args.timeout),
+            name=f"valid-{i}",
+            daemon=True,
+        )
+        for i in range(args.valid_clients)
+    ]
     if "replica" in urls:
-        threads.append(threading.Thread(target=valid_complete, args=(clock, tally, urls["replica"], args.complete_rate,
-                                                                     args.timeout), name="complete", daemon=True))
-    threads += [threading.Thread(target=invalid_client, args=(clock, tally, urls, cases, i * len(cases) //
-                                                              max(1, args.invalid_clients), args.invalid_rate,
-                                                              args.timeout), name=f"invalid-{i}", daemon=True)
-                for i in range(args.invalid_clients)]
-    threads += [threading.Thread(target=slow_client, args=(clock, tally, slow_targets, key, args.slow_conns,
-                                                           args.slow_hold, args.slow_trickle),
-                                 name=f"slow-{i}", daemon=True) for i in range(args.slow_clients)]
-    console.print(f"{args.valid_clients} valid ingest clients x {args.valid_rate:g} req/s (10 events each)"
-                  + (f", 1 completion client x {args.complete_rate:g} req/s" if "replica" in urls else "")
-                  + f"; soak adds {args.invalid_clients} invalid clients x {args.invalid_rate:g} req/s over "
-                  f"{len(cases)} cases and {args.slow_clients}x{args.slow_conns} slow connections")
+        threads.append(
+            threading.Thread(
+                target=valid_complete,
+                args=(clock, tally, urls["replica"], args.complete_rate, args.timeout),
+                name="complete",
+                daemon=True,
+            )
+        )
+    threads += [
+        threading.Thread(
+            target=invalid_client,
+            args=(
+                clock,
+                tally,
+                urls,
+                cases,
+                i * len(cases) // max(1, args.invalid_clients),
+                args.invalid_rate,
+                args.timeout,
+            ),
+            name=f"invalid-{i}",
+            daemon=True,
+        )
+        for i in range(args.invalid_clients)
+    ]
+    threads += [
+        threading.Thread(
+            target=slow_client,
+            args=(
+                clock,
+                tally,
+                slow_targets,
+                key,
+                args.slow_conns,
+                args.slow_hold,
+                args.slow_trickle,
+            ),
+            name=f"slow-{i}",
+            daemon=True,
+        )
+        for i in range(args.slow_clients)
+    ]
+    console.print(
+        f"{args.valid_clients} valid ingest clients x {args.valid_rate:g} req/s (10 events each)"
+        + (f", 1 completion client x {args.complete_rate:g} req/s" if "replica" in urls else "")
+        + f"; soak adds {args.invalid_clients} invalid clients x {args.invalid_rate:g} req/s over "
+        f"{len(cases)} cases and {args.slow_clients}x{args.slow_conns} slow connections"
+    )
     with console.status("waiting for the servers to finish their start-up work..."):
-        httpx.post(f"{urls['api']}/v1/events", content=orjson.dumps({"events": feedback_events(1)}), timeout=60,
-                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+        httpx.post(
+            f"{urls['api']}/v1/events",
+            content=orjson.dumps({"events": feedback_events(1)}),
+            timeout=60,
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )
         for role in ("api", "replica"):
             if role in pids:
                 wait_idle(pids[role])
     rss = {role: {"before": rss_mib(pid)} for role, pid in pids.items()}
     for t in threads:
         t.start()
-    for phase, seconds in (("warmup", 5.0), ("baseline", args.baseline), ("soak", args.duration),
-                           ("recovery", args.recovery)):
+    for phase, seconds in (
+        ("warmup", 5.0),
+        ("baseline", args.baseline),
+        ("soak", args.duration),
+        ("recovery", args.recovery),
+    ):
         clock.phase = phase
         (clock.hostile.set if phase == "soak" else clock.hostile.clear)()
         with console.status(f"{phase}: {seconds:.0f} s..."):
@@ -556,7 +874,10 @@ def run_phases(console, args, settings, key: str, urls: dict[str, str], slow_tar
     with console.status("reading the interactions topic back..."):
         on_topic, generations = read_back(settings)
     with tally.lock:
-        lost = {"events": len(tally.acked_events - on_topic), "generations": len(tally.acked_generations - generations)}
+        lost = {
+            "events": len(tally.acked_events - on_topic),
+            "generations": len(tally.acked_generations - generations),
+        }
     report(console, tally, rss, lost, args)
     console.print(f"logs in {work}")
     return 1 if any(lost.values()) or stuck else 0

@@ -75,40 +75,86 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one round, short warm-up")
     p.add_argument("--replicas", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=None, help="versions published one after the other (default 3, quick 1)")
-    p.add_argument("--kafka", default=None, help="reuse this Kafka bootstrap instead of starting a broker")
-    p.add_argument("--mlflow", default=None, help="reuse this MLflow server URI instead of starting one")
-    p.add_argument("--in-process", action="store_true",
-                   help="run the replicas' sync agents as threads of this process (shares one GIL; for comparison)")
-    p.add_argument("--hints", choices=("on", "off", "alternate"), default="on",
-                   help="version_registered with details.artifacts (on, as the trainer does), without (off: replicas "
-                        "ask MLflow and read the manifest), or alternate (even versions with, odd without: both "
-                        "measured side by side in one run)")
-    p.add_argument("--push", choices=("on", "off", "alternate"), default="on",
-                   help="push each delta to <ns>.deltas before announcing it, as the trainer does (on; replicas "
-                        "then download nothing), not (off: replicas download it from MLflow), or alternate (even "
-                        "versions pushed, odd not: both measured side by side in one run)")
-    p.add_argument("--announce", choices=("early", "in-round"), default="early",
-                   help="when the trainer's announcement of a version (its pushed delta and version_registered) is "
-                        "published: early (0.5 s before its promotion, outside the measured time: in production the "
-                        "gate runs in between) or in-round (right before the promotion, inside the measured time: "
-                        "ship-to-serve, three acknowledged publishes in a row)")
-    p.add_argument("--warm-broker", type=int, default=3000, metavar="N",
-                   help="acknowledged produce -> consume round trips through a scratch topic before the rounds (the "
-                        "broker's JIT warm-up: a broker in production has long served traffic; a fresh JVM answers "
-                        "a produce in ~8 ms instead of ~2.5). 0: measure on the cold broker")
-    p.add_argument("--warmup-rounds", type=int, default=1, metavar="N",
-                   help="rounds run first and reported, but left out of the statistics (default 1: each replica "
-                        "process's first delta sync runs the codec's code paths for the first time)")
-    p.add_argument("--lr", type=float, default=None,
-                   help="learning rate of the steps between versions (default: the trainer's default, TrainerConfig.lr)")
-    p.add_argument("--policy", type=json.loads, default=None,
-                   help="""fields of the built-in policy's config to change, as JSON (a larger model: '{"d_model": 256}')""")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: run one replica agent (id)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="versions published one after the other (default 3, quick 1)",
+    )
+    p.add_argument(
+        "--kafka", default=None, help="reuse this Kafka bootstrap instead of starting a broker"
+    )
+    p.add_argument(
+        "--mlflow", default=None, help="reuse this MLflow server URI instead of starting one"
+    )
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the replicas' sync agents as threads of this process (shares one GIL; for comparison)",
+    )
+    p.add_argument(
+        "--hints",
+        choices=("on", "off", "alternate"),
+        default="on",
+        help="version_registered with details.artifacts (on, as the trainer does), without (off: replicas "
+        "ask MLflow and read the manifest), or alternate (even versions with, odd without: both "
+        "measured side by side in one run)",
+    )
+    p.add_argument(
+        "--push",
+        choices=("on", "off", "alternate"),
+        default="on",
+        help="push each delta to <ns>.deltas before announcing it, as the trainer does (on; replicas "
+        "then download nothing), not (off: replicas download it from MLflow), or alternate (even "
+        "versions pushed, odd not: both measured side by side in one run)",
+    )
+    p.add_argument(
+        "--announce",
+        choices=("early", "in-round"),
+        default="early",
+        help="when the trainer's announcement of a version (its pushed delta and version_registered) is "
+        "published: early (0.5 s before its promotion, outside the measured time: in production the "
+        "gate runs in between) or in-round (right before the promotion, inside the measured time: "
+        "ship-to-serve, three acknowledged publishes in a row)",
+    )
+    p.add_argument(
+        "--warm-broker",
+        type=int,
+        default=3000,
+        metavar="N",
+        help="acknowledged produce -> consume round trips through a scratch topic before the rounds (the "
+        "broker's JIT warm-up: a broker in production has long served traffic; a fresh JVM answers "
+        "a produce in ~8 ms instead of ~2.5). 0: measure on the cold broker",
+    )
+    p.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="rounds run first and reported, but left out of the statistics (default 1: each replica "
+        "process's first delta sync runs the codec's code paths for the first time)",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="learning rate of the steps between versions (default: the trainer's default, TrainerConfig.lr)",
+    )
+    p.add_argument(
+        "--policy",
+        type=json.loads,
+        default=None,
+        help="""fields of the built-in policy's config to change, as JSON (a larger model: '{"d_model": 256}')""",
+    )
+    p.add_argument(
+        "--child", default=None, help=argparse.SUPPRESS
+    )  # internal: run one replica agent (id)
     return p.parse_args()
 
 
-def trained_states(n: int, warmup: int, lr: float | None = None, policy_config: dict | None = None) -> tuple[dict, list[dict]]:
+def trained_states(
+    n: int, warmup: int, lr: float | None = None, policy_config: dict | None = None
+) -> tuple[dict, list[dict]]:
     """(policy config, n successive bf16 serving state dicts, one AdamW step apart).
 
     bench/delta.py's Trainer (the built-in policy, next-byte NLL, the trainer's optimizer:
@@ -119,7 +165,9 @@ def trained_states(n: int, warmup: int, lr: float | None = None, policy_config: 
     from delta import Trainer
 
     tr = Trainer("policy", batch=4, seq=128, policy_config=policy_config)
-    assert tr.kind.startswith("built-in policy"), f"the sync benchmark needs the built-in policy, got {tr.kind}"
+    assert tr.kind.startswith("built-in policy"), (
+        f"the sync benchmark needs the built-in policy, got {tr.kind}"
+    )
     lr = tr.default_lr if lr is None else lr
     for _ in range(warmup):
         tr.step(1e-3)
@@ -127,11 +175,22 @@ def trained_states(n: int, warmup: int, lr: float | None = None, policy_config: 
     for _ in range(n - 1):
         tr.step(lr)
         states.append(tr.serving())
-    return {**tr.model.config_dict(), "kernels": "invariant"}, states  # replicas serve with the batch-invariant kernels
+    return {
+        **tr.model.config_dict(),
+        "kernels": "invariant",
+    }, states  # replicas serve with the batch-invariant kernels
 
 
-def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | None, cfg: dict, manifests: dict,
-              hints: bool) -> tuple[Any, Any]:
+def _register(
+    reg: Any,
+    run_id: str,
+    version: str,
+    state: dict,
+    parent: dict | None,
+    cfg: dict,
+    manifests: dict,
+    hints: bool,
+) -> tuple[Any, Any]:
     """Register `version` in MLflow as the trainer does (artifacts, then the model version) and
     return what the trainer then announces: its `version_registered` event (with the artifact hints
     of app/replica/hints.py unless `hints` is False) and its delta (an app.replica.pushed.PushedDelta,
@@ -143,20 +202,57 @@ def _register(reg: Any, run_id: str, version: str, state: dict, parent: dict | N
 
     pv = str(int(version) - 1) if parent is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        manifests[version] = m = publish_version(tmp, version, state, parent, pv, manifests.get(pv), anchor_every=8)
-        delta = PushedDelta(reg.name, version, m.parent_version, m.delta.file, m.delta.sha256,
-                            (Path(tmp) / m.delta.file).read_bytes()) if m.delta else None
+        manifests[version] = m = publish_version(
+            tmp, version, state, parent, pv, manifests.get(pv), anchor_every=8
+        )
+        delta = (
+            PushedDelta(
+                reg.name,
+                version,
+                m.parent_version,
+                m.delta.file,
+                m.delta.sha256,
+                (Path(tmp) / m.delta.file).read_bytes(),
+            )
+            if m.delta
+            else None
+        )
         ship = f"bench-{uuid.uuid4().hex[:8]}"
-        source = reg.upload_ship(run_id, ship, state, cfg, {"name": "byte-v1", "vocab_size": 259, "eos_id": 257}, [],
-                                 {"delta": Path(tmp)})
+        source = reg.upload_ship(
+            run_id,
+            ship,
+            state,
+            cfg,
+            {"name": "byte-v1", "vocab_size": 259, "eos_id": 257},
+            [],
+            {"delta": Path(tmp)},
+        )
     got = reg.create_version(source, run_id, ship, {})
     assert str(got) == version, f"MLflow gave version {got}, expected {version}"
-    details: dict[str, Any] = {"run_id": run_id, "ship_id": ship, "rollouts_consumed": 0, "reward_spec": "v1"}
+    details: dict[str, Any] = {
+        "run_id": run_id,
+        "ship_id": ship,
+        "rollouts_consumed": 0,
+        "reward_spec": "v1",
+    }
     if hints:  # what trainer/shipping.py publishes
-        details["artifacts"] = artifact_hints(source, cfg, m.checkpoint_sha256, m.parent_version,
-                                              m.delta.model_dump() if m.delta else None)
-    return DeploymentEvent(event_id=f"vr-{ship}", type="version_registered", model=reg.name, version=version,
-                           from_version=pv, source="trainer", actor="bench", details=details), delta
+        details["artifacts"] = artifact_hints(
+            source,
+            cfg,
+            m.checkpoint_sha256,
+            m.parent_version,
+            m.delta.model_dump() if m.delta else None,
+        )
+    return DeploymentEvent(
+        event_id=f"vr-{ship}",
+        type="version_registered",
+        model=reg.name,
+        version=version,
+        from_version=pv,
+        source="trainer",
+        actor="bench",
+        details=details,
+    ), delta
 
 
 def _announce(settings: Any, dlog: Any, producer: Any, event: Any, delta: Any) -> None:
@@ -207,8 +303,10 @@ def warm_broker(settings: Any, n: int, console: Any = None) -> None:
             producer.send(topic, key="warm", value=b"x" * 300).get(10)
             acks.append(time.perf_counter() - t)
             if console is not None and (i + 1) % 1000 == 0:
-                console.print(f"warming the broker: {i + 1}/{n} round trips, median ack of the last 200 "
-                              f"{_median(acks[-200:]) * 1000:.1f} ms")
+                console.print(
+                    f"warming the broker: {i + 1}/{n} round trips, median ack of the last 200 "
+                    f"{_median(acks[-200:]) * 1000:.1f} ms"
+                )
     finally:
         stop.set()
         reader.join(5)
@@ -237,7 +335,9 @@ def _hinted(mode: str, version: str) -> bool:
     return mode == "on" or (mode == "alternate" and int(version) % 2 == 0)
 
 
-def _apply_time(fetcher: Any, version: str, held: tuple[str, dict], hints: bool) -> tuple[float, int, dict]:
+def _apply_time(
+    fetcher: Any, version: str, held: tuple[str, dict], hints: bool
+) -> tuple[float, int, dict]:
     """Best-of-3 seconds of the fastest verified reconstruction on pre-fetched bytes, the bytes
     one replica downloads (the delta alone with artifact hints, else manifest + delta + config)
     and both timings (apply_chain, one delta)."""
@@ -263,7 +363,9 @@ def _apply_time(fetcher: Any, version: str, held: tuple[str, dict], hints: bool)
     def one_delta(threads: int | None) -> None:
         mm = Manifest.model_validate_json(manifest_bytes)
         assert hashlib.sha256(delta).hexdigest() == mm.delta.sha256
-        _, digests, sha = decode_delta_verified(held[1], delta, threads=threads, base_checkpoint_sha256=held_sha)
+        _, digests, sha = decode_delta_verified(
+            held[1], delta, threads=threads, base_checkpoint_sha256=held_sha
+        )
         assert digests == {t.name: t.sha256 for t in mm.tensors} and sha == mm.checkpoint_sha256
 
     best = {"apply_chain": math.inf, "one_delta": math.inf, "cpu": math.inf}
@@ -277,9 +379,15 @@ def _apply_time(fetcher: Any, version: str, held: tuple[str, dict], hints: bool)
         c3, t3 = time.process_time(), time.perf_counter()
         best["apply_chain"] = min(best["apply_chain"], t1 - t0)
         best["one_delta"] = min(best["one_delta"], t2 - t1, t3 - t2)
-        best["cpu"] = min(best["cpu"], c1 - c0, c2 - c1, c3 - c2)  # CPU time of the process, all threads
+        best["cpu"] = min(
+            best["cpu"], c1 - c0, c2 - c1, c3 - c2
+        )  # CPU time of the process, all threads
     config = fetcher._get(f"{fetcher._root(version)}/model/artifacts/config.json")
-    return min(best["apply_chain"], best["one_delta"]), len(delta) if hints else len(manifest_bytes) + len(delta) + len(config), best
+    return (
+        min(best["apply_chain"], best["one_delta"]),
+        len(delta) if hints else len(manifest_bytes) + len(delta) + len(config),
+        best,
+    )
 
 
 class _ThreadReplicas:
@@ -292,8 +400,13 @@ class _ThreadReplicas:
 
         self.agents = []
         for r in range(n):
-            rc = ReplicaConfig(id=f"bench-{r}", cache_dir=tmp / f"r{r}", poll_interval=0.05,
-                               heartbeat_interval=3600, torch_threads=1)
+            rc = ReplicaConfig(
+                id=f"bench-{r}",
+                cache_dir=tmp / f"r{r}",
+                poll_interval=0.05,
+                heartbeat_interval=3600,
+                torch_threads=1,
+            )
             self.agents.append(SyncAgent(settings, rc, WeightStore(), WeightCache(rc.cache_dir)))
         for a in self.agents:
             a.start()
@@ -302,11 +415,16 @@ class _ThreadReplicas:
         """time.time() at which the last replica served `version`, and each one's sync report."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if all((s := a.store.snapshot().champion) is not None and s.version == version for a in self.agents):
+            if all(
+                (s := a.store.snapshot().champion) is not None and s.version == version
+                for a in self.agents
+            ):
                 return time.time(), [dict(a.last_result or {}) for a in self.agents]
             time.sleep(0.001)
-        raise TimeoutError(f"not every replica serves v{version} after {timeout_s}s: "
-                           f"{[a.store.snapshot().versions() for a in self.agents]}")
+        raise TimeoutError(
+            f"not every replica serves v{version} after {timeout_s}s: "
+            f"{[a.store.snapshot().versions() for a in self.agents]}"
+        )
 
     def close(self) -> None:
         for a in self.agents:
@@ -322,15 +440,25 @@ class _ProcessReplicas:
         import subprocess
         import threading
 
-        env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-               "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri, "FLYWHEEL_MODEL_NAME": settings.model_name,
-               "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace, "FLYWHEEL_DATA_DIR": str(tmp)}
+        env = {
+            **os.environ,
+            "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
+            "FLYWHEEL_MODEL_NAME": settings.model_name,
+            "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
+            "FLYWHEEL_DATA_DIR": str(tmp),
+        }
         self.swaps: queue.Queue = queue.Queue()
         self.procs = []
         for r in range(n):
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", f"bench-{r}"],
-                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--child", f"bench-{r}"],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
             self.procs.append(proc)
 
             def pump(p: subprocess.Popen = proc) -> None:
@@ -338,6 +466,7 @@ class _ProcessReplicas:
                     if line.startswith("{"):
                         msg = json.loads(line)
                         (self.applies if "applied" in msg else self.swaps).put(msg)
+
             threading.Thread(target=pump, daemon=True).start()
         self.applies: queue.Queue = queue.Queue()
         self.serving: dict[str, dict] = {}
@@ -362,21 +491,30 @@ class _ProcessReplicas:
         import queue
 
         deadline = time.monotonic() + timeout_s
-        while not (len(self.serving) == len(self.procs)
-                   and all(r["champion"] == version for r in self.serving.values())):
+        while not (
+            len(self.serving) == len(self.procs)
+            and all(r["champion"] == version for r in self.serving.values())
+        ):
             dead = [p.returncode for p in self.procs if p.poll() is not None]
             assert not dead, f"a replica process exited ({dead}); see its stderr above"
             try:
                 rep = self.swaps.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"not every replica serves v{version} after {timeout_s}s: {self.serving}")
+                    raise TimeoutError(
+                        f"not every replica serves v{version} after {timeout_s}s: {self.serving}"
+                    )
                 continue
             self.serving[rep["replica"]] = rep
-        return max(r["t"] for r in self.serving.values()), [{**r["result"], "swapped_at": r["t"],
-                                                               "folded_at": r.get("folded_at"),
-                                                               "build_cpu_ms": r.get("build_cpu_ms")}
-                                                              for r in self.serving.values()]
+        return max(r["t"] for r in self.serving.values()), [
+            {
+                **r["result"],
+                "swapped_at": r["t"],
+                "folded_at": r.get("folded_at"),
+                "build_cpu_ms": r.get("build_cpu_ms"),
+            }
+            for r in self.serving.values()
+        ]
 
     def close(self) -> None:
         import signal
@@ -410,8 +548,13 @@ def child(replica_id: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("mlflow").setLevel(logging.ERROR)
     settings = Settings()
-    rc = ReplicaConfig(id=replica_id, cache_dir=settings.data_dir / replica_id, poll_interval=0.05,
-                       heartbeat_interval=3600, torch_threads=1)
+    rc = ReplicaConfig(
+        id=replica_id,
+        cache_dir=settings.data_dir / replica_id,
+        poll_interval=0.05,
+        heartbeat_interval=3600,
+        torch_threads=1,
+    )
     torch.set_num_threads(rc.torch_threads)  # what `flywheel replica` does (app/replica/server.py)
     agent: SyncAgent | None = None
 
@@ -420,15 +563,28 @@ def child(replica_id: str) -> None:
             after = super().swap(**changes)
             t = time.time()  # right after the atomic swap: from now on requests get the new version
             result = dict(agent.last_result or {}) if agent is not None else {}
-            print(json.dumps({"replica": replica_id, "t": t, "folded_at": folded["t"], "build_cpu_ms": cpu["ms"],
-                              **after.versions(), "result": result}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "replica": replica_id,
+                        "t": t,
+                        "folded_at": folded["t"],
+                        "build_cpu_ms": cpu["ms"],
+                        **after.versions(),
+                        "result": result,
+                    }
+                ),
+                flush=True,
+            )
             return after
 
     agent = SyncAgent(settings, rc, ReportingStore(), WeightCache(rc.cache_dir))
     folded = {"t": None}
     fold = agent._fold
 
-    def timed_fold(batch: dict) -> None:  # when the deployment event reached this replica (for the stages)
+    def timed_fold(
+        batch: dict,
+    ) -> None:  # when the deployment event reached this replica (for the stages)
         if batch:
             folded["t"] = time.time()
         fold(batch)
@@ -437,7 +593,9 @@ def child(replica_id: str) -> None:
     build = agent._build
     cpu = {"ms": None}
 
-    def timed_build(*a: Any, **kw: Any) -> Any:  # this process's CPU time during the build (all threads)
+    def timed_build(
+        *a: Any, **kw: Any
+    ) -> Any:  # this process's CPU time during the build (all threads)
         c0 = time.process_time()
         try:
             return build(*a, **kw)
@@ -459,17 +617,23 @@ def child(replica_id: str) -> None:
             cmd, _, arg = line.strip().partition(" ")
             if cmd == "prep":
                 files = Path(arg)
-                prepared = ((files / "manifest.json").read_bytes(), (files / "delta.fwd").read_bytes(),
-                            agent.store.snapshot().champion)
+                prepared = (
+                    (files / "manifest.json").read_bytes(),
+                    (files / "delta.fwd").read_bytes(),
+                    agent.store.snapshot().champion,
+                )
                 print(json.dumps({"applied": "ready"}), flush=True)
             elif cmd == "go" and prepared is not None:
                 t0 = time.time()
                 manifest_bytes, blob, held = prepared
                 m = Manifest.model_validate_json(manifest_bytes)
                 assert hashlib.sha256(blob).hexdigest() == m.delta.sha256
-                _, digests, sha = decode_delta_verified(held.state, blob, threads=rc.decode_threads,
-                                                        base_checkpoint_sha256=held.sha256)
-                assert digests == {t.name: t.sha256 for t in m.tensors} and sha == m.checkpoint_sha256
+                _, digests, sha = decode_delta_verified(
+                    held.state, blob, threads=rc.decode_threads, base_checkpoint_sha256=held.sha256
+                )
+                assert (
+                    digests == {t.name: t.sha256 for t in m.tensors} and sha == m.checkpoint_sha256
+                )
                 print(json.dumps({"applied": time.time() - t0, "end": time.time()}), flush=True)
 
     threading.Thread(target=commands, daemon=True).start()
@@ -502,9 +666,19 @@ def _stages(result: dict, t0: float) -> dict[str, float]:
     return st
 
 
-def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int = 4, console: Any = None,
-                   in_process: bool = False, hints: str = "on", push: str = "on", announce: str = "early",
-                   warm: int = 3000, warmup_rounds: int = 1) -> dict:
+def run_sync_bench(
+    cfg: dict,
+    states: list[dict],
+    settings: Any,
+    replicas: int = 4,
+    console: Any = None,
+    in_process: bool = False,
+    hints: str = "on",
+    push: str = "on",
+    announce: str = "early",
+    warm: int = 3000,
+    warmup_rounds: int = 1,
+) -> dict:
     """Register states[0..], sync `replicas` agents (separate processes unless `in_process`)
     through every version after the first.
 
@@ -520,23 +694,46 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
     from app.replica.fetch import VersionFetcher
     from trainer.registry import Registry
 
-    assert len(states) > warmup_rounds + 1, f"{len(states)} versions leave no measured round after {warmup_rounds} warm-up"
+    assert len(states) > warmup_rounds + 1, (
+        f"{len(states)} versions leave no measured round after {warmup_rounds} warm-up"
+    )
     if warm:
         warm_broker(settings, warm, console)
-    reg = Registry(settings.mlflow_uri, settings.model_name, experiment=f"bench-{settings.model_name}")
+    reg = Registry(
+        settings.mlflow_uri, settings.model_name, experiment=f"bench-{settings.model_name}"
+    )
     reg.ensure_model()
     run_id = reg.start_run()
     manifests: dict = {}
     dlog = DeploymentLog(settings)
     pusher = make_producer(settings, linger_ms=0)
-    announcements = [_register(reg, run_id, str(i + 1), st, states[i - 1] if i else None, cfg, manifests,
-                               _hinted(hints, str(i + 1))) for i, st in enumerate(states)]
+    announcements = [
+        _register(
+            reg,
+            run_id,
+            str(i + 1),
+            st,
+            states[i - 1] if i else None,
+            cfg,
+            manifests,
+            _hinted(hints, str(i + 1)),
+        )
+        for i, st in enumerate(states)
+    ]
     _announce(settings, dlog, pusher, announcements[0][0], None)  # v1: the anchor
     probe = VersionFetcher(settings)
     full = sum(t.numel() * t.element_size() for t in states[0].values())
     bandwidth = _loopback_bandwidth(reg, run_id, probe, max(16 << 20, 8 * full))
-    dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version="1", source="controller",
-                                 actor="bench", traffic_pct=100.0))
+    dlog.publish(
+        DeploymentEvent(
+            type="promoted",
+            model=settings.model_name,
+            version="1",
+            source="controller",
+            actor="bench",
+            traffic_pct=100.0,
+        )
+    )
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sync-"))
     fleet = (_ThreadReplicas if in_process else _ProcessReplicas)(settings, replicas, tmp)
     rounds = []
@@ -546,7 +743,9 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
         for i in range(1, len(states)):
             version = str(i + 1)
             hinted = _hinted(hints, version)
-            apply_s, per_replica, applies = _apply_time(probe, version, (str(i), states[i - 1]), hinted)
+            apply_s, per_replica, applies = _apply_time(
+                probe, version, (str(i), states[i - 1]), hinted
+            )
             concurrent = None
             if isinstance(fleet, _ProcessReplicas):
                 files = tmp / f"files-v{version}"
@@ -556,15 +755,27 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
             pushed = _hinted(push, version)
             event, delta = announcements[i]
             delta = delta if pushed else None
-            if announce == "early":  # the trainer announced it before; the gate ran; now it is promoted
+            if (
+                announce == "early"
+            ):  # the trainer announced it before; the gate ran; now it is promoted
                 _announce(settings, dlog, pusher, event, delta)
             time.sleep(0.5)  # let the replicas' post-swap work of the previous round settle
             t0 = time.time()
-            if announce == "in-round":  # ship-to-serve: announced and promoted at once, all measured
+            if (
+                announce == "in-round"
+            ):  # ship-to-serve: announced and promoted at once, all measured
                 _announce(settings, dlog, pusher, event, delta)
             t1 = time.time()
-            dlog.publish(DeploymentEvent(type="promoted", model=settings.model_name, version=version,
-                                         source="controller", actor="bench", traffic_pct=100.0))
+            dlog.publish(
+                DeploymentEvent(
+                    type="promoted",
+                    model=settings.model_name,
+                    version=version,
+                    source="controller",
+                    actor="bench",
+                    traffic_pct=100.0,
+                )
+            )
             acked = (time.time() - t1) * 1000
             t_last, results = fleet.wait_all(version)
             seconds = t_last - t0
@@ -580,18 +791,37 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
             floor = payload / bandwidth + apply_floor
             floor_old = payload / bandwidth + apply_s * math.ceil(replicas / cores)
             floor_c = payload / bandwidth + concurrent if concurrent is not None else None
-            rounds.append(dict(version=version, seconds=seconds, payload=payload, per_replica=per_replica,
-                               apply=apply_s, applies=applies, bandwidth=bandwidth, floor=floor,
-                               ratio=seconds / floor, apply_floor=apply_floor, ratio_old=seconds / floor_old,
-                               full=full, paths=[r.get("path") for r in results],
-                               concurrent=concurrent, floor_c=floor_c,
-                               ratio_c=seconds / floor_c if floor_c else None,
-                               stages=[{**_stages(r, t0), "publish_ack": acked} for r in results], hints=hinted,
-                               pushed=pushed, chains=[r.get("chain") for r in results], warmup=i <= warmup_rounds))
+            rounds.append(
+                {
+                    "version": version,
+                    "seconds": seconds,
+                    "payload": payload,
+                    "per_replica": per_replica,
+                    "apply": apply_s,
+                    "applies": applies,
+                    "bandwidth": bandwidth,
+                    "floor": floor,
+                    "ratio": seconds / floor,
+                    "apply_floor": apply_floor,
+                    "ratio_old": seconds / floor_old,
+                    "full": full,
+                    "paths": [r.get("path") for r in results],
+                    "concurrent": concurrent,
+                    "floor_c": floor_c,
+                    "ratio_c": seconds / floor_c if floor_c else None,
+                    "stages": [{**_stages(r, t0), "publish_ack": acked} for r in results],
+                    "hints": hinted,
+                    "pushed": pushed,
+                    "chains": [r.get("chain") for r in results],
+                    "warmup": i <= warmup_rounds,
+                }
+            )
             if console is not None:
-                console.print(f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
-                              f"{floor * 1000:.1f} ms -> {seconds / floor:.2f}x"
-                              + (" (warm-up round, not counted)" if i <= warmup_rounds else ""))
+                console.print(
+                    f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
+                    f"{floor * 1000:.1f} ms -> {seconds / floor:.2f}x"
+                    + (" (warm-up round, not counted)" if i <= warmup_rounds else "")
+                )
     finally:
         fleet.close()
         dlog.close()
@@ -599,8 +829,16 @@ def run_sync_bench(cfg: dict, states: list[dict], settings: Any, replicas: int =
         probe.close()
     warmups, rounds = [r for r in rounds if r["warmup"]], [r for r in rounds if not r["warmup"]]
     med = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]
-    return {"rounds": rounds, "warmup_rounds": warmups, "median": med, "cores": cores,
-            "mode": "threads" if in_process else "processes", "hints": hints, "push": push, "announce": announce}
+    return {
+        "rounds": rounds,
+        "warmup_rounds": warmups,
+        "median": med,
+        "cores": cores,
+        "mode": "threads" if in_process else "processes",
+        "hints": hints,
+        "push": push,
+        "announce": announce,
+    }
 
 
 def _median(xs: list[float]) -> float:
@@ -621,35 +859,64 @@ def _stage_medians(rounds: list[dict]) -> str:
 def print_report(result: dict, console: Any) -> None:
     from rich.table import Table
 
-    t = Table(title=f"sync of {len(result['median']['paths'])} replicas ({result['mode']}, artifact hints "
-                    f"{result.get('hints', 'on')}, pushed deltas {result.get('push', 'off')}, announced "
-                    f"{result.get('announce', 'early')}) vs the floor "
-                    f"({result['cores']} CPU cores)")
-    for col in ("version", "hints", "push", "full bf16 KB", "payload/replica KB", "loopback MB/s", "apply ms (chain / 1 delta)",
-                "apply CPU ms", "apply floor ms", "floor ms", "measured ms", "ratio", "paths"):
+    t = Table(
+        title=f"sync of {len(result['median']['paths'])} replicas ({result['mode']}, artifact hints "
+        f"{result.get('hints', 'on')}, pushed deltas {result.get('push', 'off')}, announced "
+        f"{result.get('announce', 'early')}) vs the floor "
+        f"({result['cores']} CPU cores)"
+    )
+    for col in (
+        "version",
+        "hints",
+        "push",
+        "full bf16 KB",
+        "payload/replica KB",
+        "loopback MB/s",
+        "apply ms (chain / 1 delta)",
+        "apply CPU ms",
+        "apply floor ms",
+        "floor ms",
+        "measured ms",
+        "ratio",
+        "paths",
+    ):
         t.add_column(col, justify="right")
     for r in result["rounds"]:
         a = r["applies"]
-        used = sum(any(str(c).startswith("kafka:") for c in (ch or [])) for ch in r.get("chains", []))
-        t.add_row(r["version"], "on" if r.get("hints", True) else "off",
-                  f"{used}/{len(r['paths'])} used" if r.get("pushed") else "off", f"{r['full'] / 1024:.0f}",
-                  f"{r['per_replica'] / 1024:.1f}",
-                  f"{r['bandwidth'] / 1e6:.0f}",
-                  f"{r['apply'] * 1000:.1f} ({a['apply_chain'] * 1000:.1f} / {a['one_delta'] * 1000:.1f})",
-                  f"{a['cpu'] * 1000:.1f}", f"{r['apply_floor'] * 1000:.1f}", f"{r['floor'] * 1000:.1f}",
-                  f"{r['seconds'] * 1000:.1f}", f"{r['ratio']:.2f}x",
-                  ",".join(sorted(set(map(str, r["paths"])))))
+        used = sum(
+            any(str(c).startswith("kafka:") for c in (ch or [])) for ch in r.get("chains", [])
+        )
+        t.add_row(
+            r["version"],
+            "on" if r.get("hints", True) else "off",
+            f"{used}/{len(r['paths'])} used" if r.get("pushed") else "off",
+            f"{r['full'] / 1024:.0f}",
+            f"{r['per_replica'] / 1024:.1f}",
+            f"{r['bandwidth'] / 1e6:.0f}",
+            f"{r['apply'] * 1000:.1f} ({a['apply_chain'] * 1000:.1f} / {a['one_delta'] * 1000:.1f})",
+            f"{a['cpu'] * 1000:.1f}",
+            f"{r['apply_floor'] * 1000:.1f}",
+            f"{r['floor'] * 1000:.1f}",
+            f"{r['seconds'] * 1000:.1f}",
+            f"{r['ratio']:.2f}x",
+            ",".join(sorted(set(map(str, r["paths"])))),
+        )
     console.print(t)
     stages = _stage_medians(result["rounds"])
     if stages:
         console.print("per-replica sync stages, median ms: " + stages)
     conc = [r["ratio_c"] for r in result["rounds"] if r.get("ratio_c")]
     if conc:
-        console.print("reference (not the target's floor): the 4 replica processes applying the same delta at once, "
-                      "measured just before each round: " + ", ".join(
-                          f"v{r['version']} {r['concurrent'] * 1000:.0f} ms (measured / (payload + that) = "
-                          f"{r['ratio_c']:.2f}x)" for r in result["rounds"])
-                      + f"; median {_median(conc):.2f}x")
+        console.print(
+            "reference (not the target's floor): the 4 replica processes applying the same delta at once, "
+            "measured just before each round: "
+            + ", ".join(
+                f"v{r['version']} {r['concurrent'] * 1000:.0f} ms (measured / (payload + that) = "
+                f"{r['ratio_c']:.2f}x)"
+                for r in result["rounds"]
+            )
+            + f"; median {_median(conc):.2f}x"
+        )
     for key, what in (("hints", "hints"), ("push", "pushed")):
         if result.get(key) != "alternate":
             continue
@@ -657,32 +924,48 @@ def print_report(result: dict, console: Any) -> None:
             mode = [r for r in result["rounds"] if r.get(what, True) == on]
             rs = sorted(r["ratio"] for r in mode)
             if rs:
-                console.print(f"rounds with {key} {'on ' if on else 'off'}: median {_median(rs):.2f}x "
-                              f"(min {rs[0]:.2f}x, max {rs[-1]:.2f}x over {len(rs)}; measured median "
-                              f"{_median([r['seconds'] for r in mode]) * 1000:.0f} ms); stage medians ms: "
-                              + _stage_medians(mode))
-    console.print(f"with the floor as measured before session 4 (fastest apply wall time x ceil(replicas / cores), "
-                  f"which counts a multi-threaded apply's extra cores as free): median "
-                  f"{_median([r['ratio_old'] for r in result['rounds']]):.2f}x")
+                console.print(
+                    f"rounds with {key} {'on ' if on else 'off'}: median {_median(rs):.2f}x "
+                    f"(min {rs[0]:.2f}x, max {rs[-1]:.2f}x over {len(rs)}; measured median "
+                    f"{_median([r['seconds'] for r in mode]) * 1000:.0f} ms); stage medians ms: "
+                    + _stage_medians(mode)
+                )
+    console.print(
+        f"with the floor as measured before session 4 (fastest apply wall time x ceil(replicas / cores), "
+        f"which counts a multi-threaded apply's extra cores as free): median "
+        f"{_median([r['ratio_old'] for r in result['rounds']]):.2f}x"
+    )
     for r in result.get("warmup_rounds", []):
-        console.print(f"warm-up round (not counted): v{r['version']} {r['seconds'] * 1000:.0f} ms, "
-                      f"{r['ratio']:.2f}x the floor")
+        console.print(
+            f"warm-up round (not counted): v{r['version']} {r['seconds'] * 1000:.0f} ms, "
+            f"{r['ratio']:.2f}x the floor"
+        )
     ratios = sorted(r["ratio"] for r in result["rounds"])
     med = result["median"]["ratio"]
-    console.print(f"sync time / floor: median {med:.2f}x (min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x over "
-                  f"{len(ratios)} rounds) — target <= 2x: {'MET' if med <= 2 else 'MISSED'}")
+    console.print(
+        f"sync time / floor: median {med:.2f}x (min {ratios[0]:.2f}x, max {ratios[-1]:.2f}x over "
+        f"{len(ratios)} rounds) — target <= 2x: {'MET' if med <= 2 else 'MISSED'}"
+    )
 
 
 @contextlib.contextmanager
-def local_stack(kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None) -> Iterator[Any]:
+def local_stack(
+    kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None
+) -> Iterator[Any]:
     """Settings on a Kafka broker and an MLflow server: the given ones, or ones started here."""
-    from app.infra.kafka import ensure_topics
-    from app.settings import Settings
     from common import local_services
 
+    from app.infra.kafka import ensure_topics
+    from app.settings import Settings
+
     with local_services(kafka, mlflow_uri, console) as (bootstrap, uri, work):
-        settings = Settings(data_dir=work / "data", kafka_bootstrap=bootstrap, mlflow_uri=uri,
-                            topic_namespace=f"bench{uuid.uuid4().hex[:8]}", model_name=f"bench-{uuid.uuid4().hex[:6]}")
+        settings = Settings(
+            data_dir=work / "data",
+            kafka_bootstrap=bootstrap,
+            mlflow_uri=uri,
+            topic_namespace=f"bench{uuid.uuid4().hex[:8]}",
+            model_name=f"bench-{uuid.uuid4().hex[:6]}",
+        )
         ensure_topics(settings)
         yield settings
 
@@ -713,10 +996,22 @@ def main() -> None:
     rounds = (args.rounds or (1 if args.quick else 3)) + args.warmup_rounds
     with local_stack(args.kafka, args.mlflow, console) as settings:
         console.print("training successive checkpoints…")
-        cfg, states = trained_states(rounds + 1, warmup=5 if args.quick else 20, lr=args.lr, policy_config=args.policy)
-        result = run_sync_bench(cfg, states, settings, replicas=args.replicas, console=console,
-                                in_process=args.in_process, hints=args.hints, push=args.push,
-                                announce=args.announce, warm=args.warm_broker, warmup_rounds=args.warmup_rounds)
+        cfg, states = trained_states(
+            rounds + 1, warmup=5 if args.quick else 20, lr=args.lr, policy_config=args.policy
+        )
+        result = run_sync_bench(
+            cfg,
+            states,
+            settings,
+            replicas=args.replicas,
+            console=console,
+            in_process=args.in_process,
+            hints=args.hints,
+            push=args.push,
+            announce=args.announce,
+            warm=args.warm_broker,
+            warmup_rounds=args.warmup_rounds,
+        )
     print_report(result, console)
 
 

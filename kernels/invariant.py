@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 
 COMPUTE_DTYPE = torch.float32
-_CHUNK_ELEMENTS = 1 << 20  # product-tensor size per chunk (4 MiB fp32): bounds memory, stays in cache
+_CHUNK_ELEMENTS = (
+    1 << 20
+)  # product-tensor size per chunk (4 MiB fp32): bounds memory, stays in cache
 
 
 # --- forward invariant, backward reference ------------------------------------------------------
@@ -142,12 +144,12 @@ def _matmul_inv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = rows.new_empty(rows.shape[0], n)
     chunk = max(1, _CHUNK_ELEMENTS // (p2 * n))
     for i in range(0, rows.shape[0], chunk):
-        prod = rows[i:i + chunk, :, None] * w  # [r, K, N]
+        prod = rows[i : i + chunk, :, None] * w  # [r, K, N]
         h = p2
         while h > 1:
             h //= 2
-            prod[:, :h].add_(prod[:, h:2 * h])
-        out[i:i + chunk] = prod[:, 0]
+            prod[:, :h].add_(prod[:, h : 2 * h])
+        out[i : i + chunk] = prod[:, 0]
     return out.reshape(*x.shape[:-1], n)
 
 
@@ -158,7 +160,9 @@ def reference_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [K, N] -> [..., N]; K reduced by the halving tree, rows chunked."""
-    assert x.dtype == w.dtype == COMPUTE_DTYPE, f"matmul expects {COMPUTE_DTYPE}, got {x.dtype}, {w.dtype}"
+    assert x.dtype == w.dtype == COMPUTE_DTYPE, (
+        f"matmul expects {COMPUTE_DTYPE}, got {x.dtype}, {w.dtype}"
+    )
     assert x.shape[-1] == w.shape[0], f"matmul shapes {tuple(x.shape)} @ {tuple(w.shape)}"
     return invariant_op(_matmul_inv, reference_matmul, x, w)
 
@@ -169,9 +173,11 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] * weight [D] / sqrt(mean(x^2) + eps)."""
+
     def inv(x_, w_):
         ms = tree_sum(x_ * x_, -1, keepdim=True) / x_.shape[-1]
         return x_ * (1.0 / torch.sqrt(ms + eps)) * w_
+
     return invariant_op(inv, lambda x_, w_: reference_rms_norm(x_, w_, eps), x, weight)
 
 
@@ -186,9 +192,11 @@ def reference_log_softmax(z: torch.Tensor) -> torch.Tensor:
 
 def log_softmax(z: torch.Tensor) -> torch.Tensor:
     """log-softmax over the last axis: (z - max) - log(tree_sum(exp(z - max)))."""
+
     def inv(z_):
         shifted = z_ - z_.amax(dim=-1, keepdim=True)
         return shifted - log(tree_sum(exp(shifted), -1, keepdim=True))
+
     return invariant_op(inv, reference_log_softmax, z)
 
 
@@ -198,33 +206,44 @@ def _causal_mask(q_pos: torch.Tensor, n_keys: int) -> torch.Tensor:
     return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
+) -> torch.Tensor:
     """Softmax attention, q [B,H,Tq,d], k/v [B,H,Tk,d], q_pos [B,Tq] (key j visible iff j <= q_pos)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(q_pos, k.shape[2]))
 
 
-def _attention_inv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def _attention_inv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
+) -> torch.Tensor:
     b, h, tq, d = q.shape
     tk = k.shape[2]
     scale = 1.0 / math.sqrt(d)
     out = q.new_empty(b, h, tq, d)
     chunk = max(1, _CHUNK_ELEMENTS // max(1, b * h * _next_pow2(tk) * d))
     for i in range(0, tq, chunk):
-        qc = q[:, :, i:i + chunk] * scale
+        qc = q[:, :, i : i + chunk] * scale
         scores = tree_sum(qc[:, :, :, None, :] * k[:, :, None, :, :], -1)  # [B,H,c,Tk]
-        mask = _causal_mask(q_pos[:, i:i + chunk], tk)
+        mask = _causal_mask(q_pos[:, i : i + chunk], tk)
         scores = scores.masked_fill(~mask, -math.inf)
         e = exp(scores - scores.amax(dim=-1, keepdim=True))
         num = tree_sum(e[..., None] * v[:, :, None, :, :], -2)  # [B,H,c,d]
-        out[:, :, i:i + chunk] = num / tree_sum(e, -1)[..., None]
+        out[:, :, i : i + chunk] = num / tree_sum(e, -1)[..., None]
     return out
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
+) -> torch.Tensor:
     """Invariant causal attention; keys reduced by the padding-invariant tree, so a decode step
     over a KV cache of any length and a full forward give the same bits."""
-    return invariant_op(lambda q_, k_, v_: _attention_inv(q_, k_, v_, q_pos),
-                        lambda q_, k_, v_: reference_attention(q_, k_, v_, q_pos), q, k, v)
+    return invariant_op(
+        lambda q_, k_, v_: _attention_inv(q_, k_, v_, q_pos),
+        lambda q_, k_, v_: reference_attention(q_, k_, v_, q_pos),
+        q,
+        k,
+        v,
+    )
 
 
 # --- kernel sets --------------------------------------------------------------------------------
@@ -240,10 +259,24 @@ class Ops:
         return self.name == "invariant"
 
 
-INVARIANT_OPS = Ops("invariant", matmul, rms_norm, silu, log_softmax, attention,
-                    lambda x: invariant_op(exp, torch.exp, x))
-DEFAULT_OPS = Ops("default", reference_matmul, reference_rms_norm, F.silu, reference_log_softmax,
-                  reference_attention, torch.exp)
+INVARIANT_OPS = Ops(
+    "invariant",
+    matmul,
+    rms_norm,
+    silu,
+    log_softmax,
+    attention,
+    lambda x: invariant_op(exp, torch.exp, x),
+)
+DEFAULT_OPS = Ops(
+    "default",
+    reference_matmul,
+    reference_rms_norm,
+    F.silu,
+    reference_log_softmax,
+    reference_attention,
+    torch.exp,
+)
 KERNEL_SETS = {"invariant": INVARIANT_OPS, "default": DEFAULT_OPS}
 
 

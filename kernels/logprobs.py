@@ -24,12 +24,20 @@ def log_probs(logits: torch.Tensor, temperature: float, ops: Ops) -> torch.Tenso
     return ops.log_softmax(_scale(logits, temperature))
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, ops: Ops) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, ops: Ops
+) -> torch.Tensor:
     """logits [..., V] fp32, targets [...] int64 -> log-prob of each target [...] fp32."""
-    assert logits.shape[:-1] == targets.shape, f"logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}"
+    assert logits.shape[:-1] == targets.shape, (
+        f"logits {tuple(logits.shape)} vs targets {tuple(targets.shape)}"
+    )
     return log_probs(logits, temperature, ops).gather(-1, targets[..., None])[..., 0]
 
 
-def reference_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+def reference_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """Plain torch: log_softmax(logits / T) gathered at targets."""
-    return torch.log_softmax(_scale(logits, temperature), dim=-1).gather(-1, targets[..., None])[..., 0]
+    return torch.log_softmax(_scale(logits, temperature), dim=-1).gather(-1, targets[..., None])[
+        ..., 0
+    ]

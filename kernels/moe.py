@@ -19,8 +19,13 @@ import torch
 from kernels.invariant import Ops
 
 
-def route(router_logits: torch.Tensor, top_k: int, ops: Ops, replay_ids: torch.Tensor | None = None,
-          replay_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor,
+    top_k: int,
+    ops: Ops,
+    replay_ids: torch.Tensor | None = None,
+    replay_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [N, E] fp32 -> (ids [N, k] int64, gates [N, k] fp32).
 
     replay_ids [N, k] (any int dtype) are used for the rows where replay_mask [N] is True (all
@@ -35,13 +40,17 @@ def route(router_logits: torch.Tensor, top_k: int, ops: Ops, replay_ids: torch.T
         if replay_mask is not None:
             bad = bad & replay_mask[:, None]
         assert not bool(bad.any()), f"replayed expert ids outside [0, {n_experts})"
-        ids = replay_ids if replay_mask is None else torch.where(replay_mask[:, None], replay_ids, ids)
+        ids = (
+            replay_ids
+            if replay_mask is None
+            else torch.where(replay_mask[:, None], replay_ids, ids)
+        )
     selected = router_logits.gather(1, ids)  # [N, k], differentiable wrt the router
     shifted = selected - selected.amax(dim=-1, keepdim=True)
     e = ops.exp(shifted)
     denom = e[:, 0:1]
     for j in range(1, top_k):  # fixed left-to-right order
-        denom = denom + e[:, j:j + 1]
+        denom = denom + e[:, j : j + 1]
     return ids, e / denom
 
 
@@ -54,12 +63,18 @@ def _combine(y: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """y [N, k, D] expert outputs per slot, gates [N, k] -> [N, D], summed in slot order."""
     out = y[:, 0] * gates[:, 0:1]
     for j in range(1, y.shape[1]):
-        out = out + y[:, j] * gates[:, j:j + 1]
+        out = out + y[:, j] * gates[:, j : j + 1]
     return out
 
 
-def moe_ffn(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-            ops: Ops) -> torch.Tensor:
+def moe_ffn(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    ops: Ops,
+) -> torch.Tensor:
     """Fast dispatch. x [N, D], ids/gates [N, k], w1 [E, D, F], w2 [E, F, D] -> [N, D]."""
     n, k = ids.shape
     y = x.new_zeros(n, k, w2.shape[-1])
@@ -71,8 +86,14 @@ def moe_ffn(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, w1: torch.T
     return _combine(y, gates)
 
 
-def reference_moe_ffn(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, w1: torch.Tensor,
-                      w2: torch.Tensor, ops: Ops) -> torch.Tensor:
+def reference_moe_ffn(
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    ops: Ops,
+) -> torch.Tensor:
     """Plain dispatch: every expert on every row, then pick each slot's expert. Same shapes as moe_ffn."""
     all_y = torch.stack([_expert(x, w1[e], w2[e], ops) for e in range(w1.shape[0])])  # [E, N, D]
     y = all_y[ids, torch.arange(x.shape[0])[:, None]]  # [N, k, D]

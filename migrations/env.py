@@ -25,8 +25,13 @@ def _url() -> str:
 
 
 def run_migrations_offline() -> None:
-    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
-                      render_as_batch=True, dialect_opts={"paramstyle": "named"})
+    context.configure(
+        url=_url(),
+        target_metadata=target_metadata,
+        literal_binds=True,
+        render_as_batch=True,
+        dialect_opts={"paramstyle": "named"},
+    )
     with context.begin_transaction():
         context.run_migrations()
 
@@ -34,11 +39,17 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connectable = config.attributes.get("connection")
     if connectable is None:
-        connectable = engine_from_config({"sqlalchemy.url": _url()}, prefix="sqlalchemy.", poolclass=pool.NullPool)
+        connectable = engine_from_config(
+            {"sqlalchemy.url": _url()}, prefix="sqlalchemy.", poolclass=pool.NullPool
+        )
     with connectable.connect() as connection:
         # render_as_batch: SQLite cannot ALTER most things; batch mode recreates tables
-        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True,
-                          compare_type=True)
+        context.configure(
+            connection=connection,
+            target_metadata=target_metadata,
+            render_as_batch=True,
+            compare_type=True,
+        )
         with context.begin_transaction():
             context.run_migrations()
 

@@ -84,40 +84,91 @@ EVENTS_IN = Counter("flywheel_streams_events_in_total", "Interaction records con
 OUT = Counter("flywheel_streams_records_out_total", "Records produced", ["topic"])
 LATE = Counter("flywheel_streams_late_total", "Events sent to the late topic", ["reason"])
 DLQ = Counter("flywheel_streams_dlq_total", "Records sent to the dead-letter topic", ["reason"])
-OPEN = Gauge("flywheel_streams_open_labels", "Labels waiting for their window to close (pending + open)")
-LATENCY = Histogram("flywheel_streams_label_latency_seconds", "Wall time from a label's window close to its rollout being sent",
-                    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60))
-WATERMARK_LAG = Gauge("flywheel_streams_watermark_lag_seconds", "Wall time minus the lowest partition watermark held")
-BATCH = Histogram("flywheel_streams_batch_events", "Records per processed batch", buckets=(1, 10, 100, 500, 1000, 2000, 5000))
-_EVENTS_OK, _EVENTS_DLQ = EVENTS_IN.labels("ok"), EVENTS_IN.labels("dlq")  # bound once: labels() costs a lock per call
+OPEN = Gauge(
+    "flywheel_streams_open_labels", "Labels waiting for their window to close (pending + open)"
+)
+LATENCY = Histogram(
+    "flywheel_streams_label_latency_seconds",
+    "Wall time from a label's window close to its rollout being sent",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+WATERMARK_LAG = Gauge(
+    "flywheel_streams_watermark_lag_seconds", "Wall time minus the lowest partition watermark held"
+)
+BATCH = Histogram(
+    "flywheel_streams_batch_events",
+    "Records per processed batch",
+    buckets=(1, 10, 100, 500, 1000, 2000, 5000),
+)
+_EVENTS_OK, _EVENTS_DLQ = (
+    EVENTS_IN.labels("ok"),
+    EVENTS_IN.labels("dlq"),
+)  # bound once: labels() costs a lock per call
 _OUT: dict[str, Any] = {}
-RESUME_CORRECTIONS = Counter("flywheel_streams_resume_corrections_total",
-                             "Assignments where the group's committed offset differed from the state's progress "
-                             "(group_ahead: records the state never saw would have been skipped)", ["direction"])
-RESUME_GAPS = Counter("flywheel_streams_resume_gaps_total", "Partitions whose consumption resumed past the state's progress (records skipped: a bug)")
-GAPS = Counter("flywheel_streams_offset_gaps_total",
-               "Interactions records delivered past the next offset the state expects (records in between never "
-               "reached the agent). refetched: the consumer was sought back and the record dropped; confirmed: "
-               "fetching again showed the log has no records in between", ["outcome"])
-BEHIND = Counter("flywheel_streams_replayed_records_dropped_total",
-                 "Interactions records at or below the partition's progress delivered again (the state reflects them)")
-STALE = Counter("flywheel_streams_stale_records_dropped_total",
-                "Records delivered to the agent after their partition was revoked, or fetched under an earlier "
-                "assignment (they are fetched again from the state's progress; processing them would write "
-                "state for a partition this worker no longer owns)", ["reason"])
-CHANGELOG = Counter("flywheel_streams_changelog_records_total", "Changelog records written (one per touched key per batch)", ["table"])
+RESUME_CORRECTIONS = Counter(
+    "flywheel_streams_resume_corrections_total",
+    "Assignments where the group's committed offset differed from the state's progress "
+    "(group_ahead: records the state never saw would have been skipped)",
+    ["direction"],
+)
+RESUME_GAPS = Counter(
+    "flywheel_streams_resume_gaps_total",
+    "Partitions whose consumption resumed past the state's progress (records skipped: a bug)",
+)
+GAPS = Counter(
+    "flywheel_streams_offset_gaps_total",
+    "Interactions records delivered past the next offset the state expects (records in between never "
+    "reached the agent). refetched: the consumer was sought back and the record dropped; confirmed: "
+    "fetching again showed the log has no records in between",
+    ["outcome"],
+)
+BEHIND = Counter(
+    "flywheel_streams_replayed_records_dropped_total",
+    "Interactions records at or below the partition's progress delivered again (the state reflects them)",
+)
+STALE = Counter(
+    "flywheel_streams_stale_records_dropped_total",
+    "Records delivered to the agent after their partition was revoked, or fetched under an earlier "
+    "assignment (they are fetched again from the state's progress; processing them would write "
+    "state for a partition this worker no longer owns)",
+    ["reason"],
+)
+CHANGELOG = Counter(
+    "flywheel_streams_changelog_records_total",
+    "Changelog records written (one per touched key per batch)",
+    ["table"],
+)
 
 
-TABLES = ("labels", "generations", "buckets", "metric-buckets")  # the Faust tables build_app declares
+TABLES = (
+    "labels",
+    "generations",
+    "buckets",
+    "metric-buckets",
+)  # the Faust tables build_app declares
 
 
-def dlq_envelope(reason: str, errors: list, topic: str, partition: int, offset: int | None,
-                 key: bytes | None, value: bytes | None) -> dict[str, Any]:
+def dlq_envelope(
+    reason: str,
+    errors: list,
+    topic: str,
+    partition: int,
+    offset: int | None,
+    key: bytes | None,
+    value: bytes | None,
+) -> dict[str, Any]:
     """A `<ns>.dlq` record (streams.records.DlqRecord; the same envelope as app/deadletter.py)."""
-    return {"reason": reason, "errors": errors, "consumer": "streams", "topic": topic, "partition": partition,
-            "offset": offset, "key_b64": base64.b64encode(key).decode() if key is not None else None,
-            "value_b64": base64.b64encode(value).decode() if value is not None else None,
-            "detected_at": iso_now(time.time)}
+    return {
+        "reason": reason,
+        "errors": errors,
+        "consumer": "streams",
+        "topic": topic,
+        "partition": partition,
+        "offset": offset,
+        "key_b64": base64.b64encode(key).decode() if key is not None else None,
+        "value_b64": base64.b64encode(value).decode() if value is not None else None,
+        "detected_at": iso_now(time.time),
+    }
 
 
 def _failure(field: str, exc: BaseException) -> dict[str, str]:
@@ -134,7 +185,9 @@ def app_id(settings: Settings, cfg: StreamsConfig | None = None) -> str:
     return (cfg.app_id if cfg is not None else None) or f"{settings.topic_namespace}-streams"
 
 
-def internal_topics(settings: Settings, cfg: StreamsConfig | None = None) -> dict[str, tuple[int, dict[str, str]]]:
+def internal_topics(
+    settings: Settings, cfg: StreamsConfig | None = None
+) -> dict[str, tuple[int, dict[str, str]]]:
     """Internal topics the worker needs: name -> (partitions, configs), the tables' changelogs included.
 
     Faust would declare the changelogs itself on start, but on a fresh cluster its metadata
@@ -151,7 +204,9 @@ def internal_topics(settings: Settings, cfg: StreamsConfig | None = None) -> dic
     return topics
 
 
-def ensure_internal_topics(settings: Settings, cfg: StreamsConfig | None = None, timeout_s: float = 120.0) -> None:
+def ensure_internal_topics(
+    settings: Settings, cfg: StreamsConfig | None = None, timeout_s: float = 120.0
+) -> None:
     """Create the contract topics and the internal ones (idempotent), and wait until the broker
     reports every one of them with its partitions."""
 
@@ -166,8 +221,16 @@ def ensure_internal_topics(settings: Settings, cfg: StreamsConfig | None = None,
     try:
         wanted = internal_topics(settings, cfg)
         existing = set(admin.list_topics())
-        new = [NewTopic(name, num_partitions=n, replication_factor=settings.replication_factor, topic_configs=conf)
-               for name, (n, conf) in wanted.items() if name not in existing]
+        new = [
+            NewTopic(
+                name,
+                num_partitions=n,
+                replication_factor=settings.replication_factor,
+                topic_configs=conf,
+            )
+            for name, (n, conf) in wanted.items()
+            if name not in existing
+        ]
         if new:
             try:
                 admin.create_topics(new)
@@ -175,12 +238,17 @@ def ensure_internal_topics(settings: Settings, cfg: StreamsConfig | None = None,
                 pass
         deadline = time.monotonic() + timeout_s
         while True:
-            described = {t["name"]: len(t.get("partitions") or []) for t in admin.describe_topics(list(wanted))
-                         if not t.get("error_code")}
+            described = {
+                t["name"]: len(t.get("partitions") or [])
+                for t in admin.describe_topics(list(wanted))
+                if not t.get("error_code")
+            }
             missing = {name: n for name, (n, _) in wanted.items() if described.get(name, 0) < n}
             if not missing:
                 return
-            assert time.monotonic() < deadline, f"internal topics not ready after {timeout_s:.0f}s: {missing}"
+            assert time.monotonic() < deadline, (
+                f"internal topics not ready after {timeout_s:.0f}s: {missing}"
+            )
             time.sleep(0.5)
     finally:
         admin.close()
@@ -207,16 +275,28 @@ class Runtime:
     topics: dict[str, Any]
     interactions: str
     ticks: str
-    views: dict[str, BatchedTable] = field(default_factory=dict)  # the aggregator's tables, write-back per batch
+    views: dict[str, BatchedTable] = field(
+        default_factory=dict
+    )  # the aggregator's tables, write-back per batch
     outbox: Outbox = None  # type: ignore[assignment]  # where records go (streams/outbox.py); tests swap in a list
     last_processed: dict[int, int] = field(default_factory=dict)
-    records_done: int = 0  # interaction and tick records whose batch completed (outputs and state sent)
+    records_done: int = (
+        0  # interaction and tick records whose batch completed (outputs and state sent)
+    )
     offsets: Any = None
-    resumed: set[int] = field(default_factory=set)  # partitions resumed from the state whose first record has not come
-    deferred_tombstones: list = field(default_factory=list)  # generation deletions, sent after their labels
-    owned: set[int] | None = None  # interactions partitions assigned now (None: not tracked, e.g. tests without a group)
+    resumed: set[int] = field(
+        default_factory=set
+    )  # partitions resumed from the state whose first record has not come
+    deferred_tombstones: list = field(
+        default_factory=list
+    )  # generation deletions, sent after their labels
+    owned: set[int] | None = (
+        None  # interactions partitions assigned now (None: not tracked, e.g. tests without a group)
+    )
     refetching: dict[int, Refetch] = field(default_factory=dict)
-    refetch_retry_s: float = 5.0  # seek again if the wanted offset has not arrived this long after a seek
+    refetch_retry_s: float = (
+        5.0  # seek again if the wanted offset has not arrived this long after a seek
+    )
 
     def current(self, msg: Any) -> bool:
         """Whether a delivered record belongs to the current assignment of its partition.
@@ -240,8 +320,14 @@ class Runtime:
         if reason is None:
             return True
         STALE.labels(reason).inc()
-        log.info("dropped %s record %s[%d]@%d (%s): its partition's owner fetches it again from the state's progress",
-                 "an interactions" if msg.topic == self.interactions else "a tick", msg.topic, msg.partition, msg.offset, reason)
+        log.info(
+            "dropped %s record %s[%d]@%d (%s): its partition's owner fetches it again from the state's progress",
+            "an interactions" if msg.topic == self.interactions else "a tick",
+            msg.topic,
+            msg.partition,
+            msg.offset,
+            reason,
+        )
         return False
 
     async def in_order(self, msg: Any) -> bool:
@@ -276,21 +362,38 @@ class Runtime:
         now = time.monotonic()
         pending = self.refetching.get(p)
         if pending is not None and pending.want == want:
-            if offset == pending.seen and msg is not pending.msg:  # fetched again: nothing lies between
+            if (
+                offset == pending.seen and msg is not pending.msg
+            ):  # fetched again: nothing lies between
                 self.refetching.pop(p, None)
                 self.resumed.discard(p)
                 GAPS.labels("confirmed").inc()
-                log.warning("partition %d: no records between offsets %d and %d in the log; going on", p, want, offset)
+                log.warning(
+                    "partition %d: no records between offsets %d and %d in the log; going on",
+                    p,
+                    want,
+                    offset,
+                )
                 return True
             if now - pending.since < self.refetch_retry_s:
                 return False  # records fetched before the seek, still draining
         if p in self.resumed:
             RESUME_GAPS.inc()
-            log.error("partition %d resumed at offset %d but the state ends at %d: records were skipped",
-                      p, offset, want - 1)
+            log.error(
+                "partition %d resumed at offset %d but the state ends at %d: records were skipped",
+                p,
+                offset,
+                want - 1,
+            )
         GAPS.labels("refetched").inc()
-        log.warning("partition %d: record at offset %d delivered but the state expects %d next: "
-                    "dropping it and fetching again from %d", p, offset, want, want)
+        log.warning(
+            "partition %d: record at offset %d delivered but the state expects %d next: "
+            "dropping it and fetching again from %d",
+            p,
+            offset,
+            want,
+            want,
+        )
         self.refetching[p] = Refetch(want, offset, now, msg)
         await self.seek(p, want)
         return False
@@ -303,9 +406,14 @@ class Runtime:
 
         try:
             await self.app.consumer.seek(TP(self.interactions, partition), offset)
-        except Exception as exc:  # noqa: BLE001 - e.g. IllegalStateError: no longer assigned
-            log.warning("partition %d: could not seek to %d (%s: %s); its owner resumes from the state's progress",
-                        partition, offset, type(exc).__name__, exc)
+        except Exception as exc:
+            log.warning(
+                "partition %d: could not seek to %d (%s: %s); its owner resumes from the state's progress",
+                partition,
+                offset,
+                type(exc).__name__,
+                exc,
+            )
 
     # --- one batch of records ---------------------------------------------------------------
     async def on_batch(self, events: list[Any]) -> None:
@@ -332,7 +440,12 @@ class Runtime:
         by_topic: dict[str, list] = {}
         for e in out:
             by_topic.setdefault(e.topic, []).append(self.encode(e))
-        await asyncio.gather(*(self.outbox.send(self.topics[t].get_topic_name(), recs) for t, recs in by_topic.items()))
+        await asyncio.gather(
+            *(
+                self.outbox.send(self.topics[t].get_topic_name(), recs)
+                for t, recs in by_topic.items()
+            )
+        )
         now = time.time()
         for e in out:
             self.count(e, now)
@@ -351,7 +464,9 @@ class Runtime:
 
     async def _send_changelogs(self, drained: dict[str, list], names: tuple[str, ...]) -> None:
         sends = [(self.views[n], drained[n]) for n in names if drained[n]]
-        firsts = await asyncio.gather(*(self.outbox.send(view.changelog, recs) for view, recs in sends))
+        firsts = await asyncio.gather(
+            *(self.outbox.send(view.changelog, recs) for view, recs in sends)
+        )
         for (view, recs), first in zip(sends, firsts):
             view.persisted(first)
             CHANGELOG.labels(view.table.name).inc(len(recs))
@@ -375,16 +490,29 @@ class Runtime:
                 self.last_processed[tp.partition] = mark["offset"]
                 self.resumed.add(tp.partition)
         if offsets:
-            group = await self.app.consumer.seek_to_committed()  # what the group has (perform_seek re-seeks anyway)
+            group = (
+                await self.app.consumer.seek_to_committed()
+            )  # what the group has (perform_seek re-seeks anyway)
             for tp, offset in offsets.items():
                 had = group.get(tp)
                 if had is not None and had >= 0 and had != offset:
-                    RESUME_CORRECTIONS.labels("group_ahead" if had > offset else "group_behind").inc()
+                    RESUME_CORRECTIONS.labels(
+                        "group_ahead" if had > offset else "group_behind"
+                    ).inc()
                     (log.warning if had > offset else log.info)(
                         "partition %d: the group's committed offset is %d, the state ends before %d: resuming at %d",
-                        tp.partition, had, offset, offset)
-            await self.app.consumer._commit_offsets(offsets)  # Faust's perform_seek() follows and reads these
-            log.info("resuming from the state's progress: %s", {tp.partition: o for tp, o in sorted(offsets.items())})
+                        tp.partition,
+                        had,
+                        offset,
+                        offset,
+                    )
+            await self.app.consumer._commit_offsets(
+                offsets
+            )  # Faust's perform_seek() follows and reads these
+            log.info(
+                "resuming from the state's progress: %s",
+                {tp.partition: o for tp, o in sorted(offsets.items())},
+            )
         return {tp.partition: o for tp, o in offsets.items()}
 
     def on_record(self, msg: Any, key: bytes | None, value: bytes | None) -> list[Emit]:
@@ -399,24 +527,45 @@ class Runtime:
         rt = msg.timestamp if msg.timestamp else time.time()
         try:
             out = self.aggregator.on_event(p, obj, rt)
-        except Exception as exc:  # noqa: BLE001 - one record must not stop the worker (docs/STREAMS.md)
+        except Exception as exc:
             log.exception("interactions[%d]@%d could not be joined; dead-lettered", p, msg.offset)
             return [self._dlq(msg, key, value, "processing_failed", [_failure("(join)", exc)])]
-        return [self._dlq(msg, key, value, e.value["reason"], e.value["errors"]) if e.topic == "dlq" and e.key is None
-                else self._resolve(p, e) for e in out]
+        return [
+            self._dlq(msg, key, value, e.value["reason"], e.value["errors"])
+            if e.topic == "dlq" and e.key is None
+            else self._resolve(p, e)
+            for e in out
+        ]
 
-    def _dlq(self, msg: Any, key: bytes | None, value: bytes | None, reason: str, errors: list) -> Emit:
+    def _dlq(
+        self, msg: Any, key: bytes | None, value: bytes | None, reason: str, errors: list
+    ) -> Emit:
         """The DLQ record of the consumed record `msg` (its original bytes)."""
         _EVENTS_DLQ.inc()
-        return Emit("dlq", None, dlq_envelope(reason, errors, msg.topic, msg.partition, msg.offset, key, value))
+        return Emit(
+            "dlq",
+            None,
+            dlq_envelope(reason, errors, msg.topic, msg.partition, msg.offset, key, value),
+        )
 
     def _resolve(self, p: int, e: Emit) -> Emit:
         """An aggregator output as sent: a DLQ entry about a stored event (a label that failed to
         close; `e.key` its request_id) gets the envelope of the event as it was on the topic."""
         if e.topic != "dlq":
             return e
-        return Emit("dlq", None, dlq_envelope(e.value["reason"], e.value["errors"], self.interactions, p, None,
-                                              e.key.encode(), orjson.dumps(e.value["event"])))
+        return Emit(
+            "dlq",
+            None,
+            dlq_envelope(
+                e.value["reason"],
+                e.value["errors"],
+                self.interactions,
+                p,
+                None,
+                e.key.encode(),
+                orjson.dumps(e.value["event"]),
+            ),
+        )
 
     # --- ticks -------------------------------------------------------------------------------
     def on_tick(self, msg: Any, value: bytes | None) -> list[Emit]:
@@ -425,13 +574,19 @@ class Runtime:
             tick = orjson.loads(value if value is not None else b"")
             now, hw = float(tick["now"]), int(tick["hw"])
             assert math.isfinite(now), f"now is {now}"
-        except Exception as exc:  # noqa: BLE001 - not a tick this worker wrote
+        except Exception as exc:
             return [self._dlq(msg, msg.key, value, "invalid_tick", [_failure("(tick)", exc)])]
-        processed = self.last_processed.get(p, -1) + 1  # set from the state's progress on assignment
+        processed = (
+            self.last_processed.get(p, -1) + 1
+        )  # set from the state's progress on assignment
         if processed < hw:
             return []  # records below the tick's end offset are still unprocessed: record time rules
-        out = self.aggregator.on_tick(p, now - self.cfg.skew_margin)  # a label that fails to close is a DLQ entry
-        WATERMARK_LAG.set(max(0.0, time.time() - min(self.aggregator.watermark(q) for q in self.aggregator._wm)))
+        out = self.aggregator.on_tick(
+            p, now - self.cfg.skew_margin
+        )  # a label that fails to close is a DLQ entry
+        WATERMARK_LAG.set(
+            max(0.0, time.time() - min(self.aggregator.watermark(q) for q in self.aggregator._wm))
+        )
         return [self._resolve(p, e) for e in out]
 
     # --- metric partials -------------------------------------------------------------------------
@@ -439,16 +594,24 @@ class Runtime:
         """Merge one partial into its version-metrics record, or dead-letter it (`invalid_partial`)."""
         try:
             return self.merger.on_partial(orjson.loads(value if value is not None else b""))
-        except Exception as exc:  # noqa: BLE001 - one record must not stop the merger
-            log.exception("%s[%d]@%d is not a usable metrics partial; dead-lettered", msg.topic, msg.partition, msg.offset)
+        except Exception as exc:
+            log.exception(
+                "%s[%d]@%d is not a usable metrics partial; dead-lettered",
+                msg.topic,
+                msg.partition,
+                msg.offset,
+            )
             return self._dlq(msg, msg.key, value, "invalid_partial", [_failure("(partial)", exc)])
 
     async def send_ticks(self) -> None:
         """Send one tick per assigned interactions partition (own Kafka clients: Faust's consumer thread stays free)."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
-        parts = sorted(tp.partition for tp in self.app.consumer.assignment()
-                       if tp.topic == self.interactions and not self._backlogged(tp))
+        parts = sorted(
+            tp.partition
+            for tp in self.app.consumer.assignment()
+            if tp.topic == self.interactions and not self._backlogged(tp)
+        )
         if not parts:
             return
         bootstrap = self.settings.kafka_bootstrap.split(",")
@@ -509,7 +672,9 @@ class LeanMonitor(Monitor):
     def on_stream_event_in(self, tp: Any, offset: int, stream: Any, event: Any) -> None:
         return None
 
-    def on_stream_event_out(self, tp: Any, offset: int, stream: Any, event: Any, state: Any = None) -> None:
+    def on_stream_event_out(
+        self, tp: Any, offset: int, stream: Any, event: Any, state: Any = None
+    ) -> None:
         return None
 
     def on_message_out(self, tp: Any, offset: int, message: Any) -> None:
@@ -523,19 +688,33 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     app = faust.App(
         app_id(settings, cfg),
         broker=[f"kafka://{h.strip()}" for h in settings.kafka_bootstrap.split(",")],
-        store=cfg.store, topic_partitions=n, topic_replication_factor=settings.replication_factor,
-        web_enabled=False, producer_acks=-1, consumer_auto_offset_reset="earliest",
-        broker_commit_interval=cfg.commit_interval, broker_session_timeout=cfg.session_timeout,
-        broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3), broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
+        store=cfg.store,
+        topic_partitions=n,
+        topic_replication_factor=settings.replication_factor,
+        web_enabled=False,
+        producer_acks=-1,
+        consumer_auto_offset_reset="earliest",
+        broker_commit_interval=cfg.commit_interval,
+        broker_session_timeout=cfg.session_timeout,
+        broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3),
+        broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
         # throughput: one in-flight produce request per broker, so batch more per request
-        producer_linger_ms=5, producer_max_batch_size=1024 * 1024, stream_buffer_maxsize=cfg.stream_buffer_maxsize,
-        producer_max_request_size=8 * 1024 * 1024, Monitor=LeanMonitor,
+        producer_linger_ms=5,
+        producer_max_batch_size=1024 * 1024,
+        stream_buffer_maxsize=cfg.stream_buffer_maxsize,
+        producer_max_request_size=8 * 1024 * 1024,
+        Monitor=LeanMonitor,
     )
     if cfg.eager_drain:
         install_eager_drain(app)  # before app.topic(): that creates the transport
     interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
     partials_name = f"{ns}.streams-metric-partials"
-    raw = dict(key_type=bytes, value_type=bytes, key_serializer="raw", value_serializer="raw")
+    raw = {
+        "key_type": bytes,
+        "value_type": bytes,
+        "key_serializer": "raw",
+        "value_serializer": "raw",
+    }
     source = app.topic(interactions, ticks, partitions=n, **raw)
     topics = {
         "rollouts": app.topic(settings.topic("rollouts"), **raw),
@@ -545,25 +724,49 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         "partials": app.topic(partials_name, partitions=n, **raw),
         "ticks": app.topic(ticks, partitions=n, **raw),
     }
-    table = dict(partitions=n, key_type=str, value_type=None, default=None)
+    table = {"partitions": n, "key_type": str, "value_type": None, "default": None}
     labels = app.Table("labels", help="request_id -> label state", **table)
-    generations = app.Table("generations", help="request_id -> generation event until its label closes", **table)
-    buckets = app.Table("buckets", help="'<partition>|<bucket>' -> emitted marker of a metrics partial", **table)
-    metric_buckets = app.Table("metric-buckets", help="'<version>|<bucket>' -> partial sums per partition", **table)
+    generations = app.Table(
+        "generations", help="request_id -> generation event until its label closes", **table
+    )
+    buckets = app.Table(
+        "buckets", help="'<partition>|<bucket>' -> emitted marker of a metrics partial", **table
+    )
+    metric_buckets = app.Table(
+        "metric-buckets", help="'<version>|<bucket>' -> partial sums per partition", **table
+    )
     spec = cfg.spec()
     views = {t.name: BatchedTable(t) for t in (labels, generations, buckets)}
-    agg = Aggregator(spec, settings.wait_window, cfg.retention(settings.wait_window), cfg.metrics_bucket,
-                     views["labels"], views["generations"], views["buckets"], empty_max_tokens=cfg.empty_completion_max_tokens)
-    rt = Runtime(settings, cfg, app, agg, MetricsMerger(metric_buckets), topics, interactions, ticks, views,
-                 outbox=KafkaOutbox(settings.kafka_bootstrap))
+    agg = Aggregator(
+        spec,
+        settings.wait_window,
+        cfg.retention(settings.wait_window),
+        cfg.metrics_bucket,
+        views["labels"],
+        views["generations"],
+        views["buckets"],
+        empty_max_tokens=cfg.empty_completion_max_tokens,
+    )
+    rt = Runtime(
+        settings,
+        cfg,
+        app,
+        agg,
+        MetricsMerger(metric_buckets),
+        topics,
+        interactions,
+        ticks,
+        views,
+        outbox=KafkaOutbox(settings.kafka_bootstrap),
+    )
 
     @app.agent(source, concurrency=1, supervisor_strategy=CrashingSupervisor)
-    async def aggregate(stream):  # noqa: ANN001 - faust stream
+    async def aggregate(stream):
         async for events in stream.take_events(cfg.batch_max_events, within=cfg.batch_within):
             await rt.on_batch(events)
 
     @app.agent(topics["partials"], concurrency=1, supervisor_strategy=CrashingSupervisor)
-    async def merge_metrics(stream):  # noqa: ANN001
+    async def merge_metrics(stream):
         async for event in stream.events():
             await rt.send(rt.on_partial(event.message, event.value))
 
@@ -574,7 +777,9 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     @app.on_partitions_revoked.connect
     async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
         gone = {tp.partition for tp in revoked if tp.topic == interactions}
-        rt.owned = (rt.owned or set()) - gone  # until the rebalance completes, records of these are stale
+        rt.owned = (
+            rt.owned or set()
+        ) - gone  # until the rebalance completes, records of these are stale
         for p in gone:
             agg.forget_partition(p)
             rt.last_processed.pop(p, None)
@@ -585,8 +790,16 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     @app.on_rebalance_complete.connect
     async def on_rebalance_complete(sender: Any, **kwargs: Any) -> None:
         rt.owned = {tp.partition for tp in app.consumer.assignment() if tp.topic == interactions}
-        await rt.resume_from_state()  # sent after table recovery, before Faust seeks to committed offsets
+        await (
+            rt.resume_from_state()
+        )  # sent after table recovery, before Faust seeks to committed offsets
 
     app.flywheel_agents = {"aggregate": aggregate, "merge_metrics": merge_metrics}  # type: ignore[attr-defined]
-    log.info("streams app %s: %d partitions, window %.3gs, spec %s", app.conf.id, n, settings.wait_window, spec.version)
+    log.info(
+        "streams app %s: %d partitions, window %.3gs, spec %s",
+        app.conf.id,
+        n,
+        settings.wait_window,
+        spec.version,
+    )
     return app, rt

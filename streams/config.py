@@ -20,29 +20,90 @@ from streams.reward import RewardSpec, RewardWeights, resolve_spec
 class StreamsConfig(BaseSettings):
     """Configuration of one `flywheel streams` worker."""
 
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_STREAMS_", extra="ignore", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_STREAMS_", extra="ignore", validate_default=True
+    )
 
-    reward_spec: str = Field("v1", min_length=1, max_length=64, description="Reward spec version recorded in every rollout (known: v1; hackable-tools and hackable-silence are exploitable on purpose, for reward-hack runs: docs/ROLLOUT.md).")
-    reward_weights: RewardWeights | None = Field(None, description="Weights (JSON) for a new spec version; must equal the fixed weights when the version is known.")
-    metrics_bucket: Duration = Field(60.0, description="Length of a version-metrics bucket (by label close time).")
-    closed_retention: Duration | None = Field(None, description="How long a closed label is remembered (late feedback -> after_close, duplicates dropped). Default: the wait window, at least one bucket.")
-    tick_interval: Duration = Field(0.2, description="How often the worker ticks its partitions to close labels on quiet partitions.")
-    skew_margin: Duration = Field(0.5, description="A tick closes labels up to wall time minus this margin (covers producer/worker clock skew and metadata lag).")
-    empty_completion_max_tokens: int = Field(1, ge=0, description="A completion with at most this many tokens counts as empty (e.g. only the stop token).")
-    store: str = Field("memory://", description="Faust table store: memory:// (changelog replay on start) or rocksdb:// (needs rocksdict) in production.")
-    batch_max_events: int = Field(2000, ge=1, le=100_000, description="Records the agent takes per batch; each touched table key costs one changelog record per batch.")
-    batch_within: Duration = Field(0.05, description="Longest wait for a batch to fill before processing what arrived (adds at most this to label latency).")
-    stream_buffer_maxsize: int = Field(16384, ge=1, description="Records Faust buffers per stream before the fetch loop waits (back-pressure).")
-    eager_drain: bool = Field(True, description="Deliver fetched records to the agent without Faust's per-record asyncio tasks (streams/consumer.py); false = Faust's stock fetch loop.")
-    commit_interval: Duration = Field(1.0, description="Faust offset commit interval; bounds the replay after a crash.")
-    session_timeout: Duration = Field(30.0, description="Kafka group session timeout: how long a crashed worker's partitions wait before another worker takes them.")
-    app_id: str | None = Field(None, description="Faust app id / consumer group. Default: '<topic_namespace>-streams'.")
-    log_level: str = Field("WARNING", pattern="^(DEBUG|INFO|WARNING|ERROR)$", description="Faust's log level (INFO shows rebalances, table recovery and commits).")
-    metrics_host: str = Field("127.0.0.1", description="Bind address of the Prometheus /metrics endpoint.")
-    metrics_port: int = Field(9101, ge=0, le=65535, description="Port of the Prometheus endpoint; 0 disables it (trainer 9102, controller 9103).")
+    reward_spec: str = Field(
+        "v1",
+        min_length=1,
+        max_length=64,
+        description="Reward spec version recorded in every rollout (known: v1; hackable-tools and hackable-silence are exploitable on purpose, for reward-hack runs: docs/ROLLOUT.md).",
+    )
+    reward_weights: RewardWeights | None = Field(
+        None,
+        description="Weights (JSON) for a new spec version; must equal the fixed weights when the version is known.",
+    )
+    metrics_bucket: Duration = Field(
+        60.0, description="Length of a version-metrics bucket (by label close time)."
+    )
+    closed_retention: Duration | None = Field(
+        None,
+        description="How long a closed label is remembered (late feedback -> after_close, duplicates dropped). Default: the wait window, at least one bucket.",
+    )
+    tick_interval: Duration = Field(
+        0.2,
+        description="How often the worker ticks its partitions to close labels on quiet partitions.",
+    )
+    skew_margin: Duration = Field(
+        0.5,
+        description="A tick closes labels up to wall time minus this margin (covers producer/worker clock skew and metadata lag).",
+    )
+    empty_completion_max_tokens: int = Field(
+        1,
+        ge=0,
+        description="A completion with at most this many tokens counts as empty (e.g. only the stop token).",
+    )
+    store: str = Field(
+        "memory://",
+        description="Faust table store: memory:// (changelog replay on start) or rocksdb:// (needs rocksdict) in production.",
+    )
+    batch_max_events: int = Field(
+        2000,
+        ge=1,
+        le=100_000,
+        description="Records the agent takes per batch; each touched table key costs one changelog record per batch.",
+    )
+    batch_within: Duration = Field(
+        0.05,
+        description="Longest wait for a batch to fill before processing what arrived (adds at most this to label latency).",
+    )
+    stream_buffer_maxsize: int = Field(
+        16384,
+        ge=1,
+        description="Records Faust buffers per stream before the fetch loop waits (back-pressure).",
+    )
+    eager_drain: bool = Field(
+        True,
+        description="Deliver fetched records to the agent without Faust's per-record asyncio tasks (streams/consumer.py); false = Faust's stock fetch loop.",
+    )
+    commit_interval: Duration = Field(
+        1.0, description="Faust offset commit interval; bounds the replay after a crash."
+    )
+    session_timeout: Duration = Field(
+        30.0,
+        description="Kafka group session timeout: how long a crashed worker's partitions wait before another worker takes them.",
+    )
+    app_id: str | None = Field(
+        None, description="Faust app id / consumer group. Default: '<topic_namespace>-streams'."
+    )
+    log_level: str = Field(
+        "WARNING",
+        pattern="^(DEBUG|INFO|WARNING|ERROR)$",
+        description="Faust's log level (INFO shows rebalances, table recovery and commits).",
+    )
+    metrics_host: str = Field(
+        "127.0.0.1", description="Bind address of the Prometheus /metrics endpoint."
+    )
+    metrics_port: int = Field(
+        9101,
+        ge=0,
+        le=65535,
+        description="Port of the Prometheus endpoint; 0 disables it (trainer 9102, controller 9103).",
+    )
 
     @model_validator(mode="after")
-    def _check_spec(self) -> "StreamsConfig":
+    def _check_spec(self) -> StreamsConfig:
         self.spec()  # raises ValueError with what to do
         if self.metrics_bucket <= 0:
             raise ValueError("FLYWHEEL_STREAMS_METRICS_BUCKET must be > 0, e.g. '60s'")

@@ -31,8 +31,8 @@ exceptions and cancellation against plain tasks).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
-from typing import Any, AsyncIterator, cast
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, cast
 
 import faust
 from faust.transport.consumer import CONSUMER_FETCHING
@@ -41,9 +41,11 @@ from mode import Service, ServiceT
 from prometheus_client import Counter
 
 _PENDING = object()
-SUSPENDED = Counter("flywheel_streams_deliveries_suspended_total",
-                    "Fetched records whose delivery to the agent had to wait (back-pressure, flow control, "
-                    "resubscription) and went through Faust's wait_first")
+SUSPENDED = Counter(
+    "flywheel_streams_deliveries_suspended_total",
+    "Fetched records whose delivery to the agent had to wait (back-pressure, flow control, "
+    "resubscription) and went through Faust's wait_first",
+)
 
 
 def step(coro: Coroutine[Any, Any, Any]) -> tuple[Any, Any]:
@@ -78,10 +80,12 @@ async def finish_stepped(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
                 await asyncio.sleep(0)  # a bare `yield`: the coroutine gives the loop one turn
             else:
                 if getattr(yielded, "_asyncio_future_blocking", None) is None:
-                    raise RuntimeError(f"coroutine yielded {yielded!r}, which is not an asyncio future")
+                    raise RuntimeError(
+                        f"coroutine yielded {yielded!r}, which is not an asyncio future"
+                    )
                 yielded._asyncio_future_blocking = False  # taken over, as Task.__step does
                 await yielded
-        except BaseException as exc:  # noqa: BLE001 - every outcome goes back into the coroutine
+        except BaseException as exc:
             if yielded is not None and _is_outcome_of(yielded, exc):
                 resume = coro.send, None
             else:
@@ -97,7 +101,9 @@ async def finish_stepped(coro: Coroutine[Any, Any, Any], yielded: Any) -> Any:
 class EagerDrainConsumer(faust_aiokafka.Consumer):
     """Faust's aiokafka consumer whose fetch loop delivers records without per-record tasks."""
 
-    async def _drain_messages(self, fetcher: ServiceT) -> None:  # pragma: no cover - exercised on the broker
+    async def _drain_messages(
+        self, fetcher: ServiceT
+    ) -> None:  # pragma: no cover - exercised on the broker
         # Faust 0.15.3 faust/transport/consumer.py Consumer._drain_messages, except the marked lines.
         callback = self.callback
         getmany = self.getmany
@@ -145,10 +151,17 @@ class EagerDrainConsumer(faust_aiokafka.Consumer):
                             _, yielded = step(delivery)
                             if yielded is not _PENDING:
                                 SUSPENDED.inc()
-                                await self.wait_first(finish_stepped(delivery, yielded), self.suspend_flow.wait())
+                                await self.wait_first(
+                                    finish_stepped(delivery, yielded), self.suspend_flow.wait()
+                                )
                             set_read_offset(tp, offset)
                         else:
-                            self.log.dev("DROPPED MESSAGE ROFF %r: k=%r v=%r", offset, message.key, message.value)
+                            self.log.dev(
+                                "DROPPED MESSAGE ROFF %r: k=%r v=%r",
+                                offset,
+                                message.key,
+                                message.value,
+                            )
                     unset_flag(flag_consumer_fetching)
         except self.consumer_stopped_errors:
             if self.transport.app.should_stop:
@@ -175,5 +188,5 @@ class EagerDrainTransport(faust_aiokafka.Transport):
 
 def install(app: faust.App) -> None:
     """Make `app` consume through `EagerDrainTransport` (call before anything uses app.transport)."""
-    assert app._transport is None, "install() must run before the app creates its transport"  # noqa: SLF001
+    assert app._transport is None, "install() must run before the app creates its transport"
     app.transport = EagerDrainTransport(app.conf.broker_consumer, app)

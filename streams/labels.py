@@ -32,7 +32,7 @@ import math
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import orjson
@@ -55,7 +55,7 @@ class Emit:
 
 
 def iso_now(clock: Callable[[], float]) -> str:
-    return datetime.fromtimestamp(clock(), tz=timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.fromtimestamp(clock(), tz=UTC).isoformat().replace("+00:00", "Z")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,9 @@ def decode_interaction(key: bytes | None, value: bytes | None) -> dict[str, Any]
     `key_mismatch`). The one decoder of the topic for everything that joins it (the streams worker,
     `flywheel streams relabel`), so both accept and refuse exactly the same records."""
     try:
-        obj = orjson.loads(value if value is not None else b"")  # strict: NaN/Infinity and bad UTF-8 rejected
+        obj = orjson.loads(
+            value if value is not None else b""
+        )  # strict: NaN/Infinity and bad UTF-8 rejected
     except orjson.JSONDecodeError as exc:
         return Refused("invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}])
     try:
@@ -79,28 +81,57 @@ def decode_interaction(key: bytes | None, value: bytes | None) -> dict[str, Any]
     except EventValidationError as exc:
         return Refused("invalid_event", [e.model_dump() for e in exc.errors])
     if key is None or key != obj["request_id"].encode():
-        return Refused("key_mismatch", [{"field": "(key)", "message": "the record key must be the event's request_id "
-                                                                     "(the join relies on it)"}])
+        return Refused(
+            "key_mismatch",
+            [
+                {
+                    "field": "(key)",
+                    "message": "the record key must be the event's request_id "
+                    "(the join relies on it)",
+                }
+            ],
+        )
     return obj
 
 
 class Aggregator:
     """Per-partition join and reward labelling. Not thread-safe: one agent (concurrency 1) drives it."""
 
-    def __init__(self, spec: RewardSpec, window_s: float, retention_s: float, bucket_s: float,
-                 labels: MutableMapping[str, dict], generations: MutableMapping[str, dict],
-                 buckets: MutableMapping[str, dict], empty_max_tokens: int = 1,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        spec: RewardSpec,
+        window_s: float,
+        retention_s: float,
+        bucket_s: float,
+        labels: MutableMapping[str, dict],
+        generations: MutableMapping[str, dict],
+        buckets: MutableMapping[str, dict],
+        empty_max_tokens: int = 1,
+        clock: Callable[[], float] = time.time,
+    ):
         assert window_s >= 0 and bucket_s > 0, f"bad window {window_s} / bucket {bucket_s}"
-        assert retention_s >= bucket_s, f"retention {retention_s}s must cover a metrics bucket ({bucket_s}s)"
-        self.spec, self.window_s, self.retention_s, self.bucket_s = spec, window_s, retention_s, bucket_s
+        assert retention_s >= bucket_s, (
+            f"retention {retention_s}s must cover a metrics bucket ({bucket_s}s)"
+        )
+        self.spec, self.window_s, self.retention_s, self.bucket_s = (
+            spec,
+            window_s,
+            retention_s,
+            bucket_s,
+        )
         self.labels, self.generations, self.buckets = labels, generations, buckets
         self.empty_max_tokens, self.clock = empty_max_tokens, clock
         self._heap: dict[int, list[tuple[float, str]]] = {}
         self._wm: dict[int, float] = {}
-        self._index: dict[int, dict[float, set[str]]] = {}  # partition -> bucket_start -> closed request_ids
-        self._markers: dict[int, list[tuple[float, str]]] = {}  # partition -> heap of (forget at, bucket key)
-        self._dirty: dict[int, set[float]] = {}  # partition -> buckets with closes not yet in an emitted partial
+        self._index: dict[
+            int, dict[float, set[str]]
+        ] = {}  # partition -> bucket_start -> closed request_ids
+        self._markers: dict[
+            int, list[tuple[float, str]]
+        ] = {}  # partition -> heap of (forget at, bucket key)
+        self._dirty: dict[
+            int, set[float]
+        ] = {}  # partition -> buckets with closes not yet in an emitted partial
         self.duplicates = 0
         self.open_labels = 0  # pending + open in the partitions held (for the gauge)
 
@@ -130,8 +161,12 @@ class Aggregator:
         """Drop derived state of a revoked partition (another worker owns it now)."""
         heap = self._heap.pop(p, None)
         if heap is not None:
-            self.open_labels -= sum(1 for _, rid in heap if (self.labels.get(rid) or {}).get("st") in ("open", "pending")
-                                    and self.labels[rid].get("p") == p)
+            self.open_labels -= sum(
+                1
+                for _, rid in heap
+                if (self.labels.get(rid) or {}).get("st") in ("open", "pending")
+                and self.labels[rid].get("p") == p
+            )
             self.open_labels = max(self.open_labels, 0)
         self._index.pop(p, None)
         self._markers.pop(p, None)
@@ -149,7 +184,12 @@ class Aggregator:
         rid, eid = ev["request_id"], ev["event_id"]
         st = self.labels.get(rid)
         if st is not None and eid in st["seen"]:
-            if ev["type"] == "generation" and st["st"] == "open" and st.get("gen") == eid and rid not in self.generations:
+            if (
+                ev["type"] == "generation"
+                and st["st"] == "open"
+                and st.get("gen") == eid
+                and rid not in self.generations
+            ):
                 # a crash came between the label's changelog record and the generation's (they are
                 # written side by side): the replayed generation restores the payload
                 self.generations[rid] = ev
@@ -166,13 +206,28 @@ class Aggregator:
         self.ensure_partition(p)
         return self.advance(p, now)
 
-    def _on_generation(self, p: int, rid: str, eid: str, ev: dict, rt: float, st: dict | None) -> list[Emit]:
+    def _on_generation(
+        self, p: int, rid: str, eid: str, ev: dict, rt: float, st: dict | None
+    ) -> list[Emit]:
         if st is not None and st.get("gen") is not None:
             st = dict(st, seen=st["seen"] + [eid])
             self.labels[rid] = st
-            return [Emit("dlq", None, {"reason": "conflicting_generation",
-                                       "errors": [{"field": "request_id", "message": f"request {rid!r} already has generation {st['gen']!r}"}],
-                                       "event": ev})]
+            return [
+                Emit(
+                    "dlq",
+                    None,
+                    {
+                        "reason": "conflicting_generation",
+                        "errors": [
+                            {
+                                "field": "request_id",
+                                "message": f"request {rid!r} already has generation {st['gen']!r}",
+                            }
+                        ],
+                        "event": ev,
+                    },
+                )
+            ]
         dl = rt + self.window_s
         if st is None or st["st"] == "idle":
             seen = (st["seen"] if st else []) + [eid]
@@ -186,16 +241,27 @@ class Aggregator:
         heapq.heappush(self._heap[p], (dl, rid))
         return []
 
-    def _on_feedback(self, p: int, rid: str, eid: str, ev: dict, rt: float, st: dict | None) -> list[Emit]:
+    def _on_feedback(
+        self, p: int, rid: str, eid: str, ev: dict, rt: float, st: dict | None
+    ) -> list[Emit]:
         if st is None or st["st"] == "idle":
             dl = rt + self.window_s
             seen = (st["seen"] if st else []) + [eid]
-            self.labels[rid] = {"p": p, "st": "pending", "dl": dl, "seen": seen, "fb": [{"id": eid, "ev": ev}], "gen": None}
+            self.labels[rid] = {
+                "p": p,
+                "st": "pending",
+                "dl": dl,
+                "seen": seen,
+                "fb": [{"id": eid, "ev": ev}],
+                "gen": None,
+            }
             heapq.heappush(self._heap[p], (dl, rid))
             self.open_labels += 1
             return []
         if st["st"] in ("pending", "open"):
-            self.labels[rid] = dict(st, seen=st["seen"] + [eid], fb=st["fb"] + [{"id": eid, "ev": ev}])
+            self.labels[rid] = dict(
+                st, seen=st["seen"] + [eid], fb=st["fb"] + [{"id": eid, "ev": ev}]
+            )
             return []
         assert st["st"] == "closed", f"unexpected state {st['st']} for {rid}"
         self.labels[rid] = dict(st, seen=st["seen"] + [eid])
@@ -230,7 +296,9 @@ class Aggregator:
                         del self._index[p][st["b"]]
             del self.labels[rid]
             if st["st"] == "closed":
-                self.generations.pop(rid, None)  # normally gone at the close; a crash can leave it behind
+                self.generations.pop(
+                    rid, None
+                )  # normally gone at the close; a crash can leave it behind
         markers = self._markers[p]
         while markers and markers[0][0] <= wm:
             _, key = heapq.heappop(markers)
@@ -247,33 +315,69 @@ class Aggregator:
         changes state only after the rollout and its sums are built."""
         try:
             return [self._close(p, rid, st)]
-        except Exception as exc:  # noqa: BLE001 - one label must not stop labelling for everyone
+        except Exception as exc:
             log.exception("label %s failed to close; its events are dead-lettered", rid)
             gen = self.generations.pop(rid, None)
-            self.labels[rid] = {"p": p, "st": "idle", "dl": st["dl"] + self.retention_s, "seen": st["seen"], "gen": None}
+            self.labels[rid] = {
+                "p": p,
+                "st": "idle",
+                "dl": st["dl"] + self.retention_s,
+                "seen": st["seen"],
+                "gen": None,
+            }
             heapq.heappush(self._heap[p], (st["dl"] + self.retention_s, rid))
             self.open_labels -= 1
-            errors = [{"field": "(label)", "message": f"closing the label of {rid!r} failed: {type(exc).__name__}: {exc}"[:2000]}]
+            errors = [
+                {
+                    "field": "(label)",
+                    "message": f"closing the label of {rid!r} failed: {type(exc).__name__}: {exc}"[
+                        :2000
+                    ],
+                }
+            ]
             events = ([gen] if gen is not None else []) + [f["ev"] for f in st["fb"]]
-            return [Emit("dlq", rid, {"reason": "label_close_failed", "errors": errors, "event": ev}) for ev in events]
+            return [
+                Emit("dlq", rid, {"reason": "label_close_failed", "errors": errors, "event": ev})
+                for ev in events
+            ]
 
     def _close(self, p: int, rid: str, st: dict) -> Emit:
         gen = self.generations[rid]
         res = compute_reward(self.spec, [f["ev"] for f in st["fb"]])
         rollout = {
-            "request_id": rid, "session_id": gen["session_id"], "group_id": gen.get("group_id"),
-            "model_version": gen["model_version"], "prompt_tokens": gen["prompt_tokens"],
-            "completion_tokens": gen["completion_tokens"], "logprobs": gen["logprobs"],
-            "routes": gen.get("routes"), "route_shape": gen.get("route_shape"),
-            "reward": res.reward, "components": res.components, "tool_errors": res.tool_errors,
-            "reward_spec": self.spec.version, "generated_at": gen["ts"], "labelled_at": iso_now(self.clock),
-            "closed_by": "window", "tokenizer": gen.get("tokenizer"), "temperature": gen.get("temperature"),
+            "request_id": rid,
+            "session_id": gen["session_id"],
+            "group_id": gen.get("group_id"),
+            "model_version": gen["model_version"],
+            "prompt_tokens": gen["prompt_tokens"],
+            "completion_tokens": gen["completion_tokens"],
+            "logprobs": gen["logprobs"],
+            "routes": gen.get("routes"),
+            "route_shape": gen.get("route_shape"),
+            "reward": res.reward,
+            "components": res.components,
+            "tool_errors": res.tool_errors,
+            "reward_spec": self.spec.version,
+            "generated_at": gen["ts"],
+            "labelled_at": iso_now(self.clock),
+            "closed_by": "window",
+            "tokenizer": gen.get("tokenizer"),
+            "temperature": gen.get("temperature"),
         }
         bucket = math.floor(st["dl"] / self.bucket_s) * self.bucket_s
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)
         del self.generations[rid]  # from here on nothing raises: the label is closed
-        self.labels[rid] = {"p": p, "st": "closed", "dl": st["dl"] + self.retention_s, "seen": st["seen"],
-                            "gen": st["gen"], "b": bucket, "v": gen["model_version"], "m": sums, "closed": st["dl"]}
+        self.labels[rid] = {
+            "p": p,
+            "st": "closed",
+            "dl": st["dl"] + self.retention_s,
+            "seen": st["seen"],
+            "gen": st["gen"],
+            "b": bucket,
+            "v": gen["model_version"],
+            "m": sums,
+            "closed": st["dl"],
+        }
         self._index[p].setdefault(bucket, set()).add(rid)
         self._dirty[p].add(bucket)
         heapq.heappush(self._heap[p], (st["dl"] + self.retention_s, rid))
@@ -281,13 +385,23 @@ class Aggregator:
         return Emit("rollouts", rid, rollout)
 
     def _orphan(self, p: int, rid: str, st: dict) -> list[Emit]:
-        self.labels[rid] = {"p": p, "st": "idle", "dl": st["dl"] + self.retention_s, "seen": st["seen"], "gen": None}
+        self.labels[rid] = {
+            "p": p,
+            "st": "idle",
+            "dl": st["dl"] + self.retention_s,
+            "seen": st["seen"],
+            "gen": None,
+        }
         heapq.heappush(self._heap[p], (st["dl"] + self.retention_s, rid))
         self.open_labels -= 1
         return [self._late("orphan", rid, f["ev"]) for f in st["fb"]]
 
     def _late(self, reason: str, rid: str, ev: dict) -> Emit:
-        return Emit("late", rid, {"reason": reason, "request_id": rid, "event": ev, "detected_at": iso_now(self.clock)})
+        return Emit(
+            "late",
+            rid,
+            {"reason": reason, "request_id": rid, "event": ev, "detected_at": iso_now(self.clock)},
+        )
 
     def _emit_buckets(self, p: int, wm: float) -> list[Emit]:
         """Per-partition partial metrics of every bucket that ended at or before wm and has new closes.
@@ -311,9 +425,20 @@ class Aggregator:
                 st = self.labels[rid]
                 add_sums(per_version.setdefault(st["v"], empty_sums()), st["m"])
             for version, sums in sorted(per_version.items()):
-                out.append(Emit("partials", version, {"model_version": version, "bucket_start": b,
-                                                      "bucket_seconds": self.bucket_s, "partition": p,
-                                                      "reward_spec": self.spec.version, "sums": sums}))
+                out.append(
+                    Emit(
+                        "partials",
+                        version,
+                        {
+                            "model_version": version,
+                            "bucket_start": b,
+                            "bucket_seconds": self.bucket_s,
+                            "partition": p,
+                            "reward_spec": self.spec.version,
+                            "sums": sums,
+                        },
+                    )
+                )
             key = f"{p}|{b!r}"
             if key not in self.buckets:
                 forget_at = b + self.bucket_s + self.retention_s
@@ -342,8 +467,14 @@ class MetricsMerger:
         total = empty_sums()
         for sums in parts.values():
             add_sums(total, sums)
-        rec = version_metrics(partial.model_version, partial.bucket_start, partial.bucket_seconds,
-                              partial.reward_spec, [int(k) for k in parts], total)
+        rec = version_metrics(
+            partial.model_version,
+            partial.bucket_start,
+            partial.bucket_seconds,
+            partial.reward_spec,
+            [int(k) for k in parts],
+            total,
+        )
         self.state[key] = {"parts": parts}
         return Emit("version-metrics", partial.model_version, rec.model_dump(mode="json"))
 

@@ -29,7 +29,9 @@ from aiokafka.partitioner import DefaultPartitioner
 
 log = logging.getLogger(__name__)
 
-Record = tuple[bytes | None, bytes | None, int | None]  # key, value (None: tombstone), partition (None: by key)
+Record = tuple[
+    bytes | None, bytes | None, int | None
+]  # key, value (None: tombstone), partition (None: by key)
 
 
 class Outbox(Protocol):
@@ -50,9 +52,14 @@ class KafkaOutbox:
     async def _ensure(self) -> AIOKafkaProducer:
         async with self._lock:
             if self._producer is None:
-                producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", enable_idempotence=True,
-                                            max_batch_size=self.max_batch_bytes, linger_ms=self.linger_ms,
-                                            max_request_size=8 * self.max_batch_bytes)
+                producer = AIOKafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    acks="all",
+                    enable_idempotence=True,
+                    max_batch_size=self.max_batch_bytes,
+                    linger_ms=self.linger_ms,
+                    max_request_size=8 * self.max_batch_bytes,
+                )
                 await producer.start()
                 self._producer = producer
         return self._producer
@@ -72,11 +79,15 @@ class KafkaOutbox:
         for p, recs in by_partition.items():
             batch = producer.create_batch()
             for key, value, _ in recs:
-                if batch.append(key=key, value=value, timestamp=None) is None:  # full: ship it, start another
+                if (
+                    batch.append(key=key, value=value, timestamp=None) is None
+                ):  # full: ship it, start another
                     futures.append((p, await producer.send_batch(batch, topic, partition=p)))
                     batch = producer.create_batch()
                     meta = batch.append(key=key, value=value, timestamp=None)
-                    assert meta is not None, f"one record of {len(value or b'')} bytes exceeds the batch limit {self.max_batch_bytes}"
+                    assert meta is not None, (
+                        f"one record of {len(value or b'')} bytes exceeds the batch limit {self.max_batch_bytes}"
+                    )
             futures.append((p, await producer.send_batch(batch, topic, partition=p)))
         results = await asyncio.gather(*(f for _, f in futures))
         first: dict[int, int] = {}

@@ -22,9 +22,26 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ROLLOUT_FIELDS = ("request_id", "session_id", "group_id", "model_version", "prompt_tokens", "completion_tokens",
-                  "logprobs", "routes", "route_shape", "reward", "components", "tool_errors", "reward_spec",
-                  "generated_at", "labelled_at", "closed_by", "tokenizer", "temperature")
+ROLLOUT_FIELDS = (
+    "request_id",
+    "session_id",
+    "group_id",
+    "model_version",
+    "prompt_tokens",
+    "completion_tokens",
+    "logprobs",
+    "routes",
+    "route_shape",
+    "reward",
+    "components",
+    "tool_errors",
+    "reward_spec",
+    "generated_at",
+    "labelled_at",
+    "closed_by",
+    "tokenizer",
+    "temperature",
+)
 
 
 class Components(BaseModel):
@@ -59,7 +76,9 @@ class Rollout(BaseModel):
     prompt_tokens: list[int]
     completion_tokens: list[int]
     logprobs: list[float]
-    routes: str | None = Field(description="base64 little-endian int32 expert ids, shape route_shape")
+    routes: str | None = Field(
+        description="base64 little-endian int32 expert ids, shape route_shape"
+    )
     route_shape: list[int] | None
     reward: float
     components: Components | None = Field(description="None when the generation got no feedback")
@@ -67,11 +86,20 @@ class Rollout(BaseModel):
     reward_spec: str
     generated_at: str = Field(description="the generation event's ts (RFC 3339)")
     labelled_at: str = Field(description="wall-clock time the label closed (RFC 3339)")
-    closed_by: Literal["window"] = Field(description="what closed the label; v1 closes only by its wait window")
-    tokenizer: str | None = Field(None, description="the generation's tokenizer (the trainer refuses one that is not its model's)")
+    closed_by: Literal["window"] = Field(
+        description="what closed the label; v1 closes only by its wait window"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="the generation's tokenizer (the trainer refuses one that is not its model's)",
+    )
     temperature: float | None = Field(None, description="the generation's sampling temperature")
-    relabel_run: str | None = Field(None, max_length=64, description="id of the `flywheel streams relabel` run that wrote "
-                                    "this record (key '<request_id>|<reward_spec>'); None for the live worker's rollouts")
+    relabel_run: str | None = Field(
+        None,
+        max_length=64,
+        description="id of the `flywheel streams relabel` run that wrote "
+        "this record (key '<request_id>|<reward_spec>'); None for the live worker's rollouts",
+    )
 
 
 class LateRecord(BaseModel):
@@ -88,22 +116,42 @@ class DlqRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    reason: str = Field(description="streams: invalid_json | invalid_event | key_mismatch | conflicting_generation | "
-                                    "processing_failed | label_close_failed | invalid_tick | invalid_partial; "
-                                    "other consumers: docs/DEPLOYMENTS.md")
+    reason: str = Field(
+        description="streams: invalid_json | invalid_event | key_mismatch | conflicting_generation | "
+        "processing_failed | label_close_failed | invalid_tick | invalid_partial; "
+        "other consumers: docs/DEPLOYMENTS.md"
+    )
     errors: list[dict[str, Any]]
-    consumer: str | None = Field(None, description="who dead-lettered it: streams, projector, replica, controller, trainer")
+    consumer: str | None = Field(
+        None, description="who dead-lettered it: streams, projector, replica, controller, trainer"
+    )
     topic: str
     partition: int | None
-    offset: int | None = Field(description="None for an event dead-lettered from the worker's state (label_close_failed)")
+    offset: int | None = Field(
+        description="None for an event dead-lettered from the worker's state (label_close_failed)"
+    )
     key_b64: str | None
     value_b64: str | None
     detected_at: str
 
 
-SUM_FIELDS = ("n", "accepts", "rejects", "persistence_n", "persistence_sum", "rating_n", "rating_sum",
-              "followup_n", "followup_sum", "reward_sum", "reward_sumsq", "tool_error_rollouts",
-              "tool_error_count", "empty_completions", "completion_tokens_sum")
+SUM_FIELDS = (
+    "n",
+    "accepts",
+    "rejects",
+    "persistence_n",
+    "persistence_sum",
+    "rating_n",
+    "rating_sum",
+    "followup_n",
+    "followup_sum",
+    "reward_sum",
+    "reward_sumsq",
+    "tool_error_rollouts",
+    "tool_error_count",
+    "empty_completions",
+    "completion_tokens_sum",
+)
 
 
 class VersionMetrics(BaseModel):
@@ -111,9 +159,13 @@ class VersionMetrics(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    bucket_id: str = Field(description="'<model_version>/<bucket_start>/<bucket_seconds>'; dedupe/overwrite key")
+    bucket_id: str = Field(
+        description="'<model_version>/<bucket_start>/<bucket_seconds>'; dedupe/overwrite key"
+    )
     model_version: str
-    bucket_start: float = Field(description="epoch seconds; buckets by label close time (generation arrival + window)")
+    bucket_start: float = Field(
+        description="epoch seconds; buckets by label close time (generation arrival + window)"
+    )
     bucket_seconds: float
     reward_spec: str
     partitions: list[int]
@@ -125,8 +177,12 @@ class VersionMetrics(BaseModel):
     mean_rating: float | None
     mean_followup: float | None
     reward_mean: float | None
-    reward_variance: float | None = Field(description="population variance of the reward over the bucket")
-    tool_error_rate: float | None = Field(description="fraction of rollouts with at least one tool error")
+    reward_variance: float | None = Field(
+        description="population variance of the reward over the bucket"
+    )
+    tool_error_rate: float | None = Field(
+        description="fraction of rollouts with at least one tool error"
+    )
     empty_completion_rate: float | None
     mean_completion_length: float | None
 
@@ -142,7 +198,7 @@ def _div(a: float, b: float) -> float | None:
 
 
 def empty_sums() -> dict[str, float]:
-    return {k: 0.0 for k in SUM_FIELDS}
+    return dict.fromkeys(SUM_FIELDS, 0.0)
 
 
 def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
@@ -151,8 +207,14 @@ def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float
     return total
 
 
-def version_metrics(model_version: str, bucket_start: float, bucket_seconds: float, reward_spec: str,
-                    partitions: list[int], sums: dict[str, float]) -> VersionMetrics:
+def version_metrics(
+    model_version: str,
+    bucket_start: float,
+    bucket_seconds: float,
+    reward_spec: str,
+    partitions: list[int],
+    sums: dict[str, float],
+) -> VersionMetrics:
     """Derive the means and rates from additive sums."""
     n = sums["n"]
     mean = _div(sums["reward_sum"], n)
@@ -160,21 +222,30 @@ def version_metrics(model_version: str, bucket_start: float, bucket_seconds: flo
     if mean is not None:
         var = max(sums["reward_sumsq"] / n - mean * mean, 0.0)
     return VersionMetrics(
-        bucket_id=f"{model_version}/{_exact(bucket_start)}/{_exact(bucket_seconds)}", model_version=model_version,
-        bucket_start=bucket_start, bucket_seconds=bucket_seconds, reward_spec=reward_spec,
-        partitions=sorted(partitions), sums=dict(sums), n=int(n),
-        accept_rate=_div(sums["accepts"], n), reject_rate=_div(sums["rejects"], n),
+        bucket_id=f"{model_version}/{_exact(bucket_start)}/{_exact(bucket_seconds)}",
+        model_version=model_version,
+        bucket_start=bucket_start,
+        bucket_seconds=bucket_seconds,
+        reward_spec=reward_spec,
+        partitions=sorted(partitions),
+        sums=dict(sums),
+        n=int(n),
+        accept_rate=_div(sums["accepts"], n),
+        reject_rate=_div(sums["rejects"], n),
         mean_persistence=_div(sums["persistence_sum"], sums["persistence_n"]),
         mean_rating=_div(sums["rating_sum"], sums["rating_n"]),
         mean_followup=_div(sums["followup_sum"], sums["followup_n"]),
-        reward_mean=mean, reward_variance=var,
+        reward_mean=mean,
+        reward_variance=var,
         tool_error_rate=_div(sums["tool_error_rollouts"], n),
         empty_completion_rate=_div(sums["empty_completions"], n),
         mean_completion_length=_div(sums["completion_tokens_sum"], n),
     )
 
 
-def rollout_sums(rollout: dict[str, Any], raw: dict[str, Any], empty_max_tokens: int) -> dict[str, float]:
+def rollout_sums(
+    rollout: dict[str, Any], raw: dict[str, Any], empty_max_tokens: int
+) -> dict[str, float]:
     """One rollout's contribution to the version metrics (`raw`: unweighted values from the reward)."""
     s = empty_sums()
     s["n"] = 1.0

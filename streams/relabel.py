@@ -54,15 +54,26 @@ from streams.reward import RewardSpec
 
 log = logging.getLogger(__name__)
 
-SPEC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # no '|': the relabelled key splits at its last '|'
-SKIP_REASONS = ("no_feedback", "before_since", "after_until", "window_open", "orphan_feedback", "feedback_after_close")
+SPEC_NAME = re.compile(
+    r"^[A-Za-z0-9._-]{1,64}$"
+)  # no '|': the relabelled key splits at its last '|'
+SKIP_REASONS = (
+    "no_feedback",
+    "before_since",
+    "after_until",
+    "window_open",
+    "orphan_feedback",
+    "feedback_after_close",
+)
 _LATE = {"orphan": "orphan_feedback", "after_close": "feedback_after_close"}
 SETTLE_EVERY = 10_000  # records sent between waits for the broker's acknowledgements
 
 
 def relabel_key(request_id: str, reward_spec: str) -> str:
     """The rollouts-topic key of a relabelled rollout (the live worker keys by request_id alone)."""
-    assert SPEC_NAME.match(reward_spec), f"reward spec {reward_spec!r} must match {SPEC_NAME.pattern}"
+    assert SPEC_NAME.match(reward_spec), (
+        f"reward spec {reward_spec!r} must match {SPEC_NAME.pattern}"
+    )
     return f"{request_id}|{reward_spec}"
 
 
@@ -74,19 +85,27 @@ class RelabelOptions:
     since: datetime
     until: datetime | None = None
     dry_run: bool = False
-    idle_timeout_s: float = 60.0  # no record for this long while offsets remain below the end: fail, never hang
+    idle_timeout_s: float = (
+        60.0  # no record for this long while offsets remain below the end: fail, never hang
+    )
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     def __post_init__(self) -> None:
         if not SPEC_NAME.match(self.spec.version):
-            raise ValueError(f"reward spec version {self.spec.version!r} cannot name relabelled rollouts: use letters, "
-                             f"digits, '.', '_' or '-' (1-64 characters)")
+            raise ValueError(
+                f"reward spec version {self.spec.version!r} cannot name relabelled rollouts: use letters, "
+                f"digits, '.', '_' or '-' (1-64 characters)"
+            )
         for name in ("since", "until"):
             value = getattr(self, name)
             if value is not None and value.tzinfo is None:
-                raise ValueError(f"--{name} {value.isoformat()} has no timezone; write e.g. 2026-11-21T10:00:00Z")
+                raise ValueError(
+                    f"--{name} {value.isoformat()} has no timezone; write e.g. 2026-11-21T10:00:00Z"
+                )
         if self.until is not None and self.until <= self.since:
-            raise ValueError(f"--until {self.until.isoformat()} must be after --since {self.since.isoformat()}")
+            raise ValueError(
+                f"--until {self.until.isoformat()} must be after --since {self.since.isoformat()}"
+            )
         assert self.idle_timeout_s > 0, f"idle timeout {self.idle_timeout_s} must be > 0"
 
 
@@ -97,11 +116,17 @@ class RelabelCounts:
     written: int = 0
     duplicates: int = 0
     dead_lettered: Counter = field(default_factory=Counter)  # reason -> records
-    skipped: Counter = field(default_factory=lambda: Counter({r: 0 for r in SKIP_REASONS}))
+    skipped: Counter = field(default_factory=lambda: Counter(dict.fromkeys(SKIP_REASONS, 0)))
 
     def as_dict(self) -> dict[str, Any]:
-        return {"read": self.read, "labelled": self.labelled, "written": self.written, "duplicates": self.duplicates,
-                "dead_lettered": dict(self.dead_lettered), "skipped": dict(self.skipped)}
+        return {
+            "read": self.read,
+            "labelled": self.labelled,
+            "written": self.written,
+            "duplicates": self.duplicates,
+            "dead_lettered": dict(self.dead_lettered),
+            "skipped": dict(self.skipped),
+        }
 
 
 class Relabeller:
@@ -110,24 +135,62 @@ class Relabeller:
     `feed` one record at a time in partition order (record time `rt` in seconds), then `finish`
     with the watermark up to which windows are known to be complete."""
 
-    def __init__(self, spec: RewardSpec, window_s: float, retention_s: float, bucket_s: float, *,
-                 since_s: float, until_s: float | None, run_id: str, topic: str, empty_max_tokens: int = 1,
-                 clock: Callable[[], float] = time.time):
-        self.spec, self.since_s, self.until_s, self.run_id, self.topic = spec, since_s, until_s, run_id, topic
-        self.agg = Aggregator(spec, window_s, retention_s, bucket_s, {}, {}, {}, empty_max_tokens=empty_max_tokens,
-                              clock=clock)
-        self.gen_rt: dict[str, float] = {}  # request_id -> record time of its generation, until its label closes
+    def __init__(
+        self,
+        spec: RewardSpec,
+        window_s: float,
+        retention_s: float,
+        bucket_s: float,
+        *,
+        since_s: float,
+        until_s: float | None,
+        run_id: str,
+        topic: str,
+        empty_max_tokens: int = 1,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.spec, self.since_s, self.until_s, self.run_id, self.topic = (
+            spec,
+            since_s,
+            until_s,
+            run_id,
+            topic,
+        )
+        self.agg = Aggregator(
+            spec,
+            window_s,
+            retention_s,
+            bucket_s,
+            {},
+            {},
+            {},
+            empty_max_tokens=empty_max_tokens,
+            clock=clock,
+        )
+        self.gen_rt: dict[
+            str, float
+        ] = {}  # request_id -> record time of its generation, until its label closes
         self.partitions: set[int] = set()
         self.counts = RelabelCounts()
 
-    def feed(self, partition: int, offset: int, key: bytes | None, value: bytes | None, rt: float) -> list[Emit]:
+    def feed(
+        self, partition: int, offset: int, key: bytes | None, value: bytes | None, rt: float
+    ) -> list[Emit]:
         self.counts.read += 1
         ev = decode_interaction(key, value)
         if isinstance(ev, Refused):
-            return [self._dead_letter(ev.reason, ev.errors, self.topic, partition, offset, key, value)]
+            return [
+                self._dead_letter(ev.reason, ev.errors, self.topic, partition, offset, key, value)
+            ]
         rid = ev["request_id"]
-        if ev["type"] == "generation" and rid not in self.gen_rt and (self.agg.labels.get(rid) or {}).get("gen") is None:
-            self.gen_rt[rid] = rt  # the generation that opens the label (a repeat or a conflicting one does not)
+        if (
+            ev["type"] == "generation"
+            and rid not in self.gen_rt
+            and (self.agg.labels.get(rid) or {}).get("gen") is None
+        ):
+            self.gen_rt[rid] = (
+                rt  # the generation that opens the label (a repeat or a conflicting one does not)
+            )
         self.partitions.add(partition)
         before = self.agg.duplicates
         out = self.agg.on_event(partition, ev, rt)
@@ -156,8 +219,13 @@ class Relabeller:
             return "after_until"
         return None
 
-    def _route(self, partition: int, out: list[Emit], topic: str,
-               record: tuple[int, bytes | None, bytes | None] | None = None) -> list[Emit]:
+    def _route(
+        self,
+        partition: int,
+        out: list[Emit],
+        topic: str,
+        record: tuple[int, bytes | None, bytes | None] | None = None,
+    ) -> list[Emit]:
         """Aggregator outputs as this command writes them (`record`: the record being fed, if any)."""
         routed = []
         for e in out:
@@ -171,23 +239,56 @@ class Relabeller:
                     self.counts.skipped[reason] += 1
                     continue
                 self.counts.labelled += 1
-                routed.append(Emit("rollouts", relabel_key(rid, self.spec.version), dict(e.value, relabel_run=self.run_id)))
+                routed.append(
+                    Emit(
+                        "rollouts",
+                        relabel_key(rid, self.spec.version),
+                        dict(e.value, relabel_run=self.run_id),
+                    )
+                )
             elif e.topic == "late":
                 self.counts.skipped[_LATE[e.value["reason"]]] += 1
-            elif e.topic == "dlq" and e.key is None and record is not None:  # the record at hand (conflicting generation)
-                routed.append(self._dead_letter(e.value["reason"], e.value["errors"], topic, partition, *record))
-            elif e.topic == "dlq":  # an event from the state (a label that failed to close; key: its request_id)
-                routed.append(self._dead_letter(e.value["reason"], e.value["errors"], topic, partition, None,
-                                                e.value["event"]["request_id"].encode(), orjson.dumps(e.value["event"])))
+            elif (
+                e.topic == "dlq" and e.key is None and record is not None
+            ):  # the record at hand (conflicting generation)
+                routed.append(
+                    self._dead_letter(
+                        e.value["reason"], e.value["errors"], topic, partition, *record
+                    )
+                )
+            elif (
+                e.topic == "dlq"
+            ):  # an event from the state (a label that failed to close; key: its request_id)
+                routed.append(
+                    self._dead_letter(
+                        e.value["reason"],
+                        e.value["errors"],
+                        topic,
+                        partition,
+                        None,
+                        e.value["event"]["request_id"].encode(),
+                        orjson.dumps(e.value["event"]),
+                    )
+                )
             # partials: version metrics are the live worker's (under the live spec); none are written
         return routed
 
-    def _dead_letter(self, reason: str, errors: list, topic: str, partition: int, offset: int | None,
-                     key: bytes | None, value: bytes | None) -> Emit:
+    def _dead_letter(
+        self,
+        reason: str,
+        errors: list,
+        topic: str,
+        partition: int,
+        offset: int | None,
+        key: bytes | None,
+        value: bytes | None,
+    ) -> Emit:
         from app.deadletter import envelope
 
         self.counts.dead_lettered[reason] += 1
-        return Emit("dlq", None, envelope("relabel", reason, errors, topic, partition, offset, key, value))
+        return Emit(
+            "dlq", None, envelope("relabel", reason, errors, topic, partition, offset, key, value)
+        )
 
 
 def parse_time(text: str, option: str) -> datetime:
@@ -197,15 +298,19 @@ def parse_time(text: str, option: str) -> datetime:
     try:
         return parse_ts(text)
     except ValueError as exc:
-        raise ValueError(f"{option} {text!r} is not an RFC 3339 time with a timezone (e.g. 2026-11-21T10:00:00Z): "
-                         f"{exc}") from None
+        raise ValueError(
+            f"{option} {text!r} is not an RFC 3339 time with a timezone (e.g. 2026-11-21T10:00:00Z): "
+            f"{exc}"
+        ) from None
 
 
 def _ms(t: datetime) -> int:
     return int(math.floor(t.timestamp() * 1000))
 
 
-def plan_offsets(consumer: Any, topic: str, opts: RelabelOptions, window_s: float) -> dict[Any, tuple[int, int]]:
+def plan_offsets(
+    consumer: Any, topic: str, opts: RelabelOptions, window_s: float
+) -> dict[Any, tuple[int, int]]:
     """Per partition (start, stop): from the first record at or after --since to the end offset now
     (or, with --until, the first record at or after until + window: later records cannot join)."""
     from kafka import TopicPartition
@@ -218,7 +323,9 @@ def plan_offsets(consumer: Any, topic: str, opts: RelabelOptions, window_s: floa
     starts = consumer.offsets_for_times({tp: _ms(opts.since) for tp in tps})
     stops: dict[Any, Any] = {}
     if opts.until is not None:
-        stops = consumer.offsets_for_times({tp: _ms(opts.until) + int(window_s * 1000) for tp in tps})
+        stops = consumer.offsets_for_times(
+            {tp: _ms(opts.until) + int(window_s * 1000) for tp in tps}
+        )
     plan = {}
     for tp in tps:
         start = starts[tp].offset if starts.get(tp) is not None else end[tp]
@@ -227,8 +334,12 @@ def plan_offsets(consumer: Any, topic: str, opts: RelabelOptions, window_s: floa
     return plan
 
 
-def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
-            progress: Callable[[int, int], None] | None = None) -> RelabelCounts:
+def relabel(
+    settings: Settings,
+    cfg: StreamsConfig,
+    opts: RelabelOptions,
+    progress: Callable[[int, int], None] | None = None,
+) -> RelabelCounts:
     """Replay, label and (unless a dry run) write. `progress(done, total)` is called as records are read.
 
     Raises kafka.errors.KafkaError when the broker refuses a write, RuntimeError when the topic is missing
@@ -238,10 +349,20 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
     started = time.time()
     topic = settings.topic("interactions")
     window = settings.wait_window
-    core = Relabeller(opts.spec, window, cfg.retention(window), cfg.metrics_bucket, since_s=opts.since.timestamp(),
-                      until_s=None if opts.until is None else opts.until.timestamp(), run_id=opts.run_id,
-                      topic=topic, empty_max_tokens=cfg.empty_completion_max_tokens)
-    consumer = make_consumer(settings, group_id=None, consumer_timeout_ms=1000)  # no group: nothing is committed
+    core = Relabeller(
+        opts.spec,
+        window,
+        cfg.retention(window),
+        cfg.metrics_bucket,
+        since_s=opts.since.timestamp(),
+        until_s=None if opts.until is None else opts.until.timestamp(),
+        run_id=opts.run_id,
+        topic=topic,
+        empty_max_tokens=cfg.empty_completion_max_tokens,
+    )
+    consumer = make_consumer(
+        settings, group_id=None, consumer_timeout_ms=1000
+    )  # no group: nothing is committed
     producer = None if opts.dry_run else make_producer(settings)
     sends: list[tuple[str, Any]] = []
 
@@ -259,8 +380,15 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
         plan = plan_offsets(consumer, topic, opts, window)
         todo = {tp: rng for tp, rng in plan.items() if rng[1] > rng[0]}
         total = sum(stop - start for start, stop in todo.values())
-        log.info("relabel %s under %s: %s", topic, opts.spec.version,
-                 {tp.partition: list(rng) for tp, rng in sorted(plan.items(), key=lambda kv: kv[0].partition)})
+        log.info(
+            "relabel %s under %s: %s",
+            topic,
+            opts.spec.version,
+            {
+                tp.partition: list(rng)
+                for tp, rng in sorted(plan.items(), key=lambda kv: kv[0].partition)
+            },
+        )
         if todo:
             consumer.assign(list(todo))
             for tp, (start, _) in todo.items():
@@ -270,8 +398,14 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
         def emit(out: list[Emit]) -> None:
             for e in out:
                 if producer is not None:
-                    target = settings.topic("rollouts") if e.topic == "rollouts" else settings.topic("dlq")
-                    sends.append((e.topic, producer.send(target, key=e.key, value=orjson.dumps(e.value))))
+                    target = (
+                        settings.topic("rollouts")
+                        if e.topic == "rollouts"
+                        else settings.topic("dlq")
+                    )
+                    sends.append(
+                        (e.topic, producer.send(target, key=e.key, value=orjson.dumps(e.value)))
+                    )
             if len(sends) >= SETTLE_EVERY:
                 settle()  # bounded memory: futures of at most this many records are held
 
@@ -283,7 +417,11 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
                     if rec.offset >= stop:
                         break
                     done += 1
-                    emit(core.feed(tp.partition, rec.offset, rec.key, rec.value, rec.timestamp / 1000.0))
+                    emit(
+                        core.feed(
+                            tp.partition, rec.offset, rec.key, rec.value, rec.timestamp / 1000.0
+                        )
+                    )
             if batch:
                 last_progress = time.monotonic()
                 if progress is not None:
@@ -293,8 +431,10 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
                     del todo[tp]
                     consumer.pause(tp)
             if todo and time.monotonic() - last_progress > opts.idle_timeout_s:
-                raise RuntimeError(f"no interactions record arrived for {opts.idle_timeout_s:.0f}s while partitions "
-                                   f"{sorted(tp.partition for tp in todo)} are below their end offsets; stopped")
+                raise RuntimeError(
+                    f"no interactions record arrived for {opts.idle_timeout_s:.0f}s while partitions "
+                    f"{sorted(tp.partition for tp in todo)} are below their end offsets; stopped"
+                )
         # windows that ended before the run started (minus the live worker's skew margin) are complete
         watermark = started - cfg.skew_margin
         if opts.until is not None:
@@ -309,4 +449,3 @@ def relabel(settings: Settings, cfg: StreamsConfig, opts: RelabelOptions,
         consumer.close(autocommit=False)
         if producer is not None:
             producer.close(timeout=10)
-

@@ -46,15 +46,26 @@ class RewardWeights(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    accept: float = Field(0.75, description="Decision component when the earliest decision is accept.")
-    reject: float = Field(-0.25, description="Decision component when the earliest decision is reject.")
-    persistence: float = Field(1.0, description="Multiplier of the last reported persistence fraction (accepted only).")
+    accept: float = Field(
+        0.75, description="Decision component when the earliest decision is accept."
+    )
+    reject: float = Field(
+        -0.25, description="Decision component when the earliest decision is reject."
+    )
+    persistence: float = Field(
+        1.0, description="Multiplier of the last reported persistence fraction (accepted only)."
+    )
     rating: float = Field(0.5, description="Multiplier of the latest rating value (-1 or 1).")
     followup: float = Field(0.5, description="Multiplier of the mean follow-up sentiment.")
     tool_error: float = Field(-0.5, description="Penalty per tool error.")
-    tool_error_floor: float = Field(-1.0, description="Lower bound of the summed tool-error penalty.")
-    no_decision: float | None = Field(None, description="Reward of a generation with no accept/reject and no tool "
-                                                        "error (None: the sum of its components, 0.0 without feedback).")
+    tool_error_floor: float = Field(
+        -1.0, description="Lower bound of the summed tool-error penalty."
+    )
+    no_decision: float | None = Field(
+        None,
+        description="Reward of a generation with no accept/reject and no tool "
+        "error (None: the sum of its components, 0.0 without feedback).",
+    )
 
 
 KNOWN_SPECS: dict[str, RewardWeights] = {
@@ -73,8 +84,11 @@ class RewardSpec(BaseModel):
     weights: RewardWeights
 
 
-def resolve_spec(version: str, weights: RewardWeights | None = None,
-                 known: dict[str, RewardWeights] | None = None) -> RewardSpec:
+def resolve_spec(
+    version: str,
+    weights: RewardWeights | None = None,
+    known: dict[str, RewardWeights] | None = None,
+) -> RewardSpec:
     """The spec to run; refuses a known version with different weights (fail at start-up)."""
     known = KNOWN_SPECS if known is None else known
     if version in known:
@@ -82,16 +96,21 @@ def resolve_spec(version: str, weights: RewardWeights | None = None,
             raise ValueError(
                 f"reward spec {version!r} has fixed weights {known[version].model_dump()}; the configured weights "
                 f"{weights.model_dump()} differ. Changing weights needs a new spec version: set "
-                f"FLYWHEEL_STREAMS_REWARD_SPEC to a new name (e.g. 'v2') together with the new weights")
+                f"FLYWHEEL_STREAMS_REWARD_SPEC to a new name (e.g. 'v2') together with the new weights"
+            )
         return RewardSpec(version=version, weights=known[version])
     if weights is None:
-        raise ValueError(f"unknown reward spec {version!r} (known: {sorted(known)}); give its weights in "
-                         f"FLYWHEEL_STREAMS_REWARD_WEIGHTS (JSON) or use a known version")
+        raise ValueError(
+            f"unknown reward spec {version!r} (known: {sorted(known)}); give its weights in "
+            f"FLYWHEEL_STREAMS_REWARD_WEIGHTS (JSON) or use a known version"
+        )
     return RewardSpec(version=version, weights=weights)
 
 
 def _ts(ev: dict[str, Any]) -> float:
-    return parse_ts(ev["ts"]).timestamp()  # the ingest schema's own parser: what ingest accepted parses here
+    return parse_ts(
+        ev["ts"]
+    ).timestamp()  # the ingest schema's own parser: what ingest accepted parses here
 
 
 def _order(ev: dict[str, Any]) -> tuple[float, str]:
@@ -105,7 +124,9 @@ class RewardResult:
     reward: float
     components: dict[str, float | None] | None
     tool_errors: list[dict[str, Any]] = field(default_factory=list)
-    raw: dict[str, Any] = field(default_factory=dict)  # decision, persistence, rating, followup (unweighted)
+    raw: dict[str, Any] = field(
+        default_factory=dict
+    )  # decision, persistence, rating, followup (unweighted)
 
 
 def compute_reward(spec: RewardSpec, feedback: list[dict[str, Any]]) -> RewardResult:
@@ -142,9 +163,17 @@ def compute_reward(spec: RewardSpec, feedback: list[dict[str, Any]]) -> RewardRe
         followup = w.followup * raw["followup"]
     errors = by_type.get("tool_error", [])
     tool_errors = max(w.tool_error * len(errors), w.tool_error_floor) if errors else None
-    components = {"decision": decision, "persistence": persistence, "rating": rating,
-                  "followup": followup, "tool_errors": tool_errors}
-    listed = [{"message": e["message"], "hint": e.get("hint"), "token_index": int(e["token_index"])} for e in errors]
+    components = {
+        "decision": decision,
+        "persistence": persistence,
+        "rating": rating,
+        "followup": followup,
+        "tool_errors": tool_errors,
+    }
+    listed = [
+        {"message": e["message"], "hint": e.get("hint"), "token_index": int(e["token_index"])}
+        for e in errors
+    ]
     if w.no_decision is not None and decision is None and not errors:
         nothing = dict.fromkeys(components)
         return RewardResult(w.no_decision, {**nothing, "decision": w.no_decision}, listed, raw)

@@ -37,8 +37,9 @@ class BatchedTable(MutableMapping[str, Any]):
     """A Faust table seen through a write-back cache (one agent, concurrency 1: not thread-safe)."""
 
     def __init__(self, table: Any):
-        assert (table.key_serializer, table.value_serializer) == ("json", "json"), \
+        assert (table.key_serializer, table.value_serializer) == ("json", "json"), (
             f"table {table.name}: BatchedTable writes Faust's json encoding, got {table.key_serializer}/{table.value_serializer}"
+        )
         self.table = table
         self.partition: int | None = None
         self._dirty: dict[str, tuple[int | None, Any]] = {}
@@ -104,7 +105,9 @@ class BatchedTable(MutableMapping[str, Any]):
         dirty, self._dirty = self._dirty, {}
         out = []
         for key, (partition, value) in dirty.items():
-            assert partition is not None, f"table {self.table.name}: write to {key!r} outside a record (no partition set)"
+            assert partition is not None, (
+                f"table {self.table.name}: write to {key!r} outside a record (no partition set)"
+            )
             if value is _DELETED:
                 self.store.pop(key, None)
                 out.append((_dumps(key), None, partition))

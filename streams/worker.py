@@ -16,15 +16,19 @@ from streams.config import StreamsConfig
 log = logging.getLogger(__name__)
 
 
-def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = None, loglevel: str | None = None) -> None:
+def run_worker(
+    settings: Settings | None = None, cfg: StreamsConfig | None = None, loglevel: str | None = None
+) -> None:
+    import os
+
     from faust.worker import Worker
     from prometheus_client import start_http_server
 
     from streams.app import build_app, ensure_internal_topics
 
-    import os
-
-    if os.environ.get("FLYWHEEL_STREAMS_PROFILE"):  # dev tool: cProfile of the event-loop thread, written at exit
+    if os.environ.get(
+        "FLYWHEEL_STREAMS_PROFILE"
+    ):  # dev tool: cProfile of the event-loop thread, written at exit
         import atexit
         import cProfile
 
@@ -38,7 +42,9 @@ def run_worker(settings: Settings | None = None, cfg: StreamsConfig | None = Non
     if cfg.metrics_port:  # first: flywheel_waiting_for says what the worker waits for
         start_http_server(cfg.metrics_port, addr=cfg.metrics_host)
         log.info("prometheus metrics on http://%s:%d/metrics", cfg.metrics_host, cfg.metrics_port)
-    kafka_ready(settings, [])  # until the broker answers (backoff; SIGTERM ends the process meanwhile)
+    kafka_ready(
+        settings, []
+    )  # until the broker answers (backoff; SIGTERM ends the process meanwhile)
     ensure_internal_topics(settings, cfg)
     app, _ = build_app(settings, cfg)
     worker = Worker(app, loglevel=loglevel or cfg.log_level, quiet=True)

@@ -60,7 +60,9 @@ class AliasMove:
     model: str
     alias: str
     version: str  # the version that holds the alias now (checked in the registry)
-    from_version: str | None  # who held it before (registry, read just before the move); None: nobody
+    from_version: (
+        str | None
+    )  # who held it before (registry, read just before the move); None: nobody
     changed: bool  # False when the version already held the alias (nothing to save)
     seconds: float  # page open -> UI shows the alias on the version
     load_seconds: float  # page open -> the version page and its alias editor are shown
@@ -71,10 +73,14 @@ def check_move(alias: str, version: int | str) -> str:
     """Validate an alias move's arguments before any browser starts; returns the version as MLflow
     writes it ("3")."""
     if not ALIAS_RE.match(alias):
-        raise ValueError(f"alias {alias!r}: the MLflow UI only keeps lower-case letters, digits, '_' and '-' "
-                         "(it would silently save a different alias)")
+        raise ValueError(
+            f"alias {alias!r}: the MLflow UI only keeps lower-case letters, digits, '_' and '-' "
+            "(it would silently save a different alias)"
+        )
     if not str(version).isdigit() or int(version) < 1:
-        raise ValueError(f"version {version!r}: expected a registered model version number such as 3")
+        raise ValueError(
+            f"version {version!r}: expected a registered model version number such as 3"
+        )
     return str(int(version))
 
 
@@ -86,8 +92,14 @@ class MlflowUi:
     the test machine is shared and heavily loaded. No sleeps: every step waits on UI state.
     """
 
-    def __init__(self, mlflow_uri: str, *, screenshot_dir: Path | str | None = None, timeout_s: float = 120.0,
-                 chromium: Path | str = CHROMIUM):
+    def __init__(
+        self,
+        mlflow_uri: str,
+        *,
+        screenshot_dir: Path | str | None = None,
+        timeout_s: float = 120.0,
+        chromium: Path | str = CHROMIUM,
+    ):
         assert timeout_s > 0, f"timeout_s must be positive, got {timeout_s}"
         self.mlflow_uri = mlflow_uri.rstrip("/")
         self.screenshot_dir = Path(screenshot_dir) if screenshot_dir is not None else None
@@ -97,12 +109,14 @@ class MlflowUi:
         self._shots = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def __enter__(self) -> "MlflowUi":
+    def __enter__(self) -> MlflowUi:
         from playwright.sync_api import sync_playwright
 
         if not self.chromium.is_file():
-            raise FileNotFoundError(f"{self.chromium} is missing: run deploy/chromium/ensure.sh "
-                                    "(installs Debian's chromium; `playwright install` is not used)")
+            raise FileNotFoundError(
+                f"{self.chromium} is missing: run deploy/chromium/ensure.sh "
+                "(installs Debian's chromium; `playwright install` is not used)"
+            )
         if self.screenshot_dir is not None:
             self.screenshot_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
@@ -110,8 +124,13 @@ class MlflowUi:
         self._pw = sync_playwright().start()
         try:
             self._context = self._pw.chromium.launch_persistent_context(
-                self._profile.name, executable_path=str(self.chromium), headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1400, "height": 900}, locale="en-US", timeout=self.timeout_ms,
+                self._profile.name,
+                executable_path=str(self.chromium),
+                headless=True,
+                args=CHROMIUM_ARGS,
+                viewport={"width": 1400, "height": 900},
+                locale="en-US",
+                timeout=self.timeout_ms,
             )
             self._context.set_default_timeout(self.timeout_ms)
             self._context.set_default_navigation_timeout(self.timeout_ms)
@@ -121,8 +140,12 @@ class MlflowUi:
         log.info("chromium up in %.2fs (%s)", time.monotonic() - t0, self.chromium)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -147,11 +170,15 @@ class MlflowUi:
         from playwright.sync_api import Error as PlaywrightError
         from playwright.sync_api import expect
 
-        assert self._context is not None, "use MlflowUi as a context manager (with MlflowUi(uri) as ui: ...)"
+        assert self._context is not None, (
+            "use MlflowUi as a context manager (with MlflowUi(uri) as ui: ...)"
+        )
         version = check_move(alias, version)
         client = MlflowClient(tracking_uri=self.mlflow_uri, registry_uri=self.mlflow_uri)
         from_version = client.get_registered_model(model_name).aliases.get(alias)
-        client.get_model_version(model_name, version)  # a missing version fails here, not after a UI timeout
+        client.get_model_version(
+            model_name, version
+        )  # a missing version fails here, not after a UI timeout
 
         shots: list[Path | None] = []
         page = self._context.new_page()
@@ -162,8 +189,13 @@ class MlflowUi:
             # while the version has none, a pencil (title "Edit aliases") once it has some; each
             # alias is a tag whose title is the alias name.
             row = page.get_by_test_id("descriptions-item").filter(
-                has=page.get_by_test_id("descriptions-item-label").get_by_text("Aliases", exact=True))
-            editor = row.get_by_title("Add aliases", exact=True).or_(row.get_by_title("Edit aliases", exact=True))
+                has=page.get_by_test_id("descriptions-item-label").get_by_text(
+                    "Aliases", exact=True
+                )
+            )
+            editor = row.get_by_title("Add aliases", exact=True).or_(
+                row.get_by_title("Edit aliases", exact=True)
+            )
             heading = page.get_by_role("heading", name=f"Version {version}", exact=True)
             expect(heading).to_be_visible(timeout=self.timeout_ms)
             expect(editor).to_be_visible(timeout=self.timeout_ms)
@@ -176,7 +208,9 @@ class MlflowUi:
             else:
                 self._edit_in_dialog(page, editor, alias, version, from_version, shots)
                 changed = True
-            expect(tag).to_be_visible(timeout=self.timeout_ms)  # the page re-fetched the version after the save
+            expect(tag).to_be_visible(
+                timeout=self.timeout_ms
+            )  # the page re-fetched the version after the save
             seconds = time.monotonic() - t0
             shots.append(self._shot(page, f"{alias}-v{version}-3-saved"))
         except (PlaywrightError, AssertionError):
@@ -190,20 +224,45 @@ class MlflowUi:
 
         now = client.get_registered_model(model_name).aliases
         assert now.get(alias) == version, (
-            f"the UI shows {alias} on version {version} but the registry says {model_name} aliases = {now}")
-        log.info("moved %s@%s %s -> %s in the MLflow UI in %.2fs (page load %.2fs)", model_name, alias, from_version,
-                 version, seconds, load_seconds)
-        return AliasMove(model=model_name, alias=alias, version=version, from_version=from_version,
-                         changed=changed, seconds=seconds, load_seconds=load_seconds,
-                         screenshots=[s for s in shots if s is not None])
+            f"the UI shows {alias} on version {version} but the registry says {model_name} aliases = {now}"
+        )
+        log.info(
+            "moved %s@%s %s -> %s in the MLflow UI in %.2fs (page load %.2fs)",
+            model_name,
+            alias,
+            from_version,
+            version,
+            seconds,
+            load_seconds,
+        )
+        return AliasMove(
+            model=model_name,
+            alias=alias,
+            version=version,
+            from_version=from_version,
+            changed=changed,
+            seconds=seconds,
+            load_seconds=load_seconds,
+            screenshots=[s for s in shots if s is not None],
+        )
 
-    def _edit_in_dialog(self, page, editor, alias: str, version: str, from_version: str | None,
-                        shots: list[Path | None]) -> None:
+    def _edit_in_dialog(
+        self,
+        page,
+        editor,
+        alias: str,
+        version: str,
+        from_version: str | None,
+        shots: list[Path | None],
+    ) -> None:
         from playwright.sync_api import expect
 
         editor.click()
         dialog = page.get_by_role("dialog").filter(
-            has=page.get_by_role("heading", name=f"Add/Edit alias for model version {version}", exact=True))
+            has=page.get_by_role(
+                "heading", name=f"Add/Edit alias for model version {version}", exact=True
+            )
+        )
         expect(dialog).to_be_visible(timeout=self.timeout_ms)
         box = dialog.get_by_role("combobox")
         box.click()
@@ -217,7 +276,8 @@ class MlflowUi:
         # When another version holds the alias, MLflow warns that saving takes it from there.
         if from_version is not None and from_version != version:
             notice = dialog.get_by_role("alert").filter(
-                has_text=f'The "{alias}" alias is also being used on version {from_version}.')
+                has_text=f'The "{alias}" alias is also being used on version {from_version}.'
+            )
             expect(notice).to_be_visible(timeout=self.timeout_ms)
             log.info("UI notice: %s", notice.inner_text())
         shots.append(self._shot(page, f"{alias}-v{version}-2-dialog"))
@@ -226,7 +286,9 @@ class MlflowUi:
             expect(dialog).to_be_hidden(timeout=self.timeout_ms)
         except AssertionError as e:
             alerts = dialog.get_by_role("alert").all_inner_texts()
-            raise AssertionError(f"the alias dialog did not close after 'Save aliases'; its alerts: {alerts}") from e
+            raise AssertionError(
+                f"the alias dialog did not close after 'Save aliases'; its alerts: {alerts}"
+            ) from e
 
     def _shot(self, page, name: str) -> Path | None:
         if self.screenshot_dir is None:
@@ -237,8 +299,15 @@ class MlflowUi:
         return path
 
 
-def move_alias_in_ui(mlflow_uri: str, model_name: str, alias: str, version: int | str,
-                     screenshot_dir: Path | str | None = None, *, timeout_s: float = 120.0) -> AliasMove:
+def move_alias_in_ui(
+    mlflow_uri: str,
+    model_name: str,
+    alias: str,
+    version: int | str,
+    screenshot_dir: Path | str | None = None,
+    *,
+    timeout_s: float = 120.0,
+) -> AliasMove:
     """Start Chromium, move `alias` of `model_name` to `version` in the MLflow UI, close Chromium.
 
     Returns only after the version page shows the alias and

@@ -31,7 +31,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator["LocalKafka"]:  # noqa: F821
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:  # noqa: F821
     from app.infra.kafka import LocalKafka
 
     existing = os.environ.get("FLYWHEEL_TEST_KAFKA_BOOTSTRAP")
@@ -41,7 +41,12 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator["LocalKafka"]:  
         broker.wait_ready(30)
         yield broker
         return
-    broker = LocalKafka(home=tmp_path_factory.mktemp("kafka"), port=free_port(), controller_port=free_port(), heap="768m")
+    broker = LocalKafka(
+        home=tmp_path_factory.mktemp("kafka"),
+        port=free_port(),
+        controller_port=free_port(),
+        heap="768m",
+    )
     broker.start(timeout=120)
     yield broker
     broker.stop()
@@ -53,13 +58,13 @@ def make_settings(kafka, tmp_path: Path) -> Callable[..., Settings]:
     from app.infra.kafka import ensure_topics
 
     def _make(create_topics: bool = True, **overrides) -> Settings:
-        values = dict(
-            data_dir=tmp_path / "data",
-            kafka_bootstrap=kafka.bootstrap,
-            topic_namespace=f"t{uuid.uuid4().hex[:10]}",
-            interactions_partitions=3,
-            rollouts_partitions=3,
-        )
+        values = {
+            "data_dir": tmp_path / "data",
+            "kafka_bootstrap": kafka.bootstrap,
+            "topic_namespace": f"t{uuid.uuid4().hex[:10]}",
+            "interactions_partitions": 3,
+            "rollouts_partitions": 3,
+        }
         values.update(overrides)
         s = Settings(**values)
         s.data_dir.mkdir(parents=True, exist_ok=True)
@@ -75,12 +80,17 @@ def postgres_url() -> str:
     """URL of the real PostgreSQL test database; fails loudly when it is not reachable."""
     import sqlalchemy as sa
 
-    url = os.environ.get("FLYWHEEL_TEST_POSTGRES_URL", "postgresql+psycopg://flywheel:flywheel@127.0.0.1:5432/flywheel_test")
+    url = os.environ.get(
+        "FLYWHEEL_TEST_POSTGRES_URL",
+        "postgresql+psycopg://flywheel:flywheel@127.0.0.1:5432/flywheel_test",
+    )
     try:
         with sa.create_engine(url).connect() as conn:
             conn.execute(sa.text("select 1"))
     except Exception as exc:
-        pytest.fail(f"PostgreSQL is not reachable at {url} ({exc}); run deploy/postgres/ensure.sh (make test does)")
+        pytest.fail(
+            f"PostgreSQL is not reachable at {url} ({exc}); run deploy/postgres/ensure.sh (make test does)"
+        )
     return url
 
 
@@ -109,8 +119,12 @@ def _drop_database(admin, name: str) -> None:
     import sqlalchemy as sa
     from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
 
-    @retry(retry=retry_if_exception_type(sa.exc.DBAPIError), stop=stop_after_delay(30), wait=wait_fixed(0.5),
-           reraise=True)
+    @retry(
+        retry=retry_if_exception_type(sa.exc.DBAPIError),
+        stop=stop_after_delay(30),
+        wait=wait_fixed(0.5),
+        reraise=True,
+    )
     def drop() -> None:
         with admin.connect() as conn:
             conn.execute(sa.text(f'drop database if exists "{name}" with (force)'))
@@ -148,9 +162,13 @@ class MlflowServer:
 def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
     """A real MLflow tracking + registry server (SQLite backend, local artifact store)."""
     root = tmp_path_factory.mktemp("mlflow")
-    server = MlflowServer(root, free_port(), {
-        "MLFLOW_WEBHOOK_CACHE_TTL": "1",  # the server caches its webhook list; tests register webhooks mid-session
-    })
+    server = MlflowServer(
+        root,
+        free_port(),
+        {
+            "MLFLOW_WEBHOOK_CACHE_TTL": "1",  # the server caches its webhook list; tests register webhooks mid-session
+        },
+    )
     try:
         server.wait_ready()
         yield server

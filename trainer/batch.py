@@ -41,11 +41,16 @@ def collate(rollouts: list[Rollout]) -> Collated:
         n = len(r.completion_tokens)
         behav[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
         mask[i, :n] = 1.0
-    return Collated(prompts=[list(r.prompt_tokens) for r in rollouts],
-                    completions=[list(r.completion_tokens) for r in rollouts],
-                    routes=[r.routes_array() for r in rollouts], behav=behav, mask=mask,
-                    rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
-                    group_ids=[r.group_id for r in rollouts], versions=[r.version_number() for r in rollouts])
+    return Collated(
+        prompts=[list(r.prompt_tokens) for r in rollouts],
+        completions=[list(r.completion_tokens) for r in rollouts],
+        routes=[r.routes_array() for r in rollouts],
+        behav=behav,
+        mask=mask,
+        rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
+        group_ids=[r.group_id for r in rollouts],
+        versions=[r.version_number() for r in rollouts],
+    )
 
 
 def feedback_text(message: str, hint: str | None) -> str:
@@ -64,7 +69,9 @@ class TeacherInputs:
     tails: list[list[int]]  # completion[k:]
 
 
-def teacher_inputs(rollouts: list[Rollout], tokenizer: Tokenizer, max_context: int | None) -> TeacherInputs:
+def teacher_inputs(
+    rollouts: list[Rollout], tokenizer: Tokenizer, max_context: int | None
+) -> TeacherInputs:
     out = TeacherInputs([], [], [], [])
     for i, r in enumerate(rollouts):
         errors = [e for e in r.tool_errors if e.token_index < len(r.completion_tokens)]
@@ -72,12 +79,16 @@ def teacher_inputs(rollouts: list[Rollout], tokenizer: Tokenizer, max_context: i
             continue
         first = min(errors, key=lambda e: e.token_index)
         k = first.token_index
-        feedback = tokenizer.encode("".join(feedback_text(e.message, e.hint) for e in errors if e.token_index == k))
+        feedback = tokenizer.encode(
+            "".join(feedback_text(e.message, e.hint) for e in errors if e.token_index == k)
+        )
         ctx = list(r.prompt_tokens) + list(r.completion_tokens[:k]) + feedback
         tail = list(r.completion_tokens[k:])
         if max_context is not None:
             room = max_context - 1 - len(tail)  # 1 for bos
-            if room <= 0:  # the tail fills the context: no room for the feedback, so no teacher for this row
+            if (
+                room <= 0
+            ):  # the tail fills the context: no room for the feedback, so no teacher for this row
                 continue
             ctx = ctx[-room:]
         out.rows.append(i)
@@ -87,11 +98,13 @@ def teacher_inputs(rollouts: list[Rollout], tokenizer: Tokenizer, max_context: i
     return out
 
 
-def scatter_teacher(teacher_lp: torch.Tensor, t: TeacherInputs, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def scatter_teacher(
+    teacher_lp: torch.Tensor, t: TeacherInputs, shape: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher log-probs [n_rows, T_tail] -> ([B, T] aligned with the student, distill mask [B, T])."""
     full = torch.zeros(shape, dtype=torch.float32)
     dmask = torch.zeros(shape, dtype=torch.float32)
     for j, (row, k, tail) in enumerate(zip(t.rows, t.starts, t.tails)):
-        full[row, k:k + len(tail)] = teacher_lp[j, :len(tail)].to(torch.float32)
-        dmask[row, k:k + len(tail)] = 1.0
+        full[row, k : k + len(tail)] = teacher_lp[j, : len(tail)].to(torch.float32)
+        dmask[row, k : k + len(tail)] = 1.0
     return full, dmask

@@ -58,6 +58,7 @@ def load_state(state_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     state = torch.load(path, map_location="cpu", weights_only=True)
-    assert state.get("format_version") == FORMAT_VERSION, \
+    assert state.get("format_version") == FORMAT_VERSION, (
         f"{path} has format {state.get('format_version')}, this trainer reads {FORMAT_VERSION}"
+    )
     return state

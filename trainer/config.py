@@ -23,57 +23,174 @@ PAUSE_POINTS = ("after_optimizer_step", "before_register", "after_register")
 class TrainerConfig(BaseSettings):
     """Everything `flywheel trainer` needs beyond app.settings.Settings."""
 
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_TRAINER_", extra="ignore", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_TRAINER_", extra="ignore", validate_default=True
+    )
 
     # --- optimisation ----------------------------------------------------------------------
-    lr: float = Field(1e-6, gt=0, description="AdamW learning rate. 1e-6 is the usual rate for RL fine-tuning of a pretrained LLM (TRL's GRPOConfig, verl's actor) and keeps the deltas between versions sparse (DESIGN.md, docs/DELTA.md); the demo's tiny policy uses 1e-4.")
+    lr: float = Field(
+        1e-6,
+        gt=0,
+        description="AdamW learning rate. 1e-6 is the usual rate for RL fine-tuning of a pretrained LLM (TRL's GRPOConfig, verl's actor) and keeps the deltas between versions sparse (DESIGN.md, docs/DELTA.md); the demo's tiny policy uses 1e-4.",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     max_grad_norm: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
-    batch_size: int = Field(16, ge=1, description="Rollouts per optimizer step; a step waits for this many fresh rollouts (or `max_wait_s`).")
-    max_wait_s: float = Field(2.0, ge=0, description="A step runs on a partial batch once the oldest buffered rollout waited this long.")
+    batch_size: int = Field(
+        16,
+        ge=1,
+        description="Rollouts per optimizer step; a step waits for this many fresh rollouts (or `max_wait_s`).",
+    )
+    max_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="A step runs on a partial batch once the oldest buffered rollout waited this long.",
+    )
     seed: int = Field(0, description="Seed of torch's RNG (policy init when no checkpoint exists).")
 
     # --- objective (trainer/objective.py) ------------------------------------------------------
-    trunc_c: float = Field(2.0, gt=0, description="Token-level importance-ratio truncation C: weights are min(pi/pi_behav, C).")
-    seq_mask_low: float = Field(0.5, gt=0, description="Sequences whose geometric-mean token ratio is below this are masked.")
-    seq_mask_high: float = Field(2.0, gt=0, description="Sequences whose geometric-mean token ratio is above this are masked.")
-    max_staleness: int = Field(4, ge=0, description="Rollouts generated more than this many versions before the last shipped one are skipped (and counted).")
-    kl_coef: float = Field(0.01, ge=0, description="Weight of the k3 KL term to the serving champion (0 disables it and the reference forward).")
-    kl_target: float | None = Field(None, gt=0, description="Adaptive KL: the per-token KL to the champion (nats) to hold; each step the KL weight moves by up to rate x 20% toward it (objective.AdaptiveKL). None = `kl_coef` fixed.")
-    kl_adapt_rate: float = Field(0.1, ge=0, le=1, description="Adaptive KL: proportional gain per step (0.1: the weight changes at most 2% per step).")
-    distill_coef: float = Field(0.1, ge=0, description="Weight of self-distillation on rollouts with tool_error feedback (0 disables it).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature the behaviour log-probs were taken at (log-probs of softmax(logits/T)).")
-    replay_routes: bool = Field(True, description="Replay the MoE routes logged at inference (DESIGN.md bit-exact contract).")
-    max_abs_reward: float = Field(1e6, gt=0, description="Rollouts whose absolute reward exceeds this are refused (`invalid_reward`); a reward beyond float32 range (e.g. 1e300) turns every advantage of its batch into NaN.")
+    trunc_c: float = Field(
+        2.0,
+        gt=0,
+        description="Token-level importance-ratio truncation C: weights are min(pi/pi_behav, C).",
+    )
+    seq_mask_low: float = Field(
+        0.5,
+        gt=0,
+        description="Sequences whose geometric-mean token ratio is below this are masked.",
+    )
+    seq_mask_high: float = Field(
+        2.0,
+        gt=0,
+        description="Sequences whose geometric-mean token ratio is above this are masked.",
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        description="Rollouts generated more than this many versions before the last shipped one are skipped (and counted).",
+    )
+    kl_coef: float = Field(
+        0.01,
+        ge=0,
+        description="Weight of the k3 KL term to the serving champion (0 disables it and the reference forward).",
+    )
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive KL: the per-token KL to the champion (nats) to hold; each step the KL weight moves by up to rate x 20% toward it (objective.AdaptiveKL). None = `kl_coef` fixed.",
+    )
+    kl_adapt_rate: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="Adaptive KL: proportional gain per step (0.1: the weight changes at most 2% per step).",
+    )
+    distill_coef: float = Field(
+        0.1,
+        ge=0,
+        description="Weight of self-distillation on rollouts with tool_error feedback (0 disables it).",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature the behaviour log-probs were taken at (log-probs of softmax(logits/T)).",
+    )
+    replay_routes: bool = Field(
+        True,
+        description="Replay the MoE routes logged at inference (DESIGN.md bit-exact contract).",
+    )
+    max_abs_reward: float = Field(
+        1e6,
+        gt=0,
+        description="Rollouts whose absolute reward exceeds this are refused (`invalid_reward`); a reward beyond float32 range (e.g. 1e300) turns every advantage of its batch into NaN.",
+    )
 
     # --- refused rollouts (trainer/validate.py, trainer/dlq.py) ---------------------------------
-    dlq_max_value_bytes: int = Field(262144, ge=0, description="A refused record's value is copied into its dead letter on `<ns>.dlq` up to this size; a larger one is referenced by topic/partition/offset and sha256 only (keeps the envelope under the broker's record limit).")
-    refusal_log_interval_s: float = Field(10.0, ge=0, description="Refused rollouts are logged at most once per reason per this many seconds (with the number suppressed).")
+    dlq_max_value_bytes: int = Field(
+        262144,
+        ge=0,
+        description="A refused record's value is copied into its dead letter on `<ns>.dlq` up to this size; a larger one is referenced by topic/partition/offset and sha256 only (keeps the envelope under the broker's record limit).",
+    )
+    refusal_log_interval_s: float = Field(
+        10.0,
+        ge=0,
+        description="Refused rollouts are logged at most once per reason per this many seconds (with the number suppressed).",
+    )
 
     # --- shipping ----------------------------------------------------------------------------------
-    min_rollouts: int = Field(1, ge=1, description="A ship happens only if at least this many rollouts were trained on since the last one.")
-    anchor_every: int = Field(10, ge=1, description="Every Nth version is published as a full anchor instead of a delta (trainer/publish.py).")
-    consumer_group: str = Field("flywheel-trainer", description="Kafka consumer group of the rollout intake (offsets committed after each registered version).")
-    experiment: str = Field("flywheel-trainer", description="MLflow experiment of the training runs (per-step metrics, shipped models).")
+    min_rollouts: int = Field(
+        1,
+        ge=1,
+        description="A ship happens only if at least this many rollouts were trained on since the last one.",
+    )
+    anchor_every: int = Field(
+        10,
+        ge=1,
+        description="Every Nth version is published as a full anchor instead of a delta (trainer/publish.py).",
+    )
+    consumer_group: str = Field(
+        "flywheel-trainer",
+        description="Kafka consumer group of the rollout intake (offsets committed after each registered version).",
+    )
+    experiment: str = Field(
+        "flywheel-trainer",
+        description="MLflow experiment of the training runs (per-step metrics, shipped models).",
+    )
 
     # --- state ---------------------------------------------------------------------------------
-    state_dir: Path | None = Field(None, description="Trainer state directory (checkpoint, dedupe set). Default: `<FLYWHEEL_DATA_DIR>/trainer`.")
-    checkpoint_every: int = Field(10, ge=1, description="Save the full trainer state every N optimizer steps (and always right before a ship).")
-    dedupe_capacity: int = Field(2_000_000, ge=1, description="How many recent request_ids the dedupe set keeps (oldest evicted first).")
+    state_dir: Path | None = Field(
+        None,
+        description="Trainer state directory (checkpoint, dedupe set). Default: `<FLYWHEEL_DATA_DIR>/trainer`.",
+    )
+    checkpoint_every: int = Field(
+        10,
+        ge=1,
+        description="Save the full trainer state every N optimizer steps (and always right before a ship).",
+    )
+    dedupe_capacity: int = Field(
+        2_000_000,
+        ge=1,
+        description="How many recent request_ids the dedupe set keeps (oldest evicted first).",
+    )
 
     # --- base checkpoint (first start with an empty registry) --------------------------------------
-    policy: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict, description="Policy config (JSON) for `build_policy` when there is no checkpoint yet; {} = the built-in default.")
-    pretrain_steps: int = Field(300, ge=0, description="Pretraining steps on the synthetic code corpus for the base checkpoint (first start only).")
-    base_checkpoint: Path | None = Field(None, description="A serving safetensors file to start from instead of pretraining (first start only).")
+    policy: Annotated[dict[str, Any], NoDecode] = Field(
+        default_factory=dict,
+        description="Policy config (JSON) for `build_policy` when there is no checkpoint yet; {} = the built-in default.",
+    )
+    pretrain_steps: int = Field(
+        300,
+        ge=0,
+        description="Pretraining steps on the synthetic code corpus for the base checkpoint (first start only).",
+    )
+    base_checkpoint: Path | None = Field(
+        None,
+        description="A serving safetensors file to start from instead of pretraining (first start only).",
+    )
 
     # --- operations -----------------------------------------------------------------------------
-    metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus /metrics port (0 disables the HTTP server).")
+    metrics_port: int = Field(
+        9102, ge=0, le=65535, description="Prometheus /metrics port (0 disables the HTTP server)."
+    )
     poll_timeout_ms: int = Field(200, ge=1, description="Kafka poll timeout of the intake.")
-    rebase_on_reject: bool = Field(True, description="When the gate finds a version this trainer shipped confidently worse than the champion (`reward_vs_champion` failed), continue from the champion's weights with fresh optimizer moments instead of from the rejected line.")
-    verdict_check_s: float = Field(15.0, gt=0, description="How often the trainer reads the gate's verdicts on its versions (MLflow version tags).")
-    plant_bad_version: int = Field(0, ge=0, description="DEMO: ship version N with its weights blown up (the largest matrix x64) so the gate can be seen stopping it; the trainer keeps training from its real weights. 0 = never.")
-    pause_at: str | None = Field(None, description=f"TEST HOOK: pause forever at a point ({', '.join(PAUSE_POINTS)}; `after_optimizer_step:N` = at step N), writing `<state_dir>/paused-at` so a test can SIGKILL the process there.")
+    rebase_on_reject: bool = Field(
+        True,
+        description="When the gate finds a version this trainer shipped confidently worse than the champion (`reward_vs_champion` failed), continue from the champion's weights with fresh optimizer moments instead of from the rejected line.",
+    )
+    verdict_check_s: float = Field(
+        15.0,
+        gt=0,
+        description="How often the trainer reads the gate's verdicts on its versions (MLflow version tags).",
+    )
+    plant_bad_version: int = Field(
+        0,
+        ge=0,
+        description="DEMO: ship version N with its weights blown up (the largest matrix x64) so the gate can be seen stopping it; the trainer keeps training from its real weights. 0 = never.",
+    )
+    pause_at: str | None = Field(
+        None,
+        description=f"TEST HOOK: pause forever at a point ({', '.join(PAUSE_POINTS)}; `after_optimizer_step:N` = at step N), writing `<state_dir>/paused-at` so a test can SIGKILL the process there.",
+    )
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -82,21 +199,27 @@ class TrainerConfig(BaseSettings):
             try:
                 return json.loads(v) if v.strip() else {}
             except json.JSONDecodeError as exc:
-                raise ValueError(f"FLYWHEEL_TRAINER_POLICY must be a JSON object, e.g. '{{\"d_model\": 64}}': {exc}") from None
+                raise ValueError(
+                    f"FLYWHEEL_TRAINER_POLICY must be a JSON object, e.g. '{{\"d_model\": 64}}': {exc}"
+                ) from None
         return v
 
     @field_validator("pause_at")
     @classmethod
     def _known_pause_point(cls, v: str | None) -> str | None:
         if v is not None and v.split(":")[0] not in PAUSE_POINTS:
-            raise ValueError(f"FLYWHEEL_TRAINER_PAUSE_AT {v!r} must be one of {PAUSE_POINTS} (optionally `:N`)")
+            raise ValueError(
+                f"FLYWHEEL_TRAINER_PAUSE_AT {v!r} must be one of {PAUSE_POINTS} (optionally `:N`)"
+            )
         return v
 
     @model_validator(mode="after")
-    def _mask_range(self) -> "TrainerConfig":
+    def _mask_range(self) -> TrainerConfig:
         if not self.seq_mask_low <= 1.0 <= self.seq_mask_high:
-            raise ValueError(f"sequence mask range [{self.seq_mask_low}, {self.seq_mask_high}] must contain 1.0 "
-                             "(set FLYWHEEL_TRAINER_SEQ_MASK_LOW <= 1 <= FLYWHEEL_TRAINER_SEQ_MASK_HIGH)")
+            raise ValueError(
+                f"sequence mask range [{self.seq_mask_low}, {self.seq_mask_high}] must contain 1.0 "
+                "(set FLYWHEEL_TRAINER_SEQ_MASK_LOW <= 1 <= FLYWHEEL_TRAINER_SEQ_MASK_HIGH)"
+            )
         return self
 
     def resolved_state_dir(self, data_dir: Path) -> Path:

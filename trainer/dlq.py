@@ -25,7 +25,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,14 @@ class Source:
     value: bytes | None
 
 
-def envelope(src: Source, reason: str, errors: list[dict[str, Any]], max_value_bytes: int, *,
-             include_value: bool = True) -> bytes:
+def envelope(
+    src: Source,
+    reason: str,
+    errors: list[dict[str, Any]],
+    max_value_bytes: int,
+    *,
+    include_value: bool = True,
+) -> bytes:
     """The DLQ record (streams' `DlqRecord`) for `src`, as JSON bytes."""
     from app.kafka_io import dumps
     from streams.records import DlqRecord
@@ -54,12 +60,22 @@ def envelope(src: Source, reason: str, errors: list[dict[str, Any]], max_value_b
         if include_value and len(src.value) <= max_value_bytes:
             value_b64 = base64.b64encode(src.value).decode()
         else:
-            errors[0].update(value_omitted=f"value of {len(src.value)} bytes not copied (limit {max_value_bytes}); "
-                             f"it stays at {src.topic}:{src.partition}:{src.offset}",
-                             value_bytes=len(src.value), value_sha256=hashlib.sha256(src.value).hexdigest())
-    record = DlqRecord(reason=reason, errors=errors, topic=src.topic, partition=src.partition, offset=src.offset,
-                       key_b64=base64.b64encode(src.key).decode() if src.key is not None else None, value_b64=value_b64,
-                       detected_at=datetime.now(timezone.utc).isoformat().replace("+00:00", "Z"))
+            errors[0].update(
+                value_omitted=f"value of {len(src.value)} bytes not copied (limit {max_value_bytes}); "
+                f"it stays at {src.topic}:{src.partition}:{src.offset}",
+                value_bytes=len(src.value),
+                value_sha256=hashlib.sha256(src.value).hexdigest(),
+            )
+    record = DlqRecord(
+        reason=reason,
+        errors=errors,
+        topic=src.topic,
+        partition=src.partition,
+        offset=src.offset,
+        key_b64=base64.b64encode(src.key).decode() if src.key is not None else None,
+        value_b64=value_b64,
+        detected_at=datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+    )
     return dumps(record.model_dump())
 
 
@@ -76,10 +92,20 @@ class _Letter:
 class DeadLetters:
     """Sends refused records to the DLQ topic and makes sure they arrived before positions pass them."""
 
-    def __init__(self, producer: Any, topic: str, max_value_bytes: int, *, flush_timeout_s: float = 30.0,
-                 max_attempts: int = 3, reap_at: int = 10_000):
+    def __init__(
+        self,
+        producer: Any,
+        topic: str,
+        max_value_bytes: int,
+        *,
+        flush_timeout_s: float = 30.0,
+        max_attempts: int = 3,
+        reap_at: int = 10_000,
+    ):
         self.producer, self.topic = producer, topic
-        self.reap_at = reap_at  # unacknowledged letters kept in memory before acknowledged ones are dropped
+        self.reap_at = (
+            reap_at  # unacknowledged letters kept in memory before acknowledged ones are dropped
+        )
         self.max_value_bytes = max_value_bytes
         self.flush_timeout_s, self.max_attempts = flush_timeout_s, max_attempts
         self._unacked: list[_Letter] = []
@@ -88,8 +114,12 @@ class DeadLetters:
         letter = _Letter(src, reason, errors)
         self._send(letter)
         self._unacked.append(letter)
-        if len(self._unacked) >= self.reap_at:  # a flood between two saves: forget the acknowledged ones
-            self._unacked = [x for x in self._unacked if not (x.future.is_done and x.future.succeeded())]
+        if (
+            len(self._unacked) >= self.reap_at
+        ):  # a flood between two saves: forget the acknowledged ones
+            self._unacked = [
+                x for x in self._unacked if not (x.future.is_done and x.future.succeeded())
+            ]
             if len(self._unacked) >= self.reap_at:
                 self.flush()
 
@@ -98,12 +128,30 @@ class DeadLetters:
 
         letter.attempts += 1
         try:
-            letter.future = self.producer.send(self.topic, value=envelope(
-                letter.src, letter.reason, letter.errors, self.max_value_bytes, include_value=letter.include_value))
-        except MessageSizeTooLargeError:  # over the producer's max_request_size: send it without the value
+            letter.future = self.producer.send(
+                self.topic,
+                value=envelope(
+                    letter.src,
+                    letter.reason,
+                    letter.errors,
+                    self.max_value_bytes,
+                    include_value=letter.include_value,
+                ),
+            )
+        except (
+            MessageSizeTooLargeError
+        ):  # over the producer's max_request_size: send it without the value
             letter.include_value = False
-            letter.future = self.producer.send(self.topic, value=envelope(
-                letter.src, letter.reason, letter.errors, self.max_value_bytes, include_value=False))
+            letter.future = self.producer.send(
+                self.topic,
+                value=envelope(
+                    letter.src,
+                    letter.reason,
+                    letter.errors,
+                    self.max_value_bytes,
+                    include_value=False,
+                ),
+            )
 
     def pending(self) -> int:
         return len(self._unacked)
@@ -120,14 +168,27 @@ class DeadLetters:
                     failed.append(letter)
             self._unacked = []
             for letter in failed:
-                exc = letter.future.exception if letter.future.is_done else TimeoutError("not acknowledged")
+                exc = (
+                    letter.future.exception
+                    if letter.future.is_done
+                    else TimeoutError("not acknowledged")
+                )
                 if letter.attempts >= self.max_attempts:
-                    raise RuntimeError(f"dead letter for {letter.src.topic}:{letter.src.partition}:{letter.src.offset} "
-                                       f"not delivered to {self.topic} after {letter.attempts} attempts: {exc!r}")
+                    raise RuntimeError(
+                        f"dead letter for {letter.src.topic}:{letter.src.partition}:{letter.src.offset} "
+                        f"not delivered to {self.topic} after {letter.attempts} attempts: {exc!r}"
+                    )
                 if isinstance(exc, MessageSizeTooLargeError):
-                    letter.include_value = False  # the broker's record limit: keep the pointer, drop the copy
-                log.warning("re-sending dead letter %s:%d:%d (%r)", letter.src.topic, letter.src.partition,
-                            letter.src.offset, exc)
+                    letter.include_value = (
+                        False  # the broker's record limit: keep the pointer, drop the copy
+                    )
+                log.warning(
+                    "re-sending dead letter %s:%d:%d (%r)",
+                    letter.src.topic,
+                    letter.src.partition,
+                    letter.src.offset,
+                    exc,
+                )
                 self._send(letter)
                 self._unacked.append(letter)
 
@@ -147,5 +208,8 @@ class RateLimitedLog:
             return False
         n = self._suppressed.pop(key, 0)
         self._last[key] = now
-        log.warning(msg + (f" ({n} more {key} suppressed in the last {self.interval_s:g}s)" if n else ""), *args)
+        log.warning(
+            msg + (f" ({n} more {key} suppressed in the last {self.interval_s:g}s)" if n else ""),
+            *args,
+        )
         return True

@@ -17,7 +17,7 @@ import threading
 log = logging.getLogger(__name__)
 
 
-def wait_for_dependencies(settings, stop: threading.Event) -> bool:  # noqa: ANN001 - app.settings.Settings
+def wait_for_dependencies(settings, stop: threading.Event) -> bool:
     """The MLflow server, then the broker with the trainer's topics (app/infra/wait.py: backoff,
     one log line each). False when `stop` came first."""
     from app.infra.wait import Stopped, kafka_ready, mlflow_ready
@@ -49,15 +49,21 @@ def main() -> None:
         return
     trainer = Trainer(settings, cfg)
     try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False) as bar:
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False
+        ) as bar:
             task = bar.add_task("waiting for rollouts", total=None)
 
             def on_step(step: int, m: dict[str, float] | None) -> None:
                 if m is not None:
-                    bar.update(task, description=(
-                        f"step {step}  loss {m['loss']:+.4f}  reward {m['reward_mean']:+.3f}  ess {m['ess']:.2f}  "
-                        f"kl {m.get('kl', 0.0):.4f}  v{trainer.last_shipped} shipped  "
-                        f"{trainer.pending['rollouts']} rollouts pending"))
+                    bar.update(
+                        task,
+                        description=(
+                            f"step {step}  loss {m['loss']:+.4f}  reward {m['reward_mean']:+.3f}  ess {m['ess']:.2f}  "
+                            f"kl {m.get('kl', 0.0):.4f}  v{trainer.last_shipped} shipped  "
+                            f"{trainer.pending['rollouts']} rollouts pending"
+                        ),
+                    )
 
             trainer.run(stop, on_step)
     finally:

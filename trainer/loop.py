@@ -46,7 +46,16 @@ from trainer.batch import collate, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
 from trainer.config import TrainerConfig
 from trainer.dlq import DeadLetters, RateLimitedLog
-from trainer.metrics import BUFFERED, LAST_VERSION, REBASES, ROLLOUTS, SHIPS, STEP_FAILURES, STEP_GAUGES, STEPS
+from trainer.metrics import (
+    BUFFERED,
+    LAST_VERSION,
+    REBASES,
+    ROLLOUTS,
+    SHIPS,
+    STEP_FAILURES,
+    STEP_GAUGES,
+    STEPS,
+)
 from trainer.policy import Policy, build_policy
 from trainer.registry import CHAMPION, Registry
 from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake, dedupe_key
@@ -71,40 +80,68 @@ class Trainer:
         self.topic = settings.topic("rollouts")
         state = load_state(self.state_dir)
         self.policy, state = self._restore_or_bootstrap(state)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, betas=cfg.betas,
-                                           weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
+        )
         if state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         self.step: int = state["step"]
-        self.kl_ctl = obj.AdaptiveKL(state.get("kl_coef", cfg.kl_coef) if cfg.kl_target is not None else cfg.kl_coef,
-                                     cfg.kl_target, cfg.kl_adapt_rate)
+        self.kl_ctl = obj.AdaptiveKL(
+            state.get("kl_coef", cfg.kl_coef) if cfg.kl_target is not None else cfg.kl_coef,
+            cfg.kl_target,
+            cfg.kl_adapt_rate,
+        )
         self.last_shipped: int | None = state["last_shipped"]
         self.last_ship_at: float = state["last_ship_at"]
         self.committed: dict[int, int] = dict(state["committed"])
         self.pending: dict[str, Any] = state["pending"]
         self.intent: dict[str, Any] | None = state["intent"]
-        self.verdicts_seen: int = int(state.get("verdicts_seen", 0))  # versions up to this one were checked for a rejection
+        self.verdicts_seen: int = int(
+            state.get("verdicts_seen", 0)
+        )  # versions up to this one were checked for a rejection
         self._verdict_checked_at = 0.0
         self.run_id = self.registry.start_run(state.get("run_id"))
         self.ref_policy: Policy | None = None
-        self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = None  # (version, bf16 weights) last shipped
+        self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = (
+            None  # (version, bf16 weights) last shipped
+        )
         self.ref_version: int | None = None
         self.dlq = make_producer(settings)
         self.dead_letters = DeadLetters(self.dlq, settings.topic("dlq"), cfg.dlq_max_value_bytes)
-        self.spec = ModelSpec.of(self.policy, replay_routes=cfg.replay_routes, max_abs_reward=cfg.max_abs_reward)
+        self.spec = ModelSpec.of(
+            self.policy, replay_routes=cfg.replay_routes, max_abs_reward=cfg.max_abs_reward
+        )
         # metadata refreshed every 30 s (default 5 min): a member that joined the group while a fresh
         # broker did not yet report the topic's partitions is assigned nothing until its next refresh
-        self.consumer = make_consumer(settings, group_id=cfg.consumer_group, max_poll_records=max(64, cfg.batch_size * 4),
-                                      metadata_max_age_ms=30_000)
-        self.intake = RolloutIntake(self.consumer, self.topic, positions=state["positions"],
-                                    seen=DedupeSet(cfg.dedupe_capacity, state["seen"]), max_staleness=cfg.max_staleness,
-                                    spec=self.spec, dead_letters=self.dead_letters,
-                                    log_interval_s=cfg.refusal_log_interval_s)
+        self.consumer = make_consumer(
+            settings,
+            group_id=cfg.consumer_group,
+            max_poll_records=max(64, cfg.batch_size * 4),
+            metadata_max_age_ms=30_000,
+        )
+        self.intake = RolloutIntake(
+            self.consumer,
+            self.topic,
+            positions=state["positions"],
+            seen=DedupeSet(cfg.dedupe_capacity, state["seen"]),
+            max_staleness=cfg.max_staleness,
+            spec=self.spec,
+            dead_letters=self.dead_letters,
+            log_interval_s=cfg.refusal_log_interval_s,
+        )
         self._joined = False
-        self._unsaved_take = False  # a batch left the buffer and is not accounted yet: close() must not save
+        self._unsaved_take = (
+            False  # a batch left the buffer and is not accounted yet: close() must not save
+        )
         self._warn = RateLimitedLog(cfg.refusal_log_interval_s)
-        if self.intent is not None:  # a ship was in flight when the last process died, or this is the base
-            log.info("resuming ship %s (parent v%s)", self.intent["ship_id"], self.intent["parent_version"])
+        if (
+            self.intent is not None
+        ):  # a ship was in flight when the last process died, or this is the base
+            log.info(
+                "resuming ship %s (parent v%s)",
+                self.intent["ship_id"],
+                self.intent["parent_version"],
+            )
             self._finish_ship()
         self._refresh_reference()
         LAST_VERSION.set(self.last_shipped or 0)
@@ -114,25 +151,53 @@ class Trainer:
         if state is not None:
             policy = build_policy(state["policy_config"])
             policy.load_state_dict(state["model"])
-            log.info("resumed trainer state: step %d, last shipped v%s, positions %s",
-                     state["step"], state["last_shipped"], state["positions"])
+            log.info(
+                "resumed trainer state: step %d, last shipped v%s, positions %s",
+                state["step"],
+                state["last_shipped"],
+                state["positions"],
+            )
             return policy, state
-        fresh = dict(step=0, last_shipped=None, last_ship_at=time.time(), committed={}, positions={}, seen=[],
-                     pending=new_pending(), intent=None, optimizer=None, run_id=None)
+        fresh = {
+            "step": 0,
+            "last_shipped": None,
+            "last_ship_at": time.time(),
+            "committed": {},
+            "positions": {},
+            "seen": [],
+            "pending": new_pending(),
+            "intent": None,
+            "optimizer": None,
+            "run_id": None,
+        }
         versions = self.registry.versions()
         if versions:  # local state lost but the registry has versions: continue from the newest one
             latest = int(versions[-1].version)
             cfg = json.loads(Path(self._download(latest, "artifacts/config.json")).read_text())
             policy = build_policy(cfg)
             policy.load_serving_state_dict(self.registry.download_serving_state(latest))
-            log.warning("no trainer state in %s: starting from registered v%d (bf16 weights, fresh optimizer, "
-                        "offsets from the consumer group)", self.state_dir, latest)
+            log.warning(
+                "no trainer state in %s: starting from registered v%d (bf16 weights, fresh optimizer, "
+                "offsets from the consumer group)",
+                self.state_dir,
+                latest,
+            )
             fresh["last_shipped"] = latest
             return policy, fresh
         policy = self._base_policy()
-        fresh["intent"] = dict(ship_id=uuid.uuid4().hex, kind="base", parent_version=None, positions={}, ranges={},
-                               pending=new_pending(), step=0)
-        save_state(self.state_dir, dict(fresh, model=policy.state_dict(), policy_config=policy.config_dict()))
+        fresh["intent"] = {
+            "ship_id": uuid.uuid4().hex,
+            "kind": "base",
+            "parent_version": None,
+            "positions": {},
+            "ranges": {},
+            "pending": new_pending(),
+            "step": 0,
+        }
+        save_state(
+            self.state_dir,
+            dict(fresh, model=policy.state_dict(), policy_config=policy.config_dict()),
+        )
         return policy, fresh
 
     def _base_policy(self) -> Policy:
@@ -156,9 +221,11 @@ class Trainer:
         import mlflow
 
         mv = self.registry.client.get_model_version(self.settings.model_name, str(version))
-        return mlflow.artifacts.download_artifacts(artifact_uri=f"{mv.source}/{rel}",
-                                                   dst_path=str(self.state_dir / "downloads" / str(version)),
-                                                   tracking_uri=self.settings.mlflow_uri)
+        return mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{mv.source}/{rel}",
+            dst_path=str(self.state_dir / "downloads" / str(version)),
+            tracking_uri=self.settings.mlflow_uri,
+        )
 
     def _refresh_reference(self) -> None:
         """Load the serving champion's weights as the KL reference when the alias moved."""
@@ -203,8 +270,10 @@ class Trainer:
                 g.set(metrics[k])
         try:
             self.registry.log_metrics(self.run_id, metrics, self.step)
-        except Exception as exc:  # noqa: BLE001 - a flaky metrics sink must not undo or stop training
-            self._warn.warning("log_metrics", "step %d metrics not logged to MLflow: %r", self.step, exc)
+        except Exception as exc:
+            self._warn.warning(
+                "log_metrics", "step %d metrics not logged to MLflow: %r", self.step, exc
+            )
         self._pause("after_optimizer_step")
         if self.step % self.cfg.checkpoint_every == 0:
             self.save()
@@ -218,16 +287,20 @@ class Trainer:
         """
         try:
             return self.forward_backward(batch)
-        except Exception as exc:  # noqa: BLE001 - a rollout must never stop the trainer
+        except Exception as exc:
             STEP_FAILURES.inc()
             first = exc
-            log.warning("optimizer step on %d rollouts raised %r; probing them one by one", len(batch.rollouts), exc,
-                        exc_info=True)
+            log.warning(
+                "optimizer step on %d rollouts raised %r; probing them one by one",
+                len(batch.rollouts),
+                exc,
+                exc_info=True,
+            )
         culprits: dict[int, BaseException] = {}
         if len(batch.rollouts) == 1:
             culprits[0] = first
         else:
-            for i, r in enumerate(batch.rollouts):
+            for i in range(len(batch.rollouts)):
                 err = self._probe(batch.only([i]))
                 if err is not None:
                     culprits[i] = err
@@ -237,19 +310,23 @@ class Trainer:
             retry = batch.only(keep)
             try:
                 metrics = self.forward_backward(retry)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 STEP_FAILURES.inc()
                 culprits.update((i, exc) for i in keep)
                 keep = []
         elif not culprits:  # no rollout fails alone: the batch as a whole does
-            culprits = {i: first for i in keep}
+            culprits = dict.fromkeys(keep, first)
             keep = []
         for i, err in sorted(culprits.items()):
             r = batch.rollouts[i]
             src = batch.sources.get(dedupe_key(r))
-            refusal = Refusal("step_failed", f"the optimizer step raised on this rollout: {err!r}"[:2000])
+            refusal = Refusal(
+                "step_failed", f"the optimizer step raised on this rollout: {err!r}"[:2000]
+            )
             if src is not None:
-                self.intake.refuse(src, refusal, exception="".join(traceback.format_exception_only(err)).strip())
+                self.intake.refuse(
+                    src, refusal, exception="".join(traceback.format_exception_only(err)).strip()
+                )
         batch.skipped["failed"] += len(culprits)
         trained = batch.only(keep)
         batch.rollouts, batch.staleness = trained.rollouts, trained.staleness
@@ -267,7 +344,7 @@ class Trainer:
                 if prm.grad is not None and not torch.isfinite(prm.grad).all():
                     raise StepError("gradient is not finite")
             return None
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return exc
         finally:
             self.optimizer.zero_grad(set_to_none=True)
@@ -283,12 +360,16 @@ class Trainer:
         p["rollouts"] += len(batch.rollouts)
         p["request_ids"].extend(r.request_id for r in batch.rollouts)
         p["reward_sum"] += sum(r.reward for r in batch.rollouts)
-        counts = p.setdefault("reward_spec_counts", {})  # absent from a state saved by an older trainer
+        counts = p.setdefault(
+            "reward_spec_counts", {}
+        )  # absent from a state saved by an older trainer
         for r in batch.rollouts:
             if r.reward_spec not in p["reward_specs"]:
                 p["reward_specs"].append(r.reward_spec)
             counts[r.reward_spec] = counts.get(r.reward_spec, 0) + 1
-        p["relabelled"] = p.get("relabelled", 0) + sum(1 for r in batch.rollouts if r.relabel_run is not None)
+        p["relabelled"] = p.get("relabelled", 0) + sum(
+            1 for r in batch.rollouts if r.relabel_run is not None
+        )
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
@@ -306,11 +387,22 @@ class Trainer:
                 raise StepError(f"gradient norm is {float(grad_norm)}")
             n_tok = float(c.mask.sum())
             stale = torch.tensor(batch.staleness, dtype=torch.float32)
-            m.update(loss=float(loss.detach()), pg_loss=float(pg.detach()), reward_mean=float(c.rewards.mean()),
-                     ess=w.ess, clip_fraction=w.clip_fraction, masked_fraction=w.masked_fraction,
-                     staleness_mean=float(stale.mean()), staleness_max=float(stale.max()),
-                     logprob_gap=float(((logp.detach() - c.behav).abs() * c.mask).sum() / max(n_tok, 1.0)),
-                     grad_norm=float(grad_norm), batch_rollouts=float(len(batch.rollouts)), batch_tokens=n_tok)
+            m.update(
+                loss=float(loss.detach()),
+                pg_loss=float(pg.detach()),
+                reward_mean=float(c.rewards.mean()),
+                ess=w.ess,
+                clip_fraction=w.clip_fraction,
+                masked_fraction=w.masked_fraction,
+                staleness_mean=float(stale.mean()),
+                staleness_max=float(stale.max()),
+                logprob_gap=float(
+                    ((logp.detach() - c.behav).abs() * c.mask).sum() / max(n_tok, 1.0)
+                ),
+                grad_norm=float(grad_norm),
+                batch_rollouts=float(len(batch.rollouts)),
+                batch_tokens=n_tok,
+            )
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
@@ -326,10 +418,18 @@ class Trainer:
         routes = c.routes if cfg.replay_routes else None
         policy.train()
         logp = policy.logprobs(c.prompts, c.completions, routes, cfg.temperature)
-        w = obj.importance_weights(logp, c.behav, c.mask, trunc_c=cfg.trunc_c,
-                                   mask_low=cfg.seq_mask_low, mask_high=cfg.seq_mask_high)
+        w = obj.importance_weights(
+            logp,
+            c.behav,
+            c.mask,
+            trunc_c=cfg.trunc_c,
+            mask_low=cfg.seq_mask_low,
+            mask_high=cfg.seq_mask_high,
+        )
         adv = obj.advantages(c.rewards, c.group_ids)
-        pg = obj.policy_gradient_loss(logp, adv, w, c.mask)  # masked sequences shrink the step (objective.py)
+        pg = obj.policy_gradient_loss(
+            logp, adv, w, c.mask
+        )  # masked sequences shrink the step (objective.py)
         loss = pg
         m: dict[str, float] = {}
         if self.ref_policy is not None:
@@ -338,11 +438,20 @@ class Trainer:
             kl = obj.kl_k3(logp, ref_lp, w)
             loss = loss + self.kl_ctl.coef * kl
             m["kl"], m["kl_coef"] = float(kl.detach()), self.kl_ctl.coef
-            same = torch.tensor([v == self.ref_version for v in c.versions], dtype=torch.float32).unsqueeze(1) * c.mask
-            if float(same.sum()) > 0:  # rollouts generated by exactly these weights: the train/infer mismatch
+            same = (
+                torch.tensor(
+                    [v == self.ref_version for v in c.versions], dtype=torch.float32
+                ).unsqueeze(1)
+                * c.mask
+            )
+            if (
+                float(same.sum()) > 0
+            ):  # rollouts generated by exactly these weights: the train/infer mismatch
                 m["mismatch"] = float(((ref_lp - c.behav).abs() * same).sum() / same.sum())
         if cfg.distill_coef > 0:
-            t = teacher_inputs(batch.rollouts, policy.tokenizer, policy.config_dict().get("max_context"))
+            t = teacher_inputs(
+                batch.rollouts, policy.tokenizer, policy.config_dict().get("max_context")
+            )
             if t.rows:
                 with torch.no_grad():
                     t_lp = policy.logprobs(t.prompts, t.tails, None, cfg.temperature)
@@ -362,8 +471,12 @@ class Trainer:
         if not (force or self.ship_due()):
             return None
         if self.pending["rollouts"] < self.cfg.min_rollouts:
-            log.info("ship skipped: %d rollouts since v%s (< min_rollouts %d)", self.pending["rollouts"],
-                     self.last_shipped, self.cfg.min_rollouts)
+            log.info(
+                "ship skipped: %d rollouts since v%s (< min_rollouts %d)",
+                self.pending["rollouts"],
+                self.last_shipped,
+                self.cfg.min_rollouts,
+            )
             self.last_ship_at = time.time()
             return None
         ranges = {}
@@ -371,8 +484,15 @@ class Trainer:
             start = self.committed.get(part, self.pending["first_offsets"].get(part, end))
             if end > start:
                 ranges[part] = [start, end]
-        self.intent = dict(ship_id=uuid.uuid4().hex, kind="trained", parent_version=self.last_shipped,
-                           positions=dict(self.intake.positions), ranges=ranges, pending=self.pending, step=self.step)
+        self.intent = {
+            "ship_id": uuid.uuid4().hex,
+            "kind": "trained",
+            "parent_version": self.last_shipped,
+            "positions": dict(self.intake.positions),
+            "ranges": ranges,
+            "pending": self.pending,
+            "step": self.step,
+        }
         self.save()  # weights + intent, atomically, before anything reaches the registry
         return self._finish_ship()
 
@@ -382,7 +502,9 @@ class Trainer:
         version = execute_ship(self)
         self.last_shipped = version
         self.committed.update({int(k): int(v) for k, v in self.intent["positions"].items()})
-        if self.intent["kind"] == "trained":  # nothing trains between intent and here: all of pending shipped
+        if (
+            self.intent["kind"] == "trained"
+        ):  # nothing trains between intent and here: all of pending shipped
             self.pending = new_pending()
         self.intent = None
         self.last_ship_at = time.time()
@@ -404,7 +526,11 @@ class Trainer:
         `rebased_on` in the pending lineage and saves the state, so a restart continues from there.
         """
         now = time.monotonic() if now is None else now
-        if not self.cfg.rebase_on_reject or self.last_shipped is None or now - self._verdict_checked_at < self.cfg.verdict_check_s:
+        if (
+            not self.cfg.rebase_on_reject
+            or self.last_shipped is None
+            or now - self._verdict_checked_at < self.cfg.verdict_check_s
+        ):
             return None
         self._verdict_checked_at = now
         rejected, newest_verdict = None, self.verdicts_seen
@@ -413,7 +539,10 @@ class Trainer:
             if v <= self.verdicts_seen or "flywheel.gate.status" not in tags:
                 continue
             newest_verdict = max(newest_verdict, v)
-            if tags.get("flywheel.gate.reward_vs_champion", "").startswith("fail") and tags.get("planted_bad") != "true":
+            if (
+                tags.get("flywheel.gate.reward_vs_champion", "").startswith("fail")
+                and tags.get("planted_bad") != "true"
+            ):
                 rejected = v
         if newest_verdict == self.verdicts_seen:
             return None
@@ -425,8 +554,13 @@ class Trainer:
         self.optimizer.state.clear()
         self.pending["rebased_on"] = champ
         REBASES.inc()
-        log.warning("the gate found v%d confidently worse than champion v%d: continuing from v%d's weights "
-                    "(fresh optimizer moments)", rejected, champ, champ)
+        log.warning(
+            "the gate found v%d confidently worse than champion v%d: continuing from v%d's weights "
+            "(fresh optimizer moments)",
+            rejected,
+            champ,
+            champ,
+        )
         self.save()
         self._refresh_reference()
         return champ
@@ -441,10 +575,15 @@ class Trainer:
         warned = start
         while not self._joined:
             now = time.monotonic()
-            assert now - start < timeout_s, f"consumer group {self.cfg.consumer_group} did not assign partitions in {timeout_s}s"
+            assert now - start < timeout_s, (
+                f"consumer group {self.cfg.consumer_group} did not assign partitions in {timeout_s}s"
+            )
             if now - warned > 30:
-                log.warning("still waiting for consumer group %s to assign partitions (%.0fs)", self.cfg.consumer_group,
-                            now - start)
+                log.warning(
+                    "still waiting for consumer group %s to assign partitions (%.0fs)",
+                    self.cfg.consumer_group,
+                    now - start,
+                )
                 warned = now
             self.poll()
 
@@ -452,17 +591,31 @@ class Trainer:
         from kafka.structs import OffsetAndMetadata, TopicPartition
 
         if positions:
-            self.consumer.commit({TopicPartition(self.topic, int(p)): OffsetAndMetadata(int(o), "", -1)
-                                  for p, o in positions.items()})
+            self.consumer.commit(
+                {
+                    TopicPartition(self.topic, int(p)): OffsetAndMetadata(int(o), "", -1)
+                    for p, o in positions.items()
+                }
+            )
 
     # --- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return dict(model=self.policy.state_dict(), policy_config=self.policy.config_dict(),
-                    optimizer=self.optimizer.state_dict() if self.optimizer is not None else None,
-                    step=self.step, positions=dict(self.intake.positions), seen=self.intake.seen.to_list(),
-                    last_shipped=self.last_shipped, last_ship_at=self.last_ship_at, committed=dict(self.committed),
-                    pending=self.pending, intent=self.intent, run_id=self.run_id, kl_coef=self.kl_ctl.coef,
-                    verdicts_seen=self.verdicts_seen)
+        return {
+            "model": self.policy.state_dict(),
+            "policy_config": self.policy.config_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "step": self.step,
+            "positions": dict(self.intake.positions),
+            "seen": self.intake.seen.to_list(),
+            "last_shipped": self.last_shipped,
+            "last_ship_at": self.last_ship_at,
+            "committed": dict(self.committed),
+            "pending": self.pending,
+            "intent": self.intent,
+            "run_id": self.run_id,
+            "kl_coef": self.kl_ctl.coef,
+            "verdicts_seen": self.verdicts_seen,
+        }
 
     def save(self) -> None:
         """Save the state, after the dead letters of every record before the saved positions are acknowledged."""
@@ -483,7 +636,11 @@ class Trainer:
             time.sleep(3600)
 
     # --- running ---------------------------------------------------------------------------------------
-    def run(self, stop: threading.Event, on_step: Callable[[int, dict[str, float] | None], None] | None = None) -> None:
+    def run(
+        self,
+        stop: threading.Event,
+        on_step: Callable[[int, dict[str, float] | None], None] | None = None,
+    ) -> None:
         while not stop.is_set():
             metrics = self.train_step()
             self.maybe_rebase()

@@ -9,21 +9,51 @@ from prometheus_client import Counter, Gauge
 
 from trainer.validate import REFUSAL_REASONS
 
-ROLLOUTS = Counter("flywheel_trainer_rollouts_total", "Rollouts processed by the trainer, by outcome (trained = consumed "
-                   "by an optimizer step; duplicate, stale, invalid = refused at intake, failed = the step raised on it).",
-                   ["outcome"])
-REFUSED = Counter("flywheel_trainer_rollouts_refused_total", "Rollouts refused and dead-lettered, by reason "
-                  "(trainer/validate.py; step_failed = the optimizer step raised on it).", ["reason"])
+ROLLOUTS = Counter(
+    "flywheel_trainer_rollouts_total",
+    "Rollouts processed by the trainer, by outcome (trained = consumed "
+    "by an optimizer step; duplicate, stale, invalid = refused at intake, failed = the step raised on it).",
+    ["outcome"],
+)
+REFUSED = Counter(
+    "flywheel_trainer_rollouts_refused_total",
+    "Rollouts refused and dead-lettered, by reason "
+    "(trainer/validate.py; step_failed = the optimizer step raised on it).",
+    ["reason"],
+)
 for _reason in REFUSAL_REASONS:
     REFUSED.labels(_reason)  # every reason is exported from the start, at 0
-STEP_FAILURES = Counter("flywheel_trainer_step_failures_total", "Optimizer steps that raised (the batch was then "
-                        "retried without the rollouts that raise alone; see docs/TRAINER.md).")
+STEP_FAILURES = Counter(
+    "flywheel_trainer_step_failures_total",
+    "Optimizer steps that raised (the batch was then "
+    "retried without the rollouts that raise alone; see docs/TRAINER.md).",
+)
 STEPS = Counter("flywheel_trainer_steps_total", "Optimizer steps.")
-REBASES = Counter("flywheel_trainer_rebases_total", "Times the trainer continued from the champion because the gate "
-                  "found one of its versions confidently worse than the champion.")
-SHIPS = Counter("flywheel_trainer_ships_total", "Versions registered by this process (incl. resumed ships).")
+REBASES = Counter(
+    "flywheel_trainer_rebases_total",
+    "Times the trainer continued from the champion because the gate "
+    "found one of its versions confidently worse than the champion.",
+)
+SHIPS = Counter(
+    "flywheel_trainer_ships_total", "Versions registered by this process (incl. resumed ships)."
+)
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
-BUFFERED = Gauge("flywheel_trainer_buffered_records", "Records fetched but not yet trained on or skipped.")
-STEP_GAUGES = {name: Gauge(f"flywheel_trainer_{name}", f"Last optimizer step's {name.replace('_', ' ')}.")
-               for name in ("loss", "reward_mean", "kl", "kl_coef", "ess", "clip_fraction", "masked_fraction", "staleness_mean",
-                            "mismatch", "distill_kl", "grad_norm")}
+BUFFERED = Gauge(
+    "flywheel_trainer_buffered_records", "Records fetched but not yet trained on or skipped."
+)
+STEP_GAUGES = {
+    name: Gauge(f"flywheel_trainer_{name}", f"Last optimizer step's {name.replace('_', ' ')}.")
+    for name in (
+        "loss",
+        "reward_mean",
+        "kl",
+        "kl_coef",
+        "ess",
+        "clip_fraction",
+        "masked_fraction",
+        "staleness_mean",
+        "mismatch",
+        "distill_kl",
+        "grad_norm",
+    )
+}

@@ -63,10 +63,19 @@ class ISWeights:
     ess: float  # normalised effective sample size of the untruncated token ratios, in (0, 1]
 
 
-def importance_weights(logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch.Tensor, *,
-                       trunc_c: float = 2.0, mask_low: float = 0.5, mask_high: float = 2.0) -> ISWeights:
+def importance_weights(
+    logp: torch.Tensor,
+    logp_behav: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    trunc_c: float = 2.0,
+    mask_low: float = 0.5,
+    mask_high: float = 2.0,
+) -> ISWeights:
     """Truncated token ratios and the sequence-level mask. Shapes [B, T]; mask is {0,1} float32."""
-    assert logp.shape == logp_behav.shape == mask.shape, f"shapes {logp.shape} {logp_behav.shape} {mask.shape}"
+    assert logp.shape == logp_behav.shape == mask.shape, (
+        f"shapes {logp.shape} {logp_behav.shape} {mask.shape}"
+    )
     with torch.no_grad():
         mask = mask.to(torch.float32)
         log_ratio = (logp.detach().to(torch.float32) - logp_behav.to(torch.float32)) * mask
@@ -84,14 +93,22 @@ def importance_weights(logp: torch.Tensor, logp_behav: torch.Tensor, mask: torch
         masked = int((has_tokens & ~seq_kept).sum())
         sum_r, sum_r2 = float(ratio.sum()), float((ratio * ratio).sum())
         ess = (sum_r * sum_r) / (n_real * sum_r2) if n_real > 0 and sum_r2 > 0 else 0.0
-    return ISWeights(weights=weights, keep=keep, seq_ratio=seq_ratio, seq_kept=seq_kept,
-                     clip_fraction=clipped / n_real if n_real else 0.0,
-                     masked_fraction=masked / n_seq if n_seq else 0.0, ess=ess)
+    return ISWeights(
+        weights=weights,
+        keep=keep,
+        seq_ratio=seq_ratio,
+        seq_kept=seq_kept,
+        clip_fraction=clipped / n_real if n_real else 0.0,
+        masked_fraction=masked / n_seq if n_seq else 0.0,
+        ess=ess,
+    )
 
 
 def advantages(rewards: torch.Tensor, group_ids: list[str | None]) -> torch.Tensor:
     """Group-normalised advantages for groups of >= 2, batch-normalised for the rest. [B] -> [B]."""
-    assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), f"{rewards.shape} vs {len(group_ids)} group ids"
+    assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), (
+        f"{rewards.shape} vs {len(group_ids)} group ids"
+    )
     rewards = rewards.to(torch.float32)
     out = torch.zeros_like(rewards)
     members: dict[str, list[int]] = {}
@@ -116,7 +133,9 @@ def _token_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return (x * keep).sum() / n if float(n) > 0 else (x * keep).sum() * 0.0
 
 
-def policy_gradient_loss(logp: torch.Tensor, adv: torch.Tensor, w: ISWeights, mask: torch.Tensor | None = None) -> torch.Tensor:
+def policy_gradient_loss(
+    logp: torch.Tensor, adv: torch.Tensor, w: ISWeights, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Truncated-IS policy gradient: -sg(min(rho, C)) * A * logp summed over kept tokens, divided by
     the completion tokens of the whole batch (`mask`; kept tokens when None).
 
@@ -125,7 +144,9 @@ def policy_gradient_loss(logp: torch.Tensor, adv: torch.Tensor, w: ISWeights, ma
     proportion instead of letting the few kept sequences move the weights as much as a full
     on-policy batch would (measured in the demo: with 81% masked and the kept-token mean, held-out
     acceptance collapsed from 0.36 to 0.08 within one version)."""
-    x = -w.weights * adv.to(torch.float32).unsqueeze(1) * logp * w.keep  # kept tokens only (keep is within mask)
+    x = (
+        -w.weights * adv.to(torch.float32).unsqueeze(1) * logp * w.keep
+    )  # kept tokens only (keep is within mask)
     return _token_mean(x, w.keep if mask is None else mask.to(torch.float32))
 
 
@@ -146,8 +167,14 @@ class AdaptiveKL:
     weight fixed (the update is a no-op). Pure: the trainer persists `coef` with its state.
     """
 
-    def __init__(self, coef: float, target: float | None, rate: float = 0.1,
-                 coef_min: float = 1e-4, coef_max: float = 10.0):
+    def __init__(
+        self,
+        coef: float,
+        target: float | None,
+        rate: float = 0.1,
+        coef_min: float = 1e-4,
+        coef_max: float = 10.0,
+    ):
         assert coef >= 0 and rate >= 0, f"coef and rate must be >= 0, got {coef}, {rate}"
         assert target is None or target > 0, f"KL target must be > 0, got {target}"
         self.coef, self.target, self.rate = float(coef), target, rate
@@ -162,8 +189,13 @@ class AdaptiveKL:
         return self.coef
 
 
-def distill_loss(logp: torch.Tensor, logp_teacher: torch.Tensor, distill_mask: torch.Tensor,
-                 w: ISWeights, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+def distill_loss(
+    logp: torch.Tensor,
+    logp_teacher: torch.Tensor,
+    distill_mask: torch.Tensor,
+    w: ISWeights,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, float]:
     """Self-distillation surrogate and the k1 reverse-KL estimate on the distilled tokens.
 
     distill_mask: {0,1} float32 [B, T], 1 on completion tokens at/after a tool error.

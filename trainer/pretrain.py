@@ -37,13 +37,19 @@ class PretrainConfig(BaseModel):
 
     steps: int = Field(600, ge=1, description="Optimizer steps.")
     batch_size: int = Field(16, ge=1, description="Documents per step.")
-    lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate (linear warmup, cosine decay to 10%).")
+    lr: float = Field(
+        3e-3, gt=0, description="Peak AdamW learning rate (linear warmup, cosine decay to 10%)."
+    )
     warmup_steps: int = Field(30, ge=0, description="Linear warmup steps.")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the MoE load-balance loss.")
-    train_kernels: Literal["invariant", "default"] = Field("default", description="Kernel set used while pretraining.")
-    policy: dict[str, Any] | None = Field(None, description="Policy config for build_policy (None: the default).")
+    train_kernels: Literal["invariant", "default"] = Field(
+        "default", description="Kernel set used while pretraining."
+    )
+    policy: dict[str, Any] | None = Field(
+        None, description="Policy config for build_policy (None: the default)."
+    )
 
 
 def _as_config(config: dict[str, Any] | PretrainConfig | None) -> PretrainConfig:
@@ -62,14 +68,14 @@ def _batch(docs, policy: Policy, batch_size: int) -> tuple[torch.Tensor, torch.T
     max_len = policy.config_dict()["max_context"]
     seqs = []
     for _ in range(batch_size):
-        ids = [tok.bos_id, *tok.encode(next(docs)), tok.eos_id][:max_len + 1]
+        ids = [tok.bos_id, *tok.encode(next(docs)), tok.eos_id][: max_len + 1]
         seqs.append(ids)
     width = max(len(s) for s in seqs) - 1
     inputs = torch.full((batch_size, width), tok.pad_id, dtype=torch.int64)
     targets = torch.full((batch_size, width), tok.pad_id, dtype=torch.int64)
     for i, s in enumerate(seqs):
-        inputs[i, :len(s) - 1] = torch.tensor(s[:-1])
-        targets[i, :len(s) - 1] = torch.tensor(s[1:])
+        inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
+        targets[i, : len(s) - 1] = torch.tensor(s[1:])
     return inputs, targets
 
 
@@ -78,11 +84,17 @@ def lm_loss(policy: Policy, inputs: torch.Tensor, targets: torch.Tensor) -> torc
     b, s = inputs.shape
     hidden, _ = policy.forward_hidden(inputs, torch.arange(s).expand(b, s))
     logits = policy.lm_logits(hidden)
-    return F.cross_entropy(logits.reshape(b * s, -1), targets.reshape(-1), ignore_index=policy.tokenizer.pad_id)
+    return F.cross_entropy(
+        logits.reshape(b * s, -1), targets.reshape(-1), ignore_index=policy.tokenizer.pad_id
+    )
 
 
-def pretrain(config: dict[str, Any] | PretrainConfig | None = None, steps: int | None = None, seed: int = 0,
-             on_step: Callable[[int, float], None] | None = None) -> Policy:
+def pretrain(
+    config: dict[str, Any] | PretrainConfig | None = None,
+    steps: int | None = None,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> Policy:
     """Build a policy and pretrain it; returns it (eval mode) with its configured kernels restored.
 
     `config` is a PretrainConfig, a dict of its fields, or a bare policy config dict.
@@ -97,8 +109,14 @@ def pretrain(config: dict[str, Any] | PretrainConfig | None = None, steps: int |
     torch.manual_seed(seed)
     decay = [p for p in policy.parameters() if p.dim() >= 2]
     no_decay = [p for p in policy.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
 
     def lr_at(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -119,19 +137,31 @@ def pretrain(config: dict[str, Any] | PretrainConfig | None = None, steps: int |
         total.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
         opt.step()
-        assert math.isfinite(loss.item()), f"pretraining diverged at step {step}: loss {loss.item()}"
+        assert math.isfinite(loss.item()), (
+            f"pretraining diverged at step {step}: loss {loss.item()}"
+        )
         if on_step is not None:
             on_step(step, loss.item())
         if step % 50 == 0 or step == cfg.steps - 1:
-            log.info("pretrain step %d/%d loss %.4f (%.0fs)", step + 1, cfg.steps, loss.item(), time.perf_counter() - t0)
+            log.info(
+                "pretrain step %d/%d loss %.4f (%.0fs)",
+                step + 1,
+                cfg.steps,
+                loss.item(),
+                time.perf_counter() - t0,
+            )
     policy.eval()
     policy.set_kernels(serve_kernels)
     return policy
 
 
-def pretrain_to_dir(out_dir: str | Path, config: dict[str, Any] | PretrainConfig | None = None,
-                    steps: int | None = None, seed: int = 0,
-                    on_step: Callable[[int, float], None] | None = None) -> tuple[Policy, Path]:
+def pretrain_to_dir(
+    out_dir: str | Path,
+    config: dict[str, Any] | PretrainConfig | None = None,
+    steps: int | None = None,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[Policy, Path]:
     """Pretrain and save the base checkpoint (fp32 masters + config.json) to `out_dir`."""
     cfg = _as_config(config)
     if steps is not None:

@@ -80,10 +80,14 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
         encoded = [tok.encode(p) for p in prompts]
         if ctx is not None:  # keep the end of long prompts, like an editor's context window
             max_tokens = max(1, min(max_tokens, ctx // 2))
-            encoded = [e[-(ctx - 1 - max_tokens):] for e in encoded]
+            encoded = [e[-(ctx - 1 - max_tokens) :] for e in encoded]
         with torch.no_grad():
-            samples = self.policy.generate(encoded, max_tokens=max_tokens, temperature=float(params.get("temperature", 1.0)),
-                                           seed=None if seed < 0 else seed)
+            samples = self.policy.generate(
+                encoded,
+                max_tokens=max_tokens,
+                temperature=float(params.get("temperature", 1.0)),
+                seed=None if seed < 0 else seed,
+            )
         return [s.text or tok.decode([t for t in s.tokens if t != tok.eos_id]) for s in samples]
 
 
@@ -100,7 +104,9 @@ class Registry:
             self.client.get_registered_model(self.name)
         except MlflowException:
             try:
-                self.client.create_registered_model(self.name, description="Flywheel policy, shipped by `flywheel trainer`.")
+                self.client.create_registered_model(
+                    self.name, description="Flywheel policy, shipped by `flywheel trainer`."
+                )
             except MlflowException:
                 self.client.get_registered_model(self.name)  # created concurrently: fine
 
@@ -142,22 +148,37 @@ class Registry:
                 log.warning("MLflow run %s is gone; starting a new one", run_id)
         exp = self.client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(self.experiment)
-        run = self.client.create_run(exp_id, tags={"mlflow.runName": f"trainer-{time.strftime('%Y%m%d-%H%M%S')}",
-                                                    "model_name": self.name})
+        run = self.client.create_run(
+            exp_id,
+            tags={
+                "mlflow.runName": f"trainer-{time.strftime('%Y%m%d-%H%M%S')}",
+                "model_name": self.name,
+            },
+        )
         return run.info.run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self.client.log_batch(run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+        self.client.log_batch(
+            run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        )
 
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
     # --- shipping ------------------------------------------------------------------------------------
-    def upload_ship(self, run_id: str, ship_id: str, serving_state: dict[str, Any], policy_config: dict[str, Any],
-                    tokenizer: dict[str, Any], request_ids: list[str], extra_dirs: dict[str, Path] | None = None) -> str:
+    def upload_ship(
+        self,
+        run_id: str,
+        ship_id: str,
+        serving_state: dict[str, Any],
+        policy_config: dict[str, Any],
+        tokenizer: dict[str, Any],
+        request_ids: list[str],
+        extra_dirs: dict[str, Path] | None = None,
+    ) -> str:
         """Log the pyfunc model (+ lineage, + extra dirs) under the run; returns the model source URI."""
         from safetensors.torch import save_file
 
@@ -167,16 +188,29 @@ class Registry:
             files = tmp_path / "files"
             files.mkdir()
             weights = files / "weights.safetensors"
-            save_file({k: v.contiguous() for k, v in serving_state.items()}, str(weights),
-                      metadata={"ship_id": ship_id, "format": "flywheel-serving-bf16"})
+            save_file(
+                {k: v.contiguous() for k, v in serving_state.items()},
+                str(weights),
+                metadata={"ship_id": ship_id, "format": "flywheel-serving-bf16"},
+            )
             (files / "config.json").write_text(json.dumps(policy_config, indent=1, sort_keys=True))
             (files / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1, sort_keys=True))
-            code = [str(REPO / pkg) for pkg in ("trainer", "kernels") if (REPO / pkg / "__init__.py").exists()]
+            code = [
+                str(REPO / pkg)
+                for pkg in ("trainer", "kernels")
+                if (REPO / pkg / "__init__.py").exists()
+            ]
             mlflow.pyfunc.save_model(
-                path=str(tmp_path / "model"), python_model=PolicyPyfunc(), code_paths=code,
-                artifacts={"weights": str(weights), "config": str(files / "config.json"),
-                           "tokenizer": str(files / "tokenizer.json")},
-                pip_requirements=_pip_requirements(), signature=_signature(),
+                path=str(tmp_path / "model"),
+                python_model=PolicyPyfunc(),
+                code_paths=code,
+                artifacts={
+                    "weights": str(weights),
+                    "config": str(files / "config.json"),
+                    "tokenizer": str(files / "tokenizer.json"),
+                },
+                pip_requirements=_pip_requirements(),
+                signature=_signature(),
             )
             self.client.log_artifacts(run_id, str(tmp_path / "model"), f"{prefix}/model")
             lineage = tmp_path / "lineage"
@@ -188,16 +222,26 @@ class Registry:
         run = self.client.get_run(run_id)
         return f"{run.info.artifact_uri}/{prefix}/model"
 
-    def create_version(self, source: str, run_id: str, ship_id: str, tags: dict[str, str],
-                       timeout_s: float = 120.0) -> int:
+    def create_version(
+        self, source: str, run_id: str, ship_id: str, tags: dict[str, str], timeout_s: float = 120.0
+    ) -> int:
         """One `create_model_version` call with every tag; waits until the registry says READY."""
         self.ensure_model()
-        mv = self.client.create_model_version(self.name, source, run_id=run_id, tags={**tags, TAG_SHIP_ID: ship_id},
-                                              description=f"shipped by flywheel trainer (ship {ship_id})")
+        mv = self.client.create_model_version(
+            self.name,
+            source,
+            run_id=run_id,
+            tags={**tags, TAG_SHIP_ID: ship_id},
+            description=f"shipped by flywheel trainer (ship {ship_id})",
+        )
         deadline = time.monotonic() + timeout_s
         while mv.status != "READY":
-            assert mv.status != "FAILED_REGISTRATION", f"version {mv.version} failed registration: {mv.status_message}"
-            assert time.monotonic() < deadline, f"version {mv.version} not READY after {timeout_s}s ({mv.status})"
+            assert mv.status != "FAILED_REGISTRATION", (
+                f"version {mv.version} failed registration: {mv.status_message}"
+            )
+            assert time.monotonic() < deadline, (
+                f"version {mv.version} not READY after {timeout_s}s ({mv.status})"
+            )
             time.sleep(0.2)
             mv = self.client.get_model_version(self.name, mv.version)
         return int(mv.version)
@@ -212,16 +256,22 @@ class Registry:
 
         mv = self.client.get_model_version(self.name, str(version))
         with tempfile.TemporaryDirectory(prefix="flywheel-dl-") as tmp:
-            path = mlflow.artifacts.download_artifacts(artifact_uri=f"{mv.source}/artifacts/weights.safetensors",
-                                                       dst_path=tmp, tracking_uri=self.uri)
+            path = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{mv.source}/artifacts/weights.safetensors",
+                dst_path=tmp,
+                tracking_uri=self.uri,
+            )
             return load_file(path)
 
 
 def _signature():
     from mlflow.models import infer_signature
 
-    return infer_signature(model_input=["def add(a, b):"], model_output=["    return a + b"],
-                           params={"max_tokens": 64, "temperature": 1.0, "seed": -1})
+    return infer_signature(
+        model_input=["def add(a, b):"],
+        model_output=["    return a + b"],
+        params={"max_tokens": 64, "temperature": 1.0, "seed": -1},
+    )
 
 
 def _pip_requirements() -> list[str]:

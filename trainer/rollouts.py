@@ -79,7 +79,9 @@ class Rollout(BaseModel):
     generated_at: str | None = None
     labelled_at: str | None = None
     closed_by: str | None = None
-    tokenizer: str | None = None  # the generation's tokenizer (checked against the model's when present)
+    tokenizer: str | None = (
+        None  # the generation's tokenizer (checked against the model's when present)
+    )
     temperature: float | None = None  # the generation's sampling temperature
     relabel_run: str | None = None  # set by `flywheel streams relabel` (exempt from max_staleness)
 
@@ -96,21 +98,31 @@ class Rollout(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Rollout":
+    def _consistent(self) -> Rollout:
         if len(self.logprobs) != len(self.completion_tokens):
-            raise ValueError(f"logprobs has {len(self.logprobs)} values for {len(self.completion_tokens)} completion tokens")
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} values for {len(self.completion_tokens)} completion tokens"
+            )
         if (self.routes is None) != (self.route_shape is None):
             raise ValueError("routes and route_shape go together")
         if self.route_shape is not None:
-            if len(self.route_shape) != 3 or self.route_shape[0] != len(self.completion_tokens) or min(self.route_shape) < 0:
-                raise ValueError(f"route_shape {self.route_shape} must be [len(completion_tokens), layers, top_k]")
+            if (
+                len(self.route_shape) != 3
+                or self.route_shape[0] != len(self.completion_tokens)
+                or min(self.route_shape) < 0
+            ):
+                raise ValueError(
+                    f"route_shape {self.route_shape} must be [len(completion_tokens), layers, top_k]"
+                )
             try:
                 n = len(base64.b64decode(self.routes, validate=True))  # type: ignore[arg-type]
             except (binascii.Error, ValueError) as exc:
                 raise ValueError(f"routes is not valid base64: {exc}") from None
             need = 4 * math.prod(self.route_shape)
             if n != need:
-                raise ValueError(f"routes decodes to {n} bytes; route_shape {self.route_shape} needs {need}")
+                raise ValueError(
+                    f"routes decodes to {n} bytes; route_shape {self.route_shape} needs {need}"
+                )
         return self
 
     def routes_array(self) -> np.ndarray | None:
@@ -128,7 +140,9 @@ class Rollout(BaseModel):
         return int(v) if v.isascii() and v.isdigit() and len(v) <= 18 else None
 
 
-def parse_rollout(value: bytes | None, spec: ModelSpec | None = None) -> tuple[Rollout | None, Refusal | None]:
+def parse_rollout(
+    value: bytes | None, spec: ModelSpec | None = None
+) -> tuple[Rollout | None, Refusal | None]:
     """(rollout, None) or (None, the refusal: a reason and a message a user can act on).
 
     First the producer's schema (streams/records.py `Rollout`, the contract of the topic), then
@@ -146,7 +160,7 @@ def parse_rollout(value: bytes | None, spec: ModelSpec | None = None) -> tuple[R
         if first["type"].startswith("json_") or not first["loc"]:
             return None, Refusal("invalid_json", f"not a JSON object: {first['msg']}")
         return None, _schema_refusal(first)
-    except Exception as exc:  # noqa: BLE001 - any parser failure is this record's problem, not the trainer's
+    except Exception as exc:
         return None, Refusal("invalid_json", f"undecodable: {exc!r}"[:500])
     try:
         r = Rollout.model_validate(contract.model_dump())
@@ -213,23 +227,39 @@ class Batch:
     """What one `take()` processed: fresh rollouts to train on, and the skipped ones counted."""
 
     rollouts: list[Rollout] = field(default_factory=list)
-    skipped: dict[str, int] = field(default_factory=lambda: {r: 0 for r in SKIP_REASONS})
-    first_offsets: dict[int, int] = field(default_factory=dict)  # partition -> first offset processed
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    first_offsets: dict[int, int] = field(
+        default_factory=dict
+    )  # partition -> first offset processed
     staleness: list[int] = field(default_factory=list)  # versions behind, per fresh rollout
     sources: dict[DedupeKey, Source] = field(default_factory=dict)  # dedupe_key -> original record
 
-    def only(self, keep: list[int]) -> "Batch":
+    def only(self, keep: list[int]) -> Batch:
         """The same batch restricted to the rollouts at indices `keep` (skip counts and offsets unchanged)."""
-        return Batch(rollouts=[self.rollouts[i] for i in keep], skipped=self.skipped, first_offsets=self.first_offsets,
-                     staleness=[self.staleness[i] for i in keep], sources=self.sources)
+        return Batch(
+            rollouts=[self.rollouts[i] for i in keep],
+            skipped=self.skipped,
+            first_offsets=self.first_offsets,
+            staleness=[self.staleness[i] for i in keep],
+            sources=self.sources,
+        )
 
 
 class RolloutIntake:
     """Buffered, deduped, exactly-once-friendly reader of the rollouts topic."""
 
-    def __init__(self, consumer: Any, topic: str, *, positions: dict[int, int], seen: DedupeSet,
-                 max_staleness: int, spec: ModelSpec | None = None, dead_letters: DeadLetters | None = None,
-                 log_interval_s: float = 10.0):
+    def __init__(
+        self,
+        consumer: Any,
+        topic: str,
+        *,
+        positions: dict[int, int],
+        seen: DedupeSet,
+        max_staleness: int,
+        spec: ModelSpec | None = None,
+        dead_letters: DeadLetters | None = None,
+        log_interval_s: float = 10.0,
+    ):
         from kafka import ConsumerRebalanceListener
 
         self.consumer, self.topic = consumer, topic
@@ -243,15 +273,21 @@ class RolloutIntake:
         intake = self
 
         class _Listener(ConsumerRebalanceListener):
-            def on_partitions_revoked(self, revoked):  # noqa: D401 - kafka callback
+            def on_partitions_revoked(self, revoked):
                 intake._drop_partitions({tp.partition for tp in revoked})
 
             def on_partitions_assigned(self, assigned):
                 for tp in assigned:
                     if tp.partition in intake.positions:
                         intake.consumer.seek(tp, intake.positions[tp.partition])
-                log.info("assigned %s (resuming at %s)", sorted(tp.partition for tp in assigned),
-                         {tp.partition: intake.positions.get(tp.partition, "committed") for tp in assigned})
+                log.info(
+                    "assigned %s (resuming at %s)",
+                    sorted(tp.partition for tp in assigned),
+                    {
+                        tp.partition: intake.positions.get(tp.partition, "committed")
+                        for tp in assigned
+                    },
+                )
 
         consumer.subscribe([topic], listener=_Listener())
 
@@ -279,8 +315,14 @@ class RolloutIntake:
     def refuse(self, src: Source, refusal: Refusal, exception: str | None = None) -> None:
         """Count, log (rate-limited) and dead-letter one refused record."""
         REFUSED.labels(refusal.reason).inc()
-        self.refusal_log.warning(refusal.reason, "refused rollout at %s:%d:%d: %s", src.topic, src.partition, src.offset,
-                                 refusal)
+        self.refusal_log.warning(
+            refusal.reason,
+            "refused rollout at %s:%d:%d: %s",
+            src.topic,
+            src.partition,
+            src.offset,
+            refusal,
+        )
         if self.dead_letters is not None:
             error: dict[str, Any] = {"field": refusal.field, "message": refusal.message}
             if exception is not None:
@@ -292,8 +334,11 @@ class RolloutIntake:
         if not self.buffer:
             return False
         n_valid = sum(1 for e in self.buffer if e.rollout is not None)
-        return n_valid >= batch_size or self.buffer[0].rollout is None or \
-            (n_valid > 0 and time.monotonic() - self.buffer[0].arrived >= max_wait_s)
+        return (
+            n_valid >= batch_size
+            or self.buffer[0].rollout is None
+            or (n_valid > 0 and time.monotonic() - self.buffer[0].arrived >= max_wait_s)
+        )
 
     def take(self, n: int, current_version: int | None) -> Batch:
         """Pop entries in arrival order until `n` fresh rollouts (then any skip entries right behind)."""
@@ -323,7 +368,11 @@ class RolloutIntake:
     def _staleness(self, r: Rollout, current: int | None) -> int | None:
         v = r.version_number()
         if v is None:
-            log.warning("rollout %s has non-numeric model_version %r; counted as stale", r.request_id, r.model_version)
+            log.warning(
+                "rollout %s has non-numeric model_version %r; counted as stale",
+                r.request_id,
+                r.model_version,
+            )
             return None
         return max(0, (current or v) - v)
 

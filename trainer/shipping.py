@@ -37,8 +37,18 @@ log = logging.getLogger(__name__)
 
 def new_pending() -> dict[str, Any]:
     """Lineage accumulated since the last ship (saved in the trainer state)."""
-    return dict(rollouts=0, request_ids=[], skipped={r: 0 for r in SKIP_REASONS}, first_offsets={}, reward_sum=0.0,
-                metric_sums={}, steps=0, reward_specs=[], reward_spec_counts={}, relabelled=0)
+    return {
+        "rollouts": 0,
+        "request_ids": [],
+        "skipped": dict.fromkeys(SKIP_REASONS, 0),
+        "first_offsets": {},
+        "reward_sum": 0.0,
+        "metric_sums": {},
+        "steps": 0,
+        "reward_specs": [],
+        "reward_spec_counts": {},
+        "relabelled": 0,
+    }
 
 
 def reward_spec_detail(specs: str) -> str | None:
@@ -51,13 +61,20 @@ def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
     p = intent["pending"]
     steps = max(1, p["steps"])
     summary = {k: round(v / steps, 6) for k, v in sorted(p["metric_sums"].items())}
-    summary.update(steps=p["steps"], reward_mean=round(p["reward_sum"] / p["rollouts"], 6) if p["rollouts"] else None)
+    summary.update(
+        steps=p["steps"],
+        reward_mean=round(p["reward_sum"] / p["rollouts"], 6) if p["rollouts"] else None,
+    )
     return {
         "kind": intent["kind"],
-        "parent_version": str(intent["parent_version"]) if intent["parent_version"] is not None else "none",
+        "parent_version": str(intent["parent_version"])
+        if intent["parent_version"] is not None
+        else "none",
         "rollouts_consumed": str(p["rollouts"]),
         "rollouts_skipped": json.dumps(p["skipped"], sort_keys=True),
-        "kafka_offsets": json.dumps({"topic": topic, "partitions": {str(k): v for k, v in sorted(intent["ranges"].items())}}),
+        "kafka_offsets": json.dumps(
+            {"topic": topic, "partitions": {str(k): v for k, v in sorted(intent["ranges"].items())}}
+        ),
         "reward_spec": ",".join(p["reward_specs"]) or "none",
         # rollouts trained per reward spec (relabelled ones under their new spec); "{}" from a pending
         # saved by a trainer that did not count them
@@ -72,19 +89,27 @@ def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
 
 def plant_bad_weights(serving: dict[str, Any]) -> dict[str, Any]:
     """A copy of `serving` with its largest matrix multiplied by 64: a checkpoint the gate must stop."""
-    name = max((k for k, v in serving.items() if v.dim() == 2 and v.is_floating_point()), key=lambda k: serving[k].numel())
+    name = max(
+        (k for k, v in serving.items() if v.dim() == 2 and v.is_floating_point()),
+        key=lambda k: serving[k].numel(),
+    )
     bad = dict(serving)
     bad[name] = (serving[name].float() * 64.0).to(serving[name].dtype)
     return bad
 
 
-def execute_ship(t: "Trainer") -> int:
+def execute_ship(t: Trainer) -> int:
     intent, reg = t.intent, t.registry
     assert intent is not None, "execute_ship needs a saved ship intent"
     ship_id = intent["ship_id"]
     mv = reg.find_ship(ship_id)
     if mv is not None and mv.status != "READY":
-        log.warning("ship %s left version %s in status %s; deleting it and shipping again", ship_id, mv.version, mv.status)
+        log.warning(
+            "ship %s left version %s in status %s; deleting it and shipping again",
+            ship_id,
+            mv.version,
+            mv.status,
+        )
         reg.delete_version(int(mv.version))
         mv = None
     tags = lineage_tags(intent, t.topic)
@@ -99,24 +124,43 @@ def execute_ship(t: "Trainer") -> int:
         if t.cfg.plant_bad_version and predicted == t.cfg.plant_bad_version:
             serving = plant_bad_weights(serving)
             tags["planted_bad"] = "true"
-            log.warning("DEMO: shipping v%d with blown-up weights (FLYWHEEL_TRAINER_PLANT_BAD_VERSION)", predicted)
+            log.warning(
+                "DEMO: shipping v%d with blown-up weights (FLYWHEEL_TRAINER_PLANT_BAD_VERSION)",
+                predicted,
+            )
         with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
             extra, delta, pushed = _publish_delta(t, Path(tmp), serving, intent, predicted)
             tags["delta"] = json.dumps(delta, sort_keys=True)
-            source = reg.upload_ship(t.run_id, ship_id, serving, t.policy.config_dict(), tokenizer,
-                                     intent["pending"]["request_ids"], extra)
+            source = reg.upload_ship(
+                t.run_id,
+                ship_id,
+                serving,
+                t.policy.config_dict(),
+                tokenizer,
+                intent["pending"]["request_ids"],
+                extra,
+            )
         t._pause("before_register")
         version = reg.create_version(source, t.run_id, ship_id, tags)
         if delta["status"] == "published" and version != predicted:
-            log.error("registry assigned v%d, the delta was written for v%d (deleted versions?): republishing it",
-                      version, predicted)
+            log.error(
+                "registry assigned v%d, the delta was written for v%d (deleted versions?): republishing it",
+                version,
+                predicted,
+            )
             with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
                 extra, delta, pushed = _publish_delta(t, Path(tmp), serving, intent, version)
                 reg.client.log_artifacts(t.run_id, str(extra["delta"]), f"ships/{ship_id}/delta")
             reg.set_tag(version, "delta", json.dumps(delta, sort_keys=True))
         t.parent_serving = (version, serving)
-        log.info("registered %s v%d (parent %s, %s rollouts, ship %s)", reg.name, version, tags["parent_version"],
-                 tags["rollouts_consumed"], ship_id)
+        log.info(
+            "registered %s v%d (parent %s, %s rollouts, ship %s)",
+            reg.name,
+            version,
+            tags["parent_version"],
+            tags["rollouts_consumed"],
+            ship_id,
+        )
     else:
         version = int(mv.version)
         source = mv.source
@@ -134,8 +178,9 @@ def execute_ship(t: "Trainer") -> int:
     return version
 
 
-def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any],
-                   version: int) -> tuple[dict[str, Path], dict[str, Any], Any]:
+def _publish_delta(
+    t: Trainer, out: Path, serving: dict, intent: dict[str, Any], version: int
+) -> tuple[dict[str, Path], dict[str, Any], Any]:
     """Delta/anchor/manifest files (trainer/publish.py) for `version`, logged as `ships/<ship_id>/delta`,
     their tag info, and the delta as an app.replica.pushed.PushedDelta (None for an anchor-only version).
 
@@ -154,26 +199,56 @@ def _publish_delta(t: "Trainer", out: Path, serving: dict, intent: dict[str, Any
     if parent is not None:
         manifest_json = _download_text(t, parent, f"delta/{MANIFEST_FILE}")
         if manifest_json is None:
-            log.warning("parent v%s has no delta manifest: v%d is published as an anchor", parent, version)
+            log.warning(
+                "parent v%s has no delta manifest: v%d is published as an anchor", parent, version
+            )
             parent = None
         else:
             manifest = Manifest.model_validate_json(manifest_json)
             cached = t.parent_serving
-            parent_sd = cached[1] if cached and cached[0] == parent else t.registry.download_serving_state(parent)
-    m = publish_version(out / "delta", str(version), serving, parent_sd, None if parent is None else str(parent), manifest,
-                        anchor_every=t.cfg.anchor_every)
-    info = {"status": "published", "version": m.version, "parent": m.parent_version, "anchor": m.anchor is not None,
-            "delta_bytes": m.delta.bytes if m.delta else None, "chain_depth": m.chain_depth,
-            # for replicas (app/replica/hints.py): the delta they fetch alone and the hash it must give
-            "checkpoint_sha256": m.checkpoint_sha256, "delta_file": m.delta.file if m.delta else None,
-            "delta_sha256": m.delta.sha256 if m.delta else None}
+            parent_sd = (
+                cached[1]
+                if cached and cached[0] == parent
+                else t.registry.download_serving_state(parent)
+            )
+    m = publish_version(
+        out / "delta",
+        str(version),
+        serving,
+        parent_sd,
+        None if parent is None else str(parent),
+        manifest,
+        anchor_every=t.cfg.anchor_every,
+    )
+    info = {
+        "status": "published",
+        "version": m.version,
+        "parent": m.parent_version,
+        "anchor": m.anchor is not None,
+        "delta_bytes": m.delta.bytes if m.delta else None,
+        "chain_depth": m.chain_depth,
+        # for replicas (app/replica/hints.py): the delta they fetch alone and the hash it must give
+        "checkpoint_sha256": m.checkpoint_sha256,
+        "delta_file": m.delta.file if m.delta else None,
+        "delta_sha256": m.delta.sha256 if m.delta else None,
+    }
     # for the push to `<ns>.deltas` right before `version_registered` (app/replica/pushed.py)
-    pushed = PushedDelta(t.settings.model_name, m.version, m.parent_version, m.delta.file, m.delta.sha256,
-                         (out / "delta" / m.delta.file).read_bytes()) if m.delta else None
+    pushed = (
+        PushedDelta(
+            t.settings.model_name,
+            m.version,
+            m.parent_version,
+            m.delta.file,
+            m.delta.sha256,
+            (out / "delta" / m.delta.file).read_bytes(),
+        )
+        if m.delta
+        else None
+    )
     return {"delta": out / "delta"}, info, pushed
 
 
-def _download_text(t: "Trainer", version: int, rel: str) -> str | None:
+def _download_text(t: Trainer, version: int, rel: str) -> str | None:
     """A file next to `version`'s model directory (`ships/<ship_id>/<rel>`), or None if absent."""
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -182,14 +257,22 @@ def _download_text(t: "Trainer", version: int, rel: str) -> str | None:
     root = mv.source.rsplit("/model", 1)[0]
     with tempfile.TemporaryDirectory(prefix="flywheel-parent-") as tmp:
         try:
-            path = mlflow.artifacts.download_artifacts(artifact_uri=f"{root}/{rel}", dst_path=tmp, tracking_uri=t.registry.uri)
+            path = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{root}/{rel}", dst_path=tmp, tracking_uri=t.registry.uri
+            )
         except (MlflowException, OSError):
             return None
         return Path(path).read_text()
 
 
-def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dict[str, str], source: str,
-                   pushed: Any = None) -> None:
+def _publish_event(
+    t: Trainer,
+    version: int,
+    intent: dict[str, Any],
+    tags: dict[str, str],
+    source: str,
+    pushed: Any = None,
+) -> None:
     if importlib.util.find_spec("app.deployments.events") is None:
         log.info("app/deployments/events.py not present: no version_registered event")
         return
@@ -197,24 +280,47 @@ def _publish_event(t: "Trainer", version: int, intent: dict[str, Any], tags: dic
     from app.replica.hints import artifact_hints
 
     d = json.loads(tags.get("delta", "{}"))
-    ok = d.get("status") == "published" and d.get("version") == str(version)  # the manifest made for this version
-    hints = artifact_hints(source, t.policy.config_dict(), d.get("checkpoint_sha256") if ok else None, d.get("parent"),
-                           {"file": d["delta_file"], "sha256": d["delta_sha256"], "bytes": d["delta_bytes"]}
-                           if ok and d.get("delta_file") else None)
+    ok = d.get("status") == "published" and d.get("version") == str(
+        version
+    )  # the manifest made for this version
+    hints = artifact_hints(
+        source,
+        t.policy.config_dict(),
+        d.get("checkpoint_sha256") if ok else None,
+        d.get("parent"),
+        {"file": d["delta_file"], "sha256": d["delta_sha256"], "bytes": d["delta_bytes"]}
+        if ok and d.get("delta_file")
+        else None,
+    )
     event = DeploymentEvent(
-        event_id=f"vr-{intent['ship_id']}", type="version_registered", model=t.settings.model_name, version=str(version),
-        from_version=None if intent["parent_version"] is None else str(intent["parent_version"]), source="trainer",
-        actor="flywheel-trainer", reason=f"{tags['kind']} version: {tags['rollouts_consumed']} rollouts",
-        details={"run_id": t.run_id, "ship_id": intent["ship_id"], "rollouts_consumed": int(tags["rollouts_consumed"]),
-                 "reward_spec": reward_spec_detail(tags["reward_spec"]),
-                 "reward_specs": json.loads(tags["reward_specs"]),
-                 "rollouts_relabelled": int(tags["rollouts_relabelled"]),
-                 "kafka_offsets": json.loads(tags["kafka_offsets"]),
-                 "train_metrics": json.loads(tags["train_metrics"]),
-                 # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
-                 "artifacts": hints})
-    if ok and hints.get("delta") and pushed is not None and (pushed.version, pushed.file, pushed.sha256) \
-            == (str(version), d["delta_file"], d["delta_sha256"]):
+        event_id=f"vr-{intent['ship_id']}",
+        type="version_registered",
+        model=t.settings.model_name,
+        version=str(version),
+        from_version=None if intent["parent_version"] is None else str(intent["parent_version"]),
+        source="trainer",
+        actor="flywheel-trainer",
+        reason=f"{tags['kind']} version: {tags['rollouts_consumed']} rollouts",
+        details={
+            "run_id": t.run_id,
+            "ship_id": intent["ship_id"],
+            "rollouts_consumed": int(tags["rollouts_consumed"]),
+            "reward_spec": reward_spec_detail(tags["reward_spec"]),
+            "reward_specs": json.loads(tags["reward_specs"]),
+            "rollouts_relabelled": int(tags["rollouts_relabelled"]),
+            "kafka_offsets": json.loads(tags["kafka_offsets"]),
+            "train_metrics": json.loads(tags["train_metrics"]),
+            # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
+            "artifacts": hints,
+        },
+    )
+    if (
+        ok
+        and hints.get("delta")
+        and pushed is not None
+        and (pushed.version, pushed.file, pushed.sha256)
+        == (str(version), d["delta_file"], d["delta_sha256"])
+    ):
         from app.replica.pushed import publish_delta
 
         # before the event: a replica that reads the event has the bytes (or downloads them: nothing lost)

@@ -33,8 +33,18 @@ if TYPE_CHECKING:
     from trainer.policy import Policy
     from trainer.rollouts import Rollout
 
-REFUSAL_REASONS = ("invalid_json", "invalid_rollout", "tokenizer_mismatch", "token_out_of_vocab", "sequence_too_long",
-                   "invalid_logprobs", "invalid_reward", "invalid_temperature", "route_mismatch", "step_failed")
+REFUSAL_REASONS = (
+    "invalid_json",
+    "invalid_rollout",
+    "tokenizer_mismatch",
+    "token_out_of_vocab",
+    "sequence_too_long",
+    "invalid_logprobs",
+    "invalid_reward",
+    "invalid_temperature",
+    "route_mismatch",
+    "step_failed",
+)
 
 
 @dataclass(frozen=True)
@@ -63,15 +73,24 @@ class ModelSpec:
     reserved_tokens: int = 1  # bos
 
     @classmethod
-    def of(cls, policy: "Policy", *, replay_routes: bool, max_abs_reward: float) -> "ModelSpec":
+    def of(cls, policy: Policy, *, replay_routes: bool, max_abs_reward: float) -> ModelSpec:
         c: dict[str, Any] = policy.config_dict()
-        moe = (int(c["n_layers"]), int(c["top_k"]), int(c["n_experts"])) if {"n_layers", "top_k", "n_experts"} <= c.keys() \
+        moe = (
+            (int(c["n_layers"]), int(c["top_k"]), int(c["n_experts"]))
+            if {"n_layers", "top_k", "n_experts"} <= c.keys()
             else None
-        return cls(tokenizer=policy.tokenizer.name, vocab_size=int(policy.tokenizer.vocab_size),
-                   max_context=c.get("max_context"), moe=moe, replay_routes=replay_routes, max_abs_reward=max_abs_reward)
+        )
+        return cls(
+            tokenizer=policy.tokenizer.name,
+            vocab_size=int(policy.tokenizer.vocab_size),
+            max_context=c.get("max_context"),
+            moe=moe,
+            replay_routes=replay_routes,
+            max_abs_reward=max_abs_reward,
+        )
 
 
-def check_rollout(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def check_rollout(r: Rollout, spec: ModelSpec) -> Refusal | None:
     """The first reason `spec`'s model cannot train on `r`, or None."""
     for check in (_tokenizer, _vocab, _length, _logprobs, _reward, _temperature, _routes):
         refusal = check(r, spec)
@@ -80,65 +99,92 @@ def check_rollout(r: "Rollout", spec: ModelSpec) -> Refusal | None:
     return None
 
 
-def _tokenizer(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def _tokenizer(r: Rollout, spec: ModelSpec) -> Refusal | None:
     if r.tokenizer is not None and r.tokenizer != spec.tokenizer:
-        return Refusal("tokenizer_mismatch", f"tokenizer {r.tokenizer!r} is not the model's {spec.tokenizer!r}", "tokenizer")
+        return Refusal(
+            "tokenizer_mismatch",
+            f"tokenizer {r.tokenizer!r} is not the model's {spec.tokenizer!r}",
+            "tokenizer",
+        )
     return None
 
 
-def _vocab(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def _vocab(r: Rollout, spec: ModelSpec) -> Refusal | None:
     for name in ("prompt_tokens", "completion_tokens"):
         tokens = getattr(r, name)
         for i, t in enumerate(tokens):
             if t >= spec.vocab_size:
-                return Refusal("token_out_of_vocab", f"{name}[{i}] = {t} is outside the vocabulary [0, {spec.vocab_size})",
-                               f"{name}.{i}")
+                return Refusal(
+                    "token_out_of_vocab",
+                    f"{name}[{i}] = {t} is outside the vocabulary [0, {spec.vocab_size})",
+                    f"{name}.{i}",
+                )
     return None
 
 
-def _length(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def _length(r: Rollout, spec: ModelSpec) -> Refusal | None:
     if spec.max_context is None:
         return None
     n = spec.reserved_tokens + len(r.prompt_tokens) + len(r.completion_tokens)
     if n > spec.max_context:
-        return Refusal("sequence_too_long", f"{spec.reserved_tokens} + {len(r.prompt_tokens)} prompt + "
-                       f"{len(r.completion_tokens)} completion tokens = {n} exceed the model's context {spec.max_context}",
-                       "completion_tokens")
+        return Refusal(
+            "sequence_too_long",
+            f"{spec.reserved_tokens} + {len(r.prompt_tokens)} prompt + "
+            f"{len(r.completion_tokens)} completion tokens = {n} exceed the model's context {spec.max_context}",
+            "completion_tokens",
+        )
     return None
 
 
-def _logprobs(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def _logprobs(r: Rollout, spec: ModelSpec) -> Refusal | None:
     for i, x in enumerate(r.logprobs):
         if not math.isfinite(x) or x > 0:
-            return Refusal("invalid_logprobs", f"logprobs[{i}] = {x!r}: log-probs must be finite and <= 0", f"logprobs.{i}")
+            return Refusal(
+                "invalid_logprobs",
+                f"logprobs[{i}] = {x!r}: log-probs must be finite and <= 0",
+                f"logprobs.{i}",
+            )
     return None
 
 
-def _reward(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def _reward(r: Rollout, spec: ModelSpec) -> Refusal | None:
     if not math.isfinite(r.reward) or abs(r.reward) > spec.max_abs_reward:
-        return Refusal("invalid_reward", f"reward {r.reward!r} must be finite with |reward| <= {spec.max_abs_reward:g}",
-                       "reward")
+        return Refusal(
+            "invalid_reward",
+            f"reward {r.reward!r} must be finite with |reward| <= {spec.max_abs_reward:g}",
+            "reward",
+        )
     return None
 
 
-def _temperature(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def _temperature(r: Rollout, spec: ModelSpec) -> Refusal | None:
     t = r.temperature
     if t is not None and (not math.isfinite(t) or t < 0):
-        return Refusal("invalid_temperature", f"temperature {t!r} must be finite and >= 0", "temperature")
+        return Refusal(
+            "invalid_temperature", f"temperature {t!r} must be finite and >= 0", "temperature"
+        )
     return None
 
 
-def _routes(r: "Rollout", spec: ModelSpec) -> Refusal | None:
+def _routes(r: Rollout, spec: ModelSpec) -> Refusal | None:
     if not spec.replay_routes or r.route_shape is None:
         return None
     if spec.moe is None:
         return Refusal("route_mismatch", "routes given for a model without MoE layers", "routes")
     layers, top_k, n_experts = spec.moe
     if tuple(r.route_shape[1:]) != (layers, top_k):
-        return Refusal("route_mismatch", f"route_shape {list(r.route_shape)} needs [{len(r.completion_tokens)}, {layers}, "
-                       f"{top_k}] (the model's n_layers, top_k)", "route_shape")
+        return Refusal(
+            "route_mismatch",
+            f"route_shape {list(r.route_shape)} needs [{len(r.completion_tokens)}, {layers}, "
+            f"{top_k}] (the model's n_layers, top_k)",
+            "route_shape",
+        )
     ids = r.routes_array()
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= n_experts):
         bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        return Refusal("route_mismatch", f"routes hold expert id {bad}, outside the model's [0, {n_experts})", "routes")
+        return Refusal(
+            "route_mismatch",
+            f"routes hold expert id {bad}, outside the model's [0, {n_experts})",
+            "routes",
+        )
     return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import math
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn
 
 from fastapi import Depends, HTTPException, Request, status
 from fastapi.concurrency import run_in_threadpool
@@ -66,17 +66,29 @@ def bearer_token(request: Request) -> tuple[str | None, str, str]:
         return None, "malformed", f"{len(values)} Authorization headers; send exactly one"
     header = values[0]
     if len(header) > MAX_AUTHORIZATION_CHARS:
-        return None, "malformed", f"Authorization header longer than {MAX_AUTHORIZATION_CHARS} characters"
+        return (
+            None,
+            "malformed",
+            f"Authorization header longer than {MAX_AUTHORIZATION_CHARS} characters",
+        )
     if not header.isascii():
         return None, "malformed", "Authorization header contains non-ASCII characters"
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer":
-        return None, "scheme", "Authorization must use the Bearer scheme: 'Authorization: Bearer <key>'"
+        return (
+            None,
+            "scheme",
+            "Authorization must use the Bearer scheme: 'Authorization: Bearer <key>'",
+        )
     token = token.strip()
     if not token:
         return None, "malformed", "empty bearer token: send 'Authorization: Bearer <key>'"
     if not KEY_PATTERN.fullmatch(token):
-        return None, "malformed", "invalid bearer token: not the shape of a Flywheel API key (fw_<8 hex digits>_<43 characters>)"
+        return (
+            None,
+            "malformed",
+            "invalid bearer token: not the shape of a Flywheel API key (fw_<8 hex digits>_<43 characters>)",
+        )
     return token, "", ""
 
 
@@ -109,7 +121,9 @@ def _refuse(request: Request, client: str, reason: str, message: str) -> NoRetur
     wait_s = throttle.try_take(client)
     if wait_s > 0:
         _throttled(throttle, wait_s)
-    raise HTTPException(status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"})
+    raise HTTPException(
+        status.HTTP_401_UNAUTHORIZED, message, headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 def _throttled(throttle: TokenBucketLimiter, wait_s: float) -> NoReturn:
@@ -146,7 +160,9 @@ async def authenticate(request: Request, settings: SettingsDep) -> ApiKey:
         wait_s = throttle.wait_s(client)
         if wait_s > 0 and not cache.known(token):
             _throttled(throttle, wait_s)
-        row, reason = await cache.resolve(token, lambda t: run_in_threadpool(_find_key, settings.db_url, t))
+        row, reason = await cache.resolve(
+            token, lambda t: run_in_threadpool(_find_key, settings.db_url, t)
+        )
         if row is not None:
             return row
     _refuse(request, client, reason, "invalid or revoked API key")
@@ -157,8 +173,10 @@ def require_scope(scope: str) -> Callable[..., ApiKey]:
 
     async def _check(request: Request, key: Annotated[ApiKey, Depends(authenticate)]) -> ApiKey:
         if scope not in key.scope_set:
-            raise HTTPException(status.HTTP_403_FORBIDDEN,
-                                f"this key has scopes {sorted(key.scope_set)}; this endpoint needs '{scope}'")
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                f"this key has scopes {sorted(key.scope_set)}; this endpoint needs '{scope}'",
+            )
         limiter = getattr(request.app.state, "rate_limiter", None)
         if limiter is not None:
             limiter.check(key)  # raises 429 with Retry-After

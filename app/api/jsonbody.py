@@ -66,7 +66,9 @@ def _explain(body: bytes, exc: orjson.JSONDecodeError, max_depth: int) -> JsonBo
         text = body.decode("utf-8")
     except UnicodeDecodeError as ue:
         return JsonBodyError("(body)", f"not UTF-8 (byte {ue.start}); send JSON encoded as UTF-8")
-    if body.count(b"[") + body.count(b"{") < 2 * max_depth + 2:  # the stdlib parser recurses: only shallow bodies
+    if (
+        body.count(b"[") + body.count(b"{") < 2 * max_depth + 2
+    ):  # the stdlib parser recurses: only shallow bodies
         try:
             doc = json.loads(text, parse_constant=lambda _name: _BAD)
         except (ValueError, RecursionError):
@@ -88,7 +90,10 @@ def _find_bad(node: Any, path: str) -> tuple[str, str] | None:
         try:
             node.encode("utf-8")
         except UnicodeEncodeError:
-            return where, "string contains a lone UTF-16 surrogate (\\ud800-\\udfff escape without its pair)"
+            return (
+                where,
+                "string contains a lone UTF-16 surrogate (\\ud800-\\udfff escape without its pair)",
+            )
         return None
     if isinstance(node, dict):
         for k, v in node.items():

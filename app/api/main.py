@@ -38,13 +38,25 @@ class KeyCache:
     55 characters (app/db/keys.py KEY_PATTERN; the caller refuses any other shape first).
     """
 
-    def __init__(self, ttl_s: float = 1.0, negative_ttl_s: float = 30.0, known_s: float = 600.0,
-                 max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic):
-        assert ttl_s >= 0 and negative_ttl_s >= 0 and max_entries >= 1, f"{ttl_s=} {negative_ttl_s=} {max_entries=}"
+    def __init__(
+        self,
+        ttl_s: float = 1.0,
+        negative_ttl_s: float = 30.0,
+        known_s: float = 600.0,
+        max_entries: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        assert ttl_s >= 0 and negative_ttl_s >= 0 and max_entries >= 1, (
+            f"{ttl_s=} {negative_ttl_s=} {max_entries=}"
+        )
         self.ttl_s, self.negative_ttl_s, self.known_s = ttl_s, negative_ttl_s, max(known_s, ttl_s)
         self.max_entries, self._clock = max_entries, clock
-        self._valid: OrderedDict[str, tuple[Any, float, float]] = OrderedDict()  # token -> (row, fresh until, known until)
-        self._refused: OrderedDict[str, tuple[str, float]] = OrderedDict()  # token -> (reason, until)
+        self._valid: OrderedDict[str, tuple[Any, float, float]] = (
+            OrderedDict()
+        )  # token -> (row, fresh until, known until)
+        self._refused: OrderedDict[str, tuple[str, float]] = (
+            OrderedDict()
+        )  # token -> (reason, until)
         self._inflight: dict[str, tuple[float, asyncio.Task]] = {}  # token -> (started, lookup)
 
     def get(self, token: str) -> Any:
@@ -66,7 +78,9 @@ class KeyCache:
             return None
         return hit[0]
 
-    async def resolve(self, token: str, lookup: Callable[[str], Awaitable[Any]]) -> tuple[Any, str | None]:
+    async def resolve(
+        self, token: str, lookup: Callable[[str], Awaitable[Any]]
+    ) -> tuple[Any, str | None]:
         """(row, None) for an active key, (None, "unknown" | "revoked") otherwise, caching the answer.
 
         `lookup(token)` returns the key's row (revoked or not) or None; it runs at most once per
@@ -76,11 +90,15 @@ class KeyCache:
         flight = self._inflight.get(token)
         if flight is None or now - flight[0] >= self.ttl_s:
             task = asyncio.ensure_future(self._lookup(token, lookup, now))
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if every waiter left
+            task.add_done_callback(
+                lambda t: t.cancelled() or t.exception()
+            )  # retrieved even if every waiter left
             flight = self._inflight[token] = (now, task)
         return await asyncio.shield(flight[1])
 
-    async def _lookup(self, token: str, lookup: Callable[[str], Awaitable[Any]], started: float) -> tuple[Any, str | None]:
+    async def _lookup(
+        self, token: str, lookup: Callable[[str], Awaitable[Any]], started: float
+    ) -> tuple[Any, str | None]:
         try:
             row = await lookup(token)
         finally:
@@ -119,13 +137,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             for hook in reversed(shutdown_hooks):
                 await hook(app)
 
-    app = FastAPI(title="Flywheel", version="0.1.0", lifespan=lifespan,
-                  description="Ingest editor feedback, read deployment status, operate rollouts.")
+    app = FastAPI(
+        title="Flywheel",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Ingest editor feedback, read deployment status, operate rollouts.",
+    )
     app.state.settings = settings
-    app.state.key_cache = KeyCache(settings.key_cache_ttl, settings.key_negative_cache_ttl, settings.auth_known_key_window,
-                                   settings.key_cache_max_entries)
-    app.state.auth_throttle = TokenBucketLimiter(settings.auth_failure_rate_per_s, settings.auth_failure_burst,
-                                                 max_keys=settings.auth_max_clients)
+    app.state.key_cache = KeyCache(
+        settings.key_cache_ttl,
+        settings.key_negative_cache_ttl,
+        settings.auth_known_key_window,
+        settings.key_cache_max_entries,
+    )
+    app.state.auth_throttle = TokenBucketLimiter(
+        settings.auth_failure_rate_per_s,
+        settings.auth_failure_burst,
+        max_keys=settings.auth_max_clients,
+    )
     app.state.startup_hooks = startup_hooks
     app.state.shutdown_hooks = shutdown_hooks
 
@@ -138,7 +167,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(events.router)  # POST /v1/events
     events.install(app)  # shared Kafka producer (lifespan hooks) + per-key rate limiter
     from app.api.routes import status as status_routes
-    app.include_router(status_routes.router)  # GET /v1/deployments, /v1/deployments/history, /v1/models/{version}
+
+    app.include_router(
+        status_routes.router
+    )  # GET /v1/deployments, /v1/deployments/history, /v1/models/{version}
     from app.api.routes import admin, hooks
 
     app.include_router(admin.router)  # POST /v1/deployments/{promote,abort,rollback,pause,resume}
@@ -148,7 +180,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from app.httplimits import BodyLimitMiddleware, body_limits
 
     # added last = outermost: body limits and timeouts hold before any route (or auth) runs
-    app.add_middleware(BodyLimitMiddleware, limits=body_limits(settings, {
-        "/v1/events": settings.max_body_bytes, "/v1/deployments/": settings.admin_max_body_bytes,
-        "/v1/hooks/mlflow": settings.webhook_max_body_bytes}))
+    app.add_middleware(
+        BodyLimitMiddleware,
+        limits=body_limits(
+            settings,
+            {
+                "/v1/events": settings.max_body_bytes,
+                "/v1/deployments/": settings.admin_max_body_bytes,
+                "/v1/hooks/mlflow": settings.webhook_max_body_bytes,
+            },
+        ),
+    )
     return app

@@ -23,22 +23,40 @@ import time
 
 from prometheus_client import Counter, Histogram
 
-EVENTS_ACCEPTED = Counter("flywheel_api_events_accepted_total", "Events acknowledged by Kafka and answered 202.")
-EVENTS_REJECTED = Counter("flywheel_api_events_rejected_total", "Events in rejected batches, by reason.", ["reason"])
+EVENTS_ACCEPTED = Counter(
+    "flywheel_api_events_accepted_total", "Events acknowledged by Kafka and answered 202."
+)
+EVENTS_REJECTED = Counter(
+    "flywheel_api_events_rejected_total", "Events in rejected batches, by reason.", ["reason"]
+)
 BATCHES = Counter("flywheel_api_batches_total", "POST /v1/events batches by outcome.", ["outcome"])
 PRODUCE_SECONDS = Histogram(
-    "flywheel_api_produce_seconds", "Time from the first send to the last broker acknowledgement of a batch.",
+    "flywheel_api_produce_seconds",
+    "Time from the first send to the last broker acknowledgement of a batch.",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
-RATE_LIMITED = Counter("flywheel_api_rate_limited_total", "Requests answered 429 by the per-key rate limit.")
-AUTH_FAILURES = Counter("flywheel_api_auth_failures_total", "Failed authentications by reason.", ["reason"])
-AUTH_THROTTLED = Counter("flywheel_api_auth_throttled_total",
-                         "Requests answered 429 because their client address is over its failed-authentication budget.")
-KEY_LOOKUPS = Counter("flywheel_api_key_lookups_total", "Database lookups of API keys (key cache misses).")
-HTTP_REQUESTS = Counter("flywheel_api_http_requests_total", "HTTP requests by route template and status.",
-                        ["method", "route", "status"])
+RATE_LIMITED = Counter(
+    "flywheel_api_rate_limited_total", "Requests answered 429 by the per-key rate limit."
+)
+AUTH_FAILURES = Counter(
+    "flywheel_api_auth_failures_total", "Failed authentications by reason.", ["reason"]
+)
+AUTH_THROTTLED = Counter(
+    "flywheel_api_auth_throttled_total",
+    "Requests answered 429 because their client address is over its failed-authentication budget.",
+)
+KEY_LOOKUPS = Counter(
+    "flywheel_api_key_lookups_total", "Database lookups of API keys (key cache misses)."
+)
+HTTP_REQUESTS = Counter(
+    "flywheel_api_http_requests_total",
+    "HTTP requests by route template and status.",
+    ["method", "route", "status"],
+)
 HTTP_SECONDS = Histogram(
-    "flywheel_api_http_request_seconds", "HTTP request duration by route template.", ["method", "route"],
+    "flywheel_api_http_request_seconds",
+    "HTTP request duration by route template.",
+    ["method", "route"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 

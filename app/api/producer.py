@@ -77,8 +77,13 @@ def _record_errors() -> tuple[type[BaseException], ...]:
     """Errors about the records themselves (not the broker's state): never a reason to replace the producer."""
     from aiokafka import errors as E
 
-    return (E.MessageSizeTooLargeError, E.RecordListTooLargeError, E.CorruptRecordException,
-            E.InvalidTimestampError, E.UnsupportedForMessageFormatError)
+    return (
+        E.MessageSizeTooLargeError,
+        E.RecordListTooLargeError,
+        E.CorruptRecordException,
+        E.InvalidTimestampError,
+        E.UnsupportedForMessageFormatError,
+    )
 
 
 @dataclass(eq=False)
@@ -97,19 +102,19 @@ class EventProducer:
         self.timeout_s = float(settings.kafka_produce_timeout)
         assert self.timeout_s > 0, f"kafka_produce_timeout must be > 0, got {self.timeout_s}"
         self.retry_after_s = max(1, math.ceil(self.timeout_s))
-        self._config: dict[str, Any] = dict(
-            bootstrap_servers=settings.kafka_bootstrap.split(","),
-            client_id="flywheel-api",
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=2,
-            max_batch_size=256 * 1024,
+        self._config: dict[str, Any] = {
+            "bootstrap_servers": settings.kafka_bootstrap.split(","),
+            "client_id": "flywheel-api",
+            "acks": "all",
+            "enable_idempotence": True,
+            "linger_ms": 2,
+            "max_batch_size": 256 * 1024,
             # the interactions topic's record limit: a record the broker would refuse is refused here first
-            max_request_size=KAFKA_MESSAGE_MAX_BYTES,
-            request_timeout_ms=max(1000, int(self.timeout_s * 1000)),
-            retry_backoff_ms=50,
-            key_serializer=lambda k: k.encode() if isinstance(k, str) else k,
-        )
+            "max_request_size": KAFKA_MESSAGE_MAX_BYTES,
+            "request_timeout_ms": max(1000, int(self.timeout_s * 1000)),
+            "retry_backoff_ms": 50,
+            "key_serializer": lambda k: k.encode() if isinstance(k, str) else k,
+        }
         self._config.update(overrides)
         self.max_record_bytes: int = self._config["max_request_size"]
         self._topic = settings.topic("interactions")
@@ -142,7 +147,9 @@ class EventProducer:
                     self._stop_later(producer)
                     raise
                 self._lease = _Lease(producer)
-                log.info("kafka producer connected to %s", ",".join(self._config["bootstrap_servers"]))
+                log.info(
+                    "kafka producer connected to %s", ",".join(self._config["bootstrap_servers"])
+                )
         return self._lease
 
     def _stop_later(self, producer: Any) -> None:
@@ -187,7 +194,12 @@ class EventProducer:
         for i, (key, value) in enumerate(records):
             size = estimate(key.encode() if isinstance(key, str) else key, value, [])
             if size > self.max_record_bytes:
-                errors.append((i, f"the Kafka record would be {size} bytes; the record limit is {self.max_record_bytes}"))
+                errors.append(
+                    (
+                        i,
+                        f"the Kafka record would be {size} bytes; the record limit is {self.max_record_bytes}",
+                    )
+                )
         if errors:
             raise RecordRejected(errors, too_large=True)
 
@@ -207,18 +219,24 @@ class EventProducer:
             await asyncio.wait_for(self._produce(topic, records, held), self.timeout_s)
         except RecordRejected:
             raise
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             self._retire(held[0] if held else None)
-            raise KafkaUnavailable(f"Kafka did not acknowledge the batch within {self.timeout_s:g}s",
-                                   self.retry_after_s) from None
+            raise KafkaUnavailable(
+                f"Kafka did not acknowledge the batch within {self.timeout_s:g}s",
+                self.retry_after_s,
+            ) from None
         except (KafkaError, OSError) as exc:
             self._retire(held[0] if held else None)
-            raise KafkaUnavailable(f"Kafka is unavailable: {type(exc).__name__}: {exc}", self.retry_after_s) from None
+            raise KafkaUnavailable(
+                f"Kafka is unavailable: {type(exc).__name__}: {exc}", self.retry_after_s
+            ) from None
         finally:
             if held:
                 self._release(held[0])
 
-    async def _produce(self, topic: str, records: list[tuple[str, bytes]], held: list[_Lease]) -> None:
+    async def _produce(
+        self, topic: str, records: list[tuple[str, bytes]], held: list[_Lease]
+    ) -> None:
         lease = await self._get_lease()
         lease.users += 1
         held.append(lease)
@@ -229,13 +247,22 @@ class EventProducer:
             try:
                 futures.append(await send(topic, value, key=key))
             except record_errors as exc:  # refused by the client before it was queued
-                raise RecordRejected([(i, f"{type(exc).__name__}: {exc}")], too_large=_is_size(exc)) from None
+                raise RecordRejected(
+                    [(i, f"{type(exc).__name__}: {exc}")], too_large=_is_size(exc)
+                ) from None
         results = await asyncio.gather(*futures, return_exceptions=True)
         rejected = [(i, r) for i, r in enumerate(results) if isinstance(r, record_errors)]
         if rejected:
-            log.warning("Kafka refused %d record(s) of a batch of %d: %r", len(rejected), len(records), rejected[0][1])
-            raise RecordRejected([(i, f"Kafka refused the record: {type(r).__name__}: {r}") for i, r in rejected],
-                                 too_large=all(_is_size(r) for _, r in rejected))
+            log.warning(
+                "Kafka refused %d record(s) of a batch of %d: %r",
+                len(rejected),
+                len(records),
+                rejected[0][1],
+            )
+            raise RecordRejected(
+                [(i, f"Kafka refused the record: {type(r).__name__}: {r}") for i, r in rejected],
+                too_large=all(_is_size(r) for _, r in rejected),
+            )
         failed = next((r for r in results if isinstance(r, BaseException)), None)
         if failed is not None:
             raise failed
@@ -246,19 +273,32 @@ class EventProducer:
         try:
             await asyncio.wait_for(self._get_lease(), self.timeout_s)
         except Exception as exc:  # Kafka may be down at start-up; requests retry the connection
-            log.warning("kafka not reachable at start-up (%s: %s); POST /v1/events answers 503 until it is",
-                        type(exc).__name__, exc)
+            log.warning(
+                "kafka not reachable at start-up (%s: %s); POST /v1/events answers 503 until it is",
+                type(exc).__name__,
+                exc,
+            )
             return
         try:
             limit = await asyncio.wait_for(self._topic_record_limit(), self.timeout_s)
         except Exception as exc:  # the check is a safeguard; the configured limit stays in force
-            log.warning("could not read max.message.bytes of %s (%s: %s); records are checked against %d bytes",
-                        self._topic, type(exc).__name__, exc, self.max_record_bytes)
+            log.warning(
+                "could not read max.message.bytes of %s (%s: %s); records are checked against %d bytes",
+                self._topic,
+                type(exc).__name__,
+                exc,
+                self.max_record_bytes,
+            )
             return
         if limit is not None and limit < self.max_record_bytes:
-            log.warning("%s accepts records of at most %d bytes (max.message.bytes), less than the %d the API is "
-                        "configured for; larger events are answered 413. Set the topic's max.message.bytes to %d.",
-                        self._topic, limit, self.max_record_bytes, self.max_record_bytes)
+            log.warning(
+                "%s accepts records of at most %d bytes (max.message.bytes), less than the %d the API is "
+                "configured for; larger events are answered 413. Set the topic's max.message.bytes to %d.",
+                self._topic,
+                limit,
+                self.max_record_bytes,
+                self.max_record_bytes,
+            )
             self.max_record_bytes = limit
 
     async def _topic_record_limit(self) -> int | None:
@@ -266,12 +306,15 @@ class EventProducer:
         from aiokafka.admin import AIOKafkaAdminClient
         from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-        admin = AIOKafkaAdminClient(bootstrap_servers=self._config["bootstrap_servers"],
-                                    request_timeout_ms=self._config["request_timeout_ms"])
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=self._config["bootstrap_servers"],
+            request_timeout_ms=self._config["request_timeout_ms"],
+        )
         await admin.start()
         try:
             responses = await admin.describe_configs(
-                [ConfigResource(ConfigResourceType.TOPIC, self._topic, {"max.message.bytes": None})])
+                [ConfigResource(ConfigResourceType.TOPIC, self._topic, {"max.message.bytes": None})]
+            )
         finally:
             await admin.close()
         for resource in responses[0].to_object()["resources"]:

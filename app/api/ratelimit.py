@@ -35,11 +35,22 @@ from fastapi import HTTPException, status
 class TokenBucketLimiter:
     """Thread-safe token buckets keyed by anything hashable (an API key id, a client address)."""
 
-    def __init__(self, rate_per_s: float, burst: int, clock=time.monotonic, max_keys: int = 100_000):
-        assert rate_per_s > 0 and burst >= 1, f"rate_per_s must be > 0 and burst >= 1, got {rate_per_s=} {burst=}"
+    def __init__(
+        self, rate_per_s: float, burst: int, clock=time.monotonic, max_keys: int = 100_000
+    ):
+        assert rate_per_s > 0 and burst >= 1, (
+            f"rate_per_s must be > 0 and burst >= 1, got {rate_per_s=} {burst=}"
+        )
         assert max_keys >= 1, f"max_keys must be >= 1, got {max_keys}"
-        self.rate_per_s, self.burst, self._clock, self._max_keys = float(rate_per_s), float(burst), clock, max_keys
-        self._buckets: OrderedDict[Any, tuple[float, float]] = OrderedDict()  # key -> (tokens, last refill), LRU order
+        self.rate_per_s, self.burst, self._clock, self._max_keys = (
+            float(rate_per_s),
+            float(burst),
+            clock,
+            max_keys,
+        )
+        self._buckets: OrderedDict[Any, tuple[float, float]] = (
+            OrderedDict()
+        )  # key -> (tokens, last refill), LRU order
         self._lock = threading.Lock()
 
     def _tokens(self, bucket: Any, now: float) -> float:
@@ -62,7 +73,9 @@ class TokenBucketLimiter:
             self._buckets[bucket] = (tokens - cost if wait == 0.0 else tokens, now)
             self._buckets.move_to_end(bucket)
             while len(self._buckets) > self._max_keys:
-                self._buckets.popitem(last=False)  # the least recently used: forgetting it only grants tokens
+                self._buckets.popitem(
+                    last=False
+                )  # the least recently used: forgetting it only grants tokens
             return wait
 
     def __len__(self) -> int:

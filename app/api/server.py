@@ -29,7 +29,9 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def serve(settings: Settings, host: str | None = None, port: int | None = None, log_level: str = "info") -> None:
+def serve(
+    settings: Settings, host: str | None = None, port: int | None = None, log_level: str = "info"
+) -> None:
     """Serve the API until interrupted; the migrations are applied once the database answers
     (in the background: /readyz says what is missing meanwhile, app/api/routes/health.py)."""
     from app.api.main import create_app
@@ -38,8 +40,16 @@ def serve(settings: Settings, host: str | None = None, port: int | None = None, 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     app = create_app(settings)
     migrate_in_background(app)
-    uvicorn.Server(uvicorn_config(app, settings, host=host or settings.api_host, port=port or settings.api_port,
-                                  log_level=log_level, timeout_graceful_shutdown=10)).run()
+    uvicorn.Server(
+        uvicorn_config(
+            app,
+            settings,
+            host=host or settings.api_host,
+            port=port or settings.api_port,
+            log_level=log_level,
+            timeout_graceful_shutdown=10,
+        )
+    ).run()
 
 
 def _free_port() -> int:
@@ -54,25 +64,42 @@ class ServerThread:
     Its limits come from `settings`, else from the app's own (`app.state.settings`), else the defaults.
     """
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
-                 settings: Settings | None = None):
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_level: str = "warning",
+        settings: Settings | None = None,
+    ):
         self.host, self.port = host, port or _free_port()
         settings = settings or getattr(app.state, "settings", None) or Settings()
-        config = uvicorn_config(app, settings, host=self.host, port=self.port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=5)
+        config = uvicorn_config(
+            app,
+            settings,
+            host=self.host,
+            port=self.port,
+            log_level=log_level,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name=f"uvicorn-{self.port}", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, name=f"uvicorn-{self.port}", daemon=True
+        )
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self.thread.is_alive():
-                raise RuntimeError(f"uvicorn on {self.url} exited during start-up; see the log above")
+                raise RuntimeError(
+                    f"uvicorn on {self.url} exited during start-up; see the log above"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"uvicorn on {self.url} did not start within {timeout_s}s")
             time.sleep(0.02)
@@ -83,7 +110,7 @@ class ServerThread:
         self.thread.join(timeout_s)
         assert not self.thread.is_alive(), f"uvicorn on {self.url} did not stop within {timeout_s}s"
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc) -> None:

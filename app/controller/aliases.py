@@ -54,21 +54,27 @@ class AliasMove:
         return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def read_snapshot(client, model: str) -> Snapshot:  # noqa: ANN001 (MlflowClient)
+def read_snapshot(client, model: str) -> Snapshot:
     rm = client.get_registered_model(model)
     aliases = dict(rm.aliases or {})
     tags = dict(rm.tags or {})
-    return Snapshot(aliases={a: aliases.get(a) for a in ALIASES},
-                    acked={a: tags.get(TAG_PREFIX + a) or None for a in ALIASES},
-                    seq=int(tags.get(SEQ_TAG, "0") or 0))
+    return Snapshot(
+        aliases={a: aliases.get(a) for a in ALIASES},
+        acked={a: tags.get(TAG_PREFIX + a) or None for a in ALIASES},
+        seq=int(tags.get(SEQ_TAG, "0") or 0),
+    )
 
 
 def detect_moves(snap: Snapshot) -> list[AliasMove]:
     """Aliases that differ from Flywheel's acknowledged copy: moves made outside Flywheel."""
-    return [AliasMove(a, snap.acked[a], snap.aliases[a], snap.seq) for a in ALIASES if snap.aliases[a] != snap.acked[a]]
+    return [
+        AliasMove(a, snap.acked[a], snap.aliases[a], snap.seq)
+        for a in ALIASES
+        if snap.aliases[a] != snap.acked[a]
+    ]
 
 
-def _set_ack(client, model: str, alias: str, version: str | None) -> None:  # noqa: ANN001
+def _set_ack(client, model: str, alias: str, version: str | None) -> None:
     if version is None:
         try:
             client.delete_registered_model_tag(model, TAG_PREFIX + alias)
@@ -78,7 +84,7 @@ def _set_ack(client, model: str, alias: str, version: str | None) -> None:  # no
         client.set_registered_model_tag(model, TAG_PREFIX + alias, version)
 
 
-def acknowledge(client, model: str, moves: list[AliasMove]) -> None:  # noqa: ANN001
+def acknowledge(client, model: str, moves: list[AliasMove]) -> None:
     """Record `moves` as known (after their events are published)."""
     if not moves:
         return
@@ -87,16 +93,23 @@ def acknowledge(client, model: str, moves: list[AliasMove]) -> None:  # noqa: AN
     client.set_registered_model_tag(model, SEQ_TAG, str(max(m.seq for m in moves) + 1))
 
 
-def sync_aliases(client, model: str, want: dict[str, str | None]) -> list[tuple[str, str | None, str | None]]:  # noqa: ANN001
+def sync_aliases(
+    client, model: str, want: dict[str, str | None]
+) -> list[tuple[str, str | None, str | None]]:
     """Make MLflow's aliases (and the acknowledged tags) equal `want`; returns [(alias, old, new)] moved.
 
     Tag first, alias second: the webhook MLflow fires for this move then reads tag == alias.
     """
     snap = read_snapshot(client, model)
     outside = [m for m in detect_moves(snap) if m.alias in want]
-    if outside:  # moved in MLflow since the caller's last reconcile: report it first, never overwrite it
-        log.info("not moving aliases of %s: %s moved outside Flywheel and is not reconciled yet", model,
-                 [(m.alias, m.from_version, m.to_version) for m in outside])
+    if (
+        outside
+    ):  # moved in MLflow since the caller's last reconcile: report it first, never overwrite it
+        log.info(
+            "not moving aliases of %s: %s moved outside Flywheel and is not reconciled yet",
+            model,
+            [(m.alias, m.from_version, m.to_version) for m in outside],
+        )
         return []
     changed = []
     bumped = False
@@ -111,7 +124,9 @@ def sync_aliases(client, model: str, want: dict[str, str | None]) -> list[tuple[
             else:
                 client.set_registered_model_alias(model, alias, version)
             changed.append((alias, snap.aliases[alias], version))
-            log.info("moved MLflow alias %s@%s: %s -> %s", model, alias, snap.aliases[alias], version)
+            log.info(
+                "moved MLflow alias %s@%s: %s -> %s", model, alias, snap.aliases[alias], version
+            )
     if bumped:
         client.set_registered_model_tag(model, SEQ_TAG, str(snap.seq + 1))
     return changed

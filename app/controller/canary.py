@@ -51,22 +51,59 @@ Verdict = Literal["worse", "better_or_equal", "inconclusive", "insufficient"]
 class CanaryConfig(BaseModel):
     """How a canary proceeds. Durations in seconds."""
 
-    steps: tuple[float, ...] = Field((5.0, 25.0, 50.0, 100.0), description="Candidate's share of sessions per step, in %, increasing, ending at 100 (= promotion).")
-    min_step_s: float = Field(600.0, ge=0, description="Minimum time a step lasts before it can be judged.")
-    min_samples: int = Field(200, ge=2, description="Minimum labelled samples per arm (candidate and champion) in a step's window.")
-    step_deadline_s: float = Field(3 * 3600.0, gt=0, description="A step still inconclusive this long after it started pauses for an operator.")
-    alpha: float = Field(0.05, gt=0, lt=1, description="Error level of the confidence sequence (two-sided, time-uniform).")
-    margin: float = Field(0.05, ge=0, description="Non-inferiority margin in reward units: 'equal' means not worse than this.")
-    cs_target_n: int = Field(1000, ge=1, description="Sample size at which the confidence sequence is tightest (tunes rho).")
-    known_good_n: int = Field(5, ge=1, description="How many previous known-good versions an operator may roll back to.")
-    guardrails: bool = Field(True, description="Roll back a candidate confidently worse on a user-outcome guardrail (acceptance, kept edits, follow-up sentiment, tool-call success).")
-    guardrail_margin: float = Field(0.02, ge=0, description="Non-inferiority margin of the guardrails, in rate (or sentiment) units.")
+    steps: tuple[float, ...] = Field(
+        (5.0, 25.0, 50.0, 100.0),
+        description="Candidate's share of sessions per step, in %, increasing, ending at 100 (= promotion).",
+    )
+    min_step_s: float = Field(
+        600.0, ge=0, description="Minimum time a step lasts before it can be judged."
+    )
+    min_samples: int = Field(
+        200,
+        ge=2,
+        description="Minimum labelled samples per arm (candidate and champion) in a step's window.",
+    )
+    step_deadline_s: float = Field(
+        3 * 3600.0,
+        gt=0,
+        description="A step still inconclusive this long after it started pauses for an operator.",
+    )
+    alpha: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="Error level of the confidence sequence (two-sided, time-uniform).",
+    )
+    margin: float = Field(
+        0.05,
+        ge=0,
+        description="Non-inferiority margin in reward units: 'equal' means not worse than this.",
+    )
+    cs_target_n: int = Field(
+        1000,
+        ge=1,
+        description="Sample size at which the confidence sequence is tightest (tunes rho).",
+    )
+    known_good_n: int = Field(
+        5, ge=1, description="How many previous known-good versions an operator may roll back to."
+    )
+    guardrails: bool = Field(
+        True,
+        description="Roll back a candidate confidently worse on a user-outcome guardrail (acceptance, kept edits, follow-up sentiment, tool-call success).",
+    )
+    guardrail_margin: float = Field(
+        0.02,
+        ge=0,
+        description="Non-inferiority margin of the guardrails, in rate (or sentiment) units.",
+    )
 
     @field_validator("steps")
     @classmethod
     def _steps_increase_to_100(cls, v: tuple[float, ...]) -> tuple[float, ...]:
         if not v or v[-1] != 100.0 or any(b <= a for a, b in zip(v, v[1:])) or v[0] <= 0:
-            raise ValueError(f"canary steps must increase from >0 and end at 100 (e.g. 5,25,50,100), got {v}")
+            raise ValueError(
+                f"canary steps must increase from >0 and end at 100 (e.g. 5,25,50,100), got {v}"
+            )
         return v
 
 
@@ -85,11 +122,17 @@ class ArmStats:
     followup_sum: float = 0.0
     tool_error_rollouts: float = 0.0  # completions with at least one tool error
 
-    def __add__(self, other: "ArmStats") -> "ArmStats":
-        return ArmStats(self.n + other.n, self.reward_sum + other.reward_sum, self.reward_sumsq + other.reward_sumsq,
-                        self.accepts + other.accepts, self.persistence_sum + other.persistence_sum,
-                        self.followup_n + other.followup_n, self.followup_sum + other.followup_sum,
-                        self.tool_error_rollouts + other.tool_error_rollouts)
+    def __add__(self, other: ArmStats) -> ArmStats:
+        return ArmStats(
+            self.n + other.n,
+            self.reward_sum + other.reward_sum,
+            self.reward_sumsq + other.reward_sumsq,
+            self.accepts + other.accepts,
+            self.persistence_sum + other.persistence_sum,
+            self.followup_n + other.followup_n,
+            self.followup_sum + other.followup_sum,
+            self.tool_error_rollouts + other.tool_error_rollouts,
+        )
 
     @property
     def mean(self) -> float:
@@ -97,10 +140,15 @@ class ArmStats:
 
     def guardrail_sums(self) -> dict[str, tuple[float, float]]:
         """guardrail -> (sum, upper bound of the sum of squares) of its per-completion value."""
-        return {"acceptance_rate": (self.accepts, self.accepts),  # 0/1: x^2 = x
-                "kept_edit_rate": (self.persistence_sum, self.persistence_sum),  # [0, 1]: x^2 <= x
-                "followup_sentiment": (self.followup_sum, self.followup_n),  # [-1, 1], 0 without one: x^2 <= 1
-                "tool_call_success_rate": (self.n - self.tool_error_rollouts,) * 2}  # 0/1: no tool error
+        return {
+            "acceptance_rate": (self.accepts, self.accepts),  # 0/1: x^2 = x
+            "kept_edit_rate": (self.persistence_sum, self.persistence_sum),  # [0, 1]: x^2 <= x
+            "followup_sentiment": (
+                self.followup_sum,
+                self.followup_n,
+            ),  # [-1, 1], 0 without one: x^2 <= 1
+            "tool_call_success_rate": (self.n - self.tool_error_rollouts,) * 2,
+        }  # 0/1: no tool error
 
 
 GUARDRAILS = ("acceptance_rate", "kept_edit_rate", "followup_sentiment", "tool_call_success_rate")
@@ -116,7 +164,9 @@ def cs_radius(sigma: float, t: int, alpha: float, target_n: int) -> float:
     assert t > 0 and sigma >= 0 and 0 < alpha < 1, f"t={t} sigma={sigma} alpha={alpha}"
     la = -2.0 * math.log(alpha)
     rho2 = (la + math.log(la + 1.0)) / target_n
-    return sigma * math.sqrt(2.0 * (t * rho2 + 1.0) / (t * t * rho2) * math.log(math.sqrt(t * rho2 + 1.0) / alpha))
+    return sigma * math.sqrt(
+        2.0 * (t * rho2 + 1.0) / (t * t * rho2) * math.log(math.sqrt(t * rho2 + 1.0) / alpha)
+    )
 
 
 class Analysis(BaseModel):
@@ -136,7 +186,9 @@ class Analysis(BaseModel):
 
     def worst_guardrail(self) -> str | None:
         """The first guardrail on which the candidate is confidently worse, or None."""
-        return next((g for g in GUARDRAILS if self.guardrails.get(g, {}).get("verdict") == "worse"), None)
+        return next(
+            (g for g in GUARDRAILS if self.guardrails.get(g, {}).get("verdict") == "worse"), None
+        )
 
     @property
     def n_candidate(self) -> int:
@@ -149,30 +201,55 @@ class Analysis(BaseModel):
 
 def analyze(cand: ArmStats, champ: ArmStats, cfg: CanaryConfig) -> Analysis:
     """Compare candidate and champion rewards with the time-uniform confidence sequence."""
-    base = dict(candidate={"n": cand.n, "reward_mean": cand.mean if cand.n else None},
-                champion={"n": champ.n, "reward_mean": champ.mean if champ.n else None},
-                alpha=cfg.alpha, margin=cfg.margin)
+    base = {
+        "candidate": {"n": cand.n, "reward_mean": cand.mean if cand.n else None},
+        "champion": {"n": champ.n, "reward_mean": champ.mean if champ.n else None},
+        "alpha": cfg.alpha,
+        "margin": cfg.margin,
+    }
     if cand.n < cfg.min_samples or champ.n < cfg.min_samples:
         return Analysis(verdict="insufficient", **base)
-    delta, lo, hi = _ipw_bounds(cand.n, cand.reward_sum, cand.reward_sumsq, champ.n, champ.reward_sum,
-                                champ.reward_sumsq, cfg)
+    delta, lo, hi = _ipw_bounds(
+        cand.n,
+        cand.reward_sum,
+        cand.reward_sumsq,
+        champ.n,
+        champ.reward_sum,
+        champ.reward_sumsq,
+        cfg,
+    )
     guardrails = {}
     if cfg.guardrails:
         c_sums, h_sums = cand.guardrail_sums(), champ.guardrail_sums()
         for g in GUARDRAILS:
             (cs, cq), (hs, hq) = c_sums[g], h_sums[g]
             d, gl, gh = _ipw_bounds(cand.n, cs, cq, champ.n, hs, hq, cfg)
-            guardrails[g] = {"verdict": _verdict(gl, gh, cfg.guardrail_margin), "delta": d, "lower": gl, "upper": gh,
-                             "candidate": cs / cand.n, "champion": hs / champ.n, "margin": cfg.guardrail_margin}
-    return Analysis(verdict=_verdict(lo, hi, cfg.margin), delta=delta, lower=lo, upper=hi, guardrails=guardrails, **base)
+            guardrails[g] = {
+                "verdict": _verdict(gl, gh, cfg.guardrail_margin),
+                "delta": d,
+                "lower": gl,
+                "upper": gh,
+                "candidate": cs / cand.n,
+                "champion": hs / champ.n,
+                "margin": cfg.guardrail_margin,
+            }
+    return Analysis(
+        verdict=_verdict(lo, hi, cfg.margin),
+        delta=delta,
+        lower=lo,
+        upper=hi,
+        guardrails=guardrails,
+        **base,
+    )
 
 
 def _verdict(lo: float, hi: float, margin: float) -> Verdict:
     return "worse" if hi < -margin else "better_or_equal" if lo > -margin else "inconclusive"
 
 
-def _ipw_bounds(n_c: int, sum_c: float, sq_c: float, n_h: int, sum_h: float, sq_h: float,
-                cfg: CanaryConfig) -> tuple[float, float, float]:
+def _ipw_bounds(
+    n_c: int, sum_c: float, sq_c: float, n_h: int, sum_h: float, sq_h: float, cfg: CanaryConfig
+) -> tuple[float, float, float]:
     """(delta, lower, upper): mean_c - mean_h and its confidence-sequence bounds from per-arm sums
     (`sq_*` the sum of squares, or an upper bound of it: the sequence only widens)."""
     n = n_c + n_h
@@ -205,7 +282,9 @@ class Tick:
 Input = Observe | Event | Tick
 
 
-def _emit(state: DeploymentState, decisions: list[Decision], now: datetime) -> tuple[DeploymentState, list[dict]]:
+def _emit(
+    state: DeploymentState, decisions: list[Decision], now: datetime
+) -> tuple[DeploymentState, list[dict]]:
     events = []
     for d in decisions:
         ev = d.to_event(state.model, now)
@@ -214,7 +293,9 @@ def _emit(state: DeploymentState, decisions: list[Decision], now: datetime) -> t
     return state, events
 
 
-def transition(state: DeploymentState, inp: Input, cfg: CanaryConfig) -> tuple[DeploymentState, list[dict[str, Any]]]:
+def transition(
+    state: DeploymentState, inp: Input, cfg: CanaryConfig
+) -> tuple[DeploymentState, list[dict[str, Any]]]:
     """One step of the rollout state machine. Pure: same inputs, same outputs (up to event ids)."""
     if isinstance(inp, Event):
         state = apply_event(state, inp.event)
@@ -253,40 +334,90 @@ def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decis
     guard = a.worst_guardrail()
     if guard is not None:
         g = a.guardrails[guard]
-        return [Decision(type="rolled_back", version=state.champion, from_version=state.candidate, traffic_pct=0.0,
-                         reason=f"canary step {state.step} ({state.traffic_pct:g}%): guardrail {guard}: candidate "
-                                f"{g['candidate']:.4f} vs champion {g['champion']:.4f}, worse by more than "
-                                f"{cfg.guardrail_margin:g} (delta {g['delta']:+.4f}, CS [{g['lower']:+.4f}, "
-                                f"{g['upper']:+.4f}]) whatever its reward ({stats})",
-                         details={**details, "guardrail": guard})]
+        return [
+            Decision(
+                type="rolled_back",
+                version=state.champion,
+                from_version=state.candidate,
+                traffic_pct=0.0,
+                reason=f"canary step {state.step} ({state.traffic_pct:g}%): guardrail {guard}: candidate "
+                f"{g['candidate']:.4f} vs champion {g['champion']:.4f}, worse by more than "
+                f"{cfg.guardrail_margin:g} (delta {g['delta']:+.4f}, CS [{g['lower']:+.4f}, "
+                f"{g['upper']:+.4f}]) whatever its reward ({stats})",
+                details={**details, "guardrail": guard},
+            )
+        ]
     if a.verdict == "worse":
-        return [Decision(type="rolled_back", version=state.champion, from_version=state.candidate, traffic_pct=0.0,
-                         reason=f"canary step {state.step} ({state.traffic_pct:g}%): candidate worse than champion by "
-                                f"more than {cfg.margin:g} ({stats})", details=details)]
+        return [
+            Decision(
+                type="rolled_back",
+                version=state.champion,
+                from_version=state.candidate,
+                traffic_pct=0.0,
+                reason=f"canary step {state.step} ({state.traffic_pct:g}%): candidate worse than champion by "
+                f"more than {cfg.margin:g} ({stats})",
+                details=details,
+            )
+        ]
     if a.verdict == "better_or_equal":
-        return [_advance(state, cfg, f"canary step {state.step} ({state.traffic_pct:g}%) passed ({stats})", details)]
+        return [
+            _advance(
+                state,
+                cfg,
+                f"canary step {state.step} ({state.traffic_pct:g}%) passed ({stats})",
+                details,
+            )
+        ]
     return _deadline(state, a, obs.now, cfg)
 
 
-def _advance(state: DeploymentState, cfg: CanaryConfig, reason: str, details: dict[str, Any],
-             **who: str) -> Decision:
+def _advance(
+    state: DeploymentState, cfg: CanaryConfig, reason: str, details: dict[str, Any], **who: str
+) -> Decision:
     nxt = state.step + 1
     if nxt >= len(cfg.steps) - 1:  # the last step is 100% = the candidate becomes champion
-        return Decision(type="promoted", version=state.candidate, from_version=state.champion, traffic_pct=100.0,
-                        reason=reason, details={**details, "step": len(cfg.steps) - 1}, **who)
-    return Decision(type="traffic_shifted", version=state.candidate, from_version=state.champion,
-                    traffic_pct=cfg.steps[nxt], reason=reason, details={**details, "step": nxt}, **who)
+        return Decision(
+            type="promoted",
+            version=state.candidate,
+            from_version=state.champion,
+            traffic_pct=100.0,
+            reason=reason,
+            details={**details, "step": len(cfg.steps) - 1},
+            **who,
+        )
+    return Decision(
+        type="traffic_shifted",
+        version=state.candidate,
+        from_version=state.champion,
+        traffic_pct=cfg.steps[nxt],
+        reason=reason,
+        details={**details, "step": nxt},
+        **who,
+    )
 
 
-def _deadline(state: DeploymentState, a: Analysis | None, now: datetime, cfg: CanaryConfig) -> list[Decision]:
-    if state.phase != "canary" or state.candidate is None or _step_age(state, now) < cfg.step_deadline_s:
+def _deadline(
+    state: DeploymentState, a: Analysis | None, now: datetime, cfg: CanaryConfig
+) -> list[Decision]:
+    if (
+        state.phase != "canary"
+        or state.candidate is None
+        or _step_age(state, now) < cfg.step_deadline_s
+    ):
         return []
     details: dict[str, Any] = {"step": state.step}
     if a is not None:
         details["analysis"] = a.model_dump()
-    return [Decision(type="canary_paused", version=state.candidate, traffic_pct=state.traffic_pct, details=details,
-                     reason=f"step {state.step} ({state.traffic_pct:g}%) still inconclusive after "
-                            f"{cfg.step_deadline_s:g}s; waiting for an operator (promote, abort, resume)")]
+    return [
+        Decision(
+            type="canary_paused",
+            version=state.candidate,
+            traffic_pct=state.traffic_pct,
+            details=details,
+            reason=f"step {state.step} ({state.traffic_pct:g}%) still inconclusive after "
+            f"{cfg.step_deadline_s:g}s; waiting for an operator (promote, abort, resume)",
+        )
+    ]
 
 
 def reconcile(state: DeploymentState, cfg: CanaryConfig) -> list[Decision]:
@@ -295,14 +426,26 @@ def reconcile(state: DeploymentState, cfg: CanaryConfig) -> list[Decision]:
         return [_answer_champion_move(state)]
     if state.ui_candidate is not None:
         return _answer_candidate_move(state, cfg)
-    passed = [v for v, ok in state.gate.items()
-              if ok and v not in state.canaried and v not in state.failed and vkey(v) > vkey(state.champion)]
+    passed = [
+        v
+        for v, ok in state.gate.items()
+        if ok
+        and v not in state.canaried
+        and v not in state.failed
+        and vkey(v) > vkey(state.champion)
+    ]
     if not passed:
         return []
     newest = max(passed, key=vkey)
     if state.champion is None:
-        return [Decision(type="promoted", version=newest, traffic_pct=100.0,
-                         reason=f"version {newest} passed the gate and there is no champion yet")]
+        return [
+            Decision(
+                type="promoted",
+                version=newest,
+                traffic_pct=100.0,
+                reason=f"version {newest} passed the gate and there is no champion yet",
+            )
+        ]
     out = []
     if state.candidate is not None:
         if vkey(state.candidate) >= vkey(newest):
@@ -312,11 +455,26 @@ def reconcile(state: DeploymentState, cfg: CanaryConfig) -> list[Decision]:
             # starts after it. Superseding running canaries livelocks when versions ship faster than
             # a canary takes: every canary is aborted, nothing is ever promoted (seen in the demo)
             return []
-        out.append(Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
-                            reason=f"superseded by version {newest}, which passed the gate while this canary "
-                                   f"was paused"))
-    out.append(Decision(type="canary_started", version=newest, from_version=state.champion, traffic_pct=cfg.steps[0],
-                        reason=f"version {newest} passed the gate", details={"step": 0}))
+        out.append(
+            Decision(
+                type="aborted",
+                version=state.candidate,
+                from_version=state.candidate,
+                traffic_pct=0.0,
+                reason=f"superseded by version {newest}, which passed the gate while this canary "
+                f"was paused",
+            )
+        )
+    out.append(
+        Decision(
+            type="canary_started",
+            version=newest,
+            from_version=state.champion,
+            traffic_pct=cfg.steps[0],
+            reason=f"version {newest} passed the gate",
+            details={"step": 0},
+        )
+    )
     return out
 
 
@@ -325,14 +483,33 @@ def _answer_champion_move(state: DeploymentState) -> Decision:
     assert slot is not None
     answer = {"in_response_to": slot["event_id"]}
     if slot["to"] is None:  # the champion alias was removed: sessions must keep a model to serve
-        return Decision(type="alias_changed", version=state.champion, from_version=None, details={**answer, "alias": "champion"},
-                        reason="the champion alias cannot be removed; restored to the serving champion")
+        return Decision(
+            type="alias_changed",
+            version=state.champion,
+            from_version=None,
+            details={**answer, "alias": "champion"},
+            reason="the champion alias cannot be removed; restored to the serving champion",
+        )
     if slot["to"] == state.candidate:
-        return Decision(type="promoted", version=state.candidate, traffic_pct=100.0, source="mlflow-ui", actor="mlflow-ui",
-                        details=answer, reason="champion moved to the candidate in MLflow: canary ends, candidate promoted")
-    return Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
-                    source="mlflow-ui", actor="mlflow-ui", details=answer,
-                    reason=f"champion moved to version {slot['to']} in MLflow during the canary of {state.candidate}")
+        return Decision(
+            type="promoted",
+            version=state.candidate,
+            traffic_pct=100.0,
+            source="mlflow-ui",
+            actor="mlflow-ui",
+            details=answer,
+            reason="champion moved to the candidate in MLflow: canary ends, candidate promoted",
+        )
+    return Decision(
+        type="aborted",
+        version=state.candidate,
+        from_version=state.candidate,
+        traffic_pct=0.0,
+        source="mlflow-ui",
+        actor="mlflow-ui",
+        details=answer,
+        reason=f"champion moved to version {slot['to']} in MLflow during the canary of {state.candidate}",
+    )
 
 
 def _answer_candidate_move(state: DeploymentState, cfg: CanaryConfig) -> list[Decision]:
@@ -340,21 +517,56 @@ def _answer_candidate_move(state: DeploymentState, cfg: CanaryConfig) -> list[De
     assert slot is not None
     answer = {"in_response_to": slot["event_id"]}
     to = slot["to"]
-    who = dict(source="mlflow-ui", actor="mlflow-ui")
+    who = {"source": "mlflow-ui", "actor": "mlflow-ui"}
     if to is None:
-        return [Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
-                         details=answer, reason="candidate alias removed in MLflow", **who)]
+        return [
+            Decision(
+                type="aborted",
+                version=state.candidate,
+                from_version=state.candidate,
+                traffic_pct=0.0,
+                details=answer,
+                reason="candidate alias removed in MLflow",
+                **who,
+            )
+        ]
     if to == state.champion:
-        return [Decision(type="alias_changed", version=state.candidate, from_version=to, details={**answer, "alias": "candidate"},
-                         reason=f"version {to} is the champion and cannot also be the candidate; alias restored")]
+        return [
+            Decision(
+                type="alias_changed",
+                version=state.candidate,
+                from_version=to,
+                details={**answer, "alias": "candidate"},
+                reason=f"version {to} is the champion and cannot also be the candidate; alias restored",
+            )
+        ]
     out = []
     if state.candidate is not None:
-        out.append(Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
-                            reason=f"candidate alias moved to version {to} in MLflow", **who))
+        out.append(
+            Decision(
+                type="aborted",
+                version=state.candidate,
+                from_version=state.candidate,
+                traffic_pct=0.0,
+                reason=f"candidate alias moved to version {to} in MLflow",
+                **who,
+            )
+        )
     gate = state.gate.get(to)
-    note = "" if gate else (" (gate failed; operator override)" if gate is False else " (not gated)")
-    out.append(Decision(type="canary_started", version=to, from_version=state.champion, traffic_pct=cfg.steps[0],
-                        details={**answer, "step": 0}, reason=f"candidate alias moved to version {to} in MLflow{note}", **who))
+    note = (
+        "" if gate else (" (gate failed; operator override)" if gate is False else " (not gated)")
+    )
+    out.append(
+        Decision(
+            type="canary_started",
+            version=to,
+            from_version=state.champion,
+            traffic_pct=cfg.steps[0],
+            details={**answer, "step": 0},
+            reason=f"candidate alias moved to version {to} in MLflow{note}",
+            **who,
+        )
+    )
     return out
 
 
@@ -367,47 +579,127 @@ class CommandRejected(ValueError):
         self.status = status
 
 
-def operator_command(state: DeploymentState, verb: str, cfg: CanaryConfig, *, actor: str, reason: str = "",
-                     version: str | None = None, skip_remaining: bool = False) -> list[Decision]:
+def operator_command(
+    state: DeploymentState,
+    verb: str,
+    cfg: CanaryConfig,
+    *,
+    actor: str,
+    reason: str = "",
+    version: str | None = None,
+    skip_remaining: bool = False,
+) -> list[Decision]:
     """The deployment events an operator verb becomes (source `api`), or CommandRejected."""
-    return _command(state, verb, cfg, actor=actor, reason=reason, version=version, skip_remaining=skip_remaining)
+    return _command(
+        state, verb, cfg, actor=actor, reason=reason, version=version, skip_remaining=skip_remaining
+    )
 
 
-def _command(state: DeploymentState, verb: str, cfg: CanaryConfig, *, actor: str, reason: str,
-             version: str | None, skip_remaining: bool) -> list[Decision]:
-    who = dict(source="api", actor=actor)
+def _command(
+    state: DeploymentState,
+    verb: str,
+    cfg: CanaryConfig,
+    *,
+    actor: str,
+    reason: str,
+    version: str | None,
+    skip_remaining: bool,
+) -> list[Decision]:
+    who = {"source": "api", "actor": actor}
     why = reason or f"operator {verb}"
     if verb in ("promote", "abort", "pause") and state.candidate is None:
-        raise CommandRejected(f"{verb}: no canary is running for {state.model} (champion {state.champion})")
+        raise CommandRejected(
+            f"{verb}: no canary is running for {state.model} (champion {state.champion})"
+        )
     if verb == "promote":
         if skip_remaining:
-            return [Decision(type="promoted", version=state.candidate, from_version=state.champion, traffic_pct=100.0,
-                             reason=why, details={"skip_remaining": True}, **who)]
+            return [
+                Decision(
+                    type="promoted",
+                    version=state.candidate,
+                    from_version=state.champion,
+                    traffic_pct=100.0,
+                    reason=why,
+                    details={"skip_remaining": True},
+                    **who,
+                )
+            ]
         return [_advance(state, cfg, why, {"manual": True}, **who)]
     if verb == "abort":
-        return [Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
-                         reason=why, **who)]
+        return [
+            Decision(
+                type="aborted",
+                version=state.candidate,
+                from_version=state.candidate,
+                traffic_pct=0.0,
+                reason=why,
+                **who,
+            )
+        ]
     if verb == "pause":
         if state.phase != "canary":
-            raise CommandRejected(f"pause: the canary of {state.candidate} is {state.phase}, not running")
-        return [Decision(type="canary_paused", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)]
+            raise CommandRejected(
+                f"pause: the canary of {state.candidate} is {state.phase}, not running"
+            )
+        return [
+            Decision(
+                type="canary_paused",
+                version=state.candidate,
+                traffic_pct=state.traffic_pct,
+                reason=why,
+                **who,
+            )
+        ]
     if verb == "resume":
         if state.phase != "paused":
             raise CommandRejected(f"resume: nothing is paused (phase {state.phase})")
-        return [Decision(type="canary_resumed", version=state.candidate, traffic_pct=state.traffic_pct, reason=why, **who)]
+        return [
+            Decision(
+                type="canary_resumed",
+                version=state.candidate,
+                traffic_pct=state.traffic_pct,
+                reason=why,
+                **who,
+            )
+        ]
     if verb == "rollback":
         targets = state.rollback_targets(cfg.known_good_n)
         if not targets:
-            raise CommandRejected(f"rollback: no known-good version other than champion {state.champion} to roll back to")
+            raise CommandRejected(
+                f"rollback: no known-good version other than champion {state.champion} to roll back to"
+            )
         target = version or targets[0]
         if target not in targets:
-            raise CommandRejected(f"rollback: version {target} is not one of the last {cfg.known_good_n} known-good "
-                                  f"versions {targets}", status=422)
+            raise CommandRejected(
+                f"rollback: version {target} is not one of the last {cfg.known_good_n} known-good "
+                f"versions {targets}",
+                status=422,
+            )
         out = []
-        if state.candidate is not None:  # a rollback of the champion also ends any canary, explicitly
-            out.append(Decision(type="aborted", version=state.candidate, from_version=state.candidate, traffic_pct=0.0,
-                                reason=f"rollback to version {target}: {why}", **who))
-        out.append(Decision(type="rolled_back", version=target, from_version=state.champion, traffic_pct=0.0,
-                            reason=why, **who))
+        if (
+            state.candidate is not None
+        ):  # a rollback of the champion also ends any canary, explicitly
+            out.append(
+                Decision(
+                    type="aborted",
+                    version=state.candidate,
+                    from_version=state.candidate,
+                    traffic_pct=0.0,
+                    reason=f"rollback to version {target}: {why}",
+                    **who,
+                )
+            )
+        out.append(
+            Decision(
+                type="rolled_back",
+                version=target,
+                from_version=state.champion,
+                traffic_pct=0.0,
+                reason=why,
+                **who,
+            )
+        )
         return out
-    raise CommandRejected(f"unknown verb {verb!r}; use promote, abort, rollback, pause or resume", status=422)
+    raise CommandRejected(
+        f"unknown verb {verb!r}; use promote, abort, rollback, pause or resume", status=422
+    )

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -46,14 +46,21 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-DECISIONS = Counter("flywheel_controller_decisions_total", "Deployment events published by the controller", ["type"])
+DECISIONS = Counter(
+    "flywheel_controller_decisions_total", "Deployment events published by the controller", ["type"]
+)
 GATE_RUNS = Counter("flywheel_controller_gate_total", "Offline gate verdicts", ["verdict"])
 TRAFFIC = Gauge("flywheel_controller_candidate_traffic_pct", "Candidate's share of sessions (%)")
 VERSIONS = Gauge("flywheel_controller_version", "Serving versions by role", ["role"])
 PHASE = Gauge("flywheel_controller_phase", "1 for the current canary phase", ["phase"])
-DELTA = Gauge("flywheel_controller_last_delta", "Last analysed reward difference candidate - champion")
-GUARDRAIL_DELTA = Gauge("flywheel_controller_last_guardrail_delta",
-                        "Last analysed user-outcome difference candidate - champion", ["guardrail"])
+DELTA = Gauge(
+    "flywheel_controller_last_delta", "Last analysed reward difference candidate - champion"
+)
+GUARDRAIL_DELTA = Gauge(
+    "flywheel_controller_last_guardrail_delta",
+    "Last analysed user-outcome difference candidate - champion",
+    ["guardrail"],
+)
 CAUGHT_UP = Gauge("flywheel_controller_caught_up", "1 once the deployments log has been replayed")
 
 GateFn = Callable[[str, str | None], Any]  # (version, champion) -> GateResult
@@ -71,16 +78,23 @@ class MetricsRecord(BaseModel):
     sums: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def _sums_add_up(self) -> "MetricsRecord":
+    def _sums_add_up(self) -> MetricsRecord:
         if self.sums.get("n", 0.0) < 0 or self.sums.get("reward_sumsq", 0.0) < 0:
             raise ValueError("sums.n and sums.reward_sumsq cannot be negative")
         n, tol = self.sums.get("n", float(self.n)), 1e-6 * (1.0 + self.sums.get("n", float(self.n)))
-        for name in ("accepts", "persistence_sum", "followup_n", "tool_error_rollouts"):  # the canary's guardrail bounds rely on these
+        for name in (
+            "accepts",
+            "persistence_sum",
+            "followup_n",
+            "tool_error_rollouts",
+        ):  # the canary's guardrail bounds rely on these
             if not -tol <= self.sums.get(name, 0.0) <= n + tol:
                 raise ValueError(f"sums.{name} {self.sums[name]} must lie in [0, sums.n = {n}]")
         if abs(self.sums.get("followup_sum", 0.0)) > self.sums.get("followup_n", 0.0) + tol:
-            raise ValueError(f"|sums.followup_sum| {abs(self.sums['followup_sum'])} exceeds sums.followup_n "
-                             f"{self.sums.get('followup_n', 0.0)} (a sentiment lies in [-1, 1])")
+            raise ValueError(
+                f"|sums.followup_sum| {abs(self.sums['followup_sum'])} exceeds sums.followup_n "
+                f"{self.sums.get('followup_n', 0.0)} (a sentiment lies in [-1, 1])"
+            )
         return self
 
 
@@ -96,21 +110,41 @@ def decode_metrics(raw: bytes | None) -> dict[str, Any]:
     try:
         value = json.loads(raw or b"", parse_constant=_refuse_constant)
     except ValueError as exc:
-        raise InvalidRecord("invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}]) from None
+        raise InvalidRecord(
+            "invalid_json", [{"field": "(record)", "message": f"not valid JSON: {exc}"}]
+        ) from None
     try:
         MetricsRecord.model_validate(value)
     except ValidationError as exc:
-        raise InvalidRecord("invalid_metrics", [{"field": ".".join(map(str, e["loc"])) or "(record)", "message": e["msg"]}
-                                                for e in exc.errors(include_url=False)]) from None
+        raise InvalidRecord(
+            "invalid_metrics",
+            [
+                {"field": ".".join(map(str, e["loc"])) or "(record)", "message": e["msg"]}
+                for e in exc.errors(include_url=False)
+            ],
+        ) from None
     return value
 
 
 class Controller:
-    def __init__(self, settings: Settings, cs: ControllerSettings, client=None, gate: GateFn | None = None,  # noqa: ANN001
-                 clock: Callable[[], float] = time.time, background_gate: bool = False):
+    def __init__(
+        self,
+        settings: Settings,
+        cs: ControllerSettings,
+        client=None,
+        gate: GateFn | None = None,
+        clock: Callable[[], float] = time.time,
+        background_gate: bool = False,
+    ):
         from app.deployments.events import DeploymentLog
 
-        self.settings, self.cs, self.client, self.gate, self.clock = settings, cs, client, gate, clock
+        self.settings, self.cs, self.client, self.gate, self.clock = (
+            settings,
+            cs,
+            client,
+            gate,
+            clock,
+        )
         self.model = settings.model_name
         self.cfg = cs.canary()
         self.state = DeploymentState(model=self.model)
@@ -120,8 +154,12 @@ class Controller:
         self.caught_up = False
         self._synced: tuple[str | None, str | None] | None = None
         self._gate_failures: dict[str, int] = {}
-        self._awaiting: set[str] = set()  # alias_changed events published for record_serving_champion
-        self._mlflow_wait = Waiter(f"MLflow at {settings.mlflow_uri} to sync the aliases of {self.model}")
+        self._awaiting: set[str] = (
+            set()
+        )  # alias_changed events published for record_serving_champion
+        self._mlflow_wait = Waiter(
+            f"MLflow at {settings.mlflow_uri} to sync the aliases of {self.model}"
+        )
         self.last_analysis: canary.Analysis | None = None
         # background_gate (the `flywheel controller` role): the gate (minutes on a CPU) runs in a
         # worker thread so canary analysis keeps its cadence meanwhile; tests drive it inline
@@ -137,8 +175,14 @@ class Controller:
             self.dlog.publish(DeploymentEvent.model_validate(ev))
             self.seen.add(ev["event_id"])
             DECISIONS.labels(ev["type"]).inc()
-            log.info("%s v%s (from %s, traffic %s): %s", ev["type"], ev["version"], ev["from_version"],
-                     ev["traffic_pct"], ev["reason"])
+            log.info(
+                "%s v%s (from %s, traffic %s): %s",
+                ev["type"],
+                ev["version"],
+                ev["from_version"],
+                ev["traffic_pct"],
+                ev["reason"],
+            )
 
     def on_deployment(self, ev: dict[str, Any]) -> None:
         """Fold one deployment event (a decoded, valid DeploymentEvent as a dict) and publish what the
@@ -157,7 +201,9 @@ class Controller:
         else:
             self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
         self.seen.add(eid)
-        if ev.get("type") == "alias_changed":  # MLflow's aliases moved outside Flywheel: `_synced` is stale,
+        if (
+            ev.get("type") == "alias_changed"
+        ):  # MLflow's aliases moved outside Flywheel: `_synced` is stale,
             self._synced = None  # so re-check them on the next tick even if the state returns to it
         return out
 
@@ -185,7 +231,7 @@ class Controller:
         except InvalidRecord as exc:
             self.dead.send(rec, exc.reason, exc.errors)
             return
-        except Exception as exc:  # noqa: BLE001 - one record must not stop the controller
+        except Exception as exc:
             log.exception("%s[%d]@%d could not be folded", rec.topic, rec.partition, rec.offset)
             self.dead.send(rec, "apply_failed", error("(apply)", f"{type(exc).__name__}: {exc}"))
             return
@@ -200,24 +246,35 @@ class Controller:
         for rec in self.buckets.values():
             if str(rec.get("model_version")) == version and float(rec.get("bucket_start", 0)) >= t0:
                 s = rec.get("sums") or {}
-                total = total + canary.ArmStats(int(s.get("n", rec.get("n", 0))), float(s.get("reward_sum", 0.0)),
-                                                float(s.get("reward_sumsq", 0.0)), float(s.get("accepts", 0.0)),
-                                                float(s.get("persistence_sum", 0.0)), float(s.get("followup_n", 0.0)),
-                                                float(s.get("followup_sum", 0.0)), float(s.get("tool_error_rollouts", 0.0)))
+                total = total + canary.ArmStats(
+                    int(s.get("n", rec.get("n", 0))),
+                    float(s.get("reward_sum", 0.0)),
+                    float(s.get("reward_sumsq", 0.0)),
+                    float(s.get("accepts", 0.0)),
+                    float(s.get("persistence_sum", 0.0)),
+                    float(s.get("followup_n", 0.0)),
+                    float(s.get("followup_sum", 0.0)),
+                    float(s.get("tool_error_rollouts", 0.0)),
+                )
         return total
 
     # --- periodic work ----------------------------------------------------------------------------
     def tick(self) -> None:
-        now = datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        now = datetime.fromtimestamp(self.clock(), tz=UTC)
         self.run_gates()
         s = self.state
         if s.phase == "canary" and s.candidate is not None:
-            inp: canary.Input = canary.Observe(now, self.window(s.candidate, s.step_started_at),
-                                               self.window(s.champion, s.step_started_at))
+            inp: canary.Input = canary.Observe(
+                now,
+                self.window(s.candidate, s.step_started_at),
+                self.window(s.champion, s.step_started_at),
+            )
         else:
             inp = canary.Tick(now)
         self.state, out = canary.transition(self.state, inp, self.cfg)
-        if isinstance(inp, canary.Observe):  # for /metrics and logs only (not part of the folded state)
+        if isinstance(
+            inp, canary.Observe
+        ):  # for /metrics and logs only (not part of the folded state)
             self.last_analysis = canary.analyze(inp.candidate, inp.champion, self.cfg)
         self.publish(out)
         self._sync_mlflow_or_wait()
@@ -251,16 +308,35 @@ class Controller:
             return
         gated = [v for v in self.state.registered if v in self.state.gate]
         newest_gated = max(gated, key=canary.vkey) if gated else None
-        pending = [v for v in self.state.registered if v not in self.state.gate and self._gate_failures.get(v, 0) < 3
-                   and (newest_gated is None or canary.vkey(v) > canary.vkey(newest_gated))]
+        pending = [
+            v
+            for v in self.state.registered
+            if v not in self.state.gate
+            and self._gate_failures.get(v, 0) < 3
+            and (newest_gated is None or canary.vkey(v) > canary.vkey(newest_gated))
+        ]
         if not pending:
             return
         # no champion yet: in order (the base first); then the newest, skipping what it supersedes
-        v = max(pending, key=canary.vkey) if self.state.champion is not None else min(pending, key=canary.vkey)
+        v = (
+            max(pending, key=canary.vkey)
+            if self.state.champion is not None
+            else min(pending, key=canary.vkey)
+        )
         if not self.cs.gate_enabled or self.gate is None:
-            why = "gate disabled (FLYWHEEL_CONTROLLER_GATE_ENABLED=false)" if not self.cs.gate_enabled else "no gate runner"
-            self._record_gate(canary.Decision(type="gate_passed", version=v, reason=f"not gated: {why}",
-                                              details={"passed": True, "checks": [], "skipped": why}))
+            why = (
+                "gate disabled (FLYWHEEL_CONTROLLER_GATE_ENABLED=false)"
+                if not self.cs.gate_enabled
+                else "no gate runner"
+            )
+            self._record_gate(
+                canary.Decision(
+                    type="gate_passed",
+                    version=v,
+                    reason=f"not gated: {why}",
+                    details={"passed": True, "checks": [], "skipped": why},
+                )
+            )
             return
         fut: Future = Future()
         run = functools.partial(self._run_gate, self.gate, v, self.state.champion, fut)
@@ -277,7 +353,7 @@ class Controller:
     def _run_gate(gate: GateFn, v: str, champion: str | None, fut: Future) -> None:
         try:
             fut.set_result(gate(v, champion))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by fut.result() on the loop's thread
+        except BaseException as exc:
             fut.set_exception(exc)
 
     def _apply_gate(self, v: str, fut: Future) -> None:
@@ -288,8 +364,14 @@ class Controller:
             log.exception("gate of v%s could not run (attempt %d)", v, self._gate_failures[v])
             if self._gate_failures[v] < 3:
                 return
-            self._record_gate(canary.Decision(type="gate_failed", version=v, reason=f"gate could not run: {exc!r}"[:4000],
-                                              details={"passed": False, "error": repr(exc)[:2000]}))
+            self._record_gate(
+                canary.Decision(
+                    type="gate_failed",
+                    version=v,
+                    reason=f"gate could not run: {exc!r}"[:4000],
+                    details={"passed": False, "error": repr(exc)[:2000]},
+                )
+            )
             return
         if self.client is not None:
             for k, val in result.tags().items():
@@ -336,10 +418,15 @@ class Controller:
             alias = read_snapshot(self.client, self.model).aliases["champion"]
         if alias is None:
             return False
-        ev = canary.Decision(type="alias_changed", version=alias, reason=(
-            f"recorded the serving champion: MLflow's champion alias names version {alias} (set by Flywheel, "
-            f"e.g. the trainer on its base version) and the deployment log named none"),
-            details={"alias": "champion", "recorded": True}).to_event(self.model)
+        ev = canary.Decision(
+            type="alias_changed",
+            version=alias,
+            reason=(
+                f"recorded the serving champion: MLflow's champion alias names version {alias} (set by Flywheel, "
+                f"e.g. the trainer on its base version) and the deployment log named none"
+            ),
+            details={"alias": "champion", "recorded": True},
+        ).to_event(self.model)
         self.seen.add(ev["event_id"])
         self.state, out = canary.transition(self.state, canary.Event(ev), self.cfg)
         self.publish([ev, *out])
@@ -371,7 +458,10 @@ class Controller:
         from app.infra.wait import Stopped, kafka_ready
         from app.kafka_io import make_consumer
 
-        dep_topic, met_topic = self.settings.topic("deployments"), self.settings.topic("version-metrics")
+        dep_topic, met_topic = (
+            self.settings.topic("deployments"),
+            self.settings.topic("version-metrics"),
+        )
         try:
             kafka_ready(self.settings, [dep_topic, met_topic], stop)
         except Stopped:
@@ -380,9 +470,17 @@ class Controller:
         consumer = make_consumer(self.settings, group_id=None)
         reconciler = None
         try:
-            dep = [TopicPartition(dep_topic, p) for p in sorted(consumer.partitions_for_topic(dep_topic) or [])]
-            met = [TopicPartition(met_topic, p) for p in sorted(consumer.partitions_for_topic(met_topic) or [])]
-            assert dep and met, f"topics {dep_topic} / {met_topic} missing; run `flywheel kafka start` first"
+            dep = [
+                TopicPartition(dep_topic, p)
+                for p in sorted(consumer.partitions_for_topic(dep_topic) or [])
+            ]
+            met = [
+                TopicPartition(met_topic, p)
+                for p in sorted(consumer.partitions_for_topic(met_topic) or [])
+            ]
+            assert dep and met, (
+                f"topics {dep_topic} / {met_topic} missing; run `flywheel kafka start` first"
+            )
             consumer.assign(dep + met)
             consumer.seek_to_beginning(*dep)
             lookback_ms = int((self.clock() - self.cs.step_deadline - 3600) * 1000)
@@ -391,7 +489,12 @@ class Controller:
             for tp in met:
                 consumer.seek(tp, starts[tp].offset if starts.get(tp) else ends[tp])
             dep_end = {tp: ends[tp] for tp in dep}
-            log.info("controller for %s: replaying %s (%d events)", self.model, dep_topic, sum(dep_end.values()))
+            log.info(
+                "controller for %s: replaying %s (%d events)",
+                self.model,
+                dep_topic,
+                sum(dep_end.values()),
+            )
             next_tick = 0.0
             while not stop.is_set():
                 batch = consumer.poll(timeout_ms=200)
@@ -401,8 +504,12 @@ class Controller:
                 if not self.caught_up and all(consumer.position(tp) >= dep_end[tp] for tp in dep):
                     self.caught_up = True
                     CAUGHT_UP.set(1)
-                    log.info("caught up: champion %s, candidate %s, phase %s", self.state.champion,
-                             self.state.candidate, self.state.phase)
+                    log.info(
+                        "caught up: champion %s, candidate %s, phase %s",
+                        self.state.champion,
+                        self.state.candidate,
+                        self.state.phase,
+                    )
                     if not self._wait_for_registry(stop):
                         break
                     reconciler = self._start_alias_watch()
@@ -439,9 +546,16 @@ class Controller:
         if self.cs.webhooks_enabled:
             from app.controller.webhooks import ensure_webhook
 
-            url = self.cs.webhook_url or f"http://{self.settings.api_host}:{self.settings.api_port}/v1/hooks/mlflow"
+            url = (
+                self.cs.webhook_url
+                or f"http://{self.settings.api_host}:{self.settings.api_port}/v1/hooks/mlflow"
+            )
             try:
                 ensure_webhook(self.client, self.model, url, self.settings.effective_webhook_secret)
             except Exception:  # the poller still carries every move out
-                log.exception("could not register the MLflow webhook at %s; relying on polling", url)
-        return Reconciler(self.client, self.model, self.publish_foreign, self.cs.poll_interval).start()
+                log.exception(
+                    "could not register the MLflow webhook at %s; relying on polling", url
+                )
+        return Reconciler(
+            self.client, self.model, self.publish_foreign, self.cs.poll_interval
+        ).start()

@@ -44,7 +44,14 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.controller import ope
-from app.controller.monitors import Check, behaviour_checks, edit_checks, kl_check, regression_check, weight_sanity
+from app.controller.monitors import (
+    Check,
+    behaviour_checks,
+    edit_checks,
+    kl_check,
+    regression_check,
+    weight_sanity,
+)
 from app.controller.state import Decision
 
 log = logging.getLogger(__name__)
@@ -54,27 +61,88 @@ REGRESSION_SET = Path(__file__).with_name("regression_prompts.json")
 class GateConfig(BaseModel):
     """Thresholds of the offline gate."""
 
-    max_global_rel_change: float = Field(0.5, gt=0, description="Max relative L2 change of all weights vs the parent.")
-    max_tensor_rel_change: float = Field(2.0, gt=0, description="Max relative L2 change of any single tensor vs the parent.")
-    ope_margin: float = Field(0.05, ge=0, description="Fail when the bootstrap upper bound of (estimate - logged reward) is below -margin.")
-    ope_alpha: float = Field(0.05, gt=0, lt=1, description="Two-sided level of the bootstrap intervals.")
+    max_global_rel_change: float = Field(
+        0.5, gt=0, description="Max relative L2 change of all weights vs the parent."
+    )
+    max_tensor_rel_change: float = Field(
+        2.0, gt=0, description="Max relative L2 change of any single tensor vs the parent."
+    )
+    ope_margin: float = Field(
+        0.05,
+        ge=0,
+        description="Fail when the bootstrap upper bound of (estimate - logged reward) is below -margin.",
+    )
+    ope_alpha: float = Field(
+        0.05, gt=0, lt=1, description="Two-sided level of the bootstrap intervals."
+    )
     n_boot: int = Field(500, ge=50, description="Bootstrap replicates.")
-    min_ess: float = Field(20.0, ge=1, description="Effective sample size below which the OPE is called inconclusive.")
-    require_ess: bool = Field(False, description="Fail (instead of skip) the OPE check when the ESS is below min_ess.")
+    min_ess: float = Field(
+        20.0, ge=1, description="Effective sample size below which the OPE is called inconclusive."
+    )
+    require_ess: bool = Field(
+        False, description="Fail (instead of skip) the OPE check when the ESS is below min_ess."
+    )
     ridge_lambda: float = Field(1.0, ge=0, description="Ridge penalty of the DR reward model.")
-    reward_margin: float = Field(0.02, ge=0, description="Fail when the bootstrap upper bound of (candidate - champion) predicted reward is below -margin.")
-    min_reward_rollouts: int = Field(100, ge=10, description="Logged rollouts the reward model needs before its comparison is a verdict (fewer: skipped).")
-    samples_per_prompt: int = Field(4, ge=1, description="Completions each of candidate and champion samples per prompt for the reward comparison, KL and monitors.")
-    ridge_lambda_text: float = Field(3.0, ge=0, description="Ridge penalty of the text reward model (ope.TextRewardModel).")
-    max_kl: float | None = Field(None, gt=0, description="Fail above this mean per-token KL(candidate||champion) in nats; None: KL is recorded, not judged (it is the trainer's trust region, not quality).")
-    regression_tolerance: float = Field(1.0, ge=0, description="Max rise of per-token NLL on the regression set, nats: a guard against forgetting, not a bound on change (a policy that learns what users like moves away from fixed references).")
-    max_empty_increase: float = Field(0.1, ge=0, description="Max absolute increase of the empty-completion rate.")
-    length_k_std: float = Field(2.0, gt=0, description="Max shift of mean completion length, in champion standard deviations.")
-    max_tool_error_increase: float = Field(0.1, ge=0, description="Max increase of the estimated tool-error rate.")
-    max_invalid_increase: float = Field(0.05, ge=0, description="Fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
-    max_no_edit_increase: float = Field(0.05, ge=0, description="Fail when the candidate's no-edit rate (empty completions, or only comments and strings) exceeds the champion's by more than this (at confidence 1 - monitor_alpha).")
-    monitor_alpha: float = Field(0.05, gt=0, lt=1, description="One-sided error level of the validity and no-edit rate bounds.")
-    sample_prompts: int = Field(64, ge=1, description="Prompts sampled from both policies for the reward comparison, KL and behaviour monitors.")
+    reward_margin: float = Field(
+        0.02,
+        ge=0,
+        description="Fail when the bootstrap upper bound of (candidate - champion) predicted reward is below -margin.",
+    )
+    min_reward_rollouts: int = Field(
+        100,
+        ge=10,
+        description="Logged rollouts the reward model needs before its comparison is a verdict (fewer: skipped).",
+    )
+    samples_per_prompt: int = Field(
+        4,
+        ge=1,
+        description="Completions each of candidate and champion samples per prompt for the reward comparison, KL and monitors.",
+    )
+    ridge_lambda_text: float = Field(
+        3.0, ge=0, description="Ridge penalty of the text reward model (ope.TextRewardModel)."
+    )
+    max_kl: float | None = Field(
+        None,
+        gt=0,
+        description="Fail above this mean per-token KL(candidate||champion) in nats; None: KL is recorded, not judged (it is the trainer's trust region, not quality).",
+    )
+    regression_tolerance: float = Field(
+        1.0,
+        ge=0,
+        description="Max rise of per-token NLL on the regression set, nats: a guard against forgetting, not a bound on change (a policy that learns what users like moves away from fixed references).",
+    )
+    max_empty_increase: float = Field(
+        0.1, ge=0, description="Max absolute increase of the empty-completion rate."
+    )
+    length_k_std: float = Field(
+        2.0,
+        gt=0,
+        description="Max shift of mean completion length, in champion standard deviations.",
+    )
+    max_tool_error_increase: float = Field(
+        0.1, ge=0, description="Max increase of the estimated tool-error rate."
+    )
+    max_invalid_increase: float = Field(
+        0.05,
+        ge=0,
+        description="Fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (at confidence 1 - monitor_alpha).",
+    )
+    max_no_edit_increase: float = Field(
+        0.05,
+        ge=0,
+        description="Fail when the candidate's no-edit rate (empty completions, or only comments and strings) exceeds the champion's by more than this (at confidence 1 - monitor_alpha).",
+    )
+    monitor_alpha: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="One-sided error level of the validity and no-edit rate bounds.",
+    )
+    sample_prompts: int = Field(
+        64,
+        ge=1,
+        description="Prompts sampled from both policies for the reward comparison, KL and behaviour monitors.",
+    )
     max_tokens: int = Field(48, ge=1, description="Tokens per sampled completion.")
     seed: int = Field(0, description="Seed of sampling and bootstrap (the gate is reproducible).")
 
@@ -88,7 +156,9 @@ class GateInputs:
     candidate: Any = None  # trainer.policy.base.Policy with the candidate's weights, or None
     champion: Any = None  # Policy with the champion's weights, or None
     rollouts: Sequence[dict[str, Any]] = ()  # held-out logged rollouts
-    reward_rollouts: Sequence[dict[str, Any]] | None = None  # logged rollouts to fit the reward model (default: rollouts)
+    reward_rollouts: Sequence[dict[str, Any]] | None = (
+        None  # logged rollouts to fit the reward model (default: rollouts)
+    )
     regression_pairs: Sequence[tuple[str, str]] | None = None  # default: regression_prompts.json
 
 
@@ -106,13 +176,19 @@ class GateResult:
         return [c for c in self.checks if c.status == "fail"]
 
     def summary(self) -> dict[str, Any]:
-        return {"passed": self.passed, "checks": [c.as_dict() for c in self.checks], "ope": self.ope}
+        return {
+            "passed": self.passed,
+            "checks": [c.as_dict() for c in self.checks],
+            "ope": self.ope,
+        }
 
     def tags(self) -> dict[str, str]:
         """MLflow version tags (string values, `flywheel.gate.` prefix)."""
         out = {"flywheel.gate.status": "passed" if self.passed else "failed"}
         for c in self.checks:
-            out[f"flywheel.gate.{c.name}"] = c.status if c.value is None else f"{c.status} {c.value:.6g}"
+            out[f"flywheel.gate.{c.name}"] = (
+                c.status if c.value is None else f"{c.status} {c.value:.6g}"
+            )
         for k in ("snips", "dr", "ess", "behaviour_value"):
             if self.ope.get(k) is not None:
                 out[f"flywheel.gate.ope.{k}"] = f"{self.ope[k]:.6g}"
@@ -120,11 +196,26 @@ class GateResult:
 
     def decision(self, version: str, parent: str | None) -> Decision:
         if self.passed:
-            reason = "all gate checks passed" + (f" ({sum(c.status == 'skipped' for c in self.checks)} skipped)"
-                                                 if any(c.status == "skipped" for c in self.checks) else "")
-            return Decision(type="gate_passed", version=version, from_version=parent, reason=reason, details=self.summary())
+            reason = "all gate checks passed" + (
+                f" ({sum(c.status == 'skipped' for c in self.checks)} skipped)"
+                if any(c.status == "skipped" for c in self.checks)
+                else ""
+            )
+            return Decision(
+                type="gate_passed",
+                version=version,
+                from_version=parent,
+                reason=reason,
+                details=self.summary(),
+            )
         reason = "; ".join(f"{c.name}: {c.detail}" for c in self.failed)
-        return Decision(type="gate_failed", version=version, from_version=parent, reason=reason[:4000], details=self.summary())
+        return Decision(
+            type="gate_failed",
+            version=version,
+            from_version=parent,
+            reason=reason[:4000],
+            details=self.summary(),
+        )
 
 
 def load_regression_pairs(path: Path = REGRESSION_SET) -> list[tuple[str, str]]:
@@ -147,34 +238,62 @@ def _decode(policy: Any, tokens: Sequence[int]) -> str:
     return tok.decode(_strip_eos(tokens, getattr(tok, "eos_id", None)))
 
 
-def fit_reward_model(policy: Any, rollouts: Sequence[dict[str, Any]], cfg: GateConfig) -> ope.TextRewardModel | None:
+def fit_reward_model(
+    policy: Any, rollouts: Sequence[dict[str, Any]], cfg: GateConfig
+) -> ope.TextRewardModel | None:
     """The direct method's reward model, fitted on logged (completion text, reward); None when there
     are fewer than `min_reward_rollouts` usable rollouts."""
-    rolls = [r for r in rollouts if r.get("completion_tokens") is not None and r.get("reward") is not None]
+    rolls = [
+        r
+        for r in rollouts
+        if r.get("completion_tokens") is not None and r.get("reward") is not None
+    ]
     if len(rolls) < cfg.min_reward_rollouts:
         return None
     texts = [_decode(policy, r["completion_tokens"]) for r in rolls]
-    return ope.TextRewardModel(cfg.ridge_lambda_text).fit(texts, [float(r["reward"]) for r in rolls], seed=cfg.seed)
+    return ope.TextRewardModel(cfg.ridge_lambda_text).fit(
+        texts, [float(r["reward"]) for r in rolls], seed=cfg.seed
+    )
 
 
-def reward_check(model: ope.TextRewardModel | None, cand_texts: list[str], champ_texts: list[str], k: int,
-                 cfg: GateConfig, n_available: int) -> Check:
+def reward_check(
+    model: ope.TextRewardModel | None,
+    cand_texts: list[str],
+    champ_texts: list[str],
+    k: int,
+    cfg: GateConfig,
+    n_available: int,
+) -> Check:
     """Predicted reward of the candidate's vs the champion's own completions on the same prompts."""
     if model is None:
-        return Check("reward_vs_champion", "skipped",
-                     detail=f"{n_available} logged rollouts to fit the reward model, {cfg.min_reward_rollouts} needed")
+        return Check(
+            "reward_vs_champion",
+            "skipped",
+            detail=f"{n_available} logged rollouts to fit the reward model, {cfg.min_reward_rollouts} needed",
+        )
     c = model.predict(cand_texts).reshape(-1, k)
     h = model.predict(champ_texts).reshape(-1, k)
     diff, (lo, hi) = ope.paired_difference(c, h, cfg.n_boot, cfg.ope_alpha, cfg.seed)
-    detail = (f"predicted reward candidate {c.mean():.4f} vs champion {h.mean():.4f}: difference {diff:+.4f}, "
-              f"{100 * (1 - cfg.ope_alpha):g}% CI [{lo:+.4f}, {hi:+.4f}] over {c.shape[0]} prompts x {k}; reward model "
-              f"fitted on {model.n} logged rollouts, cross-validated R^2 {model.cv_r2:.3f}")
-    return Check("reward_vs_champion", "fail" if hi < -cfg.reward_margin else "pass", value=diff,
-                 threshold=-cfg.reward_margin, detail=detail)
+    detail = (
+        f"predicted reward candidate {c.mean():.4f} vs champion {h.mean():.4f}: difference {diff:+.4f}, "
+        f"{100 * (1 - cfg.ope_alpha):g}% CI [{lo:+.4f}, {hi:+.4f}] over {c.shape[0]} prompts x {k}; reward model "
+        f"fitted on {model.n} logged rollouts, cross-validated R^2 {model.cv_r2:.3f}"
+    )
+    return Check(
+        "reward_vs_champion",
+        "fail" if hi < -cfg.reward_margin else "pass",
+        value=diff,
+        threshold=-cfg.reward_margin,
+        detail=detail,
+    )
 
 
-def _ope_check(inp: GateInputs, cfg: GateConfig, cand_samples: list[list[int]] | None,
-               model: ope.TextRewardModel | None) -> tuple[list[Check], dict]:
+def _ope_check(
+    inp: GateInputs,
+    cfg: GateConfig,
+    cand_samples: list[list[int]] | None,
+    model: ope.TextRewardModel | None,
+) -> tuple[list[Check], dict]:
     rolls = [r for r in inp.rollouts if r.get("completion_tokens")]
     if not rolls:
         return [Check("ope_reward", "skipped", detail="no held-out logged rollouts")], {}
@@ -187,31 +306,57 @@ def _ope_check(inp: GateInputs, cfg: GateConfig, cand_samples: list[list[int]] |
     log_w = ope.sequence_log_weights(new, [r["logprobs"] for r in rolls])
     rewards = np.array([float(r["reward"]) for r in rolls], dtype=np.float64)
     if not np.all(np.isfinite(log_w)):
-        return [Check("ope_reward", "fail", detail="candidate log-probs on logged completions are not finite")], {}
+        return [
+            Check(
+                "ope_reward",
+                "fail",
+                detail="candidate log-probs on logged completions are not finite",
+            )
+        ], {}
     q_logged = v_target = None
     if model is not None and cand_samples is not None and len(cand_samples) == len(rolls):
         q_logged = model.predict([_decode(inp.candidate, c) for c in comps])
         v_target = model.predict([_decode(inp.candidate, c) for c in cand_samples])
-    res = ope.estimate(rewards, log_w, q_logged, v_target, n_boot=cfg.n_boot, alpha=cfg.ope_alpha, seed=cfg.seed)
+    res = ope.estimate(
+        rewards, log_w, q_logged, v_target, n_boot=cfg.n_boot, alpha=cfg.ope_alpha, seed=cfg.seed
+    )
     lo, hi = res.improvement_ci
     summary = res.as_dict()
     est = res.dr if res.dr is not None else res.snips
-    detail = (f"{'DR' if res.dr is not None else 'SNIPS'} {est:.4f} vs logged {res.behaviour_value:.4f}, improvement "
-              f"CI [{lo:+.4f}, {hi:+.4f}], ESS {res.ess:.1f} of {res.n}")
+    detail = (
+        f"{'DR' if res.dr is not None else 'SNIPS'} {est:.4f} vs logged {res.behaviour_value:.4f}, improvement "
+        f"CI [{lo:+.4f}, {hi:+.4f}], ESS {res.ess:.1f} of {res.n}"
+    )
     checks = []
     if res.ess < cfg.min_ess:
-        checks.append(Check("ope_reward", "fail" if cfg.require_ess else "skipped", value=res.ess, threshold=cfg.min_ess,
-                            detail=f"effective sample size too small to judge: {detail}"))
+        checks.append(
+            Check(
+                "ope_reward",
+                "fail" if cfg.require_ess else "skipped",
+                value=res.ess,
+                threshold=cfg.min_ess,
+                detail=f"effective sample size too small to judge: {detail}",
+            )
+        )
     else:
-        checks.append(Check("ope_reward", "fail" if hi < -cfg.ope_margin else "pass", value=est,
-                            threshold=res.behaviour_value - cfg.ope_margin, detail=detail))
+        checks.append(
+            Check(
+                "ope_reward",
+                "fail" if hi < -cfg.ope_margin else "pass",
+                value=est,
+                threshold=res.behaviour_value - cfg.ope_margin,
+                detail=detail,
+            )
+        )
     tool = np.array([float(bool(r.get("tool_errors"))) for r in rolls], dtype=np.float64)
     summary["tool_error"] = (ope.snips(tool, log_w), float(tool.mean()))
     return checks, summary
 
 
 def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
-    checks = weight_sanity(inp.candidate_state, inp.parent_state, cfg.max_global_rel_change, cfg.max_tensor_rel_change)
+    checks = weight_sanity(
+        inp.candidate_state, inp.parent_state, cfg.max_global_rel_change, cfg.max_tensor_rel_change
+    )
     if checks[0].status == "fail":  # a NaN checkpoint: nothing else is meaningful (or safe to run)
         return GateResult(checks)
     cand, champ = inp.candidate, inp.champion
@@ -222,8 +367,12 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
     cand_samples = None
     if cand is not None and rolls:
         with torch.no_grad():
-            smp = cand.generate([list(r["prompt_tokens"]) for r in rolls], max_tokens=cfg.max_tokens, temperature=1.0,
-                                seed=cfg.seed)
+            smp = cand.generate(
+                [list(r["prompt_tokens"]) for r in rolls],
+                max_tokens=cfg.max_tokens,
+                temperature=1.0,
+                seed=cfg.seed,
+            )
         cand_samples = [_strip_eos(s.tokens, eos) for s in smp]
     ope_checks, ope_summary = _ope_check(inp, cfg, cand_samples, model)
     checks += ope_checks
@@ -232,8 +381,17 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
         ope_summary["reward_model"] = {"n": model.n, "cv_r2": model.cv_r2}
     if cand is None or champ is None:
         why = "candidate policy not loaded" if cand is None else "no champion to compare with"
-        checks += [Check(n, "skipped", detail=why) for n in ("reward_vs_champion", "kl_to_champion", "regression_prompts",
-                                                              "behaviour", "tool_call_validity_rate", "no_edit_rate")]
+        checks += [
+            Check(n, "skipped", detail=why)
+            for n in (
+                "reward_vs_champion",
+                "kl_to_champion",
+                "regression_prompts",
+                "behaviour",
+                "tool_call_validity_rate",
+                "no_edit_rate",
+            )
+        ]
         return GateResult(checks, ope_summary)
     tok = cand.tokenizer
     prompts = [list(r["prompt_tokens"]) for r in rolls][: cfg.sample_prompts]
@@ -245,23 +403,55 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
     with torch.no_grad():  # one seed for both: common random numbers (module docstring)
         c_smp = cand.generate(batch, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
         h_smp = champ.generate(batch, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed)
-    checks.append(reward_check(model, [_decode(cand, s.tokens) for s in c_smp], [_decode(champ, s.tokens) for s in h_smp],
-                               k, cfg, len(fit_on)))
+    checks.append(
+        reward_check(
+            model,
+            [_decode(cand, s.tokens) for s in c_smp],
+            [_decode(champ, s.tokens) for s in h_smp],
+            k,
+            cfg,
+            len(fit_on),
+        )
+    )
     c_toks = [list(s.tokens) for s in c_smp]
     lengths = [len(t) for t in c_toks]
     if sum(lengths):
-        checks.append(kl_check(_logprobs(cand, batch, c_toks), _logprobs(champ, batch, c_toks), lengths, cfg.max_kl))
+        checks.append(
+            kl_check(
+                _logprobs(cand, batch, c_toks), _logprobs(champ, batch, c_toks), lengths, cfg.max_kl
+            )
+        )
     else:
         checks.append(Check("kl_to_champion", "skipped", detail="the candidate produced no tokens"))
     r_prompts = [tok.encode(p) for p, _ in pairs]
     r_comps = [tok.encode(c) for _, c in pairs]
-    checks.append(regression_check(_logprobs(cand, r_prompts, r_comps), _logprobs(champ, r_prompts, r_comps),
-                                   [len(c) for c in r_comps], cfg.regression_tolerance))
-    checks += behaviour_checks([len(_strip_eos(s.tokens, eos)) for s in c_smp], [len(_strip_eos(s.tokens, eos)) for s in h_smp],
-                               max_empty_increase=cfg.max_empty_increase, length_k_std=cfg.length_k_std,
-                               tool_error=tuple(tool) if tool else None, max_tool_error_increase=cfg.max_tool_error_increase,
-                               tool_error_ess=ope_summary.get("ess"), min_ess=cfg.min_ess, require_ess=cfg.require_ess)
-    c_texts, h_texts = ([tok.decode(_strip_eos(s.tokens, eos)) for s in smp] for smp in (c_smp, h_smp))
-    checks += edit_checks(c_texts, h_texts, max_invalid_increase=cfg.max_invalid_increase,
-                          max_no_edit_increase=cfg.max_no_edit_increase, alpha=cfg.monitor_alpha)
+    checks.append(
+        regression_check(
+            _logprobs(cand, r_prompts, r_comps),
+            _logprobs(champ, r_prompts, r_comps),
+            [len(c) for c in r_comps],
+            cfg.regression_tolerance,
+        )
+    )
+    checks += behaviour_checks(
+        [len(_strip_eos(s.tokens, eos)) for s in c_smp],
+        [len(_strip_eos(s.tokens, eos)) for s in h_smp],
+        max_empty_increase=cfg.max_empty_increase,
+        length_k_std=cfg.length_k_std,
+        tool_error=tuple(tool) if tool else None,
+        max_tool_error_increase=cfg.max_tool_error_increase,
+        tool_error_ess=ope_summary.get("ess"),
+        min_ess=cfg.min_ess,
+        require_ess=cfg.require_ess,
+    )
+    c_texts, h_texts = (
+        [tok.decode(_strip_eos(s.tokens, eos)) for s in smp] for smp in (c_smp, h_smp)
+    )
+    checks += edit_checks(
+        c_texts,
+        h_texts,
+        max_invalid_increase=cfg.max_invalid_increase,
+        max_no_edit_increase=cfg.max_no_edit_increase,
+        alpha=cfg.monitor_alpha,
+    )
     return GateResult(checks, ope_summary)

@@ -27,15 +27,18 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def _download(client, model: str, version: str, rel: str, dst: str) -> str:  # noqa: ANN001
+def _download(client, model: str, version: str, rel: str, dst: str) -> str:
     import mlflow
 
     mv = client.get_model_version(model, version)
-    return mlflow.artifacts.download_artifacts(artifact_uri=f"{mv.source}/{rel}", dst_path=dst,
-                                               tracking_uri=client.tracking_uri)
+    return mlflow.artifacts.download_artifacts(
+        artifact_uri=f"{mv.source}/{rel}", dst_path=dst, tracking_uri=client.tracking_uri
+    )
 
 
-def load_version(client, model: str, version: str) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:  # noqa: ANN001
+def load_version(
+    client, model: str, version: str
+) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
     """(policy with the version's serving weights, the bf16 state dict, the version's tags)."""
     from safetensors.torch import load_file
 
@@ -81,8 +84,14 @@ def newest_rollouts(settings: Settings, limit: int) -> list[tuple[int, int, dict
         for rec in consumer:
             if rec.value:
                 r = json.loads(rec.value)
-                if not r.get("relabel_run"):  # a replay of old generations under another spec: not what serves now
-                    out[r.get("request_id", f"{rec.partition}:{rec.offset}")] = (rec.partition, rec.offset, r)
+                if not r.get(
+                    "relabel_run"
+                ):  # a replay of old generations under another spec: not what serves now
+                    out[r.get("request_id", f"{rec.partition}:{rec.offset}")] = (
+                        rec.partition,
+                        rec.offset,
+                        r,
+                    )
             if all(consumer.position(tp) >= end[tp] for tp in tps):
                 break
         return list(out.values())[-limit:]
@@ -90,8 +99,9 @@ def newest_rollouts(settings: Settings, limit: int) -> list[tuple[int, int, dict
         consumer.close()
 
 
-def held_out(rollouts: list[tuple[int, int, dict[str, Any]]], trained: dict[str, Any] | None,
-             limit: int) -> list[dict[str, Any]]:
+def held_out(
+    rollouts: list[tuple[int, int, dict[str, Any]]], trained: dict[str, Any] | None, limit: int
+) -> list[dict[str, Any]]:
     """The newest `limit` of `rollouts` at offsets past the trained ranges ({"partitions": {p: [start, end]}})."""
     ends = {int(p): int(r[1]) for p, r in ((trained or {}).get("partitions") or {}).items()}
     past = [r for p, o, r in rollouts if o >= ends.get(p, 0)]
@@ -99,8 +109,14 @@ def held_out(rollouts: list[tuple[int, int, dict[str, Any]]], trained: dict[str,
 
 
 class GateRunner:
-    def __init__(self, settings: Settings, client, cfg: GateConfig, n_rollouts: int,  # noqa: ANN001
-                 n_reward_rollouts: int = 2000):
+    def __init__(
+        self,
+        settings: Settings,
+        client,
+        cfg: GateConfig,
+        n_rollouts: int,
+        n_reward_rollouts: int = 2000,
+    ):
         self.settings, self.client, self.cfg, self.n_rollouts = settings, client, cfg, n_rollouts
         self.n_reward_rollouts = n_reward_rollouts
 
@@ -115,7 +131,9 @@ class GateRunner:
             ptags = self.client.get_model_version(model, parent).tags or {}
             if ptags.get("flywheel.gate.status") != "failed":
                 return parent
-            log.info("parent v%s failed the gate; comparing weights with its own parent instead", parent)
+            log.info(
+                "parent v%s failed the gate; comparing weights with its own parent instead", parent
+            )
             parent = ptags.get("parent_version")
         return None
 
@@ -124,14 +142,38 @@ class GateRunner:
         cand, cand_state, tags = load_version(self.client, model, version)
         parent = self.reference_version(model, tags)
         parent_state = load_version(self.client, model, parent)[1] if parent else None
-        champ = load_version(self.client, model, champion)[0] if champion and champion != version else None
+        champ = (
+            load_version(self.client, model, champion)[0]
+            if champion and champion != version
+            else None
+        )
         trained = json.loads(tags["kafka_offsets"]) if tags.get("kafka_offsets") else None
         # one read serves both: the reward model may learn from any logged rollout (it judges the
         # candidate, it is not it); the off-policy estimate needs rollouts the version did not train on
         newest = newest_rollouts(self.settings, max(self.n_rollouts, self.n_reward_rollouts))
         rolls = held_out(newest, trained, self.n_rollouts)
-        fit_on = [r for _, _, r in newest[-self.n_reward_rollouts:]] if self.n_reward_rollouts > 0 else []
-        log.info("gating %s v%s: parent %s, champion %s, %d held-out rollouts, reward model on %d", model, version, parent,
-                 champion, len(rolls), len(fit_on))
-        return run_gate(GateInputs(candidate_state=cand_state, parent_state=parent_state, candidate=cand, champion=champ,
-                                   rollouts=rolls, reward_rollouts=fit_on), self.cfg)
+        fit_on = (
+            [r for _, _, r in newest[-self.n_reward_rollouts :]]
+            if self.n_reward_rollouts > 0
+            else []
+        )
+        log.info(
+            "gating %s v%s: parent %s, champion %s, %d held-out rollouts, reward model on %d",
+            model,
+            version,
+            parent,
+            champion,
+            len(rolls),
+            len(fit_on),
+        )
+        return run_gate(
+            GateInputs(
+                candidate_state=cand_state,
+                parent_state=parent_state,
+                candidate=cand,
+                champion=champ,
+                rollouts=rolls,
+                reward_rollouts=fit_on,
+            ),
+            self.cfg,
+        )

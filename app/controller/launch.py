@@ -23,7 +23,9 @@ def run_controller(settings: Settings, metrics_port: int | None = None) -> None:
     try:
         cs = ControllerSettings()
     except ValidationError as exc:
-        raise SystemExit(f"invalid controller configuration (FLYWHEEL_CONTROLLER_*):\n{exc}") from None
+        raise SystemExit(
+            f"invalid controller configuration (FLYWHEEL_CONTROLLER_*):\n{exc}"
+        ) from None
     client = MlflowClient(tracking_uri=settings.mlflow_uri, registry_uri=settings.mlflow_uri)
     runner = GateRunner(settings, client, cs.gate(), cs.gate_rollouts, cs.gate_reward_rollouts)
     port = cs.metrics_port if metrics_port is None else metrics_port

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from statistics import NormalDist
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 from typing import Any, Literal
 
 import numpy as np
@@ -51,17 +51,39 @@ class Check:
         return asdict(self)
 
 
-def weight_sanity(state: Mapping[str, torch.Tensor], parent: Mapping[str, torch.Tensor] | None,
-                  max_global_rel_change: float, max_tensor_rel_change: float) -> list[Check]:
-    bad = [k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-    finite = Check("weights_finite", "fail" if bad else "pass", value=float(len(bad)), threshold=0.0,
-                   detail=f"non-finite values in {bad[:5]}" if bad else f"{len(state)} tensors finite")
+def weight_sanity(
+    state: Mapping[str, torch.Tensor],
+    parent: Mapping[str, torch.Tensor] | None,
+    max_global_rel_change: float,
+    max_tensor_rel_change: float,
+) -> list[Check]:
+    bad = [
+        k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    finite = Check(
+        "weights_finite",
+        "fail" if bad else "pass",
+        value=float(len(bad)),
+        threshold=0.0,
+        detail=f"non-finite values in {bad[:5]}" if bad else f"{len(state)} tensors finite",
+    )
     if bad or parent is None:
-        skip = Check("weight_change", "skipped", detail="no parent weights" if parent is None else "weights not finite")
+        skip = Check(
+            "weight_change",
+            "skipped",
+            detail="no parent weights" if parent is None else "weights not finite",
+        )
         return [finite, skip]
     missing = sorted(set(parent) ^ set(state))
     if missing:
-        return [finite, Check("weight_change", "fail", detail=f"tensor names differ from the parent: {missing[:5]}")]
+        return [
+            finite,
+            Check(
+                "weight_change",
+                "fail",
+                detail=f"tensor names differ from the parent: {missing[:5]}",
+            ),
+        ]
     num = den = 0.0
     worst, worst_name = 0.0, ""
     for k, t in state.items():
@@ -76,9 +98,17 @@ def weight_sanity(state: Mapping[str, torch.Tensor], parent: Mapping[str, torch.
             worst, worst_name = rel, k
     glob = math.sqrt(num) / max(math.sqrt(den), 1e-12)
     ok = glob <= max_global_rel_change and worst <= max_tensor_rel_change
-    return [finite, Check("weight_change", "pass" if ok else "fail", value=glob, threshold=max_global_rel_change,
-                          detail=f"global relative L2 change {glob:.3g} (max {max_global_rel_change:g}); largest "
-                                 f"per-tensor {worst:.3g} in {worst_name} (max {max_tensor_rel_change:g})")]
+    return [
+        finite,
+        Check(
+            "weight_change",
+            "pass" if ok else "fail",
+            value=glob,
+            threshold=max_global_rel_change,
+            detail=f"global relative L2 change {glob:.3g} (max {max_global_rel_change:g}); largest "
+            f"per-tensor {worst:.3g} in {worst_name} (max {max_tensor_rel_change:g})",
+        ),
+    ]
 
 
 def _masked_sums(lp: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, int]:
@@ -88,21 +118,34 @@ def _masked_sums(lp: torch.Tensor, lengths: Sequence[int]) -> tuple[np.ndarray, 
     return (lp64 * mask).sum(dim=1).numpy(), int(sum(lengths))
 
 
-def kl_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], max_kl: float | None) -> Check:
+def kl_check(
+    cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], max_kl: float | None
+) -> Check:
     """cand_lp, champ_lp: float32 [B, T] log-probs of the candidate's own samples under each policy.
     With `max_kl` None the KL is recorded (`info`), not judged."""
     if sum(lengths) == 0:
-        return Check("kl_to_champion", "skipped", detail="the candidate produced no tokens on the KL prompts")
+        return Check(
+            "kl_to_champion", "skipped", detail="the candidate produced no tokens on the KL prompts"
+        )
     diff, tokens = _masked_sums(cand_lp - champ_lp, lengths)
     kl = float(diff.sum() / tokens)
     detail = f"mean per-token KL(candidate||champion) {kl:.4g} nats over {tokens} tokens"
     if max_kl is None:
-        return Check("kl_to_champion", "info", value=kl, detail=f"{detail} (the trainer's trust region, not a criterion)")
+        return Check(
+            "kl_to_champion",
+            "info",
+            value=kl,
+            detail=f"{detail} (the trainer's trust region, not a criterion)",
+        )
     ok = math.isfinite(kl) and kl <= max_kl
-    return Check("kl_to_champion", "pass" if ok else "fail", value=kl, threshold=max_kl, detail=detail)
+    return Check(
+        "kl_to_champion", "pass" if ok else "fail", value=kl, threshold=max_kl, detail=detail
+    )
 
 
-def regression_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], tolerance: float) -> Check:
+def regression_check(
+    cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Sequence[int], tolerance: float
+) -> Check:
     """Log-probs [B, T] of fixed reference completions; NLL may rise by at most `tolerance` nats/token."""
     if sum(lengths) == 0:
         return Check("regression_prompts", "skipped", detail="empty regression set")
@@ -110,14 +153,27 @@ def regression_check(cand_lp: torch.Tensor, champ_lp: torch.Tensor, lengths: Seq
     h, _ = _masked_sums(champ_lp, lengths)
     rise = float((h.sum() - c.sum()) / tokens)  # NLL_cand - NLL_champ per token
     ok = math.isfinite(rise) and rise <= tolerance
-    return Check("regression_prompts", "pass" if ok else "fail", value=rise, threshold=tolerance,
-                 detail=f"reference NLL per token: candidate {-c.sum() / tokens:.4f}, champion {-h.sum() / tokens:.4f}")
+    return Check(
+        "regression_prompts",
+        "pass" if ok else "fail",
+        value=rise,
+        threshold=tolerance,
+        detail=f"reference NLL per token: candidate {-c.sum() / tokens:.4f}, champion {-h.sum() / tokens:.4f}",
+    )
 
 
-def behaviour_checks(cand_lengths: Sequence[int], champ_lengths: Sequence[int], *, max_empty_increase: float,
-                     length_k_std: float, tool_error: tuple[float, float] | None = None,
-                     max_tool_error_increase: float = 0.1, tool_error_ess: float | None = None,
-                     min_ess: float = 0.0, require_ess: bool = False) -> list[Check]:
+def behaviour_checks(
+    cand_lengths: Sequence[int],
+    champ_lengths: Sequence[int],
+    *,
+    max_empty_increase: float,
+    length_k_std: float,
+    tool_error: tuple[float, float] | None = None,
+    max_tool_error_increase: float = 0.1,
+    tool_error_ess: float | None = None,
+    min_ess: float = 0.0,
+    require_ess: bool = False,
+) -> list[Check]:
     """Compare the candidate's and the champion's completions on the same prompts.
 
     `tool_error` = (estimated tool-error rate of the candidate, logged rate), or None. The estimate
@@ -130,28 +186,59 @@ def behaviour_checks(cand_lengths: Sequence[int], champ_lengths: Sequence[int], 
         return [Check("behaviour", "skipped", detail="no samples")]
     c, h = np.asarray(cand_lengths, dtype=np.float64), np.asarray(champ_lengths, dtype=np.float64)
     e_c, e_h = float((c == 0).mean()), float((h == 0).mean())
-    out.append(Check("empty_completion_rate", "pass" if e_c - e_h <= max_empty_increase else "fail",
-                     value=e_c, threshold=e_h + max_empty_increase,
-                     detail=f"empty completions: candidate {e_c:.3f}, champion {e_h:.3f}"))
+    out.append(
+        Check(
+            "empty_completion_rate",
+            "pass" if e_c - e_h <= max_empty_increase else "fail",
+            value=e_c,
+            threshold=e_h + max_empty_increase,
+            detail=f"empty completions: candidate {e_c:.3f}, champion {e_h:.3f}",
+        )
+    )
     sd = float(h.std()) or 1.0
     z = abs(float(c.mean()) - float(h.mean())) / sd
-    out.append(Check("completion_length_shift", "pass" if z <= length_k_std else "fail", value=z, threshold=length_k_std,
-                     detail=f"mean length candidate {c.mean():.1f} vs champion {h.mean():.1f} (sd {sd:.1f}): {z:.2f} sd"))
+    out.append(
+        Check(
+            "completion_length_shift",
+            "pass" if z <= length_k_std else "fail",
+            value=z,
+            threshold=length_k_std,
+            detail=f"mean length candidate {c.mean():.1f} vs champion {h.mean():.1f} (sd {sd:.1f}): {z:.2f} sd",
+        )
+    )
     if tool_error is None:
-        out.append(Check("tool_error_rate", "skipped", detail="no logged rollouts to estimate it from"))
+        out.append(
+            Check("tool_error_rate", "skipped", detail="no logged rollouts to estimate it from")
+        )
     else:
         est, logged = tool_error
         detail = f"SNIPS tool-error rate {est:.3f} vs logged {logged:.3f}"
         if tool_error_ess is not None and tool_error_ess < min_ess:
-            out.append(Check("tool_error_rate", "fail" if require_ess else "skipped", value=tool_error_ess, threshold=min_ess,
-                             detail=f"effective sample size too small to judge: {detail}, ESS {tool_error_ess:.1f}"))
+            out.append(
+                Check(
+                    "tool_error_rate",
+                    "fail" if require_ess else "skipped",
+                    value=tool_error_ess,
+                    threshold=min_ess,
+                    detail=f"effective sample size too small to judge: {detail}, ESS {tool_error_ess:.1f}",
+                )
+            )
         else:
-            out.append(Check("tool_error_rate", "pass" if est - logged <= max_tool_error_increase else "fail", value=est,
-                             threshold=logged + max_tool_error_increase, detail=detail))
+            out.append(
+                Check(
+                    "tool_error_rate",
+                    "pass" if est - logged <= max_tool_error_increase else "fail",
+                    value=est,
+                    threshold=logged + max_tool_error_increase,
+                    detail=detail,
+                )
+            )
     return out
 
 
-def rate_increase_lower_bound(x_cand: int, n_cand: int, x_champ: int, n_champ: int, alpha: float) -> float:
+def rate_increase_lower_bound(
+    x_cand: int, n_cand: int, x_champ: int, n_champ: int, alpha: float
+) -> float:
     """One-sided (1 - alpha) Agresti-Caffo lower bound of p_cand - p_champ from counts x of n."""
     assert n_cand > 0 and n_champ > 0 and 0 < alpha < 1, f"n {n_cand}/{n_champ}, alpha {alpha}"
     pc, ph = (x_cand + 1) / (n_cand + 2), (x_champ + 1) / (n_champ + 2)
@@ -159,27 +246,70 @@ def rate_increase_lower_bound(x_cand: int, n_cand: int, x_champ: int, n_champ: i
     return pc - ph - NormalDist().inv_cdf(1 - alpha) * se
 
 
-def _rate_check(name: str, what: str, bad_cand: int, bad_champ: int, n_cand: int, n_champ: int, margin: float,
-                alpha: float) -> Check:
+def _rate_check(
+    name: str,
+    what: str,
+    bad_cand: int,
+    bad_champ: int,
+    n_cand: int,
+    n_champ: int,
+    margin: float,
+    alpha: float,
+) -> Check:
     lo = rate_increase_lower_bound(bad_cand, n_cand, bad_champ, n_champ, alpha)
     rc, rh = bad_cand / n_cand, bad_champ / n_champ
-    return Check(name, "fail" if lo > margin else "pass", value=lo, threshold=margin,
-                 detail=f"{what}: candidate {rc:.3f} ({bad_cand}/{n_cand}), champion {rh:.3f} ({bad_champ}/{n_champ}); "
-                        f"{1 - alpha:.0%} lower bound of the increase {lo:+.3f} (fail above {margin:g})")
+    return Check(
+        name,
+        "fail" if lo > margin else "pass",
+        value=lo,
+        threshold=margin,
+        detail=f"{what}: candidate {rc:.3f} ({bad_cand}/{n_cand}), champion {rh:.3f} ({bad_champ}/{n_champ}); "
+        f"{1 - alpha:.0%} lower bound of the increase {lo:+.3f} (fail above {margin:g})",
+    )
 
 
-def edit_checks(cand_texts: Sequence[str], champ_texts: Sequence[str], *, max_invalid_increase: float,
-                max_no_edit_increase: float, alpha: float) -> list[Check]:
+def edit_checks(
+    cand_texts: Sequence[str],
+    champ_texts: Sequence[str],
+    *,
+    max_invalid_increase: float,
+    max_no_edit_increase: float,
+    alpha: float,
+) -> list[Check]:
     """Tool-call validity and no-edit rates of decoded completions (candidate vs champion, same prompts).
 
     `value` of each check is the lower confidence bound of the rate's increase, `threshold` the margin.
     """
     if not cand_texts or not champ_texts:
-        return [Check(n, "skipped", detail="no samples") for n in ("tool_call_validity_rate", "no_edit_rate")]
+        return [
+            Check(n, "skipped", detail="no samples")
+            for n in ("tool_call_validity_rate", "no_edit_rate")
+        ]
     nc, nh = len(cand_texts), len(champ_texts)
-    broken_c, broken_h = sum(not is_valid(t) for t in cand_texts), sum(not is_valid(t) for t in champ_texts)
+    broken_c, broken_h = (
+        sum(not is_valid(t) for t in cand_texts),
+        sum(not is_valid(t) for t in champ_texts),
+    )
     none_c, none_h = sum(is_no_edit(t) for t in cand_texts), sum(is_no_edit(t) for t in champ_texts)
-    return [_rate_check("tool_call_validity_rate", "broken tool calls (won't parse)", broken_c, broken_h, nc, nh,
-                        max_invalid_increase, alpha),
-            _rate_check("no_edit_rate", "completions with no edit (empty, or only comments and strings)", none_c, none_h, nc, nh,
-                        max_no_edit_increase, alpha)]
+    return [
+        _rate_check(
+            "tool_call_validity_rate",
+            "broken tool calls (won't parse)",
+            broken_c,
+            broken_h,
+            nc,
+            nh,
+            max_invalid_increase,
+            alpha,
+        ),
+        _rate_check(
+            "no_edit_rate",
+            "completions with no edit (empty, or only comments and strings)",
+            none_c,
+            none_h,
+            nc,
+            nh,
+            max_no_edit_increase,
+            alpha,
+        ),
+    ]

@@ -35,14 +35,19 @@ from app.controller.state import Decision
 
 log = logging.getLogger(__name__)
 
-ALIAS_MOVES = Counter("flywheel_controller_alias_moves_total", "Alias moves made outside Flywheel that were carried out",
-                      ["alias", "via"])
+ALIAS_MOVES = Counter(
+    "flywheel_controller_alias_moves_total",
+    "Alias moves made outside Flywheel that were carried out",
+    ["alias", "via"],
+)
 # webhook threads, the poller and the controller's own alias moves of one process take turns
 alias_lock = threading.RLock()
-SETTLE_S = 0.5  # how long an alias/tag difference must persist to count as a move made outside Flywheel
+SETTLE_S = (
+    0.5  # how long an alias/tag difference must persist to count as a move made outside Flywheel
+)
 
 
-def settled_moves(client, model: str, settle_s: float = SETTLE_S) -> list[AliasMove]:  # noqa: ANN001
+def settled_moves(client, model: str, settle_s: float = SETTLE_S) -> list[AliasMove]:
     """Moves made outside Flywheel: differences still present, unchanged, `settle_s` later."""
     moves = detect_moves(read_snapshot(client, model))
     if not moves or settle_s <= 0:
@@ -51,27 +56,45 @@ def settled_moves(client, model: str, settle_s: float = SETTLE_S) -> list[AliasM
     again = detect_moves(read_snapshot(client, model))
     transient = [m for m in moves if m not in again]
     if transient:
-        log.debug("alias differences of %s gone within %.2fs (a move in progress, not an outside move): %s",
-                  model, settle_s, transient)
+        log.debug(
+            "alias differences of %s gone within %.2fs (a move in progress, not an outside move): %s",
+            model,
+            settle_s,
+            transient,
+        )
     return [m for m in again if m in moves]
 
 
-def reconcile_once(client, model: str, publish: Callable[[dict[str, Any]], Any], via: str,  # noqa: ANN001
-                   extra: dict[str, Any] | None = None, settle_s: float = SETTLE_S) -> list[dict[str, Any]]:
+def reconcile_once(
+    client,
+    model: str,
+    publish: Callable[[dict[str, Any]], Any],
+    via: str,
+    extra: dict[str, Any] | None = None,
+    settle_s: float = SETTLE_S,
+) -> list[dict[str, Any]]:
     """Publish an `alias_changed` event for every alias that moved outside Flywheel; returns them."""
     with alias_lock:
         moves = settled_moves(client, model, settle_s)
         events = []
         for m in moves:
             verb = "removed" if m.to_version is None else f"moved to version {m.to_version}"
-            d = Decision(type="alias_changed", version=m.to_version, from_version=m.from_version, source="mlflow-ui",
-                         actor="mlflow-ui", reason=f"alias {m.alias} {verb} in MLflow (was {m.from_version}); seen by {via}",
-                         details={"alias": m.alias, "observed_via": via, "seq": m.seq, **(extra or {})})
+            d = Decision(
+                type="alias_changed",
+                version=m.to_version,
+                from_version=m.from_version,
+                source="mlflow-ui",
+                actor="mlflow-ui",
+                reason=f"alias {m.alias} {verb} in MLflow (was {m.from_version}); seen by {via}",
+                details={"alias": m.alias, "observed_via": via, "seq": m.seq, **(extra or {})},
+            )
             ev = d.to_event(model, event_id=m.event_id(model))
             publish(ev)
             events.append(ev)
             ALIAS_MOVES.labels(m.alias, via).inc()
-            log.info("alias %s@%s %s -> %s (via %s)", model, m.alias, m.from_version, m.to_version, via)
+            log.info(
+                "alias %s@%s %s -> %s (via %s)", model, m.alias, m.from_version, m.to_version, via
+            )
         acknowledge(client, model, moves)
         return events
 
@@ -80,7 +103,9 @@ class Reconciler:
     """Polls MLflow every `interval_s` in a daemon thread (the webhook fallback). A failed pass
     (MLflow or Kafka away) is retried next interval, with one `waiting for` line (app/infra/wait.py)."""
 
-    def __init__(self, client, model: str, publish: Callable[[dict[str, Any]], Any], interval_s: float):  # noqa: ANN001
+    def __init__(
+        self, client, model: str, publish: Callable[[dict[str, Any]], Any], interval_s: float
+    ):
         assert interval_s > 0, f"poll interval must be > 0, got {interval_s}"
         self.client, self.model, self.publish, self.interval_s = client, model, publish, interval_s
         self._stop = threading.Event()
@@ -95,14 +120,18 @@ class Reconciler:
                 reconcile_once(self.client, self.model, self.publish, via="poll")
             except Exception as exc:  # MLflow or Kafka away: one log line, try again next interval
                 log.debug("alias reconciliation of %s failed", self.model, exc_info=True)
-                away.pending(f"{type(exc).__name__}: {str(exc)[:300]} (next try in {self.interval_s:g}s)")
+                away.pending(
+                    f"{type(exc).__name__}: {str(exc)[:300]} (next try in {self.interval_s:g}s)"
+                )
             else:
                 if away.active:
                     away.there()
             self._stop.wait(self.interval_s)
 
-    def start(self) -> "Reconciler":
-        self._thread = threading.Thread(target=self.run_forever, name="alias-reconciler", daemon=True)
+    def start(self) -> Reconciler:
+        self._thread = threading.Thread(
+            target=self.run_forever, name="alias-reconciler", daemon=True
+        )
         self._thread.start()
         return self
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -37,7 +37,7 @@ def parse_ts(value: Any) -> datetime:
     """An event's ts as aware UTC: the event schema's one parser (app/events.py); a naive datetime
     (SQLite projection rows hand back naive UTC) is taken as UTC."""
     if isinstance(value, datetime) and value.tzinfo is None:
-        value = value.replace(tzinfo=timezone.utc)
+        value = value.replace(tzinfo=UTC)
     return parse_event_ts(value)
 
 
@@ -47,19 +47,36 @@ class Decision(BaseModel):
     type: str = Field(description="One of the DESIGN.md deployment event types.")
     version: str | None = Field(None, description="The version the event is about (the new state).")
     from_version: str | None = Field(None, description="The version it moves away from, if any.")
-    traffic_pct: float | None = Field(None, description="Candidate's share of sessions after the event, in %.")
+    traffic_pct: float | None = Field(
+        None, description="Candidate's share of sessions after the event, in %."
+    )
     source: str = Field("controller", description="trainer | controller | api | mlflow-ui.")
-    actor: str = Field("controller", description="Who decided: 'controller', an API key name, 'mlflow-ui'.")
+    actor: str = Field(
+        "controller", description="Who decided: 'controller', an API key name, 'mlflow-ui'."
+    )
     reason: str = Field("", description="Human-readable why.")
-    details: dict[str, Any] = Field(default_factory=dict, description="Structured extra data (analysis, step...).")
+    details: dict[str, Any] = Field(
+        default_factory=dict, description="Structured extra data (analysis, step...)."
+    )
 
-    def to_event(self, model: str, ts: datetime | None = None, event_id: str | None = None) -> dict[str, Any]:
+    def to_event(
+        self, model: str, ts: datetime | None = None, event_id: str | None = None
+    ) -> dict[str, Any]:
         assert self.type in EVENT_TYPES, f"unknown deployment event type {self.type!r}"
-        ts = ts or datetime.now(timezone.utc)
-        return {"event_id": event_id or uuid.uuid4().hex, "type": self.type, "model": model,
-                "version": self.version, "from_version": self.from_version, "traffic_pct": self.traffic_pct,
-                "source": self.source, "actor": self.actor, "reason": self.reason, "details": self.details,
-                "ts": ts.isoformat().replace("+00:00", "Z")}
+        ts = ts or datetime.now(UTC)
+        return {
+            "event_id": event_id or uuid.uuid4().hex,
+            "type": self.type,
+            "model": model,
+            "version": self.version,
+            "from_version": self.from_version,
+            "traffic_pct": self.traffic_pct,
+            "source": self.source,
+            "actor": self.actor,
+            "reason": self.reason,
+            "details": self.details,
+            "ts": ts.isoformat().replace("+00:00", "Z"),
+        }
 
 
 class DeploymentState(BaseModel):
@@ -72,7 +89,9 @@ class DeploymentState(BaseModel):
     step: int = -1  # index into the canary steps; -1 when idle
     traffic_pct: float = 0.0  # candidate's share of sessions
     step_started_at: datetime | None = None
-    known_good: list[str] = Field(default_factory=list)  # versions that served as champion, oldest first
+    known_good: list[str] = Field(
+        default_factory=list
+    )  # versions that served as champion, oldest first
     failed: list[str] = Field(default_factory=list)  # gate failures and rolled-back versions
     registered: list[str] = Field(default_factory=list)
     gate: dict[str, bool] = Field(default_factory=dict)  # version -> gate passed
@@ -98,7 +117,13 @@ def _to_end(lst: list[str], v: str | None) -> list[str]:
 
 
 def _end_canary(s: DeploymentState) -> dict[str, Any]:
-    return dict(candidate=None, phase="idle", step=-1, traffic_pct=0.0, step_started_at=None)
+    return {
+        "candidate": None,
+        "phase": "idle",
+        "step": -1,
+        "traffic_pct": 0.0,
+        "step_started_at": None,
+    }
 
 
 def apply_event(state: DeploymentState, ev: dict[str, Any]) -> DeploymentState:
@@ -122,13 +147,23 @@ def apply_event(state: DeploymentState, ev: dict[str, Any]) -> DeploymentState:
         u["gate"] = {**state.gate, v: False}
         u["failed"] = _add(state.failed, v)
     elif t == "canary_started":
-        u.update(candidate=v, phase="canary", step=int(details.get("step", 0)),
-                 traffic_pct=float(ev.get("traffic_pct") or 0.0), step_started_at=ts,
-                 canaried=_add(state.canaried, v), last_analysis={})
+        u.update(
+            candidate=v,
+            phase="canary",
+            step=int(details.get("step", 0)),
+            traffic_pct=float(ev.get("traffic_pct") or 0.0),
+            step_started_at=ts,
+            canaried=_add(state.canaried, v),
+            last_analysis={},
+        )
     elif t == "traffic_shifted":
         if state.candidate is not None and v in (None, state.candidate):
-            u.update(phase="canary", step=int(details.get("step", state.step + 1)),
-                     traffic_pct=float(ev.get("traffic_pct") or 0.0), step_started_at=ts)
+            u.update(
+                phase="canary",
+                step=int(details.get("step", state.step + 1)),
+                traffic_pct=float(ev.get("traffic_pct") or 0.0),
+                step_started_at=ts,
+            )
     elif t == "canary_paused":
         if state.phase == "canary":
             u["phase"] = "paused"
@@ -136,13 +171,20 @@ def apply_event(state: DeploymentState, ev: dict[str, Any]) -> DeploymentState:
         if state.phase == "paused":
             u.update(phase="canary", step_started_at=ts)
     elif t == "promoted":
-        u.update(_end_canary(state), champion=v, known_good=_to_end(state.known_good, v),
-                 canaried=_add(state.canaried, v))
+        u.update(
+            _end_canary(state),
+            champion=v,
+            known_good=_to_end(state.known_good, v),
+            canaried=_add(state.canaried, v),
+        )
     elif t == "rolled_back":
         bad = frm
-        u.update(_end_canary(state), champion=v or state.champion,
-                 failed=_add(state.failed, bad),
-                 known_good=[x for x in _to_end(state.known_good, v) if x != bad])
+        u.update(
+            _end_canary(state),
+            champion=v or state.champion,
+            failed=_add(state.failed, bad),
+            known_good=[x for x in _to_end(state.known_good, v) if x != bad],
+        )
     elif t == "aborted":
         u.update(_end_canary(state))
     elif t == "alias_changed":
@@ -157,12 +199,19 @@ def apply_event(state: DeploymentState, ev: dict[str, Any]) -> DeploymentState:
                 u["ui_champion"] = slot
         elif alias == "candidate" and ui and v != state.candidate:
             u["ui_candidate"] = slot
-    if "analysis" in details and t in ("traffic_shifted", "promoted", "rolled_back", "canary_paused"):
+    if "analysis" in details and t in (
+        "traffic_shifted",
+        "promoted",
+        "rolled_back",
+        "canary_paused",
+    ):
         u["last_analysis"] = details["analysis"]
     return state.model_copy(update=u)
 
 
-def fold(model: str, events: Iterable[dict[str, Any]], state: DeploymentState | None = None) -> DeploymentState:
+def fold(
+    model: str, events: Iterable[dict[str, Any]], state: DeploymentState | None = None
+) -> DeploymentState:
     """Replay `events` (oldest first) onto `state` (default: the empty state of `model`)."""
     state = state or DeploymentState(model=model)
     seen: set[str] = set()

@@ -79,42 +79,64 @@ def parse_timestamp(value: str) -> float:
     try:
         ts = float(text)
     except ValueError:
-        raise WebhookRejected(f"{TIMESTAMP_HEADER} {value[:40]!r} is not a number; MLflow sends unix seconds") from None
+        raise WebhookRejected(
+            f"{TIMESTAMP_HEADER} {value[:40]!r} is not a number; MLflow sends unix seconds"
+        ) from None
     if not math.isfinite(ts):
-        raise WebhookRejected(f"{TIMESTAMP_HEADER} {value[:40]!r} is not a finite number; MLflow sends unix seconds")
+        raise WebhookRejected(
+            f"{TIMESTAMP_HEADER} {value[:40]!r} is not a finite number; MLflow sends unix seconds"
+        )
     if not _UNIX_SECONDS.fullmatch(text):
-        raise WebhookRejected(f"{TIMESTAMP_HEADER} {value[:40]!r} is not plain unix seconds (digits, optional fraction)")
+        raise WebhookRejected(
+            f"{TIMESTAMP_HEADER} {value[:40]!r} is not plain unix seconds (digits, optional fraction)"
+        )
     return ts
 
 
-def check_headers(headers: dict[str, str], window_s: float, now: float | None = None) -> DeliveryHeaders:
+def check_headers(
+    headers: dict[str, str], window_s: float, now: float | None = None
+) -> DeliveryHeaders:
     """The delivery headers, checked before the body is read; WebhookRejected (401) with the reason."""
     h = {k.lower(): v for k, v in headers.items()}
-    missing = [x for x in (DELIVERY_ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER) if x.lower() not in h]
+    missing = [
+        x for x in (DELIVERY_ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER) if x.lower() not in h
+    ]
     if missing:
-        raise WebhookRejected(f"missing {', '.join(missing)}; register the webhook with the shared secret "
-                              "(FLYWHEEL_WEBHOOK_SECRET)")
-    delivery_id, timestamp, signature = (h[x.lower()] for x in (DELIVERY_ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER))
+        raise WebhookRejected(
+            f"missing {', '.join(missing)}; register the webhook with the shared secret "
+            "(FLYWHEEL_WEBHOOK_SECRET)"
+        )
+    delivery_id, timestamp, signature = (
+        h[x.lower()] for x in (DELIVERY_ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER)
+    )
     if not _DELIVERY_ID.fullmatch(delivery_id):
-        raise WebhookRejected(f"{DELIVERY_ID_HEADER} must be 1-128 characters of letters, digits and ._:- "
-                              "(MLflow sends a uuid)")
+        raise WebhookRejected(
+            f"{DELIVERY_ID_HEADER} must be 1-128 characters of letters, digits and ._:- "
+            "(MLflow sends a uuid)"
+        )
     if not signature.strip():
         raise WebhookRejected(f"{SIGNATURE_HEADER} is empty")
     ts = parse_timestamp(timestamp)
     age = (time.time() if now is None else now) - ts
     if abs(age) > window_s:
-        raise WebhookRejected(f"timestamp {timestamp} is {age:.0f}s away from now, outside the {window_s:g}s "
-                              "replay window")
+        raise WebhookRejected(
+            f"timestamp {timestamp} is {age:.0f}s away from now, outside the {window_s:g}s "
+            "replay window"
+        )
     return DeliveryHeaders(delivery_id, timestamp, ts, signature)
 
 
 def check_signature(secret: str, delivery: DeliveryHeaders, body: bytes) -> None:
     expected = sign(secret, delivery.delivery_id, delivery.timestamp, body)
-    if not any(hmac.compare_digest(expected, part.strip()) for part in _signatures(delivery.signature)):
+    if not any(
+        hmac.compare_digest(expected, part.strip()) for part in _signatures(delivery.signature)
+    ):
         raise WebhookRejected("signature does not match (wrong secret or modified body)")
 
 
-def verify(secret: str, headers: dict[str, str], body: bytes, window_s: float, now: float | None = None) -> str:
+def verify(
+    secret: str, headers: dict[str, str], body: bytes, window_s: float, now: float | None = None
+) -> str:
     """Return the delivery id of a genuine, fresh delivery; raise WebhookRejected otherwise."""
     delivery = check_headers(headers, window_s, now)
     check_signature(secret, delivery, body)
@@ -155,7 +177,9 @@ class DeliveryDedupe:
     def __len__(self) -> int:
         return len(self._seen)
 
-    def begin(self, delivery_id: str, ts: float, now: float | None = None, wall: float | None = None) -> Seen:
+    def begin(
+        self, delivery_id: str, ts: float, now: float | None = None, wall: float | None = None
+    ) -> Seen:
         now = time.monotonic() if now is None else now
         wall = time.time() if wall is None else wall
         with self._lock:
@@ -165,7 +189,11 @@ class DeliveryDedupe:
                 return Seen.DUPLICATE if hit[2] else Seen.IN_PROGRESS
             if len(self._seen) >= self.max_ids:
                 return Seen.FULL
-            self._seen[delivery_id] = (now + self.retention_s, ts + self.window_s + self.skew_s, False)
+            self._seen[delivery_id] = (
+                now + self.retention_s,
+                ts + self.window_s + self.skew_s,
+                False,
+            )
             return Seen.NEW
 
     def done(self, delivery_id: str) -> None:
@@ -195,7 +223,7 @@ class DeliveryDedupe:
             self._seen.popitem(last=False)
 
 
-def ensure_webhook(client, model: str, url: str, secret: str) -> str:  # noqa: ANN001
+def ensure_webhook(client, model: str, url: str, secret: str) -> str:
     """Create or update the `flywheel-<model>` webhook; returns its id."""
     name = f"flywheel-{model}"
     existing = None
@@ -207,16 +235,24 @@ def ensure_webhook(client, model: str, url: str, secret: str) -> str:  # noqa: A
         if existing is not None or not token:
             break
     if existing is None:
-        wh = client.create_webhook(name=name, url=url, events=list(ALIAS_EVENTS), secret=secret, status="ACTIVE",
-                                   description=f"Flywheel controller: alias moves of {model}")
+        wh = client.create_webhook(
+            name=name,
+            url=url,
+            events=list(ALIAS_EVENTS),
+            secret=secret,
+            status="ACTIVE",
+            description=f"Flywheel controller: alias moves of {model}",
+        )
         log.info("registered MLflow webhook %s -> %s", wh.webhook_id, url)
         return wh.webhook_id
-    client.update_webhook(existing.webhook_id, url=url, events=list(ALIAS_EVENTS), secret=secret, status="ACTIVE")
+    client.update_webhook(
+        existing.webhook_id, url=url, events=list(ALIAS_EVENTS), secret=secret, status="ACTIVE"
+    )
     log.info("updated MLflow webhook %s -> %s", existing.webhook_id, url)
     return existing.webhook_id
 
 
-def disable_webhook(client, model: str) -> None:  # noqa: ANN001
+def disable_webhook(client, model: str) -> None:
     for w in client.list_webhooks(max_results=100):
         if w.name == f"flywheel-{model}":
             client.update_webhook(w.webhook_id, status="DISABLED")

@@ -78,8 +78,10 @@ def normalize_prefix(arg: str) -> str:
     """`fw_1a2b3c4d`, `1a2b3c4d`, `1A2B` -> lower-case hex; ValueError for anything else."""
     m = _PREFIX_ARG.fullmatch(arg.strip())
     if m is None or not MIN_REVOKE_PREFIX <= len(m.group(1)) <= 8:
-        raise ValueError(f"{arg!r} is not a key prefix: give the {MIN_REVOKE_PREFIX} to 8 hex digits after 'fw_' "
-                         "that `flywheel keys list` shows (e.g. 1a2b3c4d or fw_1a2b3c4d)")
+        raise ValueError(
+            f"{arg!r} is not a key prefix: give the {MIN_REVOKE_PREFIX} to 8 hex digits after 'fw_' "
+            "that `flywheel keys list` shows (e.g. 1a2b3c4d or fw_1a2b3c4d)"
+        )
     return m.group(1).lower()
 
 
@@ -90,9 +92,13 @@ def revoke_key(session: Session, prefix_arg: str) -> Revocation:
     match (nothing is changed then).
     """
     prefix = normalize_prefix(prefix_arg)
-    rows = list(session.scalars(select(ApiKey).where(ApiKey.prefix.startswith(prefix)).order_by(ApiKey.id)))
+    rows = list(
+        session.scalars(select(ApiKey).where(ApiKey.prefix.startswith(prefix)).order_by(ApiKey.id))
+    )
     if not rows:
-        raise KeyNotFound(f"no API key has a prefix starting with {prefix!r}; `flywheel keys list` shows them")
+        raise KeyNotFound(
+            f"no API key has a prefix starting with {prefix!r}; `flywheel keys list` shows them"
+        )
     if len(rows) > 1:
         listed = ", ".join(f"{r.prefix} ({r.name or 'unnamed'})" for r in rows)
         raise KeyNotFound(f"prefix {prefix!r} matches {len(rows)} keys: {listed}; give more digits")

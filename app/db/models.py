@@ -13,15 +13,26 @@ Schema changes go through Alembic (`migrations/`); `flywheel db upgrade` applies
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, Index, Integer, String, Text, UniqueConstraint, event
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    event,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class Base(DeclarativeBase):
@@ -73,13 +84,17 @@ class DeploymentEvent(Base):
 
 
 @event.listens_for(DeploymentEvent, "before_update")
-def _deployment_events_are_append_only(mapper, connection, target) -> None:  # noqa: ANN001
-    raise ValueError(f"deployment_events is append-only; refusing to update event {target.event_id}")
+def _deployment_events_are_append_only(mapper, connection, target) -> None:
+    raise ValueError(
+        f"deployment_events is append-only; refusing to update event {target.event_id}"
+    )
 
 
 @event.listens_for(DeploymentEvent, "before_delete")
-def _deployment_events_are_never_deleted(mapper, connection, target) -> None:  # noqa: ANN001
-    raise ValueError(f"deployment_events is append-only; refusing to delete event {target.event_id}")
+def _deployment_events_are_never_deleted(mapper, connection, target) -> None:
+    raise ValueError(
+        f"deployment_events is append-only; refusing to delete event {target.event_id}"
+    )
 
 
 class ModelVersion(Base):
@@ -103,7 +118,9 @@ class Replica(Base):
     __tablename__ = "replicas"
 
     replica_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    model: Mapped[str | None] = mapped_column(String(128), index=True)  # registered model it serves (0002)
+    model: Mapped[str | None] = mapped_column(
+        String(128), index=True
+    )  # registered model it serves (0002)
     url: Mapped[str | None] = mapped_column(String(512))
     champion_version: Mapped[str | None] = mapped_column(String(32))
     candidate_version: Mapped[str | None] = mapped_column(String(32))

@@ -16,7 +16,7 @@ def get_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # noqa: ANN001
+        def _sqlite_pragmas(dbapi_conn, _record) -> None:
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")

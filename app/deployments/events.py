@@ -27,7 +27,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -40,9 +40,19 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 EventType = Literal[
-    "version_registered", "gate_passed", "gate_failed", "canary_started", "traffic_shifted",
-    "canary_paused", "canary_resumed", "promoted", "rolled_back", "aborted", "alias_changed",
-    "replica_synced", "replica_sync_failed",
+    "version_registered",
+    "gate_passed",
+    "gate_failed",
+    "canary_started",
+    "traffic_shifted",
+    "canary_paused",
+    "canary_resumed",
+    "promoted",
+    "rolled_back",
+    "aborted",
+    "alias_changed",
+    "replica_synced",
+    "replica_sync_failed",
     "replica_heartbeat",  # addition to DESIGN.md: a replica's periodic report of what it serves
 ]
 Source = Literal["trainer", "controller", "api", "mlflow-ui", "replica"]
@@ -53,9 +63,16 @@ VERSION_PATTERN = r"^[0-9]{1,32}$"  # MLflow model versions are decimal numbers 
 # `details` keys the projections and folds read: (kind, limit), checked when present and not null, so a
 # record every consumer decodes is one every consumer can apply (the SQL columns' types and sizes)
 _DETAIL_FIELDS: dict[str, tuple[str, int]] = {
-    "step": ("int", 2**31), "rollouts_consumed": ("int", 2**63), "run_id": ("str", 64), "reward_spec": ("str", 16),
-    "url": ("str", 512), "status": ("str", 32), "alias": ("str", 16), "in_response_to": ("str", 64),
-    "champion_version": ("version", 32), "candidate_version": ("version", 32),
+    "step": ("int", 2**31),
+    "rollouts_consumed": ("int", 2**63),
+    "run_id": ("str", 64),
+    "reward_spec": ("str", 16),
+    "url": ("str", 512),
+    "status": ("str", 32),
+    "alias": ("str", 16),
+    "in_response_to": ("str", 64),
+    "champion_version": ("version", 32),
+    "candidate_version": ("version", 32),
 }
 
 REPLICA_TYPES = frozenset({"replica_synced", "replica_sync_failed", "replica_heartbeat"})
@@ -69,7 +86,7 @@ def _new_event_id() -> str:
 
 
 def _utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class DeploymentEvent(BaseModel):
@@ -85,28 +102,64 @@ class DeploymentEvent(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    event_id: str = Field(default_factory=_new_event_id, min_length=1, max_length=64,
-                          description="Unique id; the projections dedupe on it. Reuse it when re-publishing the same decision.")
+    event_id: str = Field(
+        default_factory=_new_event_id,
+        min_length=1,
+        max_length=64,
+        description="Unique id; the projections dedupe on it. Reuse it when re-publishing the same decision.",
+    )
     type: EventType = Field(description="What happened.")
-    model: str = Field(min_length=1, max_length=128, description="Registered model name (the Kafka key).")
-    version: str | None = Field(None, pattern=VERSION_PATTERN, max_length=32, description="The version the event is about (the target of a move); an MLflow version number.")
-    from_version: str | None = Field(None, pattern=VERSION_PATTERN, max_length=32, description="The version it moves away from (parent, old champion, old alias target).")
-    traffic_pct: float | None = Field(None, ge=0.0, le=100.0, description="Candidate's share of sessions in percent, for canary events.")
-    source: Source = Field(description="Who decided: trainer, controller, api (operator verb), mlflow-ui (alias move), replica.")
+    model: str = Field(
+        min_length=1, max_length=128, description="Registered model name (the Kafka key)."
+    )
+    version: str | None = Field(
+        None,
+        pattern=VERSION_PATTERN,
+        max_length=32,
+        description="The version the event is about (the target of a move); an MLflow version number.",
+    )
+    from_version: str | None = Field(
+        None,
+        pattern=VERSION_PATTERN,
+        max_length=32,
+        description="The version it moves away from (parent, old champion, old alias target).",
+    )
+    traffic_pct: float | None = Field(
+        None,
+        ge=0.0,
+        le=100.0,
+        description="Candidate's share of sessions in percent, for canary events.",
+    )
+    source: Source = Field(
+        description="Who decided: trainer, controller, api (operator verb), mlflow-ui (alias move), replica."
+    )
     actor: str = Field("", max_length=128, description="Person or process behind the decision.")
     reason: str = Field("", max_length=4096, description="Why, in words an operator understands.")
-    details: dict[str, Any] = Field(default_factory=dict, description="Type-specific payload (gate results, analysis, lineage, replica report).")
-    ts: Timestamp = Field(default_factory=_utcnow, description="When the decision was made (RFC 3339 with timezone; "
-                                                                 "the interaction events' parser, held in UTC).")
+    details: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Type-specific payload (gate results, analysis, lineage, replica report).",
+    )
+    ts: Timestamp = Field(
+        default_factory=_utcnow,
+        description="When the decision was made (RFC 3339 with timezone; "
+        "the interaction events' parser, held in UTC).",
+    )
 
     @model_validator(mode="after")
-    def _type_specific_fields(self) -> "DeploymentEvent":
+    def _type_specific_fields(self) -> DeploymentEvent:
         if self.version is None and self.type not in _VERSION_OPTIONAL:
             raise ValueError(f"a {self.type} event needs `version`")
         if self.type in _NEEDS_TRAFFIC and self.traffic_pct is None:
-            raise ValueError(f"a {self.type} event needs `traffic_pct` (the candidate's share, 0-100)")
-        if self.type == "alias_changed" and self.details.get("alias") not in ("champion", "candidate"):
-            raise ValueError("an alias_changed event needs details.alias = 'champion' or 'candidate'")
+            raise ValueError(
+                f"a {self.type} event needs `traffic_pct` (the candidate's share, 0-100)"
+            )
+        if self.type == "alias_changed" and self.details.get("alias") not in (
+            "champion",
+            "candidate",
+        ):
+            raise ValueError(
+                "an alias_changed event needs details.alias = 'champion' or 'candidate'"
+            )
         if self.type in REPLICA_TYPES:
             rid = self.details.get("replica_id")
             if not isinstance(rid, str) or not 1 <= len(rid) <= 128:
@@ -122,10 +175,14 @@ class DeploymentEvent(BaseModel):
             raise ValueError("details.analysis must be an object")
         bad = _non_finite(self.details, "details")
         if bad:
-            raise ValueError(f"{bad} is NaN or infinite; JSON cannot carry it (send null or a string)")
+            raise ValueError(
+                f"{bad} is NaN or infinite; JSON cannot carry it (send null or a string)"
+            )
         bad = _nul(self.model_dump(include={"actor", "reason", "details"}), "")
         if bad:
-            raise ValueError(f"{bad.lstrip('.')} contains a NUL character, which PostgreSQL text and JSON cannot store")
+            raise ValueError(
+                f"{bad.lstrip('.')} contains a NUL character, which PostgreSQL text and JSON cannot store"
+            )
         return self
 
     def to_bytes(self) -> bytes:
@@ -133,7 +190,7 @@ class DeploymentEvent(BaseModel):
         return dumps(self.model_dump(mode="json"))
 
     @classmethod
-    def from_bytes(cls, raw: bytes) -> "DeploymentEvent":
+    def from_bytes(cls, raw: bytes) -> DeploymentEvent:
         return cls.model_validate_json(raw)
 
 
@@ -208,11 +265,20 @@ class DeploymentLog:
         future = self._producer.send(self.topic, key=event.model, value=event.to_bytes())
         meta = future.get(timeout=max(1.0, self.settings.kafka_produce_timeout * 2))
         PUBLISHED.labels(event.type).inc()
-        log.info("deployment event %s %s v%s -> %s[%d]@%d", event.type, event.model, event.version,
-                 self.topic, meta.partition, meta.offset)
+        log.info(
+            "deployment event %s %s v%s -> %s[%d]@%d",
+            event.type,
+            event.model,
+            event.version,
+            self.topic,
+            meta.partition,
+            meta.offset,
+        )
         return meta.partition, meta.offset
 
-    def read(self, until_end: bool = True, poll_timeout_s: float = 1.0, stall_timeout_s: float = 60.0) -> Iterator[LoggedEvent]:
+    def read(
+        self, until_end: bool = True, poll_timeout_s: float = 1.0, stall_timeout_s: float = 60.0
+    ) -> Iterator[LoggedEvent]:
         """Every event from the beginning of the topic, in offset order per partition.
 
         `until_end=True` stops at the end offsets seen when the read starts (for rebuilds) and
@@ -224,10 +290,14 @@ class DeploymentLog:
 
         from kafka import TopicPartition
 
-        consumer = make_consumer(self.settings, group_id=None, consumer_timeout_ms=int(poll_timeout_s * 1000))
+        consumer = make_consumer(
+            self.settings, group_id=None, consumer_timeout_ms=int(poll_timeout_s * 1000)
+        )
         try:
             parts = consumer.partitions_for_topic(self.topic)
-            assert parts, f"topic {self.topic} does not exist; create it with `flywheel kafka start` (ensure_topics)"
+            assert parts, (
+                f"topic {self.topic} does not exist; create it with `flywheel kafka start` (ensure_topics)"
+            )
             tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
             consumer.assign(tps)
             consumer.seek_to_beginning(*tps)
@@ -239,8 +309,10 @@ class DeploymentLog:
                 if batch:
                     last_progress = time.monotonic()
                 elif until_end and time.monotonic() - last_progress > stall_timeout_s:
-                    raise TimeoutError(f"reading {self.topic}: no progress for {stall_timeout_s:.0f}s before the end "
-                                       f"offsets {({tp.partition: o for tp, o in end.items()})}; is the broker up?")
+                    raise TimeoutError(
+                        f"reading {self.topic}: no progress for {stall_timeout_s:.0f}s before the end "
+                        f"offsets { ({tp.partition: o for tp, o in end.items()}) }; is the broker up?"
+                    )
                 for tp, records in batch.items():
                     for rec in records:
                         if until_end and rec.offset >= end[tp]:
@@ -259,7 +331,7 @@ class DeploymentLog:
             self._producer.close(timeout=self.settings.kafka_produce_timeout)
             self._producer = None
 
-    def __enter__(self) -> "DeploymentLog":
+    def __enter__(self) -> DeploymentLog:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -280,7 +352,10 @@ def decode_event(value: bytes | None) -> DeploymentEvent:
     try:
         return DeploymentEvent.from_bytes(value or b"")
     except ValidationError as exc:
-        errors = [{"field": ".".join(map(str, e["loc"])) or "(event)", "message": e["msg"]} for e in exc.errors(include_url=False)]
+        errors = [
+            {"field": ".".join(map(str, e["loc"])) or "(event)", "message": e["msg"]}
+            for e in exc.errors(include_url=False)
+        ]
         json_error = any(e["type"] == "json_invalid" for e in exc.errors(include_url=False))
         raise InvalidRecord("invalid_json" if json_error else "invalid_event", errors) from None
 

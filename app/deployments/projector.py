@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -33,7 +33,13 @@ from sqlalchemy.orm import Session
 
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica
-from app.deployments.events import DeploymentEvent, DeploymentLog, InvalidRecord, LoggedEvent, decode_event
+from app.deployments.events import (
+    DeploymentEvent,
+    DeploymentLog,
+    InvalidRecord,
+    LoggedEvent,
+    decode_event,
+)
 from app.deployments.metrics import INVALID_EVENTS, PROJECTED, PROJECTED_OFFSET
 from app.settings import Settings
 
@@ -51,20 +57,49 @@ def apply_event(session: Session, logged: LoggedEvent) -> bool:
     the same Kafka (partition, offset).
     """
     ev = logged.event
-    seen = session.scalar(sa.select(EventRow.seq).where(sa.or_(
-        EventRow.event_id == ev.event_id,
-        sa.and_(EventRow.kafka_partition == logged.partition, EventRow.kafka_offset == logged.offset))))
+    seen = session.scalar(
+        sa.select(EventRow.seq).where(
+            sa.or_(
+                EventRow.event_id == ev.event_id,
+                sa.and_(
+                    EventRow.kafka_partition == logged.partition,
+                    EventRow.kafka_offset == logged.offset,
+                ),
+            )
+        )
+    )
     if seen is not None:
         PROJECTED.labels("duplicate").inc()
         return False
-    session.add(EventRow(event_id=ev.event_id, type=ev.type, model=ev.model, version=ev.version,
-                         from_version=ev.from_version, traffic_pct=ev.traffic_pct, source=ev.source,
-                         actor=ev.actor, reason=ev.reason, details=dict(ev.details), ts=ev.ts,
-                         kafka_partition=logged.partition, kafka_offset=logged.offset))
+    session.add(
+        EventRow(
+            event_id=ev.event_id,
+            type=ev.type,
+            model=ev.model,
+            version=ev.version,
+            from_version=ev.from_version,
+            traffic_pct=ev.traffic_pct,
+            source=ev.source,
+            actor=ev.actor,
+            reason=ev.reason,
+            details=dict(ev.details),
+            ts=ev.ts,
+            kafka_partition=logged.partition,
+            kafka_offset=logged.offset,
+        )
+    )
     state = session.get(DeploymentState, ev.model)
     if state is None:
-        state = DeploymentState(model=ev.model, champion=None, candidate=None, traffic_pct=0.0, phase="idle",
-                                step_index=None, last_analysis={}, updated_at=ev.ts)
+        state = DeploymentState(
+            model=ev.model,
+            champion=None,
+            candidate=None,
+            traffic_pct=0.0,
+            phase="idle",
+            step_index=None,
+            last_analysis={},
+            updated_at=ev.ts,
+        )
         session.add(state)
     _HANDLERS[ev.type](session, ev, state)
     state.last_event_id, state.updated_at = ev.event_id, ev.ts
@@ -78,8 +113,16 @@ def _version(session: Session, ev: DeploymentEvent, version: str) -> ModelVersio
     """The model_versions row of `version` (created as `registered` when first seen)."""
     mv = session.get(ModelVersion, (ev.model, version))
     if mv is None:
-        mv = ModelVersion(model=ev.model, version=version, status="registered", lineage={}, gate={}, online={},
-                          created_at=ev.ts, updated_at=ev.ts)
+        mv = ModelVersion(
+            model=ev.model,
+            version=version,
+            status="registered",
+            lineage={},
+            gate={},
+            online={},
+            created_at=ev.ts,
+            updated_at=ev.ts,
+        )
         session.add(mv)
     return mv
 
@@ -113,7 +156,9 @@ def _on_registered(session: Session, ev: DeploymentEvent, state: DeploymentState
     mv.run_id = d.get("run_id")
     mv.rollouts_consumed = d.get("rollouts_consumed")
     mv.reward_spec = d.get("reward_spec")
-    mv.lineage = {k: v for k, v in d.items() if k not in ("run_id", "rollouts_consumed", "reward_spec")}
+    mv.lineage = {
+        k: v for k, v in d.items() if k not in ("run_id", "rollouts_consumed", "reward_spec")
+    }
     mv.created_at = mv.updated_at = ev.ts
     state.last_registered_version, state.last_registered_at = ev.version, ev.ts
 
@@ -233,7 +278,9 @@ def _on_replica_sync_failed(session: Session, ev: DeploymentEvent, state: Deploy
 def _on_replica_heartbeat(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
     rep = _replica(session, ev)
     d = ev.details
-    rep.champion_version = d.get("champion_version", ev.version if ev.version is not None else rep.champion_version)
+    rep.champion_version = d.get(
+        "champion_version", ev.version if ev.version is not None else rep.champion_version
+    )
     if "candidate_version" in d:
         rep.candidate_version = d["candidate_version"]
     if ev.traffic_pct is not None:
@@ -265,8 +312,12 @@ def apply_events(session: Session, events: Iterable[LoggedEvent]) -> int:
 
 
 # Database errors that say the database is away, not that the event is bad: the batch is retried.
-TRANSIENT_DB_ERRORS: tuple[type[Exception], ...] = (sa.exc.OperationalError, sa.exc.InterfaceError,
-                                                    sa.exc.DisconnectionError, sa.exc.TimeoutError)
+TRANSIENT_DB_ERRORS: tuple[type[Exception], ...] = (
+    sa.exc.OperationalError,
+    sa.exc.InterfaceError,
+    sa.exc.DisconnectionError,
+    sa.exc.TimeoutError,
+)
 
 
 def apply_or_skip(session: Session, logged: LoggedEvent) -> tuple[bool, Exception | None]:
@@ -279,10 +330,17 @@ def apply_or_skip(session: Session, logged: LoggedEvent) -> tuple[bool, Exceptio
             return apply_event(session, logged), None
     except TRANSIENT_DB_ERRORS:
         raise
-    except Exception as exc:  # noqa: BLE001 - one event must not stop the projections (docs/DEPLOYMENTS.md)
+    except Exception as exc:
         PROJECTED.labels("failed").inc()
-        log.error("deployments[%d]@%d (%s %s) cannot be projected, skipped: %s: %s", logged.partition, logged.offset,
-                  logged.event.type, logged.event.event_id, type(exc).__name__, exc)
+        log.error(
+            "deployments[%d]@%d (%s %s) cannot be projected, skipped: %s: %s",
+            logged.partition,
+            logged.offset,
+            logged.event.type,
+            logged.event.event_id,
+            type(exc).__name__,
+            exc,
+        )
         return False, exc
 
 
@@ -293,10 +351,17 @@ def reset_projections(session: Session) -> None:
     if dialect == "postgresql":
         session.execute(sa.text(f"TRUNCATE {', '.join(PROJECTION_TABLES)} RESTART IDENTITY"))
     elif dialect == "sqlite":
-        for table in ("replicas", "deployment_state", "model_versions"):  # the first write opens the transaction
+        for table in (
+            "replicas",
+            "deployment_state",
+            "model_versions",
+        ):  # the first write opens the transaction
             session.execute(sa.text(f"DELETE FROM {table}"))
-        triggers = session.execute(sa.text(
-            "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'deployment_events'")).all()
+        triggers = session.execute(
+            sa.text(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' AND tbl_name = 'deployment_events'"
+            )
+        ).all()
         for name, _ in triggers:
             session.execute(sa.text(f'DROP TRIGGER "{name}"'))
         session.execute(sa.text("DELETE FROM deployment_events"))
@@ -314,8 +379,9 @@ class RebuildReport:
     seconds: float
 
 
-def rebuild(settings: Settings, db_url: str | None = None,
-            progress: Callable[[int], None] | None = None) -> RebuildReport:
+def rebuild(
+    settings: Settings, db_url: str | None = None, progress: Callable[[int], None] | None = None
+) -> RebuildReport:
     """Replay `<ns>.deployments` from the beginning into emptied projection tables, atomically.
 
     One transaction: readers see the old projections until it commits; on any error nothing
@@ -335,14 +401,27 @@ def rebuild(settings: Settings, db_url: str | None = None,
             if progress is not None:
                 progress(read)
     report = RebuildReport(read, applied, read - applied, time.monotonic() - started)
-    log.info("rebuilt projections in %s from %s: %d events, %d applied, %d duplicates, %.2fs", url,
-             settings.topic("deployments"), report.events_read, report.events_applied, report.duplicates, report.seconds)
+    log.info(
+        "rebuilt projections in %s from %s: %d events, %d applied, %d duplicates, %.2fs",
+        url,
+        settings.topic("deployments"),
+        report.events_read,
+        report.events_applied,
+        report.duplicates,
+        report.seconds,
+    )
     return report
 
 
 # --- follow -----------------------------------------------------------------------------------
-def follow(settings: Settings, db_url: str | None = None, stop: threading.Event | None = None,
-           group_id: str = PROJECTOR_GROUP, poll_timeout_s: float = 1.0, retry_backoff_s: float = 1.0) -> None:
+def follow(
+    settings: Settings,
+    db_url: str | None = None,
+    stop: threading.Event | None = None,
+    group_id: str = PROJECTOR_GROUP,
+    poll_timeout_s: float = 1.0,
+    retry_backoff_s: float = 1.0,
+) -> None:
     """Consume the topic with a consumer group and apply each poll batch in one transaction.
 
     Waits first for the broker and the topic (app/infra/wait.py: backoff, one log line).
@@ -371,28 +450,44 @@ def follow(settings: Settings, db_url: str | None = None, stop: threading.Event 
     consumer.partitions_for_topic(topic)  # load this consumer's metadata before it joins the group
     consumer.subscribe([topic])
     dead = DeadLetters(settings, consumer="projector")
-    log.info("projector following %s into %s (group %s)", settings.topic("deployments"), url, group_id)
+    log.info(
+        "projector following %s into %s (group %s)", settings.topic("deployments"), url, group_id
+    )
     try:
         while not stop.is_set():
             batch = consumer.poll(timeout_ms=int(poll_timeout_s * 1000))
             if not batch:
                 continue
-            bad: list[tuple[Any, str, list[dict[str, str]]]] = []  # (record, reason, errors), sent after the commit
+            bad: list[
+                tuple[Any, str, list[dict[str, str]]]
+            ] = []  # (record, reason, errors), sent after the commit
             try:
                 with session_scope(url) as session:
                     for records in batch.values():
                         for rec in records:
                             try:
-                                logged = LoggedEvent(rec.partition, rec.offset, decode_event(rec.value))
+                                logged = LoggedEvent(
+                                    rec.partition, rec.offset, decode_event(rec.value)
+                                )
                             except InvalidRecord as exc:
                                 INVALID_EVENTS.inc()
                                 bad.append((rec, exc.reason, exc.errors))
                                 continue
                             _, failed = apply_or_skip(session, logged)
                             if failed is not None:
-                                bad.append((rec, "apply_failed", error("(apply)", f"{type(failed).__name__}: {failed}")))
+                                bad.append(
+                                    (
+                                        rec,
+                                        "apply_failed",
+                                        error("(apply)", f"{type(failed).__name__}: {failed}"),
+                                    )
+                                )
             except sa.exc.SQLAlchemyError as exc:
-                log.warning("projector: database error, retrying the batch in %.1fs: %s", retry_backoff_s, exc)
+                log.warning(
+                    "projector: database error, retrying the batch in %.1fs: %s",
+                    retry_backoff_s,
+                    exc,
+                )
                 for tp, records in batch.items():
                     consumer.seek(tp, records[0].offset)
                 stop.wait(retry_backoff_s)
@@ -410,15 +505,16 @@ def projection_rows(session: Session) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for model in (EventRow, ModelVersion, DeploymentState, Replica):
         table = model.__table__
-        rows = session.execute(sa.select(table).order_by(*table.primary_key.columns)).mappings().all()
+        rows = (
+            session.execute(sa.select(table).order_by(*table.primary_key.columns)).mappings().all()
+        )
         out[table.name] = [{k: _normalize(v) for k, v in r.items()} for r in rows]
     return out
 
 
 def _normalize(value: Any) -> Any:
     """SQLite returns naive datetimes (stored as UTC); compare them as aware UTC."""
-    from datetime import timezone
 
     if isinstance(value, datetime) and value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
+        return value.replace(tzinfo=UTC)
     return value

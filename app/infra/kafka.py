@@ -50,16 +50,29 @@ def ensure_jars(cache_dir: Path) -> Path:
         return libs
     mvn = shutil.which("mvn")
     if mvn is None:
-        raise RuntimeError("Maven (mvn) is needed to fetch Kafka's jars from Maven Central; install it (apt-get install maven)")
+        raise RuntimeError(
+            "Maven (mvn) is needed to fetch Kafka's jars from Maven Central; install it (apt-get install maven)"
+        )
     libs.mkdir(parents=True, exist_ok=True)
     log.info("resolving Apache Kafka %s jars from Maven Central into %s", kafka_version(), libs)
     proc = subprocess.run(
-        [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
-         f"-DoutputDirectory={libs}", "-DincludeScope=runtime"],
-        capture_output=True, text=True,
+        [
+            mvn,
+            "-q",
+            "-B",
+            "-f",
+            str(POM),
+            "dependency:copy-dependencies",
+            f"-DoutputDirectory={libs}",
+            "-DincludeScope=runtime",
+        ],
+        capture_output=True,
+        text=True,
     )
     if proc.returncode != 0:
-        raise RuntimeError(f"mvn could not resolve Kafka's jars (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        raise RuntimeError(
+            f"mvn could not resolve Kafka's jars (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
     marker.touch()
     return libs
 
@@ -84,12 +97,17 @@ class LocalKafka:
     host: str = "127.0.0.1"
 
     @classmethod
-    def from_settings(cls, s: Settings) -> "LocalKafka":
+    def from_settings(cls, s: Settings) -> LocalKafka:
         first = s.kafka_bootstrap.split(",")[0].strip()
         host, _, port = first.rpartition(":")
-        return cls(home=s.data_dir / "kafka", port=int(port), controller_port=s.kafka_controller_port,
-                   heap=s.kafka_heap, cache_dir=s.kafka_cache_dir,
-                   host="127.0.0.1" if host in ("localhost", "127.0.0.1", "") else host)
+        return cls(
+            home=s.data_dir / "kafka",
+            port=int(port),
+            controller_port=s.kafka_controller_port,
+            heap=s.kafka_heap,
+            cache_dir=s.kafka_cache_dir,
+            host="127.0.0.1" if host in ("localhost", "127.0.0.1", "") else host,
+        )
 
     # --- paths --------------------------------------------------------------------------
     @property
@@ -113,57 +131,89 @@ class LocalKafka:
         self.home.mkdir(parents=True, exist_ok=True)
         (self.home / "logs").mkdir(exist_ok=True)
         cfg = self.home / "server.properties"
-        cfg.write_text("\n".join([
-            "# written by flywheel (app/infra/kafka.py); edits are overwritten on start",
-            "process.roles=broker,controller",
-            "node.id=1",
-            f"controller.quorum.voters=1@{self.host}:{self.cport}",
-            f"listeners=PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.cport}",
-            f"advertised.listeners=PLAINTEXT://{self.host}:{self.port}",
-            "controller.listener.names=CONTROLLER",
-            "inter.broker.listener.name=PLAINTEXT",
-            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-            f"log.dirs={(self.home / 'data').resolve()}",
-            "num.partitions=1",
-            "offsets.topic.replication.factor=1",
-            "offsets.topic.num.partitions=10",
-            "transaction.state.log.replication.factor=1",
-            "transaction.state.log.min.isr=1",
-            "share.coordinator.state.topic.replication.factor=1",
-            "share.coordinator.state.topic.min.isr=1",
-            "min.insync.replicas=1",
-            "group.initial.rebalance.delay.ms=0",
-            "auto.create.topics.enable=true",
-            "log.retention.hours=-1",
-            "log.cleaner.min.compaction.lag.ms=0",
-            "log.segment.bytes=67108864",
-            # the record limit of topics without their own max.message.bytes (app/settings.py: the chain
-            # max_event_bytes -> producer max_request_size -> topic/broker limits)
-            f"message.max.bytes={KAFKA_MESSAGE_MAX_BYTES}",
-            "",
-        ]))
+        cfg.write_text(
+            "\n".join(
+                [
+                    "# written by flywheel (app/infra/kafka.py); edits are overwritten on start",
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@{self.host}:{self.cport}",
+                    f"listeners=PLAINTEXT://{self.host}:{self.port},CONTROLLER://{self.host}:{self.cport}",
+                    f"advertised.listeners=PLAINTEXT://{self.host}:{self.port}",
+                    "controller.listener.names=CONTROLLER",
+                    "inter.broker.listener.name=PLAINTEXT",
+                    "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+                    f"log.dirs={(self.home / 'data').resolve()}",
+                    "num.partitions=1",
+                    "offsets.topic.replication.factor=1",
+                    "offsets.topic.num.partitions=10",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "share.coordinator.state.topic.replication.factor=1",
+                    "share.coordinator.state.topic.min.isr=1",
+                    "min.insync.replicas=1",
+                    "group.initial.rebalance.delay.ms=0",
+                    "auto.create.topics.enable=true",
+                    "log.retention.hours=-1",
+                    "log.cleaner.min.compaction.lag.ms=0",
+                    "log.segment.bytes=67108864",
+                    # the record limit of topics without their own max.message.bytes (app/settings.py: the chain
+                    # max_event_bytes -> producer max_request_size -> topic/broker limits)
+                    f"message.max.bytes={KAFKA_MESSAGE_MAX_BYTES}",
+                    "",
+                ]
+            )
+        )
         return cfg
 
     def _java(self, libs: Path, *args: str, heap: str | None = None) -> list[str]:
         java = shutil.which("java")
         if java is None:
-            raise RuntimeError("Java 17+ is needed to run the embedded Kafka broker (apt-get install openjdk-17-jre-headless)")
-        return [java, f"-Xmx{heap or self.heap}", "-Xss1m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20",
-                "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile={LOG4J2}",
-                f"-Dkafka.logs.dir={self.home / 'logs'}", "-cp", f"{libs}/*", *args]
+            raise RuntimeError(
+                "Java 17+ is needed to run the embedded Kafka broker (apt-get install openjdk-17-jre-headless)"
+            )
+        return [
+            java,
+            f"-Xmx{heap or self.heap}",
+            "-Xss1m",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={LOG4J2}",
+            f"-Dkafka.logs.dir={self.home / 'logs'}",
+            "-cp",
+            f"{libs}/*",
+            *args,
+        ]
 
     def format_storage(self, libs: Path) -> None:
         if (self.home / "data" / "meta.properties").exists():
             return
         cluster_id = "-"
-        while cluster_id.startswith("-"):  # a leading '-' is read as an option by kafka-storage (1 in 64 ids)
+        while cluster_id.startswith(
+            "-"
+        ):  # a leading '-' is read as an option by kafka-storage (1 in 64 ids)
             cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
         cfg = self._write_config()
         log.info("formatting KRaft storage in %s (cluster %s)", self.home / "data", cluster_id)
-        proc = subprocess.run(self._java(libs, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(cfg),
-                                         heap="256m"), capture_output=True, text=True)
+        proc = subprocess.run(
+            self._java(
+                libs,
+                "kafka.tools.StorageTool",
+                "format",
+                "-t",
+                cluster_id,
+                "-c",
+                str(cfg),
+                heap="256m",
+            ),
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
-            raise RuntimeError(f"formatting Kafka storage failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"formatting Kafka storage failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
 
     def pid(self) -> int | None:
         try:
@@ -188,15 +238,24 @@ class LocalKafka:
             self.wait_ready(timeout)
             return
         if _port_open(self.host, self.port):
-            raise RuntimeError(f"port {self.port} is already in use by another process; set FLYWHEEL_KAFKA_BOOTSTRAP to a free port")
+            raise RuntimeError(
+                f"port {self.port} is already in use by another process; set FLYWHEEL_KAFKA_BOOTSTRAP to a free port"
+            )
         libs = ensure_jars(self.cache_dir)
         self.format_storage(libs)
         cfg = self._write_config()
         out = open(self.home / "logs" / "stdout.log", "ab")
-        proc = subprocess.Popen(self._java(libs, "kafka.Kafka", str(cfg)), stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            self._java(libs, "kafka.Kafka", str(cfg)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.pid_file.write_text(str(proc.pid))
-        log.info("started kafka pid %s on %s, logs in %s", proc.pid, self.bootstrap, self.home / "logs")
+        log.info(
+            "started kafka pid %s on %s, logs in %s", proc.pid, self.bootstrap, self.home / "logs"
+        )
         try:
             self.wait_ready(timeout, proc=proc)
         except Exception:
@@ -214,7 +273,9 @@ class LocalKafka:
                 raise RuntimeError(f"kafka exited with {proc.returncode}; see {self.home / 'logs'}")
             if _port_open(self.host, self.port):
                 try:
-                    admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=5000)
+                    admin = KafkaAdminClient(
+                        bootstrap_servers=self.bootstrap, request_timeout_ms=5000
+                    )
                     try:
                         admin.describe_cluster()
                         return
@@ -225,7 +286,9 @@ class LocalKafka:
                 except Exception as exc:  # broker still starting
                     last = exc
             time.sleep(0.3)
-        raise TimeoutError(f"kafka on {self.bootstrap} not ready after {timeout:.0f}s (last error: {last}); see {self.log_file}")
+        raise TimeoutError(
+            f"kafka on {self.bootstrap} not ready after {timeout:.0f}s (last error: {last}); see {self.log_file}"
+        )
 
     def stop(self, timeout: float = 30.0) -> bool:
         """SIGTERM (controlled shutdown), then SIGKILL after `timeout`. Returns whether it was running."""
@@ -271,19 +334,29 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def ensure_topics(settings: Settings, bootstrap: str | None = None, timeout_s: float = 30.0) -> list[str]:
+def ensure_topics(
+    settings: Settings, bootstrap: str | None = None, timeout_s: float = 30.0
+) -> list[str]:
     """Create the DESIGN.md topics that do not exist yet. Returns the names it created."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap or settings.kafka_bootstrap, request_timeout_ms=int(timeout_s * 1000))
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap or settings.kafka_bootstrap,
+        request_timeout_ms=int(timeout_s * 1000),
+    )
     try:
         existing = set(admin.list_topics())
         wanted = [
-            NewTopic(settings.topic(name), num_partitions=topic_partitions(settings, name),
-                     replication_factor=settings.replication_factor, topic_configs=dict(cfg))
-            for name, cfg in TOPICS.items() if settings.topic(name) not in existing
+            NewTopic(
+                settings.topic(name),
+                num_partitions=topic_partitions(settings, name),
+                replication_factor=settings.replication_factor,
+                topic_configs=dict(cfg),
+            )
+            for name, cfg in TOPICS.items()
+            if settings.topic(name) not in existing
         ]
         if wanted:
             try:

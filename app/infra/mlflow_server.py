@@ -23,16 +23,33 @@ log = logging.getLogger(__name__)
 # (10 threads, 30 s timeout, 3 retries) lets a few hung receivers delay every other delivery by
 # minutes; Flywheel's receiver answers in milliseconds, so a short timeout and a wider pool keep one
 # dead endpoint from starving the live ones (the poller still covers whatever is lost).
-WEBHOOK_ENV = {"MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https", "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
-               "MLFLOW_WEBHOOK_CACHE_TTL": "2", "MLFLOW_WEBHOOK_REQUEST_TIMEOUT": "10",
-               "MLFLOW_WEBHOOK_DELIVERY_MAX_WORKERS": "32"}
+WEBHOOK_ENV = {
+    "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+    "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+    "MLFLOW_WEBHOOK_CACHE_TTL": "2",
+    "MLFLOW_WEBHOOK_REQUEST_TIMEOUT": "10",
+    "MLFLOW_WEBHOOK_DELIVERY_MAX_WORKERS": "32",
+}
 
 
 def mlflow_server_argv(root: Path, host: str, port: int, workers: int = 1) -> list[str]:
     root.mkdir(parents=True, exist_ok=True)
-    return [sys.executable, "-m", "mlflow", "server", "--host", host, "--port", str(port),
-            "--backend-store-uri", f"sqlite:///{(root / 'mlflow.db').resolve()}",
-            "--artifacts-destination", str((root / "artifacts").resolve()), "--workers", str(workers)]
+    return [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{(root / 'mlflow.db').resolve()}",
+        "--artifacts-destination",
+        str((root / "artifacts").resolve()),
+        "--workers",
+        str(workers),
+    ]
 
 
 def host_port(uri: str) -> tuple[str, int]:
@@ -44,13 +61,19 @@ def mlflow_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, **WEBHOOK_ENV, **(extra or {})}
 
 
-def start_server(root: Path, host: str, port: int, extra_env: dict[str, str] | None = None,
-                 log: Any = None) -> subprocess.Popen:
+def start_server(
+    root: Path, host: str, port: int, extra_env: dict[str, str] | None = None, log: Any = None
+) -> subprocess.Popen:
     """`mlflow server` as a child in its own session (tests, benchmarks; `flywheel run` supervises its
     own); output to `log` (a binary file) or discarded. Pair with `wait_healthy` and `stop_server`."""
     out = log if log is not None else subprocess.DEVNULL
-    return subprocess.Popen(mlflow_server_argv(root, host, port), env=mlflow_env(extra_env), stdout=out,
-                            stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(
+        mlflow_server_argv(root, host, port),
+        env=mlflow_env(extra_env),
+        stdout=out,
+        stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:

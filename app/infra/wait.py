@@ -33,15 +33,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import Gauge
+
+if TYPE_CHECKING:
+    from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-WAITING = Gauge("flywheel_waiting_for", "1 while this process waits for a dependency at start-up", ["dependency"])
+WAITING = Gauge(
+    "flywheel_waiting_for",
+    "1 while this process waits for a dependency at start-up",
+    ["dependency"],
+)
 
 INITIAL_S = 0.5  # first pause after a failed try
 MAX_DELAY_S = 10.0  # the backoff's cap: a dependency that appears is noticed within this long
@@ -95,14 +102,23 @@ class Waiter:
         if self.started is None:
             self.started = self._reminded = now
             if max_delay_s:
-                self.log.warning("waiting for %s: %s; retrying with backoff (at most every %gs)", self.what, why,
-                                 max_delay_s)
+                self.log.warning(
+                    "waiting for %s: %s; retrying with backoff (at most every %gs)",
+                    self.what,
+                    why,
+                    max_delay_s,
+                )
             else:
                 self.log.warning("waiting for %s: %s", self.what, why)
         elif now - self._reminded >= self.remind_s:
             self._reminded = now
-            self.log.warning("still waiting for %s after %.0fs (%d tries): %s", self.what, now - self.started,
-                             self.tries, why)
+            self.log.warning(
+                "still waiting for %s after %.0fs (%d tries): %s",
+                self.what,
+                now - self.started,
+                self.tries,
+                why,
+            )
         else:
             self.log.debug("waiting for %s: %s", self.what, why)
 
@@ -112,14 +128,25 @@ class Waiter:
             _waiting.pop(self.what, None)
         WAITING.labels(self.what).set(0)
         if self.started is not None:
-            self.log.info("%s is there (waited %.1fs, %d tries)", self.what, time.monotonic() - self.started,
-                          self.tries + 1)
+            self.log.info(
+                "%s is there (waited %.1fs, %d tries)",
+                self.what,
+                time.monotonic() - self.started,
+                self.tries + 1,
+            )
         self.started, self.tries = None, 0
 
 
-def wait_for(what: str, attempt: Callable[[], T], *, stop: threading.Event | None = None,
-             initial_s: float = INITIAL_S, max_delay_s: float = MAX_DELAY_S, remind_s: float = REMIND_S,
-             logger: logging.Logger | None = None) -> T:
+def wait_for(
+    what: str,
+    attempt: Callable[[], T],
+    *,
+    stop: threading.Event | None = None,
+    initial_s: float = INITIAL_S,
+    max_delay_s: float = MAX_DELAY_S,
+    remind_s: float = REMIND_S,
+    logger: logging.Logger | None = None,
+) -> T:
     """Call `attempt` until it succeeds and return its value; backoff between tries, capped.
 
     Waits as long as it takes: only `stop` ends it early (raises `Stopped`). `KeyboardInterrupt`
@@ -128,20 +155,26 @@ def wait_for(what: str, attempt: Callable[[], T], *, stop: threading.Event | Non
     from tenacity import RetryError, Retrying, retry_if_exception_type, wait_exponential_jitter
     from tenacity.stop import stop_base
 
-    assert 0 < initial_s <= max_delay_s, f"need 0 < initial_s <= max_delay_s, got {initial_s}, {max_delay_s}"
+    assert 0 < initial_s <= max_delay_s, (
+        f"need 0 < initial_s <= max_delay_s, got {initial_s}, {max_delay_s}"
+    )
     stop = stop or threading.Event()
     waiter = Waiter(what, remind_s, logger)
 
     class _OnStop(stop_base):
-        def __call__(self, retry_state) -> bool:  # noqa: ANN001 - tenacity's RetryCallState
+        def __call__(self, retry_state) -> bool:
             return stop.is_set()
 
-    def _before_sleep(retry_state) -> None:  # noqa: ANN001
+    def _before_sleep(retry_state) -> None:
         waiter.pending(_reason(retry_state.outcome.exception()), max_delay_s)
 
-    retrying = Retrying(retry=retry_if_exception_type(Exception), stop=_OnStop(),
-                        wait=wait_exponential_jitter(initial=initial_s, max=max_delay_s, jitter=initial_s),
-                        sleep=stop.wait, before_sleep=_before_sleep)
+    retrying = Retrying(
+        retry=retry_if_exception_type(Exception),
+        stop=_OnStop(),
+        wait=wait_exponential_jitter(initial=initial_s, max=max_delay_s, jitter=initial_s),
+        sleep=stop.wait,
+        before_sleep=_before_sleep,
+    )
     try:
         value = retrying(attempt)
     except RetryError as exc:  # the stop signal arrived
@@ -170,10 +203,15 @@ class _QuietWhileWaiting(logging.Filter):
 
 
 _quiet = _QuietWhileWaiting()
-KAFKA_NET_LOGGERS = ("kafka.net.manager", "kafka.net.connection", "kafka.conn", "kafka.client_async")
+KAFKA_NET_LOGGERS = (
+    "kafka.net.manager",
+    "kafka.net.connection",
+    "kafka.conn",
+    "kafka.client_async",
+)
 
 
-def kafka_ready(settings: "Settings", topics: list[str], stop: threading.Event | None = None) -> None:  # noqa: F821
+def kafka_ready(settings: Settings, topics: list[str], stop: threading.Event | None = None) -> None:
     """Wait until the broker answers and every topic in `topics` (full names) has partitions."""
     global _kafka_waits
     from app.kafka_io import make_consumer
@@ -181,17 +219,26 @@ def kafka_ready(settings: "Settings", topics: list[str], stop: threading.Event |
     ms = int(CHECK_TIMEOUT_S * 1000)
 
     def attempt() -> None:
-        consumer = make_consumer(settings, group_id=None, bootstrap_timeout_ms=ms, request_timeout_ms=ms + 1000,
-                                 client_id="flywheel-wait")
+        consumer = make_consumer(
+            settings,
+            group_id=None,
+            bootstrap_timeout_ms=ms,
+            request_timeout_ms=ms + 1000,
+            client_id="flywheel-wait",
+        )
         try:
             missing = [t for t in topics if not consumer.partitions_for_topic(t)]
         finally:
             consumer.close()
         if missing:
-            raise NotReady(f"topic(s) {', '.join(missing)} do not exist yet (`flywheel kafka start` or "
-                           f"`flywheel kafka topics` creates them)")
+            raise NotReady(
+                f"topic(s) {', '.join(missing)} do not exist yet (`flywheel kafka start` or "
+                f"`flywheel kafka topics` creates them)"
+            )
 
-    what = f"Kafka at {settings.kafka_bootstrap}" + (f" with topic(s) {', '.join(topics)}" if topics else "")
+    what = f"Kafka at {settings.kafka_bootstrap}" + (
+        f" with topic(s) {', '.join(topics)}" if topics else ""
+    )
     for name in KAFKA_NET_LOGGERS:
         logging.getLogger(name).addFilter(_quiet)  # idempotent
     with _lock:
@@ -218,7 +265,7 @@ def mlflow_ready(uri: str, stop: threading.Event | None = None) -> None:
     wait_for(f"the MLflow server at {uri}", attempt, stop=stop)
 
 
-def registered_model_ready(client, name: str, stop: threading.Event | None = None) -> None:  # noqa: ANN001 - MlflowClient
+def registered_model_ready(client, name: str, stop: threading.Event | None = None) -> None:
     """Wait until MLflow knows the registered model `name` (the trainer creates it)."""
     from mlflow.exceptions import MlflowException
 
@@ -227,7 +274,9 @@ def registered_model_ready(client, name: str, stop: threading.Event | None = Non
             client.get_registered_model(name)
         except MlflowException as exc:
             if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
-                raise NotReady(f"MLflow has no registered model {name} yet (`flywheel trainer` registers it)") from None
+                raise NotReady(
+                    f"MLflow has no registered model {name} yet (`flywheel trainer` registers it)"
+                ) from None
             raise
 
     wait_for(f"the registered model {name}", attempt, stop=stop)

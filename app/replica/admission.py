@@ -63,9 +63,17 @@ class _Ticket:
 class GenerationQueue:
     """Admission, ordering and metrics of the requests waiting for one generation thread."""
 
-    def __init__(self, replica_id: str, pool: Executor, *, max_queued: int, max_queued_cost: int,
-                 initial_s_per_cost: float = 2e-3, max_retry_after_s: int = 60,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        replica_id: str,
+        pool: Executor,
+        *,
+        max_queued: int,
+        max_queued_cost: int,
+        initial_s_per_cost: float = 2e-3,
+        max_retry_after_s: int = 60,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         assert max_queued >= 0 and max_queued_cost >= 1, f"bounds {max_queued}, {max_queued_cost}"
         assert initial_s_per_cost > 0, f"initial_s_per_cost must be > 0, got {initial_s_per_cost}"
         self.replica_id, self.pool = replica_id, pool
@@ -102,10 +110,16 @@ class GenerationQueue:
         assert cost >= 1, f"cost must be >= 1, got {cost}"
         if self._running_cost is not None:  # busy: the request has to wait, if there is room
             if self.depth >= self.max_queued:
-                self._refuse("requests", f"{self.depth} requests are already queued (at most {self.max_queued})")
+                self._refuse(
+                    "requests",
+                    f"{self.depth} requests are already queued (at most {self.max_queued})",
+                )
             if self.queued_cost + cost > self.max_queued_cost:
-                self._refuse("cost", f"queued requests may generate {self.queued_cost} tokens; this one "
-                                     f"({cost}) would exceed the bound of {self.max_queued_cost}")
+                self._refuse(
+                    "cost",
+                    f"queued requests may generate {self.queued_cost} tokens; this one "
+                    f"({cost}) would exceed the bound of {self.max_queued_cost}",
+                )
         ticket = _Ticket(cost, self.clock(), asyncio.get_running_loop().create_future())
         self._queued.append(ticket)
         self._dispatch()
@@ -128,7 +142,9 @@ class GenerationQueue:
         now, overdue_after = self.clock(), self.overdue_after_s()
 
         def order(t: _Ticket) -> tuple[int, float, float]:
-            return (0, t.arrived, 0.0) if now - t.arrived >= overdue_after else (1, t.cost, t.arrived)
+            return (
+                (0, t.arrived, 0.0) if now - t.arrived >= overdue_after else (1, t.cost, t.arrived)
+            )
 
         nxt = min(self._queued, key=order)
         self._queued.remove(nxt)
@@ -141,8 +157,13 @@ class GenerationQueue:
         self._publish()
 
     # --- the one entry point ----------------------------------------------------------------------
-    async def run(self, cost: int, fn: Callable[..., T], *args: Any,
-                  still_wanted: Callable[[], Awaitable[bool]] | None = None) -> T:
+    async def run(
+        self,
+        cost: int,
+        fn: Callable[..., T],
+        *args: Any,
+        still_wanted: Callable[[], Awaitable[bool]] | None = None,
+    ) -> T:
         """Wait for the thread (or raise QueueFull at once), then run `fn(*args)` on it."""
         ticket = self._admit(cost)
         try:
@@ -169,7 +190,9 @@ class GenerationQueue:
                 self._learn(cost, self.clock() - t0)
             self._release()
 
-        fut.add_done_callback(_done)  # frees the thread when the call returns, even if we are cancelled
+        fut.add_done_callback(
+            _done
+        )  # frees the thread when the call returns, even if we are cancelled
         return await asyncio.shield(fut)
 
     def _learn(self, cost: int, seconds: float) -> None:

@@ -19,47 +19,105 @@ from app.settings import Duration
 class ReplicaConfig(BaseSettings):
     """Serving limits, sync cadence and the local weight cache of one `flywheel replica`."""
 
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_REPLICA_", extra="ignore", validate_default=True)
+    model_config = SettingsConfigDict(
+        env_prefix="FLYWHEEL_REPLICA_", extra="ignore", validate_default=True
+    )
 
-    id: str = Field("replica-1", min_length=1, max_length=128,
-                    description="This replica's id in deployment events and metrics (`--replica-id` overrides it).")
+    id: str = Field(
+        "replica-1",
+        min_length=1,
+        max_length=128,
+        description="This replica's id in deployment events and metrics (`--replica-id` overrides it).",
+    )
     host: str = Field("127.0.0.1", description="Bind address of `flywheel replica`.")
     port: int = Field(8100, ge=1, le=65535, description="Port of `flywheel replica`.")
-    advertise_url: str | None = Field(None, description="URL reported in heartbeats (default http://<host>:<port>).")
-    cache_dir: Path | None = Field(None, description="Verified weight cache (default `<data_dir>/replicas/<id>`); "
-                                                     "a restarted replica serves from it at once.")
-    cache_keep: int = Field(3, ge=2, description="Verified versions kept in the cache (the serving ones always stay).")
-    max_tokens: int = Field(256, ge=1, description="Largest `max_tokens` a request may ask for (also capped by the model's context).")
+    advertise_url: str | None = Field(
+        None, description="URL reported in heartbeats (default http://<host>:<port>)."
+    )
+    cache_dir: Path | None = Field(
+        None,
+        description="Verified weight cache (default `<data_dir>/replicas/<id>`); "
+        "a restarted replica serves from it at once.",
+    )
+    cache_keep: int = Field(
+        3, ge=2, description="Verified versions kept in the cache (the serving ones always stay)."
+    )
+    max_tokens: int = Field(
+        256,
+        ge=1,
+        description="Largest `max_tokens` a request may ask for (also capped by the model's context).",
+    )
     max_n: int = Field(8, ge=1, description="Largest `n` (candidates per request).")
-    max_prompt_chars: int = Field(65536, ge=1, description="Longest prompt accepted; longer prompts get 422. "
-                                                             "Prompts longer than the model's context keep their end.")
-    min_temperature: float = Field(0.01, gt=0.0, le=1.0, description="Smallest non-zero `temperature` a request may "
-                                   "ask for (0 = greedy); smaller ones get 422: logits / T overflows float32 long "
-                                   "before T reaches 0, and such a distribution is greedy in effect.")
-    max_queued: int = Field(16, ge=0, description="Most requests waiting for the generation thread (besides the one "
-                                                  "running); more get 503 + Retry-After at once, without generating.")
-    max_queued_cost: int = Field(4096, ge=1, description="Most tokens the waiting requests may generate together "
-                                                         "(sum of `n * max_tokens`); a request that would exceed it "
-                                                         "gets 503 + Retry-After. At least `max_n * max_tokens`.")
-    api_key: SecretStr | None = Field(None, description="When set, `POST /v1/complete` needs `Authorization: Bearer "
-                                                        "<key>` (401 otherwise); health, readiness and metrics stay "
-                                                        "open.")
-    torch_threads: int = Field(1, ge=1, description="torch intra-op threads for generation (one model call at a time).")
-    decode_threads: int = Field(1, ge=1, description="Threads of the verified delta decode. The fast decoder is mostly "
-                                                      "Python per tensor (the GIL), so more threads only pay off for "
-                                                      "large models on a host the replica has to itself; 1 when "
-                                                      "several replicas share a host's cores.")
-    pushed_deltas: bool = Field(True, description="Follow `<ns>.deltas` too and sync from a delta pushed there (the "
-                                                  "trainer pushes small ones) instead of downloading it from MLflow; "
-                                                  "the bytes are verified the same way (app/replica/pushed.py).")
-    pushed_max_bytes: int = Field(64 * 1024 * 1024, ge=0, description="Memory for received pushed deltas (the newest "
-                                                                       "8 at most are kept).")
-    heartbeat_interval: Duration = Field(15.0, description="How often the replica publishes `replica_heartbeat`.")
-    poll_interval: Duration = Field(1.0, description="Kafka poll timeout of the deployment follower.")
-    retry_interval: Duration = Field(5.0, description="Wait before retrying a failed sync of the same target.")
-    debug_pause_in_apply: Duration = Field(0.0, description="Testing only: stall this long in the middle of applying a "
-                                                             "version (reconstructed and verified, not yet loaded or "
-                                                             "swapped), so tests can kill a replica mid-apply. Keep 0.")
+    max_prompt_chars: int = Field(
+        65536,
+        ge=1,
+        description="Longest prompt accepted; longer prompts get 422. "
+        "Prompts longer than the model's context keep their end.",
+    )
+    min_temperature: float = Field(
+        0.01,
+        gt=0.0,
+        le=1.0,
+        description="Smallest non-zero `temperature` a request may "
+        "ask for (0 = greedy); smaller ones get 422: logits / T overflows float32 long "
+        "before T reaches 0, and such a distribution is greedy in effect.",
+    )
+    max_queued: int = Field(
+        16,
+        ge=0,
+        description="Most requests waiting for the generation thread (besides the one "
+        "running); more get 503 + Retry-After at once, without generating.",
+    )
+    max_queued_cost: int = Field(
+        4096,
+        ge=1,
+        description="Most tokens the waiting requests may generate together "
+        "(sum of `n * max_tokens`); a request that would exceed it "
+        "gets 503 + Retry-After. At least `max_n * max_tokens`.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="When set, `POST /v1/complete` needs `Authorization: Bearer "
+        "<key>` (401 otherwise); health, readiness and metrics stay "
+        "open.",
+    )
+    torch_threads: int = Field(
+        1, ge=1, description="torch intra-op threads for generation (one model call at a time)."
+    )
+    decode_threads: int = Field(
+        1,
+        ge=1,
+        description="Threads of the verified delta decode. The fast decoder is mostly "
+        "Python per tensor (the GIL), so more threads only pay off for "
+        "large models on a host the replica has to itself; 1 when "
+        "several replicas share a host's cores.",
+    )
+    pushed_deltas: bool = Field(
+        True,
+        description="Follow `<ns>.deltas` too and sync from a delta pushed there (the "
+        "trainer pushes small ones) instead of downloading it from MLflow; "
+        "the bytes are verified the same way (app/replica/pushed.py).",
+    )
+    pushed_max_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=0,
+        description="Memory for received pushed deltas (the newest 8 at most are kept).",
+    )
+    heartbeat_interval: Duration = Field(
+        15.0, description="How often the replica publishes `replica_heartbeat`."
+    )
+    poll_interval: Duration = Field(
+        1.0, description="Kafka poll timeout of the deployment follower."
+    )
+    retry_interval: Duration = Field(
+        5.0, description="Wait before retrying a failed sync of the same target."
+    )
+    debug_pause_in_apply: Duration = Field(
+        0.0,
+        description="Testing only: stall this long in the middle of applying a "
+        "version (reconstructed and verified, not yet loaded or "
+        "swapped), so tests can kill a replica mid-apply. Keep 0.",
+    )
 
     @field_validator("advertise_url")
     @classmethod
@@ -78,11 +136,13 @@ class ReplicaConfig(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _a_maximal_request_fits(self) -> "ReplicaConfig":
+    def _a_maximal_request_fits(self) -> ReplicaConfig:
         if self.max_queued_cost < self.max_n * self.max_tokens:
-            raise ValueError(f"max_queued_cost ({self.max_queued_cost}) must be at least max_n * max_tokens "
-                             f"({self.max_n} * {self.max_tokens}), or a maximal request could never queue; "
-                             f"raise FLYWHEEL_REPLICA_MAX_QUEUED_COST or lower the other two")
+            raise ValueError(
+                f"max_queued_cost ({self.max_queued_cost}) must be at least max_n * max_tokens "
+                f"({self.max_n} * {self.max_tokens}), or a maximal request could never queue; "
+                f"raise FLYWHEEL_REPLICA_MAX_QUEUED_COST or lower the other two"
+            )
         return self
 
     def resolved_cache_dir(self, data_dir: Path) -> Path:

@@ -77,12 +77,22 @@ class Fetched:
     sha256: str
     path: str  # "delta" (forward from a held version) or "anchor" (nearest anchor + deltas)
     chain: list[str]  # artifact files fetched, in order ("7/delta-from-6.fwd", ...)
-    bytes_by_kind: dict[str, int] = field(default_factory=dict)  # delta / anchor / manifest / config
+    bytes_by_kind: dict[str, int] = field(
+        default_factory=dict
+    )  # delta / anchor / manifest / config
     fallbacks: int = 0  # 1 when the first path failed verification and the other one was used
-    digests: dict[str, str] = field(default_factory=dict)  # per-tensor SHA-256s verified against the manifest
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per stage (lookup, download, decode)
-    config_reused: bool = False  # the config came from a held version (hash given by the deployment log)
-    pushed_rejected: int = 0  # pushed deltas that failed verification (the originals were downloaded)
+    digests: dict[str, str] = field(
+        default_factory=dict
+    )  # per-tensor SHA-256s verified against the manifest
+    timings: dict[str, float] = field(
+        default_factory=dict
+    )  # seconds per stage (lookup, download, decode)
+    config_reused: bool = (
+        False  # the config came from a held version (hash given by the deployment log)
+    )
+    pushed_rejected: int = (
+        0  # pushed deltas that failed verification (the originals were downloaded)
+    )
 
 
 def _kind(filename: str) -> str:
@@ -96,22 +106,40 @@ def _kind(filename: str) -> str:
 class VersionFetcher:
     """MLflow-backed `fetch(version, filename)` plus the verified reconstruction of a version."""
 
-    def __init__(self, settings: Settings, artifacts_dir: str = "delta", timeout_s: float = 120.0,
-                 decode_threads: int = 1, pushed_max_bytes: int = 64 << 20):
+    def __init__(
+        self,
+        settings: Settings,
+        artifacts_dir: str = "delta",
+        timeout_s: float = 120.0,
+        decode_threads: int = 1,
+        pushed_max_bytes: int = 64 << 20,
+    ):
         from mlflow import MlflowClient
 
         self.uri, self.model = settings.mlflow_uri.rstrip("/"), settings.model_name
         self.artifacts_dir = artifacts_dir
-        self.decode_threads = decode_threads  # threads of the verified delta decode (ReplicaConfig.decode_threads)
+        self.decode_threads = (
+            decode_threads  # threads of the verified delta decode (ReplicaConfig.decode_threads)
+        )
         self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
-        self.http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=8))
-        self._roots: dict[str, str] = {}  # version -> artifact URI of ships/<ship_id> (immutable per version)
-        self._hints: dict[str, ArtifactHint] = {}  # version -> what the deployment log said (not yet failed)
-        self._manifests: dict[str, bytes] = {}  # version -> manifest.json bytes that parsed (immutable)
+        self.http = httpx.Client(
+            timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=8)
+        )
+        self._roots: dict[
+            str, str
+        ] = {}  # version -> artifact URI of ships/<ship_id> (immutable per version)
+        self._hints: dict[
+            str, ArtifactHint
+        ] = {}  # version -> what the deployment log said (not yet failed)
+        self._manifests: dict[
+            str, bytes
+        ] = {}  # version -> manifest.json bytes that parsed (immutable)
         self._configs: dict[str, dict[str, Any]] = {}  # version -> policy config (immutable)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fetch")
-        self.pushed = PushedDeltas(max_bytes=pushed_max_bytes)  # deltas received on `<ns>.deltas` (app/replica/pushed.py)
+        self.pushed = PushedDeltas(
+            max_bytes=pushed_max_bytes
+        )  # deltas received on `<ns>.deltas` (app/replica/pushed.py)
 
     # --- MLflow ---------------------------------------------------------------------------------------
     def champion_alias(self) -> str | None:
@@ -147,9 +175,12 @@ class VersionFetcher:
             root = self._roots.get(version)
         if root is not None:
             return root
-        source = self._model_version_source(str(version)).rstrip("/")  # outside the lock: may be slow
-        assert source.endswith("/model"), \
+        source = self._model_version_source(str(version)).rstrip(
+            "/"
+        )  # outside the lock: may be slow
+        assert source.endswith("/model"), (
             f"version {version}'s source {source} is not a trainer ship (…/ships/<ship_id>/model)"
+        )
         with self._lock:
             self._roots[version] = source[: -len("/model")]
             return self._roots[version]
@@ -159,10 +190,14 @@ class VersionFetcher:
         `GET /api/2.0/mlflow/model-versions/get`) on the fetcher's keep-alive HTTP client, or
         through MlflowClient for a non-HTTP registry URI."""
         if urlparse(self.uri).scheme in ("http", "https"):
-            r = self.http.get(f"{self.uri}/api/2.0/mlflow/model-versions/get",
-                              params={"name": self.model, "version": version})
+            r = self.http.get(
+                f"{self.uri}/api/2.0/mlflow/model-versions/get",
+                params={"name": self.model, "version": version},
+            )
             if r.status_code in (400, 404):  # RESOURCE_DOES_NOT_EXIST / INVALID_PARAMETER_VALUE
-                raise FileNotFoundError(f"model version {self.model}/{version} not found: {r.text[:300]}")
+                raise FileNotFoundError(
+                    f"model version {self.model}/{version} not found: {r.text[:300]}"
+                )
             r.raise_for_status()
             return str(r.json()["model_version"]["source"])
         from mlflow.exceptions import MlflowException
@@ -170,14 +205,18 @@ class VersionFetcher:
         try:
             return str(self.client.get_model_version(self.model, version).source)
         except MlflowException as exc:
-            raise FileNotFoundError(f"model version {self.model}/{version} not found: {exc}") from exc
+            raise FileNotFoundError(
+                f"model version {self.model}/{version} not found: {exc}"
+            ) from exc
 
     def _get(self, uri: str) -> bytes:
         """Bytes of one artifact URI; FileNotFoundError when it does not exist."""
         parsed = urlparse(uri)
         if parsed.scheme == "mlflow-artifacts":
             host = f"http://{parsed.netloc}" if parsed.netloc else self.uri
-            r = self.http.get(f"{host}/api/2.0/mlflow-artifacts/artifacts/{quote(parsed.path.lstrip('/'))}")
+            r = self.http.get(
+                f"{host}/api/2.0/mlflow-artifacts/artifacts/{quote(parsed.path.lstrip('/'))}"
+            )
             if r.status_code == 404:
                 raise FileNotFoundError(uri)
             r.raise_for_status()
@@ -187,7 +226,9 @@ class VersionFetcher:
 
         with tempfile.TemporaryDirectory(prefix="flywheel-fetch-") as tmp:
             try:
-                path = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp, tracking_uri=self.uri)
+                path = mlflow.artifacts.download_artifacts(
+                    artifact_uri=uri, dst_path=tmp, tracking_uri=self.uri
+                )
             except (MlflowException, OSError) as exc:
                 raise FileNotFoundError(f"{uri}: {exc}") from exc
             return Path(path).read_bytes()
@@ -214,7 +255,9 @@ class VersionFetcher:
         except ValueError as exc:  # pydantic's ValidationError is a ValueError
             raise DeltaFormatError(f"manifest of version {version} is invalid: {exc}") from exc
         if m.version != version:
-            raise DeltaFormatError(f"manifest fetched for version {version} describes version {m.version}")
+            raise DeltaFormatError(
+                f"manifest fetched for version {version} describes version {m.version}"
+            )
         return m
 
     def forget(self, versions: Any) -> None:
@@ -231,7 +274,9 @@ class VersionFetcher:
             cached = self._configs.get(version)
         if cached is None:
             cached = json.loads(self._get(f"{self._root(version)}/model/artifacts/config.json"))
-            assert isinstance(cached, dict), f"policy config of version {version} is not a JSON object"
+            assert isinstance(cached, dict), (
+                f"policy config of version {version} is not a JSON object"
+            )
             with self._lock:
                 self._configs[version] = cached
         return dict(cached)
@@ -269,8 +314,13 @@ class VersionFetcher:
                 raise exc from None
             if root == hint.root:
                 raise exc  # same place: the failure is the artifacts', not the hint's
-            log.warning("version %s: the deployment log's artifact root %s failed (%s); MLflow names %s, retrying",
-                        target, hint.root, exc, root)
+            log.warning(
+                "version %s: the deployment log's artifact root %s failed (%s); MLflow names %s, retrying",
+                target,
+                hint.root,
+                exc,
+                root,
+            )
             return self._fetch(target, held)
 
     def _fetch(self, target: str, held: dict[str, Any]) -> Fetched:
@@ -289,18 +339,24 @@ class VersionFetcher:
             return data
 
         try:
-            self._root(target)  # the one MLflow REST call of a new version the log gave no root for (cached)
+            self._root(
+                target
+            )  # the one MLflow REST call of a new version the log gave no root for (cached)
             timings["lookup"] = time.perf_counter() - t0
             reused = self._reusable_config(target, held)
             if reused is not None:
                 config_future: Any = Future()
                 config_future.set_result(reused)
             else:
-                config_future = self._pool.submit(self.policy_config, target)  # overlaps with the weights
+                config_future = self._pool.submit(
+                    self.policy_config, target
+                )  # overlaps with the weights
             got = None
             if base is not None:
                 got = self._hinted_path(target, base, fetch, timings, chain, sizes, rejected)
-                if isinstance(got, str):  # a stale hint or a corrupt delta: the manifest path decides which
+                if isinstance(
+                    got, str
+                ):  # a stale hint or a corrupt delta: the manifest path decides which
                     got = None
                 if got is None:
                     got = self._fast_path(target, base, fetch, timings)
@@ -310,7 +366,9 @@ class VersionFetcher:
                 attempts.append(got)
                 fallbacks = 1
             if got is None or isinstance(got, str):
-                got = self._general_path(target, base if not attempts else None, fetch, attempts, timings)
+                got = self._general_path(
+                    target, base if not attempts else None, fetch, attempts, timings
+                )
             state, digests, checkpoint_sha = got
             config = config_future.result()
         except Exception:
@@ -319,15 +377,35 @@ class VersionFetcher:
         data_files = [c for c in chain if _kind(c) in ("delta", "anchor")]
         anchor_at = next((i for i, c in enumerate(data_files) if _kind(c) == "anchor"), None)
         path = "anchor" if anchor_at is not None else "delta"
-        fallbacks = max(fallbacks, int(anchor_at is not None and base is not None and anchor_at > 0))
+        fallbacks = max(
+            fallbacks, int(anchor_at is not None and base is not None and anchor_at > 0)
+        )
         timings["total"] = time.perf_counter() - t0
-        return Fetched(version=target, state=state, config=config, sha256=checkpoint_sha, path=path,
-                       chain=chain, bytes_by_kind=sizes, fallbacks=fallbacks, digests=digests, timings=timings,
-                       config_reused=reused is not None, pushed_rejected=len(rejected))
+        return Fetched(
+            version=target,
+            state=state,
+            config=config,
+            sha256=checkpoint_sha,
+            path=path,
+            chain=chain,
+            bytes_by_kind=sizes,
+            fallbacks=fallbacks,
+            digests=digests,
+            timings=timings,
+            config_reused=reused is not None,
+            pushed_rejected=len(rejected),
+        )
 
-    def _hinted_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
-                     chain: list[str], sizes: dict[str, int], rejected: list[str],
-                     ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
+    def _hinted_path(
+        self,
+        target: str,
+        base: tuple[str, Any],
+        fetch: Any,
+        timings: dict[str, float],
+        chain: list[str],
+        sizes: dict[str, int],
+        rejected: list[str],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
         """The delta alone (one GET, or none when it was pushed on `<ns>.deltas`), verified against
         what the deployment log published for the target (app/replica/hints.py): the file's size and
         SHA-256, the held weights' checkpoint hash (by the codec, against the delta's base), every
@@ -337,13 +415,27 @@ class VersionFetcher:
         base_version, base_lv = base
         with self._lock:
             hint = self._hints.get(target)
-        if hint is None or getattr(base_lv, "sha256", None) is None or base_version == target \
-                or not hint.delta_from(base_version):
+        if (
+            hint is None
+            or getattr(base_lv, "sha256", None) is None
+            or base_version == target
+            or not hint.delta_from(base_version)
+        ):
             return None
         pushed = self.pushed.get(target, hint.delta_file)
         if pushed is not None:  # received on `<ns>.deltas`: the same file, checked the same way
-            got = self._decode_checked(target, base, pushed, hint.delta_file, hint.delta_bytes, hint.delta_sha256,
-                                       hint.checkpoint_sha256, None, f"pushed delta from v{base_version}", timings)
+            got = self._decode_checked(
+                target,
+                base,
+                pushed,
+                hint.delta_file,
+                hint.delta_bytes,
+                hint.delta_sha256,
+                hint.checkpoint_sha256,
+                None,
+                f"pushed delta from v{base_version}",
+                timings,
+            )
             if not isinstance(got, str):
                 chain.append(f"kafka:{target}/{hint.delta_file}")
                 sizes["pushed"] = sizes.get("pushed", 0) + len(pushed)
@@ -357,11 +449,26 @@ class VersionFetcher:
         except FileNotFoundError as exc:
             return f"hinted delta: {exc}"
         timings["download"] = time.perf_counter() - t0
-        return self._decode_checked(target, base, blob, hint.delta_file, hint.delta_bytes, hint.delta_sha256,
-                                    hint.checkpoint_sha256, None, f"hinted delta from v{base_version}", timings)
+        return self._decode_checked(
+            target,
+            base,
+            blob,
+            hint.delta_file,
+            hint.delta_bytes,
+            hint.delta_sha256,
+            hint.checkpoint_sha256,
+            None,
+            f"hinted delta from v{base_version}",
+            timings,
+        )
 
-    def _fast_path(self, target: str, base: tuple[str, Any], fetch: Any, timings: dict[str, float],
-                   ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
+    def _fast_path(
+        self,
+        target: str,
+        base: tuple[str, Any],
+        fetch: Any,
+        timings: dict[str, float],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
         """One delta forward from the held version. None: not applicable (the target's parent is
         not the held version); a string: it was applicable and failed verification (why)."""
         t0 = time.perf_counter()
@@ -369,7 +476,9 @@ class VersionFetcher:
         if base_version == target:
             return None
         manifest_f = self._pool.submit(fetch, target, MANIFEST_FILE)
-        delta_f = self._pool.submit(fetch, target, delta_file(base_version))  # speculative: the usual parent
+        delta_f = self._pool.submit(
+            fetch, target, delta_file(base_version)
+        )  # speculative: the usual parent
         try:
             manifest = self._parse_manifest(target, manifest_f.result())
         except (FileNotFoundError, DeltaFormatError):
@@ -384,13 +493,32 @@ class VersionFetcher:
             return f"fast path: {exc}"
         timings["download"] = time.perf_counter() - t0
         ref = manifest.delta
-        return self._decode_checked(target, base, blob, ref.file, ref.bytes, ref.sha256, manifest.checkpoint_sha256,
-                                    {t.name: t.sha256 for t in manifest.tensors},
-                                    f"fast path (delta from v{base_version})", timings)
+        return self._decode_checked(
+            target,
+            base,
+            blob,
+            ref.file,
+            ref.bytes,
+            ref.sha256,
+            manifest.checkpoint_sha256,
+            {t.name: t.sha256 for t in manifest.tensors},
+            f"fast path (delta from v{base_version})",
+            timings,
+        )
 
-    def _decode_checked(self, target: str, base: tuple[str, Any], blob: bytes, file: str, nbytes: int, sha256: str,
-                        checkpoint_sha256: str, digests_want: dict[str, str] | None, path: str,
-                        timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str:
+    def _decode_checked(
+        self,
+        target: str,
+        base: tuple[str, Any],
+        blob: bytes,
+        file: str,
+        nbytes: int,
+        sha256: str,
+        checkpoint_sha256: str,
+        digests_want: dict[str, str] | None,
+        path: str,
+        timings: dict[str, float],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str:
         """Decode `blob` (a delta from the held `base`) after checking the file against its published
         size and SHA-256; the decoded checkpoint SHA-256 (which the codec derives from every tensor's
         digest) must be `checkpoint_sha256`, and the digests `digests_want` when given. Returns the
@@ -401,26 +529,47 @@ class VersionFetcher:
         t0 = time.perf_counter()
         try:
             if len(blob) != nbytes or hashlib.sha256(blob).hexdigest() != sha256:
-                raise DeltaFormatError(f"{file} of version {target} does not match its published size/SHA-256")
-            state, digests, sha = decode_delta_verified(base_lv.state, blob, threads=self.decode_threads,
-                                                        base_checkpoint_sha256=getattr(base_lv, "sha256", None))
+                raise DeltaFormatError(
+                    f"{file} of version {target} does not match its published size/SHA-256"
+                )
+            state, digests, sha = decode_delta_verified(
+                base_lv.state,
+                blob,
+                threads=self.decode_threads,
+                base_checkpoint_sha256=getattr(base_lv, "sha256", None),
+            )
             if (digests_want is not None and digests != digests_want) or sha != checkpoint_sha256:
-                bad = sorted(set(digests_want.items()) ^ set(digests.items()))[:3] if digests_want is not None else []
-                raise DeltaFormatError(f"version {target} decoded from v{base_version} has checkpoint {sha[:12]}…, "
-                                       f"published {checkpoint_sha256[:12]}…" + (f" (tensors e.g. {bad})" if bad else ""))
+                bad = (
+                    sorted(set(digests_want.items()) ^ set(digests.items()))[:3]
+                    if digests_want is not None
+                    else []
+                )
+                raise DeltaFormatError(
+                    f"version {target} decoded from v{base_version} has checkpoint {sha[:12]}…, "
+                    f"published {checkpoint_sha256[:12]}…"
+                    + (f" (tensors e.g. {bad})" if bad else "")
+                )
         except (DeltaFormatError, ValueError) as exc:
             log.warning("version %s via the %s failed: %s", target, path, exc)
             return f"{path}: {exc}"
         timings["decode"] = time.perf_counter() - t0
         return dict(state), digests, sha
 
-    def _general_path(self, target: str, base: tuple[str, Any] | None, fetch: Any, attempts: list[str],
-                      timings: dict[str, float]) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    def _general_path(
+        self,
+        target: str,
+        base: tuple[str, Any] | None,
+        fetch: Any,
+        attempts: list[str],
+        timings: dict[str, float],
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
         from trainer.publish import ChainError, apply_chain
 
         t0 = time.perf_counter()
         try:
-            state, manifest = apply_chain(target, fetch, held=(base[0], base[1].state) if base else None)
+            state, manifest = apply_chain(
+                target, fetch, held=(base[0], base[1].state) if base else None
+            )
         except ChainError as exc:
             raise ChainError(target, attempts + exc.attempts) from exc
         timings["chain"] = time.perf_counter() - t0

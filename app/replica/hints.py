@@ -40,8 +40,13 @@ def config_sha256(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, indent=1, sort_keys=True).encode()).hexdigest()
 
 
-def artifact_hints(source: str, config: dict[str, Any] | None, checkpoint_sha256: str | None = None,
-                   parent_version: str | None = None, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+def artifact_hints(
+    source: str,
+    config: dict[str, Any] | None,
+    checkpoint_sha256: str | None = None,
+    parent_version: str | None = None,
+    delta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The `details.artifacts` value a publisher adds to a version's deployment event.
     `delta`: the manifest's delta reference `{file, sha256, bytes}` (with `parent_version`)."""
     out: dict[str, Any] = {"source": str(source)}
@@ -51,7 +56,11 @@ def artifact_hints(source: str, config: dict[str, Any] | None, checkpoint_sha256
         out["checkpoint_sha256"] = checkpoint_sha256
     if delta is not None and parent_version is not None:
         out["parent_version"] = str(parent_version)
-        out["delta"] = {"file": str(delta["file"]), "sha256": str(delta["sha256"]), "bytes": int(delta["bytes"])}
+        out["delta"] = {
+            "file": str(delta["file"]),
+            "sha256": str(delta["sha256"]),
+            "bytes": int(delta["bytes"]),
+        }
     return out
 
 
@@ -74,11 +83,16 @@ class ArtifactHint:
 
     def delta_from(self, held_version: str) -> bool:
         """Whether the hint names a complete delta from `held_version` (the one-GET path applies)."""
-        return (self.parent_version == held_version and self.checkpoint_sha256 is not None
-                and self.delta_file is not None and self.delta_sha256 is not None and self.delta_bytes is not None)
+        return (
+            self.parent_version == held_version
+            and self.checkpoint_sha256 is not None
+            and self.delta_file is not None
+            and self.delta_sha256 is not None
+            and self.delta_bytes is not None
+        )
 
     @classmethod
-    def from_details(cls, details: Any) -> "ArtifactHint | None":
+    def from_details(cls, details: Any) -> ArtifactHint | None:
         """The hint in an event's `details`, or None when absent or malformed (then MLflow is asked)."""
         hint = details.get(KEY) if isinstance(details, dict) else None
         if not isinstance(hint, dict):
@@ -88,9 +102,21 @@ class ArtifactHint:
             return None
         delta = hint.get("delta") if isinstance(hint.get("delta"), dict) else {}
         name, size, parent = delta.get("file"), delta.get("bytes"), hint.get("parent_version")
-        ok = (isinstance(name, str) and "/" not in name and name.endswith(".fwd") and isinstance(parent, str)
-              and isinstance(size, int) and not isinstance(size, bool) and size >= 0)
-        return cls(root=source.rstrip("/")[: -len("/model")], config_sha256=_sha(hint.get("config_sha256")),
-                   checkpoint_sha256=_sha(hint.get("checkpoint_sha256")),
-                   parent_version=parent if ok else None, delta_file=name if ok else None,
-                   delta_sha256=_sha(delta.get("sha256")) if ok else None, delta_bytes=size if ok else None)
+        ok = (
+            isinstance(name, str)
+            and "/" not in name
+            and name.endswith(".fwd")
+            and isinstance(parent, str)
+            and isinstance(size, int)
+            and not isinstance(size, bool)
+            and size >= 0
+        )
+        return cls(
+            root=source.rstrip("/")[: -len("/model")],
+            config_sha256=_sha(hint.get("config_sha256")),
+            checkpoint_sha256=_sha(hint.get("checkpoint_sha256")),
+            parent_version=parent if ok else None,
+            delta_file=name if ok else None,
+            delta_sha256=_sha(delta.get("sha256")) if ok else None,
+            delta_bytes=size if ok else None,
+        )

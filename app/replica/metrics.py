@@ -27,32 +27,77 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-REQUESTS = Counter("flywheel_replica_requests_total", "POST /v1/complete requests by slot and outcome.",
-                   ["replica_id", "slot", "outcome"])
-REQUEST_SECONDS = Histogram("flywheel_replica_request_seconds", "POST /v1/complete latency (generation + Kafka ack).",
-                            ["replica_id"], buckets=_LAT)
-GENERATION_SECONDS = Histogram("flywheel_replica_generation_seconds", "Model time of one request.",
-                               ["replica_id"], buckets=_LAT)
-QUEUE_DEPTH = Gauge("flywheel_replica_queue_depth", "Requests waiting for the generation thread.", ["replica_id"])
-QUEUE_COST = Gauge("flywheel_replica_queue_cost", "Sum of n * max_tokens of the waiting requests.", ["replica_id"])
-QUEUE_WAIT_SECONDS = Histogram("flywheel_replica_queue_wait_seconds", "Admission to the start of the model call.",
-                               ["replica_id"], buckets=(0.001,) + _LAT)
-QUEUE_REJECTIONS = Counter("flywheel_replica_queue_rejections_total", "Requests refused because the generation "
-                           "queue was full, by bound (requests, cost).", ["replica_id", "reason"])
-TOKENS = Counter("flywheel_replica_tokens_total", "Prompt and completion tokens by serving version.",
-                 ["replica_id", "version", "kind"])
-SERVING_VERSION = Gauge("flywheel_replica_serving_version", "Version served per slot (-1: none).",
-                        ["replica_id", "slot"])
-TRAFFIC_PCT = Gauge("flywheel_replica_traffic_pct", "Candidate's share of sessions, percent.", ["replica_id"])
-SYNC_SECONDS = Histogram("flywheel_replica_sync_seconds", "From seeing a target version to serving it, by path.",
-                         ["replica_id", "path"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
-SYNC_BYTES = Counter("flywheel_replica_sync_bytes_total", "Artifact bytes fetched for syncs.", ["replica_id", "kind"])
-SYNC_FAILURES = Counter("flywheel_replica_sync_failures_total", "Syncs that failed (old weights keep serving).",
-                        ["replica_id", "reason"])
-FALLBACKS = Counter("flywheel_replica_fallbacks_total", "Delta chains refused and rebuilt from an anchor.",
-                    ["replica_id"])
-PUSHED = Counter("flywheel_replica_pushed_deltas_total", "Deltas received on <ns>.deltas, used instead of a download, "
-                 "or rejected by verification.", ["replica_id", "outcome"])
+REQUESTS = Counter(
+    "flywheel_replica_requests_total",
+    "POST /v1/complete requests by slot and outcome.",
+    ["replica_id", "slot", "outcome"],
+)
+REQUEST_SECONDS = Histogram(
+    "flywheel_replica_request_seconds",
+    "POST /v1/complete latency (generation + Kafka ack).",
+    ["replica_id"],
+    buckets=_LAT,
+)
+GENERATION_SECONDS = Histogram(
+    "flywheel_replica_generation_seconds",
+    "Model time of one request.",
+    ["replica_id"],
+    buckets=_LAT,
+)
+QUEUE_DEPTH = Gauge(
+    "flywheel_replica_queue_depth", "Requests waiting for the generation thread.", ["replica_id"]
+)
+QUEUE_COST = Gauge(
+    "flywheel_replica_queue_cost", "Sum of n * max_tokens of the waiting requests.", ["replica_id"]
+)
+QUEUE_WAIT_SECONDS = Histogram(
+    "flywheel_replica_queue_wait_seconds",
+    "Admission to the start of the model call.",
+    ["replica_id"],
+    buckets=(0.001,) + _LAT,
+)
+QUEUE_REJECTIONS = Counter(
+    "flywheel_replica_queue_rejections_total",
+    "Requests refused because the generation queue was full, by bound (requests, cost).",
+    ["replica_id", "reason"],
+)
+TOKENS = Counter(
+    "flywheel_replica_tokens_total",
+    "Prompt and completion tokens by serving version.",
+    ["replica_id", "version", "kind"],
+)
+SERVING_VERSION = Gauge(
+    "flywheel_replica_serving_version",
+    "Version served per slot (-1: none).",
+    ["replica_id", "slot"],
+)
+TRAFFIC_PCT = Gauge(
+    "flywheel_replica_traffic_pct", "Candidate's share of sessions, percent.", ["replica_id"]
+)
+SYNC_SECONDS = Histogram(
+    "flywheel_replica_sync_seconds",
+    "From seeing a target version to serving it, by path.",
+    ["replica_id", "path"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+SYNC_BYTES = Counter(
+    "flywheel_replica_sync_bytes_total", "Artifact bytes fetched for syncs.", ["replica_id", "kind"]
+)
+SYNC_FAILURES = Counter(
+    "flywheel_replica_sync_failures_total",
+    "Syncs that failed (old weights keep serving).",
+    ["replica_id", "reason"],
+)
+FALLBACKS = Counter(
+    "flywheel_replica_fallbacks_total",
+    "Delta chains refused and rebuilt from an anchor.",
+    ["replica_id"],
+)
+PUSHED = Counter(
+    "flywheel_replica_pushed_deltas_total",
+    "Deltas received on <ns>.deltas, used instead of a download, or rejected by verification.",
+    ["replica_id", "outcome"],
+)
 
 
 def observe_serving(replica_id: str, versions: dict[str, str | None], traffic_pct: float) -> None:

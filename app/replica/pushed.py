@@ -51,7 +51,7 @@ class PushedDelta:
     @staticmethod
     def problem(rec: Any) -> str | None:
         """Why a consumed record of `<ns>.deltas` is not a pushed delta (None: it is one)."""
-        headers = {k: v for k, v in (rec.headers or [])}
+        headers = dict(rec.headers or [])
         missing = [h for h in HEADERS if not headers.get(h)]
         if missing or rec.value is None:
             return f"missing {', '.join(missing or ['value'])}"
@@ -67,13 +67,18 @@ class PushedDelta:
         return None
 
     @classmethod
-    def from_record(cls, rec: Any, model: str | None = None) -> "PushedDelta | None":
+    def from_record(cls, rec: Any, model: str | None = None) -> PushedDelta | None:
         """The delta in a consumed record, or None (logged) when it is not one (`problem`), or it is
         another model's when `model` is given."""
         problem = cls.problem(rec)
         if problem is not None:
-            log.warning("%s@%s offset %s is not a pushed delta (%s); ignored", rec.topic, rec.partition,
-                        rec.offset, problem)
+            log.warning(
+                "%s@%s offset %s is not a pushed delta (%s); ignored",
+                rec.topic,
+                rec.partition,
+                rec.offset,
+                problem,
+            )
             return None
         headers = {k: v.decode() for k, v in (rec.headers or [])}
         if model is not None and headers["model"] != model:
@@ -97,7 +102,10 @@ class PushedDeltas:
         with self._lock:
             self._items.pop((d.version, d.file), None)
             self._items[(d.version, d.file)] = d.data
-            while len(self._items) > self.max_items or sum(map(len, self._items.values())) > self.max_bytes:
+            while (
+                len(self._items) > self.max_items
+                or sum(map(len, self._items.values())) > self.max_bytes
+            ):
                 self._items.popitem(last=False)
         return True
 
@@ -124,8 +132,12 @@ def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) 
 
     version, file = delta.version, delta.file
     if len(delta.data) > settings.delta_push_max_bytes:
-        log.info("v%s: delta of %d bytes is over FLYWHEEL_DELTA_PUSH_MAX_BYTES (%d); replicas download it",
-                 version, len(delta.data), settings.delta_push_max_bytes)
+        log.info(
+            "v%s: delta of %d bytes is over FLYWHEEL_DELTA_PUSH_MAX_BYTES (%d); replicas download it",
+            version,
+            len(delta.data),
+            settings.delta_push_max_bytes,
+        )
         return False
     if hashlib.sha256(delta.data).hexdigest() != delta.sha256:
         log.error("v%s: %s does not have its published SHA-256; not pushed", version, file)
@@ -135,10 +147,13 @@ def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) 
     producer = producer or make_producer(settings, linger_ms=0)
     try:
         producer.send(settings.topic("deltas"), key=key, value=value, headers=headers).get(
-            timeout=max(1.0, settings.kafka_produce_timeout * 2))
+            timeout=max(1.0, settings.kafka_produce_timeout * 2)
+        )
         return True
     except KafkaError as exc:
-        log.warning("v%s: could not push %s to Kafka (%s); replicas download it", version, file, exc)
+        log.warning(
+            "v%s: could not push %s to Kafka (%s); replicas download it", version, file, exc
+        )
         return False
     finally:
         if own:

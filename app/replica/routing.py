@@ -29,4 +29,8 @@ def pick_slot(session_id: str, traffic_pct: float, has_candidate: bool) -> Slot:
     assert 0.0 <= traffic_pct <= 100.0, f"traffic_pct must be in [0, 100], got {traffic_pct}"
     if not has_candidate:
         return "champion"
-    return "candidate" if session_bucket(session_id) < round(traffic_pct * BUCKETS / 100.0) else "champion"
+    return (
+        "candidate"
+        if session_bucket(session_id) < round(traffic_pct * BUCKETS / 100.0)
+        else "champion"
+    )

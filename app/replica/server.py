@@ -40,7 +40,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -65,8 +65,10 @@ def _valid_unicode(v: str) -> str:
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"contains a lone surrogate (U+{ord(v[exc.start]):04X} at index {exc.start}), which is "
-                         f"not valid Unicode; send UTF-8 text") from None
+        raise ValueError(
+            f"contains a lone surrogate (U+{ord(v[exc.start]):04X} at index {exc.start}), which is "
+            f"not valid Unicode; send UTF-8 text"
+        ) from None
     return v
 
 
@@ -79,12 +81,23 @@ class CompleteRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     session_id: Annotated[Id, Field(strict=True), AfterValidator(_valid_unicode)] = Field(
-        description="Editor session; picks champion vs candidate.")
+        description="Editor session; picks champion vs candidate."
+    )
     prompt: Text = Field(description="Text to complete (may be empty).")
-    max_tokens: int = Field(64, ge=1, strict=True, description="Most completion tokens per candidate.")
-    temperature: float = Field(1.0, ge=0.0, le=100.0, allow_inf_nan=False, strict=True,
-                               description="0 = greedy; otherwise at least the replica's `min_temperature`.")
-    n: int = Field(1, ge=1, strict=True, description="Candidates for this context (n > 1 share a group_id).")
+    max_tokens: int = Field(
+        64, ge=1, strict=True, description="Most completion tokens per candidate."
+    )
+    temperature: float = Field(
+        1.0,
+        ge=0.0,
+        le=100.0,
+        allow_inf_nan=False,
+        strict=True,
+        description="0 = greedy; otherwise at least the replica's `min_temperature`.",
+    )
+    n: int = Field(
+        1, ge=1, strict=True, description="Candidates for this context (n > 1 share a group_id)."
+    )
 
 
 class RequestInvalid(Exception):
@@ -108,13 +121,16 @@ def parse_complete_request(raw: bytes) -> CompleteRequest:
 
     The standard JSON decoder reads the body first so that NaN, Infinity, huge numbers and
     lone-surrogate escapes reach the model's validators, which name the field they are in."""
+
     def body_error(msg: str, type_: str = "json_invalid") -> RequestInvalid:
         return RequestInvalid([{"loc": ["body"], "msg": msg, "type": type_}])
 
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise body_error(f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})", "utf8_invalid") from None
+        raise body_error(
+            f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})", "utf8_invalid"
+        ) from None
     try:
         obj = json.loads(text)
     except RecursionError:
@@ -126,23 +142,40 @@ def parse_complete_request(raw: bytes) -> CompleteRequest:
             try:
                 key.encode("utf-8")
             except UnicodeEncodeError:
-                raise RequestInvalid([{"loc": ["body", _printable(key)], "msg": "field name contains a lone "
-                                       "surrogate, which is not valid Unicode", "type": "string_unicode"}]) from None
+                raise RequestInvalid(
+                    [
+                        {
+                            "loc": ["body", _printable(key)],
+                            "msg": "field name contains a lone "
+                            "surrogate, which is not valid Unicode",
+                            "type": "string_unicode",
+                        }
+                    ]
+                ) from None
     try:
         return CompleteRequest.model_validate(obj)
     except ValidationError as exc:
-        raise RequestInvalid([{"loc": ["body", *map(_printable, e["loc"])], "msg": _printable(e["msg"], 500),
-                               "type": e["type"]}
-                              for e in exc.errors(include_url=False, include_context=False, include_input=False)
-                              ]) from None
+        raise RequestInvalid(
+            [
+                {
+                    "loc": ["body", *map(_printable, e["loc"])],
+                    "msg": _printable(e["msg"], 500),
+                    "type": e["type"],
+                }
+                for e in exc.errors(include_url=False, include_context=False, include_input=False)
+            ]
+        ) from None
 
 
 def _error(field: str, msg: str, status: int = 422) -> JSONResponse:
-    return JSONResponse({"detail": [{"loc": ["body", field], "msg": msg, "type": "value_error"}]}, status_code=status)
+    return JSONResponse(
+        {"detail": [{"loc": ["body", field], "msg": msg, "type": "value_error"}]},
+        status_code=status,
+    )
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 class Replica:
@@ -163,22 +196,30 @@ class Replica:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{cfg.id}")
         self.queue: GenerationQueue | None = None  # made in start(), on the serving event loop
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.api_key = cfg.api_key.get_secret_value().encode("ascii") if cfg.api_key is not None else None
+        self.api_key = (
+            cfg.api_key.get_secret_value().encode("ascii") if cfg.api_key is not None else None
+        )
         self.start_sync = start_sync
         self.agent = None
 
     def restore(self) -> None:
         """Serve the last verified versions from the local cache (before any sync)."""
         serving = self.cache.restore()
-        self.store.swap(champion=serving.champion, candidate=serving.candidate, traffic_pct=serving.traffic_pct)
+        self.store.swap(
+            champion=serving.champion, candidate=serving.candidate, traffic_pct=serving.traffic_pct
+        )
         m.observe_serving(self.id, serving.versions(), serving.traffic_pct)
         if serving.champion is not None:
             log.info("replica %s serving from its cache: %s", self.id, serving.versions())
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
-        self.queue = GenerationQueue(self.id, self.pool, max_queued=self.cfg.max_queued,
-                                     max_queued_cost=self.cfg.max_queued_cost)
+        self.queue = GenerationQueue(
+            self.id,
+            self.pool,
+            max_queued=self.cfg.max_queued,
+            max_queued_cost=self.cfg.max_queued_cost,
+        )
         await asyncio.to_thread(self.restore)
         await self.producer.connect()
         if self.start_sync:
@@ -199,7 +240,9 @@ class Replica:
         if self.api_key is None:
             return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.api_key)
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("latin-1"), self.api_key
+        )
 
     @staticmethod
     def encode_prompt(lv: LoadedVersion, req: CompleteRequest) -> list[int]:
@@ -213,30 +256,54 @@ class Replica:
             raise ValueError(f"the tokenizer {tok.name} cannot encode the prompt: {exc}") from None
         bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
         if bad:
-            raise ValueError(f"the tokenizer {tok.name} produced ids outside its vocabulary: {bad[:5]}")
+            raise ValueError(
+                f"the tokenizer {tok.name} produced ids outside its vocabulary: {bad[:5]}"
+            )
         ctx = int(lv.config.get("max_context") or 0)
         if ctx:
             keep = ctx - 1 - req.max_tokens
             prompt = prompt[-keep:] if keep > 0 else []
         return prompt
 
-    def _generate(self, lv: LoadedVersion, prompt: list[int], req: CompleteRequest) -> tuple[list[Any], float]:
+    def _generate(
+        self, lv: LoadedVersion, prompt: list[int], req: CompleteRequest
+    ) -> tuple[list[Any], float]:
         """Runs on the generation thread: (samples, model seconds)."""
         t0 = time.perf_counter()
-        samples = lv.policy.generate([prompt] * req.n, max_tokens=req.max_tokens, temperature=req.temperature,
-                                     seed=secrets.randbits(62))
+        samples = lv.policy.generate(
+            [prompt] * req.n,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            seed=secrets.randbits(62),
+        )
         return samples, time.perf_counter() - t0
 
-    def generation_event(self, *, request_id: str, req: CompleteRequest, lv: LoadedVersion, prompt: list[int],
-                         sample: Any, group_id: str | None, latency_ms: float) -> dict[str, Any]:
+    def generation_event(
+        self,
+        *,
+        request_id: str,
+        req: CompleteRequest,
+        lv: LoadedVersion,
+        prompt: list[int],
+        sample: Any,
+        group_id: str | None,
+        latency_ms: float,
+    ) -> dict[str, Any]:
         from app.events import encode_routes, parse_event
 
         event: dict[str, Any] = {
-            "event_id": f"gen-{request_id}", "type": "generation", "request_id": request_id,
-            "session_id": req.session_id, "ts": _now(), "model_version": lv.version,
-            "prompt_tokens": list(prompt), "completion_tokens": list(sample.tokens),
-            "logprobs": [float(x) for x in sample.logprobs], "temperature": float(req.temperature),
-            "latency_ms": round(latency_ms, 3), "tokenizer": lv.policy.tokenizer.name,
+            "event_id": f"gen-{request_id}",
+            "type": "generation",
+            "request_id": request_id,
+            "session_id": req.session_id,
+            "ts": _now(),
+            "model_version": lv.version,
+            "prompt_tokens": list(prompt),
+            "completion_tokens": list(sample.tokens),
+            "logprobs": [float(x) for x in sample.logprobs],
+            "temperature": float(req.temperature),
+            "latency_ms": round(latency_ms, 3),
+            "tokenizer": lv.policy.tokenizer.name,
         }
         if sample.routes is not None:
             event["routes"], event["route_shape"] = encode_routes(sample.routes)
@@ -259,7 +326,9 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
     app = FastAPI(title=f"Flywheel replica {cfg.id}", version="0.1.0", lifespan=lifespan)
     app.state.replica = replica
-    app.add_middleware(BodyLimitMiddleware, limits=body_limits(settings))  # app/httplimits.py: body size, timeouts
+    app.add_middleware(
+        BodyLimitMiddleware, limits=body_limits(settings)
+    )  # app/httplimits.py: body size, timeouts
 
     def invalid(slot: str, field: str, msg: str) -> JSONResponse:
         m.REQUESTS.labels(cfg.id, slot, "invalid").inc()
@@ -268,20 +337,42 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
     def check_limits(req: CompleteRequest) -> JSONResponse | None:
         """The replica's own bounds on an otherwise valid request (422 naming the field)."""
         if req.n > cfg.max_n:
-            return invalid("none", "n", f"n is {req.n}; this replica serves at most {cfg.max_n} candidates per request")
+            return invalid(
+                "none",
+                "n",
+                f"n is {req.n}; this replica serves at most {cfg.max_n} candidates per request",
+            )
         if req.max_tokens > cfg.max_tokens:
-            return invalid("none", "max_tokens", f"max_tokens is {req.max_tokens}; this replica allows at most "
-                                                 f"{cfg.max_tokens}")
+            return invalid(
+                "none",
+                "max_tokens",
+                f"max_tokens is {req.max_tokens}; this replica allows at most {cfg.max_tokens}",
+            )
         if len(req.prompt) > cfg.max_prompt_chars:
-            return invalid("none", "prompt", f"prompt has {len(req.prompt)} characters; at most "
-                                             f"{cfg.max_prompt_chars} are accepted")
+            return invalid(
+                "none",
+                "prompt",
+                f"prompt has {len(req.prompt)} characters; at most "
+                f"{cfg.max_prompt_chars} are accepted",
+            )
         if 0.0 < req.temperature < cfg.min_temperature:
-            return invalid("none", "temperature", f"temperature {req.temperature!r} is below this replica's smallest "
-                                                  f"non-zero temperature {cfg.min_temperature}; send 0 for greedy")
+            return invalid(
+                "none",
+                "temperature",
+                f"temperature {req.temperature!r} is below this replica's smallest "
+                f"non-zero temperature {cfg.min_temperature}; send 0 for greedy",
+            )
         return None
 
-    @app.post("/v1/complete", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": CompleteRequest.model_json_schema()}}}})
+    @app.post(
+        "/v1/complete",
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": CompleteRequest.model_json_schema()}},
+            }
+        },
+    )
     async def complete(request: Request) -> Response:
         from app.api.producer import KafkaUnavailable, RecordRejected
         from app.kafka_io import dumps
@@ -289,8 +380,11 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
         if not replica.authorized(request):  # before the body is read
             m.REQUESTS.labels(cfg.id, "none", "unauthorized").inc()
-            return JSONResponse({"detail": "this replica needs a serving key: send Authorization: Bearer <key>"},
-                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            return JSONResponse(
+                {"detail": "this replica needs a serving key: send Authorization: Bearer <key>"},
+                status_code=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         t_start = time.perf_counter()
         try:
             req = parse_complete_request(await request.body())
@@ -302,15 +396,22 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         serving = replica.store.snapshot()  # one consistent snapshot for the whole request
         if serving.champion is None:
             m.REQUESTS.labels(cfg.id, "none", "not_ready").inc()
-            return JSONResponse({"detail": "no verified weights loaded yet; retry shortly"}, status_code=503,
-                                headers={"Retry-After": "2"})
+            return JSONResponse(
+                {"detail": "no verified weights loaded yet; retry shortly"},
+                status_code=503,
+                headers={"Retry-After": "2"},
+            )
         slot = pick_slot(req.session_id, serving.traffic_pct, serving.candidate is not None)
         lv = serving.candidate if slot == "candidate" else serving.champion
         assert lv is not None
         ctx = int(lv.config.get("max_context") or 0)
         if ctx and req.max_tokens > ctx - 1:
-            return invalid(slot, "max_tokens", f"max_tokens is {req.max_tokens}; the model's context holds {ctx} "
-                                               f"tokens including bos, so at most {ctx - 1}")
+            return invalid(
+                slot,
+                "max_tokens",
+                f"max_tokens is {req.max_tokens}; the model's context holds {ctx} "
+                f"tokens including bos, so at most {ctx - 1}",
+            )
         try:
             prompt = replica.encode_prompt(lv, req)
         except ValueError as exc:
@@ -321,12 +422,21 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
         assert replica.queue is not None, "the replica has not started"
         try:
-            samples, gen_s = await replica.queue.run(req.n * req.max_tokens, replica._generate, lv, prompt, req,
-                                                     still_wanted=still_wanted)
+            samples, gen_s = await replica.queue.run(
+                req.n * req.max_tokens,
+                replica._generate,
+                lv,
+                prompt,
+                req,
+                still_wanted=still_wanted,
+            )
         except QueueFull as exc:
             m.REQUESTS.labels(cfg.id, slot, "rejected").inc()
-            return JSONResponse({"detail": exc.detail}, status_code=503,
-                                headers={"Retry-After": str(exc.retry_after_s)})
+            return JSONResponse(
+                {"detail": exc.detail},
+                status_code=503,
+                headers={"Retry-After": str(exc.retry_after_s)},
+            )
         except ClientGone:
             m.REQUESTS.labels(cfg.id, slot, "disconnected").inc()
             return Response(status_code=499)  # nobody reads it; nothing was generated or logged
@@ -337,40 +447,83 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         ids = [top_id] if req.n == 1 else [uuid.uuid4().hex for _ in range(req.n)]
         group_id = None if req.n == 1 else top_id
         latency_ms = (time.perf_counter() - t_start) * 1000.0
-        events = [replica.generation_event(request_id=rid, req=req, lv=lv, prompt=prompt, sample=s,
-                                           group_id=group_id, latency_ms=latency_ms) for rid, s in zip(ids, samples)]
+        events = [
+            replica.generation_event(
+                request_id=rid,
+                req=req,
+                lv=lv,
+                prompt=prompt,
+                sample=s,
+                group_id=group_id,
+                latency_ms=latency_ms,
+            )
+            for rid, s in zip(ids, samples)
+        ]
         try:
-            await replica.producer.produce(replica.topic, [(e["request_id"], dumps(e)) for e in events])
-        except RecordRejected as exc:  # e.g. an event over the topic's record limit: nothing was sent
+            await replica.producer.produce(
+                replica.topic, [(e["request_id"], dumps(e)) for e in events]
+            )
+        except (
+            RecordRejected
+        ) as exc:  # e.g. an event over the topic's record limit: nothing was sent
             m.REQUESTS.labels(cfg.id, slot, "invalid").inc()
             log.warning("generation events refused before sending: %s", exc)
-            return JSONResponse({"detail": [{"loc": ["body", "max_tokens"], "type": "value_error",
-                                             "msg": f"the generation could not be recorded ({exc}); ask for fewer "
-                                                    "tokens or candidates, or send a shorter prompt"}]},
-                                status_code=413 if exc.too_large else 422)
+            return JSONResponse(
+                {
+                    "detail": [
+                        {
+                            "loc": ["body", "max_tokens"],
+                            "type": "value_error",
+                            "msg": f"the generation could not be recorded ({exc}); ask for fewer "
+                            "tokens or candidates, or send a shorter prompt",
+                        }
+                    ]
+                },
+                status_code=413 if exc.too_large else 422,
+            )
         except KafkaUnavailable as exc:
             m.REQUESTS.labels(cfg.id, slot, "unavailable").inc()
             log.warning("generation events not acknowledged: %s", exc)
-            return JSONResponse({"detail": f"could not record the generation: {exc}"}, status_code=503,
-                                headers={"Retry-After": str(exc.retry_after_s)})
+            return JSONResponse(
+                {"detail": f"could not record the generation: {exc}"},
+                status_code=503,
+                headers={"Retry-After": str(exc.retry_after_s)},
+            )
         m.REQUESTS.labels(cfg.id, slot, "ok").inc()
         m.REQUEST_SECONDS.labels(cfg.id).observe(time.perf_counter() - t_start)
         m.TOKENS.labels(cfg.id, lv.version, "prompt").inc(len(prompt) * req.n)
         m.TOKENS.labels(cfg.id, lv.version, "completion").inc(sum(len(s.tokens) for s in samples))
         eos = lv.policy.tokenizer.eos_id
-        completions = [{"request_id": rid, "text": s.text, "tokens": len(s.tokens),
-                        "finish_reason": "stop" if s.tokens and s.tokens[-1] == eos else "length"}
-                       for rid, s in zip(ids, samples)]
-        return JSONResponse({"request_id": top_id, "model_version": lv.version, "slot": slot,
-                             "completions": completions})
+        completions = [
+            {
+                "request_id": rid,
+                "text": s.text,
+                "tokens": len(s.tokens),
+                "finish_reason": "stop" if s.tokens and s.tokens[-1] == eos else "length",
+            }
+            for rid, s in zip(ids, samples)
+        ]
+        return JSONResponse(
+            {
+                "request_id": top_id,
+                "model_version": lv.version,
+                "slot": slot,
+                "completions": completions,
+            }
+        )
 
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:
         serving = replica.store.snapshot()
         agent = replica.agent
-        return {"replica_id": cfg.id, **serving.versions(), "traffic_pct": serving.traffic_pct,
-                "desired": agent.desired() if agent else None, "last_sync": agent.last_result if agent else None,
-                "syncing": agent.in_progress if agent else None}
+        return {
+            "replica_id": cfg.id,
+            **serving.versions(),
+            "traffic_pct": serving.traffic_pct,
+            "desired": agent.desired() if agent else None,
+            "last_sync": agent.last_result if agent else None,
+            "syncing": agent.in_progress if agent else None,
+        }
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -382,7 +535,9 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
         serving = replica.store.snapshot()
         body = {"ready": serving.champion is not None, **serving.versions()}
-        if pending := waiting():  # what it waits for (broker, a champion in the log), app/infra/wait.py
+        if (
+            pending := waiting()
+        ):  # what it waits for (broker, a champion in the log), app/infra/wait.py
             body["waiting_for"] = pending
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
@@ -398,7 +553,12 @@ def serve(settings: Settings, cfg: ReplicaConfig, log_level: str = "info") -> No
     import uvicorn
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    config = uvicorn_config(create_app(settings, cfg), settings, host=cfg.host, port=cfg.port, log_level=log_level,
-                            timeout_graceful_shutdown=10)  # connection limits: app/httplimits.py
+    config = uvicorn_config(
+        create_app(settings, cfg),
+        settings,
+        host=cfg.host,
+        port=cfg.port,
+        log_level=log_level,
+        timeout_graceful_shutdown=10,
+    )  # connection limits: app/httplimits.py
     uvicorn.Server(config).run()
-

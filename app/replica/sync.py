@@ -46,7 +46,14 @@ from app.infra.wait import Waiter
 from app.replica import metrics as m
 from app.replica.config import ReplicaConfig
 from app.replica.hints import ArtifactHint
-from app.replica.weights import LoadedVersion, Serving, VerificationError, WeightCache, WeightStore, load_verified
+from app.replica.weights import (
+    LoadedVersion,
+    Serving,
+    VerificationError,
+    WeightCache,
+    WeightStore,
+    load_verified,
+)
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -55,13 +62,20 @@ log = logging.getLogger(__name__)
 class SyncAgent:
     """Follows the deployment log in a thread and keeps the weight store on the desired versions."""
 
-    def __init__(self, settings: Settings, cfg: ReplicaConfig, store: WeightStore, cache: WeightCache,
-                 fetcher: Any = None):
+    def __init__(
+        self,
+        settings: Settings,
+        cfg: ReplicaConfig,
+        store: WeightStore,
+        cache: WeightCache,
+        fetcher: Any = None,
+    ):
         from app.replica.fetch import VersionFetcher
 
         self.settings, self.cfg, self.store, self.cache = settings, cfg, store, cache
-        self.fetcher = fetcher or VersionFetcher(settings, decode_threads=cfg.decode_threads,
-                                                 pushed_max_bytes=cfg.pushed_max_bytes)
+        self.fetcher = fetcher or VersionFetcher(
+            settings, decode_threads=cfg.decode_threads, pushed_max_bytes=cfg.pushed_max_bytes
+        )
         self.state = DeploymentState(model=settings.model_name)
         self.events = DeploymentLog(settings)
         self.dead = DeadLetters(settings, consumer=f"replica:{cfg.id}")
@@ -69,7 +83,9 @@ class SyncAgent:
         self.in_progress: dict[str, Any] | None = None  # the version being applied, for /v1/status
         self.caught_up = threading.Event()  # set once the log was read to its end at start
         self._stop = threading.Event()
-        self._retry_at: dict[tuple[str, str], float] = {}  # (slot, version) -> monotonic time of the next attempt
+        self._retry_at: dict[
+            tuple[str, str], float
+        ] = {}  # (slot, version) -> monotonic time of the next attempt
         self._no_champion = Waiter(f"a champion named in {settings.topic('deployments')}")
         self._next_heartbeat = 0.0
         self._seen: set[str] = set()
@@ -89,7 +105,11 @@ class SyncAgent:
 
     def desired(self) -> dict[str, Any]:
         s = self.state
-        return {"champion": s.champion, "candidate": s.candidate, "traffic_pct": s.traffic_pct if s.candidate else 0.0}
+        return {
+            "champion": s.champion,
+            "candidate": s.candidate,
+            "traffic_pct": s.traffic_pct if s.candidate else 0.0,
+        }
 
     # --- the loop -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -102,10 +122,14 @@ class SyncAgent:
         while not self._stop.is_set():
             consumer = None
             try:
-                kafka_ready(self.settings, [topic], self._stop)  # backoff, one log line, until it is there
+                kafka_ready(
+                    self.settings, [topic], self._stop
+                )  # backoff, one log line, until it is there
                 consumer = make_consumer(self.settings, group_id=None)
                 parts = consumer.partitions_for_topic(topic)
-                assert parts, f"topic {topic} does not exist; create it with `flywheel kafka start` (ensure_topics)"
+                assert parts, (
+                    f"topic {topic} does not exist; create it with `flywheel kafka start` (ensure_topics)"
+                )
                 tps = [TopicPartition(topic, p) for p in sorted(parts)]
                 pushed = self._pushed_partitions(consumer)
                 consumer.assign(tps + pushed)
@@ -121,13 +145,22 @@ class SyncAgent:
                         if any(consumer.position(tp) < end[tp] for tp in tps):
                             continue  # rebuild the whole desired state before acting on it
                         self.caught_up.set()
-                        log.info("replica %s caught up with %s: desired %s", self.cfg.id, topic, self.desired())
+                        log.info(
+                            "replica %s caught up with %s: desired %s",
+                            self.cfg.id,
+                            topic,
+                            self.desired(),
+                        )
                     self.reconcile()
                     self._heartbeat()
             except Stopped:
                 return
             except Exception:  # keep the replica serving; the next pass re-reads the log
-                log.exception("sync agent of %s failed; restarting it in %.0fs", self.cfg.id, self.cfg.retry_interval)
+                log.exception(
+                    "sync agent of %s failed; restarting it in %.0fs",
+                    self.cfg.id,
+                    self.cfg.retry_interval,
+                )
                 self._stop.wait(self.cfg.retry_interval)
             finally:
                 if consumer is not None:
@@ -162,7 +195,9 @@ class SyncAgent:
                     problem = PushedDelta.problem(rec)
                     if problem is not None:
                         self.dead.send(rec, "invalid_pushed_delta", error("(record)", problem))
-                    elif self.fetcher.pushed.offer(PushedDelta.from_record(rec, self.settings.model_name)):
+                    elif self.fetcher.pushed.offer(
+                        PushedDelta.from_record(rec, self.settings.model_name)
+                    ):
                         m.PUSHED.labels(self.cfg.id, "received").inc()
                 continue
             for rec in records:
@@ -175,9 +210,16 @@ class SyncAgent:
                     continue  # replica reports do not change the desired state
                 try:
                     self._apply(event)
-                except Exception as exc:  # noqa: BLE001 - one event must not stop syncing (docs/DEPLOYMENTS.md)
-                    log.exception("replica %s: deployments[%d]@%d cannot be folded", self.cfg.id, rec.partition, rec.offset)
-                    self.dead.send(rec, "apply_failed", error("(apply)", f"{type(exc).__name__}: {exc}"))
+                except Exception as exc:
+                    log.exception(
+                        "replica %s: deployments[%d]@%d cannot be folded",
+                        self.cfg.id,
+                        rec.partition,
+                        rec.offset,
+                    )
+                    self.dead.send(
+                        rec, "apply_failed", error("(apply)", f"{type(exc).__name__}: {exc}")
+                    )
                 self._seen.add(event.event_id)
 
     def _apply(self, event: DeploymentEvent) -> None:
@@ -194,14 +236,18 @@ class SyncAgent:
         want = self.desired()
         serving = self.store.snapshot()
         if want["champion"] is None:
-            self._no_champion.pending("the log names none yet (the controller records the trainer's first "
-                                      "version, or a promotion)")
+            self._no_champion.pending(
+                "the log names none yet (the controller records the trainer's first "
+                "version, or a promotion)"
+            )
             return serving
         if self._no_champion.active:
             self._no_champion.there()
         now = time.monotonic()
         new: dict[str, LoadedVersion | None] = {}
-        outcomes: list[tuple[str, str, str | None, dict[str, Any]]] = []  # (slot, version, from, info)
+        outcomes: list[
+            tuple[str, str, str | None, dict[str, Any]]
+        ] = []  # (slot, version, from, info)
         for slot in ("champion", "candidate"):
             target, have = want[slot], getattr(serving, slot)
             if target is None or (have is not None and have.version == target):
@@ -210,7 +256,14 @@ class SyncAgent:
             held = next((lv for lv in serving.held() if lv.version == target), None)
             if held is not None:
                 new[slot] = held
-                outcomes.append((slot, target, have.version if have else None, {"path": "held", "bytes": 0, "seconds": 0.0}))
+                outcomes.append(
+                    (
+                        slot,
+                        target,
+                        have.version if have else None,
+                        {"path": "held", "bytes": 0, "seconds": 0.0},
+                    )
+                )
                 continue
             if now < self._retry_at.get((slot, target), 0.0):
                 new[slot] = have if slot == "champion" else None
@@ -218,25 +271,53 @@ class SyncAgent:
             lv, info = self._build(slot, target, serving)
             if lv is None:
                 self._retry_at[(slot, target)] = now + self.cfg.retry_interval
-                new[slot] = have if slot == "champion" else None  # never drop the champion; no stale candidate
+                new[slot] = (
+                    have if slot == "champion" else None
+                )  # never drop the champion; no stale candidate
                 continue
             self._retry_at.pop((slot, target), None)
             new[slot] = lv
             outcomes.append((slot, target, have.version if have else None, info))
-        traffic = want["traffic_pct"] if new["candidate"] is not None and new["candidate"].version == want["candidate"] else 0.0
-        changed = (new["champion"] is not serving.champion or new["candidate"] is not serving.candidate
-                   or traffic != serving.traffic_pct)
+        traffic = (
+            want["traffic_pct"]
+            if new["candidate"] is not None and new["candidate"].version == want["candidate"]
+            else 0.0
+        )
+        changed = (
+            new["champion"] is not serving.champion
+            or new["candidate"] is not serving.candidate
+            or traffic != serving.traffic_pct
+        )
         if not changed:
             return serving
         for slot, version, frm, info in outcomes:
-            self.last_result = {"ok": True, "slot": slot, "version": version, "from_version": frm, **info}
-        after = self.store.swap(champion=new["champion"], candidate=new["candidate"], traffic_pct=traffic)
+            self.last_result = {
+                "ok": True,
+                "slot": slot,
+                "version": version,
+                "from_version": frm,
+                **info,
+            }
+        after = self.store.swap(
+            champion=new["champion"], candidate=new["candidate"], traffic_pct=traffic
+        )
         m.observe_serving(self.cfg.id, after.versions(), after.traffic_pct)
-        log.info("replica %s now serves %s (candidate %.4g%%)", self.cfg.id, after.versions(), after.traffic_pct)
+        log.info(
+            "replica %s now serves %s (candidate %.4g%%)",
+            self.cfg.id,
+            after.versions(),
+            after.traffic_pct,
+        )
         for slot, version, frm, info in outcomes:
             m.SYNC_SECONDS.labels(self.cfg.id, info["path"]).observe(info["seconds"])
-            self._publish("replica_synced", version, frm, after, {"slot": slot, **info},
-                          f"serving v{version} as {slot} ({info['path']})")
+            self._publish(
+                "replica_synced",
+                version,
+                frm,
+                after,
+                {"slot": slot, **info},
+                f"serving v{version} as {slot} ({info['path']})",
+            )
         # persist after the swap (off the critical path): a crash before this restarts on the
         # previous verified version, which is what the cache still names
         for lv in after.held():
@@ -245,7 +326,9 @@ class SyncAgent:
         self.cache.prune(self.cfg.cache_keep, protect={lv.version for lv in after.held()})
         return after
 
-    def _build(self, slot: str, target: str, serving: Serving) -> tuple[LoadedVersion | None, dict[str, Any]]:
+    def _build(
+        self, slot: str, target: str, serving: Serving
+    ) -> tuple[LoadedVersion | None, dict[str, Any]]:
         """Reconstruct + verify `target` into a shadow policy and cache it; None on failure (published)."""
         t0 = time.perf_counter()
         frm = getattr(serving, slot).version if getattr(serving, slot) else None
@@ -266,43 +349,94 @@ class SyncAgent:
                 m.PUSHED.labels(self.cfg.id, "used").inc()
             if getattr(fetched, "pushed_rejected", 0):
                 m.PUSHED.labels(self.cfg.id, "rejected").inc(fetched.pushed_rejected)
-            if self.cfg.debug_pause_in_apply > 0:  # testing only: a window to kill the replica mid-apply
-                log.warning("debug pause of %.1fs while applying v%s", self.cfg.debug_pause_in_apply, target)
+            if (
+                self.cfg.debug_pause_in_apply > 0
+            ):  # testing only: a window to kill the replica mid-apply
+                log.warning(
+                    "debug pause of %.1fs while applying v%s", self.cfg.debug_pause_in_apply, target
+                )
                 self.in_progress = {"slot": slot, "version": target, "stage": "debug_pause"}
                 self._stop.wait(self.cfg.debug_pause_in_apply)
             t_load = time.perf_counter()
-            lv = load_verified(target, fetched.state, fetched.config, fetched.sha256,
-                               template=next(iter(serving.held()), None), digests=fetched.digests or None)
+            lv = load_verified(
+                target,
+                fetched.state,
+                fetched.config,
+                fetched.sha256,
+                template=next(iter(serving.held()), None),
+                digests=fetched.digests or None,
+            )
             stages = {**getattr(fetched, "timings", {}), "load": time.perf_counter() - t_load}
-            info = {"path": fetched.path, "chain": fetched.chain, "bytes": sum(fetched.bytes_by_kind.values()),
-                    "fallbacks": fetched.fallbacks, "config_reused": getattr(fetched, "config_reused", False),
-                    "seconds": round(time.perf_counter() - t0, 6),
-                    "stages_ms": {k: round(v * 1000, 2) for k, v in stages.items()}}
+            info = {
+                "path": fetched.path,
+                "chain": fetched.chain,
+                "bytes": sum(fetched.bytes_by_kind.values()),
+                "fallbacks": fetched.fallbacks,
+                "config_reused": getattr(fetched, "config_reused", False),
+                "seconds": round(time.perf_counter() - t0, 6),
+                "stages_ms": {k: round(v * 1000, 2) for k, v in stages.items()},
+            }
             return lv, info
         except Exception as exc:  # any failure: keep serving the old weights, report, retry later
             reason = type(exc).__name__
             m.SYNC_FAILURES.labels(self.cfg.id, reason).inc()
-            log.error("replica %s could not sync %s to v%s: %s: %s", self.cfg.id, slot, target, reason, exc)
-            self.last_result = {"ok": False, "slot": slot, "version": target, "from_version": frm,
-                                "error": f"{reason}: {exc}"}
-            self._publish("replica_sync_failed", target, frm, serving,
-                          {"slot": slot, "error": f"{reason}: {exc}"[:2000]},
-                          f"could not sync {slot} to v{target}; still serving {serving.versions()}")
+            log.error(
+                "replica %s could not sync %s to v%s: %s: %s",
+                self.cfg.id,
+                slot,
+                target,
+                reason,
+                exc,
+            )
+            self.last_result = {
+                "ok": False,
+                "slot": slot,
+                "version": target,
+                "from_version": frm,
+                "error": f"{reason}: {exc}",
+            }
+            self._publish(
+                "replica_sync_failed",
+                target,
+                frm,
+                serving,
+                {"slot": slot, "error": f"{reason}: {exc}"[:2000]},
+                f"could not sync {slot} to v{target}; still serving {serving.versions()}",
+            )
             return None, {}
         finally:
             self.in_progress = None
 
     # --- events -------------------------------------------------------------------------------------
-    def _publish(self, type_: str, version: str | None, frm: str | None, serving: Serving,
-                 details: dict[str, Any], reason: str) -> None:
+    def _publish(
+        self,
+        type_: str,
+        version: str | None,
+        frm: str | None,
+        serving: Serving,
+        details: dict[str, Any],
+        reason: str,
+    ) -> None:
         from kafka.errors import KafkaError
 
         v = serving.versions()
-        event = DeploymentEvent(type=type_, model=self.settings.model_name, version=version, from_version=frm,
-                                source="replica", actor=self.cfg.id, reason=reason,
-                                details={"replica_id": self.cfg.id, "url": self.cfg.url(),
-                                         "champion_version": v["champion"], "candidate_version": v["candidate"],
-                                         "traffic_pct": serving.traffic_pct, **details})
+        event = DeploymentEvent(
+            type=type_,
+            model=self.settings.model_name,
+            version=version,
+            from_version=frm,
+            source="replica",
+            actor=self.cfg.id,
+            reason=reason,
+            details={
+                "replica_id": self.cfg.id,
+                "url": self.cfg.url(),
+                "champion_version": v["champion"],
+                "candidate_version": v["candidate"],
+                "traffic_pct": serving.traffic_pct,
+                **details,
+            },
+        )
         try:
             self.events.publish(event)
         except KafkaError as exc:  # reporting must not stop serving or syncing
@@ -314,5 +448,11 @@ class SyncAgent:
             return
         self._next_heartbeat = now + self.cfg.heartbeat_interval
         serving = self.store.snapshot()
-        self._publish("replica_heartbeat", serving.champion.version if serving.champion else None, None, serving, {},
-                      "heartbeat")
+        self._publish(
+            "replica_heartbeat",
+            serving.champion.version if serving.champion else None,
+            None,
+            serving,
+            {},
+            "heartbeat",
+        )

@@ -54,7 +54,9 @@ class LoadedVersion:
 
     version: str
     policy: Any  # trainer.policy.base.Policy, eval mode, loaded from `state`
-    state: Mapping[str, torch.Tensor]  # the verified bf16 serving state dict (base for the next delta)
+    state: Mapping[
+        str, torch.Tensor
+    ]  # the verified bf16 serving state dict (base for the next delta)
     sha256: str  # checkpoint SHA-256 (kernels/delta/hashing.py)
     config: Mapping[str, Any]  # Policy.config_dict(), rebuilds the architecture
     loaded_at: float = dataclasses.field(default_factory=time.time)
@@ -69,16 +71,24 @@ class Serving:
     traffic_pct: float = 0.0  # candidate's share of sessions, 0-100
 
     def versions(self) -> dict[str, str | None]:
-        return {"champion": self.champion.version if self.champion else None,
-                "candidate": self.candidate.version if self.candidate else None}
+        return {
+            "champion": self.champion.version if self.champion else None,
+            "candidate": self.candidate.version if self.candidate else None,
+        }
 
     def held(self) -> list[LoadedVersion]:
         return [lv for lv in (self.champion, self.candidate) if lv is not None]
 
 
-def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mapping[str, Any], sha256: str,
-                  threads: int = 2, template: LoadedVersion | None = None,
-                  digests: Mapping[str, str] | None = None) -> LoadedVersion:
+def load_verified(
+    version: str,
+    state: Mapping[str, torch.Tensor],
+    config: Mapping[str, Any],
+    sha256: str,
+    threads: int = 2,
+    template: LoadedVersion | None = None,
+    digests: Mapping[str, str] | None = None,
+) -> LoadedVersion:
     """Load `state` into a NEW policy and verify the policy's own serving weights against `sha256`.
 
     Hashing what the policy will actually serve (after loading) covers the state dict too: the
@@ -102,18 +112,28 @@ def load_verified(version: str, state: Mapping[str, torch.Tensor], config: Mappi
     if digests is None:
         loaded = hash_state_dict(policy.serving_state_dict(), threads)[1]
         if loaded != sha256:
-            raise VerificationError(f"version {version}: weights hash {loaded[:12]}…, "
-                                    f"the registry published {sha256[:12]}…")
+            raise VerificationError(
+                f"version {version}: weights hash {loaded[:12]}…, "
+                f"the registry published {sha256[:12]}…"
+            )
     else:
         claimed = checkpoint_sha256_from_digests(digests)
         if set(digests) != set(state) or claimed != sha256:
-            raise VerificationError(f"version {version}: the decoded tensors' digests give {claimed[:12]}…, "
-                                    f"the registry published {sha256[:12]}…")
+            raise VerificationError(
+                f"version {version}: the decoded tensors' digests give {claimed[:12]}…, "
+                f"the registry published {sha256[:12]}…"
+            )
         serving = policy.serving_state_dict()
-        bad = sorted(set(serving) ^ set(state)) or [k for k, t in serving.items() if not _same_bits(t, state[k])]
+        bad = sorted(set(serving) ^ set(state)) or [
+            k for k, t in serving.items() if not _same_bits(t, state[k])
+        ]
         if bad:
-            raise VerificationError(f"version {version}: the loaded weights differ from the verified ones in {bad[:3]}")
-    return LoadedVersion(version=str(version), policy=policy, state=dict(state), sha256=sha256, config=dict(config))
+            raise VerificationError(
+                f"version {version}: the loaded weights differ from the verified ones in {bad[:3]}"
+            )
+    return LoadedVersion(
+        version=str(version), policy=policy, state=dict(state), sha256=sha256, config=dict(config)
+    )
 
 
 def _copy_structure(policy: Any) -> Any:
@@ -128,7 +148,11 @@ def _copy_structure(policy: Any) -> Any:
     for t in policy.state_dict(keep_vars=True).values():  # parameters and persistent buffers
         if id(t) not in memo:  # a tied tensor appears under each of its names
             fresh = torch.empty_like(t)
-            memo[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else fresh
+            memo[id(t)] = (
+                torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
+                if isinstance(t, torch.nn.Parameter)
+                else fresh
+            )
     return copy.deepcopy(policy, memo)
 
 
@@ -137,7 +161,10 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     words when both byte views allow it (~3.5x faster than byte by byte)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    ua, ub = a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    ua, ub = (
+        a.contiguous().reshape(-1).view(torch.uint8),
+        b.contiguous().reshape(-1).view(torch.uint8),
+    )
     if ua.numel() % 8 == 0 and ua.storage_offset() % 8 == 0 and ub.storage_offset() % 8 == 0:
         ua, ub = ua.view(torch.int64), ub.view(torch.int64)
     return torch.equal(ua, ub)
@@ -211,10 +238,17 @@ class WeightCache:
 
         if self._marker(lv.version).exists():
             return
-        data = save({k: v.contiguous() for k, v in lv.state.items()}, metadata={"sha256": lv.sha256})
+        data = save(
+            {k: v.contiguous() for k, v in lv.state.items()}, metadata={"sha256": lv.sha256}
+        )
         _fsync_write(self._weights(lv.version), data)
-        _fsync_write(self._marker(lv.version), json.dumps(
-            {"version": lv.version, "sha256": lv.sha256, "config": dict(lv.config)}, sort_keys=True).encode())
+        _fsync_write(
+            self._marker(lv.version),
+            json.dumps(
+                {"version": lv.version, "sha256": lv.sha256, "config": dict(lv.config)},
+                sort_keys=True,
+            ).encode(),
+        )
 
     def load(self, version: str, threads: int = 1) -> LoadedVersion:
         """Load and verify a cached version; a corrupt one is deleted and raises VerificationError."""
@@ -226,15 +260,21 @@ class WeightCache:
             return load_verified(str(version), state, meta["config"], meta["sha256"], threads)
         except Exception as exc:
             self.drop(version)
-            raise VerificationError(f"cached version {version} is unusable ({type(exc).__name__}: {exc}); removed") from exc
+            raise VerificationError(
+                f"cached version {version} is unusable ({type(exc).__name__}: {exc}); removed"
+            ) from exc
 
     def drop(self, version: str) -> None:
         for p in (self._marker(version), self._weights(version)):
             p.unlink(missing_ok=True)
 
     def set_serving(self, serving: Serving) -> None:
-        _fsync_write(self.root / "serving.json", json.dumps(
-            {**serving.versions(), "traffic_pct": serving.traffic_pct}, sort_keys=True).encode())
+        _fsync_write(
+            self.root / "serving.json",
+            json.dumps(
+                {**serving.versions(), "traffic_pct": serving.traffic_pct}, sort_keys=True
+            ).encode(),
+        )
 
     def restore(self, threads: int = 1) -> Serving:
         """The last serving state, every version re-verified; a missing/corrupt one falls back to the

@@ -30,7 +30,14 @@ from app.report.model import ReportData
 from app.report.page import build_report
 from app.report.sources import ReportSources, SourceMissing, load_report_data
 
-__all__ = ["ReportData", "ReportSources", "SourceMissing", "build_report", "load_report_data", "write_report"]
+__all__ = [
+    "ReportData",
+    "ReportSources",
+    "SourceMissing",
+    "build_report",
+    "load_report_data",
+    "write_report",
+]
 
 
 def write_report(html: str, out: Path) -> Path:

@@ -23,7 +23,9 @@ from typing import Any
 HELDOUT = "heldout_acceptance"
 HELDOUT_CI = ("heldout_acceptance_ci_low", "heldout_acceptance_ci_high")
 TRAINER_METRICS = ("reward_mean", "kl", "loss")
-ANALYSIS_TYPES = frozenset({"traffic_shifted", "promoted", "rolled_back", "canary_paused", "canary_resumed"})
+ANALYSIS_TYPES = frozenset(
+    {"traffic_shifted", "promoted", "rolled_back", "canary_paused", "canary_resumed"}
+)
 
 
 @dataclass(frozen=True)
@@ -40,10 +42,18 @@ class ReportData:
     model: str  # registered model name
     generated_at: datetime
     versions: list[VersionInfo] = field(default_factory=list)  # registry, oldest first
-    trainer: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(optimizer step, value)]
-    heldout: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # metric -> [(version, value)]
-    events: list[dict[str, Any]] = field(default_factory=list)  # deployment events of `model`, oldest first
-    sources: dict[str, str] = field(default_factory=dict)  # what was read ("MLflow" -> uri, ...), shown in the footer
+    trainer: dict[str, list[tuple[int, float]]] = field(
+        default_factory=dict
+    )  # metric -> [(optimizer step, value)]
+    heldout: dict[str, list[tuple[int, float]]] = field(
+        default_factory=dict
+    )  # metric -> [(version, value)]
+    events: list[dict[str, Any]] = field(
+        default_factory=list
+    )  # deployment events of `model`, oldest first
+    sources: dict[str, str] = field(
+        default_factory=dict
+    )  # what was read ("MLflow" -> uri, ...), shown in the footer
 
 
 def vkey(version: str | None) -> int:
@@ -68,6 +78,7 @@ def _float(value: Any) -> float | None:
 def heldout_by_version(data: ReportData) -> dict[str, HeldOut]:
     """Held-out acceptance per version: the `flywheel-heldout` metric at step = version, else the
     version's tag; the confidence interval from the `_ci_low`/`_ci_high` metrics or tags when present."""
+
     def series(name: str) -> dict[str, float]:
         return {str(step): value for step, value in data.heldout.get(name, [])}  # later points win
 
@@ -88,7 +99,9 @@ def heldout_by_version(data: ReportData) -> dict[str, HeldOut]:
 @dataclass(frozen=True)
 class GateVerdict:
     passed: bool
-    checks: list[dict[str, Any]]  # [{"name", "status" pass|fail|skipped, "value", "threshold", "detail"}]
+    checks: list[
+        dict[str, Any]
+    ]  # [{"name", "status" pass|fail|skipped, "value", "threshold", "detail"}]
     reason: str = ""
     source: str = "event"  # event (gate_passed/gate_failed details) | tags (MLflow flywheel.gate.*)
 
@@ -105,7 +118,15 @@ def _checks_from_tags(tags: dict[str, str]) -> list[dict[str, Any]]:
         if not key.startswith("flywheel.gate.") or name == "status" or name.startswith("ope."):
             continue
         status, _, value = raw.partition(" ")
-        out.append({"name": name, "status": status, "value": _float(value), "threshold": None, "detail": ""})
+        out.append(
+            {
+                "name": name,
+                "status": status,
+                "value": _float(value),
+                "threshold": None,
+                "detail": "",
+            }
+        )
     return out
 
 
@@ -115,11 +136,15 @@ def gate_by_version(data: ReportData) -> dict[str, GateVerdict]:
     for ev in data.events:
         if ev["type"] in ("gate_passed", "gate_failed") and ev.get("version"):
             checks = [c for c in (ev.get("details") or {}).get("checks", []) if isinstance(c, dict)]
-            out[ev["version"]] = GateVerdict(ev["type"] == "gate_passed", checks, ev.get("reason") or "")
+            out[ev["version"]] = GateVerdict(
+                ev["type"] == "gate_passed", checks, ev.get("reason") or ""
+            )
     for vi in data.versions:
         status = vi.tags.get("flywheel.gate.status")
         if vi.version not in out and status in ("passed", "failed"):
-            out[vi.version] = GateVerdict(status == "passed", _checks_from_tags(vi.tags), source="tags")
+            out[vi.version] = GateVerdict(
+                status == "passed", _checks_from_tags(vi.tags), source="tags"
+            )
     return out
 
 
@@ -161,11 +186,22 @@ def canary_steps(events: list[dict[str, Any]]) -> list[CanaryStep]:
         analysis = d.get("analysis")
         if t in ANALYSIS_TYPES and cand is not None and isinstance(analysis, dict):
             step, pct = current.get(cand, (int(d.get("step") or 0), ev.get("traffic_pct")))
-            steps.append(CanaryStep(
-                version=cand, step=step, traffic_pct=pct, outcome=t, verdict=str(analysis.get("verdict", "")),
-                delta=_float(analysis.get("delta")), lower=_float(analysis.get("lower")), upper=_float(analysis.get("upper")),
-                margin=_float(analysis.get("margin")), n_candidate=int((analysis.get("candidate") or {}).get("n") or 0),
-                n_champion=int((analysis.get("champion") or {}).get("n") or 0), ts=ev["ts"]))
+            steps.append(
+                CanaryStep(
+                    version=cand,
+                    step=step,
+                    traffic_pct=pct,
+                    outcome=t,
+                    verdict=str(analysis.get("verdict", "")),
+                    delta=_float(analysis.get("delta")),
+                    lower=_float(analysis.get("lower")),
+                    upper=_float(analysis.get("upper")),
+                    margin=_float(analysis.get("margin")),
+                    n_candidate=int((analysis.get("candidate") or {}).get("n") or 0),
+                    n_champion=int((analysis.get("champion") or {}).get("n") or 0),
+                    ts=ev["ts"],
+                )
+            )
         if t in ("canary_started", "traffic_shifted") and ev.get("version"):
             current[ev["version"]] = (int(d.get("step") or 0), ev.get("traffic_pct"))
     return steps
@@ -185,12 +221,18 @@ class Mark:
 @dataclass
 class Rollout:
     marks: list[Mark] = field(default_factory=list)
-    champion_spans: list[tuple[datetime, datetime | None, str]] = field(default_factory=list)  # (from, to, version)
+    champion_spans: list[tuple[datetime, datetime | None, str]] = field(
+        default_factory=list
+    )  # (from, to, version)
     canary: dict[str, str] = field(default_factory=dict)  # version -> outcome of its last canary
-    served: list[str] = field(default_factory=list)  # versions that served as champion, in the order they started
+    served: list[str] = field(
+        default_factory=list
+    )  # versions that served as champion, in the order they started
     promoted: dict[str, datetime] = field(default_factory=dict)
     rolled_back: dict[str, datetime] = field(default_factory=dict)
-    registered: dict[str, dict[str, Any]] = field(default_factory=dict)  # version -> its version_registered event
+    registered: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # version -> its version_registered event
 
 
 def rollout(events: list[dict[str, Any]]) -> Rollout:
@@ -217,9 +259,19 @@ def rollout(events: list[dict[str, Any]]) -> Rollout:
             r.registered[v] = ev
             r.marks.append(Mark(ts, v, "registered", f"v{v} registered"))
         elif t in ("gate_passed", "gate_failed") and v:
-            failing = [c.get("name") for c in (ev.get("details") or {}).get("checks", [])
-                       if isinstance(c, dict) and c.get("status") == "fail"]
-            r.marks.append(Mark(ts, v, t, f"v{v} gate {'passed' if t == 'gate_passed' else 'failed: ' + ', '.join(failing)}"))
+            failing = [
+                c.get("name")
+                for c in (ev.get("details") or {}).get("checks", [])
+                if isinstance(c, dict) and c.get("status") == "fail"
+            ]
+            r.marks.append(
+                Mark(
+                    ts,
+                    v,
+                    t,
+                    f"v{v} gate {'passed' if t == 'gate_passed' else 'failed: ' + ', '.join(failing)}",
+                )
+            )
         elif t == "canary_started" and v:
             candidate = v
             r.canary[v] = "in canary"
@@ -233,7 +285,14 @@ def rollout(events: list[dict[str, Any]]) -> Rollout:
             if v in r.canary or candidate == v:
                 r.canary[v] = "promoted"
             r.promoted[v] = ts
-            r.marks.append(Mark(ts, v, t, f"v{v} promoted" + (f" over v{champion}" if champion and champion != v else "")))
+            r.marks.append(
+                Mark(
+                    ts,
+                    v,
+                    t,
+                    f"v{v} promoted" + (f" over v{champion}" if champion and champion != v else ""),
+                )
+            )
             crown(ts, v)
             candidate = None if candidate == v else candidate
         elif t == "rolled_back":
@@ -279,14 +338,28 @@ def version_rows(data: ReportData) -> list[VersionRow]:
     rows = []
     for v in sorted({*tags, *r.registered, *gates, *held}, key=vkey):
         t, reg = tags.get(v, {}), r.registered.get(v, {})
-        kind = t.get("kind") or (reg.get("reason", "").split(" version", 1)[0] if reg else "") or "?"
+        kind = (
+            t.get("kind") or (reg.get("reason", "").split(" version", 1)[0] if reg else "") or "?"
+        )
         if t.get("planted_bad") == "true":
             kind += " (planted bad)"
         parent = t.get("parent_version") or reg.get("from_version")
         spec = t.get("reward_spec") or (reg.get("details") or {}).get("reward_spec")
-        rows.append(VersionRow(v, kind, None if parent in (None, "", "none") else str(parent), held.get(v), gates.get(v),
-                               r.canary.get(v, ""), v in r.promoted, v in r.rolled_back, v in r.served, v == champion_now,
-                               None if spec in (None, "", "none") else spec))
+        rows.append(
+            VersionRow(
+                v,
+                kind,
+                None if parent in (None, "", "none") else str(parent),
+                held.get(v),
+                gates.get(v),
+                r.canary.get(v, ""),
+                v in r.promoted,
+                v in r.rolled_back,
+                v in r.served,
+                v == champion_now,
+                None if spec in (None, "", "none") else spec,
+            )
+        )
     return rows
 
 
@@ -302,14 +375,25 @@ def ship_steps(data: ReportData) -> dict[str, int]:
 
 def markdown_table(rows: list[VersionRow]) -> str:
     """The per-version table as Markdown (`flywheel report --markdown`): what a note or README quotes."""
-    out = ["| version | kind | held-out acceptance | 95% CI | gate | failing checks | canary |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| version | kind | held-out acceptance | 95% CI | gate | failing checks | canary |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         h = r.heldout
         acc = f"{h.acceptance:.3f}" if h else ""
-        ci = f"[{h.ci_low:.3f}, {h.ci_high:.3f}]" if h and h.ci_low is not None and h.ci_high is not None else ""
+        ci = (
+            f"[{h.ci_low:.3f}, {h.ci_high:.3f}]"
+            if h and h.ci_low is not None and h.ci_high is not None
+            else ""
+        )
         gate = "" if r.gate is None else ("passed" if r.gate.passed else "failed")
-        failing = ", ".join(f"{c['name']} {c['value']:.3g}" if isinstance(c.get("value"), (int, float)) else c["name"]
-                            for c in (r.gate.failing if r.gate else []))
+        failing = ", ".join(
+            f"{c['name']} {c['value']:.3g}"
+            if isinstance(c.get("value"), (int, float))
+            else c["name"]
+            for c in (r.gate.failing if r.gate else [])
+        )
         canary = r.canary or ("champion" if r.served else "")
         out.append(f"| {r.version} | {r.kind} | {acc} | {ci} | {gate} | {failing} | {canary} |")
     return "\n".join(out)

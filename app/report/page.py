@@ -14,8 +14,20 @@ from html import escape
 from typing import Any
 
 from app.report import plots
-from app.report.model import (CanaryStep, GateVerdict, ReportData, Rollout, VersionRow, canary_steps, check_names,
-                              gate_by_version, rollout, ship_steps, version_rows, vkey)
+from app.report.model import (
+    CanaryStep,
+    GateVerdict,
+    ReportData,
+    Rollout,
+    VersionRow,
+    canary_steps,
+    check_names,
+    gate_by_version,
+    rollout,
+    ship_steps,
+    version_rows,
+    vkey,
+)
 
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 CSS = """
@@ -62,16 +74,30 @@ def _summary(data: ReportData, rows: list[VersionRow], r: Rollout) -> str:
     champ = r.champion_spans[-1][2] if r.champion_spans else None
     held = [(row.version, row.heldout.acceptance) for row in rows if row.heldout is not None]
     promoted = [row for row in rows if row.promoted]
-    items = [("model", data.model), ("versions", str(len(rows))),
-             ("champion now", f"v{champ}" if champ else "none yet"),
-             ("promotions / rollbacks", f"{len(r.promoted)} / {len(r.rolled_back)}"),
-             ("gate failures", str(sum(1 for row in rows if row.gate is not None and not row.gate.passed)))]
+    items = [
+        ("model", data.model),
+        ("versions", str(len(rows))),
+        ("champion now", f"v{champ}" if champ else "none yet"),
+        ("promotions / rollbacks", f"{len(r.promoted)} / {len(r.rolled_back)}"),
+        (
+            "gate failures",
+            str(sum(1 for row in rows if row.gate is not None and not row.gate.passed)),
+        ),
+    ]
     if held:
         first = held[0]
         best = max(held, key=lambda vh: vh[1])
-        items.append(("held-out acceptance", f"v{first[0]} {first[1]:.3f} → best v{best[0]} {best[1]:.3f}"
-                      + (f"; last promoted v{promoted[-1].version} {promoted[-1].heldout.acceptance:.3f}"
-                         if promoted and promoted[-1].heldout else "")))
+        items.append(
+            (
+                "held-out acceptance",
+                f"v{first[0]} {first[1]:.3f} → best v{best[0]} {best[1]:.3f}"
+                + (
+                    f"; last promoted v{promoted[-1].version} {promoted[-1].heldout.acceptance:.3f}"
+                    if promoted and promoted[-1].heldout
+                    else ""
+                ),
+            )
+        )
     items += [(f"source: {k}", v) for k, v in data.sources.items() if k != "model"]
     items.append(("generated", _ts(data.generated_at)))
     dl = "".join(f"<dt>{escape(k)}</dt><dd>{escape(v)}</dd>" for k, v in items)
@@ -92,58 +118,118 @@ def _check_cell(check: dict[str, Any] | None) -> str:
 
 
 def _gate_section(gates: dict[str, GateVerdict]) -> str:
-    lead = ("One row per gated version: each check's status and value (hover for the threshold and detail). "
-            "A version passes when no check fails; a skipped check is not a pass.")
+    lead = (
+        "One row per gated version: each check's status and value (hover for the threshold and detail). "
+        "A version passes when no check fails; a skipped check is not a pass."
+    )
     if not gates:
-        return _section("gate", "Gate decisions", lead, '<p class="empty">No gate decisions yet: the controller has not '
-                        "gated a version (no gate_passed / gate_failed events and no flywheel.gate.* tags).</p>")
+        return _section(
+            "gate",
+            "Gate decisions",
+            lead,
+            '<p class="empty">No gate decisions yet: the controller has not '
+            "gated a version (no gate_passed / gate_failed events and no flywheel.gate.* tags).</p>",
+        )
     names = check_names(gates)
     head = "".join(f"<th>{h}</th>" for h in ("version", "verdict", "failing check(s)")) + "".join(
-        f'<th class="check">{escape(n).replace("_", "_<wbr>")}</th>' for n in names)
+        f'<th class="check">{escape(n).replace("_", "_<wbr>")}</th>' for n in names
+    )
     body = []
     for v in sorted(gates, key=vkey, reverse=True):
         g = gates[v]
         by_name = {c.get("name"): c for c in g.checks}
-        verdict = '<span class="badge good">passed</span>' if g.passed else '<span class="badge bad">failed</span>'
+        verdict = (
+            '<span class="badge good">passed</span>'
+            if g.passed
+            else '<span class="badge bad">failed</span>'
+        )
         failing = ", ".join(escape(str(c.get("name"))) for c in g.failing) or "—"
-        body.append(f'<tr data-version="{escape(v)}"><td>v{escape(v)}</td><td>{verdict}</td><td class="fail">{failing}</td>'
-                    + "".join(_check_cell(by_name.get(n)) for n in names) + "</tr>")
-    reasons = "".join(f"<li>v{escape(v)}: {escape(gates[v].reason)}</li>" for v in sorted(gates, key=vkey)
-                      if not gates[v].passed and gates[v].reason)
+        body.append(
+            f'<tr data-version="{escape(v)}"><td>v{escape(v)}</td><td>{verdict}</td><td class="fail">{failing}</td>'
+            + "".join(_check_cell(by_name.get(n)) for n in names)
+            + "</tr>"
+        )
+    reasons = "".join(
+        f"<li>v{escape(v)}: {escape(gates[v].reason)}</li>"
+        for v in sorted(gates, key=vkey)
+        if not gates[v].passed and gates[v].reason
+    )
     detail = f"<p><b>Why the failed versions failed</b></p><ul>{reasons}</ul>" if reasons else ""
-    return _section("gate", "Gate decisions", lead, f'<div class="scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>{detail}')
+    return _section(
+        "gate",
+        "Gate decisions",
+        lead,
+        f'<div class="scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>{detail}',
+    )
 
 
 def _canary_section(steps: list[CanaryStep]) -> str:
-    lead = ("Each judged canary step: the difference in mean labelled reward, candidate − champion, with its "
-            "time-uniform confidence-sequence bounds. Lower bound above −margin: the step passes; upper bound "
-            "below −margin: automatic rollback; otherwise inconclusive (paused at the step deadline).")
+    lead = (
+        "Each judged canary step: the difference in mean labelled reward, candidate − champion, with its "
+        "time-uniform confidence-sequence bounds. Lower bound above −margin: the step passes; upper bound "
+        "below −margin: automatic rollback; otherwise inconclusive (paused at the step deadline)."
+    )
     if not steps:
-        return _section("canary", "Canary steps", lead, '<p class="empty">No canary steps yet: no canary has been '
-                        "judged (no traffic_shifted / promoted / rolled_back / canary_paused event with an analysis).</p>")
-    img = _img(plots.canary_plot(steps), "canary steps with confidence bounds",
-               "No step had enough labelled samples for a delta yet.")
+        return _section(
+            "canary",
+            "Canary steps",
+            lead,
+            '<p class="empty">No canary steps yet: no canary has been '
+            "judged (no traffic_shifted / promoted / rolled_back / canary_paused event with an analysis).</p>",
+        )
+    img = _img(
+        plots.canary_plot(steps),
+        "canary steps with confidence bounds",
+        "No step had enough labelled samples for a delta yet.",
+    )
     rows = "".join(
         f'<tr data-version="{escape(s.version)}"><td>v{escape(s.version)}</td><td class="num">{s.step}</td>'
         f'<td class="num">{_num(s.traffic_pct, "g")}%</td><td>{escape(s.verdict)}</td><td class="num">{_num(s.delta, "+.4f")}</td>'
         f'<td class="num">[{_num(s.lower, "+.4f")}, {_num(s.upper, "+.4f")}]</td><td class="num">{s.n_candidate} / {s.n_champion}</td>'
-        f"<td>{escape(s.outcome.replace('_', ' '))}</td><td>{escape(_ts(s.ts))}</td></tr>" for s in steps)
-    head = "".join(f"<th>{h}</th>" for h in ("version", "step", "traffic", "verdict", "delta", "bounds",
-                                                 "n cand / champ", "then", "at"))
+        f"<td>{escape(s.outcome.replace('_', ' '))}</td><td>{escape(_ts(s.ts))}</td></tr>"
+        for s in steps
+    )
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "version",
+            "step",
+            "traffic",
+            "verdict",
+            "delta",
+            "bounds",
+            "n cand / champ",
+            "then",
+            "at",
+        )
+    )
     return _section("canary", "Canary steps", lead, f"{img}<table><tr>{head}</tr>{rows}</table>")
 
 
 def _timeline_section(data: ReportData, r: Rollout) -> str:
-    lead = ("Every version on its own line over time: registration, gate verdict, canary steps, promotion "
-            "and rollback. The green band is the version serving as champion.")
+    lead = (
+        "Every version on its own line over time: registration, gate verdict, canary steps, promotion "
+        "and rollback. The green band is the version serving as champion."
+    )
     if not r.marks:
-        return _section("timeline", "Promotions and rollbacks", lead,
-                        '<p class="empty">No deployment events yet: nothing has been registered, promoted or rolled back.</p>')
+        return _section(
+            "timeline",
+            "Promotions and rollbacks",
+            lead,
+            '<p class="empty">No deployment events yet: nothing has been registered, promoted or rolled back.</p>',
+        )
     img = _img(plots.timeline_plot(r, data.generated_at), "rollout timeline", "")
     key = [m for m in r.marks if m.kind in ("promoted", "rolled_back", "aborted", "canary_paused")]
-    items = "".join(f'<li class="{m.kind}">{escape(_ts(m.ts))}: {escape(m.label)}</li>' for m in key)
-    return _section("timeline", "Promotions and rollbacks", lead,
-                    img + (f"<ul>{items}</ul>" if items else '<p class="empty">No promotion or rollback yet.</p>'))
+    items = "".join(
+        f'<li class="{m.kind}">{escape(_ts(m.ts))}: {escape(m.label)}</li>' for m in key
+    )
+    return _section(
+        "timeline",
+        "Promotions and rollbacks",
+        lead,
+        img
+        + (f"<ul>{items}</ul>" if items else '<p class="empty">No promotion or rollback yet.</p>'),
+    )
 
 
 def _badge(row: VersionRow) -> str:
@@ -162,48 +248,104 @@ def _badge(row: VersionRow) -> str:
 def _versions_section(rows: list[VersionRow]) -> str:
     lead = "Every version the registry or the deployments log knows, newest first."
     if not rows:
-        return _section("versions", "Versions", lead, '<p class="empty">No versions yet: the trainer has not '
-                        "registered one (the registered model has no versions and the log no version_registered).</p>")
-    head = "".join(f"<th>{h}</th>" for h in ("version", "kind", "parent", "reward spec", "held-out acceptance", "gate",
-                                                 "failing check(s)", "canary", "promoted / rolled back"))
+        return _section(
+            "versions",
+            "Versions",
+            lead,
+            '<p class="empty">No versions yet: the trainer has not '
+            "registered one (the registered model has no versions and the log no version_registered).</p>",
+        )
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "version",
+            "kind",
+            "parent",
+            "reward spec",
+            "held-out acceptance",
+            "gate",
+            "failing check(s)",
+            "canary",
+            "promoted / rolled back",
+        )
+    )
     body = []
     for row in reversed(rows):
         h = row.heldout
-        held = "—" if h is None else f"{h.acceptance:.3f}" + (
-            f" [{h.ci_low:.3f}, {h.ci_high:.3f}]" if h.ci_low is not None and h.ci_high is not None else "")
-        gate = "—" if row.gate is None else ('<span class="pass">passed</span>' if row.gate.passed
-                                             else '<span class="fail">failed</span>')
-        failing = ", ".join(escape(str(c.get("name"))) for c in row.gate.failing) if row.gate else ""
-        body.append(f'<tr data-version="{escape(row.version)}"><td>v{escape(row.version)}</td><td>{escape(row.kind)}</td>'
-                    f"<td>{'v' + escape(row.parent) if row.parent else '—'}</td><td>{escape(row.reward_spec or '—')}</td>"
-                    f'<td class="num">{held}</td><td>{gate}</td><td class="fail">{failing or "—"}</td>'
-                    f"<td>{escape(row.canary or '—')}</td><td>{_badge(row)}</td></tr>")
+        held = (
+            "—"
+            if h is None
+            else f"{h.acceptance:.3f}"
+            + (
+                f" [{h.ci_low:.3f}, {h.ci_high:.3f}]"
+                if h.ci_low is not None and h.ci_high is not None
+                else ""
+            )
+        )
+        gate = (
+            "—"
+            if row.gate is None
+            else (
+                '<span class="pass">passed</span>'
+                if row.gate.passed
+                else '<span class="fail">failed</span>'
+            )
+        )
+        failing = (
+            ", ".join(escape(str(c.get("name"))) for c in row.gate.failing) if row.gate else ""
+        )
+        body.append(
+            f'<tr data-version="{escape(row.version)}"><td>v{escape(row.version)}</td><td>{escape(row.kind)}</td>'
+            f"<td>{'v' + escape(row.parent) if row.parent else '—'}</td><td>{escape(row.reward_spec or '—')}</td>"
+            f'<td class="num">{held}</td><td>{gate}</td><td class="fail">{failing or "—"}</td>'
+            f"<td>{escape(row.canary or '—')}</td><td>{_badge(row)}</td></tr>"
+        )
     return _section("versions", "Versions", lead, f"<table><tr>{head}</tr>{''.join(body)}</table>")
 
 
 def build_report(data: ReportData) -> str:
     rows, gates, r = version_rows(data), gate_by_version(data), rollout(data.events)
     steps = canary_steps(data.events)
-    held_lead = ("Acceptance probability of held-out simulated users on held-out prompts (flywheel-heldout), per "
-                 "version; bars are the confidence interval where the version carries one.")
-    train_lead = ("The trainer's per-step metrics (flywheel-trainer): mean reward of each batch, and the KL "
-                  "penalty's measured divergence per token; dotted lines mark the step each version shipped at.")
+    held_lead = (
+        "Acceptance probability of held-out simulated users on held-out prompts (flywheel-heldout), per "
+        "version; bars are the confidence interval where the version carries one."
+    )
+    train_lead = (
+        "The trainer's per-step metrics (flywheel-trainer): mean reward of each batch, and the KL "
+        "penalty's measured divergence per token; dotted lines mark the step each version shipped at."
+    )
     sections = [
         f"<section>{_summary(data, rows, r)}</section>",
-        _section("heldout", "Held-out acceptance per version", held_lead,
-                 _img(plots.heldout_plot(rows), "held-out acceptance per version",
-                      "No held-out results yet: no version has been evaluated (no heldout_acceptance metric or tag; "
-                      "`flywheel simulate` evaluates every registered version).")),
-        _section("training", "Reward and KL over training steps", train_lead,
-                 _img(plots.training_plot(data.trainer, ship_steps(data)), "reward and KL per optimizer step",
-                      "No training metrics yet: no flywheel-trainer run of this model has logged a step.")),
+        _section(
+            "heldout",
+            "Held-out acceptance per version",
+            held_lead,
+            _img(
+                plots.heldout_plot(rows),
+                "held-out acceptance per version",
+                "No held-out results yet: no version has been evaluated (no heldout_acceptance metric or tag; "
+                "`flywheel simulate` evaluates every registered version).",
+            ),
+        ),
+        _section(
+            "training",
+            "Reward and KL over training steps",
+            train_lead,
+            _img(
+                plots.training_plot(data.trainer, ship_steps(data)),
+                "reward and KL per optimizer step",
+                "No training metrics yet: no flywheel-trainer run of this model has logged a step.",
+            ),
+        ),
         _gate_section(gates),
         _canary_section(steps),
         _timeline_section(data, r),
         _versions_section(rows),
     ]
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>Flywheel report: {escape(data.model)}</title><style>{CSS}</style></head>"
-            f"<body><main>{''.join(sections)}</main></body></html>\n")
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>Flywheel report: {escape(data.model)}</title><style>{CSS}</style></head>"
+        f"<body><main>{''.join(sections)}</main></body></html>\n"
+    )

@@ -16,19 +16,45 @@ import matplotlib
 
 matplotlib.use("Agg")  # before anything imports pyplot (nothing here does)
 
-from matplotlib import dates as mdates  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib import dates as mdates
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
-from app.report.model import CanaryStep, Rollout, VersionRow, vkey  # noqa: E402
+from app.report.model import CanaryStep, Rollout, VersionRow, vkey
 
-GREEN, RED, ORANGE, BLUE, GREY, DARK = "#2e7d32", "#c62828", "#ef6c00", "#1565c0", "#90a4ae", "#37474f"
-VERDICT_COLOURS = {"better_or_equal": GREEN, "worse": RED, "inconclusive": ORANGE, "insufficient": GREY}
-MAX_POINTS = 1500  # per curve; longer series are strided (the moving mean is computed on every point)
-WIDTH_IN = 10.0  # every figure has this width, so all render at one scale (the page stretches them alike)
-STYLE = {"svg.fonttype": "path", "svg.hashsalt": "flywheel-report", "font.size": 9, "axes.spines.top": False,
-         "axes.spines.right": False, "axes.grid": True, "grid.alpha": 0.25, "axes.titlesize": 10,
-         "axes.titleweight": "bold", "legend.fontsize": 8, "legend.frameon": False}
+GREEN, RED, ORANGE, BLUE, GREY, DARK = (
+    "#2e7d32",
+    "#c62828",
+    "#ef6c00",
+    "#1565c0",
+    "#90a4ae",
+    "#37474f",
+)
+VERDICT_COLOURS = {
+    "better_or_equal": GREEN,
+    "worse": RED,
+    "inconclusive": ORANGE,
+    "insufficient": GREY,
+}
+MAX_POINTS = (
+    1500  # per curve; longer series are strided (the moving mean is computed on every point)
+)
+WIDTH_IN = (
+    10.0  # every figure has this width, so all render at one scale (the page stretches them alike)
+)
+STYLE = {
+    "svg.fonttype": "path",
+    "svg.hashsalt": "flywheel-report",
+    "font.size": 9,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "axes.grid": True,
+    "grid.alpha": 0.25,
+    "axes.titlesize": 10,
+    "axes.titleweight": "bold",
+    "legend.fontsize": 8,
+    "legend.frameon": False,
+}
 
 
 def _uri(fig: Figure) -> str:
@@ -57,34 +83,74 @@ def heldout_plot(rows: list[VersionRow]) -> str | None:
         ax = fig.add_subplot()
         xs = [vkey(r.version) for r in pts]
         ax.plot(xs, [r.heldout.acceptance for r in pts], color=GREY, lw=1, zorder=1)
-        champs = [r for r in pts if r.served]  # what served, version after version: it should only go up
+        champs = [
+            r for r in pts if r.served
+        ]  # what served, version after version: it should only go up
         if len(champs) > 1:
-            ax.step([vkey(r.version) for r in champs] + [xs[-1]],
-                    [r.heldout.acceptance for r in champs] + [champs[-1].heldout.acceptance],
-                    where="post", color=GREEN, lw=2.5, alpha=0.35, zorder=1)
+            ax.step(
+                [vkey(r.version) for r in champs] + [xs[-1]],
+                [r.heldout.acceptance for r in champs] + [champs[-1].heldout.acceptance],
+                where="post",
+                color=GREEN,
+                lw=2.5,
+                alpha=0.35,
+                zorder=1,
+            )
         for x, r in zip(xs, pts):
             h, colour = r.heldout, _row_colour(r)
             if h.ci_low is not None and h.ci_high is not None:
-                ax.errorbar([x], [h.acceptance], yerr=[[h.acceptance - h.ci_low], [h.ci_high - h.acceptance]],
-                            color=colour, capsize=3, lw=1.2, zorder=2)
+                ax.errorbar(
+                    [x],
+                    [h.acceptance],
+                    yerr=[[h.acceptance - h.ci_low], [h.ci_high - h.acceptance]],
+                    color=colour,
+                    capsize=3,
+                    lw=1.2,
+                    zorder=2,
+                )
             marker = "X" if colour == RED else "*" if r.champion_now else "o"
-            ax.scatter([x], [h.acceptance], color=colour, marker=marker, s=90 if marker == "*" else 40, zorder=3)
+            ax.scatter(
+                [x],
+                [h.acceptance],
+                color=colour,
+                marker=marker,
+                s=90 if marker == "*" else 40,
+                zorder=3,
+            )
             if len(pts) <= 24:
-                ax.annotate(f"{h.acceptance:.3f}", (x, h.ci_high if h.ci_high is not None else h.acceptance),
-                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7, color=DARK)
+                ax.annotate(
+                    f"{h.acceptance:.3f}",
+                    (x, h.ci_high if h.ci_high is not None else h.acceptance),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=7,
+                    color=DARK,
+                )
         ax.axhline(pts[0].heldout.acceptance, color=DARK, ls=":", lw=1)
         ax.set_xticks(xs, [f"v{r.version}" for r in pts])
         ax.set_ylabel("held-out acceptance")
         ax.set_title("Held-out acceptance per version")
         ax.margins(y=0.2)
-        fig.legend(handles=[Line2D([], [], color=GREEN, marker="o", ls="", label="served as champion"),
-                           Line2D([], [], color=GREEN, marker="*", ms=10, ls="", label="champion now"),
-                           Line2D([], [], color=ORANGE, marker="o", ls="", label="rolled back"),
-                           Line2D([], [], color=RED, marker="X", ls="", label="gate failed"),
-                           Line2D([], [], color=BLUE, marker="o", ls="", label="other"),
-                           Line2D([], [], color=GREEN, lw=2.5, alpha=0.35, label="champions, version after version"),
-                           Line2D([], [], color=DARK, ls=":", label=f"first version (v{pts[0].version})")],
-                   loc="outside right upper")
+        fig.legend(
+            handles=[
+                Line2D([], [], color=GREEN, marker="o", ls="", label="served as champion"),
+                Line2D([], [], color=GREEN, marker="*", ms=10, ls="", label="champion now"),
+                Line2D([], [], color=ORANGE, marker="o", ls="", label="rolled back"),
+                Line2D([], [], color=RED, marker="X", ls="", label="gate failed"),
+                Line2D([], [], color=BLUE, marker="o", ls="", label="other"),
+                Line2D(
+                    [],
+                    [],
+                    color=GREEN,
+                    lw=2.5,
+                    alpha=0.35,
+                    label="champions, version after version",
+                ),
+                Line2D([], [], color=DARK, ls=":", label=f"first version (v{pts[0].version})"),
+            ],
+            loc="outside right upper",
+        )
         return _uri(fig)
 
 
@@ -103,7 +169,11 @@ def training_plot(trainer: dict[str, list[tuple[int, float]]], ships: dict[str, 
     keys = [k for k in ("reward_mean", "kl", "loss") if trainer.get(k)]
     if not keys:
         return None
-    labels = {"reward_mean": "reward (batch mean)", "kl": "KL to reference\n(k3, nats/token)", "loss": "loss"}
+    labels = {
+        "reward_mean": "reward (batch mean)",
+        "kl": "KL to reference\n(k3, nats/token)",
+        "loss": "loss",
+    }
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(WIDTH_IN, 1.0 + 1.9 * len(keys)), layout="constrained")
         axes = fig.subplots(len(keys), 1, sharex=True, squeeze=False)[:, 0]
@@ -111,12 +181,19 @@ def training_plot(trainer: dict[str, list[tuple[int, float]]], ships: dict[str, 
             steps, values = zip(*trainer[key])
             window = max(1, len(values) // 40)
             smooth = _smooth(list(values), window)
-            stride = max(1, len(values) // MAX_POINTS)  # a long run's curves stay a few hundred kB of SVG
+            stride = max(
+                1, len(values) // MAX_POINTS
+            )  # a long run's curves stay a few hundred kB of SVG
             ax.plot(steps[::stride], values[::stride], color=BLUE, alpha=0.25, lw=0.8)
-            ax.plot(steps[::stride], smooth[::stride], color=BLUE, lw=1.6,
-                    label=f"moving mean of {window} steps" if window > 1 else None)
+            ax.plot(
+                steps[::stride],
+                smooth[::stride],
+                color=BLUE,
+                lw=1.6,
+                label=f"moving mean of {window} steps" if window > 1 else None,
+            )
             ax.set_ylabel(labels[key])
-            for v, step in ships.items():
+            for step in ships.values():
                 if steps[0] <= step <= steps[-1]:
                     ax.axvline(step, color=GREY, ls=":", lw=1)
             if window > 1:
@@ -124,10 +201,19 @@ def training_plot(trainer: dict[str, list[tuple[int, float]]], ships: dict[str, 
         top = axes[0]
         for v, step in sorted(ships.items(), key=lambda kv: kv[1]):
             if trainer[keys[0]][0][0] <= step <= trainer[keys[0]][-1][0]:
-                top.annotate(f"v{v}", (step, 1.0), xycoords=("data", "axes fraction"), fontsize=7, color=DARK,
-                             ha="center", va="bottom")
+                top.annotate(
+                    f"v{v}",
+                    (step, 1.0),
+                    xycoords=("data", "axes fraction"),
+                    fontsize=7,
+                    color=DARK,
+                    ha="center",
+                    va="bottom",
+                )
         axes[-1].set_xlabel("optimizer step")
-        top.set_title("Training: reward and KL per optimizer step (dotted: a version shipped)", pad=14)
+        top.set_title(
+            "Training: reward and KL per optimizer step (dotted: a version shipped)", pad=14
+        )
         return _uri(fig)
 
 
@@ -142,9 +228,26 @@ def canary_plot(steps: list[CanaryStep]) -> str | None:
         for i, s in enumerate(pts):
             colour = VERDICT_COLOURS.get(s.verdict, GREY)
             if s.lower is not None and s.upper is not None:
-                ax.errorbar([i], [s.delta], yerr=[[s.delta - s.lower], [s.upper - s.delta]], color=colour, capsize=4, lw=1.6)
-            ax.scatter([i], [s.delta], color=colour, s=36, zorder=3,
-                       marker="v" if s.outcome == "rolled_back" else "*" if s.outcome == "promoted" else "o")
+                ax.errorbar(
+                    [i],
+                    [s.delta],
+                    yerr=[[s.delta - s.lower], [s.upper - s.delta]],
+                    color=colour,
+                    capsize=4,
+                    lw=1.6,
+                )
+            ax.scatter(
+                [i],
+                [s.delta],
+                color=colour,
+                s=36,
+                zorder=3,
+                marker="v"
+                if s.outcome == "rolled_back"
+                else "*"
+                if s.outcome == "promoted"
+                else "o",
+            )
             if i and pts[i - 1].version != s.version:
                 ax.axvline(i - 0.5, color=GREY, lw=0.8)
         ax.axhline(0.0, color=DARK, lw=0.8)
@@ -152,20 +255,41 @@ def canary_plot(steps: list[CanaryStep]) -> str | None:
         for m in margins:
             ax.axhline(-m, color=RED, ls="--", lw=0.9)
         if len(pts) <= 16:
-            ax.set_xticks(range(len(pts)), [f"v{s.version}\nstep {s.step}" + (f"\n{s.traffic_pct:g}%" if s.traffic_pct is not None else "")
-                                             for s in pts])
+            ax.set_xticks(
+                range(len(pts)),
+                [
+                    f"v{s.version}\nstep {s.step}"
+                    + (f"\n{s.traffic_pct:g}%" if s.traffic_pct is not None else "")
+                    for s in pts
+                ],
+            )
         else:  # many steps: one compact rotated label each
-            ax.set_xticks(range(len(pts)), [f"v{s.version} {s.traffic_pct:g}%" if s.traffic_pct is not None else f"v{s.version} #{s.step}"
-                                             for s in pts], rotation=90, fontsize=7)
+            ax.set_xticks(
+                range(len(pts)),
+                [
+                    f"v{s.version} {s.traffic_pct:g}%"
+                    if s.traffic_pct is not None
+                    else f"v{s.version} #{s.step}"
+                    for s in pts
+                ],
+                rotation=90,
+                fontsize=7,
+            )
         ax.set_xlim(-0.6, len(pts) - 0.4)
         ax.set_ylabel("reward delta, candidate − champion")
         ax.set_title("Canary steps: delta and confidence-sequence bounds")
-        fig.legend(handles=[Line2D([], [], color=c, marker="o", ls="-", label=v.replace("_", " "))
-                           for v, c in VERDICT_COLOURS.items()]
-                  + [Line2D([], [], color=DARK, marker="*", ls="", label="→ promoted"),
-                     Line2D([], [], color=DARK, marker="v", ls="", label="→ rolled back")]
-                  + [Line2D([], [], color=RED, ls="--", label=f"−margin ({m:g})") for m in margins],
-                   loc="outside right upper")
+        fig.legend(
+            handles=[
+                Line2D([], [], color=c, marker="o", ls="-", label=v.replace("_", " "))
+                for v, c in VERDICT_COLOURS.items()
+            ]
+            + [
+                Line2D([], [], color=DARK, marker="*", ls="", label="→ promoted"),
+                Line2D([], [], color=DARK, marker="v", ls="", label="→ rolled back"),
+            ]
+            + [Line2D([], [], color=RED, ls="--", label=f"−margin ({m:g})") for m in margins],
+            loc="outside right upper",
+        )
         return _uri(fig)
 
 
@@ -193,13 +317,27 @@ def timeline_plot(r: Rollout, until: datetime) -> str | None:
         ax = fig.add_subplot()
         end = max(until, max(m.ts for m in r.marks))
         for start, stop, v in r.champion_spans:
-            ax.plot([start, stop or end], [vkey(v)] * 2, color=GREEN, lw=6, alpha=0.35, solid_capstyle="butt")
+            ax.plot(
+                [start, stop or end],
+                [vkey(v)] * 2,
+                color=GREEN,
+                lw=6,
+                alpha=0.35,
+                solid_capstyle="butt",
+            )
         seen: set[str] = set()
         for kind, (marker, colour, size, label) in MARK_STYLE.items():
             ms = [m for m in r.marks if m.kind == kind]
             if ms:
-                ax.scatter([m.ts for m in ms], [vkey(m.version) for m in ms], marker=marker, color=colour, s=size, zorder=3,
-                           label=label if label and label not in seen else None)
+                ax.scatter(
+                    [m.ts for m in ms],
+                    [vkey(m.version) for m in ms],
+                    marker=marker,
+                    color=colour,
+                    s=size,
+                    zorder=3,
+                    label=label if label and label not in seen else None,
+                )
                 seen.add(label or "")
         ax.set_yticks(versions, [f"v{v}" for v in versions])
         ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(ax.xaxis.get_major_locator()))

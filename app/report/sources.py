@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,32 +52,51 @@ class ReportSources:
     api_key: str | None = None  # events=api: a key with the read scope
 
     @classmethod
-    def resolve(cls, settings: Settings, *, mlflow_uri: str | None = None, api_url: str | None = None,
-                api_key: str | None = None, from_kafka: bool = False) -> "ReportSources":
+    def resolve(
+        cls,
+        settings: Settings,
+        *,
+        mlflow_uri: str | None = None,
+        api_url: str | None = None,
+        api_key: str | None = None,
+        from_kafka: bool = False,
+    ) -> ReportSources:
         """The sources for `settings.data_dir` unless a running stack's addresses are given."""
         if api_url and from_kafka:
-            raise SourceMissing("choose one source of deployment events: --api or --from-kafka, not both")
+            raise SourceMissing(
+                "choose one source of deployment events: --api or --from-kafka, not both"
+            )
         uri = mlflow_uri or data_dir_mlflow_uri(settings.data_dir)
         if api_url:
             key = api_key or local_read_key(settings.data_dir)
             if not key:
-                raise SourceMissing(f"--api {api_url} needs a key with the read scope: pass --api-key (or "
-                                    f"FLYWHEEL_REPORT_API_KEY); `flywheel keys create --scope read` makes one")
+                raise SourceMissing(
+                    f"--api {api_url} needs a key with the read scope: pass --api-key (or "
+                    f"FLYWHEEL_REPORT_API_KEY); `flywheel keys create --scope read` makes one"
+                )
             return cls(settings.model_name, uri, "api", settings, api_url.rstrip("/"), key)
         return cls(settings.model_name, uri, "kafka" if from_kafka else "db", settings)
 
     def describe(self) -> dict[str, str]:
-        events = {"db": f"projection deployment_events in {_safe_url(self.settings.db_url)}",
-                  "api": f"{self.api_url}/v1/deployments/history",
-                  "kafka": f"topic {self.settings.topic('deployments')} on {self.settings.kafka_bootstrap}"}[self.events]
-        return {"model": self.model, "MLflow": _safe_url(self.mlflow_uri), "deployment events": events}
+        events = {
+            "db": f"projection deployment_events in {_safe_url(self.settings.db_url)}",
+            "api": f"{self.api_url}/v1/deployments/history",
+            "kafka": f"topic {self.settings.topic('deployments')} on {self.settings.kafka_bootstrap}",
+        }[self.events]
+        return {
+            "model": self.model,
+            "MLflow": _safe_url(self.mlflow_uri),
+            "deployment events": events,
+        }
 
 
 def data_dir_mlflow_uri(data_dir: Path) -> str:
     store = (data_dir / "mlflow" / "mlflow.db").resolve()
     if not store.is_file():
-        raise SourceMissing(f"no MLflow store at {store}: `flywheel run` with FLYWHEEL_DATA_DIR={data_dir} creates it; "
-                            "for a running stack pass --mlflow-uri http://HOST:PORT")
+        raise SourceMissing(
+            f"no MLflow store at {store}: `flywheel run` with FLYWHEEL_DATA_DIR={data_dir} creates it; "
+            "for a running stack pass --mlflow-uri http://HOST:PORT"
+        )
     return f"sqlite:///{store}"
 
 
@@ -106,7 +125,7 @@ def _utc(value: Any) -> datetime:
     if isinstance(value, str):
         value = datetime.fromisoformat(value.replace("Z", "+00:00"))
     assert isinstance(value, datetime), f"expected a timestamp, got {value!r}"
-    return value if value.tzinfo is not None else value.replace(tzinfo=timezone.utc)
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
 def load_report_data(src: ReportSources) -> ReportData:
@@ -114,17 +133,30 @@ def load_report_data(src: ReportSources) -> ReportData:
     from mlflow.exceptions import MlflowException
 
     client = _mlflow_client(src.mlflow_uri)
-    data = ReportData(model=src.model, generated_at=datetime.now(timezone.utc), sources=src.describe())
+    data = ReportData(model=src.model, generated_at=datetime.now(UTC), sources=src.describe())
     try:
         data.versions = _versions(client, src.model)
-        data.trainer = _run_metrics(client, TRAINER_EXPERIMENT, f"tags.model_name = '{src.model}'", TRAINER_METRICS)
-        data.heldout = _run_metrics(client, HELDOUT_EXPERIMENT, f"tags.model = '{src.model}'", (HELDOUT, *HELDOUT_CI))
-    except MlflowException as exc:  # e.g. a store written by another MLflow version, a server answering 5xx
+        data.trainer = _run_metrics(
+            client, TRAINER_EXPERIMENT, f"tags.model_name = '{src.model}'", TRAINER_METRICS
+        )
+        data.heldout = _run_metrics(
+            client, HELDOUT_EXPERIMENT, f"tags.model = '{src.model}'", (HELDOUT, *HELDOUT_CI)
+        )
+    except (
+        MlflowException
+    ) as exc:  # e.g. a store written by another MLflow version, a server answering 5xx
         raise SourceMissing(f"cannot read MLflow at {_safe_url(src.mlflow_uri)}: {exc}") from None
-    loader = {"db": _events_from_db, "api": _events_from_api, "kafka": _events_from_kafka}[src.events]
+    loader = {"db": _events_from_db, "api": _events_from_api, "kafka": _events_from_kafka}[
+        src.events
+    ]
     data.events = loader(src)  # in log order (projection seq / topic offset)
-    log.info("report of %s: %d versions, %d trainer steps, %d deployment events", src.model, len(data.versions),
-             len(data.trainer.get("reward_mean", [])), len(data.events))
+    log.info(
+        "report of %s: %d versions, %d trainer steps, %d deployment events",
+        src.model,
+        len(data.versions),
+        len(data.trainer.get("reward_mean", [])),
+        len(data.events),
+    )
     return data
 
 
@@ -137,20 +169,31 @@ def _mlflow_client(uri: str) -> Any:
         try:
             httpx.get(f"{uri.rstrip('/')}/health", timeout=10).raise_for_status()
         except httpx.HTTPError as exc:
-            raise SourceMissing(f"MLflow server at {uri} is not reachable ({exc}); is the stack running "
-                                "(`flywheel run`), or is --mlflow-uri wrong?") from None
+            raise SourceMissing(
+                f"MLflow server at {uri} is not reachable ({exc}); is the stack running "
+                "(`flywheel run`), or is --mlflow-uri wrong?"
+            ) from None
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def _versions(client: Any, model: str) -> list[VersionInfo]:
     found = client.search_model_versions(f"name='{model}'")
-    out = [VersionInfo(str(mv.version), dict(mv.tags or {}),
-                       datetime.fromtimestamp(mv.creation_timestamp / 1000, timezone.utc) if mv.creation_timestamp else None)
-           for mv in found]
+    out = [
+        VersionInfo(
+            str(mv.version),
+            dict(mv.tags or {}),
+            datetime.fromtimestamp(mv.creation_timestamp / 1000, UTC)
+            if mv.creation_timestamp
+            else None,
+        )
+        for mv in found
+    ]
     return sorted(out, key=lambda vi: int(vi.version))
 
 
-def _run_metrics(client: Any, experiment: str, run_filter: str, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+def _run_metrics(
+    client: Any, experiment: str, run_filter: str, keys: tuple[str, ...]
+) -> dict[str, list[tuple[int, float]]]:
     """Every point of `keys` over the experiment's runs that match `run_filter`, sorted by step."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -165,7 +208,18 @@ def _run_metrics(client: Any, experiment: str, run_filter: str, keys: tuple[str,
 
 
 # --- deployment events --------------------------------------------------------------------------
-_FIELDS = ("event_id", "type", "model", "version", "from_version", "traffic_pct", "source", "actor", "reason", "details")
+_FIELDS = (
+    "event_id",
+    "type",
+    "model",
+    "version",
+    "from_version",
+    "traffic_pct",
+    "source",
+    "actor",
+    "reason",
+    "details",
+)
 
 
 def _events_from_db(src: ReportSources) -> list[dict[str, Any]]:
@@ -173,26 +227,43 @@ def _events_from_db(src: ReportSources) -> list[dict[str, Any]]:
 
     url = src.settings.db_url
     engine_url = sa.engine.make_url(url)
-    if engine_url.get_backend_name() == "sqlite" and engine_url.database not in (None, "", ":memory:") \
-            and not Path(engine_url.database).is_file():
-        raise SourceMissing(f"no app database at {engine_url.database}: `flywheel run` with "
-                            f"FLYWHEEL_DATA_DIR={src.settings.data_dir} creates it (or set FLYWHEEL_DATABASE_URL); "
-                            "for a running stack pass --api URL or --from-kafka")
+    if (
+        engine_url.get_backend_name() == "sqlite"
+        and engine_url.database not in (None, "", ":memory:")
+        and not Path(engine_url.database).is_file()
+    ):
+        raise SourceMissing(
+            f"no app database at {engine_url.database}: `flywheel run` with "
+            f"FLYWHEEL_DATA_DIR={src.settings.data_dir} creates it (or set FLYWHEEL_DATABASE_URL); "
+            "for a running stack pass --api URL or --from-kafka"
+        )
     from app.db.models import DeploymentEvent as EventRow
 
     engine = sa.create_engine(url)
     try:
         with engine.connect() as conn:
             if not sa.inspect(conn).has_table(EventRow.__tablename__):
-                raise SourceMissing(f"the app database {_safe_url(url)} has no {EventRow.__tablename__} table: "
-                                    "run `flywheel db upgrade` and `flywheel projections rebuild`")
-            rows = conn.execute(sa.select(EventRow.__table__).where(EventRow.model == src.model)
-                                .order_by(EventRow.seq)).mappings().all()
+                raise SourceMissing(
+                    f"the app database {_safe_url(url)} has no {EventRow.__tablename__} table: "
+                    "run `flywheel db upgrade` and `flywheel projections rebuild`"
+                )
+            rows = (
+                conn.execute(
+                    sa.select(EventRow.__table__)
+                    .where(EventRow.model == src.model)
+                    .order_by(EventRow.seq)
+                )
+                .mappings()
+                .all()
+            )
     except sa.exc.OperationalError as exc:
         raise SourceMissing(f"cannot read the app database {_safe_url(url)}: {exc.orig}") from None
     finally:
         engine.dispose()
-    return [{**{k: r[k] for k in _FIELDS}, "details": r["details"] or {}, "ts": _utc(r["ts"])} for r in rows]
+    return [
+        {**{k: r[k] for k in _FIELDS}, "details": r["details"] or {}, "ts": _utc(r["ts"])}
+        for r in rows
+    ]
 
 
 def _events_from_api(src: ReportSources) -> list[dict[str, Any]]:
@@ -209,15 +280,25 @@ def _events_from_api(src: ReportSources) -> list[dict[str, Any]]:
             try:
                 resp = http.get(url, params=params)
             except httpx.HTTPError as exc:
-                raise SourceMissing(f"the API at {src.api_url} is not reachable ({exc}); is the stack running?") from None
+                raise SourceMissing(
+                    f"the API at {src.api_url} is not reachable ({exc}); is the stack running?"
+                ) from None
             if resp.status_code in (401, 403):
-                raise SourceMissing(f"{url} refused the key ({resp.status_code}: {resp.text[:200]}); "
-                                    "pass a key with the read scope (--api-key)")
+                raise SourceMissing(
+                    f"{url} refused the key ({resp.status_code}: {resp.text[:200]}); "
+                    "pass a key with the read scope (--api-key)"
+                )
             if resp.status_code != 200:
                 raise SourceMissing(f"{url} answered {resp.status_code}: {resp.text[:200]}")
             page = resp.json()
-            events.extend({**{k: e.get(k) for k in _FIELDS}, "details": e.get("details") or {}, "ts": _utc(e["ts"])}
-                          for e in page["events"])
+            events.extend(
+                {
+                    **{k: e.get(k) for k in _FIELDS},
+                    "details": e.get("details") or {},
+                    "ts": _utc(e["ts"]),
+                }
+                for e in page["events"]
+            )
             cursor = page.get("next_cursor")
             if cursor is None:
                 return events[::-1]  # the API pages newest first
@@ -232,8 +313,12 @@ def _events_from_kafka(src: ReportSources) -> list[dict[str, Any]]:
     try:
         logged = list(DeploymentLog(src.settings).read(until_end=True, stall_timeout_s=30))
     except (KafkaError, TimeoutError, AssertionError) as exc:
-        raise SourceMissing(f"cannot read {topic} from Kafka at {src.settings.kafka_bootstrap}: {exc}") from None
-    events = [le.event.model_dump(mode="python") for le in logged if le.event.model == src.model]  # one partition per model
+        raise SourceMissing(
+            f"cannot read {topic} from Kafka at {src.settings.kafka_bootstrap}: {exc}"
+        ) from None
+    events = [
+        le.event.model_dump(mode="python") for le in logged if le.event.model == src.model
+    ]  # one partition per model
     for e in events:
         e["ts"] = _utc(e["ts"])
     return events

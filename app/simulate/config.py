@@ -9,11 +9,24 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class SimulateConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SIMULATE_", extra="ignore")
 
-    users: int = Field(16, ge=1, description="Simulated users (one editor session each) working concurrently.")
-    rps: float = Field(4.0, gt=0, description="Completion requests per second across the whole population.")
+    users: int = Field(
+        16, ge=1, description="Simulated users (one editor session each) working concurrently."
+    )
+    rps: float = Field(
+        4.0, gt=0, description="Completion requests per second across the whole population."
+    )
     max_tokens: int = Field(48, ge=1, description="max_tokens of each completion request.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature the editor asks for.")
-    candidates: int = Field(2, ge=1, description="Completions per request (n); candidates share a group_id.")
+    candidates: int = Field(
+        2, ge=1, description="Completions per request (n); candidates share a group_id."
+    )
     seed: int = Field(0, description="Seed of the training population and its prompts.")
-    feedback_delay_s: float = Field(0.5, ge=0, description="Mean delay between seeing a completion and reacting.")
-    hard_fraction: float = Field(0.0, ge=0, le=1, description="Share of argument lists whose requests are hard (0.3: 3 of 10; honest attempts are rarely accepted there, and a broken tool call draws a tool_error instead of a reject). The held-out evaluation uses the same share.")
+    feedback_delay_s: float = Field(
+        0.5, ge=0, description="Mean delay between seeing a completion and reacting."
+    )
+    hard_fraction: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of argument lists whose requests are hard (0.3: 3 of 10; honest attempts are rarely accepted there, and a broken tool call draws a tool_error instead of a reject). The held-out evaluation uses the same share.",
+    )

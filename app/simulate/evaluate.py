@@ -39,12 +39,23 @@ log = logging.getLogger(__name__)
 EXPERIMENT = "flywheel-heldout"
 RUN_NAME = "heldout-acceptance"
 METRIC = "heldout_acceptance"
-METRICS = (METRIC, "heldout_acceptance_ci_low", "heldout_acceptance_ci_high", "heldout_satisfaction",
-           "heldout_valid_rate", "heldout_no_edit_rate")
+METRICS = (
+    METRIC,
+    "heldout_acceptance_ci_low",
+    "heldout_acceptance_ci_high",
+    "heldout_satisfaction",
+    "heldout_valid_rate",
+    "heldout_no_edit_rate",
+)
 
 
-def scores(users: list[SimulatedUser], prompt_list: list[str], completions: list[str], hard: list[bool],
-           level: float = 0.95) -> dict[str, float]:
+def scores(
+    users: list[SimulatedUser],
+    prompt_list: list[str],
+    completions: list[str],
+    hard: list[bool],
+    level: float = 0.95,
+) -> dict[str, float]:
     """The held-out figures of `completions` (samples_per_prompt >= 2 consecutive ones per prompt).
 
     The interval is the sampling error of the completions on these prompts: per prompt, the
@@ -52,29 +63,48 @@ def scores(users: list[SimulatedUser], prompt_list: list[str], completions: list
     samples, summed: var(mean) = sum_i s_i^2 / (k P^2). The prompts are fixed (the same for
     every version), so that is the variance that separates two versions' estimates.
     """
-    assert prompt_list and len(hard) == len(prompt_list) and len(completions) % len(prompt_list) == 0, \
-        f"{len(completions)} completions, {len(hard)} hard flags for {len(prompt_list)} prompts"
+    assert (
+        prompt_list and len(hard) == len(prompt_list) and len(completions) % len(prompt_list) == 0
+    ), f"{len(completions)} completions, {len(hard)} hard flags for {len(prompt_list)} prompts"
     k = len(completions) // len(prompt_list)
     assert k >= 2, f"the interval needs at least 2 samples per prompt, got {k}"
     flags = [h for h in hard for _ in range(k)]
-    acc = [sum(u.acceptance_probability(c, h) for u in users) / len(users) for c, h in zip(completions, flags)]
+    acc = [
+        sum(u.acceptance_probability(c, h) for u in users) / len(users)
+        for c, h in zip(completions, flags)
+    ]
     mean = sum(acc) / len(acc)
     var = 0.0
     for i in range(len(prompt_list)):
-        a = acc[i * k:(i + 1) * k]
+        a = acc[i * k : (i + 1) * k]
         m = sum(a) / k
         var += sum((x - m) ** 2 for x in a) / (k - 1) / k
     half = NormalDist().inv_cdf(0.5 + level / 2) * math.sqrt(var) / len(prompt_list)
-    return {METRIC: mean, "heldout_acceptance_ci_low": max(0.0, mean - half), "heldout_acceptance_ci_high": min(1.0, mean + half),
-            "heldout_satisfaction": sum(u.satisfaction(c, h) for u in users for c, h in zip(completions, flags))
-            / (len(users) * len(completions)),
-            "heldout_valid_rate": sum(map(is_valid, completions)) / len(completions),
-            "heldout_no_edit_rate": sum(map(is_no_edit, completions)) / len(completions)}
+    return {
+        METRIC: mean,
+        "heldout_acceptance_ci_low": max(0.0, mean - half),
+        "heldout_acceptance_ci_high": min(1.0, mean + half),
+        "heldout_satisfaction": sum(
+            u.satisfaction(c, h) for u in users for c, h in zip(completions, flags)
+        )
+        / (len(users) * len(completions)),
+        "heldout_valid_rate": sum(map(is_valid, completions)) / len(completions),
+        "heldout_no_edit_rate": sum(map(is_no_edit, completions)) / len(completions),
+    }
 
 
 class HeldOutEvaluator:
-    def __init__(self, mlflow_uri: str, model_name: str, n_prompts: int = 64, samples_per_prompt: int = 4,
-                 max_tokens: int = 48, n_users: int = 32, seed: int = 10_001, hard_fraction: float | None = None):
+    def __init__(
+        self,
+        mlflow_uri: str,
+        model_name: str,
+        n_prompts: int = 64,
+        samples_per_prompt: int = 4,
+        max_tokens: int = 48,
+        n_users: int = 32,
+        seed: int = 10_001,
+        hard_fraction: float | None = None,
+    ):
         from mlflow import MlflowClient
 
         from app.simulate.config import SimulateConfig
@@ -87,7 +117,9 @@ class HeldOutEvaluator:
         self.users = population(n_users, seed=seed, prefix="heldout")
         self.samples_per_prompt, self.max_tokens, self.seed = samples_per_prompt, max_tokens, seed
         self.results: dict[int, float] = {}
-        self.details: dict[int, dict[str, float]] = {}  # version -> every figure of METRICS that is known
+        self.details: dict[
+            int, dict[str, float]
+        ] = {}  # version -> every figure of METRICS that is known
 
     def _load_policy(self, version: int) -> Any:
         import mlflow
@@ -97,10 +129,16 @@ class HeldOutEvaluator:
 
         mv = self.client.get_model_version(self.model_name, str(version))
         with tempfile.TemporaryDirectory(prefix="flywheel-eval-") as tmp:
-            cfg = mlflow.artifacts.download_artifacts(artifact_uri=f"{mv.source}/artifacts/config.json", dst_path=tmp,
-                                                      tracking_uri=self.uri)
-            weights = mlflow.artifacts.download_artifacts(artifact_uri=f"{mv.source}/artifacts/weights.safetensors",
-                                                          dst_path=tmp, tracking_uri=self.uri)
+            cfg = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{mv.source}/artifacts/config.json",
+                dst_path=tmp,
+                tracking_uri=self.uri,
+            )
+            weights = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{mv.source}/artifacts/weights.safetensors",
+                dst_path=tmp,
+                tracking_uri=self.uri,
+            )
             policy = build_policy(json.loads(Path(cfg).read_text()))
             policy.load_serving_state_dict(load_file(weights))
         return policy.eval()
@@ -111,7 +149,9 @@ class HeldOutEvaluator:
         tok = policy.tokenizer
         batch = [tok.encode(p) for p in self.prompts for _ in range(self.samples_per_prompt)]
         with torch.no_grad():
-            samples = policy.generate(batch, max_tokens=self.max_tokens, temperature=1.0, seed=self.seed)
+            samples = policy.generate(
+                batch, max_tokens=self.max_tokens, temperature=1.0, seed=self.seed
+            )
         return [s.text for s in samples]
 
     def acceptance(self, policy: Any) -> float:
@@ -125,15 +165,23 @@ class HeldOutEvaluator:
         exp = self.client.get_experiment_by_name(EXPERIMENT)
         exp_id = exp.experiment_id if exp else self.client.create_experiment(EXPERIMENT)
         # one run per registered model: two models on one server must not share metric steps (= versions)
-        runs = self.client.search_runs([exp_id], filter_string=f"tags.mlflow.runName = '{RUN_NAME}' and "
-                                                                f"tags.model = '{self.model_name}'", max_results=1)
+        runs = self.client.search_runs(
+            [exp_id],
+            filter_string=f"tags.mlflow.runName = '{RUN_NAME}' and "
+            f"tags.model = '{self.model_name}'",
+            max_results=1,
+        )
         if runs:
             return runs[0].info.run_id
-        return self.client.create_run(exp_id, run_name=RUN_NAME, tags={"model": self.model_name}).info.run_id
+        return self.client.create_run(
+            exp_id, run_name=RUN_NAME, tags={"model": self.model_name}
+        ).info.run_id
 
     def evaluate_new(self) -> dict[int, float]:
         """Evaluate every version not evaluated yet (by this evaluator or a tag); returns all results."""
-        versions = sorted(int(mv.version) for mv in self.client.search_model_versions(f"name='{self.model_name}'"))
+        versions = sorted(
+            int(mv.version) for mv in self.client.search_model_versions(f"name='{self.model_name}'")
+        )
         run_id = None
         for v in versions:
             if v in self.results:
@@ -149,8 +197,15 @@ class HeldOutEvaluator:
             run_id = run_id or self._run_id()
             for name, value in figures.items():
                 self.client.log_metric(run_id, name, value, step=v)
-            for name in METRICS[1:] + (METRIC,):  # METRIC last: its tag marks the version as evaluated
-                self.client.set_model_version_tag(self.model_name, str(v), name, f"{figures[name]:.4f}")
-            log.info("version %s: held-out acceptance %.3f [%.3f, %.3f], satisfaction %.3f, valid %.3f, no edit %.3f",
-                     v, *(figures[m] for m in METRICS))
+            for name in METRICS[1:] + (
+                METRIC,
+            ):  # METRIC last: its tag marks the version as evaluated
+                self.client.set_model_version_tag(
+                    self.model_name, str(v), name, f"{figures[name]:.4f}"
+                )
+            log.info(
+                "version %s: held-out acceptance %.3f [%.3f, %.3f], satisfaction %.3f, valid %.3f, no edit %.3f",
+                v,
+                *(figures[m] for m in METRICS),
+            )
         return dict(sorted(self.results.items()))

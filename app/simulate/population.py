@@ -22,13 +22,13 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from app.simulate.config import SimulateConfig
 from app.edits import classify
+from app.simulate.config import SimulateConfig
 from app.simulate.prompts import is_hard, prompts
 from app.simulate.users import SimulatedUser, population
 
@@ -43,8 +43,12 @@ class Stats:
     events: int = 0
     accepted: Counter = field(default_factory=Counter)  # per model_version
     shown: Counter = field(default_factory=Counter)
-    satisfaction: Counter = field(default_factory=Counter)  # per model_version: sum of true satisfaction
-    kinds: Counter = field(default_factory=Counter)  # (model_version, app.edits kind) -> completions
+    satisfaction: Counter = field(
+        default_factory=Counter
+    )  # per model_version: sum of true satisfaction
+    kinds: Counter = field(
+        default_factory=Counter
+    )  # (model_version, app.edits kind) -> completions
 
     def acceptance(self) -> dict[str, float]:
         return {v: self.accepted[v] / n for v, n in self.shown.items() if n}
@@ -54,7 +58,7 @@ class Stats:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 class Population:
@@ -68,10 +72,17 @@ class Population:
         self.rng = random.Random(cfg.seed)
         self._outbox: list[dict[str, Any]] = []
 
-    async def _complete(self, http: httpx.AsyncClient, user: SimulatedUser, prompt: str) -> dict[str, Any] | None:
+    async def _complete(
+        self, http: httpx.AsyncClient, user: SimulatedUser, prompt: str
+    ) -> dict[str, Any] | None:
         url = next(self.replicas)
-        body = {"session_id": user.user_id, "prompt": prompt, "max_tokens": self.cfg.max_tokens,
-                "temperature": self.cfg.temperature, "n": self.cfg.candidates}
+        body = {
+            "session_id": user.user_id,
+            "prompt": prompt,
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": self.cfg.temperature,
+            "n": self.cfg.candidates,
+        }
         try:
             r = await http.post(f"{url}/v1/complete", json=body, timeout=60)
             r.raise_for_status()
@@ -94,17 +105,31 @@ class Population:
             for e in user.react(text, hard):
                 if e["type"] == "accept":
                     self.stats.accepted[version] += 1
-                self._outbox.append({**e, "event_id": uuid.uuid4().hex, "request_id": rid,
-                                     "session_id": user.user_id, "ts": _now(), "model_version": version})
+                self._outbox.append(
+                    {
+                        **e,
+                        "event_id": uuid.uuid4().hex,
+                        "request_id": rid,
+                        "session_id": user.user_id,
+                        "ts": _now(),
+                        "model_version": version,
+                    }
+                )
 
-    async def _user_loop(self, http: httpx.AsyncClient, user: SimulatedUser, gap_s: float, until: float | None) -> None:
+    async def _user_loop(
+        self, http: httpx.AsyncClient, user: SimulatedUser, gap_s: float, until: float | None
+    ) -> None:
         await asyncio.sleep(self.rng.random() * gap_s)
         while until is None or time.monotonic() < until:
             prompt = self.rng.choice(self.prompts)
             resp = await self._complete(http, user, prompt)
             self.stats.requests += 1
             if resp is not None:
-                await asyncio.sleep(self.rng.expovariate(1 / self.cfg.feedback_delay_s) if self.cfg.feedback_delay_s else 0)
+                await asyncio.sleep(
+                    self.rng.expovariate(1 / self.cfg.feedback_delay_s)
+                    if self.cfg.feedback_delay_s
+                    else 0
+                )
                 self._react(user, resp, prompt)
             await asyncio.sleep(gap_s * (0.5 + self.rng.random()))
 
@@ -116,6 +141,7 @@ class Population:
     async def _flush(self, client: Any) -> None:
         batch, self._outbox = self._outbox, []
         if batch:
+
             def _send() -> None:
                 for event in batch:
                     client.send(event)
@@ -132,7 +158,9 @@ class Population:
         client = FeedbackClient(self.api_url, self.api_key, flush_interval_s=0)
         try:
             async with httpx.AsyncClient() as http:
-                tasks = [asyncio.create_task(self._user_loop(http, u, gap_s, until)) for u in self.users]
+                tasks = [
+                    asyncio.create_task(self._user_loop(http, u, gap_s, until)) for u in self.users
+                ]
                 tasks.append(asyncio.create_task(self._flush_loop(client, until)))
                 await asyncio.gather(*tasks)
             await self._flush(client)

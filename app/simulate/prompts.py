@@ -13,11 +13,66 @@ from __future__ import annotations
 
 import random
 
-_VERBS = ["add", "scale", "count", "merge", "clamp", "parse", "total", "pick", "shift", "mean", "diff", "flip",
-          "wrap", "trim", "join", "split", "limit", "score", "round", "pack"]
-_NOUNS = ["items", "values", "rows", "names", "pairs", "xs", "nums", "words", "keys", "data", "parts", "cells"]
-_ARGS = ["a, b", "x", "xs", "items, n", "value, lo, hi", "text", "rows, key", "n", "data, k", "left, right"]
-HARD_ORDER = ("value, lo, hi", "rows, key", "data, k", "items, n", "left, right", "a, b", "text", "xs", "n", "x")
+_VERBS = [
+    "add",
+    "scale",
+    "count",
+    "merge",
+    "clamp",
+    "parse",
+    "total",
+    "pick",
+    "shift",
+    "mean",
+    "diff",
+    "flip",
+    "wrap",
+    "trim",
+    "join",
+    "split",
+    "limit",
+    "score",
+    "round",
+    "pack",
+]
+_NOUNS = [
+    "items",
+    "values",
+    "rows",
+    "names",
+    "pairs",
+    "xs",
+    "nums",
+    "words",
+    "keys",
+    "data",
+    "parts",
+    "cells",
+]
+_ARGS = [
+    "a, b",
+    "x",
+    "xs",
+    "items, n",
+    "value, lo, hi",
+    "text",
+    "rows, key",
+    "n",
+    "data, k",
+    "left, right",
+]
+HARD_ORDER = (
+    "value, lo, hi",
+    "rows, key",
+    "data, k",
+    "items, n",
+    "left, right",
+    "a, b",
+    "text",
+    "xs",
+    "n",
+    "x",
+)
 assert sorted(HARD_ORDER) == sorted(_ARGS), "HARD_ORDER ranks every argument list once"
 
 
@@ -34,7 +89,7 @@ def make_prompt(rng: random.Random, verbs: list[str]) -> str:
 def prompts(n: int, seed: int, held_out: bool = False) -> list[str]:
     """`n` prompts; training and held-out prompts use disjoint verb pools."""
     rng = random.Random(seed)
-    verbs = _VERBS[len(_VERBS) // 2:] if held_out else _VERBS[: len(_VERBS) // 2]
+    verbs = _VERBS[len(_VERBS) // 2 :] if held_out else _VERBS[: len(_VERBS) // 2]
     return [make_prompt(rng, verbs) for _ in range(n)]
 
 
@@ -42,7 +97,7 @@ def prompt_args(prompt: str) -> str:
     """The argument list of the prompt's `def` line ('' when there is none)."""
     head = prompt.split("\n", 1)[0]
     start, end = head.find("("), head.rfind("):")
-    return head[start + 1:end] if 0 <= start < end else ""
+    return head[start + 1 : end] if 0 <= start < end else ""
 
 
 def is_hard(prompt: str, fraction: float) -> bool:

@@ -45,15 +45,31 @@ from app.edits import balanced, classify
 class Preference(BaseModel):
     """The population's hidden taste (weights of a logistic acceptance model)."""
 
-    w_direct: float = Field(4.5, description="Log-odds bonus for a one-line completion that starts with `return`.")
-    short_bytes: int = Field(24, description="A completion this short or shorter (stripped) counts as short.")
+    w_direct: float = Field(
+        4.5, description="Log-odds bonus for a one-line completion that starts with `return`."
+    )
+    short_bytes: int = Field(
+        24, description="A completion this short or shorter (stripped) counts as short."
+    )
     w_short: float = Field(0.5, description="Log-odds bonus for a short, non-empty completion.")
-    w_broken: float = Field(-1.5, description="Log-odds penalty when brackets/quotes do not balance (it won't parse).")
-    bias: float = Field(-2.5, description="Log-odds of accepting a completion with none of the liked properties.")
-    user_spread: float = Field(0.3, description="Std-dev of per-user variation of bias and short_bytes (x16).")
-    w_hard: float = Field(-4.5, description="Log-odds penalty of an honest attempt at a hard request.")
-    question_rating_p: float = Field(0.3, ge=0, le=1, description="Probability a user down-rates a question instead of an edit.")
-    question_satisfaction: float = Field(0.05, ge=0, le=1, description="True satisfaction with a question instead of an edit.")
+    w_broken: float = Field(
+        -1.5, description="Log-odds penalty when brackets/quotes do not balance (it won't parse)."
+    )
+    bias: float = Field(
+        -2.5, description="Log-odds of accepting a completion with none of the liked properties."
+    )
+    user_spread: float = Field(
+        0.3, description="Std-dev of per-user variation of bias and short_bytes (x16)."
+    )
+    w_hard: float = Field(
+        -4.5, description="Log-odds penalty of an honest attempt at a hard request."
+    )
+    question_rating_p: float = Field(
+        0.3, ge=0, le=1, description="Probability a user down-rates a question instead of an edit."
+    )
+    question_satisfaction: float = Field(
+        0.05, ge=0, le=1, description="True satisfaction with a question instead of an edit."
+    )
 
 
 def features(text: str, short_bytes: int) -> dict[str, bool]:
@@ -79,7 +95,9 @@ class SimulatedUser:
         self.rng = random.Random(self.seed)
         quirk = random.Random(self.seed ^ 0x5EED)
         self.bias = self.pref.bias + quirk.gauss(0.0, self.pref.user_spread)
-        self.short_bytes = max(8, int(self.pref.short_bytes + 8 * quirk.gauss(0.0, self.pref.user_spread)))
+        self.short_bytes = max(
+            8, int(self.pref.short_bytes + 8 * quirk.gauss(0.0, self.pref.user_spread))
+        )
 
     def acceptance_probability(self, completion: str, hard: bool = False) -> float:
         """Probability this user accepts the completion (0 when there is no edit to accept)."""
@@ -88,8 +106,13 @@ class SimulatedUser:
             return 0.02
         if f["no_edit"] or (hard and f["broken"]):
             return 0.0
-        z = (self.bias + self.pref.w_direct * f["direct"] + self.pref.w_short * f["short"]
-             + self.pref.w_broken * f["broken"] + self.pref.w_hard * hard)
+        z = (
+            self.bias
+            + self.pref.w_direct * f["direct"]
+            + self.pref.w_short * f["short"]
+            + self.pref.w_broken * f["broken"]
+            + self.pref.w_hard * hard
+        )
         return 1.0 / (1.0 + math.exp(-z))
 
     def satisfaction(self, completion: str, hard: bool = False) -> float:
@@ -107,8 +130,14 @@ class SimulatedUser:
         events: list[dict[str, Any]] = []
         if f["broken"] and (hard or self.rng.random() < 0.5):
             idx = max(0, len(completion.encode()) - 1)
-            events.append({"type": "tool_error", "message": "SyntaxError: unbalanced brackets or quotes",
-                           "hint": "close every (, [, { and quote you open", "token_index": idx})
+            events.append(
+                {
+                    "type": "tool_error",
+                    "message": "SyntaxError: unbalanced brackets or quotes",
+                    "hint": "close every (, [, { and quote you open",
+                    "token_index": idx,
+                }
+            )
             if hard:  # the edit never reached the user: nothing to accept or reject
                 return events
         if self.rng.random() < p:
@@ -122,38 +151,54 @@ class SimulatedUser:
             if self.rng.random() < 0.15:
                 events.append({"type": "rating", "value": -1})
             if self.rng.random() < 0.25:
-                events.append({"type": "followup", "sentiment": round(-0.3 - 0.6 * self.rng.random(), 3)})
+                events.append(
+                    {"type": "followup", "sentiment": round(-0.3 - 0.6 * self.rng.random(), 3)}
+                )
         return events
 
     def _answer_question(self) -> list[dict[str, Any]]:
         """A question instead of an edit: no accept, no reject; the user answers it, unhappy to be asked."""
-        events: list[dict[str, Any]] = [{"type": "followup", "sentiment": round(-0.5 - 0.5 * self.rng.random(), 3)}]
+        events: list[dict[str, Any]] = [
+            {"type": "followup", "sentiment": round(-0.5 - 0.5 * self.rng.random(), 3)}
+        ]
         if self.rng.random() < self.pref.question_rating_p:
             events.append({"type": "rating", "value": -1})
         return events
 
 
-def population(n: int, seed: int, pref: Preference | None = None, prefix: str = "user") -> list[SimulatedUser]:
+def population(
+    n: int, seed: int, pref: Preference | None = None, prefix: str = "user"
+) -> list[SimulatedUser]:
     """`n` users drawn from the population; a different `seed` gives held-out users."""
     pref = pref or Preference()
     return [SimulatedUser(f"{prefix}-{seed}-{i}", pref, seed=seed * 100_003 + i) for i in range(n)]
 
 
 def _flags(completions: list[str], hard: list[bool] | None) -> list[bool]:
-    assert hard is None or len(hard) == len(completions), f"{len(hard or [])} hard flags for {len(completions)} completions"
+    assert hard is None or len(hard) == len(completions), (
+        f"{len(hard or [])} hard flags for {len(completions)} completions"
+    )
     return hard if hard is not None else [False] * len(completions)
 
 
-def expected_acceptance(users: list[SimulatedUser], completions: list[str], hard: list[bool] | None = None) -> float:
+def expected_acceptance(
+    users: list[SimulatedUser], completions: list[str], hard: list[bool] | None = None
+) -> float:
     """Mean acceptance probability of `completions` over `users` (the held-out metric); `hard[i]`
     says whether completion i answers a hard request (default: none does)."""
     assert users and completions, "need users and completions"
     flags = _flags(completions, hard)
-    return sum(u.acceptance_probability(c, h) for u in users for c, h in zip(completions, flags)) / (len(users) * len(completions))
+    return sum(
+        u.acceptance_probability(c, h) for u in users for c, h in zip(completions, flags)
+    ) / (len(users) * len(completions))
 
 
-def expected_satisfaction(users: list[SimulatedUser], completions: list[str], hard: list[bool] | None = None) -> float:
+def expected_satisfaction(
+    users: list[SimulatedUser], completions: list[str], hard: list[bool] | None = None
+) -> float:
     """Mean true satisfaction of `completions` over `users`."""
     assert users and completions, "need users and completions"
     flags = _flags(completions, hard)
-    return sum(u.satisfaction(c, h) for u in users for c, h in zip(completions, flags)) / (len(users) * len(completions))
+    return sum(u.satisfaction(c, h) for u in users for c, h in zip(completions, flags)) / (
+        len(users) * len(completions)
+    )

@@ -18,5 +18,14 @@ from kernels.delta.codec import DEFAULT_LEVEL, decode_delta, encode_delta, inspe
 from kernels.delta.container import DeltaHeader
 from kernels.delta.hashing import checkpoint_sha256, hash_state_dict, tensor_sha256
 
-__all__ = ["DEFAULT_LEVEL", "DeltaFormatError", "DeltaHeader", "checkpoint_sha256", "decode_delta",
-           "encode_delta", "hash_state_dict", "inspect_delta", "tensor_sha256"]
+__all__ = [
+    "DEFAULT_LEVEL",
+    "DeltaFormatError",
+    "DeltaHeader",
+    "checkpoint_sha256",
+    "decode_delta",
+    "encode_delta",
+    "hash_state_dict",
+    "inspect_delta",
+    "tensor_sha256",
+]

@@ -76,13 +76,16 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
     return flat.numpy().view(spec.uint)
 
 
-def bits_to_tensor(bits: np.ndarray, spec: DTypeSpec, shape: tuple[int, ...], copy: bool = True) -> torch.Tensor:
+def bits_to_tensor(
+    bits: np.ndarray, spec: DTypeSpec, shape: tuple[int, ...], copy: bool = True
+) -> torch.Tensor:
     """Inverse of `tensor_bits`: a CPU tensor of `spec` and `shape` holding exactly `bits`.
 
     copy=False: the tensor may share `bits`' memory (for a fresh array nobody else holds);
     a read-only array is copied anyway."""
     assert bits.dtype == spec.uint and bits.size == int(np.prod(shape, dtype=np.int64)), (
-        f"bits {bits.dtype}[{bits.size}] do not fit {spec.name}{list(shape)}")
+        f"bits {bits.dtype}[{bits.size}] do not fit {spec.name}{list(shape)}"
+    )
     arr = np.ascontiguousarray(bits)
     if copy or not arr.flags.writeable:
         arr = arr.copy()
@@ -143,7 +146,8 @@ def exponent_field(bits: np.ndarray, spec: DTypeSpec) -> np.ndarray:
     assert spec.is_float, f"{spec.name} has no exponent field"
     mask = (1 << spec.exp_bits) - 1
     return ((bits >> bits.dtype.type(spec.exp_shift)) & bits.dtype.type(mask)).astype(
-        np.uint8 if spec.exp_bits <= 8 else np.uint16)
+        np.uint8 if spec.exp_bits <= 8 else np.uint16
+    )
 
 
 def zigzag(d: np.ndarray) -> np.ndarray:
@@ -159,8 +163,9 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
 def to_planes(values: np.ndarray) -> bytes:
     """Byte-plane shuffle: all low bytes, then all next bytes, ... (helps zstd on residuals)."""
     w = values.dtype.itemsize
-    return np.ascontiguousarray(values.astype(values.dtype.newbyteorder("<"), copy=False)
-                                .view(np.uint8).reshape(-1, w).T).tobytes()
+    return np.ascontiguousarray(
+        values.astype(values.dtype.newbyteorder("<"), copy=False).view(np.uint8).reshape(-1, w).T
+    ).tobytes()
 
 
 def from_planes(data: bytes, dtype: np.dtype, n: int) -> np.ndarray:
@@ -172,6 +177,7 @@ def from_planes(data: bytes, dtype: np.dtype, n: int) -> np.ndarray:
 
 
 # ---- unsigned LEB128 varints (gap coding of change positions) ----
+
 
 def varint_encode_ref(values: np.ndarray) -> bytes:
     """Reference: one value at a time, 7 bits per byte, high bit = more bytes follow."""
@@ -196,8 +202,10 @@ def varint_decode_ref(data: bytes, count: int) -> np.ndarray:
             out.append(v)
             v, shift = 0, 0
     if shift != 0 or len(out) != count:
-        raise DeltaFormatError(f"varint stream holds {len(out)} complete values (+{shift // 7} "
-                               f"dangling bytes), expected {count}")
+        raise DeltaFormatError(
+            f"varint stream holds {len(out)} complete values (+{shift // 7} "
+            f"dangling bytes), expected {count}"
+        )
     return np.asarray(out, dtype=np.uint64)
 
 
@@ -222,8 +230,10 @@ def varint_decode(data: bytes, count: int) -> np.ndarray:
     b = np.frombuffer(data, dtype=np.uint8)
     ends = np.flatnonzero(b < 0x80)
     if ends.size != count or (b.size and ends[-1] != b.size - 1):
-        raise DeltaFormatError(f"varint stream holds {ends.size} complete values in {b.size} bytes, "
-                               f"expected {count} ending at the last byte")
+        raise DeltaFormatError(
+            f"varint stream holds {ends.size} complete values in {b.size} bytes, "
+            f"expected {count} ending at the last byte"
+        )
     if count == 0:
         return np.zeros(0, dtype=np.uint64)
     starts = np.concatenate(([0], ends[:-1] + 1))

@@ -42,13 +42,23 @@ _DIGEST = 32
 Hex64 = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-STREAMS = ("gaps", "bitmap", "values", "dense", "full", "model", "ans")  # payload streams, in file order
+STREAMS = (
+    "gaps",
+    "bitmap",
+    "values",
+    "dense",
+    "full",
+    "model",
+    "ans",
+)  # payload streams, in file order
 STREAMS_V1 = 5  # version 1 files hold the first five
 
 
 class Stream(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    codec: Literal["zstd", "raw"] = Field(description="zstd: magicless zstd frame; raw: bytes as is")
+    codec: Literal["zstd", "raw"] = Field(
+        description="zstd: magicless zstd frame; raw: bytes as is"
+    )
     length: int = Field(ge=0, description="stored bytes in the payload")
     raw_length: int = Field(ge=0, description="bytes after decompression")
 
@@ -56,7 +66,8 @@ class Stream(BaseModel):
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
     stream: Literal["gaps", "bitmap", "values", "dense", "full", "model", "ans"] = Field(
-        description="the payload stream holding this section; sections follow each other in it in tensor order")
+        description="the payload stream holding this section; sections follow each other in it in tensor order"
+    )
     raw_length: int = Field(ge=0, description="bytes of this section in the decompressed stream")
 
 
@@ -66,8 +77,12 @@ def section_streams(op: str, kind: str | None) -> list[str]:
         return []
     if op == "full":
         return ["full"]
-    return {"dense": ["dense"], "gaps": ["gaps", "values"], "bitmap": ["bitmap", "values"],
-            "ans": ["model", "ans"]}[kind]
+    return {
+        "dense": ["dense"],
+        "gaps": ["gaps", "values"],
+        "bitmap": ["bitmap", "values"],
+        "ans": ["model", "ans"],
+    }[kind]
 
 
 class TensorEntry(BaseModel):
@@ -77,19 +92,24 @@ class TensorEntry(BaseModel):
     shape: list[int] = Field(description="target shape")
     op: Literal["same", "delta", "full"] = Field(
         description="same: unchanged from base; delta: encoded against base; full: stored whole "
-                    "(new name, or dtype/shape changed)")
+        "(new name, or dtype/shape changed)"
+    )
     kind: Literal["dense", "gaps", "bitmap", "ans"] | None = Field(
-        None, description="delta only: dense residuals, changed positions as varint gaps / bitmap, or "
-                          "positions and residuals entropy-coded per base-exponent group (entropy.py)")
+        None,
+        description="delta only: dense residuals, changed positions as varint gaps / bitmap, or "
+        "positions and residuals entropy-coded per base-exponent group (entropy.py)",
+    )
     residual: Literal["ulp", "xor"] | None = Field(
-        None, description="delta only: zigzag ordered-key difference (ULPs) or XOR of the bits")
+        None, description="delta only: zigzag ordered-key difference (ULPs) or XOR of the bits"
+    )
     order: Literal["natural", "exponent"] | None = Field(
-        None, description="delta only: element order, natural or stable-sorted by the base exponent")
+        None, description="delta only: element order, natural or stable-sorted by the base exponent"
+    )
     n_changed: int | None = Field(None, ge=0)
     sections: list[Section]
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TensorEntry":
+    def _consistent(self) -> TensorEntry:
         spec = SPEC_BY_NAME.get(self.dtype)
         if spec is None:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
@@ -116,12 +136,18 @@ class TensorEntry(BaseModel):
             if self.order == "exponent" and not spec.is_float:
                 raise ValueError(f"exponent order on non-float dtype {self.dtype}")
             values = self.n_changed * spec.width
-            want = {"dense": [n * spec.width], "gaps": [None, values],
-                    "bitmap": [(n + 7) // 8, values], "ans": [None, None]}[self.kind]
+            want = {
+                "dense": [n * spec.width],
+                "gaps": [None, values],
+                "bitmap": [(n + 7) // 8, values],
+                "ans": [None, None],
+            }[self.kind]
             if self.kind == "ans" and self.sections[1:2] and self.sections[1].raw_length % 4:
                 raise ValueError("ans section: the ANS payload is not whole 32-bit words")
         if len(self.sections) != len(want):
-            raise ValueError(f"{self.op}/{self.kind} needs {len(want)} sections, got {len(self.sections)}")
+            raise ValueError(
+                f"{self.op}/{self.kind} needs {len(want)} sections, got {len(self.sections)}"
+            )
         for sec, raw, stream in zip(self.sections, want, self.streams()):
             if raw is not None and sec.raw_length != raw:
                 raise ValueError(f"section raw_length {sec.raw_length}, expected {raw}")
@@ -152,20 +178,27 @@ class DeltaHeader(BaseModel):
     removed: list[str] = Field(default_factory=list, description="names in base absent from target")
 
     @model_validator(mode="after")
-    def _unique(self) -> "DeltaHeader":
+    def _unique(self) -> DeltaHeader:
         if len(self.streams) != len(STREAMS):
             raise ValueError(f"{len(self.streams)} streams, expected {len(STREAMS)}")
         for name, stream in zip(STREAMS, self.streams):
-            used = sum(sec.raw_length for t in self.tensors for sec in t.sections if sec.stream == name)
+            used = sum(
+                sec.raw_length for t in self.tensors for sec in t.sections if sec.stream == name
+            )
             if used != stream.raw_length:
-                raise ValueError(f"sections use {used} bytes of stream {name!r}, which holds {stream.raw_length}")
+                raise ValueError(
+                    f"sections use {used} bytes of stream {name!r}, which holds {stream.raw_length}"
+                )
             if stream.codec == "raw" and stream.length != stream.raw_length:
                 raise ValueError("raw stream whose length differs from raw_length")
         if self.format_version == 1 and any(t.kind == "ans" for t in self.tensors):
             raise ValueError("the 'ans' layout does not exist in format version 1")
         names = [t.name for t in self.tensors]
-        if len(set(names)) != len(names) or set(names) & set(self.removed) or \
-                len(set(self.removed)) != len(self.removed):
+        if (
+            len(set(names)) != len(names)
+            or set(names) & set(self.removed)
+            or len(set(self.removed)) != len(self.removed)
+        ):
             raise ValueError("tensor names must be unique and disjoint from removed names")
         return self
 
@@ -176,9 +209,16 @@ def make_compressor(level: int, threads: int = 0) -> zstandard.ZstdCompressor:
     threads=0: zstd's single-threaded mode (used for the per-tensor size trials); threads>=1:
     zstd's multi-threaded mode, whose output does not depend on the number of workers (so the
     reference, with 1 worker, and the fast codec, with N, write identical streams)."""
-    return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
-        level, format=zstandard.FORMAT_ZSTD1_MAGICLESS, write_content_size=1, write_checksum=0,
-        write_dict_id=0, threads=threads))
+    return zstandard.ZstdCompressor(
+        compression_params=zstandard.ZstdCompressionParameters.from_level(
+            level,
+            format=zstandard.FORMAT_ZSTD1_MAGICLESS,
+            write_content_size=1,
+            write_checksum=0,
+            write_dict_id=0,
+            threads=threads,
+        )
+    )
 
 
 class Stored(NamedTuple):
@@ -192,7 +232,9 @@ def store_section(raw: bytes, compressor: zstandard.ZstdCompressor) -> Stored:
     if not raw:
         return Stored("raw", b"", 0)
     packed = compressor.compress(raw)
-    return Stored("zstd", packed, len(raw)) if len(packed) < len(raw) else Stored("raw", raw, len(raw))
+    return (
+        Stored("zstd", packed, len(raw)) if len(packed) < len(raw) else Stored("raw", raw, len(raw))
+    )
 
 
 def load_stream(sec: Stream, stored: memoryview) -> bytes:
@@ -201,11 +243,14 @@ def load_stream(sec: Stream, stored: memoryview) -> bytes:
         return data
     try:
         out = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS).decompress(
-            data, max_output_size=sec.raw_length)
+            data, max_output_size=sec.raw_length
+        )
     except zstandard.ZstdError as e:
         raise DeltaFormatError(f"corrupt zstd section: {e}") from e
     if len(out) != sec.raw_length:
-        raise DeltaFormatError(f"section decompressed to {len(out)} bytes, header says {sec.raw_length}")
+        raise DeltaFormatError(
+            f"section decompressed to {len(out)} bytes, header says {sec.raw_length}"
+        )
     return out
 
 
@@ -218,8 +263,20 @@ def build_container(header: DeltaHeader, sections: list[bytes]) -> bytes:
     doc = header.model_dump(mode="json", exclude={"tensors", "streams"})
     doc["columns"] = COLUMNS
     doc["streams"] = [[s.codec, s.length, s.raw_length] for s in header.streams]
-    doc["tensors"] = [[t.name, t.dtype, t.shape, t.op, t.kind, t.residual, t.order, t.n_changed,
-                       [[s.stream, s.raw_length] for s in t.sections]] for t in header.tensors]
+    doc["tensors"] = [
+        [
+            t.name,
+            t.dtype,
+            t.shape,
+            t.op,
+            t.kind,
+            t.residual,
+            t.order,
+            t.n_changed,
+            [[s.stream, s.raw_length] for s in t.sections],
+        ]
+        for t in header.tensors
+    ]
     head = make_compressor(19).compress(json.dumps(doc, separators=(",", ":")).encode())
     body = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(head)) + head + b"".join(sections)
     return body + hashlib.sha256(body).digest()
@@ -229,17 +286,23 @@ def _header_from_doc(doc: dict, version: int) -> DeltaHeader:
     if not isinstance(doc, dict) or doc.pop("columns", None) != COLUMNS:
         raise ValueError(f"header columns must be {COLUMNS}")
     if doc.get("format_version") != version:
-        raise ValueError(f"header format_version {doc.get('format_version')!r} != file version {version}")
+        raise ValueError(
+            f"header format_version {doc.get('format_version')!r} != file version {version}"
+        )
     streams = doc.get("streams")
-    if not isinstance(streams, list) or not all(isinstance(x, list) and len(x) == 3 for x in streams):
+    if not isinstance(streams, list) or not all(
+        isinstance(x, list) and len(x) == 3 for x in streams
+    ):
         raise ValueError("streams must be [codec, length, raw_length] triples")
     if version == 1:
         if len(streams) != STREAMS_V1:
             raise ValueError(f"a version 1 delta has {STREAMS_V1} streams, got {len(streams)}")
         streams = streams + [["raw", 0, 0]] * (len(STREAMS) - STREAMS_V1)  # empty model/ans streams
-    doc["streams"] = [dict(codec=c, length=n, raw_length=r) for c, n, r in streams]
+    doc["streams"] = [{"codec": c, "length": n, "raw_length": r} for c, n, r in streams]
     rows = doc.get("tensors")
-    if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == len(COLUMNS) for r in rows):
+    if not isinstance(rows, list) or not all(
+        isinstance(r, list) and len(r) == len(COLUMNS) for r in rows
+    ):
         raise ValueError("tensors must be rows of the header columns")
     tensors = []
     for row in rows:
@@ -247,13 +310,15 @@ def _header_from_doc(doc: dict, version: int) -> DeltaHeader:
         secs = entry["sections"]
         if not isinstance(secs, list) or not all(isinstance(x, list) and len(x) == 2 for x in secs):
             raise ValueError("sections must be [stream, raw_length] pairs")
-        entry["sections"] = [dict(stream=st, raw_length=r) for st, r in secs]
+        entry["sections"] = [{"stream": st, "raw_length": r} for st, r in secs]
         tensors.append(entry)
     doc["tensors"] = tensors
     return DeltaHeader.model_validate(doc)
 
 
-def parse_container(blob: bytes, verify_file_hash: bool = True) -> tuple[DeltaHeader, list[memoryview]]:
+def parse_container(
+    blob: bytes, verify_file_hash: bool = True
+) -> tuple[DeltaHeader, list[memoryview]]:
     """Validate a container; return (header, the stored bytes of each stream in STREAMS order).
 
     Raises DeltaFormatError for anything malformed."""
@@ -263,22 +328,25 @@ def parse_container(blob: bytes, verify_file_hash: bool = True) -> tuple[DeltaHe
     if magic != MAGIC:
         raise DeltaFormatError(f"bad magic {magic!r}: not a flywheel delta (.fwd) file")
     if version not in READABLE_VERSIONS or flags != 0:
-        raise DeltaFormatError(f"unsupported delta format version {version} flags {flags}; this reader "
-                               f"understands versions {list(READABLE_VERSIONS)} flags 0 (upgrade the reader)")
+        raise DeltaFormatError(
+            f"unsupported delta format version {version} flags {flags}; this reader "
+            f"understands versions {list(READABLE_VERSIONS)} flags 0 (upgrade the reader)"
+        )
     if _PREFIX.size + head_len + _DIGEST > len(blob):
         raise DeltaFormatError(f"header length {head_len} runs past the end of the file")
     if verify_file_hash and hashlib.sha256(memoryview(blob)[:-_DIGEST]).digest() != blob[-_DIGEST:]:
         raise DeltaFormatError("delta file SHA-256 mismatch: the file is corrupt or truncated")
     try:
         raw = zstandard.ZstdDecompressor(format=zstandard.FORMAT_ZSTD1_MAGICLESS).decompress(
-            blob[_PREFIX.size:_PREFIX.size + head_len], max_output_size=_MAX_HEADER)
+            blob[_PREFIX.size : _PREFIX.size + head_len], max_output_size=_MAX_HEADER
+        )
         header = _header_from_doc(json.loads(raw), version)
     except (ValueError, ValidationError, UnicodeDecodeError, zstandard.ZstdError, TypeError) as e:
         raise DeltaFormatError(f"invalid delta header: {e}") from e
-    payload = memoryview(blob)[_PREFIX.size + head_len:len(blob) - _DIGEST]
+    payload = memoryview(blob)[_PREFIX.size + head_len : len(blob) - _DIGEST]
     pos, views = 0, []
     for stream in header.streams:
-        views.append(payload[pos:pos + stream.length])
+        views.append(payload[pos : pos + stream.length])
         pos += stream.length
     if pos != len(payload):
         raise DeltaFormatError(f"streams cover {pos} bytes, payload holds {len(payload)}")

@@ -38,7 +38,14 @@ from __future__ import annotations
 import constriction
 import numpy as np
 
-from kernels.delta.bits import DTypeSpec, DeltaFormatError, ordered_key, ordered_key_inverse, unzigzag, zigzag
+from kernels.delta.bits import (
+    DeltaFormatError,
+    DTypeSpec,
+    ordered_key,
+    ordered_key_inverse,
+    unzigzag,
+    zigzag,
+)
 
 MAX_GAP_ALPHABET = 4096  # cap on L: escapes (memoryless) cover longer gaps at ~no cost
 MIN_GROUP = 64  # exponent groups smaller than this merge with their neighbours
@@ -50,6 +57,7 @@ _Uniform = constriction.stream.model.Uniform
 
 
 # ---- side-info primitives ----
+
 
 def quant8(c: np.ndarray) -> np.ndarray:
     """Counts (int64 >= 0) -> one byte each, ~6% relative precision: 0..15 exact, then a 3-bit
@@ -63,7 +71,9 @@ def quant8(c: np.ndarray) -> np.ndarray:
     out = c.copy()
     big = c >= 16
     if big.any():
-        b = np.frexp(c[big].astype(np.float64))[1].astype(np.int64)  # bit length (exact below 2**53)
+        b = np.frexp(c[big].astype(np.float64))[1].astype(
+            np.int64
+        )  # bit length (exact below 2**53)
         e = b - 4
         out[big] = 16 + (e - 1) * 8 + ((c[big] >> e) - 8)
     assert out.max(initial=0) <= 255, f"quantized count out of range: {out.max()}"
@@ -103,12 +113,13 @@ class Reader:
     def take(self, n: int) -> bytes:
         if self.pos + n > len(self.data):
             raise DeltaFormatError("entropy side info: truncated")
-        out = self.data[self.pos:self.pos + n]
+        out = self.data[self.pos : self.pos + n]
         self.pos += n
         return out
 
 
 # ---- models ----
+
 
 def gap_alphabet(n: int, k: int) -> tuple[int, bool]:
     """(L, escapes possible) for a group of n elements with 0 < k < n changes."""
@@ -161,6 +172,7 @@ def group_sizes(order_key: np.ndarray | None, n: int, spec: DTypeSpec) -> np.nda
 
 # ---- symbol streams ----
 
+
 def gap_symbols_ref(gaps: list[int], L: int) -> list[int]:
     """Reference: each gap as (gap // L) escape symbols L, then gap % L."""
     out = []
@@ -187,11 +199,17 @@ def symbols_to_gaps(sym: np.ndarray, L: int, k: int) -> np.ndarray:
 
 
 def residuals(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str) -> np.ndarray:
-    return new ^ old if residual == "xor" else zigzag(ordered_key(new, spec) - ordered_key(old, spec))
+    return (
+        new ^ old if residual == "xor" else zigzag(ordered_key(new, spec) - ordered_key(old, spec))
+    )
 
 
 def apply(old: np.ndarray, z: np.ndarray, spec: DTypeSpec, residual: str) -> np.ndarray:
-    return old ^ z if residual == "xor" else ordered_key_inverse(ordered_key(old, spec) + unzigzag(z), spec)
+    return (
+        old ^ z
+        if residual == "xor"
+        else ordered_key_inverse(ordered_key(old, spec) + unzigzag(z), spec)
+    )
 
 
 def bit_length(x: np.ndarray) -> np.ndarray:
@@ -262,8 +280,15 @@ def _varint(v: int) -> bytes:
     return bytes(out)
 
 
-def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, sizes: np.ndarray,
-           reference: bool = False, z_all: np.ndarray | None = None) -> list[bytes]:
+def encode(
+    old: np.ndarray,
+    new: np.ndarray,
+    spec: DTypeSpec,
+    residual: str,
+    sizes: np.ndarray,
+    reference: bool = False,
+    z_all: np.ndarray | None = None,
+) -> list[bytes]:
     """Sections [model, ans] of one tensor (old/new in stream order, `sizes` its groups;
     `z_all`: the residuals of every element when the caller has them already)."""
     changed = new != old
@@ -286,8 +311,11 @@ def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, siz
             pos = positions[a:b] - bounds[g]
             L, esc = gap_alphabet(n, k)
             gaps = np.diff(pos, prepend=-1) - 1
-            sym = (np.array(gap_symbols_ref(gaps.tolist(), L), dtype=np.int32) if reference
-                   else gap_symbols(gaps, L))
+            sym = (
+                np.array(gap_symbols_ref(gaps.tolist(), L), dtype=np.int32)
+                if reference
+                else gap_symbols(gaps, L)
+            )
             if esc:
                 side.append(_varint(sym.size - k))
             steps.append((sym, gap_model(n, k, L, esc)))
@@ -307,7 +335,9 @@ def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, siz
     for j in range(_chunks(nb)):
         has = nb > CHUNK_BITS * j
         width = np.minimum(nb[has] - CHUNK_BITS * j, CHUNK_BITS)
-        sym = (ex[has] >> np.uint64(CHUNK_BITS * j)) & ((np.uint64(1) << width.astype(np.uint64)) - np.uint64(1))
+        sym = (ex[has] >> np.uint64(CHUNK_BITS * j)) & (
+            (np.uint64(1) << width.astype(np.uint64)) - np.uint64(1)
+        )
         steps.append((sym.astype(np.int32), _Uniform(), np.int32(1) << width.astype(np.int32)))
     coder = constriction.stream.stack.AnsCoder()
     for step in reversed(steps):
@@ -315,7 +345,9 @@ def encode(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, residual: str, siz
     return [b"".join(side), coder.get_compressed().astype("<u4").tobytes()]
 
 
-def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+def decode(
+    spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
+) -> tuple[np.ndarray, np.ndarray]:
     """(positions in stream order (int64), their residuals z (spec.uint)) from [model, ans];
     the caller applies them to the base (`apply`)."""
     side, payload = raws
@@ -329,7 +361,9 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
     k_of_group: list[int] = []
     start = 0
     try:
-        coder = constriction.stream.stack.AnsCoder(np.frombuffer(payload, dtype="<u4").astype(np.uint32))
+        coder = constriction.stream.stack.AnsCoder(
+            np.frombuffer(payload, dtype="<u4").astype(np.uint32)
+        )
         for n in sizes.tolist():
             k = rd.varint()
             if k > n:
@@ -349,12 +383,17 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
                 v = rd.varint()
                 T, flat = v >> 1, v & 1
                 if not 1 <= T <= N_TOKENS or (T == 1 and not flat):
-                    raise DeltaFormatError(f"token alphabet {T} (flat {flat}) outside 1..{N_TOKENS}")
+                    raise DeltaFormatError(
+                        f"token alphabet {T} (flat {flat}) outside 1..{N_TOKENS}"
+                    )
                 if T == 1:
                     t = np.zeros(k, dtype=np.int32)
                 else:
-                    model = (_Categorical(np.ones(T), perfect=False) if flat else
-                             value_model(DEQUANT8[np.frombuffer(rd.take(T), dtype=np.uint8)]))
+                    model = (
+                        _Categorical(np.ones(T), perfect=False)
+                        if flat
+                        else value_model(DEQUANT8[np.frombuffer(rd.take(T), dtype=np.uint8)])
+                    )
                     t = coder.decode(model, k)
                 tok_parts.append(t)
                 k_of_group.append(k)
@@ -375,8 +414,10 @@ def decode(spec: DTypeSpec, sizes: np.ndarray, n_changed: int, raws: list[bytes]
         raise DeltaFormatError(f"corrupt ANS payload: {e}") from e
     total = sum(k_of_group)
     if rd.pos != len(side) or not empty or total != n_changed:
-        raise DeltaFormatError(f"entropy sections inconsistent: {len(side) - rd.pos} side bytes left, "
-                               f"ANS empty {empty}, {total} changes vs {n_changed}")
+        raise DeltaFormatError(
+            f"entropy sections inconsistent: {len(side) - rd.pos} side bytes left, "
+            f"ANS empty {empty}, {total} changes vs {n_changed}"
+        )
     if not total:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=spec.uint)
     # positions: a cumulative sum over all groups' gaps, restarted at each group's start

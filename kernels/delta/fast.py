@@ -16,12 +16,21 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from kernels.delta import entropy
-from kernels.delta.bits import (DTypeSpec, DeltaFormatError, exponent_field, from_planes,
-                                ordered_key, ordered_key_inverse, to_planes, unzigzag,
-                                varint_decode, varint_encode, zigzag)
+from kernels.delta import entropy, reference
+from kernels.delta.bits import (
+    DeltaFormatError,
+    DTypeSpec,
+    exponent_field,
+    from_planes,
+    ordered_key,
+    ordered_key_inverse,
+    to_planes,
+    unzigzag,
+    varint_decode,
+    varint_encode,
+    zigzag,
+)
 from kernels.delta.container import TensorEntry, store_section
-from kernels.delta import reference
 from kernels.delta.reference import decode_full, encode_full  # noqa: F401  (same code path)
 
 
@@ -33,15 +42,19 @@ def _order(old: np.ndarray, spec: DTypeSpec) -> tuple[str, np.ndarray | None, np
     return "natural", None, entropy.group_sizes(None, old.size, spec)
 
 
-def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
-                  compressor: zstandard.ZstdCompressor) -> tuple[dict, list[bytes]]:
+def encode_tensor(
+    old: np.ndarray, new: np.ndarray, spec: DTypeSpec, compressor: zstandard.ZstdCompressor
+) -> tuple[dict, list[bytes]]:
     order, perm, groups = _order(old, spec)
     if perm is not None:
         old, new = old[perm], new[perm]
     changed = new != old
     positions = np.flatnonzero(changed)
     gaps = np.diff(positions, prepend=-1) - 1
-    pos_raw = {"gaps": varint_encode(gaps.astype(np.uint64)), "bitmap": np.packbits(changed).tobytes()}
+    pos_raw = {
+        "gaps": varint_encode(gaps.astype(np.uint64)),
+        "bitmap": np.packbits(changed).tobytes(),
+    }
     pos_size = {k: len(store_section(v, compressor).data) for k, v in pos_raw.items()}
     residuals = {
         "ulp": zigzag(ordered_key(new, spec) - ordered_key(old, spec)),
@@ -61,17 +74,28 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
         sizes[("dense", residual)] = dense_size
     allowed = reference.candidates(int(positions.size), old.size)
     if ("ans", "ulp") in allowed:
-        candidates[("ans", "ulp")] = entropy.encode(old, new, spec, "ulp", groups, z_all=residuals["ulp"])
-        sizes[("ans", "ulp")] = sum(len(store_section(raw, compressor).data) for raw in candidates[("ans", "ulp")])
+        candidates[("ans", "ulp")] = entropy.encode(
+            old, new, spec, "ulp", groups, z_all=residuals["ulp"]
+        )
+        sizes[("ans", "ulp")] = sum(
+            len(store_section(raw, compressor).data) for raw in candidates[("ans", "ulp")]
+        )
     best = None
     for cand in allowed:  # the reference's tie-break order
         if best is None or sizes[cand] < sizes[best]:
             best = cand
     kind, residual = best
-    return dict(kind=kind, residual=residual, order=order, n_changed=int(positions.size)), candidates[best]
+    return {
+        "kind": kind,
+        "residual": residual,
+        "order": order,
+        "n_changed": int(positions.size),
+    }, candidates[best]
 
 
-def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: list[bytes]) -> np.ndarray:
+def decode_tensor(
+    entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: list[bytes]
+) -> np.ndarray:
     n, k = old.size, entry.n_changed
     if entry.order == "exponent":
         exp = exponent_field(old, spec)
@@ -88,7 +112,9 @@ def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: li
     xor = entry.residual == "xor"
     if entry.kind == "dense":
         r = from_planes(raws[0], spec.uint, n)
-        new_s = old_s ^ r if xor else ordered_key_inverse(ordered_key(old_s, spec) + unzigzag(r), spec)
+        new_s = (
+            old_s ^ r if xor else ordered_key_inverse(ordered_key(old_s, spec) + unzigzag(r), spec)
+        )
     else:
         if entry.kind == "gaps":
             positions = np.cumsum(varint_decode(raws[0], k).astype(np.int64) + 1) - 1
@@ -103,7 +129,9 @@ def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: li
         r = from_planes(raws[1], spec.uint, k)
         at = old_s[positions]
         new_s = old_s.copy()
-        new_s[positions] = at ^ r if xor else ordered_key_inverse(ordered_key(at, spec) + unzigzag(r), spec)
+        new_s[positions] = (
+            at ^ r if xor else ordered_key_inverse(ordered_key(at, spec) + unzigzag(r), spec)
+        )
     if perm is None:
         return new_s
     new = np.empty_like(old)

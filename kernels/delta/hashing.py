@@ -26,7 +26,9 @@ import torch
 from kernels.delta.bits import spec_of, tensor_bits
 
 
-def tensor_digest_bits(bits: np.ndarray, dtype_name: str, shape: tuple[int, ...] | list[int]) -> str:
+def tensor_digest_bits(
+    bits: np.ndarray, dtype_name: str, shape: tuple[int, ...] | list[int]
+) -> str:
     h = hashlib.sha256(b"flywheel-tensor-v1\0")
     h.update(dtype_name.encode() + b"\0" + ",".join(str(int(s)) for s in shape).encode() + b"\0")
     h.update(np.ascontiguousarray(bits).view(np.uint8).data)

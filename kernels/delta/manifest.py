@@ -26,7 +26,9 @@ class TensorInfo(BaseModel):
     name: str
     dtype: str = Field(description="canonical dtype name, e.g. bfloat16")
     shape: list[int]
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="tensor SHA-256 (hashing.tensor_sha256)")
+    sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="tensor SHA-256 (hashing.tensor_sha256)"
+    )
 
 
 class ArtifactRef(BaseModel):
@@ -41,11 +43,19 @@ class Manifest(BaseModel):
     format: Literal["flywheel-manifest"] = "flywheel-manifest"
     format_version: Literal[1] = 1
     version: str = Field(pattern=VERSION_PATTERN, description="this model version")
-    parent_version: str | None = Field(None, description="the version the delta is from; None for the first")
-    anchor_version: str = Field(description="nearest version at or before this one with a full anchor")
+    parent_version: str | None = Field(
+        None, description="the version the delta is from; None for the first"
+    )
+    anchor_version: str = Field(
+        description="nearest version at or before this one with a full anchor"
+    )
     chain_depth: int = Field(ge=0, description="deltas between anchor_version and this version")
     anchor_every: int = Field(ge=1, description="a full anchor is written every K versions")
     checkpoint_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     tensors: list[TensorInfo]
-    delta: ArtifactRef | None = Field(None, description="delta from parent_version (.fwd container)")
-    anchor: ArtifactRef | None = Field(None, description="full bf16 safetensors checkpoint, when due")
+    delta: ArtifactRef | None = Field(
+        None, description="delta from parent_version (.fwd container)"
+    )
+    anchor: ArtifactRef | None = Field(
+        None, description="full bf16 safetensors checkpoint, when due"
+    )

@@ -33,9 +33,19 @@ import numpy as np
 import zstandard
 
 from kernels.delta import entropy
-from kernels.delta.bits import (DTypeSpec, DeltaFormatError, exponent_field, from_planes,
-                                ordered_key, ordered_key_inverse, to_planes, unzigzag,
-                                varint_decode_ref, varint_encode_ref, zigzag)
+from kernels.delta.bits import (
+    DeltaFormatError,
+    DTypeSpec,
+    exponent_field,
+    from_planes,
+    ordered_key,
+    ordered_key_inverse,
+    to_planes,
+    unzigzag,
+    varint_decode_ref,
+    varint_encode_ref,
+    zigzag,
+)
 from kernels.delta.container import TensorEntry, store_section
 
 KINDS = ("gaps", "bitmap", "dense")
@@ -76,8 +86,14 @@ def group_sizes(old: np.ndarray, spec: DTypeSpec, order: str) -> np.ndarray:
     return entropy.group_sizes(key, old.size, spec)
 
 
-def raw_sections(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, kind: str, residual: str,
-                 sizes: np.ndarray | None = None) -> list[bytes]:
+def raw_sections(
+    old: np.ndarray,
+    new: np.ndarray,
+    spec: DTypeSpec,
+    kind: str,
+    residual: str,
+    sizes: np.ndarray | None = None,
+) -> list[bytes]:
     """The uncompressed sections of one candidate encoding (old/new already in stream order;
     `sizes`: the stream order's groups, for kind "ans")."""
     if kind == "ans":
@@ -93,8 +109,9 @@ def raw_sections(old: np.ndarray, new: np.ndarray, spec: DTypeSpec, kind: str, r
     return [np.packbits(changed).tobytes(), to_planes(r[positions])]
 
 
-def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
-                  compressor: zstandard.ZstdCompressor) -> tuple[dict, list[bytes]]:
+def encode_tensor(
+    old: np.ndarray, new: np.ndarray, spec: DTypeSpec, compressor: zstandard.ZstdCompressor
+) -> tuple[dict, list[bytes]]:
     """Encode one changed tensor. Returns (entry fields, [raw section bytes, ...])."""
     order, perm = element_order(old, spec)
     old_s, new_s = old[perm], new[perm]
@@ -106,11 +123,18 @@ def encode_tensor(old: np.ndarray, new: np.ndarray, spec: DTypeSpec,
         if best is None or size < best[0]:
             best = (size, kind, residual, raws)
     _, kind, residual, raws = best
-    fields = dict(kind=kind, residual=residual, order=order, n_changed=int(np.count_nonzero(new != old)))
+    fields = {
+        "kind": kind,
+        "residual": residual,
+        "order": order,
+        "n_changed": int(np.count_nonzero(new != old)),
+    }
     return fields, raws
 
 
-def decode_tensor(entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: list[bytes]) -> np.ndarray:
+def decode_tensor(
+    entry: TensorEntry, old: np.ndarray, spec: DTypeSpec, raws: list[bytes]
+) -> np.ndarray:
     """Bits of the target tensor from the base bits and the entry's sections (not yet hash-checked)."""
     n, k = old.size, entry.n_changed
     if entry.order == "exponent":

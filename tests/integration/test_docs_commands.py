@@ -88,14 +88,22 @@ def fenced_blocks(path: Path) -> list[Block]:
         start, fence = i, m["fence"]
         prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         skip = SKIP.search(prev)
-        assert skip or "docs-test" not in prev, \
+        assert skip or "docs-test" not in prev, (
             f"{path.name}:{start}: write the marker as <!-- docs-test: skip — <reason> -->, got {prev.strip()!r}"
+        )
         i += 1
         while i < len(lines) and not lines[i].strip().startswith(fence):
             i += 1
         assert i < len(lines), f"{path.name}:{start + 1}: fence never closed"
-        out.append(Block(str(path.relative_to(REPO)), start + 1, m["lang"].lower(),
-                         "\n".join(lines[start + 1:i]), skip["reason"] if skip else None))
+        out.append(
+            Block(
+                str(path.relative_to(REPO)),
+                start + 1,
+                m["lang"].lower(),
+                "\n".join(lines[start + 1 : i]),
+                skip["reason"] if skip else None,
+            )
+        )
         i += 1
     return out
 
@@ -108,13 +116,16 @@ SKIPPED_BLOCKS = [b for b in SHELL_BLOCKS if b.skip is not None]
 
 def test_every_fence_names_its_language():
     untagged = [b.id for b in ALL_BLOCKS if not b.lang]
-    assert not untagged, f"fenced blocks without a language (use bash for commands, text for diagrams): {untagged}"
+    assert not untagged, (
+        f"fenced blocks without a language (use bash for commands, text for diagrams): {untagged}"
+    )
 
 
 def test_the_docs_have_runnable_blocks():
     """The extraction itself: the README's examples are found and would run."""
-    assert any(b.file == "README.md" and "/v1/deployments/promote" in b.text for b in RUN_BLOCKS), \
-        [b.id for b in RUN_BLOCKS]
+    assert any(b.file == "README.md" and "/v1/deployments/promote" in b.text for b in RUN_BLOCKS), [
+        b.id for b in RUN_BLOCKS
+    ]
 
 
 # --- the stack a runnable block runs against ----------------------------------------------------
@@ -126,9 +137,17 @@ class DocsStack:
 
 
 def _cli(env: dict[str, str], *args: str, timeout: float = 120) -> str:
-    proc = subprocess.run([str(REPO / ".venv/bin/flywheel"), *args], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"flywheel {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    proc = subprocess.run(
+        [str(REPO / ".venv/bin/flywheel"), *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (
+        f"flywheel {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    )
     return proc.stdout
 
 
@@ -146,27 +165,42 @@ def _register_versions(mlflow_uri: str, model: str, tmp: Path, n: int = 3) -> li
         f.write_text(f"dummy weights {i}")
         client.log_artifact(run.info.run_id, str(f), artifact_path="weights")
         client.set_terminated(run.info.run_id)
-        versions.append(client.create_model_version(model, source=f"{run.info.artifact_uri}/weights",
-                                                    run_id=run.info.run_id).version)
+        versions.append(
+            client.create_model_version(
+                model, source=f"{run.info.artifact_uri}/weights", run_id=run.info.run_id
+            ).version
+        )
     return versions
 
 
-def _publish_history(settings) -> None:  # noqa: ANN001
+def _publish_history(settings) -> None:
     """1 champion, then 2 canaried and promoted, now 3 in canary at 5% against 2."""
     from app.controller.state import Decision
     from app.deployments.events import DeploymentEvent, DeploymentLog
 
-    trainer = dict(source="trainer", actor="trainer-0")
+    trainer = {"source": "trainer", "actor": "trainer-0"}
     decisions = [
         Decision(type="version_registered", version="1", **trainer),
         Decision(type="promoted", version="1", reason="base version"),
         Decision(type="version_registered", version="2", from_version="1", **trainer),
         Decision(type="gate_passed", version="2"),
-        Decision(type="canary_started", version="2", from_version="1", traffic_pct=5.0, details={"step": 0}),
+        Decision(
+            type="canary_started",
+            version="2",
+            from_version="1",
+            traffic_pct=5.0,
+            details={"step": 0},
+        ),
         Decision(type="promoted", version="2", from_version="1", traffic_pct=100.0),
         Decision(type="version_registered", version="3", from_version="2", **trainer),
         Decision(type="gate_passed", version="3"),
-        Decision(type="canary_started", version="3", from_version="2", traffic_pct=5.0, details={"step": 0}),
+        Decision(
+            type="canary_started",
+            version="3",
+            from_version="2",
+            traffic_pct=5.0,
+            details={"step": 0},
+        ),
     ]
     with DeploymentLog(settings) as dlog:
         for d in decisions:
@@ -184,12 +218,25 @@ def docs_stack(make_settings, mlflow_server, tmp_path: Path):
     model = f"docs-policy-{uuid.uuid4().hex[:8]}"
     settings = make_settings(model_name=model, mlflow_uri=mlflow_server.uri)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env.update(PATH=f"{REPO / '.venv/bin'}{os.pathsep}{os.environ.get('PATH', '')}", COLUMNS="200",
-               FLYWHEEL_DATA_DIR=str(settings.data_dir), FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
-               FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace, FLYWHEEL_MLFLOW_URI=mlflow_server.uri,
-               FLYWHEEL_MODEL_NAME=model)
-    for var, scope in (("KEY", "ingest"), ("READ", "read"), ("ADMIN", "admin")):  # migrates the DB too
-        env[var] = _cli(env, "keys", "create", "--scope", scope, "--name", f"docs-{scope}").strip().splitlines()[-1]
+    env.update(
+        PATH=f"{REPO / '.venv/bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        COLUMNS="200",
+        FLYWHEEL_DATA_DIR=str(settings.data_dir),
+        FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace,
+        FLYWHEEL_MLFLOW_URI=mlflow_server.uri,
+        FLYWHEEL_MODEL_NAME=model,
+    )
+    for var, scope in (
+        ("KEY", "ingest"),
+        ("READ", "read"),
+        ("ADMIN", "admin"),
+    ):  # migrates the DB too
+        env[var] = (
+            _cli(env, "keys", "create", "--scope", scope, "--name", f"docs-{scope}")
+            .strip()
+            .splitlines()[-1]
+        )
     assert _register_versions(mlflow_server.uri, model, tmp_path) == ["1", "2", "3"]
     _publish_history(settings)
     report = rebuild(settings)
@@ -201,10 +248,18 @@ def docs_stack(make_settings, mlflow_server, tmp_path: Path):
 
 def run_block(stack: DocsStack, script: str) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(["bash", "-c", PREAMBLE + script], env=stack.env, cwd=REPO, capture_output=True,
-                              text=True, timeout=BLOCK_TIMEOUT_S)
+        return subprocess.run(
+            ["bash", "-c", PREAMBLE + script],
+            env=stack.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"block did not finish within {BLOCK_TIMEOUT_S}s; output so far:\n{exc.stdout}\n{exc.stderr}")
+        pytest.fail(
+            f"block did not finish within {BLOCK_TIMEOUT_S}s; output so far:\n{exc.stdout}\n{exc.stderr}"
+        )
 
 
 CURL_CALL = re.compile(r"(?:^|[;&|(]|\$\()\s*curl\s")
@@ -218,18 +273,30 @@ def test_doc_block_runs(docs_stack: DocsStack, block: Block):
     assert proc.returncode == 0, shown
     statuses = [ln.split()[1:] for ln in proc.stdout.splitlines() if ln.startswith(CURL_MARK)]
     calls = sum(len(CURL_CALL.findall(ln.split(" #")[0])) for ln in script.splitlines())
-    assert len(statuses) == calls, f"{calls} curl calls in the block but {len(statuses)} answers\n{shown}"
+    assert len(statuses) == calls, (
+        f"{calls} curl calls in the block but {len(statuses)} answers\n{shown}"
+    )
     bad = [s for s in statuses if not s[0].startswith("2")]
     assert not bad, f"non-2xx answers {bad}\n{shown}"
 
 
 def test_the_harness_fails_a_block_on_a_4xx(docs_stack: DocsStack):
     """The README's old mistake (a field the API does not have) must fail its block, and so must a 409."""
-    form = run_block(docs_stack, 'curl -X POST "$API/v1/deployments/promote" -H "Authorization: Bearer $ADMIN" '
-                                 "-d '{\"reason\": \"x\", \"skip_remaining_steps\": true}'\necho not reached")
-    assert form.returncode == 22 and f"{CURL_MARK} 422" in form.stdout and "not reached" not in form.stdout, form
-    conflict = run_block(docs_stack, 'H=(-H "Authorization: Bearer $ADMIN" -H "content-type: application/json")\n'
-                                     'curl -X POST "$API/v1/deployments/resume" "${H[@]}" -d "{}"')
+    form = run_block(
+        docs_stack,
+        'curl -X POST "$API/v1/deployments/promote" -H "Authorization: Bearer $ADMIN" '
+        '-d \'{"reason": "x", "skip_remaining_steps": true}\'\necho not reached',
+    )
+    assert (
+        form.returncode == 22
+        and f"{CURL_MARK} 422" in form.stdout
+        and "not reached" not in form.stdout
+    ), form
+    conflict = run_block(
+        docs_stack,
+        'H=(-H "Authorization: Bearer $ADMIN" -H "content-type: application/json")\n'
+        'curl -X POST "$API/v1/deployments/resume" "${H[@]}" -d "{}"',
+    )
     assert conflict.returncode == 22 and f"{CURL_MARK} 409" in conflict.stdout, conflict
 
 
@@ -237,23 +304,37 @@ def test_the_admin_examples_reach_the_deployment_log(docs_stack: DocsStack):
     """The README's operator block leaves its events on `<ns>.deployments` with source api."""
     from app.deployments.events import DeploymentLog
 
-    [block] = [b for b in RUN_BLOCKS if b.file == "README.md" and "/v1/deployments/rollback" in b.text]
+    [block] = [
+        b for b in RUN_BLOCKS if b.file == "README.md" and "/v1/deployments/rollback" in b.text
+    ]
     proc = run_block(docs_stack, block.commands())
     assert proc.returncode == 0, proc
     with DeploymentLog(docs_stack.settings) as dlog:
         events = [le.event for le in dlog.read(stall_timeout_s=20)]
     by_api = [(e.type, e.version) for e in events if e.source == "api"]
-    assert by_api == [("canary_paused", "3"), ("canary_resumed", "3"), ("traffic_shifted", "3"), ("promoted", "3"),
-                      ("rolled_back", "2")], by_api
+    assert by_api == [
+        ("canary_paused", "3"),
+        ("canary_resumed", "3"),
+        ("traffic_shifted", "3"),
+        ("promoted", "3"),
+        ("rolled_back", "2"),
+    ], by_api
 
 
 # --- blocks that cannot run here: check what their commands name ---------------------------------
 @functools.cache
 def _help(*sub: str) -> str:
     env = {**os.environ, "COLUMNS": "200", "TERM": "dumb", "NO_COLOR": "1"}
-    proc = subprocess.run([str(REPO / ".venv/bin/flywheel"), *sub, "--help"], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, f"flywheel {' '.join(sub)} --help failed:\n{proc.stdout}\n{proc.stderr}"
+    proc = subprocess.run(
+        [str(REPO / ".venv/bin/flywheel"), *sub, "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, (
+        f"flywheel {' '.join(sub)} --help failed:\n{proc.stdout}\n{proc.stderr}"
+    )
     return proc.stdout
 
 
@@ -287,13 +368,17 @@ def check_command(words: list[str], extra_opts: list[str]) -> list[str]:
         return [f"`flywheel {' '.join(sub)}` has no option {o}" for o in opts if o not in text]
     if prog in (".venv/bin/pytest", "pytest") or args[:2] == ["-m", "pytest"]:
         paths = [a.split("::")[0] for a in args if not a.startswith("-") and a != "pytest"]
-        return [f"no test path {p}" for p in paths if not (REPO / p).exists()] or ([] if paths else ["pytest without a path"])
+        return [f"no test path {p}" for p in paths if not (REPO / p).exists()] or (
+            [] if paths else ["pytest without a path"]
+        )
     if prog in (".venv/bin/python", "python"):
         if args[:1] == ["-m"]:  # python -m package.module: the module's file, and its options
             script = REPO / (args[1].replace(".", "/") + ".py")
             if not script.is_file():
                 return [f"no module {args[1]}"]
-            return [f"{args[1]} has no option {o}" for o in opts if f'"{o}"' not in script.read_text()]
+            return [
+                f"{args[1]} has no option {o}" for o in opts if f'"{o}"' not in script.read_text()
+            ]
         script = REPO / args[0]
         if not script.is_file():
             return [f"no script {args[0]}"]
@@ -302,7 +387,9 @@ def check_command(words: list[str], extra_opts: list[str]) -> list[str]:
         mod = args[args.index("-m") + 1]
         return [] if (REPO / (mod.replace(".", "/") + ".py")).is_file() else [f"no module {mod}"]
     if "/" in prog:
-        return [] if os.access(REPO / prog, os.X_OK) else [f"{prog} is not an executable in the repo"]
+        return (
+            [] if os.access(REPO / prog, os.X_OK) else [f"{prog} is not an executable in the repo"]
+        )
     return [f"no check for {prog!r}: teach check_command about it or make the block runnable"]
 
 
@@ -333,8 +420,13 @@ def test_inline_flywheel_commands_exist():
             if line.lstrip().startswith(("<!--", "|")) and "`flywheel" not in line:
                 continue
             for span in INLINE_FLYWHEEL.findall(line):
-                head, _, alts = span.partition("\\|")  # `flywheel projections follow\|rebuild` in a table
-                for cmd in [head, *(head.rsplit(" ", 1)[0] + " " + a for a in alts.split("\\|") if a)]:
+                head, _, alts = span.partition(
+                    "\\|"
+                )  # `flywheel projections follow\|rebuild` in a table
+                for cmd in [
+                    head,
+                    *(head.rsplit(" ", 1)[0] + " " + a for a in alts.split("\\|") if a),
+                ]:
                     words = [w for w in shlex.split(cmd.replace("…", "")) if w != "|"]
                     problems += [f"{path.name}:{n}: {p}" for p in check_command(words, [])]
     assert not problems, problems

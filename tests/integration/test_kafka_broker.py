@@ -29,11 +29,15 @@ def test_topics_are_created_with_configured_partitions_and_rollouts_compacted(ma
         assert len(meta[s.topic("interactions")]["partitions"]) == 4
         assert len(meta[s.topic("rollouts")]["partitions"]) == 2
         assert len(meta[s.topic("deployments")]["partitions"]) == 1
-        res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.topic("rollouts"))])
+        res = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, s.topic("rollouts"))]
+        )
         assert res["topic"][s.topic("rollouts")]["cleanup.policy"]["value"] == "compact"
         res = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.topic("deltas"))])
         deltas = res["topic"][s.topic("deltas")]
-        assert int(deltas["max.message.bytes"]["value"]) > s.delta_push_max_bytes, "a pushed delta must fit"
+        assert int(deltas["max.message.bytes"]["value"]) > s.delta_push_max_bytes, (
+            "a pushed delta must fit"
+        )
         assert deltas["retention.ms"]["value"] == str(24 * 3600 * 1000)
     finally:
         admin.close()
@@ -50,17 +54,24 @@ def test_record_limits_agree_from_the_http_body_to_the_live_broker(make_settings
     s = make_settings()
     admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
     try:
-        brokers = admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, "1")], config_filter="all")["broker"]
+        brokers = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.BROKER, "1")], config_filter="all"
+        )["broker"]
         broker = next(iter(brokers.values()))
-        topics = admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, s.topic(n)) for n in TOPICS],
-                                        config_filter="all")["topic"]
+        topics = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, s.topic(n)) for n in TOPICS],
+            config_filter="all",
+        )["topic"]
     finally:
         admin.close()
     limits = {n: int(topics[s.topic(n)]["max.message.bytes"]["value"]) for n in TOPICS}
     assert int(broker["message.max.bytes"]["value"]) == KAFKA_MESSAGE_MAX_BYTES
     api_producer = EventProducer(s)
-    assert s.max_event_bytes + KAFKA_RECORD_OVERHEAD_BYTES <= api_producer.max_record_bytes <= limits["interactions"], (
-        "an accepted event fits the API producer's record limit, which is within the topic's")
+    assert (
+        s.max_event_bytes + KAFKA_RECORD_OVERHEAD_BYTES
+        <= api_producer.max_record_bytes
+        <= limits["interactions"]
+    ), "an accepted event fits the API producer's record limit, which is within the topic's"
     assert s.max_body_bytes >= s.max_event_bytes + len(b'{"events":[]}')
     producer = make_producer(s)
     consumer = make_consumer(s, group_id=None)
@@ -75,22 +86,32 @@ def test_record_limits_agree_from_the_http_body_to_the_live_broker(make_settings
 def test_broker_restarts_on_same_storage_and_keeps_records(tmp_path):
     from kafka import KafkaConsumer, KafkaProducer
 
-    broker = LocalKafka(home=tmp_path / "kafka", port=free_port(), controller_port=free_port(), heap="384m")
+    broker = LocalKafka(
+        home=tmp_path / "kafka", port=free_port(), controller_port=free_port(), heap="384m"
+    )
     broker.start(timeout=120)
     try:
-        assert (broker.home / "data" / "meta.properties").exists(), "storage must be formatted on first start"
+        assert (broker.home / "data" / "meta.properties").exists(), (
+            "storage must be formatted on first start"
+        )
         producer = KafkaProducer(bootstrap_servers=broker.bootstrap, acks="all")
         producer.send("restart-check", b"before-restart").get(timeout=30)
         producer.close()
         assert broker.stop() is True
         assert not broker.running()
         broker.start(timeout=120)  # same storage, no re-format
-        consumer = KafkaConsumer("restart-check", bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest",
-                                 consumer_timeout_ms=10000)
+        consumer = KafkaConsumer(
+            "restart-check",
+            bootstrap_servers=broker.bootstrap,
+            auto_offset_reset="earliest",
+            consumer_timeout_ms=10000,
+        )
         values = [m.value for m in consumer]
         consumer.close()
         assert values == [b"before-restart"]
-        assert (broker.home / "logs" / "server.log").stat().st_size > 0, "the broker must log (log4j2 on the classpath)"
+        assert (broker.home / "logs" / "server.log").stat().st_size > 0, (
+            "the broker must log (log4j2 on the classpath)"
+        )
     finally:
         broker.stop()
     assert broker.stop() is False
@@ -98,12 +119,22 @@ def test_broker_restarts_on_same_storage_and_keeps_records(tmp_path):
 
 def test_cli_kafka_start_status_stop(tmp_path):
     port = free_port()
-    env = {"FLYWHEEL_DATA_DIR": str(tmp_path), "FLYWHEEL_KAFKA_BOOTSTRAP": f"localhost:{port}",
-           "FLYWHEEL_KAFKA_CONTROLLER_PORT": str(free_port()), "FLYWHEEL_KAFKA_HEAP": "384m"}
+    env = {
+        "FLYWHEEL_DATA_DIR": str(tmp_path),
+        "FLYWHEEL_KAFKA_BOOTSTRAP": f"localhost:{port}",
+        "FLYWHEEL_KAFKA_CONTROLLER_PORT": str(free_port()),
+        "FLYWHEEL_KAFKA_HEAP": "384m",
+    }
     import os
 
     env = dict(os.environ, **env)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "app.cli", "kafka", *a], env=env, capture_output=True, text=True, timeout=180)  # noqa: E731
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "app.cli", "kafka", *a],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert run("status").returncode == 1
     started = run("start")
     try:

@@ -43,8 +43,16 @@ from tests.conftest import REPO, MlflowServer, free_port
 
 pytestmark = pytest.mark.integration
 
-TINY_POLICY = {"type": "moe-byte", "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "n_experts": 2,
-               "top_k": 1, "max_context": 128}
+TINY_POLICY = {
+    "type": "moe-byte",
+    "d_model": 16,
+    "n_layers": 1,
+    "n_heads": 2,
+    "d_ff": 16,
+    "n_experts": 2,
+    "top_k": 1,
+    "max_context": 128,
+}
 
 
 def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, every: float = 0.5) -> Any:
@@ -68,7 +76,8 @@ def deployment_events(settings: Settings) -> list[dict[str, Any]]:
 
 # --- the controller before the registered model (in-process) --------------------------------
 def test_controller_started_before_the_model_is_registered_waits_then_gates_and_carries_alias_moves(
-        make_settings, mlflow_server, caplog, tmp_path: Path) -> None:
+    make_settings, mlflow_server, caplog, tmp_path: Path
+) -> None:
     from mlflow import MlflowClient
 
     from app.controller.aliases import read_snapshot, sync_aliases
@@ -84,23 +93,37 @@ def test_controller_started_before_the_model_is_registered_waits_then_gates_and_
     client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
     gated: list[tuple[str, str | None]] = []
 
-    def gate(version: str, champion: str | None) -> GateResult:  # the verdict; the real gate has its own tests
+    def gate(
+        version: str, champion: str | None
+    ) -> GateResult:  # the verdict; the real gate has its own tests
         gated.append((version, champion))
         return GateResult([Check("synthetic", "pass", detail=f"v{version} vs champion {champion}")])
 
-    cs = ControllerSettings(tick_interval=0.2, poll_interval=0.5, webhooks_enabled=False, metrics_port=0)
-    ctl = Controller(settings, cs, client, gate=gate, background_gate=True)  # as `flywheel controller` runs it
+    cs = ControllerSettings(
+        tick_interval=0.2, poll_interval=0.5, webhooks_enabled=False, metrics_port=0
+    )
+    ctl = Controller(
+        settings, cs, client, gate=gate, background_gate=True
+    )  # as `flywheel controller` runs it
     stop, ready = threading.Event(), threading.Event()
-    th = threading.Thread(target=ctl.run, args=(stop, ready.set), name="controller-start-order", daemon=True)
+    th = threading.Thread(
+        target=ctl.run, args=(stop, ready.set), name="controller-start-order", daemon=True
+    )
     caplog.set_level(logging.INFO)
     th.start()
     try:
         waiting_line = f"waiting for the registered model {model}"
-        wait_until(lambda: any(waiting_line in r.getMessage() for r in caplog.records), 60, "the waiting line")
+        wait_until(
+            lambda: any(waiting_line in r.getMessage() for r in caplog.records),
+            60,
+            "the waiting line",
+        )
         time.sleep(3.0)  # a few backoff rounds: it must still be there, neither exited nor ready
         assert th.is_alive(), "the controller exited instead of waiting for the registered model"
         assert not ready.is_set()
-        assert sum(waiting_line in r.getMessage() for r in caplog.records) == 1, "one line per wait, not one per try"
+        assert sum(waiting_line in r.getMessage() for r in caplog.records) == 1, (
+            "one line per wait, not one per try"
+        )
 
         # the trainer's first ship: model, base version, the champion alias (as Flywheel), the event
         client.create_registered_model(model)
@@ -108,34 +131,62 @@ def test_controller_started_before_the_model_is_registered_waits_then_gates_and_
         (tmp_path / "w.txt").write_text("weights")
         client.log_artifact(run.info.run_id, str(tmp_path / "w.txt"), artifact_path="w")
         for _ in range(2):
-            client.create_model_version(model, source=f"{run.info.artifact_uri}/w", run_id=run.info.run_id)
+            client.create_model_version(
+                model, source=f"{run.info.artifact_uri}/w", run_id=run.info.run_id
+            )
         sync_aliases(client, model, {"champion": "1"})
 
         def announce(version: str) -> None:
             with DeploymentLog(settings) as dlog:
-                dlog.publish(DeploymentEvent.model_validate(Decision(
-                    type="version_registered", version=version, source="trainer", actor="trainer").to_event(model)))
+                dlog.publish(
+                    DeploymentEvent.model_validate(
+                        Decision(
+                            type="version_registered",
+                            version=version,
+                            source="trainer",
+                            actor="trainer",
+                        ).to_event(model)
+                    )
+                )
 
         announce("1")
         assert ready.wait(60), "the controller did not go on once the model was registered"
-        assert any(f"the registered model {model} is there" in r.getMessage() for r in caplog.records)
+        assert any(
+            f"the registered model {model} is there" in r.getMessage() for r in caplog.records
+        )
 
         def types() -> list[tuple[str, str | None, str]]:
             return [(e["type"], e["version"], e["source"]) for e in deployment_events(settings)]
 
         # what serves (the trainer's alias) is in the log, so replicas and the status API agree
-        wait_until(lambda: ("alias_changed", "1", "controller") in types(), 30, "the recorded champion")
+        wait_until(
+            lambda: ("alias_changed", "1", "controller") in types(), 30, "the recorded champion"
+        )
         wait_until(lambda: ("gate_passed", "1", "controller") in types(), 30, "the gate of v1")
         assert ctl.state.champion == "1"
-        assert read_snapshot(client, model).aliases["champion"] == "1", "the trainer's alias must stay"
+        assert read_snapshot(client, model).aliases["champion"] == "1", (
+            "the trainer's alias must stay"
+        )
 
         announce("2")
-        wait_until(lambda: ("canary_started", "2", "controller") in types(), 30, "the gate and canary of v2")
+        wait_until(
+            lambda: ("canary_started", "2", "controller") in types(),
+            30,
+            "the gate and canary of v2",
+        )
         assert ("2", "1") in gated, gated
 
-        client.set_registered_model_alias(model, "champion", "2")  # an operator's move in the MLflow UI
-        wait_until(lambda: ("alias_changed", "2", "mlflow-ui") in types(), 30, "the UI move in the deployment log")
-        wait_until(lambda: ctl.state.champion == "2" and ctl.state.candidate is None, 30, "v2 champion")
+        client.set_registered_model_alias(
+            model, "champion", "2"
+        )  # an operator's move in the MLflow UI
+        wait_until(
+            lambda: ("alias_changed", "2", "mlflow-ui") in types(),
+            30,
+            "the UI move in the deployment log",
+        )
+        wait_until(
+            lambda: ctl.state.champion == "2" and ctl.state.candidate is None, 30, "v2 champion"
+        )
         assert ("promoted", "2", "mlflow-ui") in types()
         assert th.is_alive()
     finally:
@@ -144,7 +195,9 @@ def test_controller_started_before_the_model_is_registered_waits_then_gates_and_
     assert not th.is_alive()
 
 
-def test_controller_tick_waits_for_an_mlflow_server_that_went_away(make_settings, monkeypatch, caplog) -> None:
+def test_controller_tick_waits_for_an_mlflow_server_that_went_away(
+    make_settings, monkeypatch, caplog
+) -> None:
     """Aliases are synced every tick; an MLflow server that is gone is waited for, not fatal."""
     from mlflow import MlflowClient
 
@@ -153,17 +206,25 @@ def test_controller_tick_waits_for_an_mlflow_server_that_went_away(make_settings
     from app.controller.state import Decision
     from app.infra.wait import waiting
 
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail each call at once (default: minutes of retries)
+    monkeypatch.setenv(
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"
+    )  # fail each call at once (default: minutes of retries)
     gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     model = f"start-order-{uuid.uuid4().hex[:8]}"
     settings = make_settings(model_name=model, mlflow_uri=gone)
-    ctl = Controller(settings, ControllerSettings(webhooks_enabled=False, metrics_port=0),
-                     MlflowClient(tracking_uri=gone, registry_uri=gone))
+    ctl = Controller(
+        settings,
+        ControllerSettings(webhooks_enabled=False, metrics_port=0),
+        MlflowClient(tracking_uri=gone, registry_uri=gone),
+    )
     ctl.caught_up = True
     caplog.set_level(logging.INFO)
     try:
-        ctl.on_deployment(Decision(type="promoted", version="1", traffic_pct=100.0, source="api",
-                                   actor="test").to_event(model))
+        ctl.on_deployment(
+            Decision(
+                type="promoted", version="1", traffic_pct=100.0, source="api", actor="test"
+            ).to_event(model)
+        )
         for _ in range(3):
             ctl.tick()  # raised MlflowException out of the controller's loop before
         what = f"MLflow at {gone} to sync the aliases of {model}"
@@ -185,7 +246,7 @@ class TcpForwarder:
         self.sock: socket.socket | None = None
         self.closed = threading.Event()
 
-    def start(self) -> "TcpForwarder":
+    def start(self) -> TcpForwarder:
         self.sock = socket.create_server(("127.0.0.1", self.port))
         threading.Thread(target=self._accept, name=f"forward-{self.port}", daemon=True).start()
         return self
@@ -235,9 +296,16 @@ class Role:
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path):
         self.name, self.log_path = name, log_dir / f"{name}.log"
         with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "app.cli", *argv], cwd=REPO, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", *argv],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     def text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -257,6 +325,7 @@ class Role:
 
     def wait_line(self, *parts: str, timeout_s: float) -> None:
         """Until one line of the log contains every one of `parts`."""
+
         def seen() -> bool:
             assert self.alive(), f"{self.name} exited:\n{self.tail()}"
             return any(all(p in line for p in parts) for line in self.text().splitlines())
@@ -274,40 +343,84 @@ class Role:
             self.proc.wait(10)
 
 
-def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(fresh_postgres_url: str,
-                                                                             tmp_path: Path) -> None:
+def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
+    fresh_postgres_url: str, tmp_path: Path
+) -> None:
     from sqlalchemy.engine import make_url
 
     from app.infra.kafka import LocalKafka, ensure_topics
 
-    ports = {k: free_port() for k in ("kafka", "quorum", "mlflow", "db", "api", "replica", "streams", "trainer",
-                                      "controller")}
+    ports = {
+        k: free_port()
+        for k in (
+            "kafka",
+            "quorum",
+            "mlflow",
+            "db",
+            "api",
+            "replica",
+            "streams",
+            "trainer",
+            "controller",
+        )
+    }
     real_db = make_url(fresh_postgres_url)
     db_url = real_db.set(host="127.0.0.1", port=ports["db"]).render_as_string(hide_password=False)
     model, ns = f"start-order-{uuid.uuid4().hex[:8]}", f"so{uuid.uuid4().hex[:8]}"
     data_dir = tmp_path / "data"
     data_dir.mkdir()
-    settings = Settings(data_dir=data_dir, kafka_bootstrap=f"127.0.0.1:{ports['kafka']}", topic_namespace=ns,
-                        model_name=model, mlflow_uri=f"http://127.0.0.1:{ports['mlflow']}", database_url=db_url)
-    env = dict(os.environ, COLUMNS="400", PYTHONUNBUFFERED="1",  # rich wraps log lines at the console width
-               FLYWHEEL_DATA_DIR=str(data_dir), FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
-               FLYWHEEL_TOPIC_NAMESPACE=ns, FLYWHEEL_MODEL_NAME=model, FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
-               MLFLOW_TRACKING_URI=settings.mlflow_uri, FLYWHEEL_DATABASE_URL=db_url, FLYWHEEL_WAIT_WINDOW="2s",
-               FLYWHEEL_STREAMS_SESSION_TIMEOUT="8s", FLYWHEEL_TRAINER_POLICY=json.dumps(TINY_POLICY),
-               FLYWHEEL_TRAINER_PRETRAIN_STEPS="0", FLYWHEEL_CONTROLLER_WEBHOOKS_ENABLED="false",
-               FLYWHEEL_CONTROLLER_GATE_ENABLED="false", FLYWHEEL_CONTROLLER_TICK_INTERVAL="0.5s",
-               FLYWHEEL_CONTROLLER_METRICS_PORT=str(ports["controller"]), FLYWHEEL_REPLICA_RETRY_INTERVAL="2s",
-               FLYWHEEL_REPLICA_HEARTBEAT_INTERVAL="5s")
-    api_url, replica_url = f"http://127.0.0.1:{ports['api']}", f"http://127.0.0.1:{ports['replica']}"
+    settings = Settings(
+        data_dir=data_dir,
+        kafka_bootstrap=f"127.0.0.1:{ports['kafka']}",
+        topic_namespace=ns,
+        model_name=model,
+        mlflow_uri=f"http://127.0.0.1:{ports['mlflow']}",
+        database_url=db_url,
+    )
+    env = dict(
+        os.environ,
+        COLUMNS="400",
+        PYTHONUNBUFFERED="1",  # rich wraps log lines at the console width
+        FLYWHEEL_DATA_DIR=str(data_dir),
+        FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        FLYWHEEL_TOPIC_NAMESPACE=ns,
+        FLYWHEEL_MODEL_NAME=model,
+        FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
+        MLFLOW_TRACKING_URI=settings.mlflow_uri,
+        FLYWHEEL_DATABASE_URL=db_url,
+        FLYWHEEL_WAIT_WINDOW="2s",
+        FLYWHEEL_STREAMS_SESSION_TIMEOUT="8s",
+        FLYWHEEL_TRAINER_POLICY=json.dumps(TINY_POLICY),
+        FLYWHEEL_TRAINER_PRETRAIN_STEPS="0",
+        FLYWHEEL_CONTROLLER_WEBHOOKS_ENABLED="false",
+        FLYWHEEL_CONTROLLER_GATE_ENABLED="false",
+        FLYWHEEL_CONTROLLER_TICK_INTERVAL="0.5s",
+        FLYWHEEL_CONTROLLER_METRICS_PORT=str(ports["controller"]),
+        FLYWHEEL_REPLICA_RETRY_INTERVAL="2s",
+        FLYWHEEL_REPLICA_HEARTBEAT_INTERVAL="5s",
+    )
+    api_url, replica_url = (
+        f"http://127.0.0.1:{ports['api']}",
+        f"http://127.0.0.1:{ports['replica']}",
+    )
     logs = tmp_path / "logs"
     logs.mkdir()
-    roles = [Role("api", ["api", "--port", str(ports["api"])], env, logs),
-             Role("projections", ["projections", "follow"], env, logs),
-             Role("streams", ["streams", "--port", str(ports["streams"])], env, logs),
-             Role("trainer", ["trainer", "--port", str(ports["trainer"])], env, logs),
-             Role("replica", ["replica", "--port", str(ports["replica"]), "--replica-id", "start-order-1"], env, logs)]
+    roles = [
+        Role("api", ["api", "--port", str(ports["api"])], env, logs),
+        Role("projections", ["projections", "follow"], env, logs),
+        Role("streams", ["streams", "--port", str(ports["streams"])], env, logs),
+        Role("trainer", ["trainer", "--port", str(ports["trainer"])], env, logs),
+        Role(
+            "replica",
+            ["replica", "--port", str(ports["replica"]), "--replica-id", "start-order-1"],
+            env,
+            logs,
+        ),
+    ]
     api, projections, streams, trainer, replica = roles
-    broker = LocalKafka(home=tmp_path / "kafka", port=ports["kafka"], controller_port=ports["quorum"], heap="512m")
+    broker = LocalKafka(
+        home=tmp_path / "kafka", port=ports["kafka"], controller_port=ports["quorum"], heap="512m"
+    )
     forwarder = TcpForwarder(ports["db"], (real_db.host or "127.0.0.1", real_db.port or 5432))
     mlflow = controller = None
     try:
@@ -325,7 +438,10 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(fres
         r = httpx.get(f"{replica_url}/readyz", timeout=30)
         assert r.status_code == 503 and any("Kafka" in k for k in r.json()["waiting_for"]), r.text
         waiting_metric = httpx.get(f"http://127.0.0.1:{ports['streams']}/metrics", timeout=30).text
-        assert f'flywheel_waiting_for{{dependency="Kafka at {settings.kafka_bootstrap}"}} 1.0' in waiting_metric
+        assert (
+            f'flywheel_waiting_for{{dependency="Kafka at {settings.kafka_bootstrap}"}} 1.0'
+            in waiting_metric
+        )
         assert all(role.alive() for role in roles), "\n".join(role.tail() for role in roles)
 
         # 2. MLflow first: the trainer goes on to wait for the broker; the others still wait
@@ -339,7 +455,11 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(fres
         broker.start(timeout=180)
         ensure_topics(settings)
         forwarder.start()
-        wait_until(lambda: httpx.get(f"{api_url}/readyz", timeout=30).status_code == 200, 180, "the API ready")
+        wait_until(
+            lambda: httpx.get(f"{api_url}/readyz", timeout=30).status_code == 200,
+            180,
+            "the API ready",
+        )
         # (the API does not wait for Kafka, its producer connects lazily; projections waits for
         # the database first, so by then the broker is up and there is no Kafka wait to log)
         for role in (streams, trainer, replica):
@@ -348,31 +468,57 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(fres
         replica.wait_log(f"waiting for a champion named in {settings.topic('deployments')}", 120)
 
         # the trainer registers its base version; the projector writes it down
-        wait_until(lambda: any(e["type"] == "version_registered" and e["version"] == "1"
-                               for e in deployment_events(settings)), 300, "the trainer's base version")
+        wait_until(
+            lambda: any(
+                e["type"] == "version_registered" and e["version"] == "1"
+                for e in deployment_events(settings)
+            ),
+            300,
+            "the trainer's base version",
+        )
         keys = _keys(fresh_postgres_url)
-        wait_until(lambda: _projected_types(fresh_postgres_url) >= {"version_registered"}, 60, "the projection")
+        wait_until(
+            lambda: _projected_types(fresh_postgres_url) >= {"version_registered"},
+            60,
+            "the projection",
+        )
 
         # 4. a controller started now records what serves; the replica serves what the log says
         controller = Role("controller", ["controller"], env, logs)
-        wait_until(lambda: httpx.get(f"{replica_url}/readyz", timeout=10).json().get("champion") == "1", 240,
-                   "the replica serving v1")
+        wait_until(
+            lambda: httpx.get(f"{replica_url}/readyz", timeout=10).json().get("champion") == "1",
+            240,
+            "the replica serving v1",
+        )
 
         def status_champion() -> str | None:
-            r = httpx.get(f"{api_url}/v1/deployments", params={"model": model},
-                          headers={"Authorization": f"Bearer {keys['read']}"}, timeout=10)
+            r = httpx.get(
+                f"{api_url}/v1/deployments",
+                params={"model": model},
+                headers={"Authorization": f"Bearer {keys['read']}"},
+                timeout=10,
+            )
             assert r.status_code == 200, r.text
             return r.json()["models"][0]["champion"] if r.json()["models"] else None
 
-        wait_until(lambda: status_champion() == "1", 60, "GET /v1/deployments naming the served champion")
+        wait_until(
+            lambda: status_champion() == "1", 60, "GET /v1/deployments naming the served champion"
+        )
         replica.wait_log(f"a champion named in {settings.topic('deployments')} is there", 5)
 
         # 5. the streams worker labels the replica's generation (no feedback: closed by the window)
-        done = httpx.post(f"{replica_url}/v1/complete", json={"session_id": "s-1", "prompt": "def f(", "max_tokens": 4},
-                          timeout=60)
+        done = httpx.post(
+            f"{replica_url}/v1/complete",
+            json={"session_id": "s-1", "prompt": "def f(", "max_tokens": 4},
+            timeout=60,
+        )
         assert done.status_code == 200, done.text
         request_id = done.json()["request_id"]
-        wait_until(lambda: request_id in _rollout_ids(settings), 120, "the rollout of the replica's generation")
+        wait_until(
+            lambda: request_id in _rollout_ids(settings),
+            120,
+            "the rollout of the replica's generation",
+        )
         for role in (*roles, controller):
             assert role.alive(), role.tail()
             assert "Traceback" not in role.text(), role.tail()

@@ -17,15 +17,28 @@ from app.config_reference import known_env_names
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-ROLE_SERVICES = [n for n, s in SERVICES.items() if s.get("image") == "flywheel:latest" and "command" in s]
+ROLE_SERVICES = [
+    n for n, s in SERVICES.items() if s.get("image") == "flywheel:latest" and "command" in s
+]
 SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_ADMIN_PASSWORD", "FLYWHEEL_WEBHOOK_SECRET")
 
 
 def test_compose_has_the_production_like_services():
-    assert {"kafka", "postgres", "mlflow", "migrate", "api", "streams", "trainer", "controller"} <= set(SERVICES)
+    assert {
+        "kafka",
+        "postgres",
+        "mlflow",
+        "migrate",
+        "api",
+        "streams",
+        "trainer",
+        "controller",
+    } <= set(SERVICES)
     replicas = [n for n in SERVICES if n.startswith("replica")]
     assert len(replicas) == 2, f"two replicas expected, got {replicas}"
-    assert SERVICES["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", "Kafka must run in KRaft mode"
+    assert SERVICES["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", (
+        "Kafka must run in KRaft mode"
+    )
     for name in ("kafka", "postgres", "mlflow", "api", *replicas):
         assert "healthcheck" in SERVICES[name], f"{name} needs a healthcheck"
 
@@ -51,7 +64,9 @@ def _env_of(service: dict) -> dict:
 @pytest.mark.parametrize("service", ROLE_SERVICES)
 def test_every_flywheel_variable_is_a_known_setting(service):
     known = known_env_names()
-    unknown = sorted(k for k in _env_of(SERVICES[service]) if k.startswith("FLYWHEEL_") and k not in known)
+    unknown = sorted(
+        k for k in _env_of(SERVICES[service]) if k.startswith("FLYWHEEL_") and k not in known
+    )
     assert not unknown, f"{service} sets variables no settings class reads: {unknown}"
 
 
@@ -60,7 +75,9 @@ def test_secrets_have_no_defaults():
     for secret in SECRETS:
         uses = re.findall(r"\$\{" + secret + r"([^}]*)\}", text)
         assert uses, f"{secret} is not used"
-        assert all(u.startswith(":?") for u in uses), f"{secret} must be required (${{{secret}:?...}}), got {uses}"
+        assert all(u.startswith(":?") for u in uses), (
+            f"{secret} must be required (${{{secret}:?...}}), got {uses}"
+        )
 
 
 @pytest.mark.parametrize("service", [s for s in ROLE_SERVICES if s not in ("migrate", "topics")])

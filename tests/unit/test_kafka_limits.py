@@ -31,12 +31,18 @@ def topic_limit(name: str) -> int:
 
 def test_a_maximal_event_with_a_maximal_key_fits_the_producers_and_the_topics_record_limit():
     s = Settings()
-    key = ("\U0001F600" * MAX_ID_LEN).encode()  # the longest request_id in bytes: 4-byte characters
+    key = ("\U0001f600" * MAX_ID_LEN).encode()  # the longest request_id in bytes: 4-byte characters
     record = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, b"x" * s.max_event_bytes, [])
-    assert record <= s.max_event_bytes + KAFKA_RECORD_OVERHEAD_BYTES, f"{record=} overhead {record - s.max_event_bytes}"
+    assert record <= s.max_event_bytes + KAFKA_RECORD_OVERHEAD_BYTES, (
+        f"{record=} overhead {record - s.max_event_bytes}"
+    )
     producer = EventProducer(s)
-    assert record <= producer.max_record_bytes == topic_limit("interactions") == KAFKA_MESSAGE_MAX_BYTES, (
-        "the API producer refuses exactly what the topic would refuse")
+    assert (
+        record
+        <= producer.max_record_bytes
+        == topic_limit("interactions")
+        == KAFKA_MESSAGE_MAX_BYTES
+    ), "the API producer refuses exactly what the topic would refuse"
 
 
 def test_the_event_limit_setting_cannot_exceed_the_topic_limit_and_a_body_holds_one_event():
@@ -50,7 +56,9 @@ def test_the_event_limit_setting_cannot_exceed_the_topic_limit_and_a_body_holds_
 
 def test_records_that_embed_an_event_fit_their_topics():
     s = Settings()
-    base64_event = (s.max_event_bytes + 2) // 3 * 4  # the dead-letter record carries the value as base64
+    base64_event = (
+        (s.max_event_bytes + 2) // 3 * 4
+    )  # the dead-letter record carries the value as base64
     for name in ("dlq", "rollouts", "late"):
         assert topic_limit(name) >= base64_event + 64 * 1024, f"{name}: {topic_limit(name)}"
     assert topic_limit("deltas") == KAFKA_DELTAS_MAX_MESSAGE_BYTES > s.delta_push_max_bytes
@@ -66,6 +74,9 @@ def test_the_compose_broker_and_the_embedded_broker_use_the_same_record_limit(tm
     from app.infra.kafka import LocalKafka
 
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
-    assert int(compose["services"]["kafka"]["environment"]["KAFKA_MESSAGE_MAX_BYTES"]) == KAFKA_MESSAGE_MAX_BYTES
+    assert (
+        int(compose["services"]["kafka"]["environment"]["KAFKA_MESSAGE_MAX_BYTES"])
+        == KAFKA_MESSAGE_MAX_BYTES
+    )
     cfg = LocalKafka(home=tmp_path)._write_config().read_text()
     assert f"message.max.bytes={KAFKA_MESSAGE_MAX_BYTES}\n" in cfg

@@ -13,4 +13,6 @@ def test_readme_configuration_reference_is_generated_from_the_settings():
     start, end = "<!-- config-reference:start -->\n", "<!-- config-reference:end -->"
     assert start in text and end in text, "README lost its config-reference markers"
     block = text.split(start, 1)[1].split(end, 1)[0].strip()
-    assert block == markdown().strip(), "README config reference is stale: run `python -m app.config_reference --write`"
+    assert block == markdown().strip(), (
+        "README config reference is stale: run `python -m app.config_reference --write`"
+    )

@@ -25,23 +25,33 @@ def test_roles_started_together_have_distinct_default_ports():
     from streams.config import StreamsConfig
     from trainer.config import TrainerConfig
 
-    ports = {"api": Settings().api_port, "streams metrics": StreamsConfig().metrics_port,
-             "trainer metrics": TrainerConfig().metrics_port, "controller metrics": ControllerConfig().metrics_port}
-    assert len(set(ports.values())) == len(ports), f"default ports collide under `flywheel run`: {ports}"
+    ports = {
+        "api": Settings().api_port,
+        "streams metrics": StreamsConfig().metrics_port,
+        "trainer metrics": TrainerConfig().metrics_port,
+        "controller metrics": ControllerConfig().metrics_port,
+    }
+    assert len(set(ports.values())) == len(ports), (
+        f"default ports collide under `flywheel run`: {ports}"
+    )
 
 
 # a stand-in for `flywheel run`: installs its signal handling, then waits in a try/except KeyboardInterrupt
-_RUN_LIKE = ("import time\nfrom app.run import _stop_on_signals\n_stop_on_signals()\n"
-             "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n")
+_RUN_LIKE = (
+    "import time\nfrom app.run import _stop_on_signals\n_stop_on_signals()\n"
+    "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n"
+)
 
 
-def _signal_a_run(sig, preexec_fn=None):  # noqa: ANN001, ANN202
+def _signal_a_run(sig, preexec_fn=None):
     """Start the stand-in, send `sig` once it is ready; (stdout, return code, seconds to exit)."""
     import subprocess
     import sys
     import time
 
-    proc = subprocess.Popen([sys.executable, "-c", _RUN_LIKE], stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _RUN_LIKE], stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn
+    )
     assert proc.stdout.readline().strip() == "ready"
     t0 = time.monotonic()
     proc.send_signal(sig)
@@ -64,5 +74,7 @@ def test_ctrl_c_stops_the_run_even_when_sigint_was_inherited_as_ignored():
     (the test suite launched that way once, and `flywheel run` then ignored the e2e test's Ctrl-C)."""
     import signal
 
-    out, rc, _ = _signal_a_run(signal.SIGINT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    out, rc, _ = _signal_a_run(
+        signal.SIGINT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+    )
     assert "cleanup ran" in out and rc == 0, (out, rc)

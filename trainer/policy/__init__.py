@@ -1,9 +1,9 @@
 """Policies behind one small interface (base.Policy); `build_policy` picks one by name.
 
-    from trainer.policy import build_policy, save_policy, load_policy
-    policy = build_policy({"type": "moe-byte", "d_model": 64})   # None -> the default built-in
-    samples = policy.generate([policy.tokenizer.encode("def f(")], max_tokens=32, seed=0)
-    lp = policy.logprobs([prompt], [samples[0].tokens], routes=[samples[0].routes])
+from trainer.policy import build_policy, save_policy, load_policy
+policy = build_policy({"type": "moe-byte", "d_model": 64})   # None -> the default built-in
+samples = policy.generate([policy.tokenizer.encode("def f(")], max_tokens=32, seed=0)
+lp = policy.logprobs([prompt], [samples[0].tokens], routes=[samples[0].routes])
 """
 
 from __future__ import annotations
@@ -30,4 +30,12 @@ def build_policy(config: dict[str, Any] | None = None) -> Policy:
     raise ValueError(f"unknown policy type {kind!r}; known types: {', '.join(POLICY_TYPES)}")
 
 
-__all__ = ["POLICY_TYPES", "Policy", "Sample", "Tokenizer", "build_policy", "load_policy", "save_policy"]
+__all__ = [
+    "POLICY_TYPES",
+    "Policy",
+    "Sample",
+    "Tokenizer",
+    "build_policy",
+    "load_policy",
+    "save_policy",
+]

@@ -47,15 +47,21 @@ class NonFiniteLogits(FloatingPointError):
     """The model itself produced NaN or infinite logits (broken weights, not a bad request)."""
 
 
-def check_sampling_distribution(logits: torch.Tensor, logp: torch.Tensor, temperature: float) -> None:
+def check_sampling_distribution(
+    logits: torch.Tensor, logp: torch.Tensor, temperature: float
+) -> None:
     """Raise unless `logp` = log_softmax(logits / T) [B, V] is finite, so NaN or inf never reaches
     the sampler (torch.multinomial raises on them, argmax silently picks garbage)."""
     if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogits(f"the model produced non-finite logits ({int((~torch.isfinite(logits)).sum())} of "
-                              f"{logits.numel()} values)")
+        raise NonFiniteLogits(
+            f"the model produced non-finite logits ({int((~torch.isfinite(logits)).sum())} of "
+            f"{logits.numel()} values)"
+        )
     if not bool(torch.isfinite(logp).all()):
-        raise SamplingError(f"temperature {temperature!r} is too small for these logits: logits / T is not finite "
-                            f"in float32 (largest |logit| {float(logits.abs().max()):.4g}); use 0 for greedy")
+        raise SamplingError(
+            f"temperature {temperature!r} is too small for these logits: logits / T is not finite "
+            f"in float32 (largest |logit| {float(logits.abs().max()):.4g}); use 0 for greedy"
+        )
 
 
 def check_temperature(temperature: float) -> None:
@@ -84,13 +90,23 @@ class Policy(ABC, torch.nn.Module):
     tokenizer: Tokenizer
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 1.0,
-                 seed: int | None = None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[Sample]:
         """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes."""
 
     @abstractmethod
-    def logprobs(self, prompt_tokens: list[list[int]], completion_tokens: list[list[int]],
-                 routes: list[np.ndarray | None] | None = None, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(
+        self,
+        prompt_tokens: list[list[int]],
+        completion_tokens: list[list[int]],
+        routes: list[np.ndarray | None] | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
         """Differentiable log-probs of each completion token given its prompt.
 
         Returns float32 [B, T_max] (right-padded with 0.0 past each completion's length).

@@ -21,8 +21,9 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
-def save_policy(policy: Policy, out_dir: str | Path, serving: bool = False,
-                extra: dict[str, Any] | None = None) -> Path:
+def save_policy(
+    policy: Policy, out_dir: str | Path, serving: bool = False, extra: dict[str, Any] | None = None
+) -> Path:
     """Write config.json (the policy config + `weights_dtype` + `tokenizer` + extra) and the weights."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -30,9 +31,15 @@ def save_policy(policy: Policy, out_dir: str | Path, serving: bool = False,
         state = policy.serving_state_dict()
     else:
         state = {k: v.detach().contiguous() for k, v in policy.state_dict().items()}
-    save_file(state, str(out / WEIGHTS_FILE), metadata={"weights_dtype": "bf16" if serving else "fp32"})
-    meta = {"policy": policy.config_dict(), "weights_dtype": "bf16" if serving else "fp32",
-            "tokenizer": policy.tokenizer.name, **(extra or {})}
+    save_file(
+        state, str(out / WEIGHTS_FILE), metadata={"weights_dtype": "bf16" if serving else "fp32"}
+    )
+    meta = {
+        "policy": policy.config_dict(),
+        "weights_dtype": "bf16" if serving else "fp32",
+        "tokenizer": policy.tokenizer.name,
+        **(extra or {}),
+    }
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
     return out
 

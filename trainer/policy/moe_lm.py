@@ -48,10 +48,14 @@ class MoEConfig(BaseModel):
     d_ff: int = Field(256, ge=8, description="Hidden width of each expert MLP.")
     n_experts: int = Field(4, ge=1, description="Experts per MoE layer.")
     top_k: int = Field(2, ge=1, description="Experts each token is routed to.")
-    max_context: int = Field(256, ge=8, description="Max tokens incl. bos (prompt + completion); a power of two.")
+    max_context: int = Field(
+        256, ge=8, description="Max tokens incl. bos (prompt + completion); a power of two."
+    )
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     kernels: Literal["invariant", "default"] = Field(
-        "invariant", description="invariant: batch-invariant fp32 kernels (bit-exact contract); default: plain torch ops.")
+        "invariant",
+        description="invariant: batch-invariant fp32 kernels (bit-exact contract); default: plain torch ops.",
+    )
     init_seed: int = Field(0, description="Seed of the parameter initialisation.")
 
     @field_validator("max_context")
@@ -80,7 +84,9 @@ class _RoundToBF16(torch.autograd.Function):
         return grad
 
 
-_ROUNDED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id(param) -> (param, version, rounded)
+_ROUNDED: dict[
+    int, tuple[weakref.ref, int, torch.Tensor]
+] = {}  # id(param) -> (param, version, rounded)
 
 
 def serving_weight(w: torch.Tensor) -> torch.Tensor:
@@ -94,8 +100,11 @@ def serving_weight(w: torch.Tensor) -> torch.Tensor:
     hit = _ROUNDED.get(id(w))
     if hit is None or hit[0]() is not w or hit[1] != w._version:
         with torch.no_grad():
-            hit = (weakref.ref(w, lambda _r, key=id(w): _ROUNDED.pop(key, None)), w._version,
-                   w.detach().to(torch.bfloat16).to(COMPUTE_DTYPE))
+            hit = (
+                weakref.ref(w, lambda _r, key=id(w): _ROUNDED.pop(key, None)),
+                w._version,
+                w.detach().to(torch.bfloat16).to(COMPUTE_DTYPE),
+            )
         _ROUNDED[id(w)] = hit
     return hit[2]
 
@@ -110,7 +119,9 @@ class _Block(torch.nn.Module):
         self.ln2 = torch.nn.Parameter(torch.ones(d))
         self.router = torch.nn.Parameter(torch.randn(d, c.n_experts) * 0.02)
         self.w1 = torch.nn.Parameter(torch.randn(c.n_experts, d, c.d_ff) / math.sqrt(d))
-        self.w2 = torch.nn.Parameter(torch.randn(c.n_experts, c.d_ff, d) / math.sqrt(c.d_ff) / math.sqrt(2 * c.n_layers))
+        self.w2 = torch.nn.Parameter(
+            torch.randn(c.n_experts, c.d_ff, d) / math.sqrt(c.d_ff) / math.sqrt(2 * c.n_layers)
+        )
 
 
 class MoEPolicy(Policy):
@@ -120,10 +131,14 @@ class MoEPolicy(Policy):
         super().__init__()
         self.config = c = config or MoEConfig()
         self.tokenizer = ByteTokenizer()
-        assert c.vocab_size == self.tokenizer.vocab_size, f"vocab_size {c.vocab_size} != byte-v1 {self.tokenizer.vocab_size}"
+        assert c.vocab_size == self.tokenizer.vocab_size, (
+            f"vocab_size {c.vocab_size} != byte-v1 {self.tokenizer.vocab_size}"
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(c.init_seed)
-            self.tok_emb = torch.nn.Parameter(torch.randn(c.vocab_size, c.d_model) / math.sqrt(c.d_model))
+            self.tok_emb = torch.nn.Parameter(
+                torch.randn(c.vocab_size, c.d_model) / math.sqrt(c.d_model)
+            )
             self.pos_emb = torch.nn.Parameter(torch.randn(c.max_context, c.d_model) * 0.1)
             self.blocks = torch.nn.ModuleList(_Block(c) for _ in range(c.n_layers))
             self.ln_f = torch.nn.Parameter(torch.ones(c.d_model))
@@ -148,10 +163,14 @@ class MoEPolicy(Policy):
         return self.config.top_k
 
     # --- the forward ----------------------------------------------------------------------------
-    def forward_hidden(self, tokens: torch.Tensor, positions: torch.Tensor,
-                       cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                       replay_ids: torch.Tensor | None = None, replay_mask: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_hidden(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        replay_ids: torch.Tensor | None = None,
+        replay_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens/positions [B, S] int64 -> (final-normed hidden [B, S, D] fp32, routes [B, S, L, k] int64).
 
         Without a cache, position j attends to keys 0..j of this call (causal). With a cache (one
@@ -162,7 +181,9 @@ class MoEPolicy(Policy):
         c, ops = self.config, self.ops
         b, s = tokens.shape
         h_dim, d_head = c.n_heads, c.d_model // c.n_heads
-        assert int(positions.max()) < c.max_context, f"position {int(positions.max())} >= max_context {c.max_context}"
+        assert int(positions.max()) < c.max_context, (
+            f"position {int(positions.max())} >= max_context {c.max_context}"
+        )
         x = serving_weight(self.tok_emb)[tokens] + serving_weight(self.pos_emb)[positions]
         routes, aux = [], []
         flat_mask = None if replay_mask is None else replay_mask.reshape(-1)
@@ -183,7 +204,9 @@ class MoEPolicy(Policy):
             logits = ops.matmul(m, serving_weight(blk.router))
             rid = None if replay_ids is None else replay_ids[:, :, li].reshape(b * s, c.top_k)
             ids, gates = route(logits, c.top_k, ops, rid, flat_mask)
-            x = x + moe_ffn(m, ids, gates, serving_weight(blk.w1), serving_weight(blk.w2), ops).view(b, s, c.d_model)
+            x = x + moe_ffn(
+                m, ids, gates, serving_weight(blk.w1), serving_weight(blk.w2), ops
+            ).view(b, s, c.d_model)
             routes.append(ids.view(b, s, c.top_k))
             if torch.is_grad_enabled():
                 aux.append(load_balance_loss(logits, ids))
@@ -197,18 +220,27 @@ class MoEPolicy(Policy):
     def new_cache(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.config
         shape = (batch, c.n_heads, c.max_context, c.d_model // c.n_heads)
-        return [(torch.zeros(shape, dtype=COMPUTE_DTYPE), torch.zeros(shape, dtype=COMPUTE_DTYPE))
-                for _ in range(c.n_layers)]
+        return [
+            (torch.zeros(shape, dtype=COMPUTE_DTYPE), torch.zeros(shape, dtype=COMPUTE_DTYPE))
+            for _ in range(c.n_layers)
+        ]
 
     # --- the Policy interface -------------------------------------------------------------------
     def _check_lengths(self, n_prompt: int, n_completion: int) -> None:
         if 1 + n_prompt + n_completion > self.config.max_context:
-            raise ValueError(f"bos + prompt ({n_prompt}) + completion ({n_completion}) tokens exceed max_context "
-                             f"{self.config.max_context}; truncate the prompt from the left")
+            raise ValueError(
+                f"bos + prompt ({n_prompt}) + completion ({n_completion}) tokens exceed max_context "
+                f"{self.config.max_context}; truncate the prompt from the left"
+            )
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_tokens: int, temperature: float = 1.0,
-                 seed: int | None = None) -> list[Sample]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> list[Sample]:
         assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
         check_temperature(temperature)
         for p in prompts:
@@ -221,7 +253,7 @@ class MoEPolicy(Policy):
         width = int(lens.max())
         tokens = torch.full((b, width), tok.pad_id, dtype=torch.int64)
         for i, p in enumerate(prompts):
-            tokens[i, :1 + len(p)] = torch.tensor([tok.bos_id, *p], dtype=torch.int64)
+            tokens[i, : 1 + len(p)] = torch.tensor([tok.bos_id, *p], dtype=torch.int64)
         positions = torch.arange(width).expand(b, width)
         gen = torch.Generator()
         gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
@@ -236,7 +268,9 @@ class MoEPolicy(Policy):
         for step in range(max_tokens):
             logits = self.lm_logits(h_last)
             logp = log_probs(logits, temperature, self.ops)  # [B, V]
-            check_sampling_distribution(logits, logp, temperature)  # raises before NaN can be sampled
+            check_sampling_distribution(
+                logits, logp, temperature
+            )  # raises before NaN can be sampled
             if temperature > 0:
                 nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
             else:
@@ -254,20 +288,36 @@ class MoEPolicy(Policy):
             hidden, routes = self.forward_hidden(nxt[:, None], pos, cache)
             h_last, r_last = hidden[:, 0], routes[:, 0]
         shape = (0, self.n_layers, self.top_k)
-        return [Sample(tokens=out_tok[i], logprobs=out_lp[i],
-                       routes=np.stack(out_rt[i]).astype(np.int32) if out_rt[i] else np.zeros(shape, np.int32),
-                       text=tok.decode(out_tok[i]),
-                       meta={"temperature": temperature, "kernels": self.ops.name,
-                             "finish_reason": "eos" if out_tok[i] and out_tok[i][-1] == tok.eos_id else "length"})
-                for i in range(b)]
+        return [
+            Sample(
+                tokens=out_tok[i],
+                logprobs=out_lp[i],
+                routes=np.stack(out_rt[i]).astype(np.int32)
+                if out_rt[i]
+                else np.zeros(shape, np.int32),
+                text=tok.decode(out_tok[i]),
+                meta={
+                    "temperature": temperature,
+                    "kernels": self.ops.name,
+                    "finish_reason": "eos"
+                    if out_tok[i] and out_tok[i][-1] == tok.eos_id
+                    else "length",
+                },
+            )
+            for i in range(b)
+        ]
 
-    def completion_logits(self, prompt_tokens: list[list[int]], completion_tokens: list[list[int]],
-                          routes: list[np.ndarray | None] | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def completion_logits(
+        self,
+        prompt_tokens: list[list[int]],
+        completion_tokens: list[list[int]],
+        routes: list[np.ndarray | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Logits that predict each completion token: (logits [B, T_max, V] fp32, targets [B, T_max]
         int64, valid [B, T_max] bool). Differentiable; routes replayed as in `logprobs`."""
-        assert len(prompt_tokens) == len(completion_tokens), \
+        assert len(prompt_tokens) == len(completion_tokens), (
             f"{len(prompt_tokens)} prompts vs {len(completion_tokens)} completions"
+        )
         c, tok = self.config, self.tokenizer
         b = len(prompt_tokens)
         if routes is not None:
@@ -286,7 +336,7 @@ class MoEPolicy(Policy):
             replay_ids = torch.zeros((b, width, c.n_layers, c.top_k), dtype=torch.int64)
             replay_mask = torch.zeros((b, width), dtype=torch.bool)
         for i, (p, comp) in enumerate(zip(prompt_tokens, completion_tokens)):
-            tokens[i, :len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.int64)
+            tokens[i, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.int64)
             n = len(comp)
             pred_pos[i, :n] = torch.arange(len(p), len(p) + n)
             targets[i, :n] = torch.tensor(comp, dtype=torch.int64)
@@ -294,24 +344,34 @@ class MoEPolicy(Policy):
             r = None if routes is None else routes[i]
             if r is not None:
                 r = np.asarray(r)
-                assert r.shape == (n, c.n_layers, c.top_k), \
+                assert r.shape == (n, c.n_layers, c.top_k), (
                     f"routes[{i}] has shape {r.shape}, expected {(n, c.n_layers, c.top_k)}"
-                replay_ids[i, len(p):len(p) + n] = torch.from_numpy(r.astype(np.int64))
-                replay_mask[i, len(p):len(p) + n] = True
+                )
+                replay_ids[i, len(p) : len(p) + n] = torch.from_numpy(r.astype(np.int64))
+                replay_mask[i, len(p) : len(p) + n] = True
         positions = torch.arange(width).expand(b, width)
         hidden, _ = self.forward_hidden(tokens, positions, None, replay_ids, replay_mask)
         h = hidden[torch.arange(b)[:, None], pred_pos]  # [B, T_max, D]
         return self.lm_logits(h), targets, valid
 
-    def logprobs(self, prompt_tokens: list[list[int]], completion_tokens: list[list[int]],
-                 routes: list[np.ndarray | None] | None = None, temperature: float = 1.0) -> torch.Tensor:
+    def logprobs(
+        self,
+        prompt_tokens: list[list[int]],
+        completion_tokens: list[list[int]],
+        routes: list[np.ndarray | None] | None = None,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
         logits, targets, valid = self.completion_logits(prompt_tokens, completion_tokens, routes)
         logp = token_logprobs(logits, targets, temperature, self.ops)
         return torch.where(valid, logp, torch.zeros_like(logp))
 
-    def completion_log_probs(self, prompt_tokens: list[list[int]], completion_tokens: list[list[int]],
-                             routes: list[np.ndarray | None] | None = None, temperature: float = 1.0,
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def completion_log_probs(
+        self,
+        prompt_tokens: list[list[int]],
+        completion_tokens: list[list[int]],
+        routes: list[np.ndarray | None] | None = None,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full log-distributions log_softmax(logits / T) [B, T_max, V] at each completion position,
         with targets [B, T_max] and valid [B, T_max] (for KL and self-distillation terms)."""
         logits, targets, valid = self.completion_logits(prompt_tokens, completion_tokens, routes)
@@ -324,9 +384,13 @@ class MoEPolicy(Policy):
         own = self.state_dict()
         missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or extra:
-            raise ValueError(f"serving state dict does not match the architecture: missing {missing}, unexpected {extra}")
+            raise ValueError(
+                f"serving state dict does not match the architecture: missing {missing}, unexpected {extra}"
+            )
         with torch.no_grad():
             for k, v in own.items():
                 if state[k].shape != v.shape:
-                    raise ValueError(f"{k}: shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
+                    raise ValueError(
+                        f"{k}: shape {tuple(state[k].shape)}, expected {tuple(v.shape)}"
+                    )
                 v.copy_(state[k].to(v.dtype))

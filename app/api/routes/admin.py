@@ -39,10 +39,21 @@ Verb = Literal["promote", "abort", "rollback", "pause", "resume"]
 class VerbRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
-    reason: str = Field("", max_length=4096, description="Why; recorded in the event and the history.")
-    model: str | None = Field(None, max_length=128, description="Registered model (default: FLYWHEEL_MODEL_NAME).")
-    version: str | None = Field(None, max_length=32, description="rollback: the target version (default: the newest known-good).")
-    skip_remaining: bool = Field(False, description="promote: skip the remaining canary steps and make the candidate champion now.")
+    reason: str = Field(
+        "", max_length=4096, description="Why; recorded in the event and the history."
+    )
+    model: str | None = Field(
+        None, max_length=128, description="Registered model (default: FLYWHEEL_MODEL_NAME)."
+    )
+    version: str | None = Field(
+        None,
+        max_length=32,
+        description="rollback: the target version (default: the newest known-good).",
+    )
+    skip_remaining: bool = Field(
+        False,
+        description="promote: skip the remaining canary steps and make the candidate champion now.",
+    )
 
     @field_validator("reason", "model", "version")
     @classmethod
@@ -51,11 +62,13 @@ class VerbRequest(BaseModel):
         allowed = "\t\n\r" if info.field_name == "reason" else ""
         for i, ch in enumerate(v or ""):
             if (ch < " " and ch not in allowed) or ch == "\x7f":
-                raise ValueError(f"control character U+{ord(ch):04X} at position {i} is not allowed")
+                raise ValueError(
+                    f"control character U+{ord(ch):04X} at position {i} is not allowed"
+                )
         return v
 
 
-def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:  # noqa: ANN001
+def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:
     from app.controller.canary import operator_command
     from app.controller.config import get_controller_settings
     from app.controller.state import fold
@@ -63,9 +76,18 @@ def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[
 
     model = body.model or settings.model_name
     with DeploymentLog(settings) as dlog:
-        state = fold(model, (le.event.model_dump(mode="json") for le in dlog.read(stall_timeout_s=10)))
-        decisions = operator_command(state, verb, get_controller_settings().canary(), actor=actor, reason=body.reason,
-                                     version=body.version, skip_remaining=body.skip_remaining)
+        state = fold(
+            model, (le.event.model_dump(mode="json") for le in dlog.read(stall_timeout_s=10))
+        )
+        decisions = operator_command(
+            state,
+            verb,
+            get_controller_settings().canary(),
+            actor=actor,
+            reason=body.reason,
+            version=body.version,
+            skip_remaining=body.skip_remaining,
+        )
         events = [d.to_event(model) for d in decisions]
         for ev in events:
             dlog.publish(DeploymentEvent.model_validate(ev))
@@ -85,13 +107,20 @@ async def read_verb_request(request: Request) -> VerbRequest:
     try:
         return VerbRequest.model_validate(doc)
     except ValidationError as exc:  # without the offending input: it may not even be encodable
-        raise RequestValidationError([{"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
-                                      for e in exc.errors(include_url=False)]) from None
+        raise RequestValidationError(
+            [
+                {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+                for e in exc.errors(include_url=False)
+            ]
+        ) from None
 
 
-def _verb_route(verb: str):  # noqa: ANN202
-    async def handler(request: Request, settings: SettingsDep,
-                      key: Annotated[ApiKey, Depends(require_scope("admin"))]) -> dict[str, Any]:
+def _verb_route(verb: str):
+    async def handler(
+        request: Request,
+        settings: SettingsDep,
+        key: Annotated[ApiKey, Depends(require_scope("admin"))],
+    ) -> dict[str, Any]:
         # no body parameter: FastAPI would read and validate a declared body before running the auth dependency
         from kafka.errors import KafkaError
 
@@ -104,8 +133,11 @@ def _verb_route(verb: str):  # noqa: ANN202
         except CommandRejected as exc:
             raise HTTPException(exc.status, str(exc)) from None
         except (KafkaError, TimeoutError) as exc:
-            raise HTTPException(503, f"the deployment log is unavailable ({type(exc).__name__}); retry",
-                                headers={"Retry-After": "2"}) from None
+            raise HTTPException(
+                503,
+                f"the deployment log is unavailable ({type(exc).__name__}); retry",
+                headers={"Retry-After": "2"},
+            ) from None
         return {"verb": verb, "actor": actor, "events": events}
 
     handler.__name__ = f"deployments_{verb}"
@@ -113,6 +145,16 @@ def _verb_route(verb: str):  # noqa: ANN202
 
 
 for _verb in ("promote", "abort", "rollback", "pause", "resume"):
-    router.add_api_route(f"/v1/deployments/{_verb}", _verb_route(_verb), methods=["POST"], status_code=202,
-                         summary=f"Operator verb: {_verb}", openapi_extra={"requestBody": {
-                             "required": False, "content": {"application/json": {"schema": VerbRequest.model_json_schema()}}}})
+    router.add_api_route(
+        f"/v1/deployments/{_verb}",
+        _verb_route(_verb),
+        methods=["POST"],
+        status_code=202,
+        summary=f"Operator verb: {_verb}",
+        openapi_extra={
+            "requestBody": {
+                "required": False,
+                "content": {"application/json": {"schema": VerbRequest.model_json_schema()}},
+            }
+        },
+    )

@@ -49,8 +49,8 @@ from app.api.metrics import BATCHES, EVENTS_ACCEPTED, EVENTS_REJECTED, PRODUCE_S
 from app.api.producer import EventProducer, KafkaUnavailable, RecordRejected
 from app.api.ratelimit import TokenBucketLimiter
 from app.db.models import ApiKey
-from app.httplimits import read_capped
 from app.events import validate_batch
+from app.httplimits import read_capped
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,9 @@ _NON_STANDARD_CONSTANTS = ("NaN", "Infinity", "-Infinity")
 _KEY_MARKER = re.compile(rb'"\s*:')  # every object key ends with one; so may a string value
 
 
-def _reject(outcome: str, errors: list[dict[str, Any]], n_events: int = 0, code: int = 422) -> JSONResponse:
+def _reject(
+    outcome: str, errors: list[dict[str, Any]], n_events: int = 0, code: int = 422
+) -> JSONResponse:
     BATCHES.labels(outcome).inc()
     if n_events:
         EVENTS_REJECTED.labels(outcome).inc(n_events)
@@ -74,21 +76,31 @@ def _body_error(field: str, message: str) -> dict[str, Any]:
 def _json_error_message(body: bytes, exc: orjson.JSONDecodeError) -> str:
     pos = getattr(exc, "pos", None)
     if isinstance(pos, int):
-        tail = body[pos:pos + 9].decode("utf-8", "replace")
+        tail = body[pos : pos + 9].decode("utf-8", "replace")
         for const in _NON_STANDARD_CONSTANTS:
             if tail.startswith(const) or (const != "NaN" and tail.startswith(const.lstrip("-"))):
-                return (f"not valid JSON: {const.lstrip('-')} at char {pos} "
-                        "(NaN and Infinity are not JSON; send finite numbers)")
+                return (
+                    f"not valid JSON: {const.lstrip('-')} at char {pos} "
+                    "(NaN and Infinity are not JSON; send finite numbers)"
+                )
     return f"not valid JSON: {exc}"
 
 
 def _oversized(records: list[tuple[str, bytes]], limit: int) -> list[dict[str, Any]]:
-    return [{"index": i, "field": "(event)",
-             "message": f"event is {len(value)} bytes as compact JSON; the limit is {limit} bytes (max_event_bytes)"}
-            for i, (_key, value) in enumerate(records) if len(value) > limit]
+    return [
+        {
+            "index": i,
+            "field": "(event)",
+            "message": f"event is {len(value)} bytes as compact JSON; the limit is {limit} bytes (max_event_bytes)",
+        }
+        for i, (_key, value) in enumerate(records)
+        if len(value) > limit
+    ]
 
 
-def _duplicate_key_errors(body: bytes, doc: dict[str, Any], events: list[Any]) -> list[dict[str, Any]]:
+def _duplicate_key_errors(
+    body: bytes, doc: dict[str, Any], events: list[Any]
+) -> list[dict[str, Any]]:
     """Objects of a valid batch that name a key twice (orjson kept the last value), by event index.
 
     Runs after validation, so the events are flat objects: a second parse is needed only when
@@ -100,12 +112,20 @@ def _duplicate_key_errors(body: bytes, doc: dict[str, Any], events: list[Any]) -
     found: list[dict[str, Any]] = []
     objects = 0
 
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:  # called per event in order, then the body
+    def hook(
+        pairs: list[tuple[str, Any]],
+    ) -> dict[str, Any]:  # called per event in order, then the body
         nonlocal objects
         keys = [k for k, _ in pairs]
         index = objects if objects < len(events) else None
-        found.extend({"index": index, "field": k, "message": "duplicate key: a JSON object may name each field once"}
-                     for k in sorted({k for k in keys if keys.count(k) > 1}))
+        found.extend(
+            {
+                "index": index,
+                "field": k,
+                "message": "duplicate key: a JSON object may name each field once",
+            }
+            for k in sorted({k for k in keys if keys.count(k) > 1})
+        )
         objects += 1
         return dict(pairs)
 
@@ -118,26 +138,59 @@ def _duplicate_key_errors(body: bytes, doc: dict[str, Any], events: list[Any]) -
     status_code=status.HTTP_202_ACCEPTED,
     summary="Ingest a batch of interaction events (all-or-nothing)",
     responses={
-        202: {"description": "every event acknowledged by Kafka", "content": {"application/json": {"example": {"accepted": 2}}}},
-        413: {"description": "body over max_body_bytes, or events over max_event_bytes (`errors` names them)"},
+        202: {
+            "description": "every event acknowledged by Kafka",
+            "content": {"application/json": {"example": {"accepted": 2}}},
+        },
+        413: {
+            "description": "body over max_body_bytes, or events over max_event_bytes (`errors` names them)"
+        },
         415: {"description": "a Content-Encoding other than identity (send plain JSON)"},
-        422: {"description": "invalid body or events; nothing written",
-              "content": {"application/json": {"example": {"errors": [{"index": 0, "field": "logprobs.1", "message": "Input should be less than or equal to 0"}]}}}},
+        422: {
+            "description": "invalid body or events; nothing written",
+            "content": {
+                "application/json": {
+                    "example": {
+                        "errors": [
+                            {
+                                "index": 0,
+                                "field": "logprobs.1",
+                                "message": "Input should be less than or equal to 0",
+                            }
+                        ]
+                    }
+                }
+            },
+        },
         429: {"description": "per-key rate limit; see Retry-After"},
         503: {"description": "Kafka unavailable; retry after Retry-After with the same event_ids"},
     },
 )
-async def post_events(request: Request, _key: Annotated[ApiKey, Depends(require_scope("ingest"))]) -> Response:
+async def post_events(
+    request: Request, _key: Annotated[ApiKey, Depends(require_scope("ingest"))]
+) -> Response:
     settings = request.app.state.settings
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
         BATCHES.labels("unsupported_encoding").inc()
-        return JSONResponse({"errors": [_body_error(
-            "(Content-Encoding)", f"Content-Encoding {encoding!r} is not supported; send the body as plain JSON")]},
-            status_code=415)
+        return JSONResponse(
+            {
+                "errors": [
+                    _body_error(
+                        "(Content-Encoding)",
+                        f"Content-Encoding {encoding!r} is not supported; send the body as plain JSON",
+                    )
+                ]
+            },
+            status_code=415,
+        )
     try:
-        body = await read_capped(request, settings.max_body_bytes, f"request body exceeds {settings.max_body_bytes} bytes; "
-                                 "split the events into smaller batches")
+        body = await read_capped(
+            request,
+            settings.max_body_bytes,
+            f"request body exceeds {settings.max_body_bytes} bytes; "
+            "split the events into smaller batches",
+        )
     except HTTPException:
         BATCHES.labels("too_large").inc()
         raise
@@ -147,22 +200,40 @@ async def post_events(request: Request, _key: Annotated[ApiKey, Depends(require_
     except orjson.JSONDecodeError as exc:
         return _reject("invalid_json", [_body_error("(body)", _json_error_message(body, exc))])
     if not isinstance(doc, dict) or "events" not in doc:
-        return _reject("invalid_body", [_body_error("(body)", 'the body must be a JSON object {"events": [...]}')])
+        return _reject(
+            "invalid_body",
+            [_body_error("(body)", 'the body must be a JSON object {"events": [...]}')],
+        )
     extra = sorted(set(doc) - {"events"})
     if extra:
-        return _reject("invalid_body", [_body_error(f, "unknown field (the body has only 'events')") for f in extra])
+        return _reject(
+            "invalid_body",
+            [_body_error(f, "unknown field (the body has only 'events')") for f in extra],
+        )
     events = doc["events"]
     if not isinstance(events, list):
-        return _reject("invalid_body", [_body_error("events", "must be a JSON array of event objects")])
+        return _reject(
+            "invalid_body", [_body_error("events", "must be a JSON array of event objects")]
+        )
     if not events:
-        return _reject("empty_batch", [_body_error("events", "empty batch; send at least one event")])
+        return _reject(
+            "empty_batch", [_body_error("events", "empty batch; send at least one event")]
+        )
     limit = settings.max_batch_events
     if len(events) > limit:
-        return _reject("too_many_events",
-                       [_body_error("events", f"{len(events)} events in one batch; the limit is {limit}, split it")],
-                       n_events=len(events))
+        return _reject(
+            "too_many_events",
+            [
+                _body_error(
+                    "events", f"{len(events)} events in one batch; the limit is {limit}, split it"
+                )
+            ],
+            n_events=len(events),
+        )
 
-    records = [(ev.get("request_id") if isinstance(ev, dict) else None, orjson.dumps(ev)) for ev in events]
+    records = [
+        (ev.get("request_id") if isinstance(ev, dict) else None, orjson.dumps(ev)) for ev in events
+    ]
     oversized = _oversized(records, settings.max_event_bytes)
     if oversized:
         return _reject("event_too_large", oversized, n_events=len(events), code=413)
@@ -184,25 +255,35 @@ async def post_events(request: Request, _key: Annotated[ApiKey, Depends(require_
         await producer.produce(settings.topic("interactions"), records)
     except RecordRejected as exc:
         log.warning("Kafka refused records of a batch of %d events: %s", len(events), exc)
-        return _reject("event_too_large" if exc.too_large else "record_rejected",
-                       [{"index": i, "field": "(event)", "message": m} for i, m in exc.errors],
-                       n_events=len(events), code=413 if exc.too_large else 422)
+        return _reject(
+            "event_too_large" if exc.too_large else "record_rejected",
+            [{"index": i, "field": "(event)", "message": m} for i, m in exc.errors],
+            n_events=len(events),
+            code=413 if exc.too_large else 422,
+        )
     except KafkaUnavailable as exc:
         log.warning("503 for a batch of %d events: %s", len(events), exc)
         BATCHES.labels("unavailable").inc()
         EVENTS_REJECTED.labels("unavailable").inc(len(events))
-        return JSONResponse({"detail": f"{exc}; retry with the same event_ids"}, status_code=503,
-                            headers={"Retry-After": str(exc.retry_after_s)})
+        return JSONResponse(
+            {"detail": f"{exc}; retry with the same event_ids"},
+            status_code=503,
+            headers={"Retry-After": str(exc.retry_after_s)},
+        )
     PRODUCE_SECONDS.observe(time.perf_counter() - start)
     BATCHES.labels("accepted").inc()
     EVENTS_ACCEPTED.inc(len(events))
-    return Response(orjson.dumps({"accepted": len(events)}), status_code=202, media_type="application/json")
+    return Response(
+        orjson.dumps({"accepted": len(events)}), status_code=202, media_type="application/json"
+    )
 
 
 def install(app: FastAPI) -> None:
     """Wire the ingest route's state: the shared producer (lifespan-managed) and the rate limiter."""
     settings = app.state.settings
-    app.state.rate_limiter = TokenBucketLimiter(settings.rate_limit_per_s, settings.rate_limit_burst)
+    app.state.rate_limiter = TokenBucketLimiter(
+        settings.rate_limit_per_s, settings.rate_limit_burst
+    )
     app.state.event_producer = EventProducer(settings)
 
     async def _start(app: FastAPI) -> None:

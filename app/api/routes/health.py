@@ -37,8 +37,12 @@ def _check_kafka(settings: Settings, timeout_s: float) -> str:
     from kafka import KafkaAdminClient
 
     ms = max(100, int(timeout_s * 1000))
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap.split(","), request_timeout_ms=ms,
-                             bootstrap_timeout_ms=ms, client_id="flywheel-readyz")
+    admin = KafkaAdminClient(
+        bootstrap_servers=settings.kafka_bootstrap.split(","),
+        request_timeout_ms=ms,
+        bootstrap_timeout_ms=ms,
+        client_id="flywheel-readyz",
+    )
     try:
         cluster = admin.describe_cluster()
         return f"{len(cluster.get('brokers', []))} broker(s)"
@@ -59,7 +63,7 @@ def _check_db(settings: Settings) -> str:
 async def _bounded(fn, *args, timeout_s: float) -> tuple[bool, str]:
     try:
         return True, await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
-    except (asyncio.TimeoutError, TimeoutError):
+    except TimeoutError:
         return False, f"no answer within {timeout_s:g}s"
     except Exception as exc:  # report any failure of the dependency, that is the probe's job
         return False, f"{type(exc).__name__}: {exc}"
@@ -72,12 +76,18 @@ async def _migrations_pending() -> tuple[bool, str]:
     return False, f"migrations not applied yet (waiting for {why or 'the database'})"
 
 
-async def _run_checks(settings: Settings, migrated: threading.Event | None = None) -> dict[str, dict]:
+async def _run_checks(
+    settings: Settings, migrated: threading.Event | None = None
+) -> dict[str, dict]:
     start = time.perf_counter()
-    db_check = (_migrations_pending() if migrated is not None and not migrated.is_set()
-                else _bounded(_check_db, settings, timeout_s=READY_TIMEOUT_S))
+    db_check = (
+        _migrations_pending()
+        if migrated is not None and not migrated.is_set()
+        else _bounded(_check_db, settings, timeout_s=READY_TIMEOUT_S)
+    )
     (k_ok, k_msg), (d_ok, d_msg) = await asyncio.gather(
-        _bounded(_check_kafka, settings, READY_TIMEOUT_S, timeout_s=READY_TIMEOUT_S), db_check)
+        _bounded(_check_kafka, settings, READY_TIMEOUT_S, timeout_s=READY_TIMEOUT_S), db_check
+    )
     log.debug("readiness checks took %.3fs", time.perf_counter() - start)
     return {"kafka": {"ok": k_ok, "detail": k_msg}, "database": {"ok": d_ok, "detail": d_msg}}
 
@@ -97,7 +107,9 @@ def migrate_in_background(app: FastAPI) -> None:
     def run() -> None:
         try:
             database_ready(url, stop)
-            wait_for("the database migrations (alembic upgrade head)", lambda: upgrade(url), stop=stop)
+            wait_for(
+                "the database migrations (alembic upgrade head)", lambda: upgrade(url), stop=stop
+            )
         except Stopped:
             return
         migrated.set()
@@ -123,7 +135,9 @@ async def readyz(request: Request) -> JSONResponse:
     state = request.app.state
     task = getattr(state, "readyz_inflight", None)
     if task is None or task.done():  # share one in-flight check between concurrent probes
-        task = state.readyz_inflight = asyncio.ensure_future(_run_checks(state.settings, getattr(state, "migrated", None)))
+        task = state.readyz_inflight = asyncio.ensure_future(
+            _run_checks(state.settings, getattr(state, "migrated", None))
+        )
     checks = await asyncio.shield(task)
     failed = sorted(name for name, c in checks.items() if not c["ok"])
     body = {"ready": not failed, "checks": checks}

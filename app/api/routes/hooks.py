@@ -37,12 +37,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.api.deps import SettingsDep
 from app.api.jsonbody import JsonBodyError, parse_json
-from app.controller.webhooks import DeliveryDedupe, Seen, WebhookRejected, check_headers, check_signature
+from app.controller.webhooks import (
+    DeliveryDedupe,
+    Seen,
+    WebhookRejected,
+    check_headers,
+    check_signature,
+)
 from app.httplimits import read_capped
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["hooks"])
-DELIVERIES = Counter("flywheel_webhook_deliveries_total", "MLflow webhook deliveries by outcome", ["outcome"])
+DELIVERIES = Counter(
+    "flywheel_webhook_deliveries_total", "MLflow webhook deliveries by outcome", ["outcome"]
+)
 _init_lock = threading.Lock()
 
 
@@ -69,10 +77,18 @@ def _resources_locked(app: FastAPI) -> dict[str, Any]:
         from app.deployments.events import DeploymentLog
 
         cs = get_controller_settings()
-        res = {"client": MlflowClient(tracking_uri=app.state.settings.mlflow_uri, registry_uri=app.state.settings.mlflow_uri),
-               "log": DeploymentLog(app.state.settings),
-               "dedupe": DeliveryDedupe(cs.webhook_window, skew_s=app.state.settings.webhook_clock_skew,
-                                        max_ids=app.state.settings.webhook_dedupe_max_ids)}
+        res = {
+            "client": MlflowClient(
+                tracking_uri=app.state.settings.mlflow_uri,
+                registry_uri=app.state.settings.mlflow_uri,
+            ),
+            "log": DeploymentLog(app.state.settings),
+            "dedupe": DeliveryDedupe(
+                cs.webhook_window,
+                skew_s=app.state.settings.webhook_clock_skew,
+                max_ids=app.state.settings.webhook_dedupe_max_ids,
+            ),
+        }
         app.state.controller_hooks = res
 
         async def _close(app: FastAPI) -> None:
@@ -82,7 +98,7 @@ def _resources_locked(app: FastAPI) -> dict[str, Any]:
     return res
 
 
-def publish_dict(dlog, ev: dict[str, Any]) -> None:  # noqa: ANN001 (DeploymentLog)
+def publish_dict(dlog, ev: dict[str, Any]) -> None:
     from app.deployments.events import DeploymentEvent
 
     dlog.publish(DeploymentEvent.model_validate(ev))
@@ -109,8 +125,12 @@ class AliasData(BaseModel):
 
 
 def _invalid(exc: ValidationError, prefix: tuple[str, ...] = ()) -> RequestValidationError:
-    return RequestValidationError([{"loc": ["body", *prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]}
-                                   for e in exc.errors(include_url=False)])  # without the input: it may not encode
+    return RequestValidationError(
+        [
+            {"loc": ["body", *prefix, *e["loc"]], "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors(include_url=False)
+        ]
+    )  # without the input: it may not encode
 
 
 def _rejected(exc: WebhookRejected) -> HTTPException:
@@ -147,8 +167,11 @@ async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]
         raise _rejected(exc) from None
     try:
         limit = settings.webhook_max_body_bytes
-        body = await read_capped(request, limit, f"webhook body over {limit} bytes "
-                                                 "(MLflow's alias deliveries are a few hundred)")
+        body = await read_capped(
+            request,
+            limit,
+            f"webhook body over {limit} bytes (MLflow's alias deliveries are a few hundred)",
+        )
     except HTTPException:
         DELIVERIES.labels("too_large").inc()
         raise
@@ -167,8 +190,11 @@ async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]
     except Exception as exc:  # MLflow client or deployment log not available yet: MLflow retries
         DELIVERIES.labels("error").inc()
         log.exception("webhook receiver could not start its MLflow client / deployment log")
-        raise HTTPException(503, f"the receiver is not ready ({type(exc).__name__}); retry",
-                            headers={"Retry-After": "2"}) from None
+        raise HTTPException(
+            503,
+            f"the receiver is not ready ({type(exc).__name__}); retry",
+            headers={"Retry-After": "2"},
+        ) from None
     dedupe: DeliveryDedupe = res["dedupe"]
     seen = dedupe.begin(delivery_id, delivery.ts)
     if seen is Seen.DUPLICATE:
@@ -177,8 +203,11 @@ async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]
     if seen is not Seen.NEW:
         DELIVERIES.labels("busy").inc()
         retry = 2 if seen is Seen.IN_PROGRESS else int(dedupe.retry_after_s())
-        why = ("this delivery is being carried out now" if seen is Seen.IN_PROGRESS
-               else f"{len(dedupe)} recent deliveries are remembered, the limit; retry")
+        why = (
+            "this delivery is being carried out now"
+            if seen is Seen.IN_PROGRESS
+            else f"{len(dedupe)} recent deliveries are remembered, the limit; retry"
+        )
         raise HTTPException(503, why, headers={"Retry-After": str(retry)})
     try:
         result = await _carry_out(res, settings, delivery_id, payload, alias)
@@ -189,21 +218,41 @@ async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]
     return result
 
 
-async def _carry_out(res: dict[str, Any], settings, delivery_id: str, payload: WebhookPayload,  # noqa: ANN001
-                     alias: AliasData | None) -> dict[str, Any]:
+async def _carry_out(
+    res: dict[str, Any],
+    settings,
+    delivery_id: str,
+    payload: WebhookPayload,
+    alias: AliasData | None,
+) -> dict[str, Any]:
     if alias is None:
         DELIVERIES.labels("ignored").inc()
-        return {"status": "ignored", "delivery_id": delivery_id, "reason": f"not an alias event of {settings.model_name}"}
+        return {
+            "status": "ignored",
+            "delivery_id": delivery_id,
+            "reason": f"not an alias event of {settings.model_name}",
+        }
     from app.controller.reconciler import reconcile_once
 
-    log.info("webhook delivery %s: %s.%s %s", delivery_id, payload.entity, payload.action, payload.data)
+    log.info(
+        "webhook delivery %s: %s.%s %s", delivery_id, payload.entity, payload.action, payload.data
+    )
     try:
-        events = await run_in_threadpool(reconcile_once, res["client"], settings.model_name,
-                                         lambda ev: publish_dict(res["log"], ev), "webhook", {"delivery_id": delivery_id})
+        events = await run_in_threadpool(
+            reconcile_once,
+            res["client"],
+            settings.model_name,
+            lambda ev: publish_dict(res["log"], ev),
+            "webhook",
+            {"delivery_id": delivery_id},
+        )
     except Exception as exc:
         DELIVERIES.labels("error").inc()
         log.exception("webhook delivery %s could not be carried out", delivery_id)
-        raise HTTPException(503, f"could not reconcile aliases now ({type(exc).__name__}); retry",
-                            headers={"Retry-After": "2"}) from None
+        raise HTTPException(
+            503,
+            f"could not reconcile aliases now ({type(exc).__name__}); retry",
+            headers={"Retry-After": "2"},
+        ) from None
     DELIVERIES.labels("applied" if events else "no_change").inc()
     return {"status": "ok", "delivery_id": delivery_id, "events": [e["event_id"] for e in events]}

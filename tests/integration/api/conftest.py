@@ -22,16 +22,33 @@ TS = "2026-11-21T10:00:00Z"
 
 def event(type_: str = "accept", i: int = 0, **fields: Any) -> dict[str, Any]:
     """A valid event of `type_`; `i` makes its ids unique within a test."""
-    ev: dict[str, Any] = {"event_id": f"ev-{i}-{uuid.uuid4().hex[:8]}", "type": type_, "request_id": f"req-{i}",
-                          "session_id": "sess-1", "ts": TS}
-    ev.update({
-        "generation": dict(model_version="3", prompt_tokens=[72, 105], completion_tokens=[33, 10],
-                           logprobs=[-0.5, -0.0625], temperature=1.0, tokenizer="byte-v1"),
-        "edit_persistence": dict(fraction=0.5, after_s=60.0),
-        "rating": dict(value=1),
-        "tool_error": dict(message="TypeError: x is None", hint="check x first", token_index=1),
-        "followup": dict(sentiment=0.25),
-    }.get(type_, {}))
+    ev: dict[str, Any] = {
+        "event_id": f"ev-{i}-{uuid.uuid4().hex[:8]}",
+        "type": type_,
+        "request_id": f"req-{i}",
+        "session_id": "sess-1",
+        "ts": TS,
+    }
+    ev.update(
+        {
+            "generation": {
+                "model_version": "3",
+                "prompt_tokens": [72, 105],
+                "completion_tokens": [33, 10],
+                "logprobs": [-0.5, -0.0625],
+                "temperature": 1.0,
+                "tokenizer": "byte-v1",
+            },
+            "edit_persistence": {"fraction": 0.5, "after_s": 60.0},
+            "rating": {"value": 1},
+            "tool_error": {
+                "message": "TypeError: x is None",
+                "hint": "check x first",
+                "token_index": 1,
+            },
+            "followup": {"sentiment": 0.25},
+        }.get(type_, {})
+    )
     ev.update(fields)
     return ev
 
@@ -44,8 +61,15 @@ class Api:
     read_key: str
     server: Any
 
-    def post_events(self, body: Any = None, *, content: Any = None, key: str | None = "ingest",
-                    headers: dict[str, str] | None = None, timeout: float = 30.0) -> httpx.Response:
+    def post_events(
+        self,
+        body: Any = None,
+        *,
+        content: Any = None,
+        key: str | None = "ingest",
+        headers: dict[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> httpx.Response:
         h = dict(headers or {})
         if key == "ingest":
             h["Authorization"] = f"Bearer {self.ingest_key}"
@@ -90,13 +114,19 @@ def api(api_factory) -> Api:
     return api_factory()
 
 
-def read_interactions(settings: Settings, bootstrap: str | None = None, timeout_s: float = 30.0) -> list[tuple[str, bytes]]:
+def read_interactions(
+    settings: Settings, bootstrap: str | None = None, timeout_s: float = 30.0
+) -> list[tuple[str, bytes]]:
     """Every (key, value) on the interactions topic, read from the beginning to the end offsets."""
     from kafka import KafkaConsumer, TopicPartition
 
     topic = settings.topic("interactions")
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap or settings.kafka_bootstrap, group_id=None,
-                             enable_auto_commit=False, request_timeout_ms=int(timeout_s * 1000))
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap or settings.kafka_bootstrap,
+        group_id=None,
+        enable_auto_commit=False,
+        request_timeout_ms=int(timeout_s * 1000),
+    )
     try:
         deadline = time.monotonic() + timeout_s
         parts = consumer.partitions_for_topic(topic)
@@ -111,7 +141,9 @@ def read_interactions(settings: Settings, bootstrap: str | None = None, timeout_
         end = consumer.end_offsets(tps)
         out: list[tuple[str, bytes]] = []
         while any(consumer.position(tp) < end[tp] for tp in tps):
-            assert time.monotonic() < deadline, f"could not read {topic} to its end offsets {end} in {timeout_s}s"
+            assert time.monotonic() < deadline, (
+                f"could not read {topic} to its end offsets {end} in {timeout_s}s"
+            )
             for records in consumer.poll(timeout_ms=500).values():
                 out.extend((r.key.decode(), r.value) for r in records)
         return out

@@ -16,7 +16,15 @@ from tests.integration.api.conftest import event, read_interactions
 
 pytestmark = pytest.mark.integration
 
-ALL_TYPES = ("generation", "accept", "reject", "edit_persistence", "rating", "tool_error", "followup")
+ALL_TYPES = (
+    "generation",
+    "accept",
+    "reject",
+    "edit_persistence",
+    "rating",
+    "tool_error",
+    "followup",
+)
 
 
 def stored(ev: dict) -> dict:
@@ -38,7 +46,9 @@ def test_valid_batch_is_acknowledged_and_on_kafka_keyed_by_request_id_with_the_s
         key, value = by_id[ev["event_id"]]
         assert key == ev["request_id"]
         assert json.loads(value) == stored(ev)
-        assert value == json.dumps(stored(ev), separators=(",", ":"), ensure_ascii=False).encode(), "compact, original JSON"
+        assert (
+            value == json.dumps(stored(ev), separators=(",", ":"), ensure_ascii=False).encode()
+        ), "compact, original JSON"
 
 
 def test_a_batch_of_exactly_the_limit_is_accepted(api):
@@ -47,7 +57,8 @@ def test_a_batch_of_exactly_the_limit_is_accepted(api):
     assert resp.status_code == 202, resp.text
     assert resp.json() == {"accepted": 1000}
     assert sorted(json.loads(v)["event_id"] for _, v in read_interactions(api.settings)) == sorted(
-        e["event_id"] for e in events)
+        e["event_id"] for e in events
+    )
 
 
 def _errors(resp: httpx.Response) -> list[dict]:
@@ -60,9 +71,24 @@ def _errors(resp: httpx.Response) -> list[dict]:
 BAD_BODIES = [
     # (id, raw body, expected (index, field) of the first error, message fragment)
     ("not-json", b'{"events": [', (None, "(body)"), "not valid JSON"),
-    ("nan", b'{"events": [{"type": "followup", "sentiment": NaN}]}', (None, "(body)"), "NaN and Infinity are not JSON"),
-    ("infinity", b'{"events": [{"type": "followup", "sentiment": Infinity}]}', (None, "(body)"), "Infinity"),
-    ("minus-infinity", b'{"events": [{"type": "followup", "sentiment": -Infinity}]}', (None, "(body)"), "Infinity"),
+    (
+        "nan",
+        b'{"events": [{"type": "followup", "sentiment": NaN}]}',
+        (None, "(body)"),
+        "NaN and Infinity are not JSON",
+    ),
+    (
+        "infinity",
+        b'{"events": [{"type": "followup", "sentiment": Infinity}]}',
+        (None, "(body)"),
+        "Infinity",
+    ),
+    (
+        "minus-infinity",
+        b'{"events": [{"type": "followup", "sentiment": -Infinity}]}',
+        (None, "(body)"),
+        "Infinity",
+    ),
     ("array-body", b'[{"type": "accept"}]', (None, "(body)"), '{"events": [...]}'),
     ("events-not-list", b'{"events": {"type": "accept"}}', (None, "events"), "JSON array"),
     ("unknown-top-level", b'{"events": [], "extra": 1}', (None, "extra"), "unknown field"),
@@ -70,7 +96,9 @@ BAD_BODIES = [
 ]
 
 
-@pytest.mark.parametrize("raw, first, fragment", [b[1:] for b in BAD_BODIES], ids=[b[0] for b in BAD_BODIES])
+@pytest.mark.parametrize(
+    "raw, first, fragment", [b[1:] for b in BAD_BODIES], ids=[b[0] for b in BAD_BODIES]
+)
 def test_bad_bodies_are_422_with_the_reason_and_nothing_is_written(api, raw, first, fragment):
     resp = api.post_events(content=raw, headers={"Content-Type": "application/json"})
     assert resp.status_code == 422, resp.text
@@ -81,33 +109,65 @@ def test_bad_bodies_are_422_with_the_reason_and_nothing_is_written(api, raw, fir
 
 
 BAD_EVENTS = [
-    ("unknown-field", dict(colour="red"), "accept", "colour", "unknown field"),
-    ("logprobs-length", dict(logprobs=[-0.5]), "generation", "logprobs", "logprobs has 1 entries but completion_tokens has 2"),
-    ("positive-logprob", dict(logprobs=[-0.5, 0.25]), "generation", "logprobs.1", "less than or equal to 0"),
-    ("long-event-id", dict(event_id="e" * 129), "accept", "event_id", "at most 128 characters"),
-    ("long-request-id", dict(request_id="r" * 129), "reject", "request_id", "at most 128 characters"),
-    ("naive-timestamp", dict(ts="2026-11-21T10:00:00"), "rating", "ts", "timezone"),
-    ("unknown-type", dict(type="applause"), "accept", "type", "expected one of"),
+    ("unknown-field", {"colour": "red"}, "accept", "colour", "unknown field"),
+    (
+        "logprobs-length",
+        {"logprobs": [-0.5]},
+        "generation",
+        "logprobs",
+        "logprobs has 1 entries but completion_tokens has 2",
+    ),
+    (
+        "positive-logprob",
+        {"logprobs": [-0.5, 0.25]},
+        "generation",
+        "logprobs.1",
+        "less than or equal to 0",
+    ),
+    ("long-event-id", {"event_id": "e" * 129}, "accept", "event_id", "at most 128 characters"),
+    (
+        "long-request-id",
+        {"request_id": "r" * 129},
+        "reject",
+        "request_id",
+        "at most 128 characters",
+    ),
+    ("naive-timestamp", {"ts": "2026-11-21T10:00:00"}, "rating", "ts", "timezone"),
+    ("unknown-type", {"type": "applause"}, "accept", "type", "expected one of"),
 ]
 
 
-@pytest.mark.parametrize("changes, type_, field, fragment", [b[1:] for b in BAD_EVENTS], ids=[b[0] for b in BAD_EVENTS])
-def test_one_invalid_event_rejects_the_whole_batch_naming_index_and_field(api, changes, type_, field, fragment):
+@pytest.mark.parametrize(
+    "changes, type_, field, fragment", [b[1:] for b in BAD_EVENTS], ids=[b[0] for b in BAD_EVENTS]
+)
+def test_one_invalid_event_rejects_the_whole_batch_naming_index_and_field(
+    api, changes, type_, field, fragment
+):
     events = [event("accept", 0), event(type_, 1, **changes), event("followup", 2)]
     resp = api.post_events({"events": events})
     assert resp.status_code == 422, resp.text
     assert [(e["index"], e["field"]) for e in _errors(resp)] == [(1, field)]
     assert fragment in _errors(resp)[0]["message"]
-    assert read_interactions(api.settings) == [], "all-or-nothing: the valid events must not be written"
+    assert read_interactions(api.settings) == [], (
+        "all-or-nothing: the valid events must not be written"
+    )
 
 
 def test_every_bad_event_of_a_batch_is_listed(api):
-    events = [event("rating", 0, value=0), event("accept", 1), event("edit_persistence", 2, fraction=2.0, after_s=-1),
-              "not-an-object"]
+    events = [
+        event("rating", 0, value=0),
+        event("accept", 1),
+        event("edit_persistence", 2, fraction=2.0, after_s=-1),
+        "not-an-object",
+    ]
     resp = api.post_events({"events": events})
     assert resp.status_code == 422
-    assert [(e["index"], e["field"]) for e in _errors(resp)] == [(0, "value"), (2, "fraction"), (2, "after_s"),
-                                                                  (3, "(event)")]
+    assert [(e["index"], e["field"]) for e in _errors(resp)] == [
+        (0, "value"),
+        (2, "fraction"),
+        (2, "after_s"),
+        (3, "(event)"),
+    ]
     assert read_interactions(api.settings) == []
 
 
@@ -148,8 +208,10 @@ def test_body_over_4_mib_is_413_when_streamed_chunked_without_content_length(api
 
 def test_a_small_chunked_body_is_accepted(api):
     ev = event("accept", 0)
-    resp = api.post_events(content=iter([b'{"events": [', json.dumps(ev).encode(), b"]}"]),
-                           headers={"Content-Type": "application/json"})
+    resp = api.post_events(
+        content=iter([b'{"events": [', json.dumps(ev).encode(), b"]}"]),
+        headers={"Content-Type": "application/json"},
+    )
     assert resp.status_code == 202, resp.text
     assert [json.loads(v) for _, v in read_interactions(api.settings)] == [stored(ev)]
 
@@ -159,7 +221,12 @@ def test_missing_or_invalid_key_is_401_and_a_key_without_ingest_scope_is_403(api
     missing = api.post_events(body, key=None)
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
     assert api.post_events(body, key="fw_00000000_not-a-real-key").status_code == 401
-    assert api.post_events(body, key=None, headers={"Authorization": f"Basic {api.ingest_key}"}).status_code == 401
+    assert (
+        api.post_events(
+            body, key=None, headers={"Authorization": f"Basic {api.ingest_key}"}
+        ).status_code
+        == 401
+    )
     forbidden = api.post_events(body, key="read")
     assert forbidden.status_code == 403 and "ingest" in forbidden.json()["detail"]
     assert read_interactions(api.settings) == []
@@ -185,13 +252,21 @@ def test_healthz_readyz_and_metrics(api):
     assert api.post_events({"events": [event("accept", 0), event("reject", 1)]}).status_code == 202
     assert api.post_events({"events": []}).status_code == 422
     text = httpx.get(f"{api.url}/metrics").text
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     assert samples["flywheel_api_events_accepted_total"] >= 2
     assert samples['flywheel_api_batches_total{outcome="empty_batch"}'] >= 1
     assert samples["flywheel_api_produce_seconds_count"] >= 1
-    assert samples['flywheel_api_http_requests_total{method="POST",route="/v1/events",status="202"}'] >= 1
-    assert samples['flywheel_api_http_requests_total{method="GET",route="/readyz",status="200"}'] >= 1
+    assert (
+        samples['flywheel_api_http_requests_total{method="POST",route="/v1/events",status="202"}']
+        >= 1
+    )
+    assert (
+        samples['flywheel_api_http_requests_total{method="GET",route="/readyz",status="200"}'] >= 1
+    )
 
 
 def test_events_land_on_the_same_partition_a_kafka_python_producer_would_choose(api):
@@ -203,7 +278,9 @@ def test_events_land_on_the_same_partition_a_kafka_python_producer_would_choose(
     assert api.post_events({"events": events}).status_code == 202
     topic = api.settings.topic("interactions")
     n = api.settings.interactions_partitions
-    consumer = KafkaConsumer(bootstrap_servers=api.settings.kafka_bootstrap, group_id=None, enable_auto_commit=False)
+    consumer = KafkaConsumer(
+        bootstrap_servers=api.settings.kafka_bootstrap, group_id=None, enable_auto_commit=False
+    )
     try:
         tps = [TopicPartition(topic, p) for p in range(n)]
         consumer.assign(tps)

@@ -29,8 +29,12 @@ SLACK_S = 3.0  # scheduling slack on a shared CI machine, on top of the contract
 
 @pytest.fixture(scope="module")
 def _module_broker(tmp_path_factory):
-    broker = LocalKafka(home=tmp_path_factory.mktemp("own-kafka"), port=free_port(), controller_port=free_port(),
-                        heap="384m")
+    broker = LocalKafka(
+        home=tmp_path_factory.mktemp("own-kafka"),
+        port=free_port(),
+        controller_port=free_port(),
+        heap="384m",
+    )
     broker.start(timeout=180)
     yield broker
     pid = broker.pid()
@@ -62,9 +66,13 @@ def _assert_503_within_bound(api, events) -> None:
     start = time.monotonic()
     resp = api.post_events({"events": events}, timeout=60)
     elapsed = time.monotonic() - start
-    assert resp.status_code == 503, f"expected 503 while Kafka is down, got {resp.status_code}: {resp.text}"
+    assert resp.status_code == 503, (
+        f"expected 503 while Kafka is down, got {resp.status_code}: {resp.text}"
+    )
     assert int(resp.headers["retry-after"]) >= 1
-    assert elapsed <= PRODUCE_TIMEOUT_S + SLACK_S, f"503 took {elapsed:.2f}s; the bound is {PRODUCE_TIMEOUT_S}s"
+    assert elapsed <= PRODUCE_TIMEOUT_S + SLACK_S, (
+        f"503 took {elapsed:.2f}s; the bound is {PRODUCE_TIMEOUT_S}s"
+    )
 
 
 def _assert_not_ready_because_of_kafka(api) -> None:
@@ -77,7 +85,9 @@ def _assert_not_ready_because_of_kafka(api) -> None:
     assert body["checks"]["database"]["ok"] is True
 
 
-def test_hung_broker_gives_503_within_the_bound_and_recovers_when_it_resumes(api_factory, own_broker):
+def test_hung_broker_gives_503_within_the_bound_and_recovers_when_it_resumes(
+    api_factory, own_broker
+):
     api = api_factory(kafka_bootstrap=own_broker.bootstrap, kafka_produce_timeout=PRODUCE_TIMEOUT_S)
     before = [event("accept", 0)]
     assert api.post_events({"events": before}).status_code == 202
@@ -104,7 +114,9 @@ def _unavailable_batches(api) -> float:
     return 0.0
 
 
-def test_stopped_broker_gives_503_and_the_client_retries_until_every_event_lands(api_factory, own_broker):
+def test_stopped_broker_gives_503_and_the_client_retries_until_every_event_lands(
+    api_factory, own_broker
+):
     api = api_factory(kafka_bootstrap=own_broker.bootstrap, kafka_produce_timeout=PRODUCE_TIMEOUT_S)
     warm = [event("accept", 0)]
     assert api.post_events({"events": warm}).status_code == 202
@@ -120,11 +132,21 @@ def test_stopped_broker_gives_503_and_the_client_retries_until_every_event_lands
 
     def editor() -> None:
         try:
-            with FeedbackClient(api.url, api.ingest_key, batch_size=40, flush_interval_s=0, max_retries=60,
-                                backoff_initial_s=0.2, backoff_max_s=2.0) as fc:
+            with FeedbackClient(
+                api.url,
+                api.ingest_key,
+                batch_size=40,
+                flush_interval_s=0,
+                max_retries=60,
+                backoff_initial_s=0.2,
+                backoff_max_s=2.0,
+            ) as fc:
                 for i in range(100):
-                    sent.append(fc.accept(f"req-{i}", "sess-9") if i % 2 else
-                                fc.followup(f"req-{i}", "sess-9", sentiment=0.5))
+                    sent.append(
+                        fc.accept(f"req-{i}", "sess-9")
+                        if i % 2
+                        else fc.followup(f"req-{i}", "sess-9", sentiment=0.5)
+                    )
         except BaseException as exc:  # surfaced to the test thread below
             failure.append(exc)
 
@@ -132,7 +154,9 @@ def test_stopped_broker_gives_503_and_the_client_retries_until_every_event_lands
     thread.start()
     deadline = time.monotonic() + 60
     while _unavailable_batches(api) < answered_503 + 2:  # the client got 503s and is retrying
-        assert time.monotonic() < deadline and thread.is_alive(), f"the client never retried: {failure}"
+        assert time.monotonic() < deadline and thread.is_alive(), (
+            f"the client never retried: {failure}"
+        )
         time.sleep(0.2)
     own_broker.start(timeout=180)  # same storage and ports
     thread.join(240)

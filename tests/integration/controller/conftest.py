@@ -17,7 +17,7 @@ from tests.conftest import free_port
 
 @dataclass
 class Registry:
-    client: "MlflowClient"  # noqa: F821
+    client: MlflowClient  # noqa: F821
     model: str
     versions: list[str]
 
@@ -40,13 +40,15 @@ def registry(mlflow_server, tmp_path: Path) -> Registry:
         mlflow.set_tracking_uri(mlflow_server.uri)
         client.log_artifact(run.info.run_id, str(f), artifact_path="weights")
         client.set_terminated(run.info.run_id)
-        mv = client.create_model_version(model, source=f"{run.info.artifact_uri}/weights", run_id=run.info.run_id)
+        mv = client.create_model_version(
+            model, source=f"{run.info.artifact_uri}/weights", run_id=run.info.run_id
+        )
         versions.append(mv.version)
     return Registry(client, model, versions)
 
 
 class ApiServer:
-    def __init__(self, settings):  # noqa: ANN001
+    def __init__(self, settings):
         import uvicorn
 
         from app.api.main import create_app
@@ -54,10 +56,12 @@ class ApiServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = create_app(settings)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def start(self) -> "ApiServer":
+    def start(self) -> ApiServer:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -74,7 +78,7 @@ class ApiServer:
 def api_server() -> Iterator[Callable[..., ApiServer]]:
     started: list[ApiServer] = []
 
-    def _start(settings) -> ApiServer:  # noqa: ANN001
+    def _start(settings) -> ApiServer:
         srv = ApiServer(settings).start()
         started.append(srv)
         return srv
@@ -94,7 +98,7 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, every: float
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def deployment_events(settings) -> list[dict]:  # noqa: ANN001
+def deployment_events(settings) -> list[dict]:
     from app.deployments.events import DeploymentLog
 
     with DeploymentLog(settings) as dlog:

@@ -24,8 +24,17 @@ def admin_api(make_settings, api_server):
         admin, _ = create_key(s, ["admin"], name="alice")
         reader, _ = create_key(s, ["read"], name="bob")
     with DeploymentLog(settings) as dlog:  # history: 1 then 2 were champions; 3 is in canary
-        for d in (Decision(type="promoted", version="1"), Decision(type="promoted", version="2", from_version="1"),
-                  Decision(type="canary_started", version="3", from_version="2", traffic_pct=5.0, details={"step": 0})):
+        for d in (
+            Decision(type="promoted", version="1"),
+            Decision(type="promoted", version="2", from_version="1"),
+            Decision(
+                type="canary_started",
+                version="3",
+                from_version="2",
+                traffic_pct=5.0,
+                details={"step": 0},
+            ),
+        ):
             dlog.publish(DeploymentEvent.model_validate(d.to_event(settings.model_name)))
     api = api_server(settings)
     return settings, api.url, admin, reader
@@ -48,8 +57,13 @@ def test_pause_resume_promote_rollback_become_events_with_actor_and_reason(admin
     r = post(url, "pause", admin, reason="looking into latency")
     assert r.status_code == 202, r.text
     [ev] = r.json()["events"]
-    assert (ev["type"], ev["version"], ev["source"], ev["actor"], ev["reason"]) == \
-        ("canary_paused", "3", "api", "alice", "looking into latency")
+    assert (ev["type"], ev["version"], ev["source"], ev["actor"], ev["reason"]) == (
+        "canary_paused",
+        "3",
+        "api",
+        "alice",
+        "looking into latency",
+    )
     assert post(url, "pause", admin).status_code == 409, "already paused"
     assert post(url, "resume", admin, reason="fine").json()["events"][0]["type"] == "canary_resumed"
 
@@ -57,19 +71,27 @@ def test_pause_resume_promote_rollback_become_events_with_actor_and_reason(admin
     assert r.status_code == 422 and "known-good" in r.json()["detail"]
     r = post(url, "rollback", admin, version="1", reason="2 is bad too")
     assert r.status_code == 202
-    assert [(e["type"], e["version"], e["from_version"]) for e in r.json()["events"]] == \
-        [("aborted", "3", "3"), ("rolled_back", "1", "2")]
+    assert [(e["type"], e["version"], e["from_version"]) for e in r.json()["events"]] == [
+        ("aborted", "3", "3"),
+        ("rolled_back", "1", "2"),
+    ]
     r = post(url, "promote", admin, skip_remaining=True)
     assert r.status_code == 409 and "no canary" in r.json()["detail"]
 
     on_topic = [(e["type"], e["source"], e["actor"]) for e in deployment_events(settings)][3:]
-    assert on_topic == [("canary_paused", "api", "alice"), ("canary_resumed", "api", "alice"),
-                        ("aborted", "api", "alice"), ("rolled_back", "api", "alice")]
+    assert on_topic == [
+        ("canary_paused", "api", "alice"),
+        ("canary_resumed", "api", "alice"),
+        ("aborted", "api", "alice"),
+        ("rolled_back", "api", "alice"),
+    ]
 
 
 def test_promote_advances_one_step_or_skips_the_rest(admin_api):
     settings, url, admin, _ = admin_api
     r = post(url, "promote", admin, reason="metrics look fine")
-    assert [(e["type"], e["traffic_pct"]) for e in r.json()["events"]] == [("traffic_shifted", 25.0)]
+    assert [(e["type"], e["traffic_pct"]) for e in r.json()["events"]] == [
+        ("traffic_shifted", 25.0)
+    ]
     r = post(url, "promote", admin, skip_remaining=True)
     assert [(e["type"], e["version"]) for e in r.json()["events"]] == [("promoted", "3")]

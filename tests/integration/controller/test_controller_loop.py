@@ -14,8 +14,10 @@ from app.controller.controller import Controller
 from app.controller.gate import GateResult
 from app.controller.monitors import Check
 from app.controller.state import Decision
-from tests.integration.rollout.stack import MetricsFeed as Feeder  # publishes version-metrics like streams/
 from tests.integration.controller.conftest import deployment_events, wait_for
+from tests.integration.rollout.stack import (
+    MetricsFeed as Feeder,
+)  # publishes version-metrics like streams/
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +28,9 @@ def gate(version, champion):
 
 
 def types(settings, since=0):
-    return [(e["type"], e["version"], e["traffic_pct"]) for e in deployment_events(settings)][since:]
+    return [(e["type"], e["version"], e["traffic_pct"]) for e in deployment_events(settings)][
+        since:
+    ]
 
 
 def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, make_settings):
@@ -34,9 +38,18 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
 
     client, model = registry.client, registry.model
     settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)
-    cs = ControllerSettings(min_step=0.5, min_samples=50, step_deadline=600, tick_interval=0.2, poll_interval=0.5,
-                            webhooks_enabled=False, metrics_port=0)
-    ctl = Controller(settings, cs, client, gate=gate, background_gate=True)  # as `flywheel controller` runs it
+    cs = ControllerSettings(
+        min_step=0.5,
+        min_samples=50,
+        step_deadline=600,
+        tick_interval=0.2,
+        poll_interval=0.5,
+        webhooks_enabled=False,
+        metrics_port=0,
+    )
+    ctl = Controller(
+        settings, cs, client, gate=gate, background_gate=True
+    )  # as `flywheel controller` runs it
     stop = threading.Event()
     ready = threading.Event()
     th = threading.Thread(target=ctl.run, args=(stop, ready.set), daemon=True)
@@ -46,11 +59,22 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
         assert ready.wait(60), "controller did not catch up"
         with DeploymentLog(settings) as dlog:
             for v in ("1", "2"):
-                dlog.publish(DeploymentEvent.model_validate(
-                    Decision(type="version_registered", version=v, source="trainer", actor="trainer").to_event(model)))
+                dlog.publish(
+                    DeploymentEvent.model_validate(
+                        Decision(
+                            type="version_registered", version=v, source="trainer", actor="trainer"
+                        ).to_event(model)
+                    )
+                )
         wait_for(lambda: ("canary_started", "2", 5.0) in types(settings), 30, "canary of v2")
-        assert ("promoted", "1", 100.0) in types(settings), "the first gated version becomes champion"
-        wait_for(lambda: read_snapshot(client, model).aliases == {"champion": "1", "candidate": "2"}, 30, "aliases 1/2")
+        assert ("promoted", "1", 100.0) in types(settings), (
+            "the first gated version becomes champion"
+        )
+        wait_for(
+            lambda: read_snapshot(client, model).aliases == {"champion": "1", "candidate": "2"},
+            30,
+            "aliases 1/2",
+        )
 
         def better():  # candidate 0.7 vs champion 0.3 in every fresh bucket until promoted
             feed.bucket("2", 100, 0.7)
@@ -58,13 +82,28 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
             return ("promoted", "2", 100.0) in types(settings)
 
         wait_for(better, 90, "promotion of v2", every=0.5)
-        steps = [t for t in types(settings) if t[1] == "2" and t[0] in ("traffic_shifted", "promoted")]
-        assert steps == [("traffic_shifted", "2", 25.0), ("traffic_shifted", "2", 50.0), ("promoted", "2", 100.0)]
-        wait_for(lambda: read_snapshot(client, model).aliases == {"champion": "2", "candidate": None}, 30, "champion alias on 2")
+        steps = [
+            t for t in types(settings) if t[1] == "2" and t[0] in ("traffic_shifted", "promoted")
+        ]
+        assert steps == [
+            ("traffic_shifted", "2", 25.0),
+            ("traffic_shifted", "2", 50.0),
+            ("promoted", "2", 100.0),
+        ]
+        wait_for(
+            lambda: read_snapshot(client, model).aliases == {"champion": "2", "candidate": None},
+            30,
+            "champion alias on 2",
+        )
 
         with DeploymentLog(settings) as dlog:
-            dlog.publish(DeploymentEvent.model_validate(
-                Decision(type="version_registered", version="3", source="trainer", actor="trainer").to_event(model)))
+            dlog.publish(
+                DeploymentEvent.model_validate(
+                    Decision(
+                        type="version_registered", version="3", source="trainer", actor="trainer"
+                    ).to_event(model)
+                )
+            )
         wait_for(lambda: ("canary_started", "3", 5.0) in types(settings), 30, "canary of v3")
 
         def worse():
@@ -75,8 +114,15 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
         wait_for(worse, 90, "automatic rollback of v3", every=0.5)
         [rb] = [e for e in deployment_events(settings) if e["type"] == "rolled_back"]
         assert (rb["version"], rb["from_version"], rb["source"]) == ("2", "3", "controller")
-        assert rb["details"]["analysis"]["verdict"] == "worse" and rb["details"]["analysis"]["upper"] < -cs.margin
-        wait_for(lambda: read_snapshot(client, model).aliases == {"champion": "2", "candidate": None}, 30, "candidate alias removed")
+        assert (
+            rb["details"]["analysis"]["verdict"] == "worse"
+            and rb["details"]["analysis"]["upper"] < -cs.margin
+        )
+        wait_for(
+            lambda: read_snapshot(client, model).aliases == {"champion": "2", "candidate": None},
+            30,
+            "candidate alias removed",
+        )
         assert ctl.state.failed == ["3"] and ctl.state.known_good == ["1", "2"]
 
         # an operator moves champion back to 1 in the MLflow UI; the poller reports it, the controller obeys

@@ -18,9 +18,15 @@ def test_weight_change_reference_skips_parents_that_failed_the_gate(registry, ml
     client.set_model_version_tag(model, v3, "parent_version", v2)
     runner = GateRunner(Settings(mlflow_uri=mlflow_server.uri), client, GateConfig(), n_rollouts=0)
 
-    assert runner.reference_version(model, {"parent_version": v2}) == v2, "a parent that passed is the reference"
+    assert runner.reference_version(model, {"parent_version": v2}) == v2, (
+        "a parent that passed is the reference"
+    )
     client.set_model_version_tag(model, v2, "flywheel.gate.status", "failed")
-    assert runner.reference_version(model, {"parent_version": v2}) == v1, "a failed parent is skipped"
+    assert runner.reference_version(model, {"parent_version": v2}) == v1, (
+        "a failed parent is skipped"
+    )
     client.set_model_version_tag(model, v1, "flywheel.gate.status", "failed")
-    assert runner.reference_version(model, {"parent_version": v2}) is None, "no passing ancestor: no reference"
+    assert runner.reference_version(model, {"parent_version": v2}) is None, (
+        "no passing ancestor: no reference"
+    )
     assert runner.reference_version(model, {"parent_version": "none"}) is None

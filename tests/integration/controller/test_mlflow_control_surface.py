@@ -26,7 +26,7 @@ SECRET = "test-webhook-secret"
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):  # noqa: ANN001, ANN201
+def mlflow_server(tmp_path_factory):
     """A private MLflow server for this module (overrides the session one): MLflow's webhooks are
     server-wide and its delivery pool is shared, so deliveries queued for other tests' receivers
     (dead or slow by now) must not delay the ones these tests wait for."""
@@ -39,25 +39,37 @@ def mlflow_server(tmp_path_factory):  # noqa: ANN001, ANN201
         server.stop()
 
 
-def mlflow_log_tail(server, n: int = 40) -> str:  # noqa: ANN001
+def mlflow_log_tail(server, n: int = 40) -> str:
     lines = (server.root / "mlflow.log").read_text(errors="replace").splitlines()
-    return "\n".join(line for line in lines if "webhook" in line.lower() or "Error" in line)[-4000:] or "\n".join(lines[-n:])
+    return "\n".join(line for line in lines if "webhook" in line.lower() or "Error" in line)[
+        -4000:
+    ] or "\n".join(lines[-n:])
 
 
 def alias_events(settings, alias=None):
-    return [e for e in deployment_events(settings) if e["type"] == "alias_changed"
-            and (alias is None or e["details"]["alias"] == alias)]
+    return [
+        e
+        for e in deployment_events(settings)
+        if e["type"] == "alias_changed" and (alias is None or e["details"]["alias"] == alias)
+    ]
 
 
 def deliveries(outcome: str) -> float:
-    return REGISTRY.get_sample_value("flywheel_webhook_deliveries_total", {"outcome": outcome}) or 0.0
+    return (
+        REGISTRY.get_sample_value("flywheel_webhook_deliveries_total", {"outcome": outcome}) or 0.0
+    )
 
 
-def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(registry, make_settings, api_server,
-                                                                        mlflow_server):
+def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(
+    registry, make_settings, api_server, mlflow_server
+):
     client, model = registry.client, registry.model
-    settings = make_settings(model_name=model, webhook_secret=SECRET, mlflow_uri=client.tracking_uri)
-    sync_aliases(client, model, {"champion": "1"})  # what the controller does: acknowledged, no event
+    settings = make_settings(
+        model_name=model, webhook_secret=SECRET, mlflow_uri=client.tracking_uri
+    )
+    sync_aliases(
+        client, model, {"champion": "1"}
+    )  # what the controller does: acknowledged, no event
     api = api_server(settings)
     # MLflow webhooks are server-wide: receivers left by earlier tests on this session's server
     # are dead, and deliveries to them (with retries) queue ahead of this one
@@ -74,21 +86,34 @@ def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(registry
         try:
             [ev] = wait_for(lambda: alias_events(settings), 120, "alias_changed from the webhook")
         except AssertionError as exc:
-            raise AssertionError(f"{exc}; deliveries by outcome: "
-                                 f"{ {o: deliveries(o) for o in ('applied', 'no_change', 'rejected', 'duplicate', 'ignored', 'error')} }; "
-                                 f"MLflow server log:\n{mlflow_log_tail(mlflow_server)}") from None
+            raise AssertionError(
+                f"{exc}; deliveries by outcome: "
+                f"{ {o: deliveries(o) for o in ('applied', 'no_change', 'rejected', 'duplicate', 'ignored', 'error')} }; "
+                f"MLflow server log:\n{mlflow_log_tail(mlflow_server)}"
+            ) from None
         took = time.monotonic() - t0
-        assert (ev["version"], ev["from_version"], ev["source"], ev["actor"]) == ("2", "1", "mlflow-ui", "mlflow-ui")
+        assert (ev["version"], ev["from_version"], ev["source"], ev["actor"]) == (
+            "2",
+            "1",
+            "mlflow-ui",
+            "mlflow-ui",
+        )
         assert ev["details"]["alias"] == "champion" and ev["details"]["observed_via"] == "webhook"
         assert ev["details"]["delivery_id"] and "champion" in ev["reason"]
-        wait_for(lambda: read_snapshot(client, model).acked["champion"] == "2", 10, "the move to be acknowledged")
+        wait_for(
+            lambda: read_snapshot(client, model).acked["champion"] == "2",
+            10,
+            "the move to be acknowledged",
+        )
         print(f"webhook: alias move -> alias_changed on the topic in {took:.2f}s")
 
         # Flywheel's own move (tag first, then alias): the webhook comes and is recognised as ours
         before = deliveries("no_change")
         sync_aliases(client, model, {"candidate": "3"})
         wait_for(lambda: deliveries("no_change") > before, 30, "the webhook of our own move")
-        assert alias_events(settings, "candidate") == [], "a Flywheel move is not reported as a UI move"
+        assert alias_events(settings, "candidate") == [], (
+            "a Flywheel move is not reported as a UI move"
+        )
 
         # removing an alias in the UI is a move too (MLflow's delete payload has no version)
         client.delete_registered_model_alias(model, "candidate")
@@ -100,35 +125,67 @@ def test_alias_move_in_mlflow_arrives_by_signed_webhook_and_is_recorded(registry
 
 def test_forged_stale_and_replayed_deliveries(registry, make_settings, api_server):
     client, model = registry.client, registry.model
-    settings = make_settings(model_name=model, webhook_secret=SECRET, mlflow_uri=client.tracking_uri)
+    settings = make_settings(
+        model_name=model, webhook_secret=SECRET, mlflow_uri=client.tracking_uri
+    )
     api = api_server(settings)
     url = f"{api.url}/v1/hooks/mlflow"
-    body = json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": "x",
-                       "data": {"name": model, "alias": "champion", "version": "1"}}).encode()
+    body = json.dumps(
+        {
+            "entity": "model_version_alias",
+            "action": "created",
+            "timestamp": "x",
+            "data": {"name": model, "alias": "champion", "version": "1"},
+        }
+    ).encode()
 
     def post(secret, delivery_id, ts, payload=body):
-        headers = {"Content-Type": "application/json", "X-MLflow-Delivery-Id": delivery_id, "X-MLflow-Timestamp": ts,
-                   "X-MLflow-Signature": sign(secret, delivery_id, ts, payload)}
+        headers = {
+            "Content-Type": "application/json",
+            "X-MLflow-Delivery-Id": delivery_id,
+            "X-MLflow-Timestamp": ts,
+            "X-MLflow-Signature": sign(secret, delivery_id, ts, payload),
+        }
         return httpx.post(url, content=payload, headers=headers, timeout=30)
 
     now = str(int(time.time()))
     assert post("wrong-secret", str(uuid.uuid4()), now).status_code == 401
     tampered = sign(SECRET, "d1", now, body)
-    r = httpx.post(url, content=body.replace(b'"1"', b'"2"'), timeout=30,
-                   headers={"X-MLflow-Delivery-Id": "d1", "X-MLflow-Timestamp": now, "X-MLflow-Signature": tampered})
+    r = httpx.post(
+        url,
+        content=body.replace(b'"1"', b'"2"'),
+        timeout=30,
+        headers={
+            "X-MLflow-Delivery-Id": "d1",
+            "X-MLflow-Timestamp": now,
+            "X-MLflow-Signature": tampered,
+        },
+    )
     assert r.status_code == 401, "a modified body fails the signature"
     assert httpx.post(url, content=body, timeout=30).status_code == 401, "unsigned"
-    assert post(SECRET, str(uuid.uuid4()), str(int(time.time()) - 3600)).status_code == 401, "outside the replay window"
+    assert post(SECRET, str(uuid.uuid4()), str(int(time.time()) - 3600)).status_code == 401, (
+        "outside the replay window"
+    )
 
     client.set_registered_model_alias(model, "champion", "1")  # a real move to find
     did = str(uuid.uuid4())
     first = post(SECRET, did, now)
-    assert first.status_code == 200 and first.json()["status"] == "ok" and len(first.json()["events"]) == 1
+    assert (
+        first.status_code == 200
+        and first.json()["status"] == "ok"
+        and len(first.json()["events"]) == 1
+    )
     second = post(SECRET, did, now)
     assert second.status_code == 200 and second.json()["status"] == "duplicate"
     assert len(alias_events(settings)) == 1, "the replayed delivery published nothing"
-    other = json.dumps({"entity": "model_version_alias", "action": "created", "timestamp": "x",
-                        "data": {"name": "someone-elses-model", "alias": "champion", "version": "1"}}).encode()
+    other = json.dumps(
+        {
+            "entity": "model_version_alias",
+            "action": "created",
+            "timestamp": "x",
+            "data": {"name": "someone-elses-model", "alias": "champion", "version": "1"},
+        }
+    ).encode()
     assert post(SECRET, str(uuid.uuid4()), now, other).json()["status"] == "ignored"
 
 
@@ -141,13 +198,20 @@ def test_reconciler_alone_carries_the_move_within_its_poll_interval(registry, ma
     sync_aliases(client, model, {"champion": "1", "candidate": "2"})
     interval = 1.0
     with DeploymentLog(settings) as dlog:
-        rec = Reconciler(client, model, lambda ev: publish_dict(dlog, ev), interval_s=interval).start()
+        rec = Reconciler(
+            client, model, lambda ev: publish_dict(dlog, ev), interval_s=interval
+        ).start()
         try:
             time.sleep(interval * 1.5)
             assert alias_events(settings) == [], "nothing moved, nothing reported"
             t0 = time.monotonic()
             client.set_registered_model_alias(model, "champion", "3")
-            [ev] = wait_for(lambda: alias_events(settings), interval + 10, "alias_changed from the poller", every=0.1)
+            [ev] = wait_for(
+                lambda: alias_events(settings),
+                interval + 10,
+                "alias_changed from the poller",
+                every=0.1,
+            )
             took = time.monotonic() - t0
         finally:
             rec.stop()

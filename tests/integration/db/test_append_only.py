@@ -3,7 +3,7 @@ migration 0002), on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
@@ -16,9 +16,19 @@ pytestmark = pytest.mark.integration
 
 
 def _event(event_id: str, **kw) -> DeploymentEvent:
-    return DeploymentEvent(event_id=event_id, type=kw.pop("type", "promoted"), model="flywheel-policy", version="3",
-                           from_version="2", source="controller", actor="controller", reason="canary passed",
-                           details={"step": 3}, ts=datetime(2026, 1, 1, tzinfo=timezone.utc), **kw)
+    return DeploymentEvent(
+        event_id=event_id,
+        type=kw.pop("type", "promoted"),
+        model="flywheel-policy",
+        version="3",
+        from_version="2",
+        source="controller",
+        actor="controller",
+        reason="canary passed",
+        details={"step": 3},
+        ts=datetime(2026, 1, 1, tzinfo=UTC),
+        **kw,
+    )
 
 
 @pytest.fixture()
@@ -51,13 +61,18 @@ def test_orm_delete_of_a_deployment_event_raises(engine: sa.Engine) -> None:
         assert s.scalar(sa.select(sa.func.count()).select_from(DeploymentEvent)) == 1
 
 
-@pytest.mark.parametrize("sql, op", [
-    ("update deployment_events set reason = 'rewritten' where event_id = 'e-1'", "UPDATE"),
-    ("update deployment_events set version = '99'", "UPDATE"),
-    ("delete from deployment_events where event_id = 'e-1'", "DELETE"),
-    ("delete from deployment_events", "DELETE"),
-])
-def test_raw_sql_update_and_delete_are_rejected_by_the_database(engine: sa.Engine, sql: str, op: str) -> None:
+@pytest.mark.parametrize(
+    "sql, op",
+    [
+        ("update deployment_events set reason = 'rewritten' where event_id = 'e-1'", "UPDATE"),
+        ("update deployment_events set version = '99'", "UPDATE"),
+        ("delete from deployment_events where event_id = 'e-1'", "DELETE"),
+        ("delete from deployment_events", "DELETE"),
+    ],
+)
+def test_raw_sql_update_and_delete_are_rejected_by_the_database(
+    engine: sa.Engine, sql: str, op: str
+) -> None:
     with engine.connect() as conn:
         with pytest.raises(sa.exc.DBAPIError) as info:
             conn.execute(sa.text(sql))
@@ -65,7 +80,9 @@ def test_raw_sql_update_and_delete_are_rejected_by_the_database(engine: sa.Engin
     message = str(info.value.orig)
     assert "deployment_events is append-only" in message and f"{op} refused" in message, message
     with engine.connect() as conn:
-        rows = conn.execute(sa.text("select event_id, reason, version from deployment_events")).all()
+        rows = conn.execute(
+            sa.text("select event_id, reason, version from deployment_events")
+        ).all()
     assert [tuple(r) for r in rows] == [("e-1", "canary passed", "3")], rows
 
 
@@ -82,5 +99,9 @@ def test_inserts_are_still_allowed_and_duplicates_rejected(engine: sa.Engine) ->
         with pytest.raises(sa.exc.IntegrityError):
             s.commit()
     with engine.connect() as conn:
-        ids = conn.execute(sa.text("select event_id from deployment_events order by seq")).scalars().all()
+        ids = (
+            conn.execute(sa.text("select event_id from deployment_events order by seq"))
+            .scalars()
+            .all()
+        )
     assert ids == ["e-1", "e-2"]

@@ -23,8 +23,10 @@ def _triggers(engine: sa.Engine) -> set[str]:
         if engine.dialect.name == "sqlite":
             q = "select name from sqlite_master where type = 'trigger' and tbl_name = 'deployment_events'"
         else:
-            q = ("select tgname from pg_trigger where not tgisinternal "
-                 "and tgrelid = 'deployment_events'::regclass")
+            q = (
+                "select tgname from pg_trigger where not tgisinternal "
+                "and tgrelid = 'deployment_events'::regclass"
+            )
         return {row[0] for row in conn.execute(sa.text(q))}
 
 
@@ -46,17 +48,35 @@ def test_upgrade_head_creates_every_table_index_and_constraint(db_url: str) -> N
     try:
         schema = _schema(engine)
         expected_tables = set(Base.metadata.tables) | {"alembic_version"}
-        assert set(schema) == expected_tables, f"tables {sorted(schema)} != {sorted(expected_tables)}"
+        assert set(schema) == expected_tables, (
+            f"tables {sorted(schema)} != {sorted(expected_tables)}"
+        )
         for name, table in Base.metadata.tables.items():
             cols = {c.name for c in table.columns}
-            assert schema[name]["columns"] == cols, f"{name}: columns {schema[name]['columns']} != {cols}"
+            assert schema[name]["columns"] == cols, (
+                f"{name}: columns {schema[name]['columns']} != {cols}"
+            )
             idx = {i.name for i in table.indexes}
-            assert idx <= schema[name]["indexes"], f"{name}: missing indexes {idx - schema[name]['indexes']}"
-            uniques = {tuple(c.name for c in u.columns) for u in table.constraints if isinstance(u, sa.UniqueConstraint)}
+            assert idx <= schema[name]["indexes"], (
+                f"{name}: missing indexes {idx - schema[name]['indexes']}"
+            )
+            uniques = {
+                tuple(c.name for c in u.columns)
+                for u in table.constraints
+                if isinstance(u, sa.UniqueConstraint)
+            }
             uniques |= {(c.name,) for c in table.columns if c.unique}
-            found = schema[name]["uniques"] | {tuple(sa.inspect(engine).get_pk_constraint(name)["constrained_columns"])}
-            if engine.dialect.name == "sqlite":  # SQLite reports unique indexes, not always constraints
-                found |= {tuple(i["column_names"]) for i in sa.inspect(engine).get_indexes(name) if i["unique"]}
+            found = schema[name]["uniques"] | {
+                tuple(sa.inspect(engine).get_pk_constraint(name)["constrained_columns"])
+            }
+            if (
+                engine.dialect.name == "sqlite"
+            ):  # SQLite reports unique indexes, not always constraints
+                found |= {
+                    tuple(i["column_names"])
+                    for i in sa.inspect(engine).get_indexes(name)
+                    if i["unique"]
+                }
             assert uniques <= found, f"{name}: missing unique constraints {uniques - found}"
         assert "ix_deployment_events_model_ts" in schema["deployment_events"]["indexes"]
         assert "ix_replicas_model" in schema["replicas"]["indexes"]
@@ -75,13 +95,19 @@ def test_downgrade_base_removes_everything_and_upgrade_again_works(db_url: str) 
         assert left <= {"alembic_version"}, f"downgrade base left tables behind: {sorted(left)}"
         if engine.dialect.name == "postgresql":
             with engine.connect() as conn:
-                fn = conn.execute(sa.text("select count(*) from pg_proc where proname = 'flywheel_deployment_events_append_only'")).scalar()
+                fn = conn.execute(
+                    sa.text(
+                        "select count(*) from pg_proc where proname = 'flywheel_deployment_events_append_only'"
+                    )
+                ).scalar()
             assert fn == 0, "downgrade left the append-only trigger function behind"
         assert current_revision(db_url) is None
 
         upgrade(db_url)
         tables = set(sa.inspect(engine).get_table_names())
-        assert tables == set(Base.metadata.tables) | {"alembic_version"}, f"re-upgrade gave {sorted(tables)}"
+        assert tables == set(Base.metadata.tables) | {"alembic_version"}, (
+            f"re-upgrade gave {sorted(tables)}"
+        )
         assert _triggers(engine), "re-upgrade did not re-create the append-only triggers"
         assert current_revision(db_url) == head_revision()
     finally:
@@ -110,8 +136,12 @@ def test_models_and_migrations_agree(db_url: str) -> None:
     engine = sa.create_engine(db_url)
     try:
         with engine.connect() as conn:
-            ctx = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": False})
+            ctx = MigrationContext.configure(
+                conn, opts={"compare_type": True, "compare_server_default": False}
+            )
             diff = compare_metadata(ctx, Base.metadata)
-        assert diff == [], f"models and migrations disagree on {engine.dialect.name}; write a migration for: {diff}"
+        assert diff == [], (
+            f"models and migrations disagree on {engine.dialect.name}; write a migration for: {diff}"
+        )
     finally:
         engine.dispose()

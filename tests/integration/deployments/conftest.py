@@ -48,7 +48,10 @@ def db_pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """One migrated, empty database per test on each dialect."""
-    url = (f"sqlite:///{tmp_path / 'flywheel.db'}" if request.param == "sqlite"
-           else request.getfixturevalue("fresh_postgres_url"))
+    url = (
+        f"sqlite:///{tmp_path / 'flywheel.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("fresh_postgres_url")
+    )
     upgrade(url)
     return url

@@ -59,13 +59,19 @@ def test_publish_is_acknowledged_keyed_by_model_and_read_back_in_order(make_sett
     with DeploymentLog(settings) as dlog:
         positions = [dlog.publish(e) for e in events]
         assert [p for p, _ in positions] == [0] * 6
-        assert [o for _, o in positions] == sorted(o for _, o in positions) and len({o for _, o in positions}) == 6
+        assert [o for _, o in positions] == sorted(o for _, o in positions) and len(
+            {o for _, o in positions}
+        ) == 6
         logged = list(dlog.read())
     assert [le.event for le in logged] == events
     assert [(le.partition, le.offset) for le in logged] == positions
 
-    raw = KafkaConsumer(settings.topic("deployments"), bootstrap_servers=settings.kafka_bootstrap,
-                        auto_offset_reset="earliest", consumer_timeout_ms=5000)
+    raw = KafkaConsumer(
+        settings.topic("deployments"),
+        bootstrap_servers=settings.kafka_bootstrap,
+        auto_offset_reset="earliest",
+        consumer_timeout_ms=5000,
+    )
     records = [r for r, _ in zip(raw, range(6))]
     raw.close()
     assert [r.key for r in records] == [MODEL.encode()] * 6
@@ -79,7 +85,9 @@ def test_read_of_an_empty_topic_returns_at_once(make_settings) -> None:
     assert time.monotonic() - started < 30
 
 
-def test_incremental_projection_equals_a_rebuild_into_an_empty_database(make_settings, db_pair) -> None:
+def test_incremental_projection_equals_a_rebuild_into_an_empty_database(
+    make_settings, db_pair
+) -> None:
     incremental, rebuilt = db_pair
     settings = make_settings()
     events = scenario_events()
@@ -89,7 +97,13 @@ def test_incremental_projection_equals_a_rebuild_into_an_empty_database(make_set
 
     def _follow() -> None:
         try:
-            follow(settings, db_url=incremental, stop=stop, group_id="projector-test", poll_timeout_s=0.2)
+            follow(
+                settings,
+                db_url=incremental,
+                stop=stop,
+                group_id="projector-test",
+                poll_timeout_s=0.2,
+            )
         except BaseException as exc:  # surfaced by the asserts below
             errors.append(exc)
 
@@ -102,7 +116,9 @@ def test_incremental_projection_equals_a_rebuild_into_an_empty_database(make_set
                 dlog.publish(e)
             _wait_for(incremental, half)  # applied while the rest is not yet published
             mid = _rows(incremental)
-            mid_status = {r["version"]: r["status"] for r in mid["model_versions"] if r["model"] == MODEL}
+            mid_status = {
+                r["version"]: r["status"] for r in mid["model_versions"] if r["model"] == MODEL
+            }
             assert mid_status == {"1": "retired", "2": "champion", "3": "gate_failed"}, mid_status
             for e in events[half:]:
                 dlog.publish(e)
@@ -120,7 +136,9 @@ def test_incremental_projection_equals_a_rebuild_into_an_empty_database(make_set
 
     a = _rows(incremental)
     assert len(a["deployment_events"]) == unique
-    assert {r["version"]: r["status"] for r in a["model_versions"] if r["model"] == MODEL} == EXPECTED_STATUS
+    assert {
+        r["version"]: r["status"] for r in a["model_versions"] if r["model"] == MODEL
+    } == EXPECTED_STATUS
     state = next(r for r in a["deployment_state"] if r["model"] == MODEL)
     assert (state["champion"], state["candidate"], state["phase"]) == ("1", None, "idle")
 
@@ -134,7 +152,10 @@ def test_incremental_projection_equals_a_rebuild_into_an_empty_database(make_set
     c = _rows(incremental)
     for table in a:
         assert c[table] == a[table], f"{table} differs after an in-place rebuild"
-    with sa.create_engine(incremental).connect() as conn, pytest.raises(sa.exc.DBAPIError, match="append-only"):
+    with (
+        sa.create_engine(incremental).connect() as conn,
+        pytest.raises(sa.exc.DBAPIError, match="append-only"),
+    ):
         conn.execute(sa.text("delete from deployment_events"))
 
 
@@ -150,8 +171,17 @@ def test_follower_resumes_from_its_committed_offsets(make_settings, tmp_path: Pa
             dlog.publish(e)
         for batch_end in (5, 10):
             stop = threading.Event()
-            t = threading.Thread(target=follow, kwargs=dict(settings=settings, db_url=url, stop=stop,
-                                                            group_id="resume-test", poll_timeout_s=0.2), daemon=True)
+            t = threading.Thread(
+                target=follow,
+                kwargs={
+                    "settings": settings,
+                    "db_url": url,
+                    "stop": stop,
+                    "group_id": "resume-test",
+                    "poll_timeout_s": 0.2,
+                },
+                daemon=True,
+            )
             t.start()
             _wait_for(url, batch_end)
             time.sleep(0.5)
@@ -160,8 +190,9 @@ def test_follower_resumes_from_its_committed_offsets(make_settings, tmp_path: Pa
             if batch_end == 5:
                 for e in events[5:]:
                     dlog.publish(e)
-    from app.kafka_io import make_consumer
     from kafka import TopicPartition
+
+    from app.kafka_io import make_consumer
 
     c = make_consumer(settings, group_id="resume-test")
     committed = c.committed(TopicPartition(settings.topic("deployments"), 0))
@@ -176,13 +207,24 @@ def test_cli_projections_rebuild(make_settings, tmp_path: Path) -> None:
         for e in scenario_events():
             dlog.publish(e)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env.update(FLYWHEEL_DATA_DIR=str(tmp_path / "cli"), FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
-               FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace)
+    env.update(
+        FLYWHEEL_DATA_DIR=str(tmp_path / "cli"),
+        FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace,
+    )
     flywheel = Path(sys.executable).parent / "flywheel"
     for _ in range(2):  # the second run rebuilds over a populated database
-        proc = subprocess.run([str(flywheel), "projections", "rebuild"], env=env, capture_output=True, text=True, timeout=180)
+        proc = subprocess.run(
+            [str(flywheel), "projections", "rebuild"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "33 events read, 32 applied, 1 duplicates" in " ".join(proc.stderr.split()), proc.stderr
+        assert "33 events read, 32 applied, 1 duplicates" in " ".join(proc.stderr.split()), (
+            proc.stderr
+        )
     engine = sa.create_engine(f"sqlite:///{(tmp_path / 'cli' / 'flywheel.db').resolve()}")
     with Session(engine) as s:
         state = s.get(DeploymentState, MODEL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -94,13 +94,21 @@ def test_deployments_before_any_event_is_empty(api: StatusApi) -> None:
     assert r.status_code == 200 and r.json()["models"] == []
 
 
-def test_deployments_mid_canary_shows_split_phase_step_analysis_and_replicas(api: StatusApi) -> None:
+def test_deployments_mid_canary_shows_split_phase_step_analysis_and_replicas(
+    api: StatusApi,
+) -> None:
     events = scenario_events()
     api.project(events[:10])  # v2 in canary at 50% (step 2); r-a serves v2 to canary sessions
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     body = api.get("/v1/deployments").json()
     (m,) = body["models"]
-    assert (m["model"], m["champion"], m["candidate"], m["phase"], m["step"]) == (MODEL, "1", "2", "canary", 2)
+    assert (m["model"], m["champion"], m["candidate"], m["phase"], m["step"]) == (
+        MODEL,
+        "1",
+        "2",
+        "canary",
+        2,
+    )
     assert m["traffic"] == {"champion_pct": 50.0, "candidate_pct": 50.0}
     assert m["last_analysis"]["verdict"] == "better" and m["last_analysis"]["candidate"]["n"] == 900
     reps = {r["replica_id"]: r for r in m["replicas"]}
@@ -111,7 +119,9 @@ def test_deployments_mid_canary_shows_split_phase_step_analysis_and_replicas(api
     assert hb == events[7].ts
     assert reps["r-a"]["heartbeat_age_s"] == pytest.approx((before - hb).total_seconds(), abs=30)
     eta = datetime.fromisoformat(m["next_checkpoint_eta"])
-    assert eta == events[4].ts + timedelta(hours=5), "ETA = last version_registered ts + ship_interval"
+    assert eta == events[4].ts + timedelta(hours=5), (
+        "ETA = last version_registered ts + ship_interval"
+    )
     assert m["next_checkpoint_in_s"] == pytest.approx((eta - before).total_seconds(), abs=30)
 
 
@@ -125,7 +135,9 @@ def test_deployments_after_the_whole_scenario(api: StatusApi) -> None:
     assert m["traffic"] == {"champion_pct": 100.0, "candidate_pct": 0.0}
     assert m["last_registered_version"] == "5"
     reps = {r["replica_id"]: r for r in m["replicas"]}
-    assert reps["r-b"]["status"] == "serving" and reps["r-b"]["details"]["error"].startswith("sha256 mismatch")
+    assert reps["r-b"]["status"] == "serving" and reps["r-b"]["details"]["error"].startswith(
+        "sha256 mismatch"
+    )
     only = api.get("/v1/deployments", model=OTHER).json()["models"]
     assert [x["model"] for x in only] == [OTHER] and only[0]["replicas"] == []
 
@@ -140,8 +152,22 @@ def test_history_is_newest_first_and_pages_cover_everything_once(api: StatusApi)
     non_heartbeat = [e for e in events[:-1] if e.type != "replica_heartbeat"]
     assert [e["event_id"] for e in full["events"]] == [e.event_id for e in reversed(non_heartbeat)]
     first = full["events"][0]
-    assert set(first) >= {"event_id", "type", "model", "version", "from_version", "traffic_pct", "source", "actor",
-                          "reason", "details", "ts", "seq", "kafka_partition", "kafka_offset"}
+    assert set(first) >= {
+        "event_id",
+        "type",
+        "model",
+        "version",
+        "from_version",
+        "traffic_pct",
+        "source",
+        "actor",
+        "reason",
+        "details",
+        "ts",
+        "seq",
+        "kafka_partition",
+        "kafka_offset",
+    }
 
     paged, cursor = [], None
     while True:
@@ -160,24 +186,43 @@ def test_history_filters(api: StatusApi) -> None:
     api.project(events)
     gates = api.get("/v1/deployments/history", type="gate_passed").json()["events"]
     assert [e["version"] for e in gates] == ["5", "4", "2"]
-    both = api.client.get("/v1/deployments/history", params=[("type", "gate_passed"), ("type", "gate_failed")],
-                          headers={"Authorization": f"Bearer {api.keys['read']}"}).json()["events"]
+    both = api.client.get(
+        "/v1/deployments/history",
+        params=[("type", "gate_passed"), ("type", "gate_failed")],
+        headers={"Authorization": f"Bearer {api.keys['read']}"},
+    ).json()["events"]
     assert [e["type"] for e in both] == ["gate_passed", "gate_passed", "gate_failed", "gate_passed"]
     v4 = api.get("/v1/deployments/history", version="4").json()["events"]
-    assert [e["type"] for e in v4] == ["rolled_back", "traffic_shifted", "canary_resumed", "canary_paused",
-                                       "canary_started", "gate_passed", "version_registered"]
+    assert [e["type"] for e in v4] == [
+        "rolled_back",
+        "traffic_shifted",
+        "canary_resumed",
+        "canary_paused",
+        "canary_started",
+        "gate_passed",
+        "version_registered",
+    ]
     beats = api.get("/v1/deployments/history", type="replica_heartbeat").json()["events"]
     assert len(beats) == 2 and all(e["source"] == "replica" for e in beats)
     ui = api.get("/v1/deployments/history", source="mlflow-ui").json()["events"]
-    assert [(e["version"], e["from_version"], e["actor"]) for e in ui] == [("1", "2", "alice"), ("1", None, "alice")]
+    assert [(e["version"], e["from_version"], e["actor"]) for e in ui] == [
+        ("1", "2", "alice"),
+        ("1", None, "alice"),
+    ]
     other = api.get("/v1/deployments/history", model=OTHER).json()["events"]
     assert [e["version"] for e in other] == ["2", "1"]
 
 
-@pytest.mark.parametrize("params, field", [
-    ({"limit": 501}, "limit"), ({"limit": 0}, "limit"), ({"type": "shipped"}, "type"),
-    ({"cursor": -1}, "cursor"), ({"source": "cron"}, "source"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"limit": 501}, "limit"),
+        ({"limit": 0}, "limit"),
+        ({"type": "shipped"}, "type"),
+        ({"cursor": -1}, "cursor"),
+        ({"source": "cron"}, "source"),
+    ],
+)
 def test_history_rejects_bad_parameters(api: StatusApi, params: dict, field: str) -> None:
     r = api.get("/v1/deployments/history", **params)
     assert r.status_code == 422 and field in r.text, r.text
@@ -188,15 +233,34 @@ def test_model_version_shows_lineage_gate_online_and_rollout(api: StatusApi) -> 
     api.project(events[:10])  # v2 at 50% in canary
     v2 = api.get("/v1/models/2").json()
     assert v2["lineage"]["parent_version"] == "1" and v2["lineage"]["ancestors"] == ["1"]
-    assert (v2["lineage"]["run_id"], v2["lineage"]["rollouts_consumed"], v2["lineage"]["reward_spec"]) == ("run-2", 5000, "v1")
+    assert (
+        v2["lineage"]["run_id"],
+        v2["lineage"]["rollouts_consumed"],
+        v2["lineage"]["reward_spec"],
+    ) == ("run-2", 5000, "v1")
     assert v2["lineage"]["details"]["offsets"] == {"0": [4900, 5000]}
     assert v2["gate"]["snips"] == 0.31 and v2["gate"]["ci95"] == [0.27, 0.35]
     assert v2["online"] == {"reward_mean": 0.42, "n": 900}
-    assert v2["rollout"] == {"status": "canary", "is_champion": False, "is_candidate": True, "traffic_pct": 50.0,
-                             "phase": "canary", "step": 2, "replicas": ["r-a"]}
-    assert [e["type"] for e in v2["events"]][:3] == ["traffic_shifted", "traffic_shifted", "replica_synced"]
+    assert v2["rollout"] == {
+        "status": "canary",
+        "is_champion": False,
+        "is_candidate": True,
+        "traffic_pct": 50.0,
+        "phase": "canary",
+        "step": 2,
+        "replicas": ["r-a"],
+    }
+    assert [e["type"] for e in v2["events"]][:3] == [
+        "traffic_shifted",
+        "traffic_shifted",
+        "replica_synced",
+    ]
     v1 = api.get("/v1/models/1").json()
-    assert v1["rollout"]["is_champion"] and v1["rollout"]["traffic_pct"] == 50.0 and v1["rollout"]["replicas"] == ["r-a", "r-b"]
+    assert (
+        v1["rollout"]["is_champion"]
+        and v1["rollout"]["traffic_pct"] == 50.0
+        and v1["rollout"]["replicas"] == ["r-a", "r-b"]
+    )
 
     api.project(events)
     v4 = api.get("/v1/models/4").json()
@@ -211,11 +275,19 @@ def test_model_version_shows_lineage_gate_online_and_rollout(api: StatusApi) -> 
 
 def test_unknown_model_version_is_a_clear_404(api: StatusApi) -> None:
     r = api.get("/v1/models/99")
-    assert r.status_code == 404 and "no versions of 'flywheel-policy' are known yet" in r.json()["detail"], r.text
+    assert (
+        r.status_code == 404
+        and "no versions of 'flywheel-policy' are known yet" in r.json()["detail"]
+    ), r.text
     api.project(scenario_events())
     r = api.get("/v1/models/99")
     detail = r.json()["detail"]
-    assert r.status_code == 404 and "'99'" in detail and "unknown" in detail and "known versions: 1, 2, 3, 4, 5" in detail, detail
+    assert (
+        r.status_code == 404
+        and "'99'" in detail
+        and "unknown" in detail
+        and "known versions: 1, 2, 3, 4, 5" in detail
+    ), detail
     assert api.get("/v1/models/1", model="nope").status_code == 404
 
 
@@ -226,14 +298,33 @@ def test_model_version_shows_the_reward_specs_it_trained_on(api: StatusApi) -> N
     from app.deployments.events import DeploymentEvent
 
     def registered(version: str, specs: dict[str, int], joined: str | None) -> DeploymentEvent:
-        return DeploymentEvent(type="version_registered", model=MODEL, version=version, source="trainer",
-                               details={"run_id": "run-r", "rollouts_consumed": sum(specs.values()), "reward_spec": joined,
-                                        "reward_specs": specs, "rollouts_relabelled": specs.get("v2", 0)})
+        return DeploymentEvent(
+            type="version_registered",
+            model=MODEL,
+            version=version,
+            source="trainer",
+            details={
+                "run_id": "run-r",
+                "rollouts_consumed": sum(specs.values()),
+                "reward_spec": joined,
+                "reward_specs": specs,
+                "rollouts_relabelled": specs.get("v2", 0),
+            },
+        )
 
-    api.project([registered("1", {"v1": 40}, "v1"), registered("2", {"v1": 30, "v2": 70}, "v1,v2"),
-                 registered("3", {"v1": 5, "v2-no-tool-hack": 9}, None)])
+    api.project(
+        [
+            registered("1", {"v1": 40}, "v1"),
+            registered("2", {"v1": 30, "v2": 70}, "v1,v2"),
+            registered("3", {"v1": 5, "v2-no-tool-hack": 9}, None),
+        ]
+    )
     v2 = api.get("/v1/models/2").json()["lineage"]
-    assert (v2["reward_spec"], v2["reward_specs"], v2["rollouts_relabelled"]) == ("v1,v2", {"v1": 30, "v2": 70}, 70)
+    assert (v2["reward_spec"], v2["reward_specs"], v2["rollouts_relabelled"]) == (
+        "v1,v2",
+        {"v1": 30, "v2": 70},
+        70,
+    )
     v3 = api.get("/v1/models/3").json()["lineage"]
     assert (v3["reward_spec"], v3["reward_specs"]) == (None, {"v1": 5, "v2-no-tool-hack": 9})
     v1 = api.get("/v1/models/1").json()["lineage"]

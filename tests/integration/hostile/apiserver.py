@@ -1,8 +1,8 @@
 """The real API (create_app) on real uvicorn on loopback, for the hostile-input tests, and raw-socket helpers.
 
-    api = start_api(make_settings, http_head_timeout=1.0)   # keys created, server started
-    ...
-    api.server.stop()
+api = start_api(make_settings, http_head_timeout=1.0)   # keys created, server started
+...
+api.server.stop()
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class RunningApi:
         return {"Authorization": f"Bearer {self.keys[scope]}"}
 
 
-def start_api(make_settings, **overrides: Any) -> RunningApi:  # noqa: ANN001
+def start_api(make_settings, **overrides: Any) -> RunningApi:
     from app.api.main import create_app
     from app.api.server import ServerThread
     from app.db.keys import create_key
@@ -38,7 +38,10 @@ def start_api(make_settings, **overrides: Any) -> RunningApi:  # noqa: ANN001
     settings = make_settings(**overrides)
     upgrade(settings.db_url)
     with session_scope(settings.db_url) as session:
-        keys = {scope: create_key(session, [scope], name=f"hostile-{scope}")[0] for scope in ("ingest", "read", "admin")}
+        keys = {
+            scope: create_key(session, [scope], name=f"hostile-{scope}")[0]
+            for scope in ("ingest", "read", "admin")
+        }
     server = ServerThread(create_app(settings)).start()
     return RunningApi(server.url, server.host, server.port, settings, keys, server)
 
@@ -72,5 +75,9 @@ def status_of(raw: bytes) -> int | None:
 
 
 def head(method: str, path: str, headers: dict[str, str] | None = None) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    lines = [
+        f"{method} {path} HTTP/1.1",
+        "Host: 127.0.0.1",
+        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+    ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()

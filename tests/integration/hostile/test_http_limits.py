@@ -19,7 +19,13 @@ import urllib.request
 import httpx
 import pytest
 
-from tests.integration.hostile.apiserver import connect, head, read_until_closed, start_api, status_of
+from tests.integration.hostile.apiserver import (
+    connect,
+    head,
+    read_until_closed,
+    start_api,
+    status_of,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +36,14 @@ SLACK_S = 5.0  # generous: the machine is shared; a hang shows up as 30 s
 
 @pytest.fixture()
 def api(make_settings):
-    api = start_api(make_settings, http_head_timeout=HEAD_S, http_body_idle_timeout=IDLE_S,
-                    http_body_timeout=TOTAL_S, http_max_connections=MAX_CONNECTIONS,
-                    webhook_secret="hostile-secret")
+    api = start_api(
+        make_settings,
+        http_head_timeout=HEAD_S,
+        http_body_idle_timeout=IDLE_S,
+        http_body_timeout=TOTAL_S,
+        http_max_connections=MAX_CONNECTIONS,
+        webhook_secret="hostile-secret",
+    )
     yield api
     api.server.stop()
 
@@ -50,8 +61,12 @@ def test_urllib_reads_the_413_for_a_4_3_mb_ingest_body(api):
     """urllib sends `Connection: close` and the whole body before reading: the server must read
     (and discard) the rest before answering, or the client sees a reset instead of the 413."""
     body = b'{"events": [' + b" " * 4_300_000 + b"]}"
-    req = urllib.request.Request(f"{api.url}/v1/events", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", **api.auth("ingest")})
+    req = urllib.request.Request(
+        f"{api.url}/v1/events",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", **api.auth("ingest")},
+    )
     t0 = time.monotonic()
     with pytest.raises(urllib.error.HTTPError) as exc:
         urllib.request.urlopen(req, timeout=30)
@@ -69,17 +84,30 @@ def test_urllib_reads_the_413_for_a_4_3_mb_ingest_body(api):
 
 def test_expect_100_continue_gets_the_413_before_sending_anything(api):
     s = connect(api)
-    s.sendall(head("POST", "/v1/events", {"Content-Length": "4300000", "Expect": "100-continue",
-                                            "Content-Type": "application/json", **api.auth("ingest")}))
+    s.sendall(
+        head(
+            "POST",
+            "/v1/events",
+            {
+                "Content-Length": "4300000",
+                "Expect": "100-continue",
+                "Content-Type": "application/json",
+                **api.auth("ingest"),
+            },
+        )
+    )
     raw, elapsed = read_until_closed(s)
     assert status_of(raw) == 413, raw[:200]
     assert b"100 Continue" not in raw and b"connection: close" in raw.lower()
     assert elapsed < SLACK_S
-    print(f"\nExpect: 100-continue, 4.3 MB declared: 413 and close after {elapsed:.3f}s, no body sent")
+    print(
+        f"\nExpect: 100-continue, 4.3 MB declared: 413 and close after {elapsed:.3f}s, no body sent"
+    )
 
 
 def test_a_chunked_body_over_the_limit_is_cut_at_the_limit(api):
     """No Content-Length to check up front: the body is counted as it streams."""
+
     def chunks():
         for _ in range(80):  # 80 x 64 KiB = 5 MiB > 4 MiB
             yield b" " * 65536
@@ -88,7 +116,9 @@ def test_a_chunked_body_over_the_limit_is_cut_at_the_limit(api):
     assert r.status_code == 413, r.text
 
 
-def _send_until_answered(s: socket.socket, total: int, timeout_s: float = 60.0) -> tuple[int, bytes, float]:
+def _send_until_answered(
+    s: socket.socket, total: int, timeout_s: float = 60.0
+) -> tuple[int, bytes, float]:
     """Send up to `total` zero bytes without blocking while watching for an answer.
     Returns (bytes the kernel accepted before the answer arrived, the answer, seconds)."""
     s.setblocking(False)
@@ -117,27 +147,40 @@ def test_a_400_mib_webhook_post_is_answered_without_being_read(api, signed_heade
     total = 400 * 1024 * 1024
     hdrs = {"Content-Length": str(total), "Content-Type": "application/json"}
     if signed_headers:
-        hdrs.update({"X-MLflow-Delivery-Id": "d-400", "X-MLflow-Timestamp": str(int(time.time())),
-                     "X-MLflow-Signature": "v1,AAAA"})
+        hdrs.update(
+            {
+                "X-MLflow-Delivery-Id": "d-400",
+                "X-MLflow-Timestamp": str(int(time.time())),
+                "X-MLflow-Signature": "v1,AAAA",
+            }
+        )
     s = connect(api)
     s.sendall(head("POST", "/v1/hooks/mlflow", hdrs))
     sent, raw, elapsed = _send_until_answered(s, total)
     s.close()
     assert status_of(raw) in (401, 413), raw[:300]
-    assert sent < 32 * 1024 * 1024, f"{sent} bytes went out before the answer: the body was being read"
+    assert sent < 32 * 1024 * 1024, (
+        f"{sent} bytes went out before the answer: the body was being read"
+    )
     assert metric(api, "flywheel_http_drained_bytes_total") == drained_before, "nothing was drained"
-    print(f"\n400 MiB webhook ({'fake-signed' if signed_headers else 'unsigned'}): {status_of(raw)} after "
-          f"{elapsed:.3f}s; the client got {sent} bytes ({sent / 2**20:.2f} MiB) into socket buffers first")
+    print(
+        f"\n400 MiB webhook ({'fake-signed' if signed_headers else 'unsigned'}): {status_of(raw)} after "
+        f"{elapsed:.3f}s; the client got {sent} bytes ({sent / 2**20:.2f} MiB) into socket buffers first"
+    )
 
 
 def test_an_unsigned_webhook_is_refused_before_its_body_is_read(api):
     """Headers checked first: with Expect: 100-continue the server never asks for the body."""
     s = connect(api)
-    s.sendall(head("POST", "/v1/hooks/mlflow", {"Content-Length": "60000", "Expect": "100-continue"}))
+    s.sendall(
+        head("POST", "/v1/hooks/mlflow", {"Content-Length": "60000", "Expect": "100-continue"})
+    )
     raw, elapsed = read_until_closed(s)
     assert status_of(raw) == 401 and b"missing X-MLflow-Delivery-Id" in raw, raw[:300]
     assert b"100 Continue" not in raw
-    print(f"\nunsigned webhook, 60 kB declared, Expect: 100-continue: 401 after {elapsed:.3f}s, no body read")
+    print(
+        f"\nunsigned webhook, 60 kB declared, Expect: 100-continue: 401 after {elapsed:.3f}s, no body read"
+    )
 
 
 # --- slow clients --------------------------------------------------------------------------------
@@ -184,7 +227,9 @@ def test_a_connection_that_sends_nothing_is_closed_after_the_head_timeout(api):
 def test_a_half_sent_body_without_credentials_is_closed(api):
     """No key: 401 before the body is read; the unread rest is waited for only up to the idle timeout."""
     s = connect(api)
-    s.sendall(head("POST", "/v1/events", {"Content-Length": "100000", "Content-Type": "application/json"}))
+    s.sendall(
+        head("POST", "/v1/events", {"Content-Length": "100000", "Content-Type": "application/json"})
+    )
     s.sendall(b'{"events": [')
     raw, elapsed = read_until_closed(s)
     assert status_of(raw) == 401 and b"connection: close" in raw.lower(), raw[:300]
@@ -194,20 +239,32 @@ def test_a_half_sent_body_without_credentials_is_closed(api):
 
 def test_a_stalled_body_is_answered_408_after_the_idle_timeout(api):
     s = connect(api)
-    s.sendall(head("POST", "/v1/events", {"Content-Length": "100000", "Content-Type": "application/json",
-                                            **api.auth("ingest")}))
+    s.sendall(
+        head(
+            "POST",
+            "/v1/events",
+            {"Content-Length": "100000", "Content-Type": "application/json", **api.auth("ingest")},
+        )
+    )
     s.sendall(b'{"events": [')
     raw, elapsed = read_until_closed(s)
     assert status_of(raw) == 408, raw[:300]
     assert b"connection: close" in raw.lower() and IDLE_S * 0.8 <= elapsed < IDLE_S + SLACK_S
-    print(f"\nstalled body (valid key): 408 and closed after {elapsed:.2f}s (http_body_idle_timeout {IDLE_S}s)")
+    print(
+        f"\nstalled body (valid key): 408 and closed after {elapsed:.2f}s (http_body_idle_timeout {IDLE_S}s)"
+    )
 
 
 def test_a_trickled_body_is_answered_408_at_the_total_body_timeout(api):
     """One byte every 0.4 s never trips the 1 s idle timeout; the 3 s total does."""
     s = connect(api)
-    s.sendall(head("POST", "/v1/deployments/pause", {"Content-Length": "10000", "Content-Type": "application/json",
-                                                       **api.auth("admin")}))
+    s.sendall(
+        head(
+            "POST",
+            "/v1/deployments/pause",
+            {"Content-Length": "10000", "Content-Type": "application/json", **api.auth("admin")},
+        )
+    )
     t0 = time.monotonic()
     while time.monotonic() - t0 < TOTAL_S + SLACK_S:
         if select.select([s], [], [], 0.4)[0]:
@@ -220,7 +277,9 @@ def test_a_trickled_body_is_answered_408_at_the_total_body_timeout(api):
     elapsed = time.monotonic() - t0
     assert status_of(raw) == 408, raw[:300]
     assert TOTAL_S * 0.8 <= elapsed < TOTAL_S + SLACK_S
-    print(f"\nbody trickled at 2.5 B/s: 408 and closed after {elapsed:.2f}s (http_body_timeout {TOTAL_S}s)")
+    print(
+        f"\nbody trickled at 2.5 B/s: 408 and closed after {elapsed:.2f}s (http_body_timeout {TOTAL_S}s)"
+    )
 
 
 def test_an_oversized_head_is_answered_431(api):
@@ -255,7 +314,9 @@ def test_the_connection_cap_holds_and_frees_up(api):
     time.sleep(0.2)
     extra = connect(api)
     raw, elapsed = read_until_closed(extra)
-    assert status_of(raw) == 503 and b"retry-after: 1" in raw.lower() and elapsed < SLACK_S, raw[:200]
+    assert status_of(raw) == 503 and b"retry-after: 1" in raw.lower() and elapsed < SLACK_S, raw[
+        :200
+    ]
     refused = 1
     for _ in range(5):  # the cap keeps holding while the hogs are open
         extra = connect(api)
@@ -268,8 +329,10 @@ def test_the_connection_cap_holds_and_frees_up(api):
     freed = time.monotonic() - t0
     r = httpx.get(f"{api.url}/healthz", timeout=10)  # ... and the server serves again
     assert r.status_code == 200
-    print(f"\nconnection cap {MAX_CONNECTIONS}: {refused} further connections answered 503 + Retry-After at once; "
-          f"the hogs were closed {freed:.2f}s later by the head timeout and /healthz answered 200")
+    print(
+        f"\nconnection cap {MAX_CONNECTIONS}: {refused} further connections answered 503 + Retry-After at once; "
+        f"the hogs were closed {freed:.2f}s later by the head timeout and /healthz answered 200"
+    )
 
 
 def test_keep_alive_connections_serve_requests_within_the_limits(api):

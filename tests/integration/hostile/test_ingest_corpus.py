@@ -35,7 +35,9 @@ def _send(api, case: Case) -> tuple[int, str]:
     elif case.auth is not None:
         headers["Authorization"] = case.auth
     if not case.raw:
-        resp = httpx.post(f"{api.url}/v1/events", content=case.body, headers=headers, timeout=ANSWER_WITHIN_S)
+        resp = httpx.post(
+            f"{api.url}/v1/events", content=case.body, headers=headers, timeout=ANSWER_WITHIN_S
+        )
         return resp.status_code, resp.text
     conn = http.client.HTTPConnection(api.server.host, api.server.port, timeout=ANSWER_WITHIN_S)
     try:
@@ -59,9 +61,13 @@ def test_every_hostile_case_is_a_4xx_that_says_what_is_wrong_and_the_api_still_a
         took = time.monotonic() - start
         slowest = max(slowest, (took, case.id))
         if status not in case.statuses:
-            problems.append(f"{case.id}: HTTP {status}, expected {sorted(case.statuses)}: {text[:300]}")
+            problems.append(
+                f"{case.id}: HTTP {status}, expected {sorted(case.statuses)}: {text[:300]}"
+            )
         elif not re.search(case.says, text, re.IGNORECASE):
-            problems.append(f"{case.id}: HTTP {status} body does not say /{case.says}/: {text[:300]}")
+            problems.append(
+                f"{case.id}: HTTP {status} body does not say /{case.says}/: {text[:300]}"
+            )
         else:
             try:
                 json.loads(text)
@@ -71,23 +77,36 @@ def test_every_hostile_case_is_a_4xx_that_says_what_is_wrong_and_the_api_still_a
     assert read_interactions(api.settings) == [], "a refused request wrote to Kafka"
 
     valid = [event("accept", 1), event("generation", 2)]
-    resp = httpx.post(f"{api.url}/v1/events", json={"events": valid},
-                      headers={"Authorization": f"Bearer {api.ingest_key}"}, timeout=ANSWER_WITHIN_S)
+    resp = httpx.post(
+        f"{api.url}/v1/events",
+        json={"events": valid},
+        headers={"Authorization": f"Bearer {api.ingest_key}"},
+        timeout=ANSWER_WITHIN_S,
+    )
     assert resp.status_code == 202, resp.text
     assert sorted(json.loads(v)["event_id"] for _, v in read_interactions(api.settings)) == sorted(
-        e["event_id"] for e in valid)
+        e["event_id"] for e in valid
+    )
     print(f"{len(CASES)} hostile cases; slowest answer {slowest[0]:.2f}s ({slowest[1]})")
 
 
 def test_200_concurrent_batches_are_each_answered_and_every_accepted_event_is_on_kafka(api):
-    batches = [[event("accept", 10 * b + k, request_id=f"req-{uuid.uuid4().hex[:8]}") for k in range(5)]
-               for b in range(200)]
+    batches = [
+        [event("accept", 10 * b + k, request_id=f"req-{uuid.uuid4().hex[:8]}") for k in range(5)]
+        for b in range(200)
+    ]
 
     async def post_all() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=api.url, limits=limits, timeout=120,
-                                     headers={"Authorization": f"Bearer {api.ingest_key}"}) as http:
-            return await asyncio.gather(*(http.post("/v1/events", json={"events": b}) for b in batches))
+        async with httpx.AsyncClient(
+            base_url=api.url,
+            limits=limits,
+            timeout=120,
+            headers={"Authorization": f"Bearer {api.ingest_key}"},
+        ) as http:
+            return await asyncio.gather(
+                *(http.post("/v1/events", json={"events": b}) for b in batches)
+            )
 
     answers = asyncio.run(post_all())
     statuses = [r.status_code for r in answers]
@@ -97,5 +116,8 @@ def test_200_concurrent_batches_are_each_answered_and_every_accepted_event_is_on
     accepted = {e["event_id"] for b, r in zip(batches, answers) if r.status_code == 202 for e in b}
     on_kafka = [json.loads(v)["event_id"] for _, v in read_interactions(api.settings)]
     assert len(on_kafka) == len(set(on_kafka)) and set(on_kafka) == accepted, (
-        f"{len(accepted)} accepted, {len(on_kafka)} on Kafka")
-    print(f"200 concurrent batches: {statuses.count(202)} accepted, {statuses.count(429)} rate-limited")
+        f"{len(accepted)} accepted, {len(on_kafka)} on Kafka"
+    )
+    print(
+        f"200 concurrent batches: {statuses.count(202)} accepted, {statuses.count(429)} rate-limited"
+    )

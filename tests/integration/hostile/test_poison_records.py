@@ -21,7 +21,6 @@ import json
 import threading
 import time
 import uuid
-from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -48,7 +47,10 @@ def dead_letters(settings, consumer_prefix: str, want: int, timeout: float = 60.
     recs = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        recs = [json.loads(r.value) for r in read_topic(settings, settings.topic("dlq"), 10**9, timeout=3.0, settle=0.0)]
+        recs = [
+            json.loads(r.value)
+            for r in read_topic(settings, settings.topic("dlq"), 10**9, timeout=3.0, settle=0.0)
+        ]
         recs = [r for r in recs if (r.get("consumer") or "").startswith(consumer_prefix)]
         if len(recs) >= want:
             break
@@ -59,8 +61,13 @@ def original(letter: dict) -> bytes:
     return base64.b64decode(letter["value_b64"]) if letter["value_b64"] is not None else None
 
 
-def produce_raw(settings, topic: str, records: list[tuple[bytes | None, bytes | None]], partition: int | None = None,
-                headers: list | None = None) -> None:
+def produce_raw(
+    settings,
+    topic: str,
+    records: list[tuple[bytes | None, bytes | None]],
+    partition: int | None = None,
+    headers: list | None = None,
+) -> None:
     from app.kafka_io import make_producer
 
     prod = make_producer(settings, key_serializer=None)
@@ -73,26 +80,46 @@ def produce_raw(settings, topic: str, records: list[tuple[bytes | None, bytes | 
 def _event(type_: str, rid: str, eid: str, ts: str) -> dict:
     ev = {"type": type_, "event_id": eid, "request_id": rid, "session_id": "s-poison", "ts": ts}
     if type_ == "generation":
-        ev.update(model_version="3", prompt_tokens=[72, 105], completion_tokens=[33, 10], logprobs=[-0.5, -0.25],
-                  temperature=1.0, tokenizer="byte-v1")
+        ev.update(
+            model_version="3",
+            prompt_tokens=[72, 105],
+            completion_tokens=[33, 10],
+            logprobs=[-0.5, -0.25],
+            temperature=1.0,
+            tokenizer="byte-v1",
+        )
     return ev
 
 
 # --- streams --------------------------------------------------------------------------------------
-def test_streams_worker_dead_letters_bad_records_and_closes_the_lower_case_z_label(api_factory, start_worker):  # noqa: F811
+def test_streams_worker_dead_letters_bad_records_and_closes_the_lower_case_z_label(
+    api_factory, start_worker
+):
     api = api_factory()
     settings = api.settings
     worker = start_worker(settings)
     # the exact scenario: a feedback event whose ts ends in a lower-case z is accepted (202), its label closes
-    z = api.post_events({"events": [_event("generation", "req-z", "g-z", "2026-11-21T10:00:00Z"),
-                                    _event("accept", "req-z", "a-z", "2026-11-21T10:00:01.5z")]})
+    z = api.post_events(
+        {
+            "events": [
+                _event("generation", "req-z", "g-z", "2026-11-21T10:00:00Z"),
+                _event("accept", "req-z", "a-z", "2026-11-21T10:00:01.5z"),
+            ]
+        }
+    )
     assert z.status_code == 202, z.text
-    stored = [json.loads(r.value) for r in read_topic(settings, settings.topic("interactions"), 2, 30.0)]
-    assert [e["ts"] for e in stored] == ["2026-11-21T10:00:00.000000Z", "2026-11-21T10:00:01.500000Z"], \
-        "ingest writes the canonical form"
+    stored = [
+        json.loads(r.value) for r in read_topic(settings, settings.topic("interactions"), 2, 30.0)
+    ]
+    assert [e["ts"] for e in stored] == [
+        "2026-11-21T10:00:00.000000Z",
+        "2026-11-21T10:00:01.500000Z",
+    ], "ingest writes the canonical form"
 
     ns = settings.topic_namespace
-    impossible = json.dumps(_event("accept", "req-bad", "a-bad", "2026-02-30T10:00:00Z")).encode()  # no 30 February
+    impossible = json.dumps(
+        _event("accept", "req-bad", "a-bad", "2026-02-30T10:00:00Z")
+    ).encode()  # no 30 February
     # a lower-case z as a producer other than ingest may write it, joined to the next good label
     raw_z = json.dumps(_event("reject", "req-good", "r-raw", "2026-11-21T10:00:02z")).encode()
     produce(settings, [(b"k", NOT_JSON), (b"req-bad", impossible), (b"req-good", raw_z)])
@@ -100,23 +127,36 @@ def test_streams_worker_dead_letters_bad_records_and_closes_the_lower_case_z_lab
     bad_partial = json.dumps({"model_version": "3", "bucket_start": "soon"}).encode()
     produce_raw(settings, f"{ns}.streams-metric-partials", [(b"3", bad_partial)], partition=0)
 
-    good = api.post_events({"events": [_event("generation", "req-good", "g-good", "2026-11-21T10:00:03Z"),
-                                       _event("accept", "req-good", "a-good", "2026-11-21T10:00:04Z")]})
+    good = api.post_events(
+        {
+            "events": [
+                _event("generation", "req-good", "g-good", "2026-11-21T10:00:03Z"),
+                _event("accept", "req-good", "a-good", "2026-11-21T10:00:04Z"),
+            ]
+        }
+    )
     assert good.status_code == 202, good.text
 
     rollouts = read_topic(settings, settings.topic("rollouts"), 2, 120.0, distinct_keys=True)
     by_key = {r.key: json.loads(r.value) for r in rollouts}
     assert set(by_key) == {b"req-z", b"req-good"}, f"rollouts: {sorted(by_key)}\n{worker.tail()}"
     assert by_key[b"req-z"]["reward"] == 0.75 and by_key[b"req-z"]["components"]["decision"] == 0.75
-    assert by_key[b"req-good"]["reward"] == -0.25, "the raw z reject (10:00:02) is the earliest decision"
+    assert by_key[b"req-good"]["reward"] == -0.25, (
+        "the raw z reject (10:00:02) is the earliest decision"
+    )
 
     letters = dead_letters(settings, "streams", 4)
     by_reason = {d["reason"]: d for d in letters}
-    assert set(by_reason) == {"invalid_json", "invalid_event", "invalid_tick", "invalid_partial"}, letters
+    assert set(by_reason) == {"invalid_json", "invalid_event", "invalid_tick", "invalid_partial"}, (
+        letters
+    )
     assert original(by_reason["invalid_json"]) == NOT_JSON
     assert original(by_reason["invalid_event"]) == impossible
     assert by_reason["invalid_event"]["errors"][0]["field"] == "ts"
-    assert original(by_reason["invalid_tick"]) == b"tick?" and by_reason["invalid_tick"]["topic"] == f"{ns}.streams-ticks"
+    assert (
+        original(by_reason["invalid_tick"]) == b"tick?"
+        and by_reason["invalid_tick"]["topic"] == f"{ns}.streams-ticks"
+    )
     assert original(by_reason["invalid_partial"]) == bad_partial
     assert worker.proc.poll() is None, f"the worker exited\n{worker.tail()}"
     assert metric(worker, 'flywheel_streams_dlq_total{reason="invalid_tick"}') == 1.0
@@ -124,7 +164,9 @@ def test_streams_worker_dead_letters_bad_records_and_closes_the_lower_case_z_lab
 
 
 # --- projector ------------------------------------------------------------------------------------
-def test_projector_dead_letters_bad_records_and_keeps_projecting(make_settings, fresh_postgres_url, monkeypatch):
+def test_projector_dead_letters_bad_records_and_keeps_projecting(
+    make_settings, fresh_postgres_url, monkeypatch
+):
     from app.db.migrate import upgrade
     from app.db.models import DeploymentState
     from app.deployments import projector
@@ -139,41 +181,103 @@ def test_projector_dead_letters_bad_records_and_keeps_projecting(make_settings, 
 
     monkeypatch.setitem(projector._HANDLERS, "canary_paused", refuse)
     stop = threading.Event()
-    follower = threading.Thread(target=projector.follow, args=(settings, fresh_postgres_url, stop),
-                                kwargs={"group_id": f"proj-{uuid.uuid4().hex[:6]}", "poll_timeout_s": 0.5}, daemon=True)
+    follower = threading.Thread(
+        target=projector.follow,
+        args=(settings, fresh_postgres_url, stop),
+        kwargs={"group_id": f"proj-{uuid.uuid4().hex[:6]}", "poll_timeout_s": 0.5},
+        daemon=True,
+    )
     follower.start()
     try:
-        impossible = json.dumps({"type": "promoted", "model": model, "version": "latest", "source": "controller"}).encode()
-        mistyped = json.dumps({"type": "version_registered", "model": model, "version": "1", "source": "trainer",
-                               "details": {"rollouts_consumed": "lots"}}).encode()
-        nul = json.dumps({"type": "promoted", "model": model, "version": "1", "source": "api", "reason": "x\u0000y"}).encode()
-        produce_raw(settings, settings.topic("deployments"), [(model.encode(), v) for v in (NOT_JSON, impossible, mistyped, nul)])
+        impossible = json.dumps(
+            {"type": "promoted", "model": model, "version": "latest", "source": "controller"}
+        ).encode()
+        mistyped = json.dumps(
+            {
+                "type": "version_registered",
+                "model": model,
+                "version": "1",
+                "source": "trainer",
+                "details": {"rollouts_consumed": "lots"},
+            }
+        ).encode()
+        nul = json.dumps(
+            {
+                "type": "promoted",
+                "model": model,
+                "version": "1",
+                "source": "api",
+                "reason": "x\u0000y",
+            }
+        ).encode()
+        produce_raw(
+            settings,
+            settings.topic("deployments"),
+            [(model.encode(), v) for v in (NOT_JSON, impossible, mistyped, nul)],
+        )
         with DeploymentLog(settings) as dlog:
-            dlog.publish(DeploymentEvent(type="promoted", model=model, version="1", source="controller", actor="test"))
-            paused = DeploymentEvent(type="canary_paused", model=model, version="1", source="api", actor="test")
+            dlog.publish(
+                DeploymentEvent(
+                    type="promoted", model=model, version="1", source="controller", actor="test"
+                )
+            )
+            paused = DeploymentEvent(
+                type="canary_paused", model=model, version="1", source="api", actor="test"
+            )
             dlog.publish(paused)
-            dlog.publish(DeploymentEvent(type="promoted", model=model, version="2", from_version="1",
-                                         source="controller", actor="test"))
+            dlog.publish(
+                DeploymentEvent(
+                    type="promoted",
+                    model=model,
+                    version="2",
+                    from_version="1",
+                    source="controller",
+                    actor="test",
+                )
+            )
 
         engine = sa.create_engine(fresh_postgres_url)
         try:
+
             def champion():
                 with engine.connect() as conn:
-                    return conn.execute(sa.select(DeploymentState.champion).where(DeploymentState.model == model)).scalar()
+                    return conn.execute(
+                        sa.select(DeploymentState.champion).where(DeploymentState.model == model)
+                    ).scalar()
 
-            wait_for(lambda: champion() == "2", 60, "the projector to apply the good events after the bad ones")
+            wait_for(
+                lambda: champion() == "2",
+                60,
+                "the projector to apply the good events after the bad ones",
+            )
             with engine.connect() as conn:
-                types = conn.execute(sa.text("select type from deployment_events order by seq")).scalars().all()
+                types = (
+                    conn.execute(sa.text("select type from deployment_events order by seq"))
+                    .scalars()
+                    .all()
+                )
         finally:
             engine.dispose()
-        assert types == ["promoted", "promoted"], "the bad records and the refused event left no row"
+        assert types == ["promoted", "promoted"], (
+            "the bad records and the refused event left no row"
+        )
         letters = dead_letters(settings, "projector", 5)
-        assert sorted(d["reason"] for d in letters) == ["apply_failed", "invalid_event", "invalid_event",
-                                                         "invalid_event", "invalid_json"], letters
+        assert sorted(d["reason"] for d in letters) == [
+            "apply_failed",
+            "invalid_event",
+            "invalid_event",
+            "invalid_event",
+            "invalid_json",
+        ], letters
         assert {original(d) for d in letters} >= {NOT_JSON, impossible, mistyped, nul}
         [failed] = [d for d in letters if d["reason"] == "apply_failed"]
-        assert json.loads(original(failed))["event_id"] == paused.event_id and "canary_paused" in failed["errors"][0]["message"]
-        assert all(d["topic"] == settings.topic("deployments") and d["offset"] is not None for d in letters)
+        assert (
+            json.loads(original(failed))["event_id"] == paused.event_id
+            and "canary_paused" in failed["errors"][0]["message"]
+        )
+        assert all(
+            d["topic"] == settings.topic("deployments") and d["offset"] is not None for d in letters
+        )
         assert follower.is_alive()
     finally:
         stop.set()
@@ -181,7 +285,9 @@ def test_projector_dead_letters_bad_records_and_keeps_projecting(make_settings, 
 
 
 # --- replica sync agent ---------------------------------------------------------------------------
-def test_replica_sync_agent_dead_letters_bad_records_and_syncs_the_next_version(registered, replica_factory):  # noqa: F811
+def test_replica_sync_agent_dead_letters_bad_records_and_syncs_the_next_version(
+    registered, replica_factory
+):
     settings, make = registered
     reg = make(anchor_every=8)
     register_chain(reg, 2, seed=3)
@@ -190,17 +296,33 @@ def test_replica_sync_agent_dead_letters_bad_records_and_syncs_the_next_version(
     wait_for(lambda: status(srv)["champion"] == "1", 90, "champion v1")
 
     model = settings.model_name
-    impossible = json.dumps({"type": "canary_started", "model": model, "version": "2", "source": "controller"}).encode()  # no traffic_pct
-    produce_raw(settings, settings.topic("deployments"), [(model.encode(), NOT_JSON), (model.encode(), impossible)])
+    impossible = json.dumps(
+        {"type": "canary_started", "model": model, "version": "2", "source": "controller"}
+    ).encode()  # no traffic_pct
+    produce_raw(
+        settings,
+        settings.topic("deployments"),
+        [(model.encode(), NOT_JSON), (model.encode(), impossible)],
+    )
     bad_delta = b"not a delta"
-    produce_raw(settings, settings.topic("deltas"), [(model.encode(), bad_delta)],
-                headers=[("model", model.encode()), ("version", b"two")])
+    produce_raw(
+        settings,
+        settings.topic("deltas"),
+        [(model.encode(), bad_delta)],
+        headers=[("model", model.encode()), ("version", b"two")],
+    )
     publish_deployment(settings, "promoted", "2", from_version="1", traffic_pct=100.0)
 
-    wait_for(lambda: status(srv)["champion"] == "2", 90, "the replica to sync v2 after the bad records")
+    wait_for(
+        lambda: status(srv)["champion"] == "2", 90, "the replica to sync v2 after the bad records"
+    )
     letters = dead_letters(settings, "replica:replica-poison", 3)
     by_original = {original(d): d["reason"] for d in letters}
-    assert by_original == {NOT_JSON: "invalid_json", impossible: "invalid_event", bad_delta: "invalid_pushed_delta"}, letters
+    assert by_original == {
+        NOT_JSON: "invalid_json",
+        impossible: "invalid_event",
+        bad_delta: "invalid_pushed_delta",
+    }, letters
     assert srv.replica.agent._thread.is_alive(), "the sync agent's thread ended"
 
 
@@ -212,7 +334,9 @@ def test_controller_dead_letters_bad_records_and_folds_the_next_event(make_setti
 
     settings = make_settings(model_name=f"policy-{uuid.uuid4().hex[:8]}")
     model = settings.model_name
-    cs = ControllerSettings(tick_interval=0.2, poll_interval=0.5, gate_enabled=False, metrics_port=0)
+    cs = ControllerSettings(
+        tick_interval=0.2, poll_interval=0.5, gate_enabled=False, metrics_port=0
+    )
     ctl = Controller(settings, cs, client=None)
     stop, ready = threading.Event(), threading.Event()
     loop = threading.Thread(target=ctl.run, args=(stop, ready.set), daemon=True)
@@ -220,20 +344,44 @@ def test_controller_dead_letters_bad_records_and_folds_the_next_event(make_setti
     try:
         assert ready.wait(60), "the controller did not catch up with an empty log"
         # a version the controller orders as an int: "latest" used to raise in every tick's gate selection
-        impossible = json.dumps({"type": "version_registered", "model": model, "version": "latest",
-                                 "source": "trainer"}).encode()
-        produce_raw(settings, settings.topic("deployments"), [(model.encode(), NOT_JSON), (model.encode(), impossible)])
-        bad_metrics = json.dumps({"model_version": "1", "bucket_start": 0.0, "sums": {"n": -5}}).encode()
-        produce_raw(settings, settings.topic("version-metrics"), [(b"1", NOT_JSON), (b"1", bad_metrics)])
+        impossible = json.dumps(
+            {"type": "version_registered", "model": model, "version": "latest", "source": "trainer"}
+        ).encode()
+        produce_raw(
+            settings,
+            settings.topic("deployments"),
+            [(model.encode(), NOT_JSON), (model.encode(), impossible)],
+        )
+        bad_metrics = json.dumps(
+            {"model_version": "1", "bucket_start": 0.0, "sums": {"n": -5}}
+        ).encode()
+        produce_raw(
+            settings, settings.topic("version-metrics"), [(b"1", NOT_JSON), (b"1", bad_metrics)]
+        )
         with DeploymentLog(settings) as dlog:
-            dlog.publish(DeploymentEvent(type="version_registered", model=model, version="1", source="trainer", actor="test"))
+            dlog.publish(
+                DeploymentEvent(
+                    type="version_registered",
+                    model=model,
+                    version="1",
+                    source="trainer",
+                    actor="test",
+                )
+            )
 
-        wait_for(lambda: ctl.state.gate.get("1") is True, 60, "the controller to register and (not) gate v1")
+        wait_for(
+            lambda: ctl.state.gate.get("1") is True,
+            60,
+            "the controller to register and (not) gate v1",
+        )
         assert ctl.state.registered == ["1"]
         letters = dead_letters(settings, "controller", 4)
         assert sorted((d["topic"].rsplit(".", 1)[1], d["reason"]) for d in letters) == [
-            ("deployments", "invalid_event"), ("deployments", "invalid_json"),
-            ("version-metrics", "invalid_json"), ("version-metrics", "invalid_metrics")], letters
+            ("deployments", "invalid_event"),
+            ("deployments", "invalid_json"),
+            ("version-metrics", "invalid_json"),
+            ("version-metrics", "invalid_metrics"),
+        ], letters
         assert {original(d) for d in letters} == {NOT_JSON, impossible, bad_metrics}
         time.sleep(1.0)  # several ticks after the bad records
         assert loop.is_alive(), "the controller loop exited"

@@ -15,48 +15,89 @@ OK = b'"session_id": "s", "prompt": "def f(", "max_tokens": 4'
 
 # (name, raw body, the field the 422 must name: "body" when the body as a whole is wrong)
 CORPUS: list[tuple[str, bytes, str]] = [
-    ("temperature NaN", b'{' + OK + b', "temperature": NaN}', "temperature"),
-    ("temperature Infinity", b'{' + OK + b', "temperature": Infinity}', "temperature"),
-    ("temperature -Infinity", b'{' + OK + b', "temperature": -Infinity}', "temperature"),
-    ("temperature 1e999 (overflows to inf)", b'{' + OK + b', "temperature": 1e999}', "temperature"),
-    ("temperature 1e-300", b'{' + OK + b', "temperature": 1e-300}', "temperature"),
-    ("temperature denormal 5e-324", b'{' + OK + b', "temperature": 5e-324}', "temperature"),
-    ("temperature float32 denormal 1e-45", b'{' + OK + b', "temperature": 1e-45}', "temperature"),
-    ("temperature below the minimum", b'{' + OK + b', "temperature": 0.001}', "temperature"),
-    ("temperature negative", b'{' + OK + b', "temperature": -1}', "temperature"),
-    ("temperature negative tiny", b'{' + OK + b', "temperature": -1e-300}', "temperature"),
-    ("temperature above 100", b'{' + OK + b', "temperature": 1e300}', "temperature"),
-    ("temperature string", b'{' + OK + b', "temperature": "0.7"}', "temperature"),
-    ("temperature bool", b'{' + OK + b', "temperature": true}', "temperature"),
-    ("temperature null", b'{' + OK + b', "temperature": null}', "temperature"),
-    ("temperature huge integer", b'{' + OK + b', "temperature": 1' + b"0" * 4000 + b'}', "temperature"),
-    ("prompt lone high surrogate", b'{"session_id": "s", "prompt": "ab\\ud800cd", "max_tokens": 4}', "prompt"),
-    ("prompt lone low surrogate", b'{"session_id": "s", "prompt": "\\udc00", "max_tokens": 4}', "prompt"),
-    ("prompt reversed surrogate pair", b'{"session_id": "s", "prompt": "\\udc00\\ud800", "max_tokens": 4}',
-     "prompt"),
+    ("temperature NaN", b"{" + OK + b', "temperature": NaN}', "temperature"),
+    ("temperature Infinity", b"{" + OK + b', "temperature": Infinity}', "temperature"),
+    ("temperature -Infinity", b"{" + OK + b', "temperature": -Infinity}', "temperature"),
+    ("temperature 1e999 (overflows to inf)", b"{" + OK + b', "temperature": 1e999}', "temperature"),
+    ("temperature 1e-300", b"{" + OK + b', "temperature": 1e-300}', "temperature"),
+    ("temperature denormal 5e-324", b"{" + OK + b', "temperature": 5e-324}', "temperature"),
+    ("temperature float32 denormal 1e-45", b"{" + OK + b', "temperature": 1e-45}', "temperature"),
+    ("temperature below the minimum", b"{" + OK + b', "temperature": 0.001}', "temperature"),
+    ("temperature negative", b"{" + OK + b', "temperature": -1}', "temperature"),
+    ("temperature negative tiny", b"{" + OK + b', "temperature": -1e-300}', "temperature"),
+    ("temperature above 100", b"{" + OK + b', "temperature": 1e300}', "temperature"),
+    ("temperature string", b"{" + OK + b', "temperature": "0.7"}', "temperature"),
+    ("temperature bool", b"{" + OK + b', "temperature": true}', "temperature"),
+    ("temperature null", b"{" + OK + b', "temperature": null}', "temperature"),
+    (
+        "temperature huge integer",
+        b"{" + OK + b', "temperature": 1' + b"0" * 4000 + b"}",
+        "temperature",
+    ),
+    (
+        "prompt lone high surrogate",
+        b'{"session_id": "s", "prompt": "ab\\ud800cd", "max_tokens": 4}',
+        "prompt",
+    ),
+    (
+        "prompt lone low surrogate",
+        b'{"session_id": "s", "prompt": "\\udc00", "max_tokens": 4}',
+        "prompt",
+    ),
+    (
+        "prompt reversed surrogate pair",
+        b'{"session_id": "s", "prompt": "\\udc00\\ud800", "max_tokens": 4}',
+        "prompt",
+    ),
     ("prompt not a string", b'{"session_id": "s", "prompt": ["x"], "max_tokens": 4}', "prompt"),
     ("prompt missing", b'{"session_id": "s", "max_tokens": 4}', "prompt"),
-    ("prompt over max_prompt_chars", b'{"session_id": "s", "prompt": "' + b"a" * 70_000 + b'", "max_tokens": 4}',
-     "prompt"),
-    ("session_id lone surrogate", b'{"session_id": "\\ud83d", "prompt": "x", "max_tokens": 4}', "session_id"),
+    (
+        "prompt over max_prompt_chars",
+        b'{"session_id": "s", "prompt": "' + b"a" * 70_000 + b'", "max_tokens": 4}',
+        "prompt",
+    ),
+    (
+        "session_id lone surrogate",
+        b'{"session_id": "\\ud83d", "prompt": "x", "max_tokens": 4}',
+        "session_id",
+    ),
     ("session_id empty", b'{"session_id": "", "prompt": "x", "max_tokens": 4}', "session_id"),
-    ("session_id too long", b'{"session_id": "' + b"s" * 129 + b'", "prompt": "x", "max_tokens": 4}', "session_id"),
+    (
+        "session_id too long",
+        b'{"session_id": "' + b"s" * 129 + b'", "prompt": "x", "max_tokens": 4}',
+        "session_id",
+    ),
     ("session_id a number", b'{"session_id": 5, "prompt": "x", "max_tokens": 4}', "session_id"),
-    ("n zero", b'{' + OK + b', "n": 0}', "n"),
-    ("n negative", b'{' + OK + b', "n": -3}', "n"),
-    ("n over max_n", b'{' + OK + b', "n": 9}', "n"),
-    ("n huge integer", b'{' + OK + b', "n": 1' + b"0" * 4000 + b'}', "n"),
-    ("n 1e400", b'{' + OK + b', "n": 1e400}', "n"),
-    ("n fractional", b'{' + OK + b', "n": 1.5}', "n"),
+    ("n zero", b"{" + OK + b', "n": 0}', "n"),
+    ("n negative", b"{" + OK + b', "n": -3}', "n"),
+    ("n over max_n", b"{" + OK + b', "n": 9}', "n"),
+    ("n huge integer", b"{" + OK + b', "n": 1' + b"0" * 4000 + b"}", "n"),
+    ("n 1e400", b"{" + OK + b', "n": 1e400}', "n"),
+    ("n fractional", b"{" + OK + b', "n": 1.5}', "n"),
     ("max_tokens zero", b'{"session_id": "s", "prompt": "x", "max_tokens": 0}', "max_tokens"),
-    ("max_tokens over the model's context", b'{"session_id": "s", "prompt": "x", "max_tokens": 64}', "max_tokens"),
-    ("max_tokens over the replica's bound", b'{"session_id": "s", "prompt": "x", "max_tokens": 257}', "max_tokens"),
-    ("max_tokens huge", b'{"session_id": "s", "prompt": "x", "max_tokens": 99999999999999999999999}', "max_tokens"),
-    ("max_tokens negative huge", b'{"session_id": "s", "prompt": "x", "max_tokens": -1' + b"0" * 300 + b'}',
-     "max_tokens"),
-    ("unknown field", b'{' + OK + b', "stream": true}', "stream"),
-    ("unknown field with a surrogate name", b'{' + OK + b', "\\ud800": 1}', "\\ud800"),
-    ("integer over Python's digit limit", b'{' + OK + b', "n": 1' + b"0" * 5000 + b'}', "body"),
+    (
+        "max_tokens over the model's context",
+        b'{"session_id": "s", "prompt": "x", "max_tokens": 64}',
+        "max_tokens",
+    ),
+    (
+        "max_tokens over the replica's bound",
+        b'{"session_id": "s", "prompt": "x", "max_tokens": 257}',
+        "max_tokens",
+    ),
+    (
+        "max_tokens huge",
+        b'{"session_id": "s", "prompt": "x", "max_tokens": 99999999999999999999999}',
+        "max_tokens",
+    ),
+    (
+        "max_tokens negative huge",
+        b'{"session_id": "s", "prompt": "x", "max_tokens": -1' + b"0" * 300 + b"}",
+        "max_tokens",
+    ),
+    ("unknown field", b"{" + OK + b', "stream": true}', "stream"),
+    ("unknown field with a surrogate name", b"{" + OK + b', "\\ud800": 1}', "\\ud800"),
+    ("integer over Python's digit limit", b"{" + OK + b', "n": 1' + b"0" * 5000 + b"}", "body"),
     ("invalid UTF-8 in the prompt", b'{"session_id": "s", "prompt": "\xc3\x28"}', "body"),
     ("invalid UTF-8 in the session id", b'{"session_id": "\xff", "prompt": "x"}', "body"),
     ("UTF-8 encoded surrogate", b'{"session_id": "s", "prompt": "\xed\xa0\x80"}', "body"),
@@ -67,19 +108,27 @@ CORPUS: list[tuple[str, bytes, str]] = [
     ("JSON string", b'"prompt"', "body"),
     ("JSON null", b"null", "body"),
     ("deep nesting", b"[" * 200_000 + b"]" * 200_000, "body"),
-    ("deep nesting in a field", b'{"session_id": "s", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "body"),
+    (
+        "deep nesting in a field",
+        b'{"session_id": "s", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        "body",
+    ),
 ]
 
 
-
-
-def test_every_hostile_body_gets_a_4xx_naming_the_field_and_the_replica_keeps_serving(seeded_replica):
+def test_every_hostile_body_gets_a_4xx_naming_the_field_and_the_replica_keeps_serving(
+    seeded_replica,
+):
     srv = seeded_replica(id="replica-hostile")
     failures = []
     with httpx.Client(timeout=60) as client:
         for name, raw, field in CORPUS:
             try:
-                r = client.post(f"{srv.url}/v1/complete", content=raw, headers={"Content-Type": "application/json"})
+                r = client.post(
+                    f"{srv.url}/v1/complete",
+                    content=raw,
+                    headers={"Content-Type": "application/json"},
+                )
             except httpx.HTTPError as exc:
                 failures.append(f"{name}: {type(exc).__name__} {exc}")
                 continue
@@ -92,18 +141,34 @@ def test_every_hostile_body_gets_a_4xx_naming_the_field_and_the_replica_keeps_se
                 failures.append(f"{name}: 422 does not name {want}: {locs}")
         assert not failures, "\n".join(failures)
 
-        assert metric(srv, "flywheel_replica_generation_seconds_count", replica_id="replica-hostile") == 0, \
-            "a refused request must not cost a model call"
-        assert metric(srv, "flywheel_replica_requests_total", replica_id="replica-hostile",
-                      outcome="invalid") == len(CORPUS)
+        assert (
+            metric(srv, "flywheel_replica_generation_seconds_count", replica_id="replica-hostile")
+            == 0
+        ), "a refused request must not cost a model call"
+        assert metric(
+            srv, "flywheel_replica_requests_total", replica_id="replica-hostile", outcome="invalid"
+        ) == len(CORPUS)
         for temperature in (0, 0.01, 100):  # the bounds themselves are served
-            ok = client.post(f"{srv.url}/v1/complete", json={"session_id": "s", "prompt": "def f(", "max_tokens": 4,
-                                                              "temperature": temperature})
+            ok = client.post(
+                f"{srv.url}/v1/complete",
+                json={
+                    "session_id": "s",
+                    "prompt": "def f(",
+                    "max_tokens": 4,
+                    "temperature": temperature,
+                },
+            )
             assert ok.status_code == 200, (temperature, ok.text)
-        empty = client.post(f"{srv.url}/v1/complete", json={"session_id": "s", "prompt": "", "max_tokens": 2})
-        assert empty.status_code == 200 and empty.json()["completions"][0]["tokens"] >= 1, empty.text
-        astral = client.post(f"{srv.url}/v1/complete", json={"session_id": "\U0001f600", "prompt": "\U0001f600 é",
-                                                              "max_tokens": 2})
+        empty = client.post(
+            f"{srv.url}/v1/complete", json={"session_id": "s", "prompt": "", "max_tokens": 2}
+        )
+        assert empty.status_code == 200 and empty.json()["completions"][0]["tokens"] >= 1, (
+            empty.text
+        )
+        astral = client.post(
+            f"{srv.url}/v1/complete",
+            json={"session_id": "\U0001f600", "prompt": "\U0001f600 é", "max_tokens": 2},
+        )
         assert astral.status_code == 200, astral.text
 
 
@@ -114,16 +179,24 @@ def test_hostile_bodies_with_the_serving_key_set_still_need_the_key_first(seeded
         assert r.status_code == 401, r.text
 
 
-def test_with_the_minimum_lowered_the_sampler_guard_still_answers_422_instead_of_sampling_nan(seeded_replica):
+def test_with_the_minimum_lowered_the_sampler_guard_still_answers_422_instead_of_sampling_nan(
+    seeded_replica,
+):
     """Defence in depth: a replica configured to accept any positive temperature still refuses the
     ones whose logits / T overflow, from the sampler's own check, and keeps serving."""
     srv = seeded_replica(id="replica-hostile-guard", min_temperature=5e-324)
     for temperature in (1e-300, 5e-324, 1e-45):
-        r = httpx.post(f"{srv.url}/v1/complete", json={"session_id": "s", "prompt": "x", "max_tokens": 4,
-                                                        "temperature": temperature}, timeout=60)
+        r = httpx.post(
+            f"{srv.url}/v1/complete",
+            json={"session_id": "s", "prompt": "x", "max_tokens": 4, "temperature": temperature},
+            timeout=60,
+        )
         assert r.status_code == 422, (temperature, r.text)
         (err,) = r.json()["detail"]
         assert err["loc"] == ["body", "temperature"] and "too small" in err["msg"], err
-    ok = httpx.post(f"{srv.url}/v1/complete", json={"session_id": "s", "prompt": "x", "max_tokens": 4,
-                                                     "temperature": 1e-3}, timeout=60)
+    ok = httpx.post(
+        f"{srv.url}/v1/complete",
+        json={"session_id": "s", "prompt": "x", "max_tokens": 4, "temperature": 1e-3},
+        timeout=60,
+    )
     assert ok.status_code == 200, ok.text

@@ -31,9 +31,19 @@ from mlflow import MlflowClient
 from app.events import encode_routes
 from app.kafka_io import dumps
 from tests.conftest import free_port
-from tests.integration.trainer.conftest import (TINY_POLICY, TrainerProcess, committed_offsets, drain, end_offsets,
-                                                produce_raw, read_dlq, refused_count, rollout_records, trainer_env,
-                                                trainer_env_vars, wait_for)  # noqa: F401 - trainer_env is a fixture
+from tests.integration.trainer.conftest import (
+    TINY_POLICY,
+    TrainerProcess,
+    committed_offsets,
+    drain,
+    end_offsets,
+    produce_raw,
+    read_dlq,
+    refused_count,
+    rollout_records,
+    trainer_env_vars,
+    wait_for,
+)
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.policy import build_policy
@@ -44,7 +54,7 @@ FAULT_MARK = "#STEP-FAULT#"
 
 
 def _contains(seq: list[int], sub: list[int]) -> bool:
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def poison_records(good: list[dict], mark: list[int]) -> list[tuple[str, str | None, bytes | None]]:
@@ -56,15 +66,25 @@ def poison_records(good: list[dict], mark: list[int]) -> list[tuple[str, str | N
     routes, shape = encode_routes(np.zeros((n, 2, 1), dtype=np.int32))  # the tiny model has 1 layer
     route = dict(g, request_id="bad-route", routes=routes, route_shape=list(shape))
     foreign = dict(g, request_id="bad-tokenizer", tokenizer="gpt2")
-    nan_lp = json.dumps(dict(g, request_id="bad-nan", logprobs=[float("nan")] + g["logprobs"][1:])).encode()
+    nan_lp = json.dumps(
+        dict(g, request_id="bad-nan", logprobs=[float("nan")] + g["logprobs"][1:])
+    ).encode()
     step = dict(g, request_id="bad-step", prompt_tokens=mark + g["prompt_tokens"])
-    return [("token_out_of_vocab", "bad-oov", dumps(oov)), ("sequence_too_long", "bad-long", dumps(long)),
-            ("route_mismatch", "bad-route", dumps(route)), ("tokenizer_mismatch", "bad-tokenizer", dumps(foreign)),
-            ("invalid_logprobs", "bad-nan", nan_lp), ("invalid_json", "bad-bytes", b"\x00\xff{not json"),
-            ("invalid_json", "bad-tombstone", None), ("step_failed", "bad-step", dumps(step))]
+    return [
+        ("token_out_of_vocab", "bad-oov", dumps(oov)),
+        ("sequence_too_long", "bad-long", dumps(long)),
+        ("route_mismatch", "bad-route", dumps(route)),
+        ("tokenizer_mismatch", "bad-tokenizer", dumps(foreign)),
+        ("invalid_logprobs", "bad-nan", nan_lp),
+        ("invalid_json", "bad-bytes", b"\x00\xff{not json"),
+        ("invalid_json", "bad-tombstone", None),
+        ("step_failed", "bad-step", dumps(step)),
+    ]
 
 
-def test_poison_rollouts_are_dead_lettered_and_the_trainer_ships_only_the_good_ones(trainer_env, tmp_path):
+def test_poison_rollouts_are_dead_lettered_and_the_trainer_ships_only_the_good_ones(
+    trainer_env, tmp_path
+):
     settings, cfg_kw = trainer_env
     trainer = Trainer(settings, TrainerConfig(**cfg_kw))
     client = MlflowClient(settings.mlflow_uri)
@@ -78,14 +98,20 @@ def test_poison_rollouts_are_dead_lettered_and_the_trainer_ships_only_the_good_o
             return real_logprobs(prompts, completions, routes, temperature)
 
         trainer.policy.logprobs = faulty_logprobs  # instance attribute: only this trainer's policy
-        good = rollout_records(trainer.policy, 1, 12, lambda text: 1.0 if "\n" in text else 0.0, seed=5, prefix="good-")
+        good = rollout_records(
+            trainer.policy, 1, 12, lambda text: 1.0 if "\n" in text else 0.0, seed=5, prefix="good-"
+        )
         for r in good:
             r["tokenizer"], r["temperature"] = "byte-v1", 1.0
         bad = poison_records(good, mark)
         before = {reason: refused_count(reason) for reason, _, _ in bad}
-        records = [(r["request_id"], dumps(r)) for r in good[:4]] + [(k, v) for _, k, v in bad[:4]] + \
-            [(r["request_id"], dumps(r)) for r in good[4:8]] + [(k, v) for _, k, v in bad[4:]] + \
-            [(r["request_id"], dumps(r)) for r in good[8:]]
+        records = (
+            [(r["request_id"], dumps(r)) for r in good[:4]]
+            + [(k, v) for _, k, v in bad[:4]]
+            + [(r["request_id"], dumps(r)) for r in good[4:8]]
+            + [(k, v) for _, k, v in bad[4:]]
+            + [(r["request_id"], dumps(r)) for r in good[8:]]
+        )
         produce_raw(settings, records)
 
         drain(trainer, expected=len(records))  # raises if a step raised
@@ -96,9 +122,19 @@ def test_poison_rollouts_are_dead_lettered_and_the_trainer_ships_only_the_good_o
 
         mv = client.get_model_version(settings.model_name, "2")
         assert mv.tags["rollouts_consumed"] == "12"
-        assert json.loads(mv.tags["rollouts_skipped"]) == {"duplicate": 0, "failed": 1, "invalid": 7, "stale": 0}
-        ids = json.loads(Path(client.download_artifacts(
-            mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path))).read_text())
+        assert json.loads(mv.tags["rollouts_skipped"]) == {
+            "duplicate": 0,
+            "failed": 1,
+            "invalid": 7,
+            "stale": 0,
+        }
+        ids = json.loads(
+            Path(
+                client.download_artifacts(
+                    mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path)
+                )
+            ).read_text()
+        )
         assert sorted(ids) == sorted(r["request_id"] for r in good)
 
         letters = read_dlq(settings, expect=len(bad))
@@ -127,8 +163,14 @@ def test_the_trainer_process_keeps_running_and_exports_the_refusals(trainer_env,
     settings, cfg = trainer_env
     cfg.update(metrics_port=free_port(), max_wait_s=1.0)
     policy = build_policy(TINY_POLICY)  # the subprocess's base version v1 (no pretraining, seed 0)
-    good = rollout_records(policy, 1, 4, lambda text: 1.0 if "(" in text else 0.0, seed=9, prefix="fine-")
-    bad = [b for b in poison_records(good, policy.tokenizer.encode(FAULT_MARK)) if b[0] != "step_failed"]
+    good = rollout_records(
+        policy, 1, 4, lambda text: 1.0 if "(" in text else 0.0, seed=9, prefix="fine-"
+    )
+    bad = [
+        b
+        for b in poison_records(good, policy.tokenizer.encode(FAULT_MARK))
+        if b[0] != "step_failed"
+    ]
     produce_raw(settings, [(k, v) for _, k, v in bad] + [(r["request_id"], dumps(r)) for r in good])
 
     log = tmp_path / "trainer.log"
@@ -136,26 +178,44 @@ def test_the_trainer_process_keeps_running_and_exports_the_refusals(trainer_env,
     p = TrainerProcess(env, log)
     try:
         ends = end_offsets(settings)
-        wait_for(lambda: committed_offsets(settings, cfg["consumer_group"]) == ends, 300, "offsets committed past the bad records",
-                 p.proc, log)
+        wait_for(
+            lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
+            300,
+            "offsets committed past the bad records",
+            p.proc,
+            log,
+        )
         assert p.proc.poll() is None, "the trainer role is still running"
         text = httpx.get(f"http://127.0.0.1:{cfg['metrics_port']}/metrics", timeout=10).text
-        refused = {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text)
-                   if fam.name == "flywheel_trainer_rollouts_refused" for s in fam.samples if s.name.endswith("_total")}
+        refused = {
+            s.labels["reason"]: s.value
+            for fam in text_string_to_metric_families(text)
+            if fam.name == "flywheel_trainer_rollouts_refused"
+            for s in fam.samples
+            if s.name.endswith("_total")
+        }
         expected = {}
         for reason, _, _ in bad:
             expected[reason] = expected.get(reason, 0) + 1
         assert {r: v for r, v in refused.items() if v} == expected, refused
-        assert refused["step_failed"] == 0 and refused["invalid_reward"] == 0, "every reason is exported, at 0"
+        assert refused["step_failed"] == 0 and refused["invalid_reward"] == 0, (
+            "every reason is exported, at 0"
+        )
     finally:
         rc = p.terminate()
     assert rc == 0, log.read_text()[-3000:]
     letters = read_dlq(settings, expect=len(bad))
-    assert sorted((base64.b64decode(d["key_b64"]).decode(), d["reason"]) for d in letters) == \
-        sorted((k, r) for r, k, _ in bad)
+    assert sorted(
+        (base64.b64decode(d["key_b64"]).decode(), d["reason"]) for d in letters
+    ) == sorted((k, r) for r, k, _ in bad)
     client = MlflowClient(settings.mlflow_uri)
     trained = []
     for mv in client.search_model_versions(f"name='{settings.model_name}'"):
-        trained += json.loads(Path(client.download_artifacts(
-            mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path))).read_text())
+        trained += json.loads(
+            Path(
+                client.download_artifacts(
+                    mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path)
+                )
+            ).read_text()
+        )
     assert sorted(trained) == sorted(r["request_id"] for r in good)

@@ -13,11 +13,16 @@ import pytest
 
 from app.replica.config import ReplicaConfig
 from app.settings import Settings
-from tests.unit.replica.conftest import TINY, tiny_state  # noqa: F401  (shared tiny policy)
+from tests.unit.replica.conftest import TINY, tiny_state
 
 
-def read_topic(settings: Settings, name: str, want: int, timeout_s: float = 30.0,
-               where: Callable[[dict], bool] = lambda _e: True) -> list[dict[str, Any]]:
+def read_topic(
+    settings: Settings,
+    name: str,
+    want: int,
+    timeout_s: float = 30.0,
+    where: Callable[[dict], bool] = lambda _e: True,
+) -> list[dict[str, Any]]:
     """Every JSON record of `<ns>.<name>` from the beginning until `want` match `where`."""
     from kafka import TopicPartition
 
@@ -55,7 +60,11 @@ def replica_factory(make_settings, tmp_path) -> Iterator[Callable[..., Any]]:
         config = ReplicaConfig(**cfg)
         server = ServerThread(create_app(settings, config, start_sync=start_sync)).start()
         started.append(server)
-        server.settings, server.config, server.replica = settings, config, server.server.config.app.state.replica
+        server.settings, server.config, server.replica = (
+            settings,
+            config,
+            server.server.config.app.state.replica,
+        )
         return server
 
     yield _start
@@ -81,34 +90,40 @@ def seeded_replica(replica_factory, make_settings, tmp_path) -> Callable[..., An
     return _start
 
 
-def metric(srv, name: str, **labels: str) -> float:  # noqa: ANN001 - a replica_factory server
+def metric(srv, name: str, **labels: str) -> float:
     """The sum of the samples of the replica's /metrics that match, read over HTTP (0 when absent)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{srv.url}/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 class HeldThread:
     """Holds a replica's generation thread with a test-controlled call in its own GenerationQueue,
     so requests sent meanwhile queue deterministically (the queue sees the thread as busy)."""
 
-    def __init__(self, srv) -> None:  # noqa: ANN001 - a replica_factory server
+    def __init__(self, srv) -> None:
         import asyncio
         import threading
 
         self.started, self.release = threading.Event(), threading.Event()
         replica = srv.replica
-        self.future = asyncio.run_coroutine_threadsafe(replica.queue.run(1, self._hold), replica.loop)
+        self.future = asyncio.run_coroutine_threadsafe(
+            replica.queue.run(1, self._hold), replica.loop
+        )
         assert self.started.wait(30), "the held call never started"
 
     def _hold(self) -> None:
         self.started.set()
         assert self.release.wait(120), "the held generation thread was never released"
 
-    def __enter__(self) -> "HeldThread":
+    def __enter__(self) -> HeldThread:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -117,7 +132,7 @@ class HeldThread:
 
 
 # a 'training step' (nudge `frac` of every float tensor's elements); one implementation for all tests
-from tests.integration.rollout.stack import nudged as perturb  # noqa: E402,F401 (re-exported)
+from tests.integration.rollout.stack import nudged as perturb  # noqa: E402 (re-exported)
 
 
 class Registered:
@@ -145,15 +160,34 @@ class Registered:
         version = str(len(self.states) + 1)
         parent = str(len(self.states)) if self.states else None
         with tempfile.TemporaryDirectory() as tmp:
-            manifest = publish_version(tmp, version, state, self.states.get(parent), parent,
-                                       self.manifests.get(parent), anchor_every=self.anchor_every)
+            manifest = publish_version(
+                tmp,
+                version,
+                state,
+                self.states.get(parent),
+                parent,
+                self.manifests.get(parent),
+                anchor_every=self.anchor_every,
+            )
             ship = f"ship-{uuid.uuid4().hex[:8]}"
-            source = self.reg.upload_ship(self.run_id, ship, state, self.config,
-                                          {"name": "byte-v1", "vocab_size": 259, "eos_id": 257}, [],
-                                          {"delta": Path(tmp)})
-        got = self.reg.create_version(source, self.run_id, ship, {"parent_version": parent or "none"})
+            source = self.reg.upload_ship(
+                self.run_id,
+                ship,
+                state,
+                self.config,
+                {"name": "byte-v1", "vocab_size": 259, "eos_id": 257},
+                [],
+                {"delta": Path(tmp)},
+            )
+        got = self.reg.create_version(
+            source, self.run_id, ship, {"parent_version": parent or "none"}
+        )
         assert str(got) == version, f"MLflow gave version {got}, expected {version}"
-        self.states[version], self.manifests[version], self.sources[version] = state, manifest, source
+        self.states[version], self.manifests[version], self.sources[version] = (
+            state,
+            manifest,
+            source,
+        )
         return version
 
     def artifact_file(self, artifacts_root: Path, version: str, filename: str) -> Path:
@@ -168,26 +202,35 @@ def publish_deployment(settings: Settings, type_: str, version: str, **kw: Any) 
     from app.deployments.events import DeploymentEvent, DeploymentLog
 
     with DeploymentLog(settings) as log:
-        log.publish(DeploymentEvent(type=type_, model=settings.model_name, version=version, source="controller",
-                                    actor="test", **kw))
+        log.publish(
+            DeploymentEvent(
+                type=type_,
+                model=settings.model_name,
+                version=version,
+                source="controller",
+                actor="test",
+                **kw,
+            )
+        )
 
 
-def status(srv) -> dict:  # noqa: ANN001 - a replica_factory server
+def status(srv) -> dict:
     import httpx
 
     return httpx.get(f"{srv.url}/v1/status", timeout=10).json()
 
 
-def serving_equals(srv, slot: str, state: dict) -> bool:  # noqa: ANN001
+def serving_equals(srv, slot: str, state: dict) -> bool:
     """Whether the replica's `slot` (champion/candidate) serves exactly `state`, bit for bit."""
     import torch
 
     got = getattr(srv.replica.store.snapshot(), slot).policy.serving_state_dict()
-    return set(got) == set(state) and all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16))
-                                          for k in state)
+    return set(got) == set(state) and all(
+        torch.equal(got[k].view(torch.int16), state[k].view(torch.int16)) for k in state
+    )
 
 
-def register_chain(reg: "Registered", n_versions: int, seed: int) -> list[dict]:
+def register_chain(reg: Registered, n_versions: int, seed: int) -> list[dict]:
     """Register versions 1..n: a tiny policy, then each one a perturbation of the previous (seeds
     seed, seed+1, ...); returns their states in version order."""
     states = [tiny_state(0)[1]]
@@ -198,7 +241,7 @@ def register_chain(reg: "Registered", n_versions: int, seed: int) -> list[dict]:
     return states
 
 
-def ship_two_versions(make_settings, mlflow_server, tmp_path: Path) -> Settings:  # noqa: ANN001 - fixtures
+def ship_two_versions(make_settings, mlflow_server, tmp_path: Path) -> Settings:
     """A real trainer (tiny policy) on a fresh model ships v1 (its base) and v2 (after one batch of
     4 rollouts) the way `flywheel trainer` does; returns the settings it ran with."""
     import uuid
@@ -207,12 +250,26 @@ def ship_two_versions(make_settings, mlflow_server, tmp_path: Path) -> Settings:
     from trainer.config import TrainerConfig
     from trainer.loop import Trainer
 
-    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}",
-                             ship_interval=3600)
-    trainer = Trainer(settings, TrainerConfig(
-        state_dir=tmp_path / "trainer-state", policy=TINY_POLICY, pretrain_steps=0, batch_size=4, max_wait_s=0.5,
-        lr=1e-3, metrics_port=0, checkpoint_every=1, consumer_group=f"trainer-{uuid.uuid4().hex[:6]}",
-        experiment=f"exp-{uuid.uuid4().hex[:6]}"))
+    settings = make_settings(
+        mlflow_uri=mlflow_server.uri,
+        model_name=f"policy-{uuid.uuid4().hex[:8]}",
+        ship_interval=3600,
+    )
+    trainer = Trainer(
+        settings,
+        TrainerConfig(
+            state_dir=tmp_path / "trainer-state",
+            policy=TINY_POLICY,
+            pretrain_steps=0,
+            batch_size=4,
+            max_wait_s=0.5,
+            lr=1e-3,
+            metrics_port=0,
+            checkpoint_every=1,
+            consumer_group=f"trainer-{uuid.uuid4().hex[:6]}",
+            experiment=f"exp-{uuid.uuid4().hex[:6]}",
+        ),
+    )
     try:
         produce(settings, rollout_records(trainer.policy, 1, 4, lambda text: 0.75, group_size=2))
         drain(trainer, 4)
@@ -237,9 +294,13 @@ def registered(mlflow_server, make_settings):
     """(settings on the real broker + MLflow with a fresh model name, factory of Registered)."""
     import uuid
 
-    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}")
+    settings = make_settings(
+        mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}"
+    )
 
     def _make(anchor_every: int = 8, seed: int = 0) -> Registered:
-        return Registered(mlflow_server.uri, settings.model_name, {**TINY, "init_seed": seed}, anchor_every)
+        return Registered(
+            mlflow_server.uri, settings.model_name, {**TINY, "init_seed": seed}, anchor_every
+        )
 
     return settings, _make

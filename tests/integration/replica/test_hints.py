@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 
 from app.replica.hints import artifact_hints
-from tests.integration.replica.conftest import publish_deployment, register_chain, serving_equals, status, wait_for
+from tests.integration.replica.conftest import (
+    publish_deployment,
+    register_chain,
+    serving_equals,
+    status,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -22,20 +28,36 @@ def serving(srv, slot: str) -> Any:
 def announce(settings, reg, version: str, **override: Any) -> None:
     """`version_registered` with the hints trainer/shipping.py publishes (fields overridable)."""
     m = reg.manifests[version]
-    hints = artifact_hints(reg.sources[version], reg.config, m.checkpoint_sha256, m.parent_version,
-                           m.delta.model_dump() if m.delta else None)
-    publish_deployment(settings, "version_registered", version, from_version=m.parent_version,
-                       details={"artifacts": {**hints, **override}})
+    hints = artifact_hints(
+        reg.sources[version],
+        reg.config,
+        m.checkpoint_sha256,
+        m.parent_version,
+        m.delta.model_dump() if m.delta else None,
+    )
+    publish_deployment(
+        settings,
+        "version_registered",
+        version,
+        from_version=m.parent_version,
+        details={"artifacts": {**hints, **override}},
+    )
 
 
-def test_hinted_versions_sync_by_the_delta_alone_and_bad_hints_still_end_verified(registered, replica_factory):
+def test_hinted_versions_sync_by_the_delta_alone_and_bad_hints_still_end_verified(
+    registered, replica_factory
+):
     settings, make = registered
     reg = make(anchor_every=8)
     states = register_chain(reg, 4, seed=20)
     announce(settings, reg, "1")
     announce(settings, reg, "2")
-    announce(settings, reg, "3", checkpoint_sha256="0" * 64)  # stale/wrong: the manifest must decide
-    announce(settings, reg, "4", source=reg.sources["2"])  # another version's ship: MLflow must decide
+    announce(
+        settings, reg, "3", checkpoint_sha256="0" * 64
+    )  # stale/wrong: the manifest must decide
+    announce(
+        settings, reg, "4", source=reg.sources["2"]
+    )  # another version's ship: MLflow must decide
     publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
     srv = replica_factory(settings, id="replica-hints")
     wait_for(lambda: status(srv)["champion"] == "1", what="champion v1")
@@ -56,18 +78,24 @@ def test_hinted_versions_sync_by_the_delta_alone_and_bad_hints_still_end_verifie
     last = status(srv)["last_sync"]
     assert "3/manifest.json" in last["chain"] and last["path"] == "delta", last
     assert serving(srv, "candidate").sha256 == reg.manifests["3"].checkpoint_sha256
-    assert serving_equals(srv, "candidate", states[2]), "a wrong hinted hash must not change what is served"
+    assert serving_equals(srv, "candidate", states[2]), (
+        "a wrong hinted hash must not change what is served"
+    )
 
     publish_deployment(settings, "promoted", "3", traffic_pct=100.0)
     publish_deployment(settings, "canary_started", "4", from_version="3", traffic_pct=10.0)
     wait_for(lambda: status(srv)["candidate"] == "4", what="candidate v4")
-    assert fetcher._roots.get("4") == reg.sources["4"].rsplit("/model", 1)[0], "the wrong hint was replaced by MLflow's"
+    assert fetcher._roots.get("4") == reg.sources["4"].rsplit("/model", 1)[0], (
+        "the wrong hint was replaced by MLflow's"
+    )
     assert serving(srv, "candidate").sha256 == reg.manifests["4"].checkpoint_sha256
     assert serving_equals(srv, "candidate", states[3])
     assert status(srv)["champion"] == "3" and serving_equals(srv, "champion", states[2])
 
 
-def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(registered, replica_factory, mlflow_server):
+def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(
+    registered, replica_factory, mlflow_server
+):
     settings, make = registered
     reg = make(anchor_every=2)  # v1 anchor, v2 delta, v3 delta + anchor
     states = register_chain(reg, 3, seed=30)
@@ -89,19 +117,21 @@ def test_a_corrupt_hinted_delta_falls_back_to_the_anchor(registered, replica_fac
     assert serving_equals(srv, "champion", states[2])
 
 
-def test_the_trainers_version_registered_event_carries_hints_that_match_the_registry(make_settings, mlflow_server,
-                                                                                      tmp_path):
+def test_the_trainers_version_registered_event_carries_hints_that_match_the_registry(
+    make_settings, mlflow_server, tmp_path
+):
     import json
 
     from mlflow import MlflowClient
 
     from app.replica.hints import ArtifactHint, config_sha256
     from kernels.delta.manifest import Manifest
-    from tests.integration.replica.conftest import read_topic
-    from tests.integration.replica.conftest import ship_two_versions
+    from tests.integration.replica.conftest import read_topic, ship_two_versions
 
     settings = ship_two_versions(make_settings, mlflow_server, tmp_path)
-    events = read_topic(settings, "deployments", 2, where=lambda e: e["type"] == "version_registered")
+    events = read_topic(
+        settings, "deployments", 2, where=lambda e: e["type"] == "version_registered"
+    )
     client = MlflowClient(settings.mlflow_uri)
     for ev in events:
         mv = client.get_model_version(settings.model_name, ev["version"])
@@ -111,10 +141,19 @@ def test_the_trainers_version_registered_event_carries_hints_that_match_the_regi
         files = mlflow_server.root / "artifacts" / root
         manifest = Manifest.model_validate_json((files / "delta" / "manifest.json").read_bytes())
         config = json.loads((files / "model" / "artifacts" / "config.json").read_text())
-        assert hint.checkpoint_sha256 == manifest.checkpoint_sha256 and hint.config_sha256 == config_sha256(config)
+        assert (
+            hint.checkpoint_sha256 == manifest.checkpoint_sha256
+            and hint.config_sha256 == config_sha256(config)
+        )
         if manifest.delta is None:
             assert ev["version"] == "1" and hint.delta_file is None, "the base version is an anchor"
         else:
-            assert hint.delta_from(manifest.parent_version) and (hint.delta_file, hint.delta_sha256, hint.delta_bytes) \
-                == (manifest.delta.file, manifest.delta.sha256, manifest.delta.bytes), (hint, manifest.delta)
+            assert hint.delta_from(manifest.parent_version) and (
+                hint.delta_file,
+                hint.delta_sha256,
+                hint.delta_bytes,
+            ) == (manifest.delta.file, manifest.delta.sha256, manifest.delta.bytes), (
+                hint,
+                manifest.delta,
+            )
     assert sorted(e["version"] for e in events) == ["1", "2"]

@@ -8,22 +8,34 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.replica.conftest import publish_deployment, register_chain, serving_equals, status, wait_for
+from tests.integration.replica.conftest import (
+    publish_deployment,
+    register_chain,
+    serving_equals,
+    status,
+    wait_for,
+)
 from tests.integration.replica.test_hints import announce
 
 pytestmark = pytest.mark.integration
 
 
 def push(settings, reg, version: str, data: bytes | None = None) -> None:
-    from app.replica.pushed import PushedDelta
     from app.kafka_io import make_producer
+    from app.replica.pushed import PushedDelta
 
     ref = reg.manifests[version].delta
     blob = data if data is not None else (reg.delta_bytes[version])
     producer = make_producer(settings, linger_ms=0)
     try:
-        key, value, headers = PushedDelta(settings.model_name, version, reg.manifests[version].parent_version, ref.file,
-                                          ref.sha256, blob).record()
+        key, value, headers = PushedDelta(
+            settings.model_name,
+            version,
+            reg.manifests[version].parent_version,
+            ref.file,
+            ref.sha256,
+            blob,
+        ).record()
         producer.send(settings.topic("deltas"), key=key, value=value, headers=headers).get(10)
     finally:
         producer.close()
@@ -35,15 +47,22 @@ def pushed_counter(srv, outcome: str) -> float:
     return m.PUSHED.labels(srv.config.id, outcome)._value.get()
 
 
-def test_a_replica_syncs_from_pushed_deltas_without_downloading_and_refuses_a_corrupt_one(registered, replica_factory,
-                                                                                          mlflow_server):
+def test_a_replica_syncs_from_pushed_deltas_without_downloading_and_refuses_a_corrupt_one(
+    registered, replica_factory, mlflow_server
+):
     settings, make = registered
     reg = make(anchor_every=8)
     states = register_chain(reg, 4, seed=40)
-    reg.delta_bytes = {v: reg.artifact_file(mlflow_server.root / "artifacts", v, reg.manifests[v].delta.file).read_bytes()
-                       for v in ("2", "3", "4")}
+    reg.delta_bytes = {
+        v: reg.artifact_file(
+            mlflow_server.root / "artifacts", v, reg.manifests[v].delta.file
+        ).read_bytes()
+        for v in ("2", "3", "4")
+    }
     announce(settings, reg, "1")
-    push(settings, reg, "2")  # before the replica starts: it must still find it (the newest few are read)
+    push(
+        settings, reg, "2"
+    )  # before the replica starts: it must still find it (the newest few are read)
     announce(settings, reg, "2")
     publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
     srv = replica_factory(settings, id="replica-pushed")
@@ -64,7 +83,9 @@ def test_a_replica_syncs_from_pushed_deltas_without_downloading_and_refuses_a_co
     announce(settings, reg, "3")
     publish_deployment(settings, "promoted", "3", traffic_pct=100.0)
     wait_for(lambda: status(srv)["champion"] == "3", what="champion v3")
-    assert status(srv)["last_sync"]["chain"] == ["kafka:3/delta-from-2.fwd"], status(srv)["last_sync"]
+    assert status(srv)["last_sync"]["chain"] == ["kafka:3/delta-from-2.fwd"], status(srv)[
+        "last_sync"
+    ]
     assert serving_equals(srv, "champion", states[2])
 
     # a pushed copy whose bytes are wrong (its header claims the right hash): refused, MLflow's used
@@ -85,8 +106,9 @@ def serving(srv, slot: str):
     return getattr(srv.replica.store.snapshot(), slot)
 
 
-def test_the_trainer_pushes_each_delta_before_announcing_it_with_the_bytes_of_its_artifact(make_settings,
-                                                                                           mlflow_server, tmp_path):
+def test_the_trainer_pushes_each_delta_before_announcing_it_with_the_bytes_of_its_artifact(
+    make_settings, mlflow_server, tmp_path
+):
     import json
 
     from kafka import TopicPartition
@@ -114,13 +136,23 @@ def test_the_trainer_pushes_each_delta_before_announcing_it_with_the_bytes_of_it
     finally:
         consumer.close()
     pushed = [PushedDelta.from_record(r, settings.model_name) for r in records["deltas"]]
-    assert [(p.version, p.parent_version) for p in pushed] == [("2", "1")], "v1 is an anchor: nothing to push"
+    assert [(p.version, p.parent_version) for p in pushed] == [("2", "1")], (
+        "v1 is an anchor: nothing to push"
+    )
     registered = [json.loads(r.value) for r in records["deployments"]]
     assert [e["version"] for e in registered if e["type"] == "version_registered"] == ["1", "2"]
-    assert records["deltas"][0].timestamp <= next(r.timestamp for r in records["deployments"]
-                                                  if json.loads(r.value)["version"] == "2"), "pushed before announced"
+    assert records["deltas"][0].timestamp <= next(
+        r.timestamp for r in records["deployments"] if json.loads(r.value)["version"] == "2"
+    ), "pushed before announced"
     mv = MlflowClient(settings.mlflow_uri).get_model_version(settings.model_name, "2")
-    files = mlflow_server.root / "artifacts" / mv.source.split("mlflow-artifacts:/", 1)[1].rsplit("/model", 1)[0] / "delta"
+    files = (
+        mlflow_server.root
+        / "artifacts"
+        / mv.source.split("mlflow-artifacts:/", 1)[1].rsplit("/model", 1)[0]
+        / "delta"
+    )
     manifest = Manifest.model_validate_json((files / "manifest.json").read_bytes())
     assert (pushed[0].file, pushed[0].sha256) == (manifest.delta.file, manifest.delta.sha256)
-    assert pushed[0].data == (files / manifest.delta.file).read_bytes(), "the pushed bytes are the MLflow artifact's"
+    assert pushed[0].data == (files / manifest.delta.file).read_bytes(), (
+        "the pushed bytes are the MLflow artifact's"
+    )

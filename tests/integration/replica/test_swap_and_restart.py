@@ -18,12 +18,20 @@ import pytest
 import torch
 
 from app.events import decode_routes, parse_event_bytes
-from tests.integration.replica.conftest import perturb, publish_deployment, read_topic, tiny_state, wait_for
+from tests.integration.replica.conftest import (
+    perturb,
+    publish_deployment,
+    read_topic,
+    tiny_state,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
 
-def test_requests_during_a_swap_all_succeed_and_name_the_version_that_produced_them(registered, replica_factory):
+def test_requests_during_a_swap_all_succeed_and_name_the_version_that_produced_them(
+    registered, replica_factory
+):
     settings, make = registered
     reg = make(anchor_every=8)
     _, s1 = tiny_state(0)
@@ -40,9 +48,18 @@ def test_requests_during_a_swap_all_succeed_and_name_the_version_that_produced_t
         with httpx.Client(timeout=60) as http:
             i = 0
             while not stop.is_set():
-                r = http.post(f"{srv.url}/v1/complete", json={"session_id": f"w{worker}-{i}", "prompt": "def f(x):",
-                                                               "max_tokens": 6, "n": 1 + i % 2})
-                (responses if r.status_code == 200 else errors).append(r.json() if r.status_code == 200 else r.text)
+                r = http.post(
+                    f"{srv.url}/v1/complete",
+                    json={
+                        "session_id": f"w{worker}-{i}",
+                        "prompt": "def f(x):",
+                        "max_tokens": 6,
+                        "n": 1 + i % 2,
+                    },
+                )
+                (responses if r.status_code == 200 else errors).append(
+                    r.json() if r.status_code == 200 else r.text
+                )
                 i += 1
 
     with ThreadPoolExecutor(4) as pool:
@@ -50,13 +67,19 @@ def test_requests_during_a_swap_all_succeed_and_name_the_version_that_produced_t
             pool.submit(hammer, w)
         wait_for(lambda: len(responses) >= 8, what="requests on v1")
         publish_deployment(settings, "promoted", "2", traffic_pct=100.0)
-        wait_for(lambda: sum(r["model_version"] == "2" for r in responses) >= 8, timeout_s=120, what="requests on v2")
+        wait_for(
+            lambda: sum(r["model_version"] == "2" for r in responses) >= 8,
+            timeout_s=120,
+            what="requests on v2",
+        )
         stop.set()
     assert not errors, f"{len(errors)} requests failed during the swap, e.g. {errors[:2]}"
     versions = [r["model_version"] for r in responses]
     assert set(versions) == {"1", "2"}
     first_v2 = versions.index("2")
-    assert versions[first_v2:].count("1") <= 4, "after the swap only requests already in flight may finish on v1"
+    assert versions[first_v2:].count("1") <= 4, (
+        "after the swap only requests already in flight may finish on v1"
+    )
 
     ids = {c["request_id"]: r["model_version"] for r in responses for c in r["completions"]}
     events = read_topic(settings, "interactions", len(ids), where=lambda e: e["request_id"] in ids)
@@ -76,25 +99,53 @@ def test_requests_during_a_swap_all_succeed_and_name_the_version_that_produced_t
 
         def recompute(v: str) -> torch.Tensor:
             with torch.no_grad():
-                lp = policies[v].logprobs([p.prompt_tokens], [p.completion_tokens], routes=[routes],
-                                          temperature=p.temperature)
-            return lp[0, :len(p.completion_tokens)].contiguous().view(torch.int32)
+                lp = policies[v].logprobs(
+                    [p.prompt_tokens],
+                    [p.completion_tokens],
+                    routes=[routes],
+                    temperature=p.temperature,
+                )
+            return lp[0, : len(p.completion_tokens)].contiguous().view(torch.int32)
 
-        assert torch.equal(recompute(p.model_version), logged), \
+        assert torch.equal(recompute(p.model_version), logged), (
             f"request {p.request_id} says v{p.model_version} but its log-probs are not that version's"
+        )
         other_matches += torch.equal(recompute("2" if p.model_version == "1" else "1"), logged)
-    assert other_matches < len(events) / 10, "the two versions must be distinguishable by their log-probs"
+    assert other_matches < len(events) / 10, (
+        "the two versions must be distinguishable by their log-probs"
+    )
 
 
 def _start_process(settings, cache_dir, port: int, pause_s: float) -> subprocess.Popen:
-    env = dict(os.environ, FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
-               FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace, FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
-               FLYWHEEL_MODEL_NAME=settings.model_name, FLYWHEEL_DATA_DIR=str(settings.data_dir),
-               FLYWHEEL_REPLICA_CACHE_DIR=str(cache_dir), FLYWHEEL_REPLICA_DEBUG_PAUSE_IN_APPLY=str(pause_s),
-               FLYWHEEL_REPLICA_RETRY_INTERVAL="1")
-    return subprocess.Popen([sys.executable, "-m", "app.cli", "replica", "--host", "127.0.0.1", "--port", str(port),
-                             "--replica-id", "replica-kill"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = dict(
+        os.environ,
+        FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        FLYWHEEL_TOPIC_NAMESPACE=settings.topic_namespace,
+        FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
+        FLYWHEEL_MODEL_NAME=settings.model_name,
+        FLYWHEEL_DATA_DIR=str(settings.data_dir),
+        FLYWHEEL_REPLICA_CACHE_DIR=str(cache_dir),
+        FLYWHEEL_REPLICA_DEBUG_PAUSE_IN_APPLY=str(pause_s),
+        FLYWHEEL_REPLICA_RETRY_INTERVAL="1",
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "replica",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--replica-id",
+            "replica-kill",
+        ],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _status(url: str) -> dict:
@@ -112,7 +163,9 @@ def _readyz(url: str):
         return None
 
 
-def test_a_replica_killed_mid_apply_restarts_serving_its_last_verified_version(registered, tmp_path):
+def test_a_replica_killed_mid_apply_restarts_serving_its_last_verified_version(
+    registered, tmp_path
+):
     from tests.conftest import free_port
 
     settings, make = registered
@@ -127,31 +180,58 @@ def test_a_replica_killed_mid_apply_restarts_serving_its_last_verified_version(r
     try:
         publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
         procs.append(_start_process(settings, cache, port, pause_s=0))
-        wait_for(lambda: (_readyz(url) or {}).get("champion") == "1", timeout_s=120, what="v1 served")
+        wait_for(
+            lambda: (_readyz(url) or {}).get("champion") == "1", timeout_s=120, what="v1 served"
+        )
         wait_for(lambda: (cache / "v1.json").exists(), what="v1 in the cache")
         os.killpg(procs[-1].pid, signal.SIGKILL)
         procs[-1].wait(10)
 
-        procs.append(_start_process(settings, cache, port, pause_s=120))  # every apply now stalls halfway
+        procs.append(
+            _start_process(settings, cache, port, pause_s=120)
+        )  # every apply now stalls halfway
         publish_deployment(settings, "promoted", "2", traffic_pct=100.0)
-        wait_for(lambda: (_status(url).get("syncing") or {}).get("version") == "2", timeout_s=120,
-                 what="v2 reconstructed, not yet swapped")
-        assert _status(url)["champion"] == "1", "the old version serves while the new one is applied"
+        wait_for(
+            lambda: (_status(url).get("syncing") or {}).get("version") == "2",
+            timeout_s=120,
+            what="v2 reconstructed, not yet swapped",
+        )
+        assert _status(url)["champion"] == "1", (
+            "the old version serves while the new one is applied"
+        )
         os.killpg(procs[-1].pid, signal.SIGKILL)  # killed in the middle of applying v2
         procs[-1].wait(10)
         assert not (cache / "v2.json").exists()
 
-        procs.append(_start_process(settings, cache, port, pause_s=120))  # restart: v2's apply stalls again
+        procs.append(
+            _start_process(settings, cache, port, pause_s=120)
+        )  # restart: v2's apply stalls again
         ready = wait_for(lambda: _readyz(url), timeout_s=120, what="restarted replica ready")
-        assert ready["champion"] == "1", f"a restarted replica must serve its last verified version, got {ready}"
-        wait_for(lambda: (_status(url).get("syncing") or {}).get("version") == "2", timeout_s=120, what="v2 again")
-        r = httpx.post(f"{url}/v1/complete", json={"session_id": "s", "prompt": "x", "max_tokens": 3}, timeout=60)
+        assert ready["champion"] == "1", (
+            f"a restarted replica must serve its last verified version, got {ready}"
+        )
+        wait_for(
+            lambda: (_status(url).get("syncing") or {}).get("version") == "2",
+            timeout_s=120,
+            what="v2 again",
+        )
+        r = httpx.post(
+            f"{url}/v1/complete",
+            json={"session_id": "s", "prompt": "x", "max_tokens": 3},
+            timeout=60,
+        )
         assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
         os.killpg(procs[-1].pid, signal.SIGKILL)
         procs[-1].wait(10)
 
-        procs.append(_start_process(settings, cache, port, pause_s=0))  # and without the stall it completes v2
-        wait_for(lambda: (_readyz(url) or {}).get("champion") == "2", timeout_s=120, what="v2 after restart")
+        procs.append(
+            _start_process(settings, cache, port, pause_s=0)
+        )  # and without the stall it completes v2
+        wait_for(
+            lambda: (_readyz(url) or {}).get("champion") == "2",
+            timeout_s=120,
+            what="v2 after restart",
+        )
         wait_for(lambda: (cache / "v2.json").exists(), what="v2 cached")
     finally:
         for p in procs:

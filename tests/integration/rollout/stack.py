@@ -41,8 +41,16 @@ from app.settings import Settings
 
 # d_model 16: gates, syncs and /v1/complete stay cheap; context 256 leaves room for the gate's
 # sampled completions (48 tokens) after the regression prompts.
-TINY_POLICY = {"type": "moe-byte", "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "n_experts": 2,
-               "top_k": 1, "max_context": 256}
+TINY_POLICY = {
+    "type": "moe-byte",
+    "d_model": 16,
+    "n_layers": 1,
+    "n_heads": 2,
+    "d_ff": 16,
+    "n_experts": 2,
+    "top_k": 1,
+    "max_context": 256,
+}
 
 
 def session_in_bucket(lo: int, hi: int) -> str:
@@ -56,7 +64,9 @@ def session_in_bucket(lo: int, hi: int) -> str:
 
 
 CANARY_SESSION = session_in_bucket(0, 500)  # served by the candidate at every canary step (>= 5 %)
-CHAMPION_SESSION = session_in_bucket(5000, 10_000)  # served by the champion until promotion (steps < 100 %)
+CHAMPION_SESSION = session_in_bucket(
+    5000, 10_000
+)  # served by the champion until promotion (steps < 100 %)
 
 
 def tiny_policy_state(seed: int = 0) -> dict[str, Any]:
@@ -66,7 +76,9 @@ def tiny_policy_state(seed: int = 0) -> dict[str, Any]:
     return build_policy({**TINY_POLICY, "init_seed": seed}).serving_state_dict()
 
 
-def nudged(state: dict[str, Any], seed: int, frac: float = 0.05, scale: float = 0.05) -> dict[str, Any]:
+def nudged(
+    state: dict[str, Any], seed: int, frac: float = 0.05, scale: float = 0.05
+) -> dict[str, Any]:
     """A 'training step': `frac` of each float tensor's elements moved by N(0, scale) (stays in bf16)."""
     import torch
 
@@ -77,7 +89,9 @@ def nudged(state: dict[str, Any], seed: int, frac: float = 0.05, scale: float = 
             out[k] = t
             continue
         mask = torch.rand(t.shape, generator=g) < frac
-        out[k] = torch.where(mask, t.float() + torch.randn(t.shape, generator=g) * scale, t.float()).to(t.dtype)
+        out[k] = torch.where(
+            mask, t.float() + torch.randn(t.shape, generator=g) * scale, t.float()
+        ).to(t.dtype)
     return out
 
 
@@ -92,7 +106,10 @@ def with_nan(state: dict[str, Any]) -> dict[str, Any]:
 
 def blown_up(state: dict[str, Any], factor: float = 40.0) -> dict[str, Any]:
     """A corrupted checkpoint: finite, but every weight scaled far beyond a training step's change."""
-    return {k: (v.float() * factor).to(v.dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return {
+        k: (v.float() * factor).to(v.dtype) if v.is_floating_point() else v
+        for k, v in state.items()
+    }
 
 
 class Versions:
@@ -103,7 +120,9 @@ class Versions:
         from trainer.registry import Registry
 
         self.settings = settings
-        self.reg = Registry(settings.mlflow_uri, settings.model_name, experiment=f"rollout-{settings.model_name}")
+        self.reg = Registry(
+            settings.mlflow_uri, settings.model_name, experiment=f"rollout-{settings.model_name}"
+        )
         self.reg.ensure_model()
         self.run_id = self.reg.start_run()
         self.anchor_every = anchor_every
@@ -121,19 +140,43 @@ class Versions:
         self.announce(version)
         return version
 
-    def upload(self, state: dict[str, Any], parent: str | None = None, kind: str = "trained") -> str:
+    def upload(
+        self, state: dict[str, Any], parent: str | None = None, kind: str = "trained"
+    ) -> str:
         """Artifacts up and the version created in MLflow (the controller does not know it yet)."""
         from trainer.publish import publish_version
 
         predicted = str(max((int(v) for v in self.states), default=0) + 1)
         ship = f"ship-{uuid.uuid4().hex[:10]}"
         with tempfile.TemporaryDirectory(prefix="flywheel-rollout-ship-") as tmp:
-            manifest = publish_version(tmp, predicted, state, self.states.get(parent) if parent else None, parent,
-                                       self.manifests.get(parent) if parent else None, anchor_every=self.anchor_every)
-            source = self.reg.upload_ship(self.run_id, ship, state, {**TINY_POLICY}, self.tokenizer, [], {"delta": Path(tmp)})
-        version = str(self.reg.create_version(source, self.run_id, ship, {
-            "kind": kind, "parent_version": parent or "none", "rollouts_consumed": "0", "reward_spec": "v1"}))
-        assert version == predicted, f"MLflow gave version {version}, the delta was written for {predicted}"
+            manifest = publish_version(
+                tmp,
+                predicted,
+                state,
+                self.states.get(parent) if parent else None,
+                parent,
+                self.manifests.get(parent) if parent else None,
+                anchor_every=self.anchor_every,
+            )
+            source = self.reg.upload_ship(
+                self.run_id, ship, state, {**TINY_POLICY}, self.tokenizer, [], {"delta": Path(tmp)}
+            )
+        version = str(
+            self.reg.create_version(
+                source,
+                self.run_id,
+                ship,
+                {
+                    "kind": kind,
+                    "parent_version": parent or "none",
+                    "rollouts_consumed": "0",
+                    "reward_spec": "v1",
+                },
+            )
+        )
+        assert version == predicted, (
+            f"MLflow gave version {version}, the delta was written for {predicted}"
+        )
         self.states[version], self.manifests[version] = state, manifest
         self.ships[version], self.parents[version], self.kinds[version] = ship, parent, kind
         return version
@@ -143,11 +186,24 @@ class Versions:
         from app.deployments.events import DeploymentEvent, DeploymentLog
 
         with DeploymentLog(self.settings) as dlog:
-            dlog.publish(DeploymentEvent(
-                event_id=f"vr-{self.ships[version]}", type="version_registered", model=self.settings.model_name,
-                version=version, from_version=self.parents[version], source="trainer", actor="flywheel-trainer",
-                reason=f"{self.kinds[version]} version (test)",
-                details={"run_id": self.run_id, "ship_id": self.ships[version], "rollouts_consumed": 0, "reward_spec": "v1"}))
+            dlog.publish(
+                DeploymentEvent(
+                    event_id=f"vr-{self.ships[version]}",
+                    type="version_registered",
+                    model=self.settings.model_name,
+                    version=version,
+                    from_version=self.parents[version],
+                    source="trainer",
+                    actor="flywheel-trainer",
+                    reason=f"{self.kinds[version]} version (test)",
+                    details={
+                        "run_id": self.run_id,
+                        "ship_id": self.ships[version],
+                        "rollouts_consumed": 0,
+                        "reward_spec": "v1",
+                    },
+                )
+            )
 
 
 class MetricsFeed:
@@ -164,13 +220,24 @@ class MetricsFeed:
 
         start = time.time()
         sums = {"n": float(n), "reward_sum": n * mean, "reward_sumsq": n * (sd * sd + mean * mean)}
-        rec = {"bucket_id": f"{version}/{start!r}/1.0", "model_version": version, "bucket_start": start,
-               "bucket_seconds": 1.0, "reward_spec": "v1", "partitions": [0], "sums": sums, "n": n,
-               "reward_mean": mean, "reward_variance": sd * sd}
+        rec = {
+            "bucket_id": f"{version}/{start!r}/1.0",
+            "model_version": version,
+            "bucket_start": start,
+            "bucket_seconds": 1.0,
+            "reward_spec": "v1",
+            "partitions": [0],
+            "sums": sums,
+            "n": n,
+            "reward_mean": mean,
+            "reward_variance": sd * sd,
+        }
         self.producer.send(self.topic, key=version.encode(), value=dumps(rec))
         self.producer.flush()
 
-    def pair(self, candidate: str, champion: str, cand_mean: float, champ_mean: float, n: int = 100) -> None:
+    def pair(
+        self, candidate: str, champion: str, cand_mean: float, champ_mean: float, n: int = 100
+    ) -> None:
         self.bucket(candidate, n, cand_mean)
         self.bucket(champion, n, champ_mean)
 
@@ -195,7 +262,9 @@ class RolloutStack:
     cs: Any  # ControllerSettings
     workdir: Path
     n_replicas: int = 2
-    gate_samples: int = 8  # prompts the gate samples from both policies (default 32; the CPU is shared)
+    gate_samples: int = (
+        8  # prompts the gate samples from both policies (default 32; the CPU is shared)
+    )
     api: Any = None
     replicas: list[Any] = field(default_factory=list)
     keys: dict[str, str] = field(default_factory=dict)
@@ -212,11 +281,11 @@ class RolloutStack:
         return self.settings.model_name
 
     @property
-    def client(self):  # noqa: ANN201 (MlflowClient)
+    def client(self):
         return self.versions.reg.client
 
     # --- lifecycle ------------------------------------------------------------------------------
-    def start(self) -> "RolloutStack":
+    def start(self) -> RolloutStack:
         from app.api.main import create_app
         from app.api.server import ServerThread
         from app.controller.controller import Controller
@@ -235,17 +304,28 @@ class RolloutStack:
         self.versions = Versions(s)
         self.feed = MetricsFeed(s)
         self.api = ServerThread(create_app(s)).start()
-        self._thread(follow, s, None, self._stop, f"projector-{uuid.uuid4().hex[:8]}", 0.5, name="projector")
+        self._thread(
+            follow, s, None, self._stop, f"projector-{uuid.uuid4().hex[:8]}", 0.5, name="projector"
+        )
         self.cs = self.cs.model_copy(update={"webhook_url": f"{self.api.url}/v1/hooks/mlflow"})
-        runner = GateRunner(s, self.client, GateConfig(sample_prompts=self.gate_samples, max_tokens=24),
-                            self.cs.gate_rollouts)
+        runner = GateRunner(
+            s,
+            self.client,
+            GateConfig(sample_prompts=self.gate_samples, max_tokens=24),
+            self.cs.gate_rollouts,
+        )
         self.controller = Controller(s, self.cs, self.client, gate=runner.run)
         ready = threading.Event()
         self._thread(self.controller.run, self._stop, ready.set, name="controller")
-        assert ready.wait(120), "the controller did not catch up with the deployment log within 120s"
+        assert ready.wait(120), (
+            "the controller did not catch up with the deployment log within 120s"
+        )
         if self.cs.webhooks_enabled:
-            self._webhook_id = next(w.webhook_id for w in self.client.list_webhooks(max_results=100)
-                                    if w.name == f"flywheel-{self.model}")
+            self._webhook_id = next(
+                w.webhook_id
+                for w in self.client.list_webhooks(max_results=100)
+                if w.name == f"flywheel-{self.model}"
+            )
         for i in range(self.n_replicas):
             self.replicas.append(self._start_replica(f"replica-{i + 1}"))
         return self
@@ -255,16 +335,23 @@ class RolloutStack:
         th.start()
         self._threads.append(th)
 
-    def _start_replica(self, replica_id: str):  # noqa: ANN202
+    def _start_replica(self, replica_id: str):
         from app.api.server import ServerThread
         from app.replica.config import ReplicaConfig
         from app.replica.server import create_app
-
         from tests.conftest import free_port
 
         port = free_port()
-        cfg = ReplicaConfig(id=replica_id, port=port, cache_dir=self.workdir / f"cache-{replica_id}",
-                            heartbeat_interval=2.0, poll_interval=0.2, retry_interval=2.0, max_tokens=16, torch_threads=1)
+        cfg = ReplicaConfig(
+            id=replica_id,
+            port=port,
+            cache_dir=self.workdir / f"cache-{replica_id}",
+            heartbeat_interval=2.0,
+            poll_interval=0.2,
+            retry_interval=2.0,
+            max_tokens=16,
+            torch_threads=1,
+        )
         srv = ServerThread(create_app(self.settings, cfg), port=port)
         srv.replica_config = cfg
         return srv.start()
@@ -277,7 +364,9 @@ class RolloutStack:
             th.join(60)
         if self.api is not None:
             self.api.stop()
-        if self._webhook_id is not None:  # MLflow webhooks are server-wide: leave none pointing at a dead port
+        if (
+            self._webhook_id is not None
+        ):  # MLflow webhooks are server-wide: leave none pointing at a dead port
             self.client.delete_webhook(self._webhook_id)
         if self.feed is not None:
             self.feed.close()
@@ -286,9 +375,13 @@ class RolloutStack:
         assert not alive, f"threads still running after stop: {alive}"
 
     # --- replicas ---------------------------------------------------------------------------------
-    def complete(self, replica: int, session_id: str, prompt: str = "def add(a, b):\n") -> dict[str, Any]:
-        r = self.http.post(f"{self.replicas[replica].url}/v1/complete",
-                           json={"session_id": session_id, "prompt": prompt, "max_tokens": 4, "temperature": 1.0})
+    def complete(
+        self, replica: int, session_id: str, prompt: str = "def add(a, b):\n"
+    ) -> dict[str, Any]:
+        r = self.http.post(
+            f"{self.replicas[replica].url}/v1/complete",
+            json={"session_id": session_id, "prompt": prompt, "max_tokens": 4, "temperature": 1.0},
+        )
         assert r.status_code == 200, f"replica {replica} answered {r.status_code}: {r.text}"
         return r.json()
 
@@ -303,35 +396,64 @@ class RolloutStack:
             out.append((st["champion"], st["candidate"], float(st["traffic_pct"])))
         return out
 
-    def wait_serving(self, champion: str, candidate: str | None = None, traffic: float | None = None,
-                     timeout: float = 120.0, every: float = 0.1) -> float:
+    def wait_serving(
+        self,
+        champion: str,
+        candidate: str | None = None,
+        traffic: float | None = None,
+        timeout: float = 120.0,
+        every: float = 0.1,
+    ) -> float:
         """Wait until every replica serves exactly that; returns the seconds it took."""
         t0 = time.monotonic()
 
         def ok() -> bool:
-            return all(c == champion and k == candidate and (traffic is None or t == traffic)
-                       for c, k, t in self.serving())
+            return all(
+                c == champion and k == candidate and (traffic is None or t == traffic)
+                for c, k, t in self.serving()
+            )
 
-        wait_for(ok, timeout, f"replicas to serve champion {champion}, candidate {candidate} ({traffic}%); "
-                              f"now {self.serving()}", every=every)
+        wait_for(
+            ok,
+            timeout,
+            f"replicas to serve champion {champion}, candidate {candidate} ({traffic}%); "
+            f"now {self.serving()}",
+            every=every,
+        )
         return time.monotonic() - t0
 
     # --- status API, operator verbs ------------------------------------------------------------------
     def _get(self, path: str, **params: Any) -> dict[str, Any]:
-        r = self.http.get(f"{self.api.url}{path}", params=params, headers={"Authorization": f"Bearer {self.keys['read']}"})
+        r = self.http.get(
+            f"{self.api.url}{path}",
+            params=params,
+            headers={"Authorization": f"Bearer {self.keys['read']}"},
+        )
         assert r.status_code == 200, f"GET {path} -> {r.status_code}: {r.text}"
         return r.json()
 
     def status(self) -> dict[str, Any]:
         """This model's entry of GET /v1/deployments ({} before the first projected event)."""
-        return next((m for m in self._get("/v1/deployments", model=self.model)["models"] if m["model"] == self.model), {})
+        return next(
+            (
+                m
+                for m in self._get("/v1/deployments", model=self.model)["models"]
+                if m["model"] == self.model
+            ),
+            {},
+        )
 
     def history(self, **params: Any) -> list[dict[str, Any]]:
         """GET /v1/deployments/history (newest first), every page."""
         out, cursor = [], None
         while True:
-            page = self._get("/v1/deployments/history", model=self.model, limit=500,
-                             **({"cursor": cursor} if cursor else {}), **params)
+            page = self._get(
+                "/v1/deployments/history",
+                model=self.model,
+                limit=500,
+                **({"cursor": cursor} if cursor else {}),
+                **params,
+            )
             out.extend(page["events"])
             cursor = page.get("next_cursor")
             if not cursor:
@@ -341,8 +463,11 @@ class RolloutStack:
         return self._get(f"/v1/models/{version}", model=self.model)
 
     def verb(self, verb: str, **body: Any) -> httpx.Response:
-        return self.http.post(f"{self.api.url}/v1/deployments/{verb}", json=body,
-                              headers={"Authorization": f"Bearer {self.keys['admin']}"})
+        return self.http.post(
+            f"{self.api.url}/v1/deployments/{verb}",
+            json=body,
+            headers={"Authorization": f"Bearer {self.keys['admin']}"},
+        )
 
     def aliases(self) -> dict[str, str]:
         return dict(self.client.get_registered_model(self.model).aliases or {})

@@ -24,7 +24,7 @@ from app.controller.state import Decision
 pytestmark = pytest.mark.integration
 
 
-def model_with_two_versions(mlflow_server, tmp_path, prefix: str):  # noqa: ANN001, ANN201
+def model_with_two_versions(mlflow_server, tmp_path, prefix: str):
     """A new registered model with versions 1 and 2 (one logged artifact) on the real MLflow server."""
     from mlflow import MlflowClient
 
@@ -35,41 +35,61 @@ def model_with_two_versions(mlflow_server, tmp_path, prefix: str):  # noqa: ANN0
     (tmp_path / "w.txt").write_text("weights")
     client.log_artifact(run.info.run_id, str(tmp_path / "w.txt"), artifact_path="w")
     for _ in range(2):
-        client.create_model_version(model, source=f"{run.info.artifact_uri}/w", run_id=run.info.run_id)
+        client.create_model_version(
+            model, source=f"{run.info.artifact_uri}/w", run_id=run.info.run_id
+        )
     return client, model
 
 
-def test_champion_alias_is_resynced_when_a_decision_undoes_a_ui_move_before_the_next_tick(make_settings, mlflow_server,
-                                                                                          tmp_path):
+def test_champion_alias_is_resynced_when_a_decision_undoes_a_ui_move_before_the_next_tick(
+    make_settings, mlflow_server, tmp_path
+):
     client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-sync")
     settings = make_settings(model_name=model, mlflow_uri=mlflow_server.uri)
     ctl = Controller(settings, ControllerSettings(webhooks_enabled=False, metrics_port=0), client)
     ctl.caught_up = True
     try:
+
         def event(type_: str, version: str, frm: str | None = None) -> None:
-            ctl.on_deployment(Decision(type=type_, version=version, from_version=frm, traffic_pct=100.0,
-                                       source="api", actor="test").to_event(model))
+            ctl.on_deployment(
+                Decision(
+                    type=type_,
+                    version=version,
+                    from_version=frm,
+                    traffic_pct=100.0,
+                    source="api",
+                    actor="test",
+                ).to_event(model)
+            )
 
         event("promoted", "1")
         event("promoted", "2", "1")
         ctl.tick()
         assert dict(client.get_registered_model(model).aliases) == {"champion": "2"}
 
-        client.set_registered_model_alias(model, "champion", "1")  # the operator's move in the MLflow UI
-        [moved] = reconcile_once(client, model, lambda ev: None, via="poll")  # what the poller publishes
+        client.set_registered_model_alias(
+            model, "champion", "1"
+        )  # the operator's move in the MLflow UI
+        [moved] = reconcile_once(
+            client, model, lambda ev: None, via="poll"
+        )  # what the poller publishes
         ctl.on_deployment(moved)
         assert ctl.state.champion == "1"
-        event("rolled_back", "2", "1")  # before the next tick: the state is back where the controller last synced
+        event(
+            "rolled_back", "2", "1"
+        )  # before the next tick: the state is back where the controller last synced
         ctl.tick()
         assert ctl.state.champion == "2"
-        assert dict(client.get_registered_model(model).aliases) == {"champion": "2"}, \
+        assert dict(client.get_registered_model(model).aliases) == {"champion": "2"}, (
             "MLflow's champion alias must follow the state (it was left on the UI move's version)"
+        )
     finally:
         ctl.dlog.close()
 
 
-def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an_outside_move_it_reports(mlflow_server,
-                                                                                                       tmp_path):
+def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an_outside_move_it_reports(
+    mlflow_server, tmp_path
+):
     """sync_aliases writes the acknowledged tag, then moves the alias. A webhook receiver or poller in
     another process reading in between must not take that for an operator's move; a real move in
     MLflow (alias moved, tag untouched) must still be reported."""
@@ -84,18 +104,26 @@ def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an
     # Flywheel's own move to 2, paused between its two calls (the tag says 2, the alias still 1)
     client.set_registered_model_tag(model, TAG_PREFIX + "champion", "2")
     published = []
-    reader = threading.Thread(target=lambda: published.extend(
-        reconcile_once(client, model, published.append, via="webhook")))
+    reader = threading.Thread(
+        target=lambda: published.extend(
+            reconcile_once(client, model, published.append, via="webhook")
+        )
+    )
     reader.start()
     time.sleep(0.1)  # the reader has seen the half-done move
     client.set_registered_model_alias(model, "champion", "2")  # the move completes
-    client.set_registered_model_tag(model, "flywheel.alias.seq", str(read_snapshot(client, model).seq + 1))
+    client.set_registered_model_tag(
+        model, "flywheel.alias.seq", str(read_snapshot(client, model).seq + 1)
+    )
     reader.join(10)
     assert published == [], f"a move in progress was reported as an outside move: {published}"
     assert read_snapshot(client, model).acked["champion"] == "2"
 
     client.set_registered_model_alias(model, "champion", "1")  # an operator's move in the MLflow UI
     events = reconcile_once(client, model, lambda ev: None, via="poll")
-    assert [(e["type"], e["version"], e["from_version"], e["details"]["alias"]) for e in events] == \
-        [("alias_changed", "1", "2", "champion")]
-    assert read_snapshot(client, model).acked["champion"] == "1", "the reported move is acknowledged"
+    assert [
+        (e["type"], e["version"], e["from_version"], e["details"]["alias"]) for e in events
+    ] == [("alias_changed", "1", "2", "champion")]
+    assert read_snapshot(client, model).acked["champion"] == "1", (
+        "the reported move is acknowledged"
+    )

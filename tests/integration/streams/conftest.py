@@ -29,15 +29,21 @@ WINDOW = 2.5
 
 def streams_env(settings, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({
-        "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap, "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
-        "FLYWHEEL_INTERACTIONS_PARTITIONS": str(settings.interactions_partitions),
-        "FLYWHEEL_ROLLOUTS_PARTITIONS": str(settings.rollouts_partitions),
-        "FLYWHEEL_DATA_DIR": str(settings.data_dir), "FLYWHEEL_WAIT_WINDOW": str(WINDOW),
-        "FLYWHEEL_STREAMS_METRICS_PORT": str(free_port()), "FLYWHEEL_STREAMS_METRICS_BUCKET": "2s",
-        "FLYWHEEL_STREAMS_SESSION_TIMEOUT": "8s", "FLYWHEEL_STREAMS_CLOSED_RETENTION": "120s",
-        "PYTHONPATH": str(REPO),
-    })
+    env.update(
+        {
+            "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
+            "FLYWHEEL_INTERACTIONS_PARTITIONS": str(settings.interactions_partitions),
+            "FLYWHEEL_ROLLOUTS_PARTITIONS": str(settings.rollouts_partitions),
+            "FLYWHEEL_DATA_DIR": str(settings.data_dir),
+            "FLYWHEEL_WAIT_WINDOW": str(WINDOW),
+            "FLYWHEEL_STREAMS_METRICS_PORT": str(free_port()),
+            "FLYWHEEL_STREAMS_METRICS_BUCKET": "2s",
+            "FLYWHEEL_STREAMS_SESSION_TIMEOUT": "8s",
+            "FLYWHEEL_STREAMS_CLOSED_RETENTION": "120s",
+            "PYTHONPATH": str(REPO),
+        }
+    )
     env.update(extra)
     return env
 
@@ -46,8 +52,14 @@ class WorkerProc:
     def __init__(self, env: dict[str, str], log: Path):
         self.env, self.log_path = env, log
         self.log = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "streams.worker"], cwd=REPO, env=env,
-                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "streams.worker"],
+            cwd=REPO,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
@@ -87,7 +99,14 @@ def produce(settings, records: list[tuple[bytes | None, bytes]]) -> None:
     prod.close()
 
 
-def read_topic(settings, topic: str, expect: int, timeout: float, settle: float = 1.0, distinct_keys: bool = False) -> list[Any]:
+def read_topic(
+    settings,
+    topic: str,
+    expect: int,
+    timeout: float,
+    settle: float = 1.0,
+    distinct_keys: bool = False,
+) -> list[Any]:
     """Consume `topic` from the beginning until `expect` records arrived (then `settle` s more) or timeout.
 
     distinct_keys: count distinct record keys instead of records, for topics where a restarted
@@ -129,7 +148,9 @@ def arrivals(settings) -> list[Arrival]:
     return out
 
 
-def scenario(seed: int, n_requests: int) -> tuple[list[tuple[bytes | None, bytes]], list[tuple[bytes, bytes]], int]:
+def scenario(
+    seed: int, n_requests: int
+) -> tuple[list[tuple[bytes | None, bytes]], list[tuple[bytes, bytes]], int]:
     """(phase-1 records in random order, phase-2 late feedback, number of invalid records)."""
     rng = random.Random(seed)
     phase1, phase2, invalid = [], [], 0
@@ -138,15 +159,26 @@ def scenario(seed: int, n_requests: int) -> tuple[list[tuple[bytes | None, bytes
         evs = []
         has_gen = rng.random() < 0.9
         if has_gen:
-            evs.append(generation(rid, t=rng.uniform(0, 5), version=rng.choice(["m1", "m2"]), n_tokens=rng.randint(1, 8)))
+            evs.append(
+                generation(
+                    rid,
+                    t=rng.uniform(0, 5),
+                    version=rng.choice(["m1", "m2"]),
+                    n_tokens=rng.randint(1, 8),
+                )
+            )
         evs += [random_feedback(rng, rid, f"{rid}-f{j}") for j in range(rng.randint(0, 5))]
         evs += [dict(e) for e in evs if rng.random() < 0.15]  # duplicates
         phase1 += [(rid.encode(), json.dumps(e).encode()) for e in evs]
         if has_gen and rng.random() < 0.2:
             late = random_feedback(rng, rid, f"{rid}-late")
             phase2.append((rid.encode(), json.dumps(late).encode()))
-    bad = [(b"k", b"{not json"), (b"k2", json.dumps({"type": "accept", "event_id": "x"}).encode()),
-           (b"wrong-key", json.dumps(random_feedback(rng, "req-x", "kx")).encode()), (None, b"\xff\xfe")]
+    bad = [
+        (b"k", b"{not json"),
+        (b"k2", json.dumps({"type": "accept", "event_id": "x"}).encode()),
+        (b"wrong-key", json.dumps(random_feedback(rng, "req-x", "kx")).encode()),
+        (None, b"\xff\xfe"),
+    ]
     phase1 += bad
     invalid = len(bad)
     rng.shuffle(phase1)

@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
 
@@ -32,11 +32,19 @@ from tests.unit.streams.factories import generation, random_feedback
 
 pytestmark = pytest.mark.integration
 
-V2_WEIGHTS = {"accept": 1.0, "reject": -1.0, "tool_error": -2.0, "tool_error_floor": -4.0, "followup": 0.0}
+V2_WEIGHTS = {
+    "accept": 1.0,
+    "reject": -1.0,
+    "tool_error": -2.0,
+    "tool_error_floor": -4.0,
+    "followup": 0.0,
+}
 V1, V2 = resolve_spec("v1"), resolve_spec("v2", RewardWeights(**V2_WEIGHTS))
 
 
-def phase(rng: random.Random, tag: str, n: int) -> tuple[list[tuple[bytes | None, bytes]], dict[str, list[dict] | None], int]:
+def phase(
+    rng: random.Random, tag: str, n: int
+) -> tuple[list[tuple[bytes | None, bytes]], dict[str, list[dict] | None], int]:
     """Records of n requests, per request with a generation its distinct feedback (None: no generation),
     and the number of distinct feedback events without a generation.
 
@@ -46,7 +54,11 @@ def phase(rng: random.Random, tag: str, n: int) -> tuple[list[tuple[bytes | None
     for i in range(n):
         rid = f"{tag}-{i}"
         evs = [] if i % 10 == 1 else [generation(rid, version="1", n_tokens=rng.randint(1, 6))]
-        feedback = [] if i % 10 == 0 else [random_feedback(rng, rid, f"{rid}-f{j}") for j in range(rng.randint(1, 4))]
+        feedback = (
+            []
+            if i % 10 == 0
+            else [random_feedback(rng, rid, f"{rid}-f{j}") for j in range(rng.randint(1, 4))]
+        )
         joined[rid] = feedback if evs else None
         orphans += 0 if evs else len(feedback)
         evs += feedback
@@ -67,13 +79,23 @@ def group_state(settings) -> dict:
     cons = KafkaConsumer(bootstrap_servers=settings.kafka_bootstrap.split(","))
     try:
         group = f"{ns}-streams"
-        offsets = {(tp.topic, tp.partition): m.offset for tp, m in admin.list_group_offsets({group: None})[group].items()
-                   if tp.topic == settings.topic("interactions")}
+        offsets = {
+            (tp.topic, tp.partition): m.offset
+            for tp, m in admin.list_group_offsets({group: None})[group].items()
+            if tp.topic == settings.topic("interactions")
+        }
         listed = admin.list_groups()
-        groups = sorted(name for name in (g["group_id"] if isinstance(g, dict) else g[0] for g in listed)
-                        if name.startswith(ns))
-        topics = [settings.topic("late")] + [f"{ns}-streams-{t}-changelog" for t in ("labels", "generations")]
-        tps = [TopicPartition(t, p) for t in topics for p in sorted(cons.partitions_for_topic(t) or [])]
+        groups = sorted(
+            name
+            for name in (g["group_id"] if isinstance(g, dict) else g[0] for g in listed)
+            if name.startswith(ns)
+        )
+        topics = [settings.topic("late")] + [
+            f"{ns}-streams-{t}-changelog" for t in ("labels", "generations")
+        ]
+        tps = [
+            TopicPartition(t, p) for t in topics for p in sorted(cons.partitions_for_topic(t) or [])
+        ]
         ends = {(tp.topic, tp.partition): o for tp, o in cons.end_offsets(tps).items()}
     finally:
         admin.close()
@@ -82,9 +104,21 @@ def group_state(settings) -> dict:
 
 
 def run_relabel(settings, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "app.cli", "streams", "relabel", "--reward-spec", "v2",
-           "--reward-weights", json.dumps(V2_WEIGHTS), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=streams_env(settings), capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "streams",
+        "relabel",
+        "--reward-spec",
+        "v2",
+        "--reward-weights",
+        json.dumps(V2_WEIGHTS),
+        *extra,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=streams_env(settings), capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -95,66 +129,107 @@ def intake_all(settings, expect: int, current_version: int):
     from trainer.rollouts import DedupeSet, RolloutIntake
 
     consumer = make_consumer(settings, group_id=f"test-intake-{uuid.uuid4().hex[:8]}")
-    intake = RolloutIntake(consumer, settings.topic("rollouts"), positions={}, seen=DedupeSet(10_000), max_staleness=4)
+    intake = RolloutIntake(
+        consumer, settings.topic("rollouts"), positions={}, seen=DedupeSet(10_000), max_staleness=4
+    )
     deadline = time.monotonic() + 90
     while intake.buffered() < expect:
-        assert time.monotonic() < deadline, f"intake buffered {intake.buffered()} of {expect} records"
+        assert time.monotonic() < deadline, (
+            f"intake buffered {intake.buffered()} of {expect} records"
+        )
         intake.poll(500)
     return intake, consumer, intake.take(10**6, current_version)
 
 
-def test_relabel_gives_the_new_rewards_exactly_once_beside_the_live_worker(make_settings, start_worker):
+def test_relabel_gives_the_new_rewards_exactly_once_beside_the_live_worker(
+    make_settings, start_worker
+):
     settings = make_settings(wait_window=2.5)
     rng = random.Random(15)
     old_records, old_joined, _ = phase(rng, "old", 30)
     new_records, new_joined, n_orphans = phase(rng, "new", 200)
-    new_records += [(b"k", b"{not json"), (b"k2", json.dumps({"type": "accept", "event_id": "x"}).encode()),
-                    (b"wrong-key", json.dumps(random_feedback(rng, "new-7", "kx")).encode())]
+    new_records += [
+        (b"k", b"{not json"),
+        (b"k2", json.dumps({"type": "accept", "event_id": "x"}).encode()),
+        (b"wrong-key", json.dumps(random_feedback(rng, "new-7", "kx")).encode()),
+    ]
     worker = start_worker(settings)
     produce(settings, old_records)
     time.sleep(1.5)
-    since = datetime.now(timezone.utc)
+    since = datetime.now(UTC)
     time.sleep(1.5)
     produce(settings, new_records)
     generations = sum(1 for j in (old_joined | new_joined).values() if j is not None)
     live = read_topic(settings, settings.topic("rollouts"), generations, timeout=120.0, settle=3.0)
     assert len(live) == generations, (len(live), generations, worker.tail())
     before = group_state(settings)
-    assert sum(before["offsets"].values()) > 0, f"the live worker has committed no interactions offsets: {before}"
+    assert sum(before["offsets"].values()) > 0, (
+        f"the live worker has committed no interactions offsets: {before}"
+    )
 
     dry = run_relabel(settings, "--since", since.isoformat(), "--dry-run")
-    assert dry["written"] == 0 and len(read_topic(settings, settings.topic("rollouts"), 10**9, 5.0)) == generations
+    assert (
+        dry["written"] == 0
+        and len(read_topic(settings, settings.topic("rollouts"), 10**9, 5.0)) == generations
+    )
 
     counts = run_relabel(settings, "--since", since.isoformat().replace("+00:00", "Z"))
     print("relabel counts:", json.dumps(counts, sort_keys=True))
     want = {rid: fb for rid, fb in new_joined.items() if fb}
-    assert counts["read"] == len(new_records) and counts["labelled"] == counts["written"] == len(want), counts
+    assert counts["read"] == len(new_records) and counts["labelled"] == counts["written"] == len(
+        want
+    ), counts
     assert counts["skipped"]["no_feedback"] == sum(1 for j in new_joined.values() if j == [])
     assert counts["skipped"]["orphan_feedback"] == n_orphans > 0
     assert counts["skipped"]["before_since"] == counts["skipped"]["window_open"] == 0, counts
     assert counts["dead_lettered"] == {"invalid_json": 1, "invalid_event": 1, "key_mismatch": 1}
     assert counts["duplicates"] > 0 and counts["reward_spec"] == "v2"
-    assert {k: v for k, v in dry.items() if k not in ("written", "dry_run", "relabel_run")} == \
-           {k: v for k, v in counts.items() if k not in ("written", "dry_run", "relabel_run")}
+    assert {k: v for k, v in dry.items() if k not in ("written", "dry_run", "relabel_run")} == {
+        k: v for k, v in counts.items() if k not in ("written", "dry_run", "relabel_run")
+    }
 
-    recs = read_topic(settings, settings.topic("rollouts"), generations + len(want), timeout=60.0, settle=3.0)
+    recs = read_topic(
+        settings, settings.topic("rollouts"), generations + len(want), timeout=60.0, settle=3.0
+    )
     keys = Counter(r.key.decode() for r in recs)
     assert all(n == 1 for n in keys.values()), [k for k, n in keys.items() if n > 1][:5]
     v2 = {r.key.decode(): json.loads(r.value) for r in recs if r.key.decode().endswith("|v2")}
     v1 = {r.key.decode(): json.loads(r.value) for r in recs if not r.key.decode().endswith("|v2")}
-    assert sorted(v2) == sorted(f"{rid}|v2" for rid in want), "relabelled set differs (--since not respected?)"
+    assert sorted(v2) == sorted(f"{rid}|v2" for rid in want), (
+        "relabelled set differs (--since not respected?)"
+    )
     for rid, feedback in want.items():
         new, old = Rollout.model_validate(v2[f"{rid}|v2"]), Rollout.model_validate(v1[rid])
         assert new.reward == compute_reward(V2, feedback).reward, (rid, new.reward)
         assert old.reward == compute_reward(V1, feedback).reward, (rid, old.reward)
-        assert (new.reward_spec, old.reward_spec, new.relabel_run, old.relabel_run) == ("v2", "v1", counts["relabel_run"], None)
-        assert (new.completion_tokens, new.logprobs, new.model_version) == (old.completion_tokens, old.logprobs, "1")
-    assert sum(1 for rid in want if compute_reward(V2, want[rid]).reward != compute_reward(V1, want[rid]).reward) > len(want) // 2
+        assert (new.reward_spec, old.reward_spec, new.relabel_run, old.relabel_run) == (
+            "v2",
+            "v1",
+            counts["relabel_run"],
+            None,
+        )
+        assert (new.completion_tokens, new.logprobs, new.model_version) == (
+            old.completion_tokens,
+            old.logprobs,
+            "1",
+        )
+    assert (
+        sum(
+            1
+            for rid in want
+            if compute_reward(V2, want[rid]).reward != compute_reward(V1, want[rid]).reward
+        )
+        > len(want) // 2
+    )
     dlq = [json.loads(r.value) for r in read_topic(settings, settings.topic("dlq"), 10**9, 5.0)]
-    assert Counter(d["reason"] for d in dlq if d["consumer"] == "relabel") == Counter(counts["dead_lettered"])
+    assert Counter(d["reason"] for d in dlq if d["consumer"] == "relabel") == Counter(
+        counts["dead_lettered"]
+    )
 
     after = group_state(settings)
-    assert after == before, "relabel touched the live worker's offsets, state or outputs, or joined a group"
+    assert after == before, (
+        "relabel touched the live worker's offsets, state or outputs, or joined a group"
+    )
     assert worker.proc.poll() is None, worker.tail()
 
     intake, consumer, batch = intake_all(settings, len(recs), current_version=1)
@@ -179,7 +254,12 @@ def test_relabel_gives_the_new_rewards_exactly_once_beside_the_live_worker(make_
     assert repeat.rollouts == [] and repeat.skipped["duplicate"] == 1
     consumer.close()
 
-    _, stale_consumer, late_batch = intake_all(settings, len(recs) + 1, current_version=10)  # 9 versions behind
+    _, stale_consumer, late_batch = intake_all(
+        settings, len(recs) + 1, current_version=10
+    )  # 9 versions behind
     kept = Counter(r.reward_spec for r in late_batch.rollouts)
-    assert kept == {"v2": len(want)} and late_batch.skipped["stale"] == generations, (kept, late_batch.skipped)
+    assert kept == {"v2": len(want)} and late_batch.skipped["stale"] == generations, (
+        kept,
+        late_batch.skipped,
+    )
     stale_consumer.close()

@@ -27,7 +27,9 @@ def metric(worker, series: str) -> float:
     'x_total{reason="a"}') from the worker's Prometheus endpoint."""
     import httpx
 
-    text = httpx.get(f"http://127.0.0.1:{worker.env['FLYWHEEL_STREAMS_METRICS_PORT']}/metrics", timeout=5).text
+    text = httpx.get(
+        f"http://127.0.0.1:{worker.env['FLYWHEEL_STREAMS_METRICS_PORT']}/metrics", timeout=5
+    ).text
     total = 0.0
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -43,7 +45,9 @@ def events_in(worker) -> float:
 
 
 def outputs(settings, n_rollouts: int, n_late: int, n_dlq: int, timeout: float = 90.0):
-    rolls = read_topic(settings, settings.topic("rollouts"), n_rollouts, timeout, distinct_keys=True)
+    rolls = read_topic(
+        settings, settings.topic("rollouts"), n_rollouts, timeout, distinct_keys=True
+    )
     late = read_topic(settings, settings.topic("late"), n_late, 20.0)
     dlq = read_topic(settings, settings.topic("dlq"), n_dlq, 20.0)
     return rolls, late, dlq
@@ -57,13 +61,19 @@ def diagnose(settings, rids: list[str], late) -> str:
     want = {r.encode() for r in rids}
     ns = settings.topic_namespace
     lines = []
-    topics = [settings.topic("interactions"), f"{ns}-streams-labels-changelog", f"{ns}-streams-generations-changelog"]
+    topics = [
+        settings.topic("interactions"),
+        f"{ns}-streams-labels-changelog",
+        f"{ns}-streams-generations-changelog",
+    ]
     for topic in topics:
         for r in read_topic(settings, topic, 10**9, 5.0):
             key = r.key.strip(b'"') if r.key else r.key
             if key in want:
                 val = (r.value or b"<tombstone>")[:300].decode(errors="replace")
-                lines.append(f"{topic} p{r.partition}@{r.offset} ts={r.timestamp} {key.decode()}: {val}")
+                lines.append(
+                    f"{topic} p{r.partition}@{r.offset} ts={r.timestamp} {key.decode()}: {val}"
+                )
     for r in late:
         if r.key in want:
             lines.append(f"late {r.key.decode()}: {r.value[:200].decode(errors='replace')}")
@@ -83,8 +93,10 @@ def check_against_reference(settings, rolls, late, dlq, n_invalid: int, exact: b
         assert not dup, f"requests labelled more than once: {list(dup.items())[:5]}"
     missing = set(ref.rollouts) - set(by_rid)
     extra = set(by_rid) - set(ref.rollouts)
-    assert not missing and not extra, (f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})\n"
-                                       + diagnose(settings, sorted(missing)[:5], late))
+    assert not missing and not extra, (
+        f"missing {sorted(missing)[:5]} ({len(missing)}), extra {sorted(extra)[:5]} ({len(extra)})\n"
+        + diagnose(settings, sorted(missing)[:5], late)
+    )
     for rid, vals in by_rid.items():
         want = ref.rollouts[rid]
         for v in vals:  # every copy (after a crash) carries the same label
@@ -97,17 +109,26 @@ def check_against_reference(settings, rolls, late, dlq, n_invalid: int, exact: b
         got_late[(val["reason"], val["event"]["event_id"])] += 1
     if not exact:
         got_late = Counter(set(got_late))
-    assert got_late == ref.late, f"late differs: missing {ref.late - got_late}, extra {got_late - ref.late}"
+    assert got_late == ref.late, (
+        f"late differs: missing {ref.late - got_late}, extra {got_late - ref.late}"
+    )
     dlq_vals = [json.loads(r.value) for r in dlq]
     ref_dlq_total = sum(ref.dlq.values()) + n_invalid
     if exact:
         assert len(dlq_vals) == ref_dlq_total, [d["reason"] for d in dlq_vals]
     assert {d["reason"] for d in dlq_vals} >= {"invalid_json", "invalid_event", "key_mismatch"}
     assert all(r.key is None for r in dlq)
-    return {"rollouts": len(by_rid), "late": sum(ref.late.values()), "dlq": ref_dlq_total, "ref": ref}
+    return {
+        "rollouts": len(by_rid),
+        "late": sum(ref.late.values()),
+        "dlq": ref_dlq_total,
+        "ref": ref,
+    }
 
 
-def test_randomised_events_give_exactly_the_reference_rollouts_late_and_dlq(make_settings, start_worker):
+def test_randomised_events_give_exactly_the_reference_rollouts_late_and_dlq(
+    make_settings, start_worker
+):
     settings = make_settings(wait_window=WINDOW)
     phase1, phase2, n_invalid = scenario(seed=1, n_requests=700)
     worker = start_worker(settings)
@@ -115,7 +136,9 @@ def test_randomised_events_give_exactly_the_reference_rollouts_late_and_dlq(make
     time.sleep(WINDOW + 2.0)
     produce(settings, phase2)
     ref = expected(arrivals(settings), WINDOW)
-    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid)
+    rolls, late, dlq = outputs(
+        settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid
+    )
     assert worker.proc.poll() is None, worker.tail()
     summary = check_against_reference(settings, rolls, late, dlq, n_invalid, exact=True)
     assert len(phase1) > 2000 and summary["rollouts"] > 500 and summary["late"] > 50, summary
@@ -146,7 +169,9 @@ def test_two_workers_split_partitions_and_agree_with_the_reference(make_settings
     time.sleep(WINDOW + 2.0)
     produce(settings, phase2)
     ref = expected(arrivals(settings), WINDOW)
-    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid)
+    rolls, late, dlq = outputs(
+        settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid
+    )
     check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
     counts = [events_in(w) for w in workers]
     assert all(c > 0 for c in counts), f"one worker consumed nothing: {counts}"
@@ -159,19 +184,29 @@ def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings
     half = len(phase1) // 2
     produce(settings, phase1[:half])
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not read_topic(settings, settings.topic("rollouts"), 1, 1.0, settle=0):
+    while time.monotonic() < deadline and not read_topic(
+        settings, settings.topic("rollouts"), 1, 1.0, settle=0
+    ):
         time.sleep(0.2)
     produce(settings, phase1[half:])
     worker.kill(signal.SIGKILL)
     assert worker.proc.returncode == -signal.SIGKILL
     n_gens = len({json.loads(v)["request_id"] for _, v in phase1 if b'"generation"' in v})
     before = len(read_topic(settings, settings.topic("rollouts"), 10**9, 3.0))
-    assert 0 < before < n_gens, f"the kill was not mid-stream: {before} of {n_gens} rollouts already out"
+    assert 0 < before < n_gens, (
+        f"the kill was not mid-stream: {before} of {n_gens} rollouts already out"
+    )
     restarted = start_worker(settings, FLYWHEEL_STREAMS_LOG_LEVEL="INFO")
     time.sleep(WINDOW + 2.0)
     produce(settings, phase2)
     ref = expected(arrivals(settings), WINDOW)
-    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid, timeout=300)
+    rolls, late, dlq = outputs(
+        settings,
+        len(ref.rollouts),
+        sum(ref.late.values()),
+        sum(ref.dlq.values()) + n_invalid,
+        timeout=300,
+    )
     check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
     # it resumed where its recovered state ends (the state carries its input offsets), not where
     # the dead worker's last offset commit happened to be
@@ -180,9 +215,10 @@ def test_sigkill_mid_stream_loses_nothing_and_relabels_identically(make_settings
     assert "records were skipped" not in log_text, restarted.tail()
 
 
-
 @pytest.mark.parametrize("eager", [True, False], ids=["eager-loop", "stock-loop"])
-def test_a_worker_joining_mid_stream_while_deliveries_wait_on_full_buffers_loses_nothing(make_settings, start_worker, eager):
+def test_a_worker_joining_mid_stream_while_deliveries_wait_on_full_buffers_loses_nothing(
+    make_settings, start_worker, eager
+):
     """The rebalance path under pressure, on each fetch loop: with 4-record stream buffers,
     deliveries wait on a full buffer all the time (the eager fetch loop's slow path,
     streams/consumer.py, and Faust's conductor parking deliveries with ensure_future, which both
@@ -200,14 +236,17 @@ def test_a_worker_joining_mid_stream_while_deliveries_wait_on_full_buffers_loses
 
     settings = make_settings(wait_window=WINDOW)
     phase1, phase2, n_invalid = scenario(seed=3, n_requests=600)
-    tiny = {"FLYWHEEL_STREAMS_STREAM_BUFFER_MAXSIZE": "4", "FLYWHEEL_STREAMS_BATCH_MAX_EVENTS": "50",
-            "FLYWHEEL_STREAMS_EAGER_DRAIN": str(eager).lower()}  # the in-order check must not depend on the fetch loop
+    tiny = {
+        "FLYWHEEL_STREAMS_STREAM_BUFFER_MAXSIZE": "4",
+        "FLYWHEEL_STREAMS_BATCH_MAX_EVENTS": "50",
+        "FLYWHEEL_STREAMS_EAGER_DRAIN": str(eager).lower(),
+    }  # the in-order check must not depend on the fetch loop
     first = start_worker(settings, **tiny)
     step = max(1, len(phase1) // 20)
 
     def trickle() -> None:  # ~10 s of traffic, in order
         for i in range(0, len(phase1), step):
-            produce(settings, phase1[i:i + step])
+            produce(settings, phase1[i : i + step])
             time.sleep(0.5)
 
     producer = threading.Thread(target=trickle)
@@ -226,14 +265,30 @@ def test_a_worker_joining_mid_stream_while_deliveries_wait_on_full_buffers_loses
     time.sleep(WINDOW + 2.0)
     produce(settings, phase2)
     ref = expected(arrivals(settings), WINDOW)
-    rolls, late, dlq = outputs(settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid)
-    print("stale records dropped (first, second):",
-          [metric(w, "flywheel_streams_stale_records_dropped_total") for w in (first, second)],
-          "offset gaps refetched:", [metric(w, 'flywheel_streams_offset_gaps_total{outcome="refetched"}') for w in (first, second)],
-          "confirmed:", [metric(w, 'flywheel_streams_offset_gaps_total{outcome="confirmed"}') for w in (first, second)],
-          "replays dropped:", [metric(w, "flywheel_streams_replayed_records_dropped_total") for w in (first, second)])
+    rolls, late, dlq = outputs(
+        settings, len(ref.rollouts), sum(ref.late.values()), sum(ref.dlq.values()) + n_invalid
+    )
+    print(
+        "stale records dropped (first, second):",
+        [metric(w, "flywheel_streams_stale_records_dropped_total") for w in (first, second)],
+        "offset gaps refetched:",
+        [
+            metric(w, 'flywheel_streams_offset_gaps_total{outcome="refetched"}')
+            for w in (first, second)
+        ],
+        "confirmed:",
+        [
+            metric(w, 'flywheel_streams_offset_gaps_total{outcome="confirmed"}')
+            for w in (first, second)
+        ],
+        "replays dropped:",
+        [metric(w, "flywheel_streams_replayed_records_dropped_total") for w in (first, second)],
+    )
     check_against_reference(settings, rolls, late, dlq, n_invalid, exact=False)
-    assert events_in(second) > 0, "the second worker never got partitions: no rebalance happened mid-stream"
+    assert events_in(second) > 0, (
+        "the second worker never got partitions: no rebalance happened mid-stream"
+    )
     if eager:  # counted by the eager loop only (streams/consumer.py)
-        assert metric(first, "flywheel_streams_deliveries_suspended_total") > 0, \
+        assert metric(first, "flywheel_streams_deliveries_suspended_total") > 0, (
             "no delivery ever waited on a full buffer: the slow path was not exercised"
+        )

@@ -14,8 +14,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -23,12 +24,37 @@ from app.events import encode_routes
 from app.kafka_io import dumps, make_consumer, make_producer
 
 REPO = Path(__file__).resolve().parents[3]
-TINY_POLICY = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 32, "n_experts": 2, "top_k": 1, "max_context": 64}
-PROMPTS = ["def add(a, b):\n    ", "def f(x):\n    ", "x = [", "for i in range(", "class A:\n    ", "if x > 0:\n    "]
+TINY_POLICY = {
+    "d_model": 32,
+    "n_layers": 1,
+    "n_heads": 2,
+    "d_ff": 32,
+    "n_experts": 2,
+    "top_k": 1,
+    "max_context": 64,
+}
+PROMPTS = [
+    "def add(a, b):\n    ",
+    "def f(x):\n    ",
+    "x = [",
+    "for i in range(",
+    "class A:\n    ",
+    "if x > 0:\n    ",
+]
 
 
-def rollout_records(policy, version: int, n: int, reward_fn: Callable[[str], float], *, seed: int = 0,
-                    max_tokens: int = 12, prefix: str = "", group_size: int = 1, tool_error_every: int = 0) -> list[dict[str, Any]]:
+def rollout_records(
+    policy,
+    version: int,
+    n: int,
+    reward_fn: Callable[[str], float],
+    *,
+    seed: int = 0,
+    max_tokens: int = 12,
+    prefix: str = "",
+    group_size: int = 1,
+    tool_error_every: int = 0,
+) -> list[dict[str, Any]]:
     """`n` rollout records (DESIGN.md schema) sampled from `policy`, rewarded by `reward_fn(text)`."""
     tok = policy.tokenizer
     prompts = [tok.encode(PROMPTS[(i // group_size) % len(PROMPTS)]) for i in range(n)]
@@ -39,15 +65,39 @@ def rollout_records(policy, version: int, n: int, reward_fn: Callable[[str], flo
         reward = float(reward_fn(s.text))
         errors = []
         if tool_error_every and i % tool_error_every == 0:
-            errors = [{"message": "SyntaxError: unexpected EOF", "hint": "close the bracket", "token_index": len(s.tokens) // 2}]
-        out.append(dict(
-            request_id=f"{prefix}r{i}-{uuid.uuid4().hex[:8]}", session_id=f"s{i % 3}",
-            group_id=f"{prefix}g{i // group_size}" if group_size > 1 else None, model_version=str(version),
-            prompt_tokens=p, completion_tokens=s.tokens, logprobs=s.logprobs, routes=routes, route_shape=list(shape),
-            reward=reward, components={"decision": reward, "persistence": None, "rating": None, "followup": None,
-                                       "tool_errors": -0.5 if errors else None},
-            tool_errors=errors, reward_spec="v1", generated_at="2026-01-01T00:00:00Z",
-            labelled_at="2026-01-01T00:15:00Z", closed_by="window"))
+            errors = [
+                {
+                    "message": "SyntaxError: unexpected EOF",
+                    "hint": "close the bracket",
+                    "token_index": len(s.tokens) // 2,
+                }
+            ]
+        out.append(
+            {
+                "request_id": f"{prefix}r{i}-{uuid.uuid4().hex[:8]}",
+                "session_id": f"s{i % 3}",
+                "group_id": f"{prefix}g{i // group_size}" if group_size > 1 else None,
+                "model_version": str(version),
+                "prompt_tokens": p,
+                "completion_tokens": s.tokens,
+                "logprobs": s.logprobs,
+                "routes": routes,
+                "route_shape": list(shape),
+                "reward": reward,
+                "components": {
+                    "decision": reward,
+                    "persistence": None,
+                    "rating": None,
+                    "followup": None,
+                    "tool_errors": -0.5 if errors else None,
+                },
+                "tool_errors": errors,
+                "reward_spec": "v1",
+                "generated_at": "2026-01-01T00:00:00Z",
+                "labelled_at": "2026-01-01T00:15:00Z",
+                "closed_by": "window",
+            }
+        )
     return out
 
 
@@ -58,7 +108,9 @@ def drain(trainer, expected: int, max_polls: int = 400) -> None:
         p = trainer.pending
         if p["rollouts"] + sum(p["skipped"].values()) >= expected:
             return
-    raise AssertionError(f"only {trainer.pending['rollouts']} trained + {trainer.pending['skipped']} of {expected} records")
+    raise AssertionError(
+        f"only {trainer.pending['rollouts']} trained + {trainer.pending['skipped']} of {expected} records"
+    )
 
 
 def produce(settings, records: list[dict[str, Any]]) -> None:
@@ -82,7 +134,9 @@ def produce_raw(settings, records: list[tuple[str | None, bytes | None]]) -> Non
         producer.close(5)
 
 
-def read_dlq(settings, expect: int, timeout: float = 60.0, settle: float = 1.0) -> list[dict[str, Any]]:
+def read_dlq(
+    settings, expect: int, timeout: float = 60.0, settle: float = 1.0
+) -> list[dict[str, Any]]:
     """The dead letters about `<ns>.rollouts` (streams' DlqRecord, value decoded to `value` bytes), once
     at least `expect` arrived (then `settle` s more), or what arrived by `timeout`."""
     from streams.records import DlqRecord
@@ -95,7 +149,9 @@ def read_dlq(settings, expect: int, timeout: float = 60.0, settle: float = 1.0) 
             for rec in cons:
                 d = DlqRecord.model_validate_json(rec.value).model_dump()
                 if d["topic"] == settings.topic("rollouts"):
-                    d["value"] = base64.b64decode(d["value_b64"]) if d["value_b64"] is not None else None
+                    d["value"] = (
+                        base64.b64decode(d["value_b64"]) if d["value_b64"] is not None else None
+                    )
                     out.append(d)
             if len(out) >= expect and settle_until is None:
                 settle_until = time.monotonic() + settle
@@ -110,7 +166,10 @@ def refused_count(reason: str) -> float:
     """This process's `flywheel_trainer_rollouts_refused_total{reason}`."""
     from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value("flywheel_trainer_rollouts_refused_total", {"reason": reason}) or 0.0
+    return (
+        REGISTRY.get_sample_value("flywheel_trainer_rollouts_refused_total", {"reason": reason})
+        or 0.0
+    )
 
 
 def committed_offsets(settings, group: str) -> dict[int, int | None]:
@@ -119,7 +178,9 @@ def committed_offsets(settings, group: str) -> dict[int, int | None]:
     c = make_consumer(settings, group_id=group)
     try:
         topic = settings.topic("rollouts")
-        return {p: c.committed(TopicPartition(topic, p)) for p in sorted(c.partitions_for_topic(topic))}
+        return {
+            p: c.committed(TopicPartition(topic, p)) for p in sorted(c.partitions_for_topic(topic))
+        }
     finally:
         c.close()
 
@@ -139,46 +200,76 @@ def end_offsets(settings) -> dict[int, int]:
 @pytest.fixture()
 def trainer_env(make_settings, mlflow_server, tmp_path: Path):
     """(settings, config-kwargs) for a trainer on the test broker and MLflow with a fresh model name."""
-    settings = make_settings(mlflow_uri=mlflow_server.uri, model_name=f"policy-{uuid.uuid4().hex[:8]}", ship_interval=3600)
-    cfg = dict(state_dir=tmp_path / "trainer-state", policy=TINY_POLICY, pretrain_steps=0, batch_size=4,
-               max_wait_s=0.5, lr=1e-3, metrics_port=0, checkpoint_every=1, consumer_group=f"trainer-{uuid.uuid4().hex[:6]}",
-               experiment=f"exp-{uuid.uuid4().hex[:6]}")
+    settings = make_settings(
+        mlflow_uri=mlflow_server.uri,
+        model_name=f"policy-{uuid.uuid4().hex[:8]}",
+        ship_interval=3600,
+    )
+    cfg = {
+        "state_dir": tmp_path / "trainer-state",
+        "policy": TINY_POLICY,
+        "pretrain_steps": 0,
+        "batch_size": 4,
+        "max_wait_s": 0.5,
+        "lr": 1e-3,
+        "metrics_port": 0,
+        "checkpoint_every": 1,
+        "consumer_group": f"trainer-{uuid.uuid4().hex[:6]}",
+        "experiment": f"exp-{uuid.uuid4().hex[:6]}",
+    }
     return settings, cfg
 
 
 def trainer_env_vars(settings, cfg: dict[str, Any]) -> dict[str, str]:
     """The same configuration as environment variables, for a trainer subprocess."""
     env = dict(os.environ)
-    env.update({
-        "FLYWHEEL_DATA_DIR": str(settings.data_dir), "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-        "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri, "FLYWHEEL_MODEL_NAME": settings.model_name,
-        "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace, "FLYWHEEL_SHIP_INTERVAL": str(settings.ship_interval),
-        "FLYWHEEL_ROLLOUTS_PARTITIONS": str(settings.rollouts_partitions),
-        "FLYWHEEL_INTERACTIONS_PARTITIONS": str(settings.interactions_partitions),
-    })
+    env.update(
+        {
+            "FLYWHEEL_DATA_DIR": str(settings.data_dir),
+            "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
+            "FLYWHEEL_MODEL_NAME": settings.model_name,
+            "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
+            "FLYWHEEL_SHIP_INTERVAL": str(settings.ship_interval),
+            "FLYWHEEL_ROLLOUTS_PARTITIONS": str(settings.rollouts_partitions),
+            "FLYWHEEL_INTERACTIONS_PARTITIONS": str(settings.interactions_partitions),
+        }
+    )
     for k, v in cfg.items():
         env[f"FLYWHEEL_TRAINER_{k.upper()}"] = json.dumps(v) if isinstance(v, dict) else str(v)
     return env
 
 
-def wait_for(cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+def wait_for(
+    cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
+):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = cond()
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}")
+            raise AssertionError(
+                f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}"
+            )
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{log.read_text()[-4000:]}" if log else ""))
+    raise AssertionError(
+        f"timed out after {timeout}s waiting for {what}"
+        + (f":\n{log.read_text()[-4000:]}" if log else "")
+    )
 
 
 class TrainerProcess:
     def __init__(self, env: dict[str, str], log: Path, module: str = "trainer.launch"):
         self.log = log
         self.out = open(log, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", module], env=env, cwd=REPO,
-                                     stdout=self.out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module],
+            env=env,
+            cwd=REPO,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+        )
 
     def kill9(self) -> None:
         os.kill(self.proc.pid, signal.SIGKILL)

@@ -19,7 +19,7 @@ _real_logprobs = MoEPolicy.logprobs
 
 
 def _contains(seq: list[int], sub: list[int]) -> bool:
-    return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+    return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def _faulty_logprobs(self, prompt_tokens, completion_tokens, routes=None, temperature=1.0):

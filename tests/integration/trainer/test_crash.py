@@ -34,14 +34,26 @@ import pytest
 from mlflow import MlflowClient
 
 from app.kafka_io import dumps
-from tests.integration.trainer.conftest import (TINY_POLICY, TrainerProcess, committed_offsets, end_offsets, produce,
-                                                produce_raw, read_dlq, rollout_records, trainer_env_vars, wait_for)
+from tests.integration.trainer.conftest import (
+    TINY_POLICY,
+    TrainerProcess,
+    committed_offsets,
+    end_offsets,
+    produce,
+    produce_raw,
+    read_dlq,
+    rollout_records,
+    trainer_env_vars,
+    wait_for,
+)
 from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 
-def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice(trainer_env, tmp_path):
+def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice(
+    trainer_env, tmp_path
+):
     settings, cfg = trainer_env
     cfg.update(checkpoint_every=2, batch_size=4, max_wait_s=1.0)
     state_dir = Path(cfg["state_dir"])
@@ -57,7 +69,10 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
         return TrainerProcess(env, log)
 
     def versions():
-        return sorted(client.search_model_versions(f"name='{settings.model_name}'"), key=lambda mv: int(mv.version))
+        return sorted(
+            client.search_model_versions(f"name='{settings.model_name}'"),
+            key=lambda mv: int(mv.version),
+        )
 
     # the base policy of an empty registry is v1 (tiny config, init_seed 0, no pretraining): sample from it
     policy = build_policy(TINY_POLICY)
@@ -75,7 +90,9 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     p = start(2, "before_register")
     wait_for(marker.exists, 300, "pause before_register", p.proc, log)
     p.kill9()
-    assert [mv.version for mv in versions()] == ["1"], "a ship killed before registering leaves no version"
+    assert [mv.version for mv in versions()] == ["1"], (
+        "a ship killed before registering leaves no version"
+    )
 
     # 3. kill after the version is created, before the offsets are committed
     p = start(2, "after_register")
@@ -83,8 +100,9 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     p.kill9()
     registered = versions()
     assert [mv.version for mv in registered] == ["1", "2"]
-    assert set(committed_offsets(settings, cfg["consumer_group"]).values()) == {None}, \
+    assert set(committed_offsets(settings, cfg["consumer_group"]).values()) == {None}, (
         "offsets must not be committed before the registration is finished"
+    )
 
     # records arriving between crashes: two re-emitted rollouts (trained before the first kill) and garbage
     produce(settings, [records[0], records[1]])
@@ -97,31 +115,56 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     # 4. a clean run: finishes ship 2 (commit), trains the rest, ships again
     p = start(2, None)
     ends = end_offsets(settings)
-    wait_for(lambda: committed_offsets(settings, cfg["consumer_group"]) == ends, 300, "all offsets committed", p.proc, log)
+    wait_for(
+        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
+        300,
+        "all offsets committed",
+        p.proc,
+        log,
+    )
     assert p.terminate() == 0, log.read_text()[-3000:]
 
     final = versions()
     assert len(final) >= 3, [mv.version for mv in final]
     ship_ids = [mv.tags.get("ship_id") for mv in final]
     assert all(ship_ids) and len(set(ship_ids)) == len(final), f"one version per ship: {ship_ids}"
-    assert final[1].tags["ship_id"] == registered[1].tags["ship_id"], "the crashed ship was finished, not redone"
+    assert final[1].tags["ship_id"] == registered[1].tags["ship_id"], (
+        "the crashed ship was finished, not redone"
+    )
     trained_ids: list[str] = []
     skipped: Counter = Counter()
     ranges: dict[int, list[tuple[int, int]]] = {}
     for mv in final:
         assert mv.status == "READY"
-        for tag in ("parent_version", "rollouts_consumed", "kafka_offsets", "reward_spec", "train_metrics", "rollout_status"):
+        for tag in (
+            "parent_version",
+            "rollouts_consumed",
+            "kafka_offsets",
+            "reward_spec",
+            "train_metrics",
+            "rollout_status",
+        ):
             assert tag in mv.tags, f"v{mv.version} lacks tag {tag}"
         prefix = f"ships/{mv.tags['ship_id']}"
-        ids = json.loads(Path(client.download_artifacts(mv.run_id, f"{prefix}/lineage/request_ids.json", str(tmp_path))).read_text())
+        ids = json.loads(
+            Path(
+                client.download_artifacts(
+                    mv.run_id, f"{prefix}/lineage/request_ids.json", str(tmp_path)
+                )
+            ).read_text()
+        )
         assert len(ids) == int(mv.tags["rollouts_consumed"])
         trained_ids += ids
         skipped.update(json.loads(mv.tags["rollouts_skipped"]))
         for part, (a, b) in json.loads(mv.tags["kafka_offsets"])["partitions"].items():
             ranges.setdefault(int(part), []).append((a, b))
-        weights = client.download_artifacts(mv.run_id, f"{prefix}/model/artifacts/weights.safetensors", str(tmp_path))
+        weights = client.download_artifacts(
+            mv.run_id, f"{prefix}/model/artifacts/weights.safetensors", str(tmp_path)
+        )
         assert os.path.getsize(weights) > 1000
-    assert [mv.tags["parent_version"] for mv in final] == ["none"] + [mv.version for mv in final[:-1]]
+    assert [mv.tags["parent_version"] for mv in final] == ["none"] + [
+        mv.version for mv in final[:-1]
+    ]
     produced = [r["request_id"] for r in records]
     dupes = [i for i, n in Counter(trained_ids).items() if n > 1]
     assert not dupes, f"trained twice: {dupes}"
@@ -132,12 +175,16 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
         spans = sorted(ranges.get(part, []))
         covered = 0
         for a, b in spans:
-            assert a == covered, f"partition {part}: gap or overlap at {a} (covered to {covered}): {spans}"
+            assert a == covered, (
+                f"partition {part}: gap or overlap at {a} (covered to {covered}): {spans}"
+            )
             covered = b
         assert covered == end, f"partition {part}: lineage covers [0, {covered}) of [0, {end})"
 
 
-def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_counts_after_sigkill(trainer_env, tmp_path):
+def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_counts_after_sigkill(
+    trainer_env, tmp_path
+):
     settings, cfg = trainer_env
     cfg.update(checkpoint_every=1, batch_size=4, max_wait_s=1.0)
     client = MlflowClient(settings.mlflow_uri)
@@ -149,18 +196,40 @@ def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_coun
         return TrainerProcess(e, log, module="tests.integration.trainer.fault_trainer")
 
     policy = build_policy(TINY_POLICY)
-    good = rollout_records(policy, 1, 16, lambda text: 1.0 if "x" in text else 0.0, seed=7, prefix="ok-")
-    culprit = dict(good[0], request_id="culprit", prompt_tokens=policy.tokenizer.encode("#STEP-FAULT#") + good[0]["prompt_tokens"])
-    oov = dict(good[1], request_id="oov", completion_tokens=[999] + good[1]["completion_tokens"][1:])
+    good = rollout_records(
+        policy, 1, 16, lambda text: 1.0 if "x" in text else 0.0, seed=7, prefix="ok-"
+    )
+    culprit = dict(
+        good[0],
+        request_id="culprit",
+        prompt_tokens=policy.tokenizer.encode("#STEP-FAULT#") + good[0]["prompt_tokens"],
+    )
+    oov = dict(
+        good[1], request_id="oov", completion_tokens=[999] + good[1]["completion_tokens"][1:]
+    )
     produce(settings, good[:3] + [culprit] + good[3:6])
     produce_raw(settings, [("oov", dumps(oov))])
 
     # 1. the culprit's step raises inside the trainer: it keeps running; SIGKILL it right after the dead letter
     p = start(3600)
-    wait_for(lambda: any(d["reason"] == "step_failed" for d in read_dlq(settings, 1, timeout=2, settle=0)), 300,
-             "the culprit's dead letter", p.proc, log)
-    wait_for(lambda: any(d["reason"] == "token_out_of_vocab" for d in read_dlq(settings, 2, timeout=2, settle=0)), 300,
-             "the out-of-vocabulary dead letter", p.proc, log)
+    wait_for(
+        lambda: any(
+            d["reason"] == "step_failed" for d in read_dlq(settings, 1, timeout=2, settle=0)
+        ),
+        300,
+        "the culprit's dead letter",
+        p.proc,
+        log,
+    )
+    wait_for(
+        lambda: any(
+            d["reason"] == "token_out_of_vocab" for d in read_dlq(settings, 2, timeout=2, settle=0)
+        ),
+        300,
+        "the out-of-vocabulary dead letter",
+        p.proc,
+        log,
+    )
     assert p.proc.poll() is None, "the trainer is still running after a step raised"
     p.kill9()
 
@@ -168,37 +237,64 @@ def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_coun
     produce(settings, good[6:])
     p = start(2)
     ends = end_offsets(settings)
-    wait_for(lambda: committed_offsets(settings, cfg["consumer_group"]) == ends, 300, "all offsets committed", p.proc, log)
+    wait_for(
+        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
+        300,
+        "all offsets committed",
+        p.proc,
+        log,
+    )
     assert p.terminate() == 0, log.read_text()[-3000:]
 
-    versions = sorted(client.search_model_versions(f"name='{settings.model_name}'"), key=lambda mv: int(mv.version))
+    versions = sorted(
+        client.search_model_versions(f"name='{settings.model_name}'"),
+        key=lambda mv: int(mv.version),
+    )
     trained: list[str] = []
     skipped: Counter = Counter()
     for mv in versions:
-        ids = json.loads(Path(client.download_artifacts(
-            mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path))).read_text())
+        ids = json.loads(
+            Path(
+                client.download_artifacts(
+                    mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path)
+                )
+            ).read_text()
+        )
         assert len(ids) == int(mv.tags["rollouts_consumed"])
         trained += ids
         skipped.update(json.loads(mv.tags["rollouts_skipped"]))
-    assert "culprit" not in trained and "oov" not in trained, "a rollout no step consumed is counted as trained"
-    assert sorted(trained) == sorted(r["request_id"] for r in good), f"trained twice or lost: {Counter(trained)}"
+    assert "culprit" not in trained and "oov" not in trained, (
+        "a rollout no step consumed is counted as trained"
+    )
+    assert sorted(trained) == sorted(r["request_id"] for r in good), (
+        f"trained twice or lost: {Counter(trained)}"
+    )
     assert sum(int(mv.tags["rollouts_consumed"]) for mv in versions) == 16
     assert skipped["failed"] == 1 and skipped["invalid"] == 1 and skipped["duplicate"] == 0
     letters = read_dlq(settings, 2, timeout=10)
     reasons = {(d["key_b64"], d["reason"]) for d in letters}
     import base64
 
-    assert {(base64.b64decode(k).decode(), r) for k, r in reasons} == {("culprit", "step_failed"), ("oov", "token_out_of_vocab")}
-    assert all("injected fault" in d["errors"][0]["exception"] for d in letters if d["reason"] == "step_failed")
+    assert {(base64.b64decode(k).decode(), r) for k, r in reasons} == {
+        ("culprit", "step_failed"),
+        ("oov", "token_out_of_vocab"),
+    }
+    assert all(
+        "injected fault" in d["errors"][0]["exception"]
+        for d in letters
+        if d["reason"] == "step_failed"
+    )
 
 
-def test_an_exception_escaping_a_step_is_not_saved_as_trained_by_the_shutdown(trainer_env, monkeypatch):
+def test_an_exception_escaping_a_step_is_not_saved_as_trained_by_the_shutdown(
+    trainer_env, monkeypatch
+):
     """In-process: an exception between taking a batch and accounting it (injected) reaches
     `close()`, which must not save positions and lineage that no optimizer step stands behind."""
+    from tests.integration.trainer.conftest import drain
     from trainer.checkpoint import load_state
     from trainer.config import TrainerConfig
     from trainer.loop import Trainer
-    from tests.integration.trainer.conftest import drain
 
     settings, cfg_kw = trainer_env
     trainer = Trainer(settings, TrainerConfig(**cfg_kw))  # checkpoint_every=1: every step saved
@@ -220,12 +316,16 @@ def test_an_exception_escaping_a_step_is_not_saved_as_trained_by_the_shutdown(tr
     trainer.close()  # what the launcher's `finally` does
     after = load_state(cfg_kw["state_dir"])
     assert after["positions"] == saved["positions"] and after["step"] == saved["step"]
-    assert after["pending"]["request_ids"] == saved["pending"]["request_ids"], "nothing untrained saved as trained"
+    assert after["pending"]["request_ids"] == saved["pending"]["request_ids"], (
+        "nothing untrained saved as trained"
+    )
 
     again = Trainer(settings, TrainerConfig(**cfg_kw))
     try:
         drain(again, 8)
         ids = again.pending["request_ids"]
-        assert sorted(ids) == sorted(r["request_id"] for r in records), f"lost or doubled: {Counter(ids)}"
+        assert sorted(ids) == sorted(r["request_id"] for r in records), (
+            f"lost or doubled: {Counter(ids)}"
+        )
     finally:
         again.close()

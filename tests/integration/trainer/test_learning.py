@@ -33,7 +33,9 @@ def user_reward(text: str) -> float:
 
 def preferred_rate(policy, n: int = 128, seed: int = 12345) -> float:
     tok = policy.tokenizer
-    samples = policy.generate([tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)], max_tokens=12, seed=seed)
+    samples = policy.generate(
+        [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)], max_tokens=12, seed=seed
+    )
     return sum("7" in s.text for s in samples) / n
 
 
@@ -44,12 +46,21 @@ def test_trainer_raises_the_reward_of_a_synthetic_preference(trainer_env):
     trainer = Trainer(settings, TrainerConfig(**cfg_kw))
     replica = build_policy(TINY_POLICY)
     try:
-        replica.load_serving_state_dict(trainer.registry.download_serving_state(trainer.last_shipped))
+        replica.load_serving_state_dict(
+            trainer.registry.download_serving_state(trainer.last_shipped)
+        )
         base_rate = preferred_rate(replica)
         round_rewards = []
         for rnd in range(4):
-            records = rollout_records(replica, trainer.last_shipped, 64, user_reward, seed=100 + rnd, group_size=8,
-                                      prefix=f"round{rnd}-")
+            records = rollout_records(
+                replica,
+                trainer.last_shipped,
+                64,
+                user_reward,
+                seed=100 + rnd,
+                group_size=8,
+                prefix=f"round{rnd}-",
+            )
             round_rewards.append(sum(r["reward"] for r in records) / len(records))
             produce(settings, records)
             drain(trainer, 64)
@@ -59,11 +70,18 @@ def test_trainer_raises_the_reward_of_a_synthetic_preference(trainer_env):
         cpu = time.process_time() - cpu0
     finally:
         trainer.close()
-    print(f"preferred rate {base_rate:.3f} -> {final_rate:.3f}; rollout reward per round {round_rewards}; "
-          f"trainer-process CPU {cpu:.1f}s")
+    print(
+        f"preferred rate {base_rate:.3f} -> {final_rate:.3f}; rollout reward per round {round_rewards}; "
+        f"trainer-process CPU {cpu:.1f}s"
+    )
     assert base_rate < 0.2, f"the property must be rare at the start, got {base_rate}"
     assert final_rate >= base_rate + 0.3, f"preferred rate {base_rate:.3f} -> {final_rate:.3f}"
     assert round_rewards[-1] > round_rewards[0], round_rewards
-    mv = MlflowClient(settings.mlflow_uri).get_model_version(settings.model_name, str(trainer.last_shipped))
-    assert mv.tags["rollouts_consumed"] == "64" and json.loads(mv.tags["train_metrics"])["reward_mean"] > -0.25
+    mv = MlflowClient(settings.mlflow_uri).get_model_version(
+        settings.model_name, str(trainer.last_shipped)
+    )
+    assert (
+        mv.tags["rollouts_consumed"] == "64"
+        and json.loads(mv.tags["train_metrics"])["reward_mean"] > -0.25
+    )
     assert cpu < 120, f"CPU budget: {cpu:.1f}s"

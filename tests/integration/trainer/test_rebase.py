@@ -19,8 +19,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 def _train_and_ship(trainer: Trainer, settings, version_of_samples: int, n: int = 8) -> int:
-    produce(settings, rollout_records(trainer.policy, version_of_samples, n, lambda text: float(len(text.encode()) % 3),
-                                      seed=version_of_samples))
+    produce(
+        settings,
+        rollout_records(
+            trainer.policy,
+            version_of_samples,
+            n,
+            lambda text: float(len(text.encode()) % 3),
+            seed=version_of_samples,
+        ),
+    )
     drain(trainer, n)
     return trainer.maybe_ship(force=True)
 
@@ -30,26 +38,38 @@ def test_a_rejected_version_makes_the_trainer_continue_from_the_champion(trainer
     trainer = Trainer(settings, TrainerConfig(**cfg_kw, verdict_check_s=1.0))
     client = MlflowClient(settings.mlflow_uri)
     try:
-        champion = {k: v.clone() for k, v in trainer.policy.serving_state_dict().items()}  # v1, the champion
+        champion = {
+            k: v.clone() for k, v in trainer.policy.serving_state_dict().items()
+        }  # v1, the champion
         assert _train_and_ship(trainer, settings, 1) == 2
         assert trainer.maybe_rebase(now=1e9) is None, "no verdict yet: nothing to do"
 
         # the gate passed v2: the trainer's line is fine
         client.set_model_version_tag(settings.model_name, "2", "flywheel.gate.status", "passed")
-        client.set_model_version_tag(settings.model_name, "2", "flywheel.gate.reward_vs_champion", "pass 0.01")
+        client.set_model_version_tag(
+            settings.model_name, "2", "flywheel.gate.reward_vs_champion", "pass 0.01"
+        )
         assert trainer.maybe_rebase(now=2e9) is None and trainer.verdicts_seen == 2
         moved = trainer.policy.serving_state_dict()
-        assert any(not torch.equal(moved[k], champion[k]) for k in champion), "training moved the weights"
+        assert any(not torch.equal(moved[k], champion[k]) for k in champion), (
+            "training moved the weights"
+        )
         assert trainer.optimizer.state, "the optimizer has moments"
 
         assert _train_and_ship(trainer, settings, 2) == 3
         # v3 is confidently worse than the champion (v1)
         client.set_model_version_tag(settings.model_name, "3", "flywheel.gate.status", "failed")
-        client.set_model_version_tag(settings.model_name, "3", "flywheel.gate.reward_vs_champion", "fail -0.31")
-        assert trainer.maybe_rebase(now=2e9 + 0.5) is None, "verdicts are read at most every verdict_check_s"
+        client.set_model_version_tag(
+            settings.model_name, "3", "flywheel.gate.reward_vs_champion", "fail -0.31"
+        )
+        assert trainer.maybe_rebase(now=2e9 + 0.5) is None, (
+            "verdicts are read at most every verdict_check_s"
+        )
         assert trainer.maybe_rebase(now=3e9) == 1
         now = trainer.policy.serving_state_dict()
-        assert all(torch.equal(now[k], champion[k]) for k in champion), "the weights are the champion's"
+        assert all(torch.equal(now[k], champion[k]) for k in champion), (
+            "the weights are the champion's"
+        )
         assert not trainer.optimizer.state, "the rejected line's optimizer moments are gone"
         assert trainer.maybe_rebase(now=4e9) is None, "one verdict, one rebase"
 
@@ -75,7 +95,9 @@ def test_a_planted_version_does_not_trigger_a_rebase(trainer_env):
         assert _train_and_ship(trainer, settings, 1) == 2
         assert client.get_model_version(settings.model_name, "2").tags["planted_bad"] == "true"
         client.set_model_version_tag(settings.model_name, "2", "flywheel.gate.status", "failed")
-        client.set_model_version_tag(settings.model_name, "2", "flywheel.gate.reward_vs_champion", "fail -2.5")
+        client.set_model_version_tag(
+            settings.model_name, "2", "flywheel.gate.reward_vs_champion", "fail -2.5"
+        )
         before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
         assert trainer.maybe_rebase(now=1e9) is None
         assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())

@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
 def registered_event(settings, version: str, timeout: float = 60.0) -> dict:
-    cons = make_consumer(settings, settings.topic("deployments"), group_id=None, consumer_timeout_ms=500)
+    cons = make_consumer(
+        settings, settings.topic("deployments"), group_id=None, consumer_timeout_ms=500
+    )
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -43,18 +45,34 @@ def test_relabelled_rollouts_are_trained_once_and_counted_per_spec_in_the_lineag
     trainer = Trainer(settings, TrainerConfig(**cfg_kw))
     try:
         live = rollout_records(trainer.policy, 1, 8, lambda text: 0.75 if len(text) < 6 else -0.25)
-        relabelled = [dict(r, reward_spec="v2", reward=-r["reward"], relabel_run="run-test") for r in live]
+        relabelled = [
+            dict(r, reward_spec="v2", reward=-r["reward"], relabel_run="run-test") for r in live
+        ]
         produce(settings, live)
-        produce_raw(settings, [(f"{r['request_id']}|v2", dumps(r)) for r in relabelled + relabelled[:1]])
+        produce_raw(
+            settings, [(f"{r['request_id']}|v2", dumps(r)) for r in relabelled + relabelled[:1]]
+        )
         drain(trainer, 17)
-        assert trainer.pending["rollouts"] == 16 and trainer.pending["skipped"]["duplicate"] == 1, trainer.pending
+        assert trainer.pending["rollouts"] == 16 and trainer.pending["skipped"]["duplicate"] == 1, (
+            trainer.pending
+        )
         assert sorted(trainer.pending["request_ids"]) == sorted([r["request_id"] for r in live] * 2)
         version = trainer.maybe_ship(force=True)
-        tags = MlflowClient(settings.mlflow_uri).get_model_version(settings.model_name, str(version)).tags
-        assert json.loads(tags["reward_specs"]) == {"v1": 8, "v2": 8} and tags["rollouts_relabelled"] == "8"
+        tags = (
+            MlflowClient(settings.mlflow_uri)
+            .get_model_version(settings.model_name, str(version))
+            .tags
+        )
+        assert (
+            json.loads(tags["reward_specs"]) == {"v1": 8, "v2": 8}
+            and tags["rollouts_relabelled"] == "8"
+        )
         assert tags["reward_spec"] == "v1,v2" and tags["rollouts_consumed"] == "16"
         details = registered_event(settings, str(version))["details"]
-        assert (details["reward_specs"], details["rollouts_relabelled"], details["reward_spec"]) == \
-               ({"v1": 8, "v2": 8}, 8, "v1,v2")
+        assert (
+            details["reward_specs"],
+            details["rollouts_relabelled"],
+            details["reward_spec"],
+        ) == ({"v1": 8, "v2": 8}, 8, "v1,v2")
     finally:
         trainer.close()

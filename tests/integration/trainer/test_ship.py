@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import json
 
-from pathlib import Path
-
 import mlflow
 import pytest
-import torch
 from mlflow import MlflowClient
-from mlflow.exceptions import MlflowException
 
-from tests.integration.trainer.conftest import committed_offsets, drain, end_offsets, produce, rollout_records
+from tests.integration.trainer.conftest import (
+    committed_offsets,
+    drain,
+    end_offsets,
+    produce,
+    rollout_records,
+)
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
-from trainer.publish import apply_chain
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
-def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed_after(trainer_env, tmp_path):
+def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed_after(
+    trainer_env, tmp_path
+):
     settings, cfg_kw = trainer_env
     trainer = Trainer(settings, TrainerConfig(**cfg_kw, max_staleness=0))
     client = MlflowClient(settings.mlflow_uri)
@@ -32,42 +35,85 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         # first start, empty registry: the base checkpoint is v1 and becomes champion
         assert trainer.last_shipped == 1
         v1 = client.get_model_version(settings.model_name, "1")
-        assert v1.tags["kind"] == "base" and v1.tags["parent_version"] == "none" and v1.tags["rollouts_consumed"] == "0"
+        assert (
+            v1.tags["kind"] == "base"
+            and v1.tags["parent_version"] == "none"
+            and v1.tags["rollouts_consumed"] == "0"
+        )
         assert client.get_model_version_by_alias(settings.model_name, "champion").version == "1"
         from app.controller.aliases import detect_moves, read_snapshot
-        assert detect_moves(read_snapshot(client, settings.model_name)) == [], \
-            "the trainer's first champion is acknowledged like a controller move, not an outside (UI) move"
 
-        records = rollout_records(trainer.policy, 1, 10, lambda text: 0.75 if len(text) < 6 else -0.25, group_size=2,
-                                  tool_error_every=3)
+        assert detect_moves(read_snapshot(client, settings.model_name)) == [], (
+            "the trainer's first champion is acknowledged like a controller move, not an outside (UI) move"
+        )
+
+        records = rollout_records(
+            trainer.policy,
+            1,
+            10,
+            lambda text: 0.75 if len(text) < 6 else -0.25,
+            group_size=2,
+            tool_error_every=3,
+        )
         dup = dict(records[0])  # the streams worker re-emitted one rollout: trained once
         produce(settings, records + [dup])
         drain(trainer, 11)
         assert trainer.pending["rollouts"] == 10 and trainer.pending["skipped"]["duplicate"] == 1
-        assert committed_offsets(settings, cfg_kw["consumer_group"]) == {0: None, 1: None, 2: None}, \
-            "nothing may be committed before a version is registered"
+        assert committed_offsets(settings, cfg_kw["consumer_group"]) == {
+            0: None,
+            1: None,
+            2: None,
+        }, "nothing may be committed before a version is registered"
 
         version = trainer.maybe_ship(force=True)
         assert version == 2
         mv = client.get_model_version(settings.model_name, "2")
         assert mv.status == "READY"
         tags = mv.tags
-        assert tags["parent_version"] == "1" and tags["rollouts_consumed"] == "10" and tags["reward_spec"] == "v1"
+        assert (
+            tags["parent_version"] == "1"
+            and tags["rollouts_consumed"] == "10"
+            and tags["reward_spec"] == "v1"
+        )
         assert tags["rollout_status"] == "registered" and len(tags["ship_id"]) == 32
-        assert json.loads(tags["rollouts_skipped"]) == {"duplicate": 1, "failed": 0, "invalid": 0, "stale": 0}
+        assert json.loads(tags["rollouts_skipped"]) == {
+            "duplicate": 1,
+            "failed": 0,
+            "invalid": 0,
+            "stale": 0,
+        }
         offsets = json.loads(tags["kafka_offsets"])
         ends = end_offsets(settings)
         assert offsets["topic"] == settings.topic("rollouts")
-        assert {int(p): tuple(r) for p, r in offsets["partitions"].items()} == {p: (0, e) for p, e in ends.items() if e}
+        assert {int(p): tuple(r) for p, r in offsets["partitions"].items()} == {
+            p: (0, e) for p, e in ends.items() if e
+        }
         metrics = json.loads(tags["train_metrics"])
-        assert metrics["steps"] >= 3 and "ess" in metrics and "kl" in metrics and "distill_kl" in metrics
+        assert (
+            metrics["steps"] >= 3
+            and "ess" in metrics
+            and "kl" in metrics
+            and "distill_kl" in metrics
+        )
         # a partition the random request_ids left empty has nothing to commit (None reads from offset 0)
-        assert {p: o or 0 for p, o in committed_offsets(settings, cfg_kw["consumer_group"]).items()} == ends
+        assert {
+            p: o or 0 for p, o in committed_offsets(settings, cfg_kw["consumer_group"]).items()
+        } == ends
 
         # per-step metrics are in the run, so the MLflow UI plots curves
         history = client.get_metric_history(trainer.run_id, "loss")
-        assert len(history) == trainer.step and [m.step for m in history] == list(range(1, trainer.step + 1))
-        for name in ("reward_mean", "kl", "ess", "clip_fraction", "masked_fraction", "staleness_mean", "mismatch"):
+        assert len(history) == trainer.step and [m.step for m in history] == list(
+            range(1, trainer.step + 1)
+        )
+        for name in (
+            "reward_mean",
+            "kl",
+            "ess",
+            "clip_fraction",
+            "masked_fraction",
+            "staleness_mean",
+            "mismatch",
+        ):
             assert client.get_metric_history(trainer.run_id, name), f"metric {name} missing"
         # the behaviour log-probs came from v1 == champion, the KL reference: the mismatch is exactly 0
         assert {m.value for m in client.get_metric_history(trainer.run_id, "mismatch")} == {0.0}

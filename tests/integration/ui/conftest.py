@@ -12,7 +12,7 @@ import pytest
 
 @dataclass
 class UiModel:
-    client: "MlflowClient"  # noqa: F821
+    client: MlflowClient  # noqa: F821
     name: str
     versions: list[str]  # ["1", "2", "3"]
 
@@ -31,7 +31,9 @@ def ui_model(mlflow_server, tmp_path: Path) -> UiModel:
     client.set_terminated(run.info.run_id)
     client.create_registered_model(name)
     versions = [
-        client.create_model_version(name, source=f"{run.info.artifact_uri}/weights", run_id=run.info.run_id).version
+        client.create_model_version(
+            name, source=f"{run.info.artifact_uri}/weights", run_id=run.info.run_id
+        ).version
         for _ in range(3)
     ]
     assert versions == ["1", "2", "3"], f"expected versions 1..3 of a fresh model, got {versions}"

@@ -12,17 +12,37 @@ import pytest
 
 from app.events import EVENT_TYPES, validate_batch
 
-ENVELOPE = {"event_id": "ev-1", "request_id": "req-1", "session_id": "sess-1", "ts": "2026-11-21T10:00:00Z"}
+ENVELOPE = {
+    "event_id": "ev-1",
+    "request_id": "req-1",
+    "session_id": "sess-1",
+    "ts": "2026-11-21T10:00:00Z",
+}
 
 VALID = {
-    "generation": {**ENVELOPE, "type": "generation", "model_version": "7", "prompt_tokens": [104, 105],
-                   "completion_tokens": [33, 10, 0], "logprobs": [-0.25, -1.5, 0.0], "temperature": 0.8,
-                   "group_id": "g-1", "latency_ms": 12.5, "tokenizer": "byte-v1"},
+    "generation": {
+        **ENVELOPE,
+        "type": "generation",
+        "model_version": "7",
+        "prompt_tokens": [104, 105],
+        "completion_tokens": [33, 10, 0],
+        "logprobs": [-0.25, -1.5, 0.0],
+        "temperature": 0.8,
+        "group_id": "g-1",
+        "latency_ms": 12.5,
+        "tokenizer": "byte-v1",
+    },
     "accept": {**ENVELOPE, "type": "accept"},
     "reject": {**ENVELOPE, "type": "reject", "model_version": "7"},
     "edit_persistence": {**ENVELOPE, "type": "edit_persistence", "fraction": 0.75, "after_s": 300},
     "rating": {**ENVELOPE, "type": "rating", "value": -1},
-    "tool_error": {**ENVELOPE, "type": "tool_error", "message": "NameError: x", "hint": "define x", "token_index": 2},
+    "tool_error": {
+        **ENVELOPE,
+        "type": "tool_error",
+        "message": "NameError: x",
+        "hint": "define x",
+        "token_index": 2,
+    },
     "followup": {**ENVELOPE, "type": "followup", "sentiment": -0.5},
 }
 
@@ -42,7 +62,9 @@ _DROP = object()
 
 def only_error(event) -> dict:
     parsed, errors = validate_batch([event])
-    assert parsed == [] and len(errors) >= 1, f"expected a rejection, got parsed={parsed} errors={errors}"
+    assert parsed == [] and len(errors) >= 1, (
+        f"expected a rejection, got parsed={parsed} errors={errors}"
+    )
     return errors[0].model_dump()
 
 
@@ -57,7 +79,11 @@ def test_a_valid_example_of_each_event_type_is_accepted(type_):
     "event, field, message",
     [
         (with_("accept", colour="red"), "colour", "unknown field"),
-        (with_("generation", logprobs=[-0.1, -0.2]), "logprobs", "logprobs has 2 entries but completion_tokens has 3"),
+        (
+            with_("generation", logprobs=[-0.1, -0.2]),
+            "logprobs",
+            "logprobs has 2 entries but completion_tokens has 3",
+        ),
         (with_("generation", logprobs=[-0.1, 0.5, -0.3]), "logprobs.1", "less than or equal to 0"),
         (with_("generation", logprobs=[-0.1, float("nan"), -0.3]), "logprobs.1", "finite number"),
         (with_("generation", logprobs=[-0.1, float("-inf"), -0.3]), "logprobs.1", "finite number"),
@@ -72,8 +98,16 @@ def test_a_valid_example_of_each_event_type_is_accepted(type_):
         (with_("accept", type=_DROP), "type", "expected one of"),
         (with_("accept", event_id=_DROP), "event_id", "Field required"),
         (with_("generation", model_version=_DROP), "model_version", "Field required"),
-        (with_("generation", completion_tokens=[], logprobs=[]), "completion_tokens", "at least 1 item"),
-        (with_("generation", prompt_tokens=[1, -1]), "prompt_tokens.1", "greater than or equal to 0"),
+        (
+            with_("generation", completion_tokens=[], logprobs=[]),
+            "completion_tokens",
+            "at least 1 item",
+        ),
+        (
+            with_("generation", prompt_tokens=[1, -1]),
+            "prompt_tokens.1",
+            "greater than or equal to 0",
+        ),
         (with_("generation", temperature=-0.1), "temperature", "greater than or equal to 0"),
         (with_("generation", temperature="0.8"), "temperature", "valid number"),
         (with_("rating", value=0), "value", "-1 or 1"),
@@ -94,7 +128,12 @@ def test_each_invalid_event_is_rejected_naming_the_field(event, field, message):
 
 
 def test_a_batch_reports_every_bad_event_with_its_index_and_parses_the_good_ones():
-    batch = [VALID["accept"], with_("rating", value=3), VALID["followup"], with_("accept", extra=1, ts="2026-11-21T10:00:00")]
+    batch = [
+        VALID["accept"],
+        with_("rating", value=3),
+        VALID["followup"],
+        with_("accept", extra=1, ts="2026-11-21T10:00:00"),
+    ]
     parsed, errors = validate_batch(batch)
     assert [p.type for p in parsed] == ["accept", "followup"]
     assert sorted((e.index, e.field) for e in errors) == [(1, "value"), (3, "extra"), (3, "ts")]

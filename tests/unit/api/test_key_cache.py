@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from app.api.main import KeyCache
 
@@ -64,7 +64,7 @@ def test_a_valid_key_is_served_from_cache_for_ttl_then_looked_up_again():
         clock.t += 0.01
         assert cache.get("k") is None, "stale after ttl_s"
         assert cache.known("k"), "still known (for a throttled client address) after it went stale"
-        db.rows["k"].revoked_at = datetime.now(timezone.utc)
+        db.rows["k"].revoked_at = datetime.now(UTC)
         row, reason = await cache.resolve("k", db.lookup)
         assert row is None and reason == "revoked" and db.calls == 2
         assert not cache.known("k") and cache.refusal("k") == "revoked"
@@ -83,7 +83,7 @@ def test_the_bound_counts_from_the_start_of_a_slow_lookup():
         pending = asyncio.ensure_future(cache.resolve("k", db.lookup))
         await settle()  # the lookup starts at t=100 and reads the active row
         assert db.calls == 1
-        db.rows["k"].revoked_at = datetime.now(timezone.utc)
+        db.rows["k"].revoked_at = datetime.now(UTC)
         clock.t += 0.8  # the database is slow
         db.gate.set()
         row, _ = await pending
@@ -104,7 +104,9 @@ def test_concurrent_requests_share_one_lookup_but_not_an_older_one_than_ttl():
         first = [asyncio.ensure_future(cache.resolve("k", db.lookup)) for _ in range(50)]
         await settle()
         assert db.calls == 1, "50 concurrent misses of one token must make one lookup"
-        clock.t += 1.0  # that lookup is now as old as ttl_s: a request arriving now must not join it
+        clock.t += (
+            1.0  # that lookup is now as old as ttl_s: a request arriving now must not join it
+        )
         late = asyncio.ensure_future(cache.resolve("k", db.lookup))
         await settle()
         assert db.calls == 2
@@ -127,7 +129,9 @@ def test_a_failed_lookup_reaches_every_waiter_and_is_not_cached():
         raise ConnectionError("database down")
 
     async def go():
-        results = await asyncio.gather(*(cache.resolve("k", broken) for _ in range(3)), return_exceptions=True)
+        results = await asyncio.gather(
+            *(cache.resolve("k", broken) for _ in range(3)), return_exceptions=True
+        )
         assert calls == 1 and all(isinstance(r, ConnectionError) for r in results)
         assert cache.get("k") is None and cache.refusal("k") is None
         await asyncio.gather(cache.resolve("k", broken), return_exceptions=True)
@@ -176,7 +180,9 @@ def test_each_cache_holds_at_most_max_entries():
         for i in range(1000):
             await cache.resolve(f"guess{i}", db.lookup)
         assert len(cache) == 6, "3 valid + 3 refused"
-        assert cache.get("k0") is None and cache.get("k4").id == 4, "the oldest valid entries were evicted"
+        assert cache.get("k0") is None and cache.get("k4").id == 4, (
+            "the oldest valid entries were evicted"
+        )
         assert cache.refusal("guess0") is None and cache.refusal("guess999") == "unknown"
 
     run(go())

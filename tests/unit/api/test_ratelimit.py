@@ -24,7 +24,9 @@ def test_burst_is_allowed_then_429_with_retry_after_until_refill():
     with pytest.raises(HTTPException) as exc:
         limiter.check("key-a")
     assert exc.value.status_code == 429
-    assert exc.value.headers["Retry-After"] == "1"  # 0.5 s to the next token, rounded up to whole seconds
+    assert (
+        exc.value.headers["Retry-After"] == "1"
+    )  # 0.5 s to the next token, rounded up to whole seconds
     clock.t += 0.5
     limiter.check("key-a")  # one token refilled
     with pytest.raises(HTTPException):
@@ -54,7 +56,9 @@ def test_refill_never_exceeds_burst_and_retry_after_reflects_the_wait():
 def test_wait_s_peeks_without_taking():
     clock = Clock()
     limiter = TokenBucketLimiter(rate_per_s=0.5, burst=2, clock=clock)
-    assert limiter.wait_s("10.0.0.1") == 0.0 and len(limiter) == 0, "a peek at an unseen key creates no state"
+    assert limiter.wait_s("10.0.0.1") == 0.0 and len(limiter) == 0, (
+        "a peek at an unseen key creates no state"
+    )
     assert limiter.try_take("10.0.0.1") == 0.0
     assert limiter.wait_s("10.0.0.1") == 0.0
     assert limiter.try_take("10.0.0.1") == 0.0
@@ -72,7 +76,9 @@ def test_memory_is_bounded_and_the_least_recently_used_bucket_is_forgotten():
     assert limiter.try_take("a") > 0  # a is empty, and now the most recently used
     assert limiter.try_take("d") == 0.0  # evicts b, the least recently used
     assert len(limiter) == 3
-    assert limiter.wait_s("a") > 0 and limiter.wait_s("c") > 0 and limiter.wait_s("d") > 0, "recent buckets kept"
+    assert limiter.wait_s("a") > 0 and limiter.wait_s("c") > 0 and limiter.wait_s("d") > 0, (
+        "recent buckets kept"
+    )
     assert limiter.wait_s("b") == 0.0, "b was forgotten: a full bucket again"
     for i in range(1000):
         limiter.try_take(f"flood-{i}")

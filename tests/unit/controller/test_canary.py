@@ -3,24 +3,35 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.controller.canary import (ArmStats, CanaryConfig, CommandRejected, Event, Observe, Tick, analyze, cs_radius,
-                                   operator_command, transition)
+from app.controller.canary import (
+    ArmStats,
+    CanaryConfig,
+    CommandRejected,
+    Event,
+    Observe,
+    Tick,
+    analyze,
+    cs_radius,
+    operator_command,
+    transition,
+)
 from app.controller.state import Decision, DeploymentState, fold
 from app.deployments.events import DeploymentEvent
 
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CFG = CanaryConfig(min_step_s=60, min_samples=50, step_deadline_s=600, margin=0.05, cs_target_n=200)
 
 
 def ev(type_, version=None, from_version=None, t=0.0, source="controller", **details):
-    return Decision(type=type_, version=version, from_version=from_version, source=source,
-                    details=details).to_event("m", T0 + timedelta(seconds=t))
+    return Decision(
+        type=type_, version=version, from_version=from_version, source=source, details=details
+    ).to_event("m", T0 + timedelta(seconds=t))
 
 
 def arm(n, mean, sd=0.5):
@@ -38,7 +49,9 @@ def run(state, inputs):
 
 def canary_state():
     """Champion 1, version 2 in canary at 5% since T0."""
-    s = fold("m", [ev("promoted", "1", t=-100), ev("version_registered", "2", source="trainer", t=-10)])
+    s = fold(
+        "m", [ev("promoted", "1", t=-100), ev("version_registered", "2", source="trainer", t=-10)]
+    )
     s, out = transition(s, Event(ev("gate_passed", "2", t=0)), CFG)
     assert [e["type"] for e in out] == ["canary_started"]
     return s
@@ -64,22 +77,35 @@ def test_better_candidate_walks_every_step_then_becomes_champion():
     s = canary_state()
     seen = []
     for i in range(1, 5):
-        s, out = transition(s, Observe(T0 + timedelta(seconds=100 * i), arm(400, 0.6), arm(400, 0.4)), CFG)
+        s, out = transition(
+            s, Observe(T0 + timedelta(seconds=100 * i), arm(400, 0.6), arm(400, 0.4)), CFG
+        )
         seen += [(e["type"], e["traffic_pct"]) for e in out]
     assert seen == [("traffic_shifted", 25.0), ("traffic_shifted", 50.0), ("promoted", 100.0)]
     assert (s.champion, s.candidate, s.phase, s.known_good) == ("2", None, "idle", ["1", "2"])
 
 
 def test_equal_candidate_within_margin_advances():
-    s, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), arm(5000, 0.5), arm(5000, 0.5)), CFG)
+    s, out = transition(
+        canary_state(), Observe(T0 + timedelta(seconds=100), arm(5000, 0.5), arm(5000, 0.5)), CFG
+    )
     assert [e["type"] for e in out] == ["traffic_shifted"]
 
 
 def test_worse_candidate_is_rolled_back_automatically():
-    s, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), arm(400, 0.1), arm(400, 0.5)), CFG)
-    assert [(e["type"], e["version"], e["from_version"]) for e in out] == [("rolled_back", "1", "2")]
+    s, out = transition(
+        canary_state(), Observe(T0 + timedelta(seconds=100), arm(400, 0.1), arm(400, 0.5)), CFG
+    )
+    assert [(e["type"], e["version"], e["from_version"]) for e in out] == [
+        ("rolled_back", "1", "2")
+    ]
     assert out[0]["details"]["analysis"]["verdict"] == "worse"
-    assert (s.champion, s.candidate, s.phase, s.traffic_pct) == ("1", None, "idle", 0.0) and "2" in s.failed
+    assert (s.champion, s.candidate, s.phase, s.traffic_pct) == (
+        "1",
+        None,
+        "idle",
+        0.0,
+    ) and "2" in s.failed
 
 
 def test_no_decision_before_min_time_or_min_samples():
@@ -111,11 +137,15 @@ def test_tick_past_deadline_pauses_without_metrics():
 
 def test_a_running_canary_finishes_before_a_newer_gated_version_starts():
     s, out = transition(canary_state(), Event(ev("gate_passed", "3", t=5)), CFG)
-    assert out == [] and s.candidate == "2", "v3 waits: superseding running canaries livelocks a fast ship cadence"
+    assert out == [] and s.candidate == "2", (
+        "v3 waits: superseding running canaries livelocks a fast ship cadence"
+    )
     s, out = transition(s, Event(ev("gate_passed", "4", t=6)), CFG)
     assert out == [] and s.candidate == "2"
     s, out = transition(s, Event(ev("promoted", "2", t=7)), CFG)
-    assert [(e["type"], e["version"]) for e in out] == [("canary_started", "4")], "then the newest passed version"
+    assert [(e["type"], e["version"]) for e in out] == [("canary_started", "4")], (
+        "then the newest passed version"
+    )
     assert (s.champion, s.candidate) == ("2", "4")
 
 
@@ -139,7 +169,13 @@ def apply(s, ds, t=10):
 def test_promote_advances_one_step_or_skips_to_champion():
     s = canary_state()
     [d] = operator_command(s, "promote", CFG, actor="alice", reason="looks good")
-    assert (d.type, d.traffic_pct, d.source, d.actor, d.reason) == ("traffic_shifted", 25.0, "api", "alice", "looks good")
+    assert (d.type, d.traffic_pct, d.source, d.actor, d.reason) == (
+        "traffic_shifted",
+        25.0,
+        "api",
+        "alice",
+        "looks good",
+    )
     [d] = operator_command(s, "promote", CFG, actor="alice", skip_remaining=True)
     assert d.type == "promoted"
     s = apply(s, [d])
@@ -171,7 +207,9 @@ def test_rollback_to_any_recent_known_good_version_without_analysis():
 
 
 def test_rollback_during_canary_also_ends_it():
-    s = fold("m", [ev("promoted", "1"), ev("promoted", "2"), ev("canary_started", "3", t=1, step=0)])
+    s = fold(
+        "m", [ev("promoted", "1"), ev("promoted", "2"), ev("canary_started", "3", t=1, step=0)]
+    )
     ds = operator_command(s, "rollback", CFG, actor="a")
     assert [d.type for d in ds] == ["aborted", "rolled_back"], "the canary's end is its own event"
     s = apply(s, ds)
@@ -192,7 +230,9 @@ def test_ui_candidate_move_starts_canary_and_is_answered_once():
     s = fold("m", [ev("promoted", "1"), ev("version_registered", "5")])
     e = ui("candidate", "5")
     s, out = transition(s, Event(e), CFG)
-    assert [(x["type"], x["version"], x["source"]) for x in out] == [("canary_started", "5", "mlflow-ui")]
+    assert [(x["type"], x["version"], x["source"]) for x in out] == [
+        ("canary_started", "5", "mlflow-ui")
+    ]
     assert out[0]["details"]["in_response_to"] == e["event_id"] and s.ui_candidate is None
     s, out = transition(s, Tick(T0 + timedelta(seconds=21)), CFG)
     assert out == []
@@ -205,7 +245,9 @@ def test_ui_candidate_removed_aborts_canary():
 
 def test_ui_candidate_equal_to_champion_is_restored():
     s, out = transition(canary_state(), Event(ui("candidate", "1", "2")), CFG)
-    assert [(x["type"], x["version"], x["details"]["alias"]) for x in out] == [("alias_changed", "2", "candidate")]
+    assert [(x["type"], x["version"], x["details"]["alias"]) for x in out] == [
+        ("alias_changed", "2", "candidate")
+    ]
     assert s.candidate == "2" and s.ui_candidate is None
 
 
@@ -229,7 +271,9 @@ def test_ui_champion_move_without_canary_needs_no_answer():
 def test_ui_champion_removal_is_restored():
     s = fold("m", [ev("promoted", "1")])
     s, out = transition(s, Event(ui("champion", None, "1")), CFG)
-    assert [(x["type"], x["version"]) for x in out] == [("alias_changed", "1")] and s.champion == "1"
+    assert [(x["type"], x["version"]) for x in out] == [
+        ("alias_changed", "1")
+    ] and s.champion == "1"
     assert s.ui_champion is None
 
 
@@ -237,15 +281,23 @@ def test_ui_champion_removal_is_restored():
 def test_cs_radius_matches_hand_computation():
     la = -2 * math.log(0.05)
     rho2 = (la + math.log(la + 1)) / 100
-    want = 2.0 * math.sqrt(2 * (400 * rho2 + 1) / (400**2 * rho2) * math.log(math.sqrt(400 * rho2 + 1) / 0.05))
+    want = 2.0 * math.sqrt(
+        2 * (400 * rho2 + 1) / (400**2 * rho2) * math.log(math.sqrt(400 * rho2 + 1) / 0.05)
+    )
     assert cs_radius(2.0, 400, 0.05, 100) == pytest.approx(want, rel=1e-12)
-    assert cs_radius(1.0, 10_000, 0.05, 100) < cs_radius(1.0, 1000, 0.05, 100) < cs_radius(1.0, 100, 0.05, 100)
+    assert (
+        cs_radius(1.0, 10_000, 0.05, 100)
+        < cs_radius(1.0, 1000, 0.05, 100)
+        < cs_radius(1.0, 100, 0.05, 100)
+    )
     # a CS is wider than the fixed-horizon 95% interval at the same n (the price of peeking)
     assert cs_radius(1.0, 100, 0.05, 100) > 1.96 / 10
 
 
 def test_analyze_uses_exact_moments_from_sums():
-    a = analyze(arm(100, 1.0, sd=0.0), arm(100, 0.0, sd=0.0), CFG.model_copy(update={"min_samples": 2}))
+    a = analyze(
+        arm(100, 1.0, sd=0.0), arm(100, 0.0, sd=0.0), CFG.model_copy(update={"min_samples": 2})
+    )
     # psi takes +2 on candidate rows and 0 on champion rows (p = 1/2): mean 1, sd 1
     assert a.delta == pytest.approx(1.0)
     assert (a.candidate["n"], a.champion["reward_mean"]) == (100, 0.0)
@@ -273,10 +325,19 @@ def test_false_rollback_rate_of_equal_arms_under_repeated_looks_is_below_alpha()
 # --- exhaustive: random input sequences keep the invariants and replay exactly --------------
 inputs = st.one_of(
     st.tuples(st.just("gate"), st.integers(2, 6), st.booleans()),
-    st.tuples(st.just("obs"), st.sampled_from(["better", "worse", "noisy", "few"]), st.integers(0, 900)),
+    st.tuples(
+        st.just("obs"), st.sampled_from(["better", "worse", "noisy", "few"]), st.integers(0, 900)
+    ),
     st.tuples(st.just("tick"), st.integers(0, 2000)),
-    st.tuples(st.just("verb"), st.sampled_from(["promote", "promote!", "abort", "pause", "resume", "rollback"])),
-    st.tuples(st.just("ui"), st.sampled_from(["champion", "candidate"]), st.sampled_from([None, "1", "2", "3", "4"])),
+    st.tuples(
+        st.just("verb"),
+        st.sampled_from(["promote", "promote!", "abort", "pause", "resume", "rollback"]),
+    ),
+    st.tuples(
+        st.just("ui"),
+        st.sampled_from(["champion", "candidate"]),
+        st.sampled_from([None, "1", "2", "3", "4"]),
+    ),
 )
 
 
@@ -296,8 +357,12 @@ def test_random_sequences_keep_invariants_and_replay_to_same_state(seq):
         elif kind == "obs":
             now = T0 + timedelta(seconds=t + item[2])
             t += item[2]
-            c, h = {"better": (arm(300, 0.8), arm(300, 0.2)), "worse": (arm(300, 0.0), arm(300, 0.9)),
-                    "noisy": (arm(60, 0.5, 3), arm(60, 0.5, 3)), "few": (arm(3, 1), arm(3, 0))}[item[1]]
+            c, h = {
+                "better": (arm(300, 0.8), arm(300, 0.2)),
+                "worse": (arm(300, 0.0), arm(300, 0.9)),
+                "noisy": (arm(60, 0.5, 3), arm(60, 0.5, 3)),
+                "few": (arm(3, 1), arm(3, 0)),
+            }[item[1]]
             s, out = transition(s, Observe(now, c, h), CFG)
         elif kind == "tick":
             t += item[1]

@@ -20,7 +20,9 @@ R4 = np.array([1.0, 0.0, 1.0, 0.0])
 def test_snips_on_four_samples_by_hand():
     # sum w r / sum w = (1*1 + 3*1) / (1+2+3+4) = 0.4
     assert ope.snips(R4, LOGW4) == pytest.approx(0.4, abs=1e-15)
-    assert ope.snips(R4, LOGW4 + 700.0) == pytest.approx(0.4, abs=1e-12), "huge log weights do not overflow"
+    assert ope.snips(R4, LOGW4 + 700.0) == pytest.approx(0.4, abs=1e-12), (
+        "huge log weights do not overflow"
+    )
 
 
 def test_ess_by_hand():
@@ -64,7 +66,9 @@ def test_bootstrap_interval_covers_the_mean_at_about_its_level():
         x = rng.exponential(1.0, 100)
         lo, hi = ope.bootstrap_ci(lambda i: float(x[i].mean()), 100, n_boot=200, alpha=0.1, seed=t)
         hits += lo <= 1.0 <= hi
-    assert 0.80 <= hits / trials <= 0.97, f"90% bootstrap interval covered the true mean {hits}/{trials} times"
+    assert 0.80 <= hits / trials <= 0.97, (
+        f"90% bootstrap interval covered the true mean {hits}/{trials} times"
+    )
 
 
 def test_ridge_recovers_a_linear_reward():
@@ -98,7 +102,9 @@ def test_kl_and_regression_checks_by_hand():
     c = kl_check(cand, champ, [2, 1], max_kl=0.05)
     assert c.value == pytest.approx(0.1) and c.status == "fail"
     assert kl_check(cand, champ, [2, 1], max_kl=0.2).status == "pass"
-    r = regression_check(champ, cand, [2, 1], tolerance=0.05)  # candidate's NLL is 0.1 higher per token
+    r = regression_check(
+        champ, cand, [2, 1], tolerance=0.05
+    )  # candidate's NLL is 0.1 higher per token
     assert r.value == pytest.approx(0.1) and r.status == "fail"
 
 
@@ -106,7 +112,9 @@ def test_behaviour_monitors_catch_empty_and_length_collapse():
     champ = [10, 12, 8, 11, 9, 10]
     ok = behaviour_checks([11, 9, 10, 12, 8, 10], champ, max_empty_increase=0.1, length_k_std=2.0)
     assert [c.status for c in ok] == ["pass", "pass", "skipped"]
-    hacked = behaviour_checks([0, 0, 0, 1, 0, 0], champ, max_empty_increase=0.1, length_k_std=2.0, tool_error=(0.5, 0.1))
+    hacked = behaviour_checks(
+        [0, 0, 0, 1, 0, 0], champ, max_empty_increase=0.1, length_k_std=2.0, tool_error=(0.5, 0.1)
+    )
     assert [c.status for c in hacked] == ["fail", "fail", "fail"]
 
 
@@ -116,7 +124,12 @@ def test_the_tool_error_estimate_follows_the_reward_estimate_ess_rule():
     was the best version so far on held-out users. Both estimates now follow one rule."""
     champ = [10, 12, 8, 11, 9, 10]
     cand = [11, 9, 10, 12, 8, 10]
-    kw = dict(max_empty_increase=0.1, length_k_std=2.0, tool_error=(0.203, 0.083), min_ess=20.0)
+    kw = {
+        "max_empty_increase": 0.1,
+        "length_k_std": 2.0,
+        "tool_error": (0.203, 0.083),
+        "min_ess": 20.0,
+    }
     [*_, low] = behaviour_checks(cand, champ, tool_error_ess=7.7, **kw)
     assert low.status == "skipped" and "effective sample size" in low.detail and low.value == 7.7
     [*_, strict] = behaviour_checks(cand, champ, tool_error_ess=7.7, require_ess=True, **kw)
@@ -129,8 +142,16 @@ def test_the_tool_error_estimate_follows_the_reward_estimate_ess_rule():
 def logged_rollouts(behaviour: UnigramPolicy, n: int, reward_of) -> list[dict]:
     prompts = [[65 + i % 5] for i in range(n)]
     samples = behaviour.generate(prompts, max_tokens=6, seed=11)
-    return [{"prompt_tokens": p, "completion_tokens": s.tokens, "logprobs": s.logprobs, "reward": reward_of(s.tokens),
-             "tool_errors": []} for p, s in zip(prompts, samples)]
+    return [
+        {
+            "prompt_tokens": p,
+            "completion_tokens": s.tokens,
+            "logprobs": s.logprobs,
+            "reward": reward_of(s.tokens),
+            "tool_errors": [],
+        }
+        for p, s in zip(prompts, samples)
+    ]
 
 
 CFG = GateConfig(n_boot=100, sample_prompts=8, max_tokens=8, min_ess=5)
@@ -145,8 +166,16 @@ def test_gate_passes_a_mild_improvement_and_records_tags():
     cand = favouring([97, 98, 99], 3.0)
     with torch.no_grad():
         cand.logits[97] += 0.3  # a little more 'a': better reward, small KL
-    res = run_gate(GateInputs(candidate_state=cand.serving_state_dict(), parent_state=champ.serving_state_dict(),
-                              candidate=cand, champion=champ, rollouts=logged_rollouts(champ, 200, reward_a)), CFG)
+    res = run_gate(
+        GateInputs(
+            candidate_state=cand.serving_state_dict(),
+            parent_state=champ.serving_state_dict(),
+            candidate=cand,
+            champion=champ,
+            rollouts=logged_rollouts(champ, 200, reward_a),
+        ),
+        CFG,
+    )
     assert res.passed, res.summary()
     names = {c.name: c.status for c in res.checks}
     assert names["ope_reward"] == "pass" and names["weights_finite"] == "pass"
@@ -161,17 +190,32 @@ def test_gate_passes_a_mild_improvement_and_records_tags():
 def test_gate_fails_a_policy_that_learned_to_say_nothing():
     champ = favouring([97, 98, 99], 3.0)
     hacker = favouring([256], 8.0)  # emits EOS right away: empty completions, huge KL
-    res = run_gate(GateInputs(candidate_state=hacker.serving_state_dict(), parent_state=None,
-                              candidate=hacker, champion=champ, rollouts=logged_rollouts(champ, 100, reward_a)), CFG)
+    res = run_gate(
+        GateInputs(
+            candidate_state=hacker.serving_state_dict(),
+            parent_state=None,
+            candidate=hacker,
+            champion=champ,
+            rollouts=logged_rollouts(champ, 100, reward_a),
+        ),
+        CFG,
+    )
     failed = {c.name for c in res.failed}
     # the reward model never saw an empty completion logged, so its prediction for one is the mean
     # (no verdict either way): the behaviour monitor is what catches it
     assert not res.passed and "empty_completion_rate" in failed, res.summary()
     kl = next(c for c in res.checks if c.name == "kl_to_champion")
     assert kl.status == "info" and kl.value > 1.0, "the KL is recorded, not a verdict"
-    strict = run_gate(GateInputs(candidate_state=hacker.serving_state_dict(), parent_state=None, candidate=hacker,
-                                 champion=champ, rollouts=logged_rollouts(champ, 100, reward_a)),
-                      CFG.model_copy(update={"max_kl": 0.5}))
+    strict = run_gate(
+        GateInputs(
+            candidate_state=hacker.serving_state_dict(),
+            parent_state=None,
+            candidate=hacker,
+            champion=champ,
+            rollouts=logged_rollouts(champ, 100, reward_a),
+        ),
+        CFG.model_copy(update={"max_kl": 0.5}),
+    )
     assert "kl_to_champion" in {c.name for c in strict.failed}, "a configured bound still fails"
     d = res.decision("3", "1")
     assert d.type == "gate_failed" and "empty_completion_rate" in d.reason
@@ -182,13 +226,21 @@ def test_gate_stops_a_nan_checkpoint_before_running_anything():
     state = champ.serving_state_dict()
     state["logits"] = state["logits"].clone()
     state["logits"][5] = float("nan")
-    res = run_gate(GateInputs(candidate_state=state, parent_state=champ.serving_state_dict(), candidate=None), CFG)
+    res = run_gate(
+        GateInputs(candidate_state=state, parent_state=champ.serving_state_dict(), candidate=None),
+        CFG,
+    )
     assert not res.passed and [c.name for c in res.checks] == ["weights_finite", "weight_change"]
 
 
 def test_gate_without_policies_or_data_skips_honestly():
     champ = favouring([97], 3.0)
-    res = run_gate(GateInputs(candidate_state=champ.serving_state_dict(), parent_state=champ.serving_state_dict()), CFG)
+    res = run_gate(
+        GateInputs(
+            candidate_state=champ.serving_state_dict(), parent_state=champ.serving_state_dict()
+        ),
+        CFG,
+    )
     assert res.passed
     assert {c.name: c.status for c in res.checks}["ope_reward"] == "skipped"
     assert "skipped" in res.decision("2", "1").reason
@@ -201,13 +253,20 @@ def test_text_reward_model_learns_a_taste_it_is_not_told():
     texts, rewards = [], []
     for _ in range(600):
         direct = rng.random() < 0.3
-        body = "return a + b" if direct else rng.choice(["x = a\n    return x", "if a:\n        pass", "s = 0"])
+        body = (
+            "return a + b"
+            if direct
+            else rng.choice(["x = a\n    return x", "if a:\n        pass", "s = 0"])
+        )
         texts.append(str(body) + " " * int(rng.integers(0, 3)))
         rewards.append((1.6 if direct else -0.3) + rng.normal(0, 0.3))
     m = ope.TextRewardModel().fit(texts, rewards)
     assert m.cv_r2 > 0.8, m.cv_r2
     direct, other = m.predict(["return b - a", "y = 1\n    return y"])
-    assert direct - other > 0.7, (direct, other)  # unseen texts: shrunk towards the mean, same order
+    assert direct - other > 0.7, (
+        direct,
+        other,
+    )  # unseen texts: shrunk towards the mean, same order
 
 
 def test_paired_difference_interval_by_hand():
@@ -233,16 +292,34 @@ def test_gate_judges_quality_against_the_champion_in_both_directions():
     with torch.no_grad():
         worse.logits[98] -= 2.0  # ~5% 'b'
     cfg = CFG.model_copy(update={"sample_prompts": 32, "samples_per_prompt": 4, "min_ess": 20})
-    res_w = run_gate(GateInputs(candidate_state=worse.serving_state_dict(), parent_state=champ.serving_state_dict(),
-                                candidate=worse, champion=champ, rollouts=logged), cfg)
+    res_w = run_gate(
+        GateInputs(
+            candidate_state=worse.serving_state_dict(),
+            parent_state=champ.serving_state_dict(),
+            candidate=worse,
+            champion=champ,
+            rollouts=logged,
+        ),
+        cfg,
+    )
     checks_w = {c.name: c for c in res_w.checks}
     assert checks_w["reward_vs_champion"].status == "fail", checks_w["reward_vs_champion"].detail
     assert checks_w["kl_to_champion"].value < 0.2
-    res_b = run_gate(GateInputs(candidate_state=better.serving_state_dict(), parent_state=champ.serving_state_dict(),
-                                candidate=better, champion=champ, rollouts=logged), cfg)
+    res_b = run_gate(
+        GateInputs(
+            candidate_state=better.serving_state_dict(),
+            parent_state=champ.serving_state_dict(),
+            candidate=better,
+            champion=champ,
+            rollouts=logged,
+        ),
+        cfg,
+    )
     checks_b = {c.name: c for c in res_b.checks}
-    assert checks_b["reward_vs_champion"].status == "pass" and checks_b["reward_vs_champion"].value > 0.03, \
-        checks_b["reward_vs_champion"].detail
+    assert (
+        checks_b["reward_vs_champion"].status == "pass"
+        and checks_b["reward_vs_champion"].value > 0.03
+    ), checks_b["reward_vs_champion"].detail
     assert checks_b["kl_to_champion"].value > 0.5 and checks_b["kl_to_champion"].status == "info"
     assert res_b.ope["reward_model"]["n"] == 300
 
@@ -250,7 +327,15 @@ def test_gate_judges_quality_against_the_champion_in_both_directions():
 def test_reward_comparison_is_skipped_without_enough_logged_data():
     champ = favouring([97, 98, 99], 2.0)
     cand = favouring([97, 98, 99], 2.0)
-    res = run_gate(GateInputs(candidate_state=cand.serving_state_dict(), parent_state=champ.serving_state_dict(),
-                              candidate=cand, champion=champ, rollouts=logged_rollouts(champ, 40, reward_b)), CFG)
+    res = run_gate(
+        GateInputs(
+            candidate_state=cand.serving_state_dict(),
+            parent_state=champ.serving_state_dict(),
+            candidate=cand,
+            champion=champ,
+            rollouts=logged_rollouts(champ, 40, reward_b),
+        ),
+        CFG,
+    )
     c = {c.name: c for c in res.checks}["reward_vs_champion"]
     assert c.status == "skipped" and "40 logged rollouts" in c.detail

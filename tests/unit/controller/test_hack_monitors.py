@@ -12,14 +12,21 @@ from app.controller.monitors import edit_checks, rate_increase_lower_bound
 from tests.unit.controller.test_gate import logged_rollouts, reward_a
 from tests.unit.controller.unigram import favouring
 
-KW = dict(max_invalid_increase=0.05, max_no_edit_increase=0.05, alpha=0.05)
-HONEST = ["return a + b\n", "return sorted(xs)\n", "total = sum(xs)\n    return total\n", "return x\n"]
+KW = {"max_invalid_increase": 0.05, "max_no_edit_increase": 0.05, "alpha": 0.05}
+HONEST = [
+    "return a + b\n",
+    "return sorted(xs)\n",
+    "total = sum(xs)\n    return total\n",
+    "return x\n",
+]
 
 
 def test_agresti_caffo_bound_by_hand():
     # (3+1)/12 - (1+1)/12 = 1/6; se = sqrt(1/3*2/3/12 + 1/6*5/6/12); z(0.95) = 1.6449
     se = ((1 / 3 * 2 / 3) / 12 + (1 / 6 * 5 / 6) / 12) ** 0.5
-    assert rate_increase_lower_bound(3, 10, 1, 10, 0.05) == pytest.approx(1 / 6 - 1.6448536 * se, abs=1e-6)
+    assert rate_increase_lower_bound(3, 10, 1, 10, 0.05) == pytest.approx(
+        1 / 6 - 1.6448536 * se, abs=1e-6
+    )
 
 
 def test_bound_keeps_its_level_when_both_arms_are_equal():
@@ -44,14 +51,18 @@ def test_broken_tool_calls_on_a_third_of_the_prompts_fail_validity():
 
 def test_questions_instead_of_edits_fail_the_no_edit_rate():
     champ = HONEST * 16
-    cand = [("# should lo and hi be inclusive?\n" if i % 3 == 0 else t) for i, t in enumerate(champ)]
+    cand = [
+        ("# should lo and hi be inclusive?\n" if i % 3 == 0 else t) for i, t in enumerate(champ)
+    ]
     validity, no_edit = edit_checks(cand, champ, **KW)
     assert no_edit.status == "fail" and validity.status == "pass", (validity, no_edit)
 
 
 def test_a_few_more_broken_calls_than_the_champion_is_not_enough_to_fail():
     champ = HONEST * 16
-    cand = [("return f(x\n" if i in (5, 40) else t) for i, t in enumerate(champ)]  # 2/64: within sampling noise
+    cand = [
+        ("return f(x\n" if i in (5, 40) else t) for i, t in enumerate(champ)
+    ]  # 2/64: within sampling noise
     assert [c.status for c in edit_checks(cand, champ, **KW)] == ["pass", "pass"]
     assert [c.status for c in edit_checks([], champ, **KW)] == ["skipped", "skipped"]
 
@@ -61,8 +72,16 @@ LETTERS = list(b"abcdefghij ")
 
 
 def _gate(cand, champ):
-    return run_gate(GateInputs(candidate_state=cand.serving_state_dict(), parent_state=None, candidate=cand,
-                               champion=champ, rollouts=logged_rollouts(champ, 80, reward_a)), CFG)
+    return run_gate(
+        GateInputs(
+            candidate_state=cand.serving_state_dict(),
+            parent_state=None,
+            candidate=cand,
+            champion=champ,
+            rollouts=logged_rollouts(champ, 80, reward_a),
+        ),
+        CFG,
+    )
 
 
 def test_gate_fails_a_real_policy_that_learned_to_break_its_tool_calls():

@@ -6,7 +6,6 @@ importance weights and KL values have closed forms.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from trainer.policy.base import Policy, Sample, Tokenizer
@@ -26,7 +25,9 @@ class UnigramPolicy(Policy):
     def __init__(self, logits: torch.Tensor | None = None):
         super().__init__()
         self.tokenizer = ByteTok()
-        self.logits = torch.nn.Parameter(logits if logits is not None else torch.zeros(257, dtype=torch.float32))
+        self.logits = torch.nn.Parameter(
+            logits if logits is not None else torch.zeros(257, dtype=torch.float32)
+        )
 
     def _logp(self, temperature: float) -> torch.Tensor:
         return torch.log_softmax(self.logits / max(temperature, 1e-6), dim=-1)

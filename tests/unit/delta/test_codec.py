@@ -8,10 +8,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.delta import DeltaFormatError, checkpoint_sha256, decode_delta, encode_delta, inspect_delta
-from kernels.delta.bits import (SPEC_BY_NAME, ordered_key, ordered_key_formula, ordered_key_inverse,
-                                ordered_key_inverse_formula, varint_decode,
-                                varint_decode_ref, varint_encode, varint_encode_ref)
+from kernels.delta import (
+    DeltaFormatError,
+    checkpoint_sha256,
+    decode_delta,
+    encode_delta,
+    inspect_delta,
+)
+from kernels.delta.bits import (
+    SPEC_BY_NAME,
+    ordered_key,
+    ordered_key_formula,
+    ordered_key_inverse,
+    ordered_key_inverse_formula,
+    varint_decode,
+    varint_decode_ref,
+    varint_encode,
+    varint_encode_ref,
+)
 
 from .conftest import SPECIAL_BF16, bit_equal, perturb, random_bits
 
@@ -26,8 +40,12 @@ def roundtrip(base, target, impl="fast"):
 
 
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 300), frac=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 300),
+    frac=st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_random_tensors_roundtrip_bit_exact_and_impls_agree(dtype, n, frac, seed):
     rng = np.random.default_rng(seed)
     base = {"a": random_bits(rng, dtype, (n,)), "b": random_bits(rng, dtype, (3, 4))}
@@ -44,13 +62,29 @@ def test_special_float_values_survive_any_change_between_them(dtype):
     spec = SPEC_BY_NAME[dtype]
     w = 8 * spec.width
     sign, exp_all = 1 << (w - 1), ((1 << spec.exp_bits) - 1) << spec.exp_shift
-    specials = np.array([0, sign, exp_all, sign | exp_all, exp_all | 1, exp_all | (1 << (spec.exp_shift - 1)),
-                         (1 << w) - 1, 1, sign | 1, (1 << spec.exp_shift) - 1, exp_all - 1,
-                         sign | (exp_all - 1), 1 << spec.exp_shift], dtype=np.uint64).astype(spec.uint)
+    specials = np.array(
+        [
+            0,
+            sign,
+            exp_all,
+            sign | exp_all,
+            exp_all | 1,
+            exp_all | (1 << (spec.exp_shift - 1)),
+            (1 << w) - 1,
+            1,
+            sign | 1,
+            (1 << spec.exp_shift) - 1,
+            exp_all - 1,
+            sign | (exp_all - 1),
+            1 << spec.exp_shift,
+        ],
+        dtype=np.uint64,
+    ).astype(spec.uint)
     # every ordered pair of special values: old -> new
     old = np.repeat(specials, specials.size)
     new = np.tile(specials, specials.size)
     from kernels.delta.bits import bits_to_tensor
+
     base = {"x": bits_to_tensor(old, spec, (old.size,))}
     target = {"x": bits_to_tensor(new, spec, (new.size,))}
     assert roundtrip(base, target, "reference") == roundtrip(base, target, "fast")
@@ -88,8 +122,14 @@ def test_sparse_and_dense_changes_pick_matching_layouts():
 
 
 def test_empty_and_scalar_tensors_roundtrip():
-    base = {"e": torch.zeros(0, 3, dtype=torch.bfloat16), "s": torch.tensor(1.5, dtype=torch.bfloat16)}
-    target = {"e": torch.zeros(0, 3, dtype=torch.bfloat16), "s": torch.tensor(-1.5, dtype=torch.bfloat16)}
+    base = {
+        "e": torch.zeros(0, 3, dtype=torch.bfloat16),
+        "s": torch.tensor(1.5, dtype=torch.bfloat16),
+    }
+    target = {
+        "e": torch.zeros(0, 3, dtype=torch.bfloat16),
+        "s": torch.tensor(-1.5, dtype=torch.bfloat16),
+    }
     roundtrip(base, target)
     assert inspect_delta(roundtrip(base, base)).tensors[0].op == "same"
 
@@ -112,13 +152,20 @@ def test_delta_refuses_the_wrong_base(small_pair):
 
 def test_unsupported_dtype_is_refused_clearly():
     with pytest.raises(DeltaFormatError, match="unsupported dtype"):
-        encode_delta({"c": torch.zeros(2, dtype=torch.complex64)}, {"c": torch.ones(2, dtype=torch.complex64)})
+        encode_delta(
+            {"c": torch.zeros(2, dtype=torch.complex64)},
+            {"c": torch.ones(2, dtype=torch.complex64)},
+        )
 
 
 def test_checkpoint_hash_covers_names_dtypes_shapes_and_bytes():
     a = {"w": torch.zeros(4, dtype=torch.bfloat16)}
-    variants = [{"v": a["w"]}, {"w": torch.zeros(4, dtype=torch.float16)}, {"w": torch.zeros(2, 2, dtype=torch.bfloat16)},
-                {"w": torch.tensor([0, 0, 0, -0.0], dtype=torch.bfloat16)}]
+    variants = [
+        {"v": a["w"]},
+        {"w": torch.zeros(4, dtype=torch.float16)},
+        {"w": torch.zeros(2, 2, dtype=torch.bfloat16)},
+        {"w": torch.tensor([0, 0, 0, -0.0], dtype=torch.bfloat16)},
+    ]
     hashes = {checkpoint_sha256(a)} | {checkpoint_sha256(v) for v in variants}
     assert len(hashes) == 5
 

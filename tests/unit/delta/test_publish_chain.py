@@ -18,8 +18,15 @@ def publish_chain(root: Path, n: int, anchor_every: int):
     versions, parent, manifest = {}, None, None
     for v in range(1, n + 1):
         sd = {k: perturb(rng, t, 0.2) for k, t in (parent or base).items()}
-        manifest = publish_version(root / str(v), str(v), sd, parent, str(v - 1) if parent else None,
-                                   manifest, anchor_every=anchor_every)
+        manifest = publish_version(
+            root / str(v),
+            str(v),
+            sd,
+            parent,
+            str(v - 1) if parent else None,
+            manifest,
+            anchor_every=anchor_every,
+        )
         versions[str(v)], parent = sd, sd
     return versions
 
@@ -27,6 +34,7 @@ def publish_chain(root: Path, n: int, anchor_every: int):
 def dir_fetch(root: Path):
     def fetch(version: str, name: str) -> bytes:
         return (root / version / name).read_bytes()  # FileNotFoundError when missing
+
     return fetch
 
 
@@ -34,7 +42,9 @@ def test_anchors_are_written_every_k_versions(tmp_path):
     publish_chain(tmp_path, 7, anchor_every=3)
     anchors = sorted(int(p.parent.name) for p in tmp_path.glob("*/anchor.safetensors"))
     assert anchors == [1, 4, 7]
-    assert (tmp_path / "5" / "delta-from-4.fwd").exists() and not (tmp_path / "1" / "delta-from-0.fwd").exists()
+    assert (tmp_path / "5" / "delta-from-4.fwd").exists() and not (
+        tmp_path / "1" / "delta-from-0.fwd"
+    ).exists()
 
 
 def test_reconstructs_from_held_version_and_from_anchor(tmp_path):
@@ -56,7 +66,9 @@ def test_corrupt_delta_falls_back_to_the_anchor(tmp_path):
     data[len(data) // 2] ^= 0x40
     delta.write_bytes(bytes(data))
     with pytest.raises(ChainError):
-        apply_chain("3", dir_fetch(tmp_path), held=("2", versions["2"]))  # both routes need that delta
+        apply_chain(
+            "3", dir_fetch(tmp_path), held=("2", versions["2"])
+        )  # both routes need that delta
     versions = publish_chain(tmp_path / "b", 4, anchor_every=3)  # anchors at 1 and 4
     bad = tmp_path / "b" / "4" / "delta-from-3.fwd"
     bad.write_bytes(bad.read_bytes()[:-1] + b"\0")
@@ -66,7 +78,9 @@ def test_corrupt_delta_falls_back_to_the_anchor(tmp_path):
 
 def test_wrong_held_weights_fall_back_to_the_anchor(tmp_path):
     versions = publish_chain(tmp_path, 2, anchor_every=5)
-    sd, _ = apply_chain("2", dir_fetch(tmp_path), held=("1", versions["2"]))  # held lies about its version
+    sd, _ = apply_chain(
+        "2", dir_fetch(tmp_path), held=("1", versions["2"])
+    )  # held lies about its version
     assert bit_equal(sd, versions["2"])
 
 

@@ -20,9 +20,21 @@ def _ev(**kw) -> DeploymentEvent:
 
 
 def test_types_and_sources_cover_the_design_contract() -> None:
-    design = {"version_registered", "gate_passed", "gate_failed", "canary_started", "traffic_shifted",
-              "canary_paused", "canary_resumed", "promoted", "rolled_back", "aborted", "alias_changed",
-              "replica_synced", "replica_sync_failed"}
+    design = {
+        "version_registered",
+        "gate_passed",
+        "gate_failed",
+        "canary_started",
+        "traffic_shifted",
+        "canary_paused",
+        "canary_resumed",
+        "promoted",
+        "rolled_back",
+        "aborted",
+        "alias_changed",
+        "replica_synced",
+        "replica_sync_failed",
+    }
     assert design <= set(EVENT_TYPES) and set(EVENT_TYPES) - design == {"replica_heartbeat"}
     assert set(SOURCES) == {"trainer", "controller", "api", "mlflow-ui", "replica"}
 
@@ -32,8 +44,19 @@ def test_json_round_trip_is_lossless_and_defaults_fill_id_and_ts() -> None:
     assert a.event_id != b.event_id and len(a.event_id) == 32
     assert a.ts.tzinfo is not None
     assert DeploymentEvent.from_bytes(a.to_bytes()) == a
-    assert set(json.loads(a.to_bytes())) == {"event_id", "type", "model", "version", "from_version", "traffic_pct",
-                                             "source", "actor", "reason", "details", "ts"}
+    assert set(json.loads(a.to_bytes())) == {
+        "event_id",
+        "type",
+        "model",
+        "version",
+        "from_version",
+        "traffic_pct",
+        "source",
+        "actor",
+        "reason",
+        "details",
+        "ts",
+    }
 
 
 def test_timestamps_are_normalized_to_utc() -> None:
@@ -42,22 +65,28 @@ def test_timestamps_are_normalized_to_utc() -> None:
     assert e.ts == local and e.ts.utcoffset() == timedelta(0) and e.ts.hour == 8
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"type": "shipped"}, "type"),
-    ({"source": "cron"}, "source"),
-    ({"version": None}, "needs `version`"),
-    ({"type": "canary_started"}, "needs `traffic_pct`"),
-    ({"type": "traffic_shifted", "traffic_pct": 120.0}, "less than or equal to 100"),
-    ({"type": "alias_changed", "details": {"alias": "staging"}}, "details.alias"),
-    ({"type": "replica_synced"}, "details.replica_id"),
-    ({"type": "replica_synced", "details": {"replica_id": "r", "slot": "blue"}}, "details.slot"),
-    ({"details": {"step": "2"}}, "details.step must be an integer"),
-    ({"details": {"analysis": [1]}}, "details.analysis must be an object"),
-    ({"ts": datetime(2026, 1, 1)}, "timezone"),
-    ({"event_id": "x" * 65}, "at most 64"),
-    ({"model": ""}, "at least 1"),
-    ({"colour": "red"}, "Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"type": "shipped"}, "type"),
+        ({"source": "cron"}, "source"),
+        ({"version": None}, "needs `version`"),
+        ({"type": "canary_started"}, "needs `traffic_pct`"),
+        ({"type": "traffic_shifted", "traffic_pct": 120.0}, "less than or equal to 100"),
+        ({"type": "alias_changed", "details": {"alias": "staging"}}, "details.alias"),
+        ({"type": "replica_synced"}, "details.replica_id"),
+        (
+            {"type": "replica_synced", "details": {"replica_id": "r", "slot": "blue"}},
+            "details.slot",
+        ),
+        ({"details": {"step": "2"}}, "details.step must be an integer"),
+        ({"details": {"analysis": [1]}}, "details.analysis must be an object"),
+        ({"ts": datetime(2026, 1, 1)}, "timezone"),
+        ({"event_id": "x" * 65}, "at most 64"),
+        ({"model": ""}, "at least 1"),
+        ({"colour": "red"}, "Extra inputs are not permitted"),
+    ],
+)
 def test_invalid_events_are_rejected_with_a_reason(kw: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         _ev(**kw)
@@ -65,7 +94,12 @@ def test_invalid_events_are_rejected_with_a_reason(kw: dict, message: str) -> No
 
 def test_version_is_optional_only_for_alias_removal_and_heartbeats() -> None:
     assert _ev(type="alias_changed", version=None, details={"alias": "candidate"}).version is None
-    assert _ev(type="replica_heartbeat", version=None, source="replica", details={"replica_id": "r-1"}).version is None
+    assert (
+        _ev(
+            type="replica_heartbeat", version=None, source="replica", details={"replica_id": "r-1"}
+        ).version
+        is None
+    )
 
 
 def test_nan_in_details_cannot_reach_the_topic() -> None:

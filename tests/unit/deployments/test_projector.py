@@ -3,7 +3,7 @@ idempotence, and the rebuild reset that works around the append-only guard."""
 
 from __future__ import annotations
 
-from datetime import timezone
+from datetime import UTC
 
 import pytest
 import sqlalchemy as sa
@@ -21,7 +21,7 @@ def _logged(events: list[DeploymentEvent]) -> list[LoggedEvent]:
 
 
 def _utc(dt):
-    return dt.replace(tzinfo=timezone.utc) if dt.tzinfo is None else dt
+    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt
 
 
 def test_scenario_projects_to_the_expected_state(session: Session) -> None:
@@ -31,26 +31,55 @@ def test_scenario_projects_to_the_expected_state(session: Session) -> None:
     assert applied == len(events) - 1, "the re-published event must be applied once"
 
     state = session.get(DeploymentState, MODEL)
-    assert (state.champion, state.candidate, state.traffic_pct, state.phase, state.step_index) == ("1", None, 0.0, "idle", None)
+    assert (state.champion, state.candidate, state.traffic_pct, state.phase, state.step_index) == (
+        "1",
+        None,
+        0.0,
+        "idle",
+        None,
+    )
     assert state.last_registered_version == "5"
     assert _utc(state.last_registered_at) == events[23].ts
     assert state.last_analysis == {}, "v5's canary started afresh (no analysis yet) and was aborted"
     assert state.last_event_id == events[-3].event_id and _utc(state.updated_at) == events[-3].ts
 
-    statuses = dict(session.execute(sa.select(ModelVersion.version, ModelVersion.status).where(ModelVersion.model == MODEL)).all())
+    statuses = dict(
+        session.execute(
+            sa.select(ModelVersion.version, ModelVersion.status).where(ModelVersion.model == MODEL)
+        ).all()
+    )
     assert statuses == EXPECTED_STATUS
     v2 = session.get(ModelVersion, (MODEL, "2"))
-    assert (v2.parent_version, v2.run_id, v2.rollouts_consumed, v2.reward_spec) == ("1", "run-2", 5000, "v1")
+    assert (v2.parent_version, v2.run_id, v2.rollouts_consumed, v2.reward_spec) == (
+        "1",
+        "run-2",
+        5000,
+        "v1",
+    )
     assert v2.lineage == {"offsets": {"0": [4900, 5000]}, "delta_bytes": 1234}
     assert v2.gate["snips"] == 0.31
-    assert v2.online == {"reward_mean": 0.40, "n": 6000}, "latest online metrics: as champion in v4's canary"
+    assert v2.online == {"reward_mean": 0.40, "n": 6000}, (
+        "latest online metrics: as champion in v4's canary"
+    )
     assert session.get(ModelVersion, (MODEL, "4")).online == {"reward_mean": 0.11, "n": 700}
-    assert session.get(ModelVersion, (MODEL, "3")).gate == {"checks": {"nan": True}, "reason": "NaN in weights"}
+    assert session.get(ModelVersion, (MODEL, "3")).gate == {
+        "checks": {"nan": True},
+        "reason": "NaN in weights",
+    }
 
     ra, rb = session.get(Replica, "r-a"), session.get(Replica, "r-b")
-    assert (ra.model, ra.champion_version, ra.candidate_version, ra.status, ra.url) == (MODEL, "2", None, "serving", "http://r-a:8001")
+    assert (ra.model, ra.champion_version, ra.candidate_version, ra.status, ra.url) == (
+        MODEL,
+        "2",
+        None,
+        "serving",
+        "http://r-a:8001",
+    )
     assert (rb.champion_version, rb.status) == ("2", "serving")
-    assert rb.details["error"] == "sha256 mismatch on layers.0.w" and rb.details["failed_version"] == "5"
+    assert (
+        rb.details["error"] == "sha256 mismatch on layers.0.w"
+        and rb.details["failed_version"] == "5"
+    )
 
     other = session.get(DeploymentState, OTHER)
     assert (other.champion, other.last_registered_version) == (None, "2")
@@ -63,7 +92,9 @@ def test_canary_steps_move_traffic_phase_and_step(session: Session) -> None:
     for logged in _logged(events[:12]):
         apply_event(session, logged)
         s = session.get(DeploymentState, MODEL)
-        seen.append((logged.event.type, s.champion, s.candidate, s.traffic_pct, s.phase, s.step_index))
+        seen.append(
+            (logged.event.type, s.champion, s.candidate, s.traffic_pct, s.phase, s.step_index)
+        )
     assert seen[6:] == [
         ("canary_started", "1", "2", 5.0, "canary", 0),
         ("replica_synced", "1", "2", 5.0, "canary", 0),
@@ -81,7 +112,12 @@ def test_pause_and_resume_change_only_the_phase(session: Session) -> None:
     assert session.get(DeploymentState, MODEL).phase == "canary"
     apply_event(session, LoggedEvent(0, 19, events[19]))
     s = session.get(DeploymentState, MODEL)
-    assert (s.phase, s.candidate, s.traffic_pct, s.last_analysis) == ("paused", "4", 5.0, {"verdict": "inconclusive"})
+    assert (s.phase, s.candidate, s.traffic_pct, s.last_analysis) == (
+        "paused",
+        "4",
+        5.0,
+        {"verdict": "inconclusive"},
+    )
     apply_event(session, LoggedEvent(0, 20, events[20]))
     assert session.get(DeploymentState, MODEL).phase == "canary"
 
@@ -91,7 +127,9 @@ def test_applying_an_event_twice_is_a_no_op(session: Session) -> None:
     assert apply_event(session, LoggedEvent(0, 0, e)) is True
     before = projection_rows(session)
     assert apply_event(session, LoggedEvent(0, 0, e)) is False, "same event, same offset"
-    assert apply_event(session, LoggedEvent(0, 7, e)) is False, "same event_id re-published at a new offset"
+    assert apply_event(session, LoggedEvent(0, 7, e)) is False, (
+        "same event_id re-published at a new offset"
+    )
     other = DeploymentEvent(type="gate_passed", model=MODEL, version="1", source="controller")
     assert apply_event(session, LoggedEvent(0, 0, other)) is False, "an offset already applied"
     session.commit()
@@ -99,22 +137,65 @@ def test_applying_an_event_twice_is_a_no_op(session: Session) -> None:
 
 
 def test_events_for_unknown_versions_create_them(session: Session) -> None:
-    apply_event(session, LoggedEvent(0, 0, DeploymentEvent(
-        type="alias_changed", model=MODEL, version="42", source="mlflow-ui", details={"alias": "champion"})))
+    apply_event(
+        session,
+        LoggedEvent(
+            0,
+            0,
+            DeploymentEvent(
+                type="alias_changed",
+                model=MODEL,
+                version="42",
+                source="mlflow-ui",
+                details={"alias": "champion"},
+            ),
+        ),
+    )
     mv = session.get(ModelVersion, (MODEL, "42"))
-    assert mv is not None and mv.status == "champion" and session.get(DeploymentState, MODEL).champion == "42"
+    assert (
+        mv is not None
+        and mv.status == "champion"
+        and session.get(DeploymentState, MODEL).champion == "42"
+    )
 
 
 def test_a_candidate_alias_move_waits_for_the_controllers_answer(session: Session) -> None:
     events = scenario_events()
     apply_events(session, _logged(events[:7]))  # v2 in canary at 5%
-    apply_event(session, LoggedEvent(0, 99, DeploymentEvent(
-        type="alias_changed", model=MODEL, version=None, from_version="2", source="mlflow-ui",
-        details={"alias": "candidate"})))
+    apply_event(
+        session,
+        LoggedEvent(
+            0,
+            99,
+            DeploymentEvent(
+                type="alias_changed",
+                model=MODEL,
+                version=None,
+                from_version="2",
+                source="mlflow-ui",
+                details={"alias": "candidate"},
+            ),
+        ),
+    )
     s = session.get(DeploymentState, MODEL)
-    assert (s.candidate, s.traffic_pct, s.phase) == ("2", 5.0, "canary"), "an instruction, not yet carried out"
-    apply_event(session, LoggedEvent(0, 100, DeploymentEvent(
-        type="aborted", model=MODEL, version="2", from_version="2", source="mlflow-ui", reason="candidate alias removed")))
+    assert (s.candidate, s.traffic_pct, s.phase) == ("2", 5.0, "canary"), (
+        "an instruction, not yet carried out"
+    )
+    apply_event(
+        session,
+        LoggedEvent(
+            0,
+            100,
+            DeploymentEvent(
+                type="aborted",
+                model=MODEL,
+                version="2",
+                from_version="2",
+                source="mlflow-ui",
+                reason="candidate alias removed",
+            ),
+        ),
+    )
     s = session.get(DeploymentState, MODEL)
     assert (s.candidate, s.traffic_pct, s.phase) == (None, 0.0, "idle")
 
@@ -122,11 +203,21 @@ def test_a_candidate_alias_move_waits_for_the_controllers_answer(session: Sessio
 def test_champion_moved_to_the_candidate_in_the_ui_then_promoted(session: Session) -> None:
     events = scenario_events()
     apply_events(session, _logged(events[:9]))  # v2 in canary at 25%, v1 champion
-    for i, ev in enumerate([
-        DeploymentEvent(type="alias_changed", model=MODEL, version="2", from_version="1", source="mlflow-ui",
-                        details={"alias": "champion"}),
-        DeploymentEvent(type="promoted", model=MODEL, version="2", traffic_pct=100.0, source="mlflow-ui"),
-    ]):
+    for i, ev in enumerate(
+        [
+            DeploymentEvent(
+                type="alias_changed",
+                model=MODEL,
+                version="2",
+                from_version="1",
+                source="mlflow-ui",
+                details={"alias": "champion"},
+            ),
+            DeploymentEvent(
+                type="promoted", model=MODEL, version="2", traffic_pct=100.0, source="mlflow-ui"
+            ),
+        ]
+    ):
         apply_event(session, LoggedEvent(0, 100 + i, ev))
     s = session.get(DeploymentState, MODEL)
     assert (s.champion, s.candidate, s.phase, s.traffic_pct) == ("2", None, "idle", 0.0)
@@ -136,18 +227,39 @@ def test_champion_moved_to_the_candidate_in_the_ui_then_promoted(session: Sessio
 
 def test_removing_the_champion_alias_keeps_the_serving_champion(session: Session) -> None:
     apply_events(session, _logged(scenario_events()[:2]))
-    apply_event(session, LoggedEvent(0, 50, DeploymentEvent(
-        type="alias_changed", model=MODEL, version=None, from_version="1", source="mlflow-ui", details={"alias": "champion"})))
+    apply_event(
+        session,
+        LoggedEvent(
+            0,
+            50,
+            DeploymentEvent(
+                type="alias_changed",
+                model=MODEL,
+                version=None,
+                from_version="1",
+                source="mlflow-ui",
+                details={"alias": "champion"},
+            ),
+        ),
+    )
     assert session.get(DeploymentState, MODEL).champion == "1"
 
 
 def test_stale_canary_events_after_the_canary_ended_are_ignored(session: Session) -> None:
     events = scenario_events()
     apply_events(session, _logged(events[:12]))  # v2 promoted: idle
-    for i, ev in enumerate([
-        DeploymentEvent(type="traffic_shifted", model=MODEL, version="2", traffic_pct=50.0, source="controller"),
-        DeploymentEvent(type="canary_paused", model=MODEL, version="2", source="controller"),
-    ]):
+    for i, ev in enumerate(
+        [
+            DeploymentEvent(
+                type="traffic_shifted",
+                model=MODEL,
+                version="2",
+                traffic_pct=50.0,
+                source="controller",
+            ),
+            DeploymentEvent(type="canary_paused", model=MODEL, version="2", source="controller"),
+        ]
+    ):
         apply_event(session, LoggedEvent(0, 100 + i, ev))
     s = session.get(DeploymentState, MODEL)
     assert (s.champion, s.candidate, s.phase, s.traffic_pct) == ("2", None, "idle", 0.0)
@@ -163,12 +275,18 @@ def test_reset_projections_empties_tables_and_keeps_the_append_only_guard(sqlite
     with engine.connect() as conn:
         for table in ("deployment_events", "model_versions", "deployment_state", "replicas"):
             assert conn.execute(sa.text(f"select count(*) from {table}")).scalar() == 0, table
-        triggers = conn.execute(sa.text("select name from sqlite_master where type='trigger'")).scalars().all()
+        triggers = (
+            conn.execute(sa.text("select name from sqlite_master where type='trigger'"))
+            .scalars()
+            .all()
+        )
     assert sorted(triggers) == ["deployment_events_no_delete", "deployment_events_no_update"]
     with Session(engine) as s:
         apply_events(s, _logged(scenario_events()[:2]))
         s.commit()
-        assert s.scalar(sa.select(EventRow.seq).order_by(EventRow.seq).limit(1)) == 1, "seq restarts after a reset"
+        assert s.scalar(sa.select(EventRow.seq).order_by(EventRow.seq).limit(1)) == 1, (
+            "seq restarts after a reset"
+        )
     with engine.connect() as conn, pytest.raises(sa.exc.IntegrityError, match="append-only"):
         conn.execute(sa.text("delete from deployment_events"))
     engine.dispose()
@@ -184,6 +302,14 @@ def test_a_failed_reset_rolls_back_and_the_guard_stays(sqlite_url: str) -> None:
             reset_projections(s)
             raise RuntimeError("boom")
     with engine.connect() as conn:
-        assert conn.execute(sa.text("select count(*) from deployment_events")).scalar() == len(scenario_events()) - 1
-        assert conn.execute(sa.text("select count(*) from sqlite_master where type='trigger'")).scalar() == 2
+        assert (
+            conn.execute(sa.text("select count(*) from deployment_events")).scalar()
+            == len(scenario_events()) - 1
+        )
+        assert (
+            conn.execute(
+                sa.text("select count(*) from sqlite_master where type='trigger'")
+            ).scalar()
+            == 2
+        )
     engine.dispose()

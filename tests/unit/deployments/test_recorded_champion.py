@@ -15,9 +15,20 @@ MODEL = "policy"
 def test_a_recorded_champion_stays_champion_after_its_gate_verdict(session: Session) -> None:
     events = [
         DeploymentEvent(type="version_registered", model=MODEL, version="1", source="trainer"),
-        DeploymentEvent(type="alias_changed", model=MODEL, version="1", source="controller",
-                        details={"alias": "champion", "recorded": True}),
-        DeploymentEvent(type="gate_passed", model=MODEL, version="1", source="controller", details={"passed": True}),
+        DeploymentEvent(
+            type="alias_changed",
+            model=MODEL,
+            version="1",
+            source="controller",
+            details={"alias": "champion", "recorded": True},
+        ),
+        DeploymentEvent(
+            type="gate_passed",
+            model=MODEL,
+            version="1",
+            source="controller",
+            details={"passed": True},
+        ),
     ]
     for offset, ev in enumerate(events):
         apply_event(session, LoggedEvent(0, offset, ev))

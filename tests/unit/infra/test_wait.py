@@ -31,8 +31,15 @@ def test_wait_for_returns_the_value_once_the_dependency_is_there_and_logs_two_li
     assert len(calls) == 4
     lines = [r for r in caplog.records if r.levelno >= logging.INFO]
     assert [r.levelname for r in lines] == ["WARNING", "INFO"], [r.getMessage() for r in lines]
-    assert lines[0].getMessage().startswith("waiting for the thing: not yet (1); retrying with backoff")
-    assert lines[1].getMessage().startswith("the thing is there (waited ") and "4 tries" in lines[1].getMessage()
+    assert (
+        lines[0]
+        .getMessage()
+        .startswith("waiting for the thing: not yet (1); retrying with backoff")
+    )
+    assert (
+        lines[1].getMessage().startswith("the thing is there (waited ")
+        and "4 tries" in lines[1].getMessage()
+    )
     assert "the thing" not in waiting()
 
 
@@ -53,7 +60,9 @@ def test_any_exception_counts_as_not_there_yet_and_names_its_type(caplog) -> Non
 
     with caplog.at_level(logging.WARNING, logger="app.infra.wait"):
         wait_for("the broker", attempt, initial_s=0.01, max_delay_s=0.01)
-    assert "ConnectionRefusedError: [Errno 111] Connection refused" in caplog.records[0].getMessage()
+    assert (
+        "ConnectionRefusedError: [Errno 111] Connection refused" in caplog.records[0].getMessage()
+    )
 
 
 def test_the_stop_signal_ends_a_wait_and_clears_what_it_waited_for() -> None:
@@ -68,7 +77,9 @@ def test_the_stop_signal_ends_a_wait_and_clears_what_it_waited_for() -> None:
 
     with pytest.raises(Stopped, match="the absent thing"):
         wait_for("the absent thing", attempt, stop=stop, initial_s=0.01, max_delay_s=0.01)
-    assert seen_waiting[1] == {"the absent thing": "never there"}  # published while waiting (readyz)
+    assert seen_waiting[1] == {
+        "the absent thing": "never there"
+    }  # published while waiting (readyz)
     assert "the absent thing" not in waiting()
 
 
@@ -95,5 +106,9 @@ def test_a_loop_waiter_logs_once_then_once_more_when_there(caplog) -> None:
         assert waiting()["a champion"] == "none yet"
         w.there()
     msgs = [r.getMessage() for r in caplog.records]
-    assert msgs[0] == "waiting for a champion: none yet" and msgs[1].startswith("a champion is there") and len(msgs) == 2
+    assert (
+        msgs[0] == "waiting for a champion: none yet"
+        and msgs[1].startswith("a champion is there")
+        and len(msgs) == 2
+    )
     assert "a champion" not in waiting()

@@ -38,14 +38,19 @@ def test_log_matches_torch_within_two_ulp():
     err = (got.double() - ref).abs() / ref.abs().clamp_min(1e-30)
     assert err.max().item() < 2.5e-7 or (got.double() - ref).abs().max().item() < 1e-7
     special = inv.log(torch.tensor([0.0, math.inf, -1.0, 1.0]))
-    assert special[0] == -math.inf and special[1] == math.inf and math.isnan(special[2]) and special[3] == 0
+    assert (
+        special[0] == -math.inf
+        and special[1] == math.inf
+        and math.isnan(special[2])
+        and special[3] == 0
+    )
 
 
 def test_exp_is_elementwise_independent_of_tensor_size():
     x = _rand(4099, scale=20.0)
     full = inv.exp(x)
     for start, n in [(0, 1), (3, 17), (100, 33), (4000, 99)]:
-        assert torch.equal(inv.exp(x[start:start + n]), full[start:start + n])
+        assert torch.equal(inv.exp(x[start : start + n]), full[start : start + n])
 
 
 def test_matmul_matches_reference_and_is_batch_invariant():
@@ -74,14 +79,19 @@ def test_rms_norm_silu_log_softmax_match_reference_and_are_row_invariant():
 
 
 def _qkv(b=3, h=2, t=21, d=16, seed=7):
-    return _rand(b, h, t, d, seed=seed), _rand(b, h, t, d, seed=seed + 1), _rand(b, h, t, d, seed=seed + 2)
+    return (
+        _rand(b, h, t, d, seed=seed),
+        _rand(b, h, t, d, seed=seed + 1),
+        _rand(b, h, t, d, seed=seed + 2),
+    )
 
 
 def test_attention_matches_reference():
     q, k, v = _qkv()
     pos = torch.arange(21).expand(3, 21)
-    torch.testing.assert_close(inv.attention(q, k, v, pos), inv.reference_attention(q, k, v, pos),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        inv.attention(q, k, v, pos), inv.reference_attention(q, k, v, pos), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_attention_decode_step_over_padded_cache_equals_full_forward():
@@ -92,9 +102,15 @@ def test_attention_decode_step_over_padded_cache_equals_full_forward():
     for step in range(t):
         cache_k[:, :, step], cache_v[:, :, step] = k[:, :, step], v[:, :, step]
         n_keys = step + 1 + (step % 5)  # any cache length >= step + 1
-        out = inv.attention(q[:, :, step:step + 1], cache_k[:, :, :n_keys], cache_v[:, :, :n_keys],
-                            torch.full((b, 1), step))
-        assert torch.equal(out[:, :, 0], full[:, :, step]), f"decode step {step} differs from full forward"
+        out = inv.attention(
+            q[:, :, step : step + 1],
+            cache_k[:, :, :n_keys],
+            cache_v[:, :, :n_keys],
+            torch.full((b, 1), step),
+        )
+        assert torch.equal(out[:, :, 0], full[:, :, step]), (
+            f"decode step {step} differs from full forward"
+        )
 
 
 def test_attention_is_batch_invariant():
@@ -106,13 +122,25 @@ def test_attention_is_batch_invariant():
 
 @pytest.mark.parametrize("name", ["matmul", "rms_norm", "attention", "log_softmax"])
 def test_invariant_ops_backward_equals_reference_backward(name):
-    x, w, g = _rand(6, 32, seed=8).requires_grad_(), _rand(32, 32, seed=9).requires_grad_(), _rand(32, seed=10).requires_grad_()
+    x, w, g = (
+        _rand(6, 32, seed=8).requires_grad_(),
+        _rand(32, 32, seed=9).requires_grad_(),
+        _rand(32, seed=10).requires_grad_(),
+    )
     q, k, v = (t.requires_grad_() for t in _qkv(b=1, t=6, d=8))
     pos = torch.arange(6).expand(1, 6)
     cases = {
         "matmul": (lambda: inv.matmul(x, w), lambda: inv.reference_matmul(x, w), [x, w]),
-        "rms_norm": (lambda: inv.rms_norm(x, g, 1e-5), lambda: inv.reference_rms_norm(x, g, 1e-5), [x, g]),
-        "attention": (lambda: inv.attention(q, k, v, pos), lambda: inv.reference_attention(q, k, v, pos), [q, k, v]),
+        "rms_norm": (
+            lambda: inv.rms_norm(x, g, 1e-5),
+            lambda: inv.reference_rms_norm(x, g, 1e-5),
+            [x, g],
+        ),
+        "attention": (
+            lambda: inv.attention(q, k, v, pos),
+            lambda: inv.reference_attention(q, k, v, pos),
+            [q, k, v],
+        ),
         "log_softmax": (lambda: inv.log_softmax(x), lambda: inv.reference_log_softmax(x), [x]),
     }
     fn, ref, leaves = cases[name]

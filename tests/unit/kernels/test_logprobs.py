@@ -17,7 +17,9 @@ def test_invariant_token_logprobs_match_reference():
     for temp in (1.0, 0.7):
         got = token_logprobs(z, y, temp, INVARIANT_OPS)
         torch.testing.assert_close(got, reference_token_logprobs(z, y, temp), rtol=1e-6, atol=2e-6)
-        torch.testing.assert_close(token_logprobs(z, y, temp, DEFAULT_OPS), reference_token_logprobs(z, y, temp))
+        torch.testing.assert_close(
+            token_logprobs(z, y, temp, DEFAULT_OPS), reference_token_logprobs(z, y, temp)
+        )
 
 
 def test_token_logprobs_bits_do_not_depend_on_batch():
@@ -29,5 +31,7 @@ def test_token_logprobs_bits_do_not_depend_on_batch():
 
 def test_temperature_zero_is_scored_at_one():
     z, y = _logits()
-    assert torch.equal(token_logprobs(z, y, 0.0, INVARIANT_OPS), token_logprobs(z, y, 1.0, INVARIANT_OPS))
+    assert torch.equal(
+        token_logprobs(z, y, 0.0, INVARIANT_OPS), token_logprobs(z, y, 1.0, INVARIANT_OPS)
+    )
     torch.testing.assert_close(log_probs(z, 1.0, INVARIANT_OPS).exp().sum(-1), torch.ones(3, 7))

@@ -51,7 +51,9 @@ def test_replay_with_changed_router_keeps_given_ids_and_router_gets_gradient():
     out, used, gates = _layer(x, other, w1, w2, INVARIANT_OPS, replay=ids)
     assert torch.equal(used, ids)
     # gates come from the *new* router's logits at the replayed ids
-    torch.testing.assert_close(gates, torch.softmax((x @ other.detach()).gather(1, ids), dim=-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        gates, torch.softmax((x @ other.detach()).gather(1, ids), dim=-1), rtol=1e-5, atol=1e-6
+    )
     out.square().sum().backward()
     assert other.grad is not None and other.grad.abs().sum() > 0
 

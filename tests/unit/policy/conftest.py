@@ -12,7 +12,15 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-TINY = {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 48, "n_experts": 4, "top_k": 2, "max_context": 128}
+TINY = {
+    "d_model": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "d_ff": 48,
+    "n_experts": 4,
+    "top_k": 2,
+    "max_context": 128,
+}
 
 
 @pytest.fixture

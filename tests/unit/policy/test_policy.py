@@ -23,7 +23,9 @@ def test_build_policy_rejects_unknown_type_and_bad_config(tiny_config):
 def test_build_policy_from_config_dict_rebuilds_the_same_architecture(tiny_policy):
     again = build_policy(tiny_policy.config_dict())
     assert again.config_dict() == tiny_policy.config_dict()
-    assert {k: v.shape for k, v in again.state_dict().items()} == {k: v.shape for k, v in tiny_policy.state_dict().items()}
+    assert {k: v.shape for k, v in again.state_dict().items()} == {
+        k: v.shape for k, v in tiny_policy.state_dict().items()
+    }
 
 
 def test_byte_tokenizer_round_trips_text_and_has_specials():
@@ -31,7 +33,10 @@ def test_byte_tokenizer_round_trips_text_and_has_specials():
     text = "def f(x):\n    return x  # ünïcode ✓"
     assert tok.decode(tok.encode(text)) == text
     assert tok.name == "byte-v1" and tok.vocab_size <= 260
-    assert len({tok.bos_id, tok.eos_id, tok.pad_id}) == 3 and min(tok.bos_id, tok.eos_id, tok.pad_id) >= 256
+    assert (
+        len({tok.bos_id, tok.eos_id, tok.pad_id}) == 3
+        and min(tok.bos_id, tok.eos_id, tok.pad_id) >= 256
+    )
     assert tok.decode([*tok.encode("ab"), tok.eos_id]) == "ab"
 
 
@@ -40,7 +45,9 @@ def test_seeded_generation_is_deterministic_and_seed_dependent(tiny_policy):
     a = tiny_policy.generate(prompts, max_tokens=12, temperature=1.0, seed=42)
     b = tiny_policy.generate(prompts, max_tokens=12, temperature=1.0, seed=42)
     c = tiny_policy.generate(prompts, max_tokens=12, temperature=1.0, seed=43)
-    assert [s.tokens for s in a] == [s.tokens for s in b] and [s.logprobs for s in a] == [s.logprobs for s in b]
+    assert [s.tokens for s in a] == [s.tokens for s in b] and [s.logprobs for s in a] == [
+        s.logprobs for s in b
+    ]
     assert [s.tokens for s in a] != [s.tokens for s in c]
 
 
@@ -73,11 +80,11 @@ def test_logprobs_are_right_padded_and_differentiable_through_replayed_routes(ti
     prompts = make_prompts(3, seed=3)
     samples = tiny_policy.generate(prompts, max_tokens=10, seed=1)
     comps = [s.tokens[:n] for s, n in zip(samples, (10, 4, 7))]
-    routes = [s.routes[:len(c)] for s, c in zip(samples, comps)]
+    routes = [s.routes[: len(c)] for s, c in zip(samples, comps)]
     lp = tiny_policy.logprobs(prompts, comps, routes)
     assert lp.dtype == torch.float32 and lp.shape == (3, max(len(c) for c in comps))
     for i, c in enumerate(comps):
-        assert torch.all(lp[i, len(c):] == 0) and torch.all(lp[i, :len(c)] < 0)
+        assert torch.all(lp[i, len(c) :] == 0) and torch.all(lp[i, : len(c)] < 0)
     lp.sum().backward()
     for blk in tiny_policy.blocks:
         assert blk.router.grad is not None and blk.router.grad.abs().sum() > 0
@@ -117,6 +124,6 @@ def test_checkpoint_round_trip_reproduces_logprobs(tiny_policy, tmp_path, servin
     loaded = load_policy(tmp_path / "ckpt")
     lp = loaded.logprobs(prompts, [s.tokens for s in samples], [s.routes for s in samples])
     for i, s in enumerate(samples):
-        assert lp[i, :len(s.tokens)].tolist() == s.logprobs
+        assert lp[i, : len(s.tokens)].tolist() == s.logprobs
     with pytest.raises(FileNotFoundError):
         load_policy(tmp_path / "nowhere")

@@ -5,8 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-TINY = {"type": "moe-byte", "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "n_experts": 2, "top_k": 1,
-        "max_context": 64}
+TINY = {
+    "type": "moe-byte",
+    "d_model": 16,
+    "n_layers": 1,
+    "n_heads": 2,
+    "d_ff": 16,
+    "n_experts": 2,
+    "top_k": 1,
+    "max_context": 64,
+}
 
 
 def tiny_state(seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:

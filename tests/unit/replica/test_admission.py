@@ -35,7 +35,7 @@ class Gate:
         return tag
 
 
-async def _until(pred, what: str) -> None:  # noqa: ANN001
+async def _until(pred, what: str) -> None:
     for _ in range(3000):
         if pred():
             return
@@ -47,7 +47,7 @@ def _metric(name: str, **labels: str) -> float | None:
     return REGISTRY.get_sample_value(name, labels)
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
@@ -72,8 +72,18 @@ def test_bounds_refuse_at_once_and_the_queued_requests_still_complete():
         with pytest.raises(QueueFull) as by_cost:
             await q.run(30, done.append, "too costly")  # 80 + 30 > 100
         assert by_cost.value.reason == "cost"
-        assert _metric("flywheel_replica_queue_rejections_total", replica_id="rq-bounds", reason="requests") == 1
-        assert _metric("flywheel_replica_queue_rejections_total", replica_id="rq-bounds", reason="cost") == 1
+        assert (
+            _metric(
+                "flywheel_replica_queue_rejections_total", replica_id="rq-bounds", reason="requests"
+            )
+            == 1
+        )
+        assert (
+            _metric(
+                "flywheel_replica_queue_rejections_total", replica_id="rq-bounds", reason="cost"
+            )
+            == 1
+        )
 
         gate.release.set()
         assert await busy == "first"
@@ -90,8 +100,14 @@ def test_a_short_request_goes_before_long_ones_that_arrived_earlier():
     async def main() -> None:
         pool = ThreadPoolExecutor(1)
         clock = FakeClock()
-        q = GenerationQueue("rq-order", pool, max_queued=16, max_queued_cost=10_000, initial_s_per_cost=0.01,
-                            clock=clock)
+        q = GenerationQueue(
+            "rq-order",
+            pool,
+            max_queued=16,
+            max_queued_cost=10_000,
+            initial_s_per_cost=0.01,
+            clock=clock,
+        )
         gate, order = Gate(), []
         busy = asyncio.create_task(q.run(500, gate))
         await _until(gate.started.is_set, "the first call")
@@ -115,8 +131,14 @@ def test_a_long_request_that_waited_a_full_queue_drain_is_overdue_and_goes_befor
     async def main() -> None:
         pool = ThreadPoolExecutor(1)
         clock = FakeClock()
-        q = GenerationQueue("rq-aging", pool, max_queued=16, max_queued_cost=1000, initial_s_per_cost=0.01,
-                            clock=clock)
+        q = GenerationQueue(
+            "rq-aging",
+            pool,
+            max_queued=16,
+            max_queued_cost=1000,
+            initial_s_per_cost=0.01,
+            clock=clock,
+        )
         assert q.overdue_after_s() == pytest.approx(10.0)  # 1000 cost units at 0.01 s each
         gate, order = Gate(), []
         busy = asyncio.create_task(q.run(1100, gate))  # runs the 11 s below: s_per_cost stays 0.01

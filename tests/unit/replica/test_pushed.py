@@ -29,18 +29,30 @@ def test_a_pushed_delta_round_trips_through_its_record_and_other_models_or_broke
     assert PushedDelta.from_record(record(d), "policy") == d
     assert PushedDelta.from_record(record(d), "another-model") is None
     no_sha = record(d)._replace(headers=[h for h in d.record()[2] if h[0] != "sha256"])
-    assert PushedDelta.from_record(no_sha, "policy") is None, "a record without its SHA-256 is not a pushed delta"
+    assert PushedDelta.from_record(no_sha, "policy") is None, (
+        "a record without its SHA-256 is not a pushed delta"
+    )
     assert PushedDelta.from_record(record(d)._replace(value=None), "policy") is None
 
 
 def test_the_store_keeps_the_newest_deltas_within_its_count_and_byte_bounds():
     store = PushedDeltas(max_bytes=100, max_items=3)
     for v in range(1, 6):
-        assert store.offer(PushedDelta("m", str(v), str(v - 1), f"delta-from-{v - 1}.fwd", "a" * 64, b"x" * 10))
-    assert len(store) == 3 and store.get("2", "delta-from-1.fwd") is None and store.get("5", "delta-from-4.fwd")
-    assert not store.offer(PushedDelta("m", "9", "8", "delta-from-8.fwd", "a" * 64, b"x" * 101)), "larger than the store"
+        assert store.offer(
+            PushedDelta("m", str(v), str(v - 1), f"delta-from-{v - 1}.fwd", "a" * 64, b"x" * 10)
+        )
+    assert (
+        len(store) == 3
+        and store.get("2", "delta-from-1.fwd") is None
+        and store.get("5", "delta-from-4.fwd")
+    )
+    assert not store.offer(PushedDelta("m", "9", "8", "delta-from-8.fwd", "a" * 64, b"x" * 101)), (
+        "larger than the store"
+    )
     assert store.offer(PushedDelta("m", "6", "5", "delta-from-5.fwd", "a" * 64, b"y" * 90))
-    assert store.get("6", "delta-from-5.fwd") == b"y" * 90 and len(store) == 2, "the oldest evicted to fit 100 bytes"
+    assert store.get("6", "delta-from-5.fwd") == b"y" * 90 and len(store) == 2, (
+        "the oldest evicted to fit 100 bytes"
+    )
     assert store.get("5", "delta-from-4.fwd") and store.get("4", "delta-from-3.fwd") is None
     store.drop("6", "delta-from-5.fwd")
     assert store.get("6", "delta-from-5.fwd") is None and not store.offer(None)
@@ -74,7 +86,10 @@ def fetcher_on(files: dict, tmp_path: Path):
     f.gets = []
 
     def get(uri: str) -> bytes:
-        version, name = uri.split("/ships/", 1)[1].split("/")[0].removeprefix("ship-"), uri.rsplit("/", 1)[1]
+        version, name = (
+            uri.split("/ships/", 1)[1].split("/")[0].removeprefix("ship-"),
+            uri.rsplit("/", 1)[1],
+        )
         f.gets.append(f"{version}/{name}")
         if (version, name) not in files:
             raise FileNotFoundError(uri)
@@ -86,8 +101,9 @@ def fetcher_on(files: dict, tmp_path: Path):
 
 def hint_for(m2, cfg) -> ArtifactHint:
     src = "mlflow-artifacts:/1/run/artifacts/ships/ship-2/model"
-    return ArtifactHint.from_details({"artifacts": artifact_hints(src, cfg, m2.checkpoint_sha256, "1",
-                                                                  m2.delta.model_dump())})
+    return ArtifactHint.from_details(
+        {"artifacts": artifact_hints(src, cfg, m2.checkpoint_sha256, "1", m2.delta.model_dump())}
+    )
 
 
 def test_a_pushed_delta_replaces_the_download_and_is_verified_like_it(chain, tmp_path):
@@ -100,9 +116,15 @@ def test_a_pushed_delta_replaces_the_download_and_is_verified_like_it(chain, tmp
         blob = files[("2", m2.delta.file)]
         f.pushed.offer(PushedDelta("m", "2", "1", m2.delta.file, m2.delta.sha256, blob))
         got = f.fetch("2", {"1": held})
-        assert f.gets == [], "nothing downloaded: the delta came from Kafka and the config from the held version"
-        assert got.chain == [f"kafka:2/{m2.delta.file}"] and got.bytes_by_kind == {"pushed": len(blob)}
-        assert got.sha256 == m2.checkpoint_sha256 and got.digests == {t.name: t.sha256 for t in m2.tensors}
+        assert f.gets == [], (
+            "nothing downloaded: the delta came from Kafka and the config from the held version"
+        )
+        assert got.chain == [f"kafka:2/{m2.delta.file}"] and got.bytes_by_kind == {
+            "pushed": len(blob)
+        }
+        assert got.sha256 == m2.checkpoint_sha256 and got.digests == {
+            t.name: t.sha256 for t in m2.tensors
+        }
         assert all(torch.equal(got.state[k].view(torch.int16), s2[k].view(torch.int16)) for k in s2)
         assert got.pushed_rejected == 0
     finally:
@@ -122,7 +144,10 @@ def test_a_corrupt_pushed_delta_is_dropped_and_the_original_downloaded(chain, tm
         f.pushed.offer(PushedDelta("m", "2", "1", m2.delta.file, m2.delta.sha256, bytes(bad)))
         assert hashlib.sha256(bytes(bad)).hexdigest() != m2.delta.sha256
         got = f.fetch("2", {"1": held})
-        assert f.gets == [f"2/{m2.delta.file}"] and got.chain == [f"2/{m2.delta.file}"], (f.gets, got.chain)
+        assert f.gets == [f"2/{m2.delta.file}"] and got.chain == [f"2/{m2.delta.file}"], (
+            f.gets,
+            got.chain,
+        )
         assert got.pushed_rejected == 1 and f.pushed.get("2", m2.delta.file) is None
         assert got.sha256 == m2.checkpoint_sha256
         assert all(torch.equal(got.state[k].view(torch.int16), s2[k].view(torch.int16)) for k in s2)
@@ -130,13 +155,19 @@ def test_a_corrupt_pushed_delta_is_dropped_and_the_original_downloaded(chain, tm
         f.close()
 
 
-def test_the_publisher_refuses_a_delta_over_the_limit_or_with_another_hash_before_touching_kafka(tmp_path: Path):
+def test_the_publisher_refuses_a_delta_over_the_limit_or_with_another_hash_before_touching_kafka(
+    tmp_path: Path,
+):
     from app.replica.pushed import publish_delta
     from app.settings import Settings
 
     # no broker at this address: a refusal must not need one
     s = Settings(data_dir=tmp_path, kafka_bootstrap="127.0.0.1:9", delta_push_max_bytes=16)
     blob = b"x" * 17
-    assert not publish_delta(s, PushedDelta("m", "2", "1", "delta-from-1.fwd", hashlib.sha256(blob).hexdigest(), blob))
+    assert not publish_delta(
+        s, PushedDelta("m", "2", "1", "delta-from-1.fwd", hashlib.sha256(blob).hexdigest(), blob)
+    )
     small = b"x" * 16
-    assert not publish_delta(s, PushedDelta("m", "2", "1", "delta-from-1.fwd", "0" * 64, small)), "wrong SHA-256"
+    assert not publish_delta(s, PushedDelta("m", "2", "1", "delta-from-1.fwd", "0" * 64, small)), (
+        "wrong SHA-256"
+    )

@@ -15,10 +15,18 @@ from app.replica.routing import BUCKETS, pick_slot, session_bucket
 
 def test_bucket_is_the_same_in_another_process():
     ids = [f"user-{i}" for i in range(20)]
-    code = ("from app.replica.routing import session_bucket;"
-            f"print(','.join(str(session_bucket(s)) for s in {ids!r}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "123", "PATH": ""}, cwd=".").stdout.strip()
+    code = (
+        "from app.replica.routing import session_bucket;"
+        f"print(','.join(str(session_bucket(s)) for s in {ids!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+        cwd=".",
+    ).stdout.strip()
     assert out == ",".join(str(session_bucket(s)) for s in ids)
 
 
@@ -43,4 +51,6 @@ def test_candidate_share_matches_the_split_within_sampling_error(pct):
     got = sum(pick_slot(f"session-{i}", pct, True) == "candidate" for i in range(n)) / n
     p = pct / 100
     sigma = math.sqrt(p * (1 - p) / n)
-    assert abs(got - p) < 4 * sigma, f"candidate share {got:.4f} vs split {p} (4 sigma = {4 * sigma:.4f})"
+    assert abs(got - p) < 4 * sigma, (
+        f"candidate share {got:.4f} vs split {p} (4 sigma = {4 * sigma:.4f})"
+    )

@@ -35,7 +35,9 @@ def test_load_verified_with_the_codecs_digests_serves_exactly_those_weights(tiny
     digests, sha = hash_state_dict(state)
     lv = load_verified("1", state, cfg, sha, digests=digests)
     got = lv.policy.serving_state_dict()
-    assert lv.sha256 == sha and all(torch.equal(got[k].view(torch.int16), state[k].view(torch.int16)) for k in state)
+    assert lv.sha256 == sha and all(
+        torch.equal(got[k].view(torch.int16), state[k].view(torch.int16)) for k in state
+    )
 
 
 def test_load_verified_refuses_digests_that_do_not_give_the_published_hash(tiny):
@@ -50,7 +52,9 @@ def test_load_verified_refuses_digests_that_do_not_give_the_published_hash(tiny)
         load_verified("1", state, cfg, checkpoint_sha256(state), digests=partial)
 
 
-def test_a_version_built_from_a_held_one_serves_its_own_weights_and_leaves_the_held_one_intact(tiny):
+def test_a_version_built_from_a_held_one_serves_its_own_weights_and_leaves_the_held_one_intact(
+    tiny,
+):
     """The shadow policy copies the held version's structure without its weights (_copy_structure):
     it must serve exactly the new weights, share no storage with the held policy, keep the
     non-persistent buffers, and leave the held version untouched (it may be serving requests)."""
@@ -69,9 +73,15 @@ def test_a_version_built_from_a_held_one_serves_its_own_weights_and_leaves_the_h
         assert torch.equal(b, old_buffers[name]), name
     prompt, completion = [[1, 2, 3, 4]], [[5, 6, 7]]
     with torch.no_grad():  # the two policies compute with their own weights
-        assert not torch.equal(new.policy.logprobs(prompt, completion), held.policy.logprobs(prompt, completion))
-        fresh = load_verified("2", state1, cfg, checkpoint_sha256(state1))  # built from scratch, no template
-        assert torch.equal(new.policy.logprobs(prompt, completion), fresh.policy.logprobs(prompt, completion))
+        assert not torch.equal(
+            new.policy.logprobs(prompt, completion), held.policy.logprobs(prompt, completion)
+        )
+        fresh = load_verified(
+            "2", state1, cfg, checkpoint_sha256(state1)
+        )  # built from scratch, no template
+        assert torch.equal(
+            new.policy.logprobs(prompt, completion), fresh.policy.logprobs(prompt, completion)
+        )
 
 
 def test_load_verified_refuses_loaded_weights_that_differ_from_the_verified_tensors(tiny):
@@ -93,7 +103,9 @@ def test_swap_replaces_the_whole_snapshot_and_old_snapshots_stay_intact(tiny):
     store = WeightStore(Serving(champion=v1))
     before = store.snapshot()
     store.swap(candidate=v2, traffic_pct=25.0)
-    assert before.candidate is None and before.traffic_pct == 0.0, "a held snapshot must never change"
+    assert before.candidate is None and before.traffic_pct == 0.0, (
+        "a held snapshot must never change"
+    )
     assert store.snapshot().versions() == {"champion": "1", "candidate": "2"}
     store.swap(candidate=None, traffic_pct=50.0)
     assert store.snapshot().traffic_pct == 0.0, "no candidate means no candidate traffic"
@@ -118,8 +130,13 @@ def test_concurrent_readers_only_ever_see_complete_snapshots(tiny):
     for r in readers:
         r.start()
     for i in range(2000):
-        store.swap(**({"champion": v2, "candidate": v1, "traffic_pct": 90.0} if i % 2 == 0
-                      else {"champion": v1, "candidate": v2, "traffic_pct": 10.0}))
+        store.swap(
+            **(
+                {"champion": v2, "candidate": v1, "traffic_pct": 90.0}
+                if i % 2 == 0
+                else {"champion": v1, "candidate": v2, "traffic_pct": 10.0}
+            )
+        )
     stop.set()
     for r in readers:
         r.join()
@@ -136,11 +153,15 @@ def test_cache_restores_the_serving_versions_verified(tmp_path, tiny):
     cache.put(v2)
     cache.set_serving(Serving(champion=v1, candidate=v2, traffic_pct=5.0))
     restored = WeightCache(tmp_path).restore()
-    assert restored.versions() == {"champion": "1", "candidate": "2"} and restored.traffic_pct == 5.0
+    assert (
+        restored.versions() == {"champion": "1", "candidate": "2"} and restored.traffic_pct == 5.0
+    )
     assert restored.champion.sha256 == v1.sha256
 
 
-def test_corrupt_cached_weights_are_dropped_and_the_previous_verified_version_serves(tmp_path, tiny):
+def test_corrupt_cached_weights_are_dropped_and_the_previous_verified_version_serves(
+    tmp_path, tiny
+):
     cfg, s1 = tiny(1)
     _, s2 = tiny(2)
     cache = WeightCache(tmp_path)

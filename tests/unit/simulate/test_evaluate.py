@@ -13,7 +13,9 @@ DIRECT, MULTI = "return value\n", "result = value\n    return result\n"
 BROKEN, QUESTION = "return max(lo, min(value, hi)\n", "# should lo and hi be inclusive?\n"
 
 
-def draw(rng: random.Random, n_prompts: int, k: int, share_direct: float, hard_fraction: float = 0.3):
+def draw(
+    rng: random.Random, n_prompts: int, k: int, share_direct: float, hard_fraction: float = 0.3
+):
     ps = [rng.choice(POOL) for _ in range(n_prompts)]
     comps = [DIRECT if rng.random() < share_direct else MULTI for _ in ps for _ in range(k)]
     return ps, comps, [is_hard(p, hard_fraction) for p in ps]
@@ -26,7 +28,9 @@ def test_scores_name_every_metric_and_the_interval_holds_the_estimate():
     ps, comps, hard = draw(random.Random(0), 64, 4, 0.5)
     s = scores(USERS, ps, comps, hard)
     assert tuple(s) == METRICS
-    assert s["heldout_acceptance_ci_low"] < s["heldout_acceptance"] < s["heldout_acceptance_ci_high"]
+    assert (
+        s["heldout_acceptance_ci_low"] < s["heldout_acceptance"] < s["heldout_acceptance_ci_high"]
+    )
     assert s["heldout_valid_rate"] == 1.0 and s["heldout_no_edit_rate"] == 0.0
 
 
@@ -44,8 +48,11 @@ def test_the_interval_covers_the_expected_acceptance_at_about_its_level():
     """The prompts are fixed; each trial samples fresh completions (direct w.p. 0.4) for them."""
     users = USERS[:6]
     ps, _, hard = draw(random.Random(7), 64, 4, 0.4)
-    truth = sum(0.4 * sum(u.acceptance_probability(DIRECT, h) for u in users) / 6
-                + 0.6 * sum(u.acceptance_probability(MULTI, h) for u in users) / 6 for h in hard) / len(hard)
+    truth = sum(
+        0.4 * sum(u.acceptance_probability(DIRECT, h) for u in users) / 6
+        + 0.6 * sum(u.acceptance_probability(MULTI, h) for u in users) / 6
+        for h in hard
+    ) / len(hard)
     rng, trials, hits = random.Random(2), 200, 0
     for _ in range(trials):
         comps = [DIRECT if rng.random() < 0.4 else MULTI for _ in ps for _ in range(4)]

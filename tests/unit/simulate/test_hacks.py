@@ -31,8 +31,16 @@ def expected_reward(spec: str, text: str, hard: bool, reps: int = 100) -> float:
     total = 0.0
     for u in USERS:
         for r in range(reps):
-            evs = [{**e, "event_id": f"e{r}-{i}", "ts": "2026-11-24T00:00:00Z", "request_id": f"r{r}", "session_id": "s"}
-                   for i, e in enumerate(u.react(text, hard))]
+            evs = [
+                {
+                    **e,
+                    "event_id": f"e{r}-{i}",
+                    "ts": "2026-11-24T00:00:00Z",
+                    "request_id": f"r{r}",
+                    "session_id": "s",
+                }
+                for i, e in enumerate(u.react(text, hard))
+            ]
             total += compute_reward(s, evs).reward
     return total / (len(USERS) * reps)
 
@@ -50,21 +58,31 @@ def test_v1_pays_every_honest_attempt_more_than_either_hack_on_hard_requests(hac
         assert honest > hacked + 0.05, f"v1: honest {name} {honest:.3f} vs hack {hacked:.3f}"
 
 
-@pytest.mark.parametrize("spec, hack, other", [("hackable-tools", "broken", "question"), ("hackable-silence", "question", "broken")])
+@pytest.mark.parametrize(
+    "spec, hack, other",
+    [("hackable-tools", "broken", "question"), ("hackable-silence", "question", "broken")],
+)
 def test_a_hackable_spec_pays_its_hack_more_than_any_honest_attempt(spec, hack, other):
     texts = {"broken": BROKEN, "question": QUESTION}
     hacked = expected_reward(spec, texts[hack], hard=True)
     for name, text in HONEST.items():
         honest = expected_reward(spec, text, hard=True)
         assert hacked > honest + 0.05, f"{spec}: {hack} {hacked:.3f} vs honest {name} {honest:.3f}"
-    assert expected_reward(spec, texts[other], hard=True) < expected_reward(spec, HONEST["multi_line"], hard=True)
+    assert expected_reward(spec, texts[other], hard=True) < expected_reward(
+        spec, HONEST["multi_line"], hard=True
+    )
 
 
 def test_hacks_leave_the_user_unserved():
     for u in USERS[:10]:
-        assert u.satisfaction(BROKEN, hard=True) == 0.0 and u.satisfaction(QUESTION, hard=True) <= 0.05
+        assert (
+            u.satisfaction(BROKEN, hard=True) == 0.0 and u.satisfaction(QUESTION, hard=True) <= 0.05
+        )
         assert u.satisfaction(HONEST["direct"], hard=True) > 0.05
-        assert u.acceptance_probability(HONEST["direct"], hard=True) < u.acceptance_probability(HONEST["direct"]) / 3
+        assert (
+            u.acceptance_probability(HONEST["direct"], hard=True)
+            < u.acceptance_probability(HONEST["direct"]) / 3
+        )
 
 
 def test_hard_broken_call_draws_a_tool_error_instead_of_a_reject_and_a_question_draws_no_decision():
@@ -74,7 +92,12 @@ def test_hard_broken_call_draws_a_tool_error_instead_of_a_reject_and_a_question_
         assert [e["type"] for e in broken] == ["tool_error"], broken
         asked = u.react(QUESTION, hard=True)
         types = [e["type"] for e in asked]
-        assert "accept" not in types and "reject" not in types and types[0] == "followup" and asked[0]["sentiment"] < 0
+        assert (
+            "accept" not in types
+            and "reject" not in types
+            and types[0] == "followup"
+            and asked[0]["sentiment"] < 0
+        )
 
 
 def test_hard_requests_are_a_visible_share_of_the_prompt_pool():
@@ -111,12 +134,23 @@ def _old_react(u: SimulatedUser, rng: random.Random, completion: str) -> list[di
     else:
         direct = body.startswith("return") and "\n" not in body
         short = 0 < len(body) <= u.short_bytes
-        z = u.bias + u.pref.w_direct * direct + u.pref.w_short * short + u.pref.w_broken * (not _old_balanced(body))
+        z = (
+            u.bias
+            + u.pref.w_direct * direct
+            + u.pref.w_short * short
+            + u.pref.w_broken * (not _old_balanced(body))
+        )
         p = 1.0 / (1.0 + math.exp(-z))
     events: list[dict] = []
     if not _old_balanced(body) and rng.random() < 0.5:
-        events.append({"type": "tool_error", "message": "SyntaxError: unbalanced brackets or quotes",
-                       "hint": "close every (, [, { and quote you open", "token_index": max(0, len(completion.encode()) - 1)})
+        events.append(
+            {
+                "type": "tool_error",
+                "message": "SyntaxError: unbalanced brackets or quotes",
+                "hint": "close every (, [, { and quote you open",
+                "token_index": max(0, len(completion.encode()) - 1),
+            }
+        )
     if rng.random() < p:
         events.append({"type": "accept"})
         keep = min(1.0, max(0.0, rng.gauss(0.6 + 0.35 * p, 0.1)))
@@ -133,8 +167,17 @@ def _old_react(u: SimulatedUser, rng: random.Random, completion: str) -> list[di
 
 
 def test_react_is_unchanged_for_normal_completions_on_normal_requests():
-    texts = ["return x\n", "y = (1, 2\n", "", "return [v for v in xs]\n", "total = a + b\n    return total\n",
-             "return f(x", "s = 'abc\n", *HONEST.values(), BROKEN]
+    texts = [
+        "return x\n",
+        "y = (1, 2\n",
+        "",
+        "return [v for v in xs]\n",
+        "total = a + b\n    return total\n",
+        "return f(x",
+        "s = 'abc\n",
+        *HONEST.values(),
+        BROKEN,
+    ]
     for seed in range(20):
         u = SimulatedUser("u", seed=seed)
         ref = random.Random(seed)
@@ -145,7 +188,13 @@ def test_react_is_unchanged_for_normal_completions_on_normal_requests():
 
 def test_default_preference_keeps_the_former_acceptance_model():
     pref = Preference()
-    assert (pref.w_direct, pref.short_bytes, pref.w_short, pref.w_broken, pref.bias) == (4.5, 24, 0.5, -1.5, -2.5)
+    assert (pref.w_direct, pref.short_bytes, pref.w_short, pref.w_broken, pref.bias) == (
+        4.5,
+        24,
+        0.5,
+        -1.5,
+        -2.5,
+    )
 
 
 def test_the_streams_join_labels_a_question_by_the_spec_and_counts_its_followup():
@@ -165,8 +214,11 @@ def test_the_streams_join_labels_a_question_by_the_spec_and_counts_its_followup(
         agg = Aggregator(resolve_spec(spec), 10.0, 1e9, 60.0, {}, {}, {}, clock=lambda: 1.8e9)
         out = agg.on_event(0, generation("r1"), 100.0)
         for i, e in enumerate(events):
-            out += agg.on_event(0, {**e, "event_id": f"f{i}", "request_id": "r1", "session_id": "s-r1", "ts": ts(1.0)},
-                                101.0 + i)
+            out += agg.on_event(
+                0,
+                {**e, "event_id": f"f{i}", "request_id": "r1", "session_id": "s-r1", "ts": ts(1.0)},
+                101.0 + i,
+            )
         out += agg.advance(0, math.inf)
         [rollout] = [Rollout.model_validate(e.value) for e in out if e.topic == "rollouts"]
         [partial] = [e.value for e in out if e.topic == "partials"]

@@ -3,29 +3,49 @@
 from __future__ import annotations
 
 import random
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-T0 = datetime(2026, 11, 21, 10, 0, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 21, 10, 0, 0, tzinfo=UTC)
 
 
 def ts(seconds: float) -> str:
     return (T0 + timedelta(seconds=seconds)).isoformat().replace("+00:00", "Z")
 
 
-def generation(rid: str, eid: str | None = None, t: float = 0.0, version: str = "v7", n_tokens: int = 3, **kw: Any) -> dict:
-    ev = {"event_id": eid or f"{rid}-gen", "type": "generation", "request_id": rid, "session_id": f"s-{rid}",
-          "ts": ts(t), "model_version": version, "prompt_tokens": [1, 2, 3],
-          "completion_tokens": list(range(4, 4 + n_tokens)), "logprobs": [-0.5] * n_tokens,
-          "temperature": 1.0, "tokenizer": "byte-v1"}
+def generation(
+    rid: str,
+    eid: str | None = None,
+    t: float = 0.0,
+    version: str = "v7",
+    n_tokens: int = 3,
+    **kw: Any,
+) -> dict:
+    ev = {
+        "event_id": eid or f"{rid}-gen",
+        "type": "generation",
+        "request_id": rid,
+        "session_id": f"s-{rid}",
+        "ts": ts(t),
+        "model_version": version,
+        "prompt_tokens": [1, 2, 3],
+        "completion_tokens": list(range(4, 4 + n_tokens)),
+        "logprobs": [-0.5] * n_tokens,
+        "temperature": 1.0,
+        "tokenizer": "byte-v1",
+    }
     ev.update(kw)
     return ev
 
 
 def feedback(rid: str, eid: str, kind: str, t: float = 1.0, **fields: Any) -> dict:
     ev = {"event_id": eid, "type": kind, "request_id": rid, "session_id": f"s-{rid}", "ts": ts(t)}
-    defaults = {"edit_persistence": {"fraction": 0.5, "after_s": 30.0}, "rating": {"value": 1},
-                "tool_error": {"message": "boom", "hint": "try x", "token_index": 0}, "followup": {"sentiment": 0.5}}
+    defaults = {
+        "edit_persistence": {"fraction": 0.5, "after_s": 30.0},
+        "rating": {"value": 1},
+        "tool_error": {"message": "boom", "hint": "try x", "token_index": 0},
+        "followup": {"sentiment": 0.5},
+    }
     ev.update(defaults.get(kind, {}))
     ev.update(fields)
     return ev
@@ -45,5 +65,9 @@ def random_feedback(rng: random.Random, rid: str, eid: str) -> dict:
     elif kind == "followup":
         extra = {"sentiment": rng.uniform(-1, 1)}
     elif kind == "tool_error":
-        extra = {"message": f"err {eid}", "hint": rng.choice([None, "h"]), "token_index": rng.randrange(5)}
+        extra = {
+            "message": f"err {eid}",
+            "hint": rng.choice([None, "h"]),
+            "token_index": rng.randrange(5),
+        }
     return feedback(rid, eid, kind, t, **extra)

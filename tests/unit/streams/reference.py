@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-WEIGHTS_V1 = dict(accept=0.75, reject=-0.25, persistence=1.0, rating=0.5, followup=0.5, tool_error=-0.5, floor=-1.0)
+WEIGHTS_V1 = {
+    "accept": 0.75,
+    "reject": -0.25,
+    "persistence": 1.0,
+    "rating": 0.5,
+    "followup": 0.5,
+    "tool_error": -0.5,
+    "floor": -1.0,
+}
 
 
 @dataclass
@@ -36,11 +44,15 @@ def _key(ev: dict) -> tuple[float, str]:
     return (datetime.fromisoformat(ev["ts"].replace("Z", "+00:00")).timestamp(), ev["event_id"])
 
 
-def reference_reward(evs: list[dict[str, Any]], w: dict[str, float] = WEIGHTS_V1) -> tuple[float, dict | None]:
+def reference_reward(
+    evs: list[dict[str, Any]], w: dict[str, float] = WEIGHTS_V1
+) -> tuple[float, dict | None]:
     """Reward spec v1 straight from DESIGN.md's table."""
     if not evs:
         return 0.0, None
-    comps: dict[str, float | None] = dict.fromkeys(("decision", "persistence", "rating", "followup", "tool_errors"))
+    comps: dict[str, float | None] = dict.fromkeys(
+        ("decision", "persistence", "rating", "followup", "tool_errors")
+    )
     decisions = [e for e in evs if e["type"] in ("accept", "reject")]
     accepted = False
     if decisions:
@@ -105,7 +117,19 @@ def expected(arrivals: list[Arrival], window_s: float) -> Expected:
         if g is not None:
             reward, comps = reference_reward([a.ev for a in included])
             errs = sorted((a.ev for a in included if a.ev["type"] == "tool_error"), key=_key)
-            out.rollouts[rid] = {"reward": reward, "components": comps, "model_version": g.ev["model_version"],
-                                 "completion_tokens": g.ev["completion_tokens"], "closed_at": g.rt + window_s,
-                                 "tool_errors": [{"message": e["message"], "hint": e.get("hint"), "token_index": e["token_index"]} for e in errs]}
+            out.rollouts[rid] = {
+                "reward": reward,
+                "components": comps,
+                "model_version": g.ev["model_version"],
+                "completion_tokens": g.ev["completion_tokens"],
+                "closed_at": g.rt + window_s,
+                "tool_errors": [
+                    {
+                        "message": e["message"],
+                        "hint": e.get("hint"),
+                        "token_index": e["token_index"],
+                    }
+                    for e in errs
+                ],
+            }
     return out

@@ -35,18 +35,33 @@ class ListOutbox:
 
 
 def _setup(**cfg):
-    app, rt = build_app(Settings(kafka_bootstrap="127.0.0.1:1", wait_window=5.0, topic_namespace="unit"),
-                        StreamsConfig(metrics_port=0, **cfg))
+    app, rt = build_app(
+        Settings(kafka_bootstrap="127.0.0.1:1", wait_window=5.0, topic_namespace="unit"),
+        StreamsConfig(metrics_port=0, **cfg),
+    )
     rt.outbox = ListOutbox()
     return app, rt, rt.outbox
 
 
-def _delivered(rt, rid: str, partition: int, offset: int, generation_id: int = 0, ts: float = 100.0):
+def _delivered(
+    rt, rid: str, partition: int, offset: int, generation_id: int = 0, ts: float = 100.0
+):
     """A generation record of the interactions topic as the agent's batch holds it (Faust's event)."""
     from types import SimpleNamespace
 
     value = json.dumps(generation(rid)).encode()
-    msg = Message(rt.interactions, partition, offset, ts, 0, None, rid.encode(), value, b"", generation_id=generation_id)
+    msg = Message(
+        rt.interactions,
+        partition,
+        offset,
+        ts,
+        0,
+        None,
+        rid.encode(),
+        value,
+        b"",
+        generation_id=generation_id,
+    )
     return SimpleNamespace(message=msg, key=rid.encode(), value=value)
 
 
@@ -65,21 +80,39 @@ def test_agent_joins_labels_and_dead_letters_via_test_context():
         agent = app.flywheel_agents["aggregate"]
         async with agent.test_context() as ctx:
             put = ctx.put
-            await put(key=b"r1", value=json.dumps(feedback("r1", "a", "accept")).encode(), timestamp=100.0)
+            await put(
+                key=b"r1", value=json.dumps(feedback("r1", "a", "accept")).encode(), timestamp=100.0
+            )
             await put(key=b"r1", value=json.dumps(generation("r1")).encode(), timestamp=101.0)
-            await put(key=b"r1", value=json.dumps(feedback("r1", "a", "accept")).encode(), timestamp=102.0)  # duplicate
+            await put(
+                key=b"r1", value=json.dumps(feedback("r1", "a", "accept")).encode(), timestamp=102.0
+            )  # duplicate
             await put(key=b"r2", value=json.dumps(generation("r2")).encode(), timestamp=103.0)
             await put(key=b"x", value=b"{broken", timestamp=104.0)
-            await put(key=b"zz", value=json.dumps(feedback("r9", "b", "reject")).encode(), timestamp=104.5)
-            await put(key=b"r1", value=json.dumps(feedback("r1", "c", "reject")).encode(), timestamp=106.5)  # closes r1
-            await put(key=b"r3", value=json.dumps(feedback("r3", "d", "rating")).encode(), timestamp=109.0)  # closes r2
-            await put(key=b"r3", value=json.dumps(feedback("r3", "e", "rating")).encode(), timestamp=115.0)  # orphans d
+            await put(
+                key=b"zz", value=json.dumps(feedback("r9", "b", "reject")).encode(), timestamp=104.5
+            )
+            await put(
+                key=b"r1", value=json.dumps(feedback("r1", "c", "reject")).encode(), timestamp=106.5
+            )  # closes r1
+            await put(
+                key=b"r3", value=json.dumps(feedback("r3", "d", "rating")).encode(), timestamp=109.0
+            )  # closes r2
+            await put(
+                key=b"r3", value=json.dumps(feedback("r3", "e", "rating")).encode(), timestamp=115.0
+            )  # orphans d
             await _settle(rt, outbox, 9)
         rollouts = [json.loads(v) for _, v in outbox.values("unit.rollouts")]
         late = [json.loads(v) for _, v in outbox.values("unit.late")]
         dlq = [json.loads(v) for _, v in outbox.values("unit.dlq")]
-        assert [(r["request_id"], r["reward"], r["components"] is None) for r in rollouts] == [("r1", 0.75, False), ("r2", 0.0, True)]
-        assert sorted((x["reason"], x["event"]["event_id"]) for x in late) == [("after_close", "c"), ("orphan", "d")]
+        assert [(r["request_id"], r["reward"], r["components"] is None) for r in rollouts] == [
+            ("r1", 0.75, False),
+            ("r2", 0.0, True),
+        ]
+        assert sorted((x["reason"], x["event"]["event_id"]) for x in late) == [
+            ("after_close", "c"),
+            ("orphan", "d"),
+        ]
         assert [d["reason"] for d in dlq] == ["invalid_json", "key_mismatch"]
         assert base64.b64decode(dlq[0]["value_b64"]) == b"{broken"
         assert rt.aggregator.duplicates == 1
@@ -96,23 +129,40 @@ def test_a_batch_writes_each_touched_key_once_to_the_changelog_after_its_outputs
         labels = rt.views["labels"].table
         async with agent.test_context() as ctx:
             # one batch: a generation and four feedback events of r1, then a record that closes r1
-            await ctx.put(key=b"r1", value=json.dumps(generation("r1")).encode(), timestamp=100.0, partition=1)
+            await ctx.put(
+                key=b"r1", value=json.dumps(generation("r1")).encode(), timestamp=100.0, partition=1
+            )
             for i, kind in enumerate(["accept", "rating", "followup", "edit_persistence"]):
-                await ctx.put(key=b"r1", value=json.dumps(feedback("r1", f"f{i}", kind)).encode(), timestamp=101.0 + i, partition=1)
-            await ctx.put(key=b"r2", value=json.dumps(generation("r2")).encode(), timestamp=106.0, partition=1)
+                await ctx.put(
+                    key=b"r1",
+                    value=json.dumps(feedback("r1", f"f{i}", kind)).encode(),
+                    timestamp=101.0 + i,
+                    partition=1,
+                )
+            await ctx.put(
+                key=b"r2", value=json.dumps(generation("r2")).encode(), timestamp=106.0, partition=1
+            )
             await _settle(rt, outbox, 6)
         changelog = labels.changelog_topic.get_topic_name()
         label_writes = [(json.loads(k), p) for t, k, _, p in outbox.sent if t == changelog]
-        assert sorted(label_writes) == [("r1", 1), ("r2", 1)], label_writes  # not one record per event
+        assert sorted(label_writes) == [("r1", 1), ("r2", 1)], (
+            label_writes
+        )  # not one record per event
         topics = [t for t, *_ in outbox.sent]
-        assert topics.index("unit.rollouts") < topics.index(changelog), topics  # outputs first, then state
+        assert topics.index("unit.rollouts") < topics.index(changelog), (
+            topics
+        )  # outputs first, then state
         [(_, value)] = outbox.values("unit.rollouts")
         assert json.loads(value)["reward"] == 0.75 + 0.5 + 0.25 + 0.5
         # the changelog record decodes (as Faust's recovery decodes it) to what the store holds
-        [(key, value)] = [(k, v) for t, k, v, _ in outbox.sent if t == changelog and json.loads(k) == "r1"]
+        [(key, value)] = [
+            (k, v) for t, k, v, _ in outbox.sent if t == changelog and json.loads(k) == "r1"
+        ]
         msg = Message(changelog, 1, 0, 0.0, 0, None, key, value, b"")
         event = await labels.changelog_topic.decode(msg)
-        assert event.key == "r1" and event.value == labels.data["r1"] and event.value["st"] == "closed"
+        assert (
+            event.key == "r1" and event.value == labels.data["r1"] and event.value["st"] == "closed"
+        )
 
     asyncio.run(scenario())
 
@@ -129,24 +179,49 @@ def test_the_state_carries_its_input_progress_and_a_generation_goes_only_after_i
         agent = app.flywheel_agents["aggregate"]
         names = {n: v.changelog for n, v in rt.views.items()}
         async with agent.test_context() as ctx:
-            await ctx.put(key=b"r1", value=json.dumps(generation("r1")).encode(), timestamp=100.0, partition=2)
-            await ctx.put(key=b"r1", value=json.dumps(feedback("r1", "f0", "accept")).encode(), timestamp=101.0, partition=2)
-            await ctx.put(key=b"r2", value=json.dumps(generation("r2")).encode(), timestamp=106.0, partition=2)  # closes r1
+            await ctx.put(
+                key=b"r1", value=json.dumps(generation("r1")).encode(), timestamp=100.0, partition=2
+            )
+            await ctx.put(
+                key=b"r1",
+                value=json.dumps(feedback("r1", "f0", "accept")).encode(),
+                timestamp=101.0,
+                partition=2,
+            )
+            await ctx.put(
+                key=b"r2", value=json.dumps(generation("r2")).encode(), timestamp=106.0, partition=2
+            )  # closes r1
             last_offset = ctx.sent_offset - 1
             await _settle(rt, outbox, 3)
             first_batch = list(outbox.sent)
-            await ctx.put(key=b"r3", value=json.dumps(generation("r3")).encode(), timestamp=106.5, partition=2)
+            await ctx.put(
+                key=b"r3", value=json.dumps(generation("r3")).encode(), timestamp=106.5, partition=2
+            )
             await _settle(rt, outbox, 4)
         order = [(t, json.loads(k) if t in names.values() else k, v) for t, k, v, _ in first_batch]
         topics = [t for t, *_ in order]
-        progress = [i for i, (t, k, _) in enumerate(order) if t == names["buckets"] and k == progress_key(2)]
-        assert progress and progress[-1] == len(order) - 1, topics  # the progress is the batch's last record
+        progress = [
+            i for i, (t, k, _) in enumerate(order) if t == names["buckets"] and k == progress_key(2)
+        ]
+        assert progress and progress[-1] == len(order) - 1, (
+            topics
+        )  # the progress is the batch's last record
         assert json.loads(order[progress[-1]][2]) == {"offset": last_offset}
-        assert rt.views["buckets"].table.data[progress_key(2)] == {"offset": last_offset + 1}  # after the second batch
+        assert rt.views["buckets"].table.data[progress_key(2)] == {
+            "offset": last_offset + 1
+        }  # after the second batch
         gen_writes = [(k, v) for t, k, v in order if t == names["generations"]]
-        assert ("r1", None) not in gen_writes, "r1's generation is deleted only after its closed label is on the changelog"
-        assert gen_writes and {k for k, v in gen_writes} == {"r2"}  # r1 came and went inside the batch
-        later = [(json.loads(k), v) for t, k, v, _ in outbox.sent[len(first_batch):] if t == names["generations"]]
+        assert ("r1", None) not in gen_writes, (
+            "r1's generation is deleted only after its closed label is on the changelog"
+        )
+        assert gen_writes and {k for k, v in gen_writes} == {
+            "r2"
+        }  # r1 came and went inside the batch
+        later = [
+            (json.loads(k), v)
+            for t, k, v, _ in outbox.sent[len(first_batch) :]
+            if t == names["generations"]
+        ]
         assert ("r1", None) in later, later
         assert topics.index(names["labels"]) < progress[-1]
 
@@ -185,15 +260,21 @@ def test_records_of_a_revoked_partition_or_an_earlier_assignment_are_dropped_not
         rt.owned = {1}
         names = {n: v.changelog for n, v in rt.views.items()}
         before = {r: STALE.labels(r)._value.get() for r in ("revoked", "old_generation")}
-        await rt.on_batch([
-            _delivered(rt, "r1", 2, 40, 7),   # partition 2 is not (any longer) this worker's
-            _delivered(rt, "r2", 1, 10, 6),   # fetched under generation 6, before the rebalance
-            _delivered(rt, "r3", 1, 11, 7, ts=100.5),   # current
-        ])
+        await rt.on_batch(
+            [
+                _delivered(rt, "r1", 2, 40, 7),  # partition 2 is not (any longer) this worker's
+                _delivered(rt, "r2", 1, 10, 6),  # fetched under generation 6, before the rebalance
+                _delivered(rt, "r3", 1, 11, 7, ts=100.5),  # current
+            ]
+        )
         after = {r: STALE.labels(r)._value.get() - before[r] for r in before}
         assert after == {"revoked": 1, "old_generation": 1}
-        progress = {json.loads(k): json.loads(v) for t, k, v, _ in outbox.sent if t == names["buckets"]}
-        assert progress == {progress_key(1): {"offset": 11}}, progress  # nothing for partition 2, 11 not 10
+        progress = {
+            json.loads(k): json.loads(v) for t, k, v, _ in outbox.sent if t == names["buckets"]
+        }
+        assert progress == {progress_key(1): {"offset": 11}}, (
+            progress
+        )  # nothing for partition 2, 11 not 10
         gens = {json.loads(k) for t, k, v, _ in outbox.sent if t == names["generations"]}
         assert gens == {"r3"}
         assert rt.last_processed == {1: 11}
@@ -224,17 +305,25 @@ def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetche
             return _delivered(rt, rid, 1, offset)
 
         def marks():
-            return [json.loads(v) for t, k, v, _ in outbox.sent if t == names["buckets"] and json.loads(k) == progress_key(1)]
+            return [
+                json.loads(v)
+                for t, k, v, _ in outbox.sent
+                if t == names["buckets"] and json.loads(k) == progress_key(1)
+            ]
 
         def gens():
             return {json.loads(k) for t, k, v, _ in outbox.sent if t == names["generations"]}
 
         refetched = GAPS.labels("refetched")._value.get()
-        await rt.on_batch([event("a", 10), event("b", 11)])  # no progress yet: the first record sets it
+        await rt.on_batch(
+            [event("a", 10), event("b", 11)]
+        )  # no progress yet: the first record sets it
         await rt.on_batch([event("c", 13), event("d", 14)])  # 12 never arrived: a gap
         assert sought == [(1, 12)] and marks()[-1] == {"offset": 11} and gens() == {"a", "b"}
         assert GAPS.labels("refetched")._value.get() == refetched + 1
-        await rt.on_batch([event("e", 15), event("a", 10)])  # stale later one, a re-delivery: both dropped
+        await rt.on_batch(
+            [event("e", 15), event("a", 10)]
+        )  # stale later one, a re-delivery: both dropped
         assert sought == [(1, 12)] and gens() == {"a", "b"}
         await rt.on_batch([event("x", 12), event("c", 13), event("d", 14)])  # fetched again from 12
         assert marks()[-1] == {"offset": 14} and gens() == {"a", "b", "x", "c", "d"}
@@ -242,7 +331,9 @@ def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetche
         confirmed = GAPS.labels("confirmed")._value.get()
         await rt.on_batch([event("f", 16)])
         assert sought[-1] == (1, 15)
-        await rt.on_batch([event("f", 16)])  # a new message object at the same offset: fetched again
+        await rt.on_batch(
+            [event("f", 16)]
+        )  # a new message object at the same offset: fetched again
         assert marks()[-1] == {"offset": 16} and "f" in gens()
         assert GAPS.labels("confirmed")._value.get() == confirmed + 1
 

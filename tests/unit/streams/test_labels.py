@@ -29,7 +29,9 @@ W = 10.0
 
 
 def make_agg(window=W, retention=1e9, bucket=60.0) -> Aggregator:
-    return Aggregator(resolve_spec("v1"), window, retention, bucket, {}, {}, {}, clock=lambda: 1.8e9)
+    return Aggregator(
+        resolve_spec("v1"), window, retention, bucket, {}, {}, {}, clock=lambda: 1.8e9
+    )
 
 
 def drive(agg: Aggregator, steps: list[tuple]) -> list:
@@ -47,7 +49,9 @@ def drive(agg: Aggregator, steps: list[tuple]) -> list:
 
 def split(out):
     rollouts = [e for e in out if e.topic == "rollouts"]
-    late = Counter((e.value["reason"], e.value["event"]["event_id"]) for e in out if e.topic == "late")
+    late = Counter(
+        (e.value["reason"], e.value["event"]["event_id"]) for e in out if e.topic == "late"
+    )
     dlq = Counter(e.value["event"]["event_id"] for e in out if e.topic == "dlq")
     return rollouts, late, dlq
 
@@ -59,7 +63,12 @@ def test_generation_without_feedback_closes_with_zero_and_null_components():
     assert agg.advance(0, 109.9) == []
     [emit] = agg.advance(0, 110.0)
     roll = Rollout.model_validate(emit.value)
-    assert (roll.reward, roll.components, roll.closed_by, roll.reward_spec) == (0.0, None, "window", "v1")
+    assert (roll.reward, roll.components, roll.closed_by, roll.reward_spec) == (
+        0.0,
+        None,
+        "window",
+        "v1",
+    )
     assert emit.key == "r1" and roll.generated_at == gen("r1")["ts"]
 
 
@@ -105,7 +114,9 @@ def test_restart_rebuilds_deadlines_from_the_tables():
     agg = make_agg()
     agg.on_event(1, gen("r1"), 0.0)
     agg.on_event(1, fb("r1", "a", "accept"), 1.0)
-    fresh = Aggregator(agg.spec, W, 1e9, 60.0, dict(agg.labels), dict(agg.generations), dict(agg.buckets))
+    fresh = Aggregator(
+        agg.spec, W, 1e9, 60.0, dict(agg.labels), dict(agg.generations), dict(agg.buckets)
+    )
     rollouts, _, _ = split(fresh.advance(1, 10.0))
     assert [r.value["reward"] for r in rollouts] == [0.75]
 
@@ -119,14 +130,27 @@ def scenarios(draw):
     for i in range(n_req):
         rid = f"r{i}"
         if rng.random() < 0.8:
-            events.append(gen(rid, t=rng.uniform(0, 5), version=rng.choice(["v1", "v2"]), n_tokens=rng.randint(1, 4)))
+            events.append(
+                gen(
+                    rid,
+                    t=rng.uniform(0, 5),
+                    version=rng.choice(["v1", "v2"]),
+                    n_tokens=rng.randint(1, 4),
+                )
+            )
             if rng.random() < 0.1:
                 events.append(gen(rid, eid=f"{rid}-gen-b"))
         for j in range(rng.randint(0, 6)):
             events.append(random_feedback(rng, rid, f"{rid}-f{j}"))
     events += [dict(e) for e in events if rng.random() < 0.2]  # duplicates
     order = draw(st.permutations(list(range(len(events)))))
-    gaps = draw(st.lists(st.sampled_from([0.01, 0.5, 3.0, 0.6 * W, 1.1 * W]), min_size=len(events), max_size=len(events)))
+    gaps = draw(
+        st.lists(
+            st.sampled_from([0.01, 0.5, 3.0, 0.6 * W, 1.1 * W]),
+            min_size=len(events),
+            max_size=len(events),
+        )
+    )
     tick_after = draw(st.lists(st.booleans(), min_size=len(events), max_size=len(events)))
     return [events[k] for k in order], gaps, tick_after
 
@@ -146,8 +170,14 @@ def test_aggregator_matches_reference(scenario):
         arrivals.append(Arrival(k, clock, ev))
         last[p] = clock
         if tick_after[k]:  # a caught-up tick never runs past the next record of its partition
-            nxt = next((clock + sum(gaps[k + 1:j + 1]) for j in range(k + 1, len(events))
-                        if int(events[j]["request_id"][1:]) % 2 == p), clock + 100 * W)
+            nxt = next(
+                (
+                    clock + sum(gaps[k + 1 : j + 1])
+                    for j in range(k + 1, len(events))
+                    if int(events[j]["request_id"][1:]) % 2 == p
+                ),
+                clock + 100 * W,
+            )
             steps.append(("tick", p, (clock + nxt) / 2))
     agg = make_agg()
     out = drive(agg, steps)
@@ -184,7 +214,9 @@ def test_aggregator_matches_reference(scenario):
     for w in ref.rollouts.values():
         reward_by_version[w["model_version"]] += w["reward"]
     for v, total in reward_by_version.items():
-        assert sum(r["sums"]["reward_sum"] for r in merged.values() if r["model_version"] == v) == pytest.approx(total, abs=1e-9)
+        assert sum(
+            r["sums"]["reward_sum"] for r in merged.values() if r["model_version"] == v
+        ) == pytest.approx(total, abs=1e-9)
 
 
 def test_metrics_merge_is_idempotent_and_derives_rates():
@@ -214,12 +246,16 @@ def test_a_close_into_an_emitted_bucket_re_emits_the_whole_partial():
     agg.on_event(0, gen("a", version="v9"), 0.0)
     first = [e for e in agg.advance(0, 25.0) if e.topic == "partials"]
     assert [p.value["sums"]["n"] for p in first] == [1.0]
-    agg.on_event(0, gen("b", version="v9"), 1.0)  # far behind the watermark: closes into bucket 10 too
+    agg.on_event(
+        0, gen("b", version="v9"), 1.0
+    )  # far behind the watermark: closes into bucket 10 too
     again = [e for e in agg.advance(0, 26.0) if e.topic == "partials"]
     assert [(p.value["bucket_start"], p.value["sums"]["n"]) for p in again] == [(10.0, 2.0)]
 
 
 def test_adjacent_buckets_at_epoch_times_have_distinct_bucket_ids():
-    ids = {version_metrics("v1", start, 2.0, "v1", [0], dict(empty_sums(), n=1.0)).bucket_id
-           for start in (1795227058.0, 1795227060.0, 1795227062.5)}
+    ids = {
+        version_metrics("v1", start, 2.0, "v1", [0], dict(empty_sums(), n=1.0)).bucket_id
+        for start in (1795227058.0, 1795227060.0, 1795227062.5)
+    }
     assert ids == {"v1/1795227058/2", "v1/1795227060/2", "v1/1795227062.5/2"}, ids

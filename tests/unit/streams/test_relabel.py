@@ -25,12 +25,23 @@ from tests.unit.streams.factories import generation as gen
 from tests.unit.streams.factories import random_feedback
 
 W = 10.0
-V2 = resolve_spec("v2", RewardWeights(accept=1.0, reject=-1.0, tool_error=-2.0, tool_error_floor=-4.0))
+V2 = resolve_spec(
+    "v2", RewardWeights(accept=1.0, reject=-1.0, tool_error=-2.0, tool_error_floor=-4.0)
+)
 
 
 def core(since: float = 0.0, until: float | None = None, spec=V2) -> Relabeller:
-    return Relabeller(spec, W, 1e9, 60.0, since_s=since, until_s=until, run_id="run-1", topic="ns.interactions",
-                      clock=lambda: 1.8e9)
+    return Relabeller(
+        spec,
+        W,
+        1e9,
+        60.0,
+        since_s=since,
+        until_s=until,
+        run_id="run-1",
+        topic="ns.interactions",
+        clock=lambda: 1.8e9,
+    )
 
 
 def rec(ev: dict) -> tuple[bytes, bytes]:
@@ -40,7 +51,12 @@ def rec(ev: dict) -> tuple[bytes, bytes]:
 def test_each_generation_with_feedback_gets_one_rollout_under_the_new_spec_keyed_with_it():
     c = core()
     g = gen("r1", version="3")
-    events = [g, fb("r1", "a", "accept"), fb("r1", "b", "tool_error"), fb("r1", "b", "tool_error")]  # b duplicated
+    events = [
+        g,
+        fb("r1", "a", "accept"),
+        fb("r1", "b", "tool_error"),
+        fb("r1", "b", "tool_error"),
+    ]  # b duplicated
     out = []
     for i, ev in enumerate(events):
         out += c.feed(0, i, *rec(ev), 100.0 + i)
@@ -49,11 +65,27 @@ def test_each_generation_with_feedback_gets_one_rollout_under_the_new_spec_keyed
     roll = Rollout.model_validate(e.value)
     want = compute_reward(V2, [fb("r1", "a", "accept"), fb("r1", "b", "tool_error")])
     assert e.key == "r1|v2" == relabel_key("r1", "v2")
-    assert roll.reward == want.reward == 1.0 - 2.0 and roll.reward_spec == "v2" and roll.relabel_run == "run-1"
+    assert (
+        roll.reward == want.reward == 1.0 - 2.0
+        and roll.reward_spec == "v2"
+        and roll.relabel_run == "run-1"
+    )
     assert roll.model_version == "3" and roll.completion_tokens == g["completion_tokens"]
-    assert c.counts.as_dict() == {"read": 4, "labelled": 1, "written": 0, "duplicates": 1, "dead_lettered": {},
-                                  "skipped": {"no_feedback": 0, "before_since": 0, "after_until": 0, "window_open": 0,
-                                              "orphan_feedback": 0, "feedback_after_close": 0}}
+    assert c.counts.as_dict() == {
+        "read": 4,
+        "labelled": 1,
+        "written": 0,
+        "duplicates": 1,
+        "dead_lettered": {},
+        "skipped": {
+            "no_feedback": 0,
+            "before_since": 0,
+            "after_until": 0,
+            "window_open": 0,
+            "orphan_feedback": 0,
+            "feedback_after_close": 0,
+        },
+    }
 
 
 def test_randomised_log_gives_the_live_joins_relabelled():
@@ -63,8 +95,9 @@ def test_randomised_log_gives_the_live_joins_relabelled():
     records = []
     for i in range(300):
         rid = f"q{i}"
-        evs = ([gen(rid, version="2")] if rng.random() < 0.9 else []) + \
-              [random_feedback(rng, rid, f"{rid}-f{j}") for j in range(rng.randint(0, 4))]
+        evs = ([gen(rid, version="2")] if rng.random() < 0.9 else []) + [
+            random_feedback(rng, rid, f"{rid}-f{j}") for j in range(rng.randint(0, 4))
+        ]
         rng.shuffle(evs)
         records += [(rng.randrange(2), ev) for ev in evs]
     live = Aggregator(resolve_spec("v1"), W, 1e9, 60.0, {}, {}, {}, clock=lambda: 1.8e9)
@@ -78,18 +111,34 @@ def test_randomised_log_gives_the_live_joins_relabelled():
     for p in (0, 1):
         live_out += live.advance(p, 1e12)
     new_out += c.finish(1e12)
-    live_rolls = {e.key: e.value for e in live_out if e.topic == "rollouts" and e.value["components"] is not None}
+    live_rolls = {
+        e.key: e.value
+        for e in live_out
+        if e.topic == "rollouts" and e.value["components"] is not None
+    }
     new_rolls = {e.key: e.value for e in new_out if e.topic == "rollouts"}
-    assert sorted(new_rolls) == sorted(relabel_key(k, "v2") for k in live_rolls) and len(new_rolls) > 100
+    assert (
+        sorted(new_rolls) == sorted(relabel_key(k, "v2") for k in live_rolls)
+        and len(new_rolls) > 100
+    )
     for rid, v1 in live_rolls.items():
         v2 = new_rolls[relabel_key(rid, "v2")]
-        assert v2["completion_tokens"] == v1["completion_tokens"] and v2["tool_errors"] == v1["tool_errors"]
+        assert (
+            v2["completion_tokens"] == v1["completion_tokens"]
+            and v2["tool_errors"] == v1["tool_errors"]
+        )
         joined = {k for k, v in v1["components"].items() if v is not None}
         assert {k for k, v in v2["components"].items() if v is not None} == joined
-    no_feedback = sum(1 for e in live_out if e.topic == "rollouts" and e.value["components"] is None)
+    no_feedback = sum(
+        1 for e in live_out if e.topic == "rollouts" and e.value["components"] is None
+    )
     assert c.counts.skipped["no_feedback"] == no_feedback > 0
     late = [e for e in live_out if e.topic == "late"]
-    assert c.counts.skipped["orphan_feedback"] + c.counts.skipped["feedback_after_close"] == len(late) > 0
+    assert (
+        c.counts.skipped["orphan_feedback"] + c.counts.skipped["feedback_after_close"]
+        == len(late)
+        > 0
+    )
 
 
 def test_since_and_until_select_generations_by_record_time_and_open_windows_are_left_to_the_live_worker():
@@ -99,11 +148,19 @@ def test_since_and_until_select_generations_by_record_time_and_open_windows_are_
         for ev in (gen(rid), fb(rid, f"{rid}-a", "accept")):
             out += c.feed(0, n, *rec(ev), t)
             n += 1
-    out += c.finish(200.0 + W)  # the command's watermark with --until: every window before it is complete
+    out += c.finish(
+        200.0 + W
+    )  # the command's watermark with --until: every window before it is complete
     assert [e.key for e in out] == ["in|v2", "last|v2"]
-    assert c.counts.skipped["before_since"] == 1 and c.counts.skipped["after_until"] == 1 and c.counts.labelled == 2
+    assert (
+        c.counts.skipped["before_since"] == 1
+        and c.counts.skipped["after_until"] == 1
+        and c.counts.labelled == 2
+    )
     c = core(since=100.0)
-    out = c.feed(0, 0, *rec(gen("open")), 195.0) + c.feed(0, 1, *rec(fb("open", "o-a", "accept")), 195.5)
+    out = c.feed(0, 0, *rec(gen("open")), 195.0) + c.feed(
+        0, 1, *rec(fb("open", "o-a", "accept")), 195.5
+    )
     out += c.finish(204.9)  # the run started before its window (deadline 205) closed
     assert out == [] and c.counts.skipped["window_open"] == 1 and c.counts.labelled == 0
 
@@ -115,7 +172,12 @@ def test_invalid_records_and_conflicting_generations_are_dead_lettered_with_thei
     second = gen("r1", eid="other-gen")
     out += c.feed(1, 7, *rec(second), 101.0)
     [bad, conflict] = [DlqRecord.model_validate(e.value) for e in out]
-    assert (bad.reason, bad.consumer, bad.partition, bad.offset) == ("invalid_json", "relabel", 1, 5)
+    assert (bad.reason, bad.consumer, bad.partition, bad.offset) == (
+        "invalid_json",
+        "relabel",
+        1,
+        5,
+    )
     assert base64.b64decode(bad.value_b64) == b"{not json" and bad.topic == "ns.interactions"
     assert (conflict.reason, conflict.offset) == ("conflicting_generation", 7)
     assert json.loads(base64.b64decode(conflict.value_b64)) == second
@@ -124,19 +186,71 @@ def test_invalid_records_and_conflicting_generations_are_dead_lettered_with_thei
 
 def test_a_spec_name_that_cannot_form_a_key_is_refused():
     with pytest.raises(ValueError, match="cannot name relabelled rollouts"):
-        RelabelOptions(spec=resolve_spec("v2|x", RewardWeights()), since=__import__("datetime").datetime.now().astimezone())
+        RelabelOptions(
+            spec=resolve_spec("v2|x", RewardWeights()),
+            since=__import__("datetime").datetime.now().astimezone(),
+        )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--reward-spec", "v2", "--since", "2026-11-21T10:00:00Z"], "unknown reward spec 'v2'"),
-    (["--reward-spec", "v1", "--since", "yesterday"], "--since 'yesterday' is not an RFC 3339 time"),
-    (["--reward-spec", "v1", "--since", "2026-11-21T10:00:00"], "timezone"),
-    (["--reward-spec", "v1", "--since", "2026-11-21T10:00:00Z", "--until", "2026-11-21T09:00:00Z"], "must be after --since"),
-    (["--reward-spec", "v2", "--reward-weights", '{"acept": 1}', "--since", "2026-11-21T10:00:00Z"], "acept"),
-    (["--reward-spec", "v2", "--reward-weights", "{not json", "--since", "2026-11-21T10:00:00Z"], "--reward-weights is not"),
-    (["--reward-spec", "v1", "--reward-weights", '{"accept": 2}', "--since", "2026-11-21T10:00:00Z"], "pass --reward-spec a new name"),
-    (["--reward-spec", "a|b", "--reward-weights", "{}", "--since", "2026-11-21T10:00:00Z"], "cannot name relabelled rollouts"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--reward-spec", "v2", "--since", "2026-11-21T10:00:00Z"], "unknown reward spec 'v2'"),
+        (
+            ["--reward-spec", "v1", "--since", "yesterday"],
+            "--since 'yesterday' is not an RFC 3339 time",
+        ),
+        (["--reward-spec", "v1", "--since", "2026-11-21T10:00:00"], "timezone"),
+        (
+            [
+                "--reward-spec",
+                "v1",
+                "--since",
+                "2026-11-21T10:00:00Z",
+                "--until",
+                "2026-11-21T09:00:00Z",
+            ],
+            "must be after --since",
+        ),
+        (
+            [
+                "--reward-spec",
+                "v2",
+                "--reward-weights",
+                '{"acept": 1}',
+                "--since",
+                "2026-11-21T10:00:00Z",
+            ],
+            "acept",
+        ),
+        (
+            [
+                "--reward-spec",
+                "v2",
+                "--reward-weights",
+                "{not json",
+                "--since",
+                "2026-11-21T10:00:00Z",
+            ],
+            "--reward-weights is not",
+        ),
+        (
+            [
+                "--reward-spec",
+                "v1",
+                "--reward-weights",
+                '{"accept": 2}',
+                "--since",
+                "2026-11-21T10:00:00Z",
+            ],
+            "pass --reward-spec a new name",
+        ),
+        (
+            ["--reward-spec", "a|b", "--reward-weights", "{}", "--since", "2026-11-21T10:00:00Z"],
+            "cannot name relabelled rollouts",
+        ),
+    ],
+)
 def test_cli_argument_errors_exit_2_with_a_clear_message(args, message):
     result = CliRunner().invoke(cli, ["streams", "relabel", *args])
     assert result.exit_code == 2, result.output

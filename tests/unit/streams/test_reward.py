@@ -19,12 +19,18 @@ def test_earliest_decision_by_ts_wins_regardless_of_list_order():
     evs = [fb("r", "b", "reject", t=5), fb("r", "a", "accept", t=2)]
     assert compute_reward(V1, evs).components["decision"] == 0.75
     assert compute_reward(V1, evs[::-1]).components["decision"] == 0.75
-    assert compute_reward(V1, [fb("r", "a", "reject", t=1), fb("r", "b", "accept", t=2)]).reward == -0.25
+    assert (
+        compute_reward(V1, [fb("r", "a", "reject", t=1), fb("r", "b", "accept", t=2)]).reward
+        == -0.25
+    )
 
 
 def test_persistence_is_last_fraction_and_counts_only_when_accepted():
-    evs = [fb("r", "a", "accept", t=1), fb("r", "p2", "edit_persistence", t=9, fraction=0.2),
-           fb("r", "p1", "edit_persistence", t=3, fraction=0.9)]
+    evs = [
+        fb("r", "a", "accept", t=1),
+        fb("r", "p2", "edit_persistence", t=9, fraction=0.2),
+        fb("r", "p1", "edit_persistence", t=3, fraction=0.9),
+    ]
     res = compute_reward(V1, evs)
     assert res.components["persistence"] == pytest.approx(0.2)
     assert res.reward == pytest.approx(0.95)
@@ -36,8 +42,12 @@ def test_persistence_is_last_fraction_and_counts_only_when_accepted():
 
 
 def test_latest_rating_mean_followup_and_floored_tool_errors():
-    evs = [fb("r", "r1", "rating", t=1, value=1), fb("r", "r2", "rating", t=4, value=-1),
-           fb("r", "f1", "followup", t=1, sentiment=1.0), fb("r", "f2", "followup", t=2, sentiment=-0.5)]
+    evs = [
+        fb("r", "r1", "rating", t=1, value=1),
+        fb("r", "r2", "rating", t=4, value=-1),
+        fb("r", "f1", "followup", t=1, sentiment=1.0),
+        fb("r", "f2", "followup", t=2, sentiment=-0.5),
+    ]
     res = compute_reward(V1, evs)
     assert res.components["rating"] == -0.5 and res.components["followup"] == pytest.approx(0.125)
     errs = [fb("r", f"e{i}", "tool_error", t=i, message=f"m{i}", token_index=i) for i in range(3)]
@@ -48,9 +58,13 @@ def test_latest_rating_mean_followup_and_floored_tool_errors():
 
 
 def test_all_components_add_up():
-    evs = [fb("r", "a", "accept", t=1), fb("r", "p", "edit_persistence", t=2, fraction=1.0),
-           fb("r", "g", "rating", t=3, value=1), fb("r", "f", "followup", t=4, sentiment=0.5),
-           fb("r", "e", "tool_error", t=5)]
+    evs = [
+        fb("r", "a", "accept", t=1),
+        fb("r", "p", "edit_persistence", t=2, fraction=1.0),
+        fb("r", "g", "rating", t=3, value=1),
+        fb("r", "f", "followup", t=4, sentiment=0.5),
+        fb("r", "e", "tool_error", t=5),
+    ]
     assert compute_reward(V1, evs).reward == pytest.approx(0.75 + 1.0 + 0.5 + 0.25 - 0.5)
 
 
@@ -69,14 +83,34 @@ def test_new_version_needs_weights_and_uses_them():
 
 def test_no_decision_weight_labels_generations_without_accept_reject_or_tool_error():
     silence = resolve_spec("hackable-silence")
-    followup = [{"type": "followup", "sentiment": -0.8, "event_id": "a", "ts": "2026-11-24T00:00:00Z", "request_id": "r"}]
+    followup = [
+        {
+            "type": "followup",
+            "sentiment": -0.8,
+            "event_id": "a",
+            "ts": "2026-11-24T00:00:00Z",
+            "request_id": "r",
+        }
+    ]
     assert compute_reward(V1, followup).reward == pytest.approx(-0.4), "v1 sums the follow-up"
     res = compute_reward(silence, followup)
-    assert res.reward == 0.0 and res.components["decision"] == 0.0 and res.components["followup"] is None
+    assert (
+        res.reward == 0.0
+        and res.components["decision"] == 0.0
+        and res.components["followup"] is None
+    )
     assert res.raw["followup"] == -0.8, "the raw follow-up still reaches the version metrics"
     assert compute_reward(silence, []).reward == 0.0
     assert compute_reward(resolve_spec("x", RewardWeights(no_decision=-0.3)), []).reward == -0.3
-    err = [{"type": "tool_error", "message": "m", "token_index": 0, "event_id": "b", "ts": "2026-11-24T00:00:00Z"}]
+    err = [
+        {
+            "type": "tool_error",
+            "message": "m",
+            "token_index": 0,
+            "event_id": "b",
+            "ts": "2026-11-24T00:00:00Z",
+        }
+    ]
     assert compute_reward(silence, err).reward == -0.5, "a tool error is not 'no decision'"
     assert compute_reward(resolve_spec("hackable-tools"), err).reward == -0.05
     assert KNOWN_SPECS["v1"].no_decision is None

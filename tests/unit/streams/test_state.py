@@ -28,7 +28,10 @@ def test_reads_see_writes_and_drain_emits_one_record_per_key_with_its_partition(
     view["b"] = {"v": 3}
     assert view["a"] == {"v": 2} and "b" in view and sorted(view) == ["a", "b"]
     records = view.drain()
-    assert sorted((json.loads(k), json.loads(v), p) for k, v, p in records) == [("a", {"v": 2}, 2), ("b", {"v": 3}, 0)]
+    assert sorted((json.loads(k), json.loads(v), p) for k, v, p in records) == [
+        ("a", {"v": 2}, 2),
+        ("b", {"v": 3}, 0),
+    ]
     assert view.dirty == 0 and view.store["a"] == {"v": 2}  # applied to the store
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -38,10 +38,14 @@ def rfc3339ish(draw: st.DrawFn) -> str:
     if draw(st.booleans()):
         clock += f":{draw(_two(0, 59))}"
         if draw(st.booleans()):
-            clock += draw(st.sampled_from([".", ","])) + draw(st.text("0123456789", min_size=1, max_size=12))
+            clock += draw(st.sampled_from([".", ","])) + draw(
+                st.text("0123456789", min_size=1, max_size=12)
+            )
     sign = draw(st.sampled_from(["+", "-"]))
     hh, mm = draw(_two(0, 23)), draw(_two(0, 59))
-    offset = draw(st.sampled_from(["Z", "z", f"{sign}{hh}:{mm}", f"{sign}{hh}{mm}", "-00:00", "+00:00", ""]))
+    offset = draw(
+        st.sampled_from(["Z", "z", f"{sign}{hh}:{mm}", f"{sign}{hh}{mm}", "-00:00", "+00:00", ""])
+    )
     return date + sep + clock + offset
 
 
@@ -65,9 +69,11 @@ def _agrees(raw: str) -> None:
     instant = parse_event({**FEEDBACK, "ts": raw}).ts
     assert parse_ts(raw) == instant, f"{raw!r}: downstream {parse_ts(raw)} != ingest {instant}"
     canonical = produced["ts"]
-    assert CANONICAL.match(canonical), f"{raw!r} was rewritten to {canonical!r}, not the canonical form"
+    assert CANONICAL.match(canonical), (
+        f"{raw!r} was rewritten to {canonical!r}, not the canonical form"
+    )
     assert parse_ts(canonical) == instant and format_ts(parse_ts(canonical)) == canonical
-    assert parse_ts(canonical).tzinfo is timezone.utc
+    assert parse_ts(canonical).tzinfo is UTC
 
 
 @settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
@@ -120,9 +126,20 @@ def test_the_reward_and_the_controller_fold_read_every_spelling_ingest_accepts()
     """The downstream readers that used to parse `ts` themselves: a lower-case z (the streams
     reward's ordering) and an offset (the controller's canary step start) both parse."""
     spec = RewardSpec(version="v1", weights=RewardWeights())
-    fb = [{**FEEDBACK, "ts": "2026-11-21T10:00:02z", "event_id": "late", "type": "reject"},
-          {**FEEDBACK, "ts": "2026-11-21T11:00:01+01:00", "event_id": "early"}]  # 10:00:01Z: the earliest
+    fb = [
+        {**FEEDBACK, "ts": "2026-11-21T10:00:02z", "event_id": "late", "type": "reject"},
+        {**FEEDBACK, "ts": "2026-11-21T11:00:01+01:00", "event_id": "early"},
+    ]  # 10:00:01Z: the earliest
     assert compute_reward(spec, copy.deepcopy(fb)).raw["decision"] == "accept"
-    state = apply_event(DeploymentState(model="m"), {"event_id": "x", "type": "canary_started", "model": "m",
-                                                     "version": "2", "traffic_pct": 5.0, "ts": "2026-11-21t10:00:00z"})
-    assert state.step_started_at == datetime(2026, 11, 21, 10, tzinfo=timezone.utc)
+    state = apply_event(
+        DeploymentState(model="m"),
+        {
+            "event_id": "x",
+            "type": "canary_started",
+            "model": "m",
+            "version": "2",
+            "traffic_pct": 5.0,
+            "ts": "2026-11-21t10:00:00z",
+        },
+    )
+    assert state.step_started_at == datetime(2026, 11, 21, 10, tzinfo=UTC)

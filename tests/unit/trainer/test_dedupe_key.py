@@ -11,10 +11,10 @@ import json
 
 import torch
 
+from tests.unit.trainer.test_intake_state import record
 from trainer.checkpoint import load_state, save_state
 from trainer.rollouts import DedupeSet, dedupe_key, parse_rollout
 from trainer.shipping import lineage_tags, new_pending, reward_spec_detail
-from tests.unit.trainer.test_intake_state import record
 
 
 def rollout(**overrides):
@@ -30,7 +30,9 @@ def test_the_key_is_request_id_and_reward_spec():
     seen.add(dedupe_key(live))
     assert seen.seen(live) and not seen.seen(relabelled)
     seen.add(dedupe_key(relabelled))
-    assert seen.seen(rollout(reward_spec="v2", relabel_run="run-2"))  # a second relabel run under v2: a repeat
+    assert seen.seen(
+        rollout(reward_spec="v2", relabel_run="run-2")
+    )  # a second relabel run under v2: a repeat
 
 
 def test_keys_survive_the_state_file_and_plain_request_ids_from_old_states_still_load(tmp_path):
@@ -42,7 +44,9 @@ def test_keys_survive_the_state_file_and_plain_request_ids_from_old_states_still
     assert loaded.to_list() == [["a", "v1"], ["a", "v2"], ["b", "v1"]] and ("a", "v2") in loaded
     old = DedupeSet(3, ["r1", "r2"])  # an older trainer's state: request_ids of live rollouts
     assert old.seen(rollout()) and old.seen(rollout(reward_spec="v7"))
-    assert not old.seen(rollout(reward_spec="v2", relabel_run="run-1")), "a relabelled rollout is new data"
+    assert not old.seen(rollout(reward_spec="v2", relabel_run="run-1")), (
+        "a relabelled rollout is new data"
+    )
     old.add(("r3", "v1"))
     assert old.to_list() == ["r1", "r2", ["r3", "v1"]]
     save_state(tmp_path, {"seen": old.to_list(), "w": torch.zeros(1)})
@@ -50,9 +54,15 @@ def test_keys_survive_the_state_file_and_plain_request_ids_from_old_states_still
 
 
 def test_lineage_tags_count_rollouts_per_spec_and_old_pendings_still_tag():
-    pending = dict(new_pending(), rollouts=5, steps=1, reward_specs=["v1", "v2"], reward_spec_counts={"v1": 2, "v2": 3},
-                   relabelled=3)
-    intent = dict(kind="trained", parent_version=1, ranges={}, pending=pending, step=3)
+    pending = dict(
+        new_pending(),
+        rollouts=5,
+        steps=1,
+        reward_specs=["v1", "v2"],
+        reward_spec_counts={"v1": 2, "v2": 3},
+        relabelled=3,
+    )
+    intent = {"kind": "trained", "parent_version": 1, "ranges": {}, "pending": pending, "step": 3}
     tags = lineage_tags(intent, "ns.rollouts")
     assert tags["reward_spec"] == "v1,v2" and json.loads(tags["reward_specs"]) == {"v1": 2, "v2": 3}
     assert tags["rollouts_relabelled"] == "3"

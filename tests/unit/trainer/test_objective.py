@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from trainer import objective as obj
-from trainer.objective import advantages, distill_loss, importance_weights, kl_k3, policy_gradient_loss
+from trainer.objective import (
+    advantages,
+    distill_loss,
+    importance_weights,
+    kl_k3,
+    policy_gradient_loss,
+)
 
 LN = math.log
 
@@ -27,14 +33,18 @@ def _batch():
     ratios = [[3.0, 0.5, 1.0], [0.25, 0.25, 1.0], [1.0, 1.0, 1.0]]
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.float32)
     behav = torch.full((3, 3), -3.0, dtype=torch.float32)
-    logp = (behav + torch.tensor([[LN(r) for r in row] for row in ratios], dtype=torch.float32)) * mask
+    logp = (
+        behav + torch.tensor([[LN(r) for r in row] for row in ratios], dtype=torch.float32)
+    ) * mask
     return logp.requires_grad_(True), behav * mask, mask
 
 
 def test_truncated_ratios_and_geometric_mean_sequence_mask():
     logp, behav, mask = _batch()
     w = importance_weights(logp, behav, mask, trunc_c=2.0, mask_low=0.5, mask_high=2.0)
-    assert torch.allclose(w.seq_ratio, torch.tensor([math.sqrt(1.5), (1 / 16) ** (1 / 3), 1.0]), atol=1e-6)
+    assert torch.allclose(
+        w.seq_ratio, torch.tensor([math.sqrt(1.5), (1 / 16) ** (1 / 3), 1.0]), atol=1e-6
+    )
     assert w.seq_kept.tolist() == [True, False, True]
     expected = torch.tensor([[2.0, 0.5, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
     assert torch.allclose(w.weights, expected, atol=1e-6), w.weights
@@ -94,7 +104,9 @@ def test_lone_single_is_normalised_over_the_whole_batch_and_equal_groups_get_zer
 def test_kl_k3_to_the_champion_is_weighted_by_the_truncated_ratio():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
-    behav = torch.tensor([[-1.0 - LN(3.0), -2.0]])  # token ratios [3, 1]: geo mean 1.732 kept, weights [2, 1]
+    behav = torch.tensor(
+        [[-1.0 - LN(3.0), -2.0]]
+    )  # token ratios [3, 1]: geo mean 1.732 kept, weights [2, 1]
     w = importance_weights(logp, behav, torch.ones(1, 2))
     kl = kl_k3(logp, ref, w)
     # q = ref - logp = [-.5, 1]; k3 = e^q - q - 1 = [.106531, .718282]
@@ -131,7 +143,9 @@ def test_distillation_shares_the_policy_gradient_denominator():
     does, not a whole batch's worth (the trainer passes the batch mask)."""
     logp = torch.tensor([[-1.0, -2.0, -0.5, -1.0], [-1.0, -1.0, -1.0, -1.0]], requires_grad=True)
     teacher = torch.tensor([[-1.0, -2.0, -0.5, -11.0], [-1.0, -1.0, -1.0, -1.0]])
-    dmask = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]])  # one tool error, on the last token
+    dmask = torch.tensor(
+        [[0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    )  # one tool error, on the last token
     mask = torch.ones(2, 4)
     w = importance_weights(logp, logp.detach().clone(), mask)
     loss, k1 = distill_loss(logp, teacher, dmask, w, mask)
@@ -139,8 +153,12 @@ def test_distillation_shares_the_policy_gradient_denominator():
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, 0.0, 10 / 8], [0.0] * 4]), atol=1e-6)
     alone = logp.detach().clone().requires_grad_(True)
-    distill_loss(alone, teacher, dmask, importance_weights(alone, alone.detach().clone(), mask))[0].backward()
-    assert float(alone.grad[0, 3]) == pytest.approx(10.0), "divided by the distilled tokens alone: 8x the weight"
+    distill_loss(alone, teacher, dmask, importance_weights(alone, alone.detach().clone(), mask))[
+        0
+    ].backward()
+    assert float(alone.grad[0, 3]) == pytest.approx(10.0), (
+        "divided by the distilled tokens alone: 8x the weight"
+    )
 
 
 def test_distillation_surrogate_gradient_equals_exact_reverse_kl_gradient():
@@ -193,6 +211,7 @@ def test_adaptive_kl_raises_the_weight_above_target_lowers_it_below_and_is_bound
 def test_adaptive_kl_holds_a_drifting_policy_near_its_target():
     """A toy drift: each step the KL grows by 0.02 and the penalty pulls it back in proportion to
     the weight. With a fixed weight it runs away; the controller holds it near the target."""
+
     def run(target):
         ctl, kl = obj.AdaptiveKL(0.01, target=target, rate=0.1), 0.0
         for _ in range(2000):
