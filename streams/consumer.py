@@ -40,6 +40,13 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from mode import Service, ServiceT
 from prometheus_client import Counter
 
+# What `EagerDrainConsumer._drain_messages` copies: the function, the faust-streaming release
+# the copy was made from, and the SHA-256 of that function's source (`inspect.getsource`).
+# tests/unit/streams/test_faust_copy.py fails when the installed Faust's source differs.
+FAUST_COPIED_FUNCTION = "faust.transport.consumer.Consumer._drain_messages"
+FAUST_COPIED_VERSION = "0.15.3"
+FAUST_COPIED_SOURCE_SHA256 = "44a2500309e83c630493f6828af50166ec8d96a0b3e4fb2bab735f704ae93417"
+
 _PENDING = object()
 SUSPENDED = Counter(
     "flywheel_streams_deliveries_suspended_total",
