@@ -51,7 +51,7 @@ test-unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
 
 bench: $(STAMP)
-	$(BIN)/python bench/ingest.py
+	$(BIN)/python -m bench.ingest
 
 # docs/report.png: the report of a real data dir (FLYWHEEL_DATA_DIR, default .flywheel) in headless Chromium.
 .PHONY: report-screenshot

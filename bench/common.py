@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]  # the checkout; role subprocesses run in it
 
 
 @contextlib.contextmanager
@@ -83,10 +82,9 @@ def start_role(
 
     import httpx
 
-    repo = Path(__file__).resolve().parents[1]
     proc = subprocess.Popen(
         argv,
-        cwd=repo,
+        cwd=REPO,
         env=env,
         stdout=open(log_path, "ab"),
         stderr=subprocess.STDOUT,

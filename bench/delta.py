@@ -1,13 +1,13 @@
 """Delta codec benchmark on real successive checkpoints of a transformer trained with AdamW.
 
-    .venv/bin/python bench/delta.py --model policy     # the built-in policy (what the trainer ships)
-    .venv/bin/python bench/delta.py                    # the ~0.88M-parameter fallback transformer
-    .venv/bin/python bench/delta.py --quick            # short warm-up, lr {1e-6, 1e-5}, 1 step
-    .venv/bin/python bench/delta.py --model policy --steps 1,10,100 --lrs 1e-6,1e-5   # DESIGN.md's grid
+    .venv/bin/python -m bench.delta --model policy     # the built-in policy (what the trainer ships)
+    .venv/bin/python -m bench.delta                    # the ~0.88M-parameter fallback transformer
+    .venv/bin/python -m bench.delta --quick            # short warm-up, lr {1e-6, 1e-5}, 1 step
+    .venv/bin/python -m bench.delta --model policy --steps 1,10,100 --lrs 1e-6,1e-5   # DESIGN.md's grid
 
 The model (`--model`) is the built-in policy (`policy`: trainer.policy.build_policy, fp32
 masters, bf16 serving weights, 1.38M parameters) or the self-contained ~0.88M-parameter
-transformer at the bottom of this file (`fallback`, the default: ~0.3 s per step). Both are
+transformer of bench/training.py (`fallback`, the default: ~0.3 s per step). Both are
 trained by next-byte NLL on Python's standard-library sources with the TRAINER'S OPTIMIZER:
 AdamW with `trainer.config.TrainerConfig`'s betas and weight decay, gradient-norm clipping at
 its `max_grad_norm`, and its default learning rate (`TrainerConfig.lr`, 1e-6, marked `*`) in
@@ -40,14 +40,9 @@ successive 1-step versions at the trainer's default lr against the floor (bench/
 from __future__ import annotations
 
 import argparse
-import copy
-import glob
-import sys
-import sysconfig
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.training import Trainer
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,7 +77,7 @@ def parse_args() -> argparse.Namespace:
         choices=["policy", "fallback"],
         default="fallback",
         help="policy: the built-in policy (trainer.policy; ~1.5-5 s per training step on the shared "
-        "2 CPU cores); fallback: the ~0.88M-parameter transformer below (~0.3 s per step)",
+        "2 CPU cores); fallback: the ~0.88M-parameter transformer of bench/training.py (~0.3 s per step)",
     )
     p.add_argument(
         "--no-sync", action="store_true", help="skip the replica sync part (policy only)"
@@ -94,92 +89,6 @@ def parse_args() -> argparse.Namespace:
         help="measured replica sync rounds (policy only; one more warm-up round runs first)",
     )
     return p.parse_args()
-
-
-# ------------------------------------------------------------------ model + data
-
-
-def load_text_bytes(limit: int = 4_000_000) -> bytes:
-    files = sorted(glob.glob(sysconfig.get_paths()["stdlib"] + "/*.py"))
-    return b"".join(Path(f).read_bytes() for f in files)[:limit]
-
-
-class Trainer:
-    """AdamW on next-byte NLL; `serving()` is the bf16 serving state dict. Also what
-    bench/sync_replicas.py trains its successive versions with (`policy_config`: fields of the
-    built-in policy's config to change, e.g. a larger model)."""
-
-    def __init__(self, model_kind: str, batch: int, seq: int, policy_config: dict | None = None):
-        import torch
-
-        self.torch = torch
-        torch.manual_seed(0)
-        self.data = torch.tensor(list(load_text_bytes()), dtype=torch.long)
-        self.batch, self.seq = batch, seq
-        self.gen = torch.Generator().manual_seed(1)
-        self.model = None
-        if model_kind == "policy":
-            try:
-                from trainer.policy import build_policy
-
-                self.model = build_policy(
-                    {**(policy_config or {}), "kernels": "default"}
-                )  # plain torch ops: training speed
-                self.kind = "built-in policy " + self.model.config_dict()["type"]
-            except ImportError:
-                self.model = None
-        if self.model is None:
-            self.model, self.kind = FallbackLM(), "fallback transformer"
-        from trainer.config import TrainerConfig
-
-        tc = (
-            TrainerConfig()
-        )  # the trainer's optimizer: AdamW betas, weight decay, clipping, default lr
-        self.default_lr, self.max_grad_norm = tc.lr, tc.max_grad_norm
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=1e-3, betas=tuple(tc.betas), weight_decay=tc.weight_decay
-        )
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
-
-    def loss(self):
-        torch = self.torch
-        ix = torch.randint(0, len(self.data) - self.seq - 1, (self.batch,), generator=self.gen)
-        x = torch.stack([self.data[i : i + self.seq + 1] for i in ix])
-        if isinstance(self.model, FallbackLM):
-            logits = self.model(x[:, :-1])
-            return torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)
-            )
-        rows = x.tolist()
-        lp = self.model.logprobs([r[:1] for r in rows], [r[1:] for r in rows])
-        return -lp.mean()
-
-    def step(self, lr: float) -> float:
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        loss = self.loss()
-        self.opt.zero_grad()
-        loss.backward()
-        self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.opt.step()
-        return float(loss.detach())
-
-    def serving(self) -> dict:
-        if isinstance(self.model, FallbackLM):
-            return {
-                k: v.detach().to(self.torch.bfloat16).clone()
-                for k, v in self.model.state_dict().items()
-            }
-        return {k: v.clone() for k, v in self.model.serving_state_dict().items()}
-
-    def snapshot(self):
-        return copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict())
-
-    def restore(self, snap) -> None:
-        self.model.load_state_dict(snap[0])
-        self.opt.load_state_dict(snap[1])
 
 
 # ------------------------------------------------------------------ measurements
@@ -363,62 +272,10 @@ def main() -> None:
     if not policy:
         console.print("[yellow]replica sync: needs the built-in policy (--model policy)[/]")
     elif sync_steps:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import sync_replicas
+        from bench import sync_replicas
 
         sync_replicas.bench_pair({**tr.model.config_dict(), "kernels": "invariant"}, chain, console)
 
 
-class _FallbackBase:  # replaced by the real class once torch is imported (keeps --help instant)
-    pass
-
-
-def _define_fallback():
-    import torch
-
-    class Block(torch.nn.Module):
-        def __init__(self, d: int, h: int, ff: int):
-            super().__init__()
-            self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-            self.attn = torch.nn.MultiheadAttention(d, h, batch_first=True)
-            self.ff = torch.nn.Sequential(
-                torch.nn.Linear(d, ff), torch.nn.GELU(), torch.nn.Linear(ff, d)
-            )
-
-        def forward(self, x, mask):
-            h = self.ln1(x)
-            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-            return x + self.ff(self.ln2(x))
-
-    class FallbackLM(torch.nn.Module):
-        """~0.88M-parameter byte-level transformer (d 128, 4 layers, 4 heads, ff 512)."""
-
-        def __init__(
-            self,
-            vocab: int = 256,
-            d: int = 128,
-            layers: int = 4,
-            heads: int = 4,
-            ff: int = 512,
-            ctx: int = 256,
-        ):
-            super().__init__()
-            self.tok, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Embedding(ctx, d)
-            self.blocks = torch.nn.ModuleList([Block(d, heads, ff) for _ in range(layers)])
-            self.lnf, self.head = torch.nn.LayerNorm(d), torch.nn.Linear(d, vocab, bias=False)
-
-        def forward(self, x):
-            t = x.shape[1]
-            mask = torch.triu(torch.full((t, t), float("-inf")), 1)
-            y = self.tok(x) + self.pos(torch.arange(t))
-            for b in self.blocks:
-                y = b(y, mask)
-            return self.head(self.lnf(y))
-
-    return FallbackLM
-
-
-FallbackLM = _FallbackBase
 if __name__ == "__main__":
-    FallbackLM = _define_fallback()
     main()

@@ -15,8 +15,8 @@ Prints events/s, MB/s, p50/p99 batch latency of each, and the ratio api/raw (tar
 Rounds alternate raw and api to even out a shared machine's noise; the best round of each
 side is compared.
 
-    .venv/bin/python bench/ingest.py            # 40k events per side per round, 2 rounds
-    .venv/bin/python bench/ingest.py --quick    # 5k events, 1 round (smoke)
+    .venv/bin/python -m bench.ingest            # 40k events per side per round, 2 rounds
+    .venv/bin/python -m bench.ingest --quick    # 5k events, 1 round (smoke)
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ from pathlib import Path
 import httpx
 import orjson
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from app.settings import Settings  # noqa: E402
+from app.settings import Settings
+from bench.common import REPO
 
 BATCH = 100
 warnings.filterwarnings(

@@ -1,9 +1,8 @@
 """How long a one-token request waits behind a burst of maximal requests on one replica.
 
-    .venv/bin/python bench/replica_queue.py                       # tiny policy, 16 maximal requests, 3 rounds
-    .venv/bin/python bench/replica_queue.py --policy default      # the built-in policy (context 256)
-    .venv/bin/python bench/replica_queue.py --kafka 127.0.0.1:9092 --maximal 16 --rounds 3
-    PYTHONPATH=/path/to/other/checkout .venv/bin/python bench/replica_queue.py   # another version of the code
+    .venv/bin/python -m bench.replica_queue                       # tiny policy, 16 maximal requests, 3 rounds
+    .venv/bin/python -m bench.replica_queue --policy default      # the built-in policy (context 256)
+    .venv/bin/python -m bench.replica_queue --kafka 127.0.0.1:9092 --maximal 16 --rounds 3
 
 Set-up (all real, all local): an embedded Kafka broker (unless `--kafka`), one replica (uvicorn in
 its own process, no sync agent) serving a freshly initialised policy from its verified cache,
@@ -30,11 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)  # bench/trainer.py would shadow the trainer package
-sys.path.append(
-    str(Path(__file__).resolve().parents[1])
-)  # after PYTHONPATH: another checkout can be measured
+from bench.common import REPO
 
 TINY = {
     "type": "moe-byte",
@@ -136,7 +131,8 @@ def replica_process(settings: Any, policy_cfg: dict, work: Path, limits: dict) -
         },
     }
     proc = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "--serve-child", json.dumps(spec)],
+        [sys.executable, "-m", "bench.replica_queue", "--serve-child", json.dumps(spec)],
+        cwd=REPO,
         env=os.environ.copy(),
     )
     url = f"http://127.0.0.1:{port}"

@@ -1,8 +1,8 @@
 """Time from a rollback trigger to every replica serving the target version, webhooks on and off.
 
-    .venv/bin/python bench/rollback.py                 # 5 runs per trigger and mode
-    .venv/bin/python bench/rollback.py --quick         # 2 runs
-    .venv/bin/python bench/rollback.py --runs 10 --poll-interval 5 --kafka 127.0.0.1:9092 --mlflow http://127.0.0.1:5000
+    .venv/bin/python -m bench.rollback                 # 5 runs per trigger and mode
+    .venv/bin/python -m bench.rollback --quick         # 2 runs
+    .venv/bin/python -m bench.rollback --runs 10 --poll-interval 5 --kafka 127.0.0.1:9092 --mlflow http://127.0.0.1:5000
 
 The stack is the one the rollout tests run on (tests/integration/rollout/stack.py), all real and
 local: an embedded Kafka broker and an `mlflow server` (started here unless given), the API app
@@ -31,14 +31,11 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TRIGGERS = ("ui", "api", "analysis", "floor")
 FLAGGER_S = 60.0 * 5  # Flagger: analysis interval 1m x threshold 5 failed checks

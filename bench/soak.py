@@ -25,9 +25,9 @@ an answer) counts; the valid clients' p50/p99 per phase and the ratio soak/basel
 happened to the slow connections (closed by the server vs held open to the client's bound);
 the servers' RSS before and after.
 
-    .venv/bin/python bench/soak.py              # 30 s baseline, 180 s soak, 30 s recovery
-    .venv/bin/python bench/soak.py --quick      # about 60 s of phases (10 + 40 + 10)
-    .venv/bin/python bench/soak.py --no-replica # the API alone (no MLflow, no torch)
+    .venv/bin/python -m bench.soak              # 30 s baseline, 180 s soak, 30 s recovery
+    .venv/bin/python -m bench.soak --quick      # about 60 s of phases (10 + 40 + 10)
+    .venv/bin/python -m bench.soak --no-replica # the API alone (no MLflow, no torch)
 """
 
 from __future__ import annotations
@@ -50,11 +50,8 @@ from pathlib import Path
 import httpx
 import orjson
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench.common import local_services, percentile, rss_mib, start_role, stop_role  # noqa: E402
-from bench.ingest import wait_idle  # noqa: E402
+from bench.common import local_services, percentile, rss_mib, start_role, stop_role
+from bench.ingest import wait_idle
 
 warnings.filterwarnings(
     "ignore", category=DeprecationWarning

@@ -18,9 +18,9 @@ Each throughput is also given per CPU-second of the process doing the work (the 
 many processes compete for the cores, wall-clock rates mostly measure the scheduler, while
 events per CPU-second is what one dedicated core would sustain.
 
-    .venv/bin/python bench/streams.py            # ~60k events, starts an embedded broker
-    .venv/bin/python bench/streams.py --quick    # ~12k events
-    .venv/bin/python bench/streams.py --bootstrap 127.0.0.1:9092
+    .venv/bin/python -m bench.streams            # ~60k events, starts an embedded broker
+    .venv/bin/python -m bench.streams --quick    # ~12k events
+    .venv/bin/python -m bench.streams --bootstrap 127.0.0.1:9092
 
 Numbers depend on the machine; on a shared, busy host they are a lower bound.
 """
@@ -40,10 +40,9 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from rich.console import Console
 
-from rich.console import Console  # noqa: E402
+from bench.common import REPO
 
 console = Console(width=130)
 
@@ -130,7 +129,9 @@ def bare_faust_worker() -> None:
         web_enabled=False,
         consumer_auto_offset_reset="earliest",
         topic_partitions=settings.interactions_partitions,
+        datadir=settings.data_dir / f"{settings.topic_namespace}-bare-faust-data",
     )
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
     source = app.topic(
         settings.topic("interactions"),
         key_type=bytes,
@@ -276,7 +277,7 @@ def main() -> None:
 
         port = free_port()
         bare, bare_rate, bare_cpu = drain(
-            [sys.executable, str(Path(__file__).resolve()), "--bare-faust-worker"],
+            [sys.executable, "-m", "bench.streams", "--bare-faust-worker"],
             env_for(port),
             port,
             n,

@@ -1,9 +1,9 @@
 """Time for 4 local replicas to serve a newly published version, against the floor.
 
-    .venv/bin/python bench/sync_replicas.py            # 3 rounds (+1 warm-up round), built-in policy
-    .venv/bin/python bench/sync_replicas.py --quick    # 1 round (+1 warm-up), short training warm-up
-    .venv/bin/python bench/sync_replicas.py --in-process   # the 4 agents as threads of this process
-    .venv/bin/python bench/sync_replicas.py --kafka 127.0.0.1:9092 --mlflow http://127.0.0.1:5000  # reuse servers
+    .venv/bin/python -m bench.sync_replicas            # 3 rounds (+1 warm-up round), built-in policy
+    .venv/bin/python -m bench.sync_replicas --quick    # 1 round (+1 warm-up), short training warm-up
+    .venv/bin/python -m bench.sync_replicas --in-process   # the 4 agents as threads of this process
+    .venv/bin/python -m bench.sync_replicas --kafka 127.0.0.1:9092 --mlflow http://127.0.0.1:5000  # reuse servers
 
 Set-up (all real, all local): an embedded Kafka broker and an `mlflow server` (started here unless
 given), version N registered the way the trainer ships it (pyfunc model + trainer.publish
@@ -68,7 +68,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import REPO
 
 
 def parse_args() -> argparse.Namespace:
@@ -161,8 +161,7 @@ def trained_states(
     trainer.config.TrainerConfig's AdamW betas, weight decay, gradient clipping) at `lr` (default:
     the trainer's default learning rate) after `warmup` steps at 1e-3, batch 4 x 128 bytes.
     `policy_config`: fields of the built-in policy's config to change (a larger model)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from delta import Trainer
+    from bench.training import Trainer
 
     tr = Trainer("policy", batch=4, seq=128, policy_config=policy_config)
     assert tr.kind.startswith("built-in policy"), (
@@ -452,7 +451,8 @@ class _ProcessReplicas:
         self.procs = []
         for r in range(n):
             proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--child", f"bench-{r}"],
+                [sys.executable, "-m", "bench.sync_replicas", "--child", f"bench-{r}"],
+                cwd=REPO,
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -7,19 +7,15 @@
    `logprobs()`: max |delta logprob| and the fraction of tokens whose bits differ, for default /
    invariant kernels x route replay off / on.
 
-    .venv/bin/python bench/trainer.py --quick
-    .venv/bin/python bench/trainer.py --checkpoint .flywheel/base --threads 2
+    .venv/bin/python -m bench.trainer --quick
+    .venv/bin/python -m bench.trainer --checkpoint .flywheel/base --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _batch(policy, n: int, prompt_bytes: int, completion_bytes: int, seed: int):

@@ -689,6 +689,8 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         app_id(settings, cfg),
         broker=[f"kafka://{h.strip()}" for h in settings.kafka_bootstrap.split(",")],
         store=cfg.store,
+        # Faust's default is `<app id>-data` in the working directory; keep it in the data dir
+        datadir=settings.data_dir / f"{app_id(settings, cfg)}-data",
         topic_partitions=n,
         topic_replication_factor=settings.replication_factor,
         web_enabled=False,

@@ -12,7 +12,7 @@ so that a delivery blocked by back-pressure is abandoned when a rebalance suspen
 tasks and an `asyncio.wait` — for every record, although the delivery almost never blocks (it
 blocks only while flow control is suspended, the producer buffer is above its high-water mark,
 a stream buffer is full or the conductor is resubscribing). On this project's 2-core machines
-that task churn was the largest single cost of a streams worker (bench/streams.py --profile):
+that task churn was the largest single cost of a streams worker (python -m bench.streams --profile):
 a bare Faust agent that only counts records topped out at 5–6k records/s.
 
 How. `EagerDrainConsumer._drain_messages` is Faust 0.15.3's loop with one change: it steps the

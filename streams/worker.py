@@ -47,6 +47,7 @@ def run_worker(
     )  # until the broker answers (backoff; SIGTERM ends the process meanwhile)
     ensure_internal_topics(settings, cfg)
     app, _ = build_app(settings, cfg)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # Faust makes its datadir inside it
     worker = Worker(app, loglevel=loglevel or cfg.log_level, quiet=True)
     # Faust's start-up spinner sets the root logger to DEBUG and never resets it, so every
     # aiokafka/faust debug call in the hot path built a LogRecord (~6% of the worker's time)

@@ -338,3 +338,14 @@ def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetche
         assert GAPS.labels("confirmed")._value.get() == confirmed + 1
 
     asyncio.run(scenario())
+
+
+def test_the_faust_data_dir_is_inside_the_flywheel_data_dir(tmp_path):
+    """Faust's default datadir is `<app id>-data` in the working directory (stray folders in a
+    checkout); the worker's app keeps it in FLYWHEEL_DATA_DIR instead."""
+    app, _ = build_app(
+        Settings(kafka_bootstrap="127.0.0.1:1", topic_namespace="unit", data_dir=tmp_path),
+        StreamsConfig(metrics_port=0),
+    )
+    assert app.conf.datadir == tmp_path / "unit-streams-data"
+    assert app.conf.appdir.is_relative_to(tmp_path) and app.conf.tabledir.is_relative_to(tmp_path)
