@@ -95,7 +95,7 @@ def kafka_start() -> None:
 
 @kafka_app.command("topics")
 def kafka_topics() -> None:
-    """Create the DESIGN.md topics on FLYWHEEL_KAFKA_BOOTSTRAP (any cluster); idempotent."""
+    """Create the docs/DESIGN.md §Topics on FLYWHEEL_KAFKA_BOOTSTRAP (any cluster); idempotent."""
     from app.infra.kafka import ensure_topics
 
     s = _settings()

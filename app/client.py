@@ -174,7 +174,7 @@ class FeedbackClient:
 
     # --- events -----------------------------------------------------------------------------------
     def send(self, event: dict[str, Any]) -> str:
-        """Queue one event (a dict in the DESIGN.md schema); returns its event_id."""
+        """Queue one event (a dict in the docs/DESIGN.md §Editor events schema); returns its event_id."""
         if self._closed:
             raise FeedbackError("the client is closed")
         ev = {k: v for k, v in event.items() if v is not None}

@@ -1,4 +1,4 @@
-"""Interaction events: the `flywheel.interactions` contract (DESIGN.md, "Interaction events").
+"""Interaction events: the `flywheel.interactions` contract (docs/DESIGN.md §Editor events).
 
 One JSON object per event, a flat discriminated union on `type`. Validation is strict:
 unknown fields, NaN/Infinity, coercions ("1" for 1), naive timestamps and

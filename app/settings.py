@@ -1,6 +1,6 @@
 """Process settings: one pydantic-settings `Settings`, environment prefix `FLYWHEEL_`.
 
-The names in DESIGN.md (`FLYWHEEL_DATA_DIR`, `FLYWHEEL_KAFKA_BOOTSTRAP`,
+The names in docs/DESIGN.md §Settings and CLI (`FLYWHEEL_DATA_DIR`, `FLYWHEEL_KAFKA_BOOTSTRAP`,
 `FLYWHEEL_DATABASE_URL`, `FLYWHEEL_MLFLOW_URI`, `FLYWHEEL_MODEL_NAME`,
 `FLYWHEEL_SHIP_INTERVAL`, `FLYWHEEL_WAIT_WINDOW`) are a contract. Every other field is
 documented here and listed by `flywheel config` / the README's configuration reference.
@@ -77,7 +77,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore", validate_default=True)
 
-    # --- contract (DESIGN.md) -------------------------------------------------------
+    # --- contract (docs/DESIGN.md §Settings and CLI) ----------------------------------
     data_dir: Path = Field(
         Path(".flywheel"),
         description="Directory for local state: broker logs, SQLite DB, MLflow store, checkpoints.",

@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.delta --model policy     # the built-in policy (what the trainer ships)
     .venv/bin/python -m bench.delta                    # the ~0.88M-parameter fallback transformer
     .venv/bin/python -m bench.delta --quick            # short warm-up, lr {1e-6, 1e-5}, 1 step
-    .venv/bin/python -m bench.delta --model policy --steps 1,10,100 --lrs 1e-6,1e-5   # DESIGN.md's grid
+    .venv/bin/python -m bench.delta --model policy --steps 1,10,100 --lrs 1e-6,1e-5   # docs/DESIGN.md §Delta sync grid
 
 The model (`--model`) is the built-in policy (`policy`: trainer.policy.build_policy, fp32
 masters, bf16 serving weights, 1.38M parameters) or the self-contained ~0.88M-parameter
@@ -20,7 +20,7 @@ Policy setting (documented choice for a 2-core CPU): the policy trains with its 
 change only the floating-point reduction order (not the size of an Adam update) and measured
 2.1x slower per step here (4.7 s vs 9.9 s for 8 x 64 bytes on the shared 2 cores). Defaults for
 the policy: warm-up 20 steps, batch 8 x 64 bytes, grid lr {1e-6*, 1e-5, 1e-4} x {1, 10} steps
-(about 50 steps: a few minutes); `--steps 1,10,100` runs DESIGN.md's full grid (slower).
+(about 50 steps: a few minutes); `--steps 1,10,100` runs the full grid of docs/DESIGN.md §Delta sync (slower).
 
 After a warm-up at lr 1e-3 (so weights and Adam moments are not at init), each learning rate
 restarts from the same warm state and snapshots the serving state dict after each grid point.
@@ -32,7 +32,7 @@ of the changed tensors the codec entropy-coded (the `ans` layout of delta format
 docs/DELTA.md; the rest use varint gaps / bitmap / dense + zstd); and that decoding is
 bit-exact and both codecs wrote the same bytes. Measured on the policy (docs/DELTA.md): at the
 trainer's default lr, 1 step, 63x vs bf16 with format 2 against 53x with format 1 (gaps + zstd).
-Targets (DESIGN.md): >= 100x vs full bf16 at lr 1e-6 / 1 step; >= 1.5x smaller than XOR + zstd
+Targets (docs/DESIGN.md §Delta sync): >= 100x vs full bf16 at lr 1e-6 / 1 step; >= 1.5x smaller than XOR + zstd
 at every grid point. With the policy, the benchmark then syncs 4 replica processes through 3
 successive 1-step versions at the trainer's default lr against the floor (bench/sync_replicas.py).
 """

@@ -1,7 +1,7 @@
 """Log-probabilities of chosen tokens under softmax(logits / T), invariant or reference.
 
 `token_logprobs(logits [..., V], targets [...], temperature, ops)` -> [...] fp32. Temperature 0
-(greedy) is scored at T = 1 (DESIGN.md convention). With the invariant kernel set the value of
+(greedy) is scored at T = 1 (the convention of docs/NUMERICS.md). With the invariant kernel set the value of
 each position depends only on its own logits row: the division by T is one correctly-rounded op,
 and the log-softmax reduces the vocabulary with the fixed halving tree (kernels/invariant.py).
 `reference_token_logprobs` is the plain torch version for parity tests.

@@ -45,7 +45,7 @@ ROLLOUT_FIELDS = (
 
 
 class Components(BaseModel):
-    """Reward components (DESIGN.md reward spec); None where that feedback was absent."""
+    """Reward components (docs/DESIGN.md §Reward spec); None where that feedback was absent."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -65,7 +65,7 @@ class ToolErrorEntry(BaseModel):
 
 
 class Rollout(BaseModel):
-    """A reward-labelled generation (DESIGN.md "Rollout record")."""
+    """A reward-labelled generation (docs/DESIGN.md §Rollout record)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,7 +1,7 @@
-"""Reward spec: versioned weights and the reward of one generation's feedback (DESIGN.md v1).
+"""Reward spec: versioned weights and the reward of one generation's feedback (docs/DESIGN.md §Reward spec, v1).
 
 A spec is a name plus weights. Known specs live in `KNOWN_SPECS`; v1's weights are fixed
-here because DESIGN.md states them. `resolve_spec(version, weights)` is called at start-up:
+here because docs/DESIGN.md §Reward spec states them. `resolve_spec(version, weights)` is called at start-up:
 running a known version with other weights is refused (name a new version instead), so a
 version string in a rollout always means one set of weights.
 

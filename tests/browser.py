@@ -1,5 +1,5 @@
 """Drive the real MLflow UI in a real headless Chromium to move a registered model's alias, the
-way an operator does (DESIGN.md, "Registry and rollout": moving `champion` or `candidate` in the
+way an operator does (docs/DESIGN.md §Registry and artifacts: moving `champion` or `candidate` in the
 MLflow UI is an instruction the controller carries out).
 
 Why a browser and not `set_registered_model_alias`: the end-to-end tests must be able to say

@@ -31,7 +31,7 @@ class TrainerConfig(BaseSettings):
     lr: float = Field(
         1e-6,
         gt=0,
-        description="AdamW learning rate. 1e-6 is the usual rate for RL fine-tuning of a pretrained LLM (TRL's GRPOConfig, verl's actor) and keeps the deltas between versions sparse (DESIGN.md, docs/DELTA.md); the demo's tiny policy uses 1e-4.",
+        description="AdamW learning rate. 1e-6 is the usual rate for RL fine-tuning of a pretrained LLM (TRL's GRPOConfig, verl's actor) and keeps the deltas between versions sparse (docs/DESIGN.md §Delta sync, docs/DELTA.md); the demo's tiny policy uses 1e-4.",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
@@ -97,7 +97,7 @@ class TrainerConfig(BaseSettings):
     )
     replay_routes: bool = Field(
         True,
-        description="Replay the MoE routes logged at inference (DESIGN.md bit-exact contract).",
+        description="Replay the MoE routes logged at inference (docs/DESIGN.md §Invariants: bit-exact numerics).",
     )
     max_abs_reward: float = Field(
         1e6,

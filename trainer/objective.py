@@ -1,4 +1,4 @@
-"""The RL objective of DESIGN.md "Training", as pure functions on tensors.
+"""The RL objective of docs/DESIGN.md §Training, as pure functions on tensors.
 
 Every term works on right-padded [B, T] float32 tensors of per-token log-probs of the
 *sampled* completion tokens plus a {0,1} float32 mask of real tokens, so each term can be

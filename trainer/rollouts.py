@@ -1,6 +1,6 @@
 """Rollout intake: consume `flywheel.rollouts`, validate, dedupe by (request_id, reward_spec), skip stale, batch.
 
-The record schema is DESIGN.md's rollout record, as streams/records.py `Rollout` defines it
+The record schema is docs/DESIGN.md §Rollout record, as streams/records.py `Rollout` defines it
 (the producer's contract, validated first); `Rollout` here adds the structural invariants
 training needs, and trainer/validate.py checks it against the model being trained (tokenizer,
 vocabulary, context, routes, log-probs, reward, temperature). A record that fails any of them
@@ -60,7 +60,7 @@ class ToolErrorInfo(BaseModel):
 
 
 class Rollout(BaseModel):
-    """DESIGN.md rollout record (the fields the trainer uses are validated strictly)."""
+    """docs/DESIGN.md §Rollout record (the fields the trainer uses are validated strictly)."""
 
     model_config = ConfigDict(extra="ignore")
     request_id: str = Field(min_length=1, max_length=128)

@@ -3,7 +3,7 @@
     @router.get("/v1/deployments")
     def status(key: Annotated[ApiKey, Depends(require_scope("read"))], session: SessionDep): ...
 
-401 without a valid key, 403 with a key that lacks the scope (DESIGN.md, HTTP API); 429 with
+401 without a valid key, 403 with a key that lacks the scope (docs/DESIGN.md §HTTP APIs); 429 with
 Retry-After for a client address that failed authentication more than its budget allows
 (`auth_failure_burst`, refilled at `auth_failure_rate_per_s`). Keys are cached by
 app.api.main.KeyCache: a revoked key is refused within `key_cache_ttl`. docs/API.md, "Limits".

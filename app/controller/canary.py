@@ -5,7 +5,7 @@
 `input` is an `Observe` (candidate and champion online metrics of the current step's
 window, at time `now`), an `Event` (a deployment event seen on `flywheel.deployments`,
 e.g. a gate result, an operator verb, an MLflow-UI alias move) or a `Tick` (time passed).
-`events` are new deployment events (dicts, DESIGN.md fields) already folded into `state'`;
+`events` are new deployment events (dicts, docs/DESIGN.md §Deployment events) already folded into `state'`;
 the controller publishes them. Nothing here touches Kafka, MLflow or a clock.
 
 The comparison (why a confidence *sequence*): the controller looks at the data every time a

@@ -149,7 +149,7 @@ class GateConfig(BaseModel):
 
 @dataclass
 class GateInputs:
-    """What the gate looks at. Rollouts are DESIGN.md rollout records (dicts)."""
+    """What the gate looks at. Rollouts are docs/DESIGN.md §Rollout record dicts."""
 
     candidate_state: Mapping[str, torch.Tensor]
     parent_state: Mapping[str, torch.Tensor] | None = None

@@ -1,11 +1,11 @@
 """Deployment state as a pure fold over the events of `flywheel.deployments`.
 
-The topic is the source of truth (DESIGN.md): `fold(events)` rebuilds the controller's view
+The topic is the source of truth (docs/DESIGN.md §Deployment events): `fold(events)` rebuilds the controller's view
 (champion, candidate, canary phase and step, known-good history, failed versions) from any
 prefix of the log, so a restarted controller, the admin API and the tests all see the same
 state. `apply_event` never has side effects and ignores events that do not apply.
 
-Events are handled as plain dicts with the DESIGN.md fields (`event_id, type, model,
+Events are handled as plain dicts with the fields of docs/DESIGN.md §Deployment events (`event_id, type, model,
 version, from_version, traffic_pct, source, actor, reason, details, ts`), so this module
 works on Kafka records and on SQL projection rows alike.
 
@@ -44,7 +44,7 @@ def parse_ts(value: Any) -> datetime:
 class Decision(BaseModel):
     """A deployment event before it has an id and a timestamp."""
 
-    type: str = Field(description="One of the DESIGN.md deployment event types.")
+    type: str = Field(description="A deployment event type (docs/DESIGN.md §Deployment events).")
     version: str | None = Field(None, description="The version the event is about (the new state).")
     from_version: str | None = Field(None, description="The version it moves away from, if any.")
     traffic_pct: float | None = Field(

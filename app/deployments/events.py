@@ -1,4 +1,4 @@
-"""Deployment events (contract, DESIGN.md "Registry and rollout") and the log that carries them.
+"""Deployment events (contract, docs/DESIGN.md §Deployment events) and the log that carries them.
 
 Every deployment decision (a version registered, a gate verdict, a canary step, a promotion, a
 rollback, an alias moved in the MLflow UI, a replica synced) is one `DeploymentEvent` on
@@ -16,7 +16,7 @@ partition. The topic is the source of truth; the SQL tables are projections of i
             print(logged.offset, logged.event.type)
 
 `publish` returns only after the broker acknowledged the event (acks=all, idempotent producer).
-`replica_heartbeat` is an addition to the DESIGN.md type list (replicas report what they serve).
+`replica_heartbeat` is a replica's report of what it serves (docs/DESIGN.md §Replica status).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ EventType = Literal[
     "alias_changed",
     "replica_synced",
     "replica_sync_failed",
-    "replica_heartbeat",  # addition to DESIGN.md: a replica's periodic report of what it serves
+    "replica_heartbeat",  # a replica's periodic report of what it serves
 ]
 Source = Literal["trainer", "controller", "api", "mlflow-ui", "replica"]
 EVENT_TYPES: tuple[str, ...] = get_args(EventType)

@@ -5,7 +5,7 @@ The topic is the source of truth; four tables are pure functions of it (PROJECTI
 per version), `deployment_state` (per model: champion, candidate, traffic, phase, step, last
 analysis) and `replicas` (what each replica serves, its last heartbeat). Every value written
 comes from an event (timestamps included, never the clock), so replaying the topic into empty
-tables yields the same rows (DESIGN.md invariant; tests/integration/deployments checks it).
+tables yields the same rows (docs/DESIGN.md §Invariants; tests/integration/deployments checks it).
 
     apply_event(session, logged)      # one event, idempotent (dedupe by event_id and offset)
     follow(settings, stop=...)        # consumer group loop: `flywheel projections follow`

@@ -8,7 +8,7 @@ ports without re-formatting.
 
     flywheel kafka start | stop | status
 
-Topics from DESIGN.md are created by `ensure_topics()` (idempotent).
+The topics of docs/DESIGN.md §Topics are created by `ensure_topics()` (idempotent).
 """
 
 from __future__ import annotations
@@ -337,7 +337,7 @@ def _alive(pid: int) -> bool:
 def ensure_topics(
     settings: Settings, bootstrap: str | None = None, timeout_s: float = 30.0
 ) -> list[str]:
-    """Create the DESIGN.md topics that do not exist yet. Returns the names it created."""
+    """Create the docs/DESIGN.md §Topics that do not exist yet. Returns the names it created."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError

@@ -3,8 +3,8 @@
     details = {..., "artifacts": artifact_hints(source, policy_config)}   # the publisher (trainer)
     hint = ArtifactHint.from_details(event["details"])                      # the replica; None if absent
 
-The trainer publishes `version_registered` with `details.artifacts` (optional, an addition to the
-DESIGN.md event — old events and events from other publishers simply lack it):
+The trainer publishes `version_registered` with `details.artifacts` (optional, a key of the
+free-form `details` of docs/DESIGN.md §Deployment events; events from other publishers lack it):
 
 - `source`: the model version's source URI (`<run artifacts>/ships/<ship_id>/model`), i.e. exactly
   what MLflow's `model-versions/get` returns; the replica takes the ship's artifact root from it

@@ -6,8 +6,8 @@ reference read) and keeps the `LoadedVersion` it picked until it has answered, s
 changes the weights under a running generation. A sync builds the new version completely on
 the side (a shadow policy built from the decoded, hash-verified state dict) and then publishes
 it with `WeightStore.swap(...)`: one reference assignment under a lock. There is no moment at
-which a request can see half of an old and half of a new version (DESIGN.md: "A replica never
-serves torn weights").
+which a request can see half of an old and half of a new version (docs/DESIGN.md §Invariants:
+no torn weights).
 
 `load_verified(version, state, config, sha256)` is the only way to make a `LoadedVersion`: it
 loads the state dict into a fresh policy and hashes the policy's own serving weights

@@ -2,7 +2,7 @@
 
 `ReportData` is everything read from the sources (app/report/sources.py): the registry's
 versions and their tags, the trainer's per-step metrics, the held-out metrics per version and
-the deployment events (DESIGN.md contract, oldest first, `ts` an aware datetime). The functions
+the deployment events (docs/DESIGN.md §Deployment events, oldest first, `ts` an aware datetime). The functions
 below read nothing else, so the page is a function of the data (tests/unit/report).
 
 Conventions of the log that the folds rely on (app/controller/canary.py):

@@ -1,4 +1,4 @@
-"""The embedded Kafka broker: real KRaft node started by the project, topics per DESIGN.md."""
+"""The embedded Kafka broker: real KRaft node started by the project, topics per docs/DESIGN.md §Topics."""
 
 from __future__ import annotations
 

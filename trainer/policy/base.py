@@ -2,7 +2,7 @@
 
 The built-in policy is a byte-level decoder with MoE feed-forward layers (`moe_lm.py`),
 small enough to train on two CPU cores; a larger causal LM plugs in by implementing this
-class. Numerics contract (DESIGN.md): with routes replayed and batch-invariant kernels on,
+class. Numerics contract (docs/DESIGN.md §Invariants): with routes replayed and batch-invariant kernels on,
 `logprobs()` of a logged generation equals the behaviour log-probs that `generate()` logged,
 bit for bit, when both run on the same serving weights.
 

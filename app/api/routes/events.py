@@ -1,4 +1,4 @@
-"""POST /v1/events: the ingest endpoint editors call (DESIGN.md, "HTTP API").
+"""POST /v1/events: the ingest endpoint editors call (docs/DESIGN.md §HTTP APIs).
 
 A batch is all-or-nothing:
 

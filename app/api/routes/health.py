@@ -1,4 +1,4 @@
-"""GET /healthz, /readyz and /metrics (no auth; DESIGN.md "HTTP API").
+"""GET /healthz, /readyz and /metrics (no auth; docs/DESIGN.md §HTTP APIs).
 
 - `/healthz`: liveness. 200 while the process serves requests; checks nothing else.
 - `/readyz`: readiness. 200 `{"ready": true, "checks": {...}}` when Kafka answers a metadata

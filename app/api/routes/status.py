@@ -1,4 +1,4 @@
-"""Read-only deployment status (DESIGN.md "HTTP API", scope `read`), served from the SQL
+"""Read-only deployment status (docs/DESIGN.md §HTTP APIs, scope `read`), served from the SQL
 projections of `flywheel.deployments` (app/deployments/projector.py):
 
 - `GET /v1/deployments`: per model the champion, candidate, traffic split, phase, canary step,

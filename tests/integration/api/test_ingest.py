@@ -1,4 +1,4 @@
-"""POST /v1/events over real HTTP (uvicorn) into the real Kafka broker (DESIGN.md "HTTP API").
+"""POST /v1/events over real HTTP (uvicorn) into the real Kafka broker (docs/DESIGN.md §HTTP APIs).
 
 Accepted events are read back with a plain kafka-python consumer: same keys, same JSON.
 Every bad input is answered as specified and leaves the topic empty.

@@ -1,6 +1,6 @@
 """Event sourcing on the real broker: publish deployment events, project them incrementally
 with the consumer-group follower, rebuild into a second empty database and in place, and
-compare every projection table row for row (DESIGN.md: replaying flywheel.deployments from
+compare every projection table row for row (docs/DESIGN.md §Invariants: replaying flywheel.deployments from
 the beginning rebuilds the SQL projections exactly). SQLite and PostgreSQL.
 
     .venv/bin/pytest tests/integration/deployments/test_event_sourcing.py -q

@@ -55,7 +55,7 @@ def rollout_records(
     group_size: int = 1,
     tool_error_every: int = 0,
 ) -> list[dict[str, Any]]:
-    """`n` rollout records (DESIGN.md schema) sampled from `policy`, rewarded by `reward_fn(text)`."""
+    """`n` rollout records (docs/DESIGN.md §Rollout record) sampled from `policy`, rewarded by `reward_fn(text)`."""
     tok = policy.tokenizer
     prompts = [tok.encode(PROMPTS[(i // group_size) % len(PROMPTS)]) for i in range(n)]
     samples = policy.generate(prompts, max_tokens=max_tokens, temperature=1.0, seed=seed)

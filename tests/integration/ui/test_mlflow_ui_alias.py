@@ -1,6 +1,6 @@
 """Moving an alias in the real MLflow UI (headless Debian Chromium driven by Playwright) moves
-it in the registry, the way an operator promotes or rolls back (DESIGN.md, "Registry and
-rollout").
+it in the registry, the way an operator promotes or rolls back (docs/DESIGN.md §Registry
+and artifacts).
 
     deploy/chromium/ensure.sh && .venv/bin/pytest tests/integration/ui -q
 """

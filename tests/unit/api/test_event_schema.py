@@ -1,4 +1,4 @@
-"""The interaction-event schema as the ingest API applies it (app/events.py, DESIGN.md contract).
+"""The interaction-event schema as the ingest API applies it (app/events.py, docs/DESIGN.md §Editor events).
 
 Every rejection the API promises is checked here with the field it names and its message;
 the integration tests (tests/integration/api/) check the same cases over real HTTP and Kafka.

@@ -1,4 +1,4 @@
-"""The numerics contract (DESIGN.md): with routes replayed and the invariant kernels on, the
+"""The numerics contract (docs/DESIGN.md §Invariants): with routes replayed and the invariant kernels on, the
 trainer's recomputed log-probs equal the generation's behaviour log-probs bit for bit, whatever
 batch they are in and whether computed incrementally (KV cache) or in one full forward."""
 

@@ -47,7 +47,7 @@ def _key(ev: dict) -> tuple[float, str]:
 def reference_reward(
     evs: list[dict[str, Any]], w: dict[str, float] = WEIGHTS_V1
 ) -> tuple[float, dict | None]:
-    """Reward spec v1 straight from DESIGN.md's table."""
+    """Reward spec v1 straight from the table of docs/DESIGN.md §Reward spec."""
     if not evs:
         return 0.0, None
     comps: dict[str, float | None] = dict.fromkeys(

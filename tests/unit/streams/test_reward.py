@@ -1,4 +1,4 @@
-"""Reward spec v1 (DESIGN.md) and the versioned-spec guard, without a broker."""
+"""Reward spec v1 (docs/DESIGN.md §Reward spec) and the versioned-spec guard, without a broker."""
 
 from __future__ import annotations
 
