@@ -266,7 +266,7 @@ def main() -> None:
                 for lr, r in row
             )
         )
-    # ---- issue 5: time to sync 4 local replicas vs the floor (payload / measured loopback
+    # ---- time to sync 4 local replicas vs the floor (payload / measured loopback
     # bandwidth + apply time), on versions one step apart at the trainer's default lr;
     # bench/sync_replicas.py starts its own Kafka + MLflow and 4 replica processes.
     if not policy:

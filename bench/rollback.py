@@ -22,7 +22,7 @@ as champion with no candidate (polled every 50 ms), p50/p95 over `--runs`:
 - `floor` (the baseline, side by side): the same rolled_back event published straight onto
   `flywheel.deployments` (no HTTP, no MLflow, no controller): what following the log and
   swapping to a cached version costs the replicas. Ratios are trigger time / floor p50.
-Targets (issue 6): <= 10 s with webhooks; <= poll interval + 10 s without. For scale: Flagger's
+Targets: <= 10 s with webhooks; <= poll interval + 10 s without. For scale: Flagger's
 automatic rollback waits `interval x threshold` failed checks (1 min x 5 in its docs) = 5 min.
 """
 

@@ -2,8 +2,8 @@
 
 For the streams worker, the projector, the replica's sync agent and the controller: bad
 records are written to the topics the role consumes (bytes that are not JSON; JSON of an
-impossible shape; for streams also a malformed tick and metrics partial, and the exact
-record that used to stop labelling: a feedback event with a lower-case `z` accepted through
+impossible shape; for streams also a malformed tick and metrics partial, and a
+record that must not stop labelling: a feedback event with a lower-case `z` accepted through
 the real API, whose label then closes). Then a good record follows, and each test asserts
 that the role is still running, that it processed the good record, and that every bad
 record is on `<ns>.dlq` with its reason and its original bytes.
@@ -343,7 +343,7 @@ def test_controller_dead_letters_bad_records_and_folds_the_next_event(make_setti
     loop.start()
     try:
         assert ready.wait(60), "the controller did not catch up with an empty log"
-        # a version the controller orders as an int: "latest" used to raise in every tick's gate selection
+        # a version the controller orders as an int: "latest" must not raise in a tick's gate selection
         impossible = json.dumps(
             {"type": "version_registered", "model": model, "version": "latest", "source": "trainer"}
         ).encode()

@@ -1,11 +1,12 @@
-"""Regression: MLflow's `champion` alias follows the deployment state even when a decision undoes an
+"""MLflow's `champion` alias follows the deployment state even when a decision undoes an
 MLflow-UI move before the controller's next tick.
 
-Found by bench/rollback.py: champion v2, an operator moves it to v1 in MLflow (folded as
-`alias_changed`), and a rollback to v2 arrives before the next tick. The controller's cache of
-what it last wrote to MLflow still said (v2, none), so it skipped the sync and MLflow kept
-showing v1 while every replica served v2. The controller is driven step by step here (no
-threads, no clock), on the real MLflow server and Kafka broker.
+The case (it arises in `python -m bench.rollback`): champion v2, an operator moves it to v1 in
+MLflow (folded as `alias_changed`), and a rollback to v2 arrives before the next tick. The
+controller's cache of what it last wrote to MLflow still says (v2, none); if it trusted that cache
+it would skip the sync, and MLflow would keep showing v1 while every replica serves v2. The
+controller is driven step by step here (no threads, no clock), on the real MLflow server and
+Kafka broker.
 
     .venv/bin/pytest tests/integration/rollout/test_alias_sync.py -q
 """

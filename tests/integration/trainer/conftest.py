@@ -1,6 +1,6 @@
 """Fixtures of the trainer integration tests: a tiny policy, rollout records, Kafka helpers.
 
-The rollouts are produced straight to `<ns>.rollouts` (issue 4 allows it), from samples of
+The rollouts are produced straight to `<ns>.rollouts` (no streams worker in between), from samples of
 the real policy so behaviour log-probs and routes are the replica's numbers.
 """
 

@@ -121,7 +121,7 @@ def test_behaviour_monitors_catch_empty_and_length_collapse():
 def test_the_tool_error_estimate_follows_the_reward_estimate_ess_rule():
     """Measured in the demo: a version whose reward estimate was inconclusive (ESS 7.7 of 60) was
     failed on the tool-error estimate made with the same weights (0.203 vs 0.083 logged), though it
-    was the best version so far on held-out users. Both estimates now follow one rule."""
+    was the best version so far on held-out users. Both estimates follow one rule."""
     champ = [10, 12, 8, 11, 9, 10]
     cand = [11, 9, 10, 12, 8, 10]
     kw = {

@@ -112,8 +112,8 @@ def test_the_runtime_turns_a_failed_close_into_the_event_s_dlq_envelope_and_a_fa
 
 
 def test_a_feedback_with_a_lower_case_z_as_it_may_sit_on_the_topic_closes_its_label():
-    """The exact record that used to stop labelling: its ts is not normalised (written before
-    ingest normalised, or by another producer), and the label closes with the feedback counted."""
+    """A record whose ts is not in ingest's canonical form (written by another producer, or
+    before ingest rewrote `ts`), and the label closes with the feedback counted."""
     _, rt, _ = _setup()
     gen = generation("r1")
     fb = feedback("r1", "z1", "accept")

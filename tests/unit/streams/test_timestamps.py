@@ -123,8 +123,8 @@ def test_naive_and_non_string_timestamps_are_refused_with_a_message():
 
 
 def test_the_reward_and_the_controller_fold_read_every_spelling_ingest_accepts():
-    """The downstream readers that used to parse `ts` themselves: a lower-case z (the streams
-    reward's ordering) and an offset (the controller's canary step start) both parse."""
+    """The downstream readers of `ts` parse every spelling ingest accepts: a lower-case z (the
+    streams reward's ordering) and an offset (the controller's canary step start) both parse."""
     spec = RewardSpec(version="v1", weights=RewardWeights())
     fb = [
         {**FEEDBACK, "ts": "2026-11-21T10:00:02z", "event_id": "late", "type": "reject"},
