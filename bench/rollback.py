@@ -280,7 +280,7 @@ def main() -> None:
     args = parse_args()
     import logging
 
-    from common import local_services
+    from bench.common import local_services
     from rich.console import Console
 
     logging.basicConfig(level=logging.WARNING)

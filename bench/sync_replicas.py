@@ -953,7 +953,7 @@ def local_stack(
     kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None
 ) -> Iterator[Any]:
     """Settings on a Kafka broker and an MLflow server: the given ones, or ones started here."""
-    from common import local_services
+    from bench.common import local_services
 
     from app.infra.kafka import ensure_topics
     from app.settings import Settings
