@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from app.settings_base import FlywheelSettings
 
 PAUSE_POINTS = ("after_optimizer_step", "before_register", "after_register")
 
 
-class TrainerConfig(BaseSettings):
+class TrainerConfig(FlywheelSettings):
     """Everything `flywheel trainer` needs beyond app.settings.Settings."""
 
     model_config = SettingsConfigDict(
