@@ -95,7 +95,7 @@ class TrainerConfig(FlywheelSettings):
     temperature: float = Field(
         1.0,
         gt=0,
-        description="Sampling temperature the behaviour log-probs were taken at (log-probs of softmax(logits/T)).",
+        description="Sampling temperature assumed for a rollout that does not record its own (a record written before the rollout format had `temperature`; counted in flywheel_trainer_rollouts_assumed_temperature_total). Every other rollout's log-probs are recomputed at the temperature its replica sampled it at.",
     )
     replay_routes: bool = Field(
         True,
