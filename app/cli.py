@@ -54,7 +54,16 @@ def _setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _invalid(exc: Exception) -> typer.Exit:
+    """Print a settings ValidationError (its locations are the FLYWHEEL_* variables,
+    app/settings_base.py) and the exit to raise: status 2."""
+    console.print("[red]invalid configuration:[/red]")
+    console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
+    return typer.Exit(2)
+
+
 def _settings():
+    """The process-wide `Settings` from the environment."""
     from pydantic import ValidationError
 
     from app.settings import get_settings
@@ -62,8 +71,20 @@ def _settings():
     try:
         return get_settings()
     except ValidationError as exc:
-        console.print(f"[red]invalid configuration:[/red]\n{exc}")
-        raise typer.Exit(2) from None
+        raise _invalid(exc) from None
+
+
+def _configured(cls, **flags):
+    """A role's settings class read from the environment, each CLI flag that was given
+    overriding the field of the same name: the one way a flag reaches a setting (a flag wins
+    over its FLYWHEEL_* variable). A bad value, from a flag or the environment, exits 2 naming
+    the variable."""
+    from pydantic import ValidationError
+
+    try:
+        return cls(**{name: value for name, value in flags.items() if value is not None})
+    except ValidationError as exc:
+        raise _invalid(exc) from None
 
 
 @app.callback()
@@ -366,8 +387,9 @@ def api_cmd(
 ) -> None:
     """Serve the HTTP API (ingest, health, metrics); applies the migrations once the database answers (/readyz says what is missing)."""
     from app.api.server import serve
+    from app.settings import Settings
 
-    serve(_settings(), host, port)
+    serve(_configured(Settings, api_host=host, api_port=port))
 
 
 streams_app = typer.Typer(
@@ -397,22 +419,10 @@ def streams_run(host: _STREAMS_HOST = None, port: _STREAMS_PORT = None) -> None:
 
 
 def _run_streams_worker(host: str | None, port: int | None) -> None:
-    from pydantic import ValidationError
-
     from streams.config import StreamsConfig
     from streams.worker import run_worker
 
-    try:
-        cfg = StreamsConfig(
-            **{
-                k: v
-                for k, v in {"metrics_host": host, "metrics_port": port}.items()
-                if v is not None
-            }
-        )
-    except ValidationError as exc:
-        console.print(f"[red]invalid streams configuration:[/red]\n{exc}")
-        raise typer.Exit(2) from None
+    cfg = _configured(StreamsConfig, metrics_host=host, metrics_port=port)
     run_worker(
         _settings(), cfg, loglevel="INFO" if logging.getLogger().level <= logging.DEBUG else None
     )
@@ -508,11 +518,7 @@ def streams_relabel(
                 "set FLYWHEEL_STREAMS_REWARD_SPEC to a new name", "pass --reward-spec a new name"
             )
         )
-    try:
-        cfg = StreamsConfig()
-    except ValidationError as exc:
-        console.print(f"[red]invalid streams configuration:[/red]\n{exc}")
-        raise typer.Exit(2) from None
+    cfg = _configured(StreamsConfig)
     settings = _settings()
     with Progress(
         TextColumn("relabel {task.description}"),
@@ -555,14 +561,13 @@ def trainer_cmd(
     ] = None,
 ) -> None:
     """Continuous RL trainer: consume rollouts, train, register a version every FLYWHEEL_SHIP_INTERVAL (docs/TRAINER.md)."""
-    import os
+    from trainer.config import TrainerConfig
 
-    if port is not None:
-        os.environ["FLYWHEEL_TRAINER_METRICS_PORT"] = str(port)
+    cfg = _configured(TrainerConfig, metrics_port=port)
     _settings()
     from trainer.launch import main as trainer_main
 
-    trainer_main()
+    trainer_main(cfg)
 
 
 @app.command("controller")
@@ -575,9 +580,10 @@ def controller_cmd(
     ] = None,
 ) -> None:
     """Rollout controller: offline gate, canary steps, promote/rollback, MLflow aliases (webhook + poll). docs/ROLLOUT.md."""
+    from app.controller.config import ControllerSettings
     from app.controller.launch import run_controller
 
-    run_controller(_settings(), port)
+    run_controller(_settings(), _configured(ControllerSettings, metrics_port=port))
 
 
 @app.command("pretrain")
@@ -675,19 +681,10 @@ def replica(
     ] = None,
 ) -> None:
     """An inference replica: POST /v1/complete, follows flywheel.deployments, syncs weights by verified deltas."""
-    from pydantic import ValidationError
-
     from app.replica.config import ReplicaConfig
     from app.replica.server import serve
 
-    overrides = {
-        k: v for k, v in (("host", host), ("port", port), ("id", replica_id)) if v is not None
-    }
-    try:
-        cfg = ReplicaConfig(**overrides)
-    except ValidationError as exc:
-        console.print(f"[red]invalid replica configuration:[/red]\n{exc}")
-        raise typer.Exit(2) from None
+    cfg = _configured(ReplicaConfig, host=host, port=port, id=replica_id)
     serve(_settings(), cfg)
 
 
@@ -733,7 +730,7 @@ def simulate(
                     logging.getLogger(__name__).warning("held-out evaluation failed: %s", exc)
 
         threading.Thread(target=_evaluate_loop, name="heldout-eval", daemon=True).start()
-    pop = Population(api, api_key, replica, SimulateConfig())
+    pop = Population(api, api_key, replica, _configured(SimulateConfig))
     try:
         stats = asyncio.run(pop.run(parse_duration(duration) if duration else None))
     finally:
@@ -795,10 +792,9 @@ def report(
         load_report_data,
         write_report,
     )
+    from app.settings import Settings
 
-    s = _settings()
-    updates = {k: v for k, v in (("data_dir", data_dir), ("model_name", model)) if v is not None}
-    s = s.model_copy(update=updates) if updates else s
+    s = _configured(Settings, data_dir=data_dir, model_name=model)
     os.environ.setdefault(
         "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2"
     )  # a server that went away: fail in seconds, not minutes

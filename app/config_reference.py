@@ -9,7 +9,10 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from pydantic_settings import BaseSettings
+
+from app.settings_base import env_name
 
 # modules that define pydantic-settings classes (role configs live with their role)
 SETTINGS_MODULES = [
@@ -52,21 +55,27 @@ def settings_classes() -> list[type[BaseSettings]]:
     return out
 
 
-def all_settings() -> list[SettingInfo]:
+def _rows(cls: type[BaseSettings], model: type[BaseModel], path: list[str]) -> list[SettingInfo]:
     rows = []
-    for cls in settings_classes():
-        prefix = cls.model_config.get("env_prefix", "")
-        for fname, field in cls.model_fields.items():
-            default = field.default if field.default_factory is None else field.default_factory()
-            rows.append(
-                SettingInfo(
-                    f"{prefix}{fname}".upper(),
-                    f"{cls.__module__}.{cls.__name__}",
-                    default,
-                    field.description or "",
-                )
+    for fname, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):  # a nested model: one row a field
+            rows += _rows(cls, sub, [*path, fname])
+            continue
+        default = field.default if field.default_factory is None else field.default_factory()
+        rows.append(
+            SettingInfo(
+                env_name(cls, [*path, fname]),
+                f"{cls.__module__}.{cls.__name__}",
+                default,
+                field.description or "",
             )
+        )
     return rows
+
+
+def all_settings() -> list[SettingInfo]:
+    return [row for cls in settings_classes() for row in _rows(cls, cls, [])]
 
 
 def known_env_names() -> set[str]:

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from app.settings_base import FlywheelSettings
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -72,7 +74,7 @@ KAFKA_PRODUCER_MAX_REQUEST_BYTES = (
 )  # kafka-python producers: any record of any topic above must fit
 
 
-class Settings(BaseSettings):
+class Settings(FlywheelSettings):
     """Configuration shared by every role. Each field maps to `FLYWHEEL_<NAME>`."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore", validate_default=True)

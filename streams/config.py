@@ -11,13 +11,14 @@ different weights.
 from __future__ import annotations
 
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from app.settings import Duration
+from app.settings_base import FlywheelSettings
 from streams.reward import RewardSpec, RewardWeights, resolve_spec
 
 
-class StreamsConfig(BaseSettings):
+class StreamsConfig(FlywheelSettings):
     """Configuration of one `flywheel streams` worker."""
 
     model_config = SettingsConfigDict(

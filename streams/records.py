@@ -93,7 +93,11 @@ class Rollout(BaseModel):
         None,
         description="the generation's tokenizer (the trainer refuses one that is not its model's)",
     )
-    temperature: float | None = Field(None, description="the generation's sampling temperature")
+    temperature: float | None = Field(
+        None,
+        description="the generation's sampling temperature: the trainer recomputes the "
+        "log-probs at it (None in records written before the field: the trainer's setting)",
+    )
     relabel_run: str | None = Field(
         None,
         max_length=64,

@@ -6,6 +6,7 @@
   (so tests never see each other's records) and its topics created.
 - `postgres_url`: the real PostgreSQL server that `make test` provisions
   (deploy/postgres/ensure.sh). Missing server = loud failure, never a skip.
+  `fresh_postgres_url`: a new database per test, whose drop ends only the test's own sessions.
 - `mlflow_server`: a real `mlflow server` (SQLite store, local artifacts) on a free port.
 """
 
@@ -96,40 +97,75 @@ def postgres_url() -> str:
 
 @pytest.fixture()
 def fresh_postgres_url(postgres_url: str) -> Iterator[str]:
-    """A new, empty PostgreSQL database for one test (dropped afterwards)."""
+    """A new, empty PostgreSQL database for one test (dropped afterwards). Its URL names every
+    connection made through it (`application_name` = the database's name), so the drop ends
+    only the sessions this test opened."""
     import sqlalchemy as sa
 
-    name = f"fw_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'create database "{name}"'))
-    url = postgres_url.rsplit("/", 1)[0] + f"/{name}"
+    name, url = create_test_database(admin, postgres_url)
     try:
         yield url
     finally:
         sa.create_engine(url).dispose()
-        _drop_database(admin, name)
+        drop_test_database(admin, name)
         admin.dispose()
 
 
-def _drop_database(admin, name: str) -> None:
-    """Drop a test database. `with (force)` terminates the other sessions on it, but a
-    non-superuser may not terminate an autovacuum worker that happens to be vacuuming the new
-    database (InsufficientPrivilege); such a worker finishes within moments, so retry."""
+def create_test_database(admin, postgres_url: str) -> tuple[str, str]:
+    """Create a uniquely named database; returns (name, URL of it whose connections carry
+    `application_name=<name>`)."""
     import sqlalchemy as sa
-    from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_fixed
+
+    name = f"fw_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'create database "{name}"'))
+    url = sa.make_url(postgres_url).set(database=name)
+    url = url.update_query_dict({"application_name": name})
+    return name, url.render_as_string(hide_password=False)
+
+
+def drop_test_database(admin, name: str, patience_s: float = 30.0) -> None:
+    """Drop a database made by `create_test_database`: end the sessions the test opened on it
+    (its `application_name`; nobody else's), then drop it. A session that is not the test's
+    keeps the database in use: a non-superuser may not end an autovacuum worker that happens
+    to be vacuuming it, and such a worker finishes within moments, so the drop is retried for
+    `patience_s` and then fails naming the sessions still there."""
+    import sqlalchemy as sa
+    from tenacity import RetryError, retry, retry_if_exception_type, stop_after_delay, wait_fixed
 
     @retry(
         retry=retry_if_exception_type(sa.exc.DBAPIError),
-        stop=stop_after_delay(30),
+        stop=stop_after_delay(patience_s),
         wait=wait_fixed(0.5),
-        reraise=True,
     )
     def drop() -> None:
         with admin.connect() as conn:
-            conn.execute(sa.text(f'drop database if exists "{name}" with (force)'))
+            conn.execute(
+                sa.text(
+                    "select pg_terminate_backend(pid) from pg_stat_activity "
+                    "where datname = :db and application_name = :db and pid <> pg_backend_pid()"
+                ),
+                {"db": name},
+            )
+            conn.execute(sa.text(f'drop database if exists "{name}"'))
 
-    drop()
+    try:
+        drop()
+    except RetryError as exc:
+        with admin.connect() as conn:
+            left = conn.execute(
+                sa.text(
+                    "select pid, usename, application_name, backend_type from pg_stat_activity "
+                    "where datname = :db"
+                ),
+                {"db": name},
+            ).all()
+        raise RuntimeError(
+            f"test database {name} is still in use after {patience_s:g} s by sessions the test "
+            f"did not open: "
+            f"{[tuple(r) for r in left]}"
+        ) from exc.last_attempt.exception()
 
 
 class MlflowServer:

@@ -2,7 +2,8 @@
 
 `collate` turns a list of rollouts into prompts/completions/routes lists (what
 Policy.logprobs takes) plus right-padded [B, T] float32 tensors: behaviour log-probs, the
-token mask, rewards. `teacher_inputs` builds, for rollouts with tool_error feedback, the
+token mask, rewards, and each rollout's sampling temperature [B] (the rollout's own; a record
+without one, written before the field existed, gets the trainer's FLYWHEEL_TRAINER_TEMPERATURE). `teacher_inputs` builds, for rollouts with tool_error feedback, the
 teacher's context: prompt + completion[:k] + the error message and hint (as text), then the
 student's own tokens completion[k:], where k is the earliest error's token_index. A rollout whose
 tail completion[k:] fills the whole context has no room for the feedback and gets no teacher.
@@ -29,9 +30,12 @@ class Collated:
     rewards: torch.Tensor  # float32 [B]
     group_ids: list[str | None]
     versions: list[int | None]
+    temperatures: torch.Tensor  # float32 [B]: what each rollout was sampled at
 
 
-def collate(rollouts: list[Rollout]) -> Collated:
+def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collated:
+    """The batch tensors; a rollout without a recorded temperature is scored at
+    `default_temperature` (the trainer's setting)."""
     assert rollouts, "collate needs at least one rollout"
     t_max = max(len(r.completion_tokens) for r in rollouts)
     b = len(rollouts)
@@ -50,6 +54,10 @@ def collate(rollouts: list[Rollout]) -> Collated:
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=[r.group_id for r in rollouts],
         versions=[r.version_number() for r in rollouts],
+        temperatures=torch.tensor(
+            [default_temperature if r.temperature is None else r.temperature for r in rollouts],
+            dtype=torch.float32,
+        ),
     )
 
 

@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode, SettingsConfigDict
+
+from app.settings_base import FlywheelSettings
 
 PAUSE_POINTS = ("after_optimizer_step", "before_register", "after_register")
 
 
-class TrainerConfig(BaseSettings):
+class TrainerConfig(FlywheelSettings):
     """Everything `flywheel trainer` needs beyond app.settings.Settings."""
 
     model_config = SettingsConfigDict(
@@ -93,7 +95,7 @@ class TrainerConfig(BaseSettings):
     temperature: float = Field(
         1.0,
         gt=0,
-        description="Sampling temperature the behaviour log-probs were taken at (log-probs of softmax(logits/T)).",
+        description="Sampling temperature assumed for a rollout that does not record its own (a record written before the rollout format had `temperature`; counted in flywheel_trainer_rollouts_assumed_temperature_total). Every other rollout's log-probs are recomputed at the temperature its replica sampled it at.",
     )
     replay_routes: bool = Field(
         True,

@@ -13,6 +13,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +34,14 @@ def wait_for_dependencies(settings, stop: threading.Event) -> bool:
     return True
 
 
-def main() -> None:
+def main(cfg: TrainerConfig | None = None) -> None:
+    """Run the trainer on `cfg` (`flywheel trainer` passes it with its flags applied; default:
+    read from the environment)."""
     from app.settings import get_settings
     from trainer.config import TrainerConfig
 
-    settings, cfg = get_settings(), TrainerConfig()  # validation errors surface here, before torch
+    # validation errors surface here, before torch
+    settings, cfg = get_settings(), cfg if cfg is not None else TrainerConfig()
     from prometheus_client import start_http_server
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

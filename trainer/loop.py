@@ -47,6 +47,7 @@ from trainer.checkpoint import load_state, save_state
 from trainer.config import TrainerConfig
 from trainer.dlq import DeadLetters, RateLimitedLog
 from trainer.metrics import (
+    ASSUMED_TEMPERATURE,
     BUFFERED,
     LAST_VERSION,
     REBASES,
@@ -371,6 +372,7 @@ class Trainer:
             1 for r in batch.rollouts if r.relabel_run is not None
         )
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
+        ASSUMED_TEMPERATURE.inc(sum(r.temperature is None for r in batch.rollouts))
 
     def forward_backward(self, batch: Batch) -> dict[str, float]:
         """Loss, backward, clip, optimizer step. Raises before touching the weights if anything fails
@@ -414,10 +416,11 @@ class Trainer:
     def _loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], tuple[Any, ...]]:
         """The objective on `batch` (no backward): (loss, metrics so far, (logp, pg, weights, collated))."""
         cfg, policy = self.cfg, self.policy
-        c = collate(batch.rollouts)
+        c = collate(batch.rollouts, cfg.temperature)
         routes = c.routes if cfg.replay_routes else None
         policy.train()
-        logp = policy.logprobs(c.prompts, c.completions, routes, cfg.temperature)
+        # each rollout at the temperature its replica sampled it at (the behaviour log-probs' T)
+        logp = policy.logprobs(c.prompts, c.completions, routes, c.temperatures)
         w = obj.importance_weights(
             logp,
             c.behav,
@@ -434,7 +437,7 @@ class Trainer:
         m: dict[str, float] = {}
         if self.ref_policy is not None:
             with torch.no_grad():
-                ref_lp = self.ref_policy.logprobs(c.prompts, c.completions, routes, cfg.temperature)
+                ref_lp = self.ref_policy.logprobs(c.prompts, c.completions, routes, c.temperatures)
             kl = obj.kl_k3(logp, ref_lp, w)
             loss = loss + self.kl_ctl.coef * kl
             m["kl"], m["kl_coef"] = float(kl.detach()), self.kl_ctl.coef
@@ -454,7 +457,7 @@ class Trainer:
             )
             if t.rows:
                 with torch.no_grad():
-                    t_lp = policy.logprobs(t.prompts, t.tails, None, cfg.temperature)
+                    t_lp = policy.logprobs(t.prompts, t.tails, None, c.temperatures[t.rows])
                 teacher, dmask = scatter_teacher(t_lp, t, tuple(logp.shape))
                 dl, dkl = obj.distill_loss(logp, teacher, dmask, w, c.mask)
                 loss = loss + cfg.distill_coef * dl

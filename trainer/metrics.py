@@ -37,6 +37,11 @@ REBASES = Counter(
 SHIPS = Counter(
     "flywheel_trainer_ships_total", "Versions registered by this process (incl. resumed ships)."
 )
+ASSUMED_TEMPERATURE = Counter(
+    "flywheel_trainer_rollouts_assumed_temperature_total",
+    "Rollouts trained on without a recorded sampling temperature (records written before the "
+    "field): scored at FLYWHEEL_TRAINER_TEMPERATURE instead of their replica's temperature.",
+)
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
 BUFFERED = Gauge(
     "flywheel_trainer_buffered_records", "Records fetched but not yet trained on or skipped."

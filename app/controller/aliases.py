@@ -10,6 +10,11 @@ on the registered model as tags:
 
 - `sync_aliases` (controller decisions): writes the tag *first*, then moves the alias, so the
   webhook that MLflow fires for Flywheel's own move always finds tag == alias and is ignored.
+  A removal goes the other way: the alias first, then its tag. A reader between the two calls
+  then sees the alias already gone (which the controller leaves alone once its state has no
+  candidate), never the alias still on a version whose tag is gone: after a promotion that
+  was `candidate` on the new champion, which the controller answered as an outside move
+  ("alias restored").
 - `detect_moves` (webhook receiver and polling reconciler): alias != tag means someone moved
   the alias outside Flywheel; each such move becomes an `alias_changed` event whose id is a
   hash of (model, alias, from, to, seq), so the webhook path and the poll path that see the
@@ -99,6 +104,7 @@ def sync_aliases(
     """Make MLflow's aliases (and the acknowledged tags) equal `want`; returns [(alias, old, new)] moved.
 
     Tag first, alias second: the webhook MLflow fires for this move then reads tag == alias.
+    A removal: alias first, tag second (module docstring).
     """
     snap = read_snapshot(client, model)
     outside = [m for m in detect_moves(snap) if m.alias in want]
@@ -115,14 +121,15 @@ def sync_aliases(
     bumped = False
     for alias, version in want.items():
         assert alias in ALIASES, f"unknown alias {alias!r}; Flywheel manages {ALIASES}"
+        moved = snap.aliases[alias] != version
+        if moved and version is None:  # a removal: the alias, then its tag
+            client.delete_registered_model_alias(model, alias)
         if snap.acked[alias] != version:
             _set_ack(client, model, alias, version)
             bumped = True
-        if snap.aliases[alias] != version:
-            if version is None:
-                client.delete_registered_model_alias(model, alias)
-            else:
-                client.set_registered_model_alias(model, alias, version)
+        if moved and version is not None:  # a move: the tag (above), then the alias
+            client.set_registered_model_alias(model, alias, version)
+        if moved:
             changed.append((alias, snap.aliases[alias], version))
             log.info(
                 "moved MLflow alias %s@%s: %s -> %s", model, alias, snap.aliases[alias], version

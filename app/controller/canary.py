@@ -39,62 +39,72 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, Field, field_validator
+from pydantic_settings import NoDecode
 
 from app.controller.state import Decision, DeploymentState, apply_event, vkey
+from app.settings import Duration
 
 Verdict = Literal["worse", "better_or_equal", "inconclusive", "insufficient"]
 
 
-class CanaryConfig(BaseModel):
-    """How a canary proceeds. Durations in seconds."""
+def _csv_floats(v: object) -> object:
+    """`5,25,50,100` (the environment's form) -> (5.0, 25.0, 50.0, 100.0)."""
+    if isinstance(v, str):
+        return tuple(float(x) for x in v.replace(" ", "").split(",") if x)
+    return v
 
-    steps: tuple[float, ...] = Field(
+
+class CanaryConfig(BaseModel):
+    """How a canary proceeds. Each field is also the setting `FLYWHEEL_CONTROLLER_<FIELD>`
+    (app/controller/config.py); durations accept `90`, `30s`, `15m`, `1h30m` and are seconds."""
+
+    steps: Annotated[tuple[float, ...], NoDecode, BeforeValidator(_csv_floats)] = Field(
         (5.0, 25.0, 50.0, 100.0),
-        description="Candidate's share of sessions per step, in %, increasing, ending at 100 (= promotion).",
+        description="Canary steps: the candidate's % of sessions per step, comma-separated, increasing, ending at 100 (= promotion).",
     )
-    min_step_s: float = Field(
-        600.0, ge=0, description="Minimum time a step lasts before it can be judged."
+    min_step: Duration = Field(
+        600.0, ge=0, description="Minimum time a canary step lasts before it can be judged."
     )
     min_samples: int = Field(
         200,
         ge=2,
-        description="Minimum labelled samples per arm (candidate and champion) in a step's window.",
+        description="Minimum labelled samples per arm (candidate and champion) in a step's window before it is judged.",
     )
-    step_deadline_s: float = Field(
+    step_deadline: Duration = Field(
         3 * 3600.0,
         gt=0,
-        description="A step still inconclusive this long after it started pauses for an operator.",
+        description="A canary step still inconclusive this long after it started pauses for an operator.",
     )
     alpha: float = Field(
         0.05,
         gt=0,
         lt=1,
-        description="Error level of the confidence sequence (two-sided, time-uniform).",
+        description="Error level of the canary's confidence sequence (two-sided, time-uniform).",
     )
     margin: float = Field(
         0.05,
         ge=0,
-        description="Non-inferiority margin in reward units: 'equal' means not worse than this.",
+        description="Non-inferiority margin of the canary (reward units): not worse than this counts as equal.",
     )
     cs_target_n: int = Field(
         1000,
         ge=1,
-        description="Sample size at which the confidence sequence is tightest (tunes rho).",
+        description="Samples at which the canary's confidence sequence is tightest (set near a step's expected sample size).",
     )
     known_good_n: int = Field(
-        5, ge=1, description="How many previous known-good versions an operator may roll back to."
+        5, ge=1, description="How many previous known-good versions `rollback` may target."
     )
     guardrails: bool = Field(
         True,
-        description="Roll back a candidate confidently worse on a user-outcome guardrail (acceptance, kept edits, follow-up sentiment, tool-call success).",
+        description="Roll back a canary confidently worse on a user-outcome guardrail (acceptance, kept-edit rate, follow-up sentiment, tool-call success rate), whatever its reward.",
     )
     guardrail_margin: float = Field(
         0.02,
         ge=0,
-        description="Non-inferiority margin of the guardrails, in rate (or sentiment) units.",
+        description="Non-inferiority margin of the canary's user-outcome guardrails (rate or sentiment units).",
     )
 
     @field_validator("steps")
@@ -328,7 +338,7 @@ def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decis
         return []
     a = analyze(obs.candidate, obs.champion, cfg)
     details = {"analysis": a.model_dump(), "step": state.step}
-    if _step_age(state, obs.now) < cfg.min_step_s or a.verdict == "insufficient":
+    if _step_age(state, obs.now) < cfg.min_step or a.verdict == "insufficient":
         return _deadline(state, a, obs.now, cfg)
     stats = f"delta {a.delta:+.4f}, CS [{a.lower:+.4f}, {a.upper:+.4f}], n {a.n_candidate}/{a.n_champion}"
     guard = a.worst_guardrail()
@@ -402,7 +412,7 @@ def _deadline(
     if (
         state.phase != "canary"
         or state.candidate is None
-        or _step_age(state, now) < cfg.step_deadline_s
+        or _step_age(state, now) < cfg.step_deadline
     ):
         return []
     details: dict[str, Any] = {"step": state.step}
@@ -415,7 +425,7 @@ def _deadline(
             traffic_pct=state.traffic_pct,
             details=details,
             reason=f"step {state.step} ({state.traffic_pct:g}%) still inconclusive after "
-            f"{cfg.step_deadline_s:g}s; waiting for an operator (promote, abort, resume)",
+            f"{cfg.step_deadline:g}s; waiting for an operator (promote, abort, resume)",
         )
     ]
 

@@ -59,92 +59,108 @@ REGRESSION_SET = Path(__file__).with_name("regression_prompts.json")
 
 
 class GateConfig(BaseModel):
-    """Thresholds of the offline gate."""
+    """Thresholds of the offline gate. Each field is also the setting
+    `FLYWHEEL_CONTROLLER_GATE_<FIELD>` (app/controller/config.py)."""
 
     max_global_rel_change: float = Field(
-        0.5, gt=0, description="Max relative L2 change of all weights vs the parent."
+        0.5,
+        gt=0,
+        description="Gate: fail when the relative L2 change of all weights vs the parent version exceeds this.",
     )
     max_tensor_rel_change: float = Field(
-        2.0, gt=0, description="Max relative L2 change of any single tensor vs the parent."
+        2.0,
+        gt=0,
+        description="Gate: fail when the relative L2 change of any single tensor vs the parent version exceeds this.",
     )
     ope_margin: float = Field(
         0.05,
         ge=0,
-        description="Fail when the bootstrap upper bound of (estimate - logged reward) is below -margin.",
+        description="Gate: fail the off-policy estimate when the bootstrap upper bound of (estimate - logged reward) is below -margin.",
     )
     ope_alpha: float = Field(
-        0.05, gt=0, lt=1, description="Two-sided level of the bootstrap intervals."
+        0.05, gt=0, lt=1, description="Gate: two-sided error level of the bootstrap intervals."
     )
-    n_boot: int = Field(500, ge=50, description="Bootstrap replicates.")
+    n_boot: int = Field(500, ge=50, description="Gate: bootstrap replicates of each interval.")
     min_ess: float = Field(
-        20.0, ge=1, description="Effective sample size below which the OPE is called inconclusive."
+        20.0,
+        ge=1,
+        description="Gate: effective sample size below which the off-policy estimate is called inconclusive.",
     )
     require_ess: bool = Field(
-        False, description="Fail (instead of skip) the OPE check when the ESS is below min_ess."
+        False,
+        description="Gate: fail (instead of skip) the off-policy check when the effective sample size is below min_ess.",
     )
-    ridge_lambda: float = Field(1.0, ge=0, description="Ridge penalty of the DR reward model.")
+    ridge_lambda: float = Field(
+        1.0, ge=0, description="Gate: ridge penalty of the doubly robust estimator's reward model."
+    )
     reward_margin: float = Field(
         0.02,
         ge=0,
-        description="Fail when the bootstrap upper bound of (candidate - champion) predicted reward is below -margin.",
+        description="Gate: fail when the bootstrap upper bound of (candidate - champion) predicted reward is below -margin (confidently worse).",
     )
     min_reward_rollouts: int = Field(
         100,
         ge=10,
-        description="Logged rollouts the reward model needs before its comparison is a verdict (fewer: skipped).",
+        description="Gate: logged rollouts the reward model needs before its comparison is a verdict (fewer: skipped).",
     )
     samples_per_prompt: int = Field(
         4,
         ge=1,
-        description="Completions each of candidate and champion samples per prompt for the reward comparison, KL and monitors.",
+        description="Gate: completions each of candidate and champion samples per prompt for the reward comparison, KL and monitors.",
     )
     ridge_lambda_text: float = Field(
-        3.0, ge=0, description="Ridge penalty of the text reward model (ope.TextRewardModel)."
+        3.0, ge=0, description="Gate: ridge penalty of the text reward model (ope.TextRewardModel)."
     )
     max_kl: float | None = Field(
         None,
         gt=0,
-        description="Fail above this mean per-token KL(candidate||champion) in nats; None: KL is recorded, not judged (it is the trainer's trust region, not quality).",
+        description="Gate: fail versions above this mean per-token KL(candidate||champion) in nats; unset: the KL is recorded, not judged (it is the trainer's trust region, not quality).",
     )
     regression_tolerance: float = Field(
         1.0,
         ge=0,
-        description="Max rise of per-token NLL on the regression set, nats: a guard against forgetting, not a bound on change (a policy that learns what users like moves away from fixed references).",
+        description="Gate: max rise of per-token NLL on the fixed regression set, nats: a guard against forgetting, not a bound on change (a policy that learns what users like moves away from fixed references).",
     )
     max_empty_increase: float = Field(
-        0.1, ge=0, description="Max absolute increase of the empty-completion rate."
+        0.1,
+        ge=0,
+        description="Gate: max absolute increase of the empty-completion rate over the champion's.",
     )
     length_k_std: float = Field(
         2.0,
         gt=0,
-        description="Max shift of mean completion length, in champion standard deviations.",
+        description="Gate: max shift of mean completion length, in champion standard deviations.",
     )
     max_tool_error_increase: float = Field(
-        0.1, ge=0, description="Max increase of the estimated tool-error rate."
+        0.1,
+        ge=0,
+        description="Gate: max increase of the estimated tool-error rate over the champion's.",
     )
     max_invalid_increase: float = Field(
         0.05,
         ge=0,
-        description="Fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (at confidence 1 - monitor_alpha).",
+        description="Gate: fail when the candidate's broken-tool-call rate exceeds the champion's by more than this (at confidence 1 - monitor_alpha; 1 turns the monitor off).",
     )
     max_no_edit_increase: float = Field(
         0.05,
         ge=0,
-        description="Fail when the candidate's no-edit rate (empty completions, or only comments and strings) exceeds the champion's by more than this (at confidence 1 - monitor_alpha).",
+        description="Gate: fail when the candidate's no-edit rate (empty completions, or only comments and strings) exceeds the champion's by more than this (at confidence 1 - monitor_alpha; 1 turns the monitor off).",
     )
     monitor_alpha: float = Field(
         0.05,
         gt=0,
         lt=1,
-        description="One-sided error level of the validity and no-edit rate bounds.",
+        description="Gate: one-sided error level of the tool-call validity and no-edit rate bounds.",
     )
     sample_prompts: int = Field(
         64,
         ge=1,
-        description="Prompts sampled from both policies for the reward comparison, KL and behaviour monitors.",
+        description="Gate: logged prompts sampled from both policies for the reward comparison, KL and behaviour monitors.",
     )
-    max_tokens: int = Field(48, ge=1, description="Tokens per sampled completion.")
-    seed: int = Field(0, description="Seed of sampling and bootstrap (the gate is reproducible).")
+    max_tokens: int = Field(48, ge=1, description="Gate: max tokens of each sampled completion.")
+    seed: int = Field(
+        0, description="Gate: seed of sampling and bootstrap (the gate is reproducible)."
+    )
 
 
 @dataclass

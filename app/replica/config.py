@@ -11,12 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from app.settings import Duration
+from app.settings_base import FlywheelSettings
 
 
-class ReplicaConfig(BaseSettings):
+class ReplicaConfig(FlywheelSettings):
     """Serving limits, sync cadence and the local weight cache of one `flywheel replica`."""
 
     model_config = SettingsConfigDict(

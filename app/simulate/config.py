@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
+
+from app.settings_base import FlywheelSettings
 
 
-class SimulateConfig(BaseSettings):
+class SimulateConfig(FlywheelSettings):
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_SIMULATE_", extra="ignore")
 
     users: int = Field(

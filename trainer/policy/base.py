@@ -105,9 +105,11 @@ class Policy(ABC, torch.nn.Module):
         prompt_tokens: list[list[int]],
         completion_tokens: list[list[int]],
         routes: list[np.ndarray | None] | None = None,
-        temperature: float = 1.0,
+        temperature: float | torch.Tensor = 1.0,
     ) -> torch.Tensor:
-        """Differentiable log-probs of each completion token given its prompt.
+        """Differentiable log-probs of each completion token given its prompt, under
+        softmax(logits / T): `temperature` is one T, or one per completion (a tensor [B]: each
+        rollout scored at the temperature it was sampled at; 0 = greedy, scored at T = 1).
 
         Returns float32 [B, T_max] (right-padded with 0.0 past each completion's length).
         When `routes[i]` is given, MoE layers use those expert ids for completion i's tokens

@@ -359,7 +359,7 @@ class MoEPolicy(Policy):
         prompt_tokens: list[list[int]],
         completion_tokens: list[list[int]],
         routes: list[np.ndarray | None] | None = None,
-        temperature: float = 1.0,
+        temperature: float | torch.Tensor = 1.0,
     ) -> torch.Tensor:
         logits, targets, valid = self.completion_logits(prompt_tokens, completion_tokens, routes)
         logp = token_logprobs(logits, targets, temperature, self.ops)
@@ -370,7 +370,7 @@ class MoEPolicy(Policy):
         prompt_tokens: list[list[int]],
         completion_tokens: list[list[int]],
         routes: list[np.ndarray | None] | None = None,
-        temperature: float = 1.0,
+        temperature: float | torch.Tensor = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full log-distributions log_softmax(logits / T) [B, T_max, V] at each completion position,
         with targets [B, T_max] and valid [B, T_max] (for KL and self-distillation terms)."""

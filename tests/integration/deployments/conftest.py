@@ -6,7 +6,6 @@ both at `alembic upgrade head`, so a test can project into one and rebuild into 
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import sqlalchemy as sa
 
 from app.db.migrate import upgrade
+from tests.conftest import create_test_database, drop_test_database
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -26,11 +26,8 @@ def db_pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
         return
     first = request.getfixturevalue("fresh_postgres_url")
     base = request.getfixturevalue("postgres_url")
-    name = f"fw_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'create database "{name}"'))
-    second = base.rsplit("/", 1)[0] + f"/{name}"
+    name, second = create_test_database(admin, base)
     try:
         for url in (first, second):
             upgrade(url)
@@ -40,8 +37,7 @@ def db_pair(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[st
 
         get_engine(second).dispose()
         get_engine(first).dispose()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'drop database if exists "{name}" with (force)'))
+        drop_test_database(admin, name)
         admin.dispose()
 
 

@@ -28,7 +28,7 @@ import pytest
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[3]
-CANARY = {"steps": (25.0, 50.0, 100.0), "min_step_s": 60.0, "min_samples": 20, "margin": 0.05}
+CANARY = {"steps": (25.0, 50.0, 100.0), "min_step": 60.0, "min_samples": 20, "margin": 0.05}
 GATE_CHECKS = (
     "weights_finite",
     "weight_change",

@@ -128,3 +128,136 @@ def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an
     assert read_snapshot(client, model).acked["champion"] == "1", (
         "the reported move is acknowledged"
     )
+
+
+class _ReadersBetweenWrites:
+    """An MlflowClient after each of whose alias and tag writes another process looks at the
+    aliases, as the API's webhook receiver or a poller does (reconciler.py):
+
+    - `settling`: a reader with the real settle time starts (a thread, no lock: another process);
+      what it would report is kept in `settled`;
+    - `catching`: the differences between aliases and acknowledged tags are kept in
+      `transients`; one about the candidate alias is reported at once, as by a reader whose
+      settle time is over before the rest of the move happened (a slow server), into `caught`."""
+
+    WRITES = (
+        "set_registered_model_alias",
+        "delete_registered_model_alias",
+        "set_registered_model_tag",
+        "delete_registered_model_tag",
+    )
+
+    def __init__(self, client, model: str):
+        self._client, self._model = client, model
+        self.mode: str | None = None
+        self.settled: list = []
+        self.transients: list = []
+        self.caught: list[dict] = []
+        self.threads: list = []
+
+    def __getattr__(self, name: str):
+        import threading
+
+        from app.controller.aliases import detect_moves, read_snapshot
+        from app.controller.reconciler import settled_moves
+
+        attr = getattr(self._client, name)
+        if name not in self.WRITES:
+            return attr
+
+        def write(*args, **kwargs):
+            out = attr(*args, **kwargs)
+            if self.mode == "settling":
+                th = threading.Thread(
+                    target=lambda: self.settled.extend(settled_moves(self._client, self._model))
+                )
+                th.start()
+                self.threads.append(th)
+            elif self.mode == "catching":
+                moves = detect_moves(read_snapshot(self._client, self._model))
+                self.transients += moves
+                if any(m.alias == "candidate" for m in moves):
+                    self.caught += reconcile_once(
+                        self._client, self._model, lambda ev: None, via="webhook", settle_s=0
+                    )
+            return out
+
+        return write
+
+
+def test_a_promotion_produces_no_alias_changed_event(make_settings, mlflow_server, tmp_path):
+    """Promoting the candidate moves `champion` to it and removes `candidate`: no alias_changed
+    event follows. Readers in other processes see Flywheel's move as its own; a reader that
+    catches it half-done and reports it (its settle time over mid-move) sees at worst the
+    candidate alias already removed, which the controller does not answer. (With the tag
+    removed before the alias it saw `candidate` on the new champion, which the controller
+    answered with an `alias_changed` "alias restored".)"""
+    from app.controller.aliases import read_snapshot
+    from app.controller.reconciler import settled_moves
+
+    client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-promote")
+    run_id = client.get_model_version(model, "1").run_id
+    client.create_model_version(
+        model, source=client.get_model_version(model, "1").source, run_id=run_id
+    )
+    settings = make_settings(model_name=model, mlflow_uri=mlflow_server.uri)
+    readers = _ReadersBetweenWrites(client, model)
+    ctl = Controller(settings, ControllerSettings(webhooks_enabled=False, metrics_port=0), readers)
+    ctl.caught_up = True
+    published: list[dict] = []
+    publish = ctl.publish
+    ctl.publish = lambda events: (published.extend(events), publish(events))
+    try:
+
+        def decide(type_: str, version: str, frm: str | None, traffic: float) -> None:
+            ctl.on_deployment(
+                Decision(
+                    type=type_, version=version, from_version=frm, traffic_pct=traffic
+                ).to_event(model)
+            )
+
+        def promote(candidate: str, champion: str, mode: str) -> None:
+            decide("canary_started", candidate, champion, 5.0)
+            ctl.sync_mlflow()
+            assert dict(client.get_registered_model(model).aliases) == {
+                "champion": champion,
+                "candidate": candidate,
+            }
+            decide("promoted", candidate, champion, 100.0)
+            readers.mode = mode
+            ctl.sync_mlflow()
+            readers.mode = None
+            assert dict(client.get_registered_model(model).aliases) == {"champion": candidate}
+
+        decide("promoted", "1", None, 100.0)
+        ctl.sync_mlflow()
+
+        promote("2", "1", "settling")
+        for th in readers.threads:
+            th.join(30)
+        assert readers.settled == [], (
+            f"Flywheel's promotion read as an outside move: {readers.settled}"
+        )
+
+        promote("3", "2", "catching")
+        on_candidate = [m for m in readers.transients if m.alias == "candidate"]
+        assert on_candidate and all(m.to_version is None for m in on_candidate), (
+            f"half-done, the promotion showed the candidate alias on a version: {on_candidate}"
+        )
+        assert [(e["details"]["alias"], e["version"]) for e in readers.caught] == [
+            ("candidate", None)
+        ], readers.caught
+        for ev in readers.caught:  # the controller consumes what the reader published
+            ctl.on_deployment(ev)
+        ctl.sync_mlflow()
+
+        answers = [
+            e for e in published if e["type"] == "alias_changed" and e["source"] != "mlflow-ui"
+        ]
+        assert answers == [], f"promotions were followed by alias_changed answers: {answers}"
+        assert (ctl.state.champion, ctl.state.candidate) == ("3", None)
+        assert dict(client.get_registered_model(model).aliases) == {"champion": "3"}
+        assert settled_moves(client, model, settle_s=0) == []
+        assert read_snapshot(client, model).acked == {"champion": "3", "candidate": None}
+    finally:
+        ctl.dlog.close()

@@ -25,7 +25,7 @@ from app.controller.state import Decision, DeploymentState, fold
 from app.deployments.events import DeploymentEvent
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
-CFG = CanaryConfig(min_step_s=60, min_samples=50, step_deadline_s=600, margin=0.05, cs_target_n=200)
+CFG = CanaryConfig(min_step=60, min_samples=50, step_deadline=600, margin=0.05, cs_target_n=200)
 
 
 def ev(type_, version=None, from_version=None, t=0.0, source="controller", **details):

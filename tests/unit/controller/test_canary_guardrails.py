@@ -118,7 +118,7 @@ def test_false_guardrail_rollbacks_of_equal_arms_under_repeated_looks_are_rare()
     """Per-completion outcomes drawn from the same distribution for both arms, looked at after every
     batch of 50: the bounded-variance sequence must (almost) never call the candidate worse."""
     cfg = CanaryConfig(
-        min_step_s=0, min_samples=50, margin=0.05, guardrail_margin=0.0, cs_target_n=1000
+        min_step=0, min_samples=50, margin=0.05, guardrail_margin=0.0, cs_target_n=1000
     )
     rng = random.Random(4)
     runs, tripped = 100, 0

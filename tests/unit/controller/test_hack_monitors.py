@@ -120,5 +120,5 @@ def test_controller_settings_carry_the_monitor_margins(monkeypatch):
     monkeypatch.setenv("FLYWHEEL_CONTROLLER_GATE_MAX_INVALID_INCREASE", "1")
     monkeypatch.setenv("FLYWHEEL_CONTROLLER_GUARDRAIL_MARGIN", "0.1")
     cs = ControllerSettings()
-    assert cs.gate().max_invalid_increase == 1.0 and cs.gate().max_no_edit_increase == 0.05
+    assert cs.gate.max_invalid_increase == 1.0 and cs.gate.max_no_edit_increase == 0.05
     assert cs.canary().guardrail_margin == 0.1 and cs.canary().guardrails is True

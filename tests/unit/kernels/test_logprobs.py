@@ -35,3 +35,18 @@ def test_temperature_zero_is_scored_at_one():
         token_logprobs(z, y, 0.0, INVARIANT_OPS), token_logprobs(z, y, 1.0, INVARIANT_OPS)
     )
     torch.testing.assert_close(log_probs(z, 1.0, INVARIANT_OPS).exp().sum(-1), torch.ones(3, 7))
+
+
+def test_per_row_temperatures_equal_each_row_at_its_own_temperature():
+    z, y = _logits()
+    temps = (0.7, 1.3, 0.0)  # one per batch row; 0 = greedy, scored at T = 1
+    for ops in (INVARIANT_OPS, DEFAULT_OPS):
+        rows = token_logprobs(z, y, torch.tensor(temps), ops)
+        for i, t in enumerate(temps):
+            assert torch.equal(rows[i], token_logprobs(z[i : i + 1], y[i : i + 1], t, ops)[0])
+    torch.testing.assert_close(
+        reference_token_logprobs(z, y, torch.tensor(temps)),
+        token_logprobs(z, y, torch.tensor(temps), INVARIANT_OPS),
+        rtol=1e-6,
+        atol=2e-6,
+    )
