@@ -280,8 +280,9 @@ def main() -> None:
     args = parse_args()
     import logging
 
-    from bench.common import local_services
     from rich.console import Console
+
+    from bench.common import local_services
 
     logging.basicConfig(level=logging.WARNING)
     console = Console(width=150)

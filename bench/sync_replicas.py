@@ -953,10 +953,9 @@ def local_stack(
     kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None
 ) -> Iterator[Any]:
     """Settings on a Kafka broker and an MLflow server: the given ones, or ones started here."""
-    from bench.common import local_services
-
     from app.infra.kafka import ensure_topics
     from app.settings import Settings
+    from bench.common import local_services
 
     with local_services(kafka, mlflow_uri, console) as (bootstrap, uri, work):
         settings = Settings(
