@@ -4,7 +4,7 @@
     agent.start()    # a daemon thread; agent.stop() ends it
 
 On start the agent reads the deployment log from the beginning and folds it with the
-controller's own pure fold (`app.controller.state.fold`: champion, candidate, traffic split), so
+controller's own pure fold (`app.contracts.deployment_state.fold`: champion, candidate, traffic split), so
 every replica derives the same desired state from the same log. It then keeps following the
 topic and, whenever what it serves differs from what is desired, reconciles:
 
@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any
 
-from app.controller.state import DeploymentState, apply_event
+from app.contracts.deployment_state import DeploymentState, fold
 from app.deadletter import DeadLetters
 from app.deployments.events import REPLICA_TYPES, DeploymentEvent, DeploymentLog
 from app.infra.wait import Waiter
@@ -224,7 +224,7 @@ class SyncAgent:
 
     def _apply(self, event: DeploymentEvent) -> None:
         """Fold one event (pure: the state changes only if the fold returns) and hand its artifact hint on."""
-        state = apply_event(self.state, event.model_dump(mode="json"))
+        state = fold(self.state, event)
         hint = ArtifactHint.from_details(event.details) if event.version else None
         if hint is not None and hasattr(self.fetcher, "learn"):
             self.fetcher.learn(event.version, hint)  # no MLflow look-up when it syncs
