@@ -8,8 +8,15 @@ comes from an event (timestamps included, never the clock), so replaying the top
 tables yields the same rows (DESIGN.md invariant; tests/integration/deployments checks it).
 
     apply_event(session, logged)      # one event, idempotent (dedupe by event_id and offset)
+    apply_replica_status(session, ev) # one heartbeat of `<ns>.replica-status` (newest ts wins)
     follow(settings, stop=...)        # consumer group loop: `flywheel projections follow`
     rebuild(settings)                 # reset + replay to the end: `flywheel projections rebuild`
+
+The rules are the one fold's (app/contracts/deployment_state.py): an event is folded onto the
+state loaded from the rows, and the rows are written from the state the fold returns. Replica
+heartbeats come from their own compacted topic, `<ns>.replica-status`
+(app/contracts/replica_status.py), into `replicas` only; `follow` consumes both topics and
+`rebuild` replays both.
 
 Rebuild and the append-only guard: PostgreSQL's guard is a row trigger on UPDATE/DELETE, which
 TRUNCATE does not fire, so the reset is `TRUNCATE ... RESTART IDENTITY`. SQLite has no
@@ -38,6 +45,7 @@ from app.contracts.deployment_state import (
     apply_heartbeat,
     fold,
 )
+from app.contracts.replica_status import ReplicaStatusLog
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica
 from app.deployments.events import (
@@ -274,13 +282,18 @@ TRANSIENT_DB_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-def apply_or_skip(session: Session, logged: LoggedEvent) -> tuple[bool, Exception | None]:
-    """(applied, failure) of one event applied inside a savepoint. An event the projections cannot
+def apply_or_skip(
+    session: Session, logged: LoggedEvent, status: bool = False
+) -> tuple[bool, Exception | None]:
+    """(applied, failure) of one event applied inside a savepoint (`status`: a record of
+    `<ns>.replica-status`, applied with `apply_replica_status`). An event the projections cannot
     take (an error that is not the database being away) is rolled back alone and returned as the
     failure, so the others still apply. `follow` and `rebuild` both skip such an event, so a
     rebuild reproduces what `follow` wrote."""
     try:
         with session.begin_nested():
+            if status:
+                return apply_replica_status(session, logged.event), None
             return apply_event(session, logged), None
     except TRANSIENT_DB_ERRORS:
         raise
@@ -331,6 +344,7 @@ class RebuildReport:
     events_applied: int
     duplicates: int
     seconds: float
+    status_read: int = 0  # heartbeats read from `<ns>.replica-status`
 
 
 def rebuild(
@@ -347,6 +361,7 @@ def rebuild(
     url = db_url or settings.db_url
     started = time.monotonic()
     read = applied = 0
+    status_read = 0
     with Session(get_engine(url)) as session, session.begin():
         reset_projections(session)
         for logged in DeploymentLog(settings).read(until_end=True):
@@ -354,7 +369,12 @@ def rebuild(
             applied += apply_or_skip(session, logged)[0]
             if progress is not None:
                 progress(read)
-    report = RebuildReport(read, applied, read - applied, time.monotonic() - started)
+        for logged in ReplicaStatusLog(settings).read(until_end=True):
+            status_read += 1
+            apply_or_skip(session, logged, status=True)
+    report = RebuildReport(
+        read, applied, read - applied, time.monotonic() - started, status_read=status_read
+    )
     log.info(
         "rebuilt projections in %s from %s: %d events, %d applied, %d duplicates, %.2fs",
         url,
@@ -393,20 +413,19 @@ def follow(
 
     url = db_url or settings.db_url
     stop = stop or threading.Event()
-    topic = settings.topic("deployments")
+    topic, status_topic = settings.topic("deployments"), settings.topic("replica-status")
     # subscribe only once the broker answers and the topic's partitions are known: a group member
     # that joins before the metadata exists gets no partitions until its next metadata refresh
     try:
-        kafka_ready(settings, [topic], stop)
+        kafka_ready(settings, [topic, status_topic], stop)
     except Stopped:
         return
     consumer = make_consumer(settings, group_id=group_id, metadata_max_age_ms=30_000)
-    consumer.partitions_for_topic(topic)  # load this consumer's metadata before it joins the group
-    consumer.subscribe([topic])
+    for name in (topic, status_topic):  # this consumer's metadata, before it joins the group
+        consumer.partitions_for_topic(name)
+    consumer.subscribe([topic, status_topic])
     dead = DeadLetters(settings, consumer="projector")
-    log.info(
-        "projector following %s into %s (group %s)", settings.topic("deployments"), url, group_id
-    )
+    log.info("projector following %s and %s into %s (group %s)", topic, status_topic, url, group_id)
     try:
         while not stop.is_set():
             batch = consumer.poll(timeout_ms=int(poll_timeout_s * 1000))
@@ -427,7 +446,9 @@ def follow(
                                 INVALID_EVENTS.inc()
                                 bad.append((rec, exc.reason, exc.errors))
                                 continue
-                            _, failed = apply_or_skip(session, logged)
+                            _, failed = apply_or_skip(
+                                session, logged, status=rec.topic == status_topic
+                            )
                             if failed is not None:
                                 bad.append(
                                     (
