@@ -342,6 +342,13 @@ TOPICS: dict[str, dict[str, str]] = {
     },
     "version-metrics": {},
     "deployments": {},
+    # replica heartbeats, keyed by replica id (app/contracts/replica_status.py): compaction keeps
+    # the latest report of each replica; hourly segments so the cleaner can reach them
+    "replica-status": {
+        "cleanup.policy": "compact",
+        "segment.ms": str(3600 * 1000),
+        "min.cleanable.dirty.ratio": "0.1",
+    },
     "late": {"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)},
     "dlq": {"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)},
     # pushed deltas (app/replica/pushed.py): a copy for replicas; MLflow keeps the originals

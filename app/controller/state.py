@@ -1,13 +1,11 @@
-"""Deployment state as a pure fold over the events of `flywheel.deployments`.
+"""The controller's side of the deployment log: decisions and the fold over event dicts.
 
-The topic is the source of truth (docs/DESIGN.md §Deployment events): `fold(events)` rebuilds the controller's view
-(champion, candidate, canary phase and step, known-good history, failed versions) from any
-prefix of the log, so a restarted controller, the admin API and the tests all see the same
-state. `apply_event` never has side effects and ignores events that do not apply.
-
-Events are handled as plain dicts with the fields of docs/DESIGN.md §Deployment events (`event_id, type, model,
-version, from_version, traffic_pct, source, actor, reason, details, ts`), so this module
-works on Kafka records and on SQL projection rows alike.
+The topic is the source of truth (docs/DESIGN.md §Deployment events). The state and its rules live in one place,
+app/contracts/deployment_state.py (`DeploymentState`, `fold`), shared with the replicas, the
+admin API and the SQL projector. The controller's state machine (app/controller/canary.py)
+handles events as dicts with the docs/DESIGN.md §Deployment events fields (`event_id, type, model, version,
+from_version, traffic_pct, source, actor, reason, details, ts`); `apply_event` and `fold` here
+validate them as `DeploymentEvent`s and apply that one fold.
 
 A `Decision` is what the controller (or an operator verb) wants to become an event; the
 caller adds `event_id`, `model`, `ts` and publishes it (`Decision.to_event`).
@@ -18,14 +16,16 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from app.deployments.events import EVENT_TYPES
+from app.contracts import deployment_state
+from app.contracts.deployment_state import DeploymentState, Phase
+from app.deployments.events import EVENT_TYPES, DeploymentEvent
 from app.events import parse_ts as parse_event_ts
 
-Phase = Literal["idle", "canary", "paused"]
+__all__ = ["Decision", "DeploymentState", "Phase", "apply_event", "fold", "parse_ts", "vkey"]
 
 
 def vkey(version: str | None) -> int:
@@ -79,147 +79,18 @@ class Decision(BaseModel):
         }
 
 
-class DeploymentState(BaseModel):
-    """The controller's view of one registered model's rollout."""
-
-    model: str
-    champion: str | None = None
-    candidate: str | None = None
-    phase: Phase = "idle"
-    step: int = -1  # index into the canary steps; -1 when idle
-    traffic_pct: float = 0.0  # candidate's share of sessions
-    step_started_at: datetime | None = None
-    known_good: list[str] = Field(
-        default_factory=list
-    )  # versions that served as champion, oldest first
-    failed: list[str] = Field(default_factory=list)  # gate failures and rolled-back versions
-    registered: list[str] = Field(default_factory=list)
-    gate: dict[str, bool] = Field(default_factory=dict)  # version -> gate passed
-    canaried: list[str] = Field(default_factory=list)  # versions that already had their canary
-    # MLflow-UI alias moves that still need a controller answer: {"event_id", "to"} per alias
-    ui_champion: dict[str, Any] | None = None
-    ui_candidate: dict[str, Any] | None = None
-    last_analysis: dict[str, Any] = Field(default_factory=dict)
-    last_event_id: str | None = None
-
-    def rollback_targets(self, n: int) -> list[str]:
-        """The last `n` known-good versions other than the current champion, newest first."""
-        out = [v for v in reversed(self.known_good) if v != self.champion and v not in self.failed]
-        return out[:n]
-
-
-def _add(lst: list[str], v: str | None) -> list[str]:
-    return lst if v is None or v in lst else [*lst, v]
-
-
-def _to_end(lst: list[str], v: str | None) -> list[str]:
-    return lst if v is None else [*(x for x in lst if x != v), v]
-
-
-def _end_canary(s: DeploymentState) -> dict[str, Any]:
-    return {
-        "candidate": None,
-        "phase": "idle",
-        "step": -1,
-        "traffic_pct": 0.0,
-        "step_started_at": None,
-    }
-
-
 def apply_event(state: DeploymentState, ev: dict[str, Any]) -> DeploymentState:
-    """The state after `ev`. Pure; events about other models or of unknown type are ignored."""
-    if ev.get("model") not in (None, state.model):
-        return state
-    t, v, frm = ev.get("type"), ev.get("version"), ev.get("from_version")
-    details = ev.get("details") or {}
-    ts = parse_ts(ev["ts"]) if ev.get("ts") is not None else None
-    u: dict[str, Any] = {"last_event_id": ev.get("event_id")}
-    answered = details.get("in_response_to")
-    for slot in ("ui_champion", "ui_candidate"):
-        if answered and (getattr(state, slot) or {}).get("event_id") == answered:
-            u[slot] = None
-
-    if t == "version_registered":
-        u["registered"] = _add(state.registered, v)
-    elif t == "gate_passed":
-        u["gate"] = {**state.gate, v: True}
-    elif t == "gate_failed":
-        u["gate"] = {**state.gate, v: False}
-        u["failed"] = _add(state.failed, v)
-    elif t == "canary_started":
-        u.update(
-            candidate=v,
-            phase="canary",
-            step=int(details.get("step", 0)),
-            traffic_pct=float(ev.get("traffic_pct") or 0.0),
-            step_started_at=ts,
-            canaried=_add(state.canaried, v),
-            last_analysis={},
-        )
-    elif t == "traffic_shifted":
-        if state.candidate is not None and v in (None, state.candidate):
-            u.update(
-                phase="canary",
-                step=int(details.get("step", state.step + 1)),
-                traffic_pct=float(ev.get("traffic_pct") or 0.0),
-                step_started_at=ts,
-            )
-    elif t == "canary_paused":
-        if state.phase == "canary":
-            u["phase"] = "paused"
-    elif t == "canary_resumed":
-        if state.phase == "paused":
-            u.update(phase="canary", step_started_at=ts)
-    elif t == "promoted":
-        u.update(
-            _end_canary(state),
-            champion=v,
-            known_good=_to_end(state.known_good, v),
-            canaried=_add(state.canaried, v),
-        )
-    elif t == "rolled_back":
-        bad = frm
-        u.update(
-            _end_canary(state),
-            champion=v or state.champion,
-            failed=_add(state.failed, bad),
-            known_good=[x for x in _to_end(state.known_good, v) if x != bad],
-        )
-    elif t == "aborted":
-        u.update(_end_canary(state))
-    elif t == "alias_changed":
-        alias, ui = details.get("alias"), ev.get("source") == "mlflow-ui"
-        slot = {"event_id": ev.get("event_id"), "to": v}
-        if alias == "champion":
-            if v is not None:
-                u.update(champion=v, known_good=_to_end(state.known_good, v))
-            # the move itself is carried out by the fold; a running canary or a removed champion
-            # still needs an answer (promoted / aborted / restored)
-            if ui and (v is None or state.candidate is not None):
-                u["ui_champion"] = slot
-        elif alias == "candidate" and ui and v != state.candidate:
-            u["ui_candidate"] = slot
-    if "analysis" in details and t in (
-        "traffic_shifted",
-        "promoted",
-        "rolled_back",
-        "canary_paused",
-    ):
-        u["last_analysis"] = details["analysis"]
-    return state.model_copy(update=u)
+    """The state after `ev`, an event as a dict (a `Decision.to_event` or a decoded record):
+    validated as a `DeploymentEvent` and folded by the one fold (app/contracts/deployment_state.py).
+    Pure; events about other models are ignored; an invalid event raises ValidationError."""
+    return deployment_state.fold(state, DeploymentEvent.model_validate(ev))
 
 
 def fold(
     model: str, events: Iterable[dict[str, Any]], state: DeploymentState | None = None
 ) -> DeploymentState:
-    """Replay `events` (oldest first) onto `state` (default: the empty state of `model`)."""
-    state = state or DeploymentState(model=model)
-    seen: set[str] = set()
-    for ev in events:
-        eid = ev.get("event_id")
-        if eid in seen:  # at-least-once delivery: an event id counts once
-            continue
-        if eid:
-            seen.add(eid)
-        state = apply_event(state, ev)
-    return state
+    """Replay `events` (dicts, oldest first) onto `state` (default: the empty state of `model`);
+    an event id counts once (at-least-once delivery)."""
+    return deployment_state.replay(
+        model, (DeploymentEvent.model_validate(ev) for ev in events), state
+    )

@@ -8,8 +8,15 @@ comes from an event (timestamps included, never the clock), so replaying the top
 tables yields the same rows (docs/DESIGN.md §Invariants; tests/integration/deployments checks it).
 
     apply_event(session, logged)      # one event, idempotent (dedupe by event_id and offset)
+    apply_replica_status(session, ev) # one heartbeat of `<ns>.replica-status` (newest ts wins)
     follow(settings, stop=...)        # consumer group loop: `flywheel projections follow`
     rebuild(settings)                 # reset + replay to the end: `flywheel projections rebuild`
+
+The rules are the one fold's (app/contracts/deployment_state.py): an event is folded onto the
+state loaded from the rows, and the rows are written from the state the fold returns. Replica
+heartbeats come from their own compacted topic, `<ns>.replica-status`
+(app/contracts/replica_status.py), into `replicas` only; `follow` consumes both topics and
+`rebuild` replays both.
 
 Rebuild and the append-only guard: PostgreSQL's guard is a row trigger on UPDATE/DELETE, which
 TRUNCATE does not fire, so the reset is `TRUNCATE ... RESTART IDENTITY`. SQLite has no
@@ -31,9 +38,18 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from app.contracts.deployment_state import DeploymentState as State
+from app.contracts.deployment_state import (
+    ReplicaState,
+    VersionState,
+    apply_heartbeat,
+    fold,
+)
+from app.contracts.replica_status import ReplicaStatusLog
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica
 from app.deployments.events import (
+    REPLICA_TYPES,
     DeploymentEvent,
     DeploymentLog,
     InvalidRecord,
@@ -88,222 +104,168 @@ def apply_event(session: Session, logged: LoggedEvent) -> bool:
             kafka_offset=logged.offset,
         )
     )
-    state = session.get(DeploymentState, ev.model)
-    if state is None:
-        state = DeploymentState(
-            model=ev.model,
-            champion=None,
-            candidate=None,
-            traffic_pct=0.0,
-            phase="idle",
-            step_index=None,
-            last_analysis={},
-            updated_at=ev.ts,
-        )
-        session.add(state)
-    _HANDLERS[ev.type](session, ev, state)
-    state.last_event_id, state.updated_at = ev.event_id, ev.ts
+    row = session.get(DeploymentState, ev.model)
+    before = _load_state(session, row, ev)
+    _store(session, row, before, fold(before, ev))
     session.flush()
     PROJECTED.labels("applied").inc()
     PROJECTED_OFFSET.labels(str(logged.partition)).set(logged.offset)
     return True
 
 
-def _version(session: Session, ev: DeploymentEvent, version: str) -> ModelVersion:
-    """The model_versions row of `version` (created as `registered` when first seen)."""
-    mv = session.get(ModelVersion, (ev.model, version))
-    if mv is None:
-        mv = ModelVersion(
-            model=ev.model,
-            version=version,
-            status="registered",
-            lineage={},
-            gate={},
-            online={},
-            created_at=ev.ts,
-            updated_at=ev.ts,
+# --- fold state <-> rows ------------------------------------------------------------------------
+# The rules are the fold's (app/contracts/deployment_state.py); this section only maps its state
+# to rows and back. A row holds what the fold needs for the columns it feeds (champion, candidate,
+# traffic, phase, step, the versions an event can touch), so an event is folded onto the state
+# loaded from the rows and the rows are written from the state it returns.
+def _load_state(session: Session, row: DeploymentState | None, ev: DeploymentEvent) -> State:
+    """The fold state of `ev.model` as the rows hold it, with the versions and the replica that
+    `ev` can touch (its version and from_version, the champion, the candidate, its replica_id)."""
+    if row is None:
+        state = State(model=ev.model)
+    else:
+        state = State(
+            model=row.model,
+            champion=row.champion,
+            candidate=row.candidate,
+            phase="canary" if row.phase == "promoting" else row.phase,
+            step=-1 if row.step_index is None else row.step_index,
+            traffic_pct=row.traffic_pct or 0.0,
+            last_analysis=dict(row.last_analysis or {}),
+            last_event_id=row.last_event_id,
+            updated_at=_aware(row.updated_at),
+            last_registered_version=row.last_registered_version,
+            last_registered_at=_aware(row.last_registered_at),
         )
+    touched = {ev.version, ev.from_version, state.champion, state.candidate} - {None}
+    versions = {}
+    for version in sorted(touched):
+        mv = session.get(ModelVersion, (ev.model, version))
+        if mv is not None:
+            versions[version] = _version_state(mv)
+    replicas = {}
+    rid = ev.details.get("replica_id") if ev.type in REPLICA_TYPES else None
+    if rid is not None and (rep := session.get(Replica, rid)) is not None:
+        replicas[rid] = _replica_state(rep)
+    return state.model_copy(update={"versions": versions, "replicas": replicas})
+
+
+def _version_state(mv: ModelVersion) -> VersionState:
+    return VersionState(
+        version=mv.version,
+        status=mv.status,
+        parent_version=mv.parent_version,
+        run_id=mv.run_id,
+        rollouts_consumed=mv.rollouts_consumed,
+        reward_spec=mv.reward_spec,
+        lineage=dict(mv.lineage or {}),
+        gate=dict(mv.gate or {}),
+        online=dict(mv.online or {}),
+        created_at=_aware(mv.created_at),
+        updated_at=_aware(mv.updated_at),
+    )
+
+
+def _replica_state(rep: Replica) -> ReplicaState:
+    return ReplicaState(
+        replica_id=rep.replica_id,
+        model=rep.model,
+        url=rep.url,
+        champion_version=rep.champion_version,
+        candidate_version=rep.candidate_version,
+        traffic_pct=rep.traffic_pct,
+        status=rep.status,
+        details=dict(rep.details or {}),
+        last_heartbeat=_aware(rep.last_heartbeat),
+    )
+
+
+def _store(session: Session, row: DeploymentState | None, before: State, after: State) -> None:
+    """Write the rows of `after`: the model's state row, and the versions and replicas that
+    changed from `before`."""
+    if row is None:
+        row = DeploymentState(model=after.model)
+        session.add(row)
+    row.champion, row.candidate = after.champion, after.candidate
+    row.traffic_pct, row.phase, row.step_index = (
+        after.traffic_pct,
+        after.status_phase,
+        after.step_index,
+    )
+    row.last_analysis = dict(after.last_analysis)
+    row.last_registered_version = after.last_registered_version
+    row.last_registered_at = after.last_registered_at
+    row.last_event_id, row.updated_at = after.last_event_id, after.updated_at
+    for version, vs in after.versions.items():
+        if before.versions.get(version) != vs:
+            _store_version(session, after.model, vs)
+    for rep in after.replicas.values():
+        if before.replicas.get(rep.replica_id) != rep:
+            _store_replica(session, rep)
+
+
+def _store_version(session: Session, model: str, vs: VersionState) -> None:
+    mv = session.get(ModelVersion, (model, vs.version))
+    if mv is None:
+        mv = ModelVersion(model=model, version=vs.version)
         session.add(mv)
-    return mv
+    for field in (
+        "status",
+        "parent_version",
+        "run_id",
+        "rollouts_consumed",
+        "reward_spec",
+        "lineage",
+        "gate",
+        "online",
+        "created_at",
+        "updated_at",
+    ):
+        setattr(mv, field, getattr(vs, field))
 
 
-def _set_status(session: Session, ev: DeploymentEvent, version: str | None, status: str) -> None:
-    if version is not None:
-        mv = _version(session, ev, version)
-        mv.status, mv.updated_at = status, ev.ts
+def _store_replica(session: Session, rep: ReplicaState) -> None:
+    row = session.get(Replica, rep.replica_id)
+    if row is None:
+        row = Replica(replica_id=rep.replica_id)
+        session.add(row)
+    for field in (
+        "model",
+        "url",
+        "champion_version",
+        "candidate_version",
+        "traffic_pct",
+        "status",
+        "details",
+        "last_heartbeat",
+    ):
+        setattr(row, field, getattr(rep, field))
 
 
-def _end_canary(state: DeploymentState) -> None:
-    state.candidate, state.traffic_pct, state.phase, state.step_index = None, 0.0, "idle", None
+def _aware(value: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes (stored as UTC)."""
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
-def _take_analysis(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    """details.analysis -> last_analysis; its candidate/champion sub-dicts -> online metrics."""
-    analysis = ev.details.get("analysis")
-    if not isinstance(analysis, dict):
-        return
-    state.last_analysis = dict(analysis)
-    for role, version in (("candidate", state.candidate), ("champion", state.champion)):
-        if version is not None and isinstance(analysis.get(role), dict):
-            mv = _version(session, ev, version)
-            mv.online, mv.updated_at = dict(analysis[role]), ev.ts
-
-
-def _on_registered(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    mv = _version(session, ev, ev.version)
-    d = ev.details
-    mv.parent_version = ev.from_version
-    mv.run_id = d.get("run_id")
-    mv.rollouts_consumed = d.get("rollouts_consumed")
-    mv.reward_spec = d.get("reward_spec")
-    mv.lineage = {
-        k: v for k, v in d.items() if k not in ("run_id", "rollouts_consumed", "reward_spec")
-    }
-    mv.created_at = mv.updated_at = ev.ts
-    state.last_registered_version, state.last_registered_at = ev.version, ev.ts
-
-
-def _on_gate(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    """The verdict; a version already serving as champion (recorded before its gate finished)
-    keeps the status `champion`."""
-    mv = _version(session, ev, ev.version)
-    mv.gate, mv.updated_at = dict(ev.details), ev.ts
-    if state.champion != ev.version:
-        mv.status = ev.type
-
-
-def _on_canary_started(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    state.candidate = ev.version
-    state.champion = ev.from_version or state.champion
-    state.traffic_pct, state.phase = float(ev.traffic_pct), "canary"
-    state.step_index = ev.details.get("step", 0)
-    state.last_analysis = {}
-    _set_status(session, ev, ev.version, "canary")
-    _take_analysis(session, ev, state)
-
-
-def _on_traffic_shifted(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    if state.candidate is None or ev.version != state.candidate:
-        return  # a stale shift for a canary that already ended (the controller's fold ignores it too)
-    state.traffic_pct = float(ev.traffic_pct)
-    state.step_index = ev.details.get("step", (state.step_index or 0) + 1)
-    state.phase = "promoting" if state.traffic_pct >= 100.0 else "canary"
-    _take_analysis(session, ev, state)
-
-
-def _on_paused(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    if state.phase in ("canary", "promoting"):
-        state.phase = "paused"
-    _take_analysis(session, ev, state)
-
-
-def _on_resumed(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    if state.phase == "paused":
-        state.phase = "promoting" if state.traffic_pct >= 100.0 else "canary"
-    _take_analysis(session, ev, state)
-
-
-def _on_promoted(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    _take_analysis(session, ev, state)
-    old = state.champion
-    if old is not None and old != ev.version:
-        _set_status(session, ev, old, "retired")
-    _set_status(session, ev, ev.version, "champion")
-    state.champion = ev.version
-    if state.candidate == ev.version:
-        _end_canary(state)
-
-
-def _on_rolled_back(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    """`from_version` (default: the candidate, else the champion) is rolled back; `version` serves.
-
-    Any canary ends (as in the controller's fold, app/controller/state.py)."""
-    _take_analysis(session, ev, state)
-    bad = ev.from_version or state.candidate or state.champion
-    if bad is not None and bad != ev.version:
-        _set_status(session, ev, bad, "rolled_back")
-    _end_canary(state)
-    _set_status(session, ev, ev.version, "champion")
-    state.champion = ev.version
-
-
-def _on_aborted(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    _set_status(session, ev, ev.version, "aborted")
-    if state.candidate == ev.version:
-        _end_canary(state)
-
-
-def _on_alias_changed(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    """A champion move is carried out as it is (replicas follow the alias); removing the
-    champion alias changes nothing (the controller restores it). A candidate move is an
-    instruction: the state changes with the controller's answer (canary_started / aborted)."""
-    if ev.details["alias"] == "champion" and ev.version is not None:
-        if state.champion is not None and state.champion != ev.version:
-            _set_status(session, ev, state.champion, "retired")
-        _set_status(session, ev, ev.version, "champion")
-        state.champion = ev.version
-
-
-def _replica(session: Session, ev: DeploymentEvent) -> Replica:
+def apply_replica_status(session: Session, ev: DeploymentEvent) -> bool:
+    """Apply one `replica_heartbeat` of `<ns>.replica-status` to the `replicas` table (the caller
+    commits). The topic is compacted per replica, so only the newest report counts: one older
+    than the row's last report changes nothing (returns False)."""
+    if ev.type != "replica_heartbeat":
+        raise ValueError(
+            f"{ev.type} on the replica-status topic; only replica_heartbeat belongs there"
+        )
     rid = ev.details["replica_id"]
     rep = session.get(Replica, rid)
-    if rep is None:
-        rep = Replica(replica_id=rid, status="starting", details={})
-        session.add(rep)
-    rep.model = ev.model
-    if ev.details.get("url"):
-        rep.url = ev.details["url"]
-    rep.last_heartbeat = ev.ts
-    extra = {k: v for k, v in ev.details.items() if k not in ("replica_id", "url", "slot")}
-    rep.details = {**(rep.details or {}), **extra}
-    return rep
-
-
-def _on_replica_synced(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    rep = _replica(session, ev)
-    if ev.details.get("slot", "champion") == "candidate":
-        rep.candidate_version = ev.version
-    else:
-        rep.champion_version = ev.version
-    rep.status = "serving"
-    rep.details = {**rep.details, "last_synced_version": ev.version}
-
-
-def _on_replica_sync_failed(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    rep = _replica(session, ev)
-    rep.status = "sync_failed"
-    rep.details = {**rep.details, "failed_version": ev.version}
-
-
-def _on_replica_heartbeat(session: Session, ev: DeploymentEvent, state: DeploymentState) -> None:
-    rep = _replica(session, ev)
-    d = ev.details
-    rep.champion_version = d.get(
-        "champion_version", ev.version if ev.version is not None else rep.champion_version
-    )
-    if "candidate_version" in d:
-        rep.candidate_version = d["candidate_version"]
-    if ev.traffic_pct is not None:
-        rep.traffic_pct = ev.traffic_pct
-    rep.status = d.get("status") or ("serving" if rep.champion_version else "starting")
-
-
-_HANDLERS: dict[str, Callable[[Session, DeploymentEvent, DeploymentState], None]] = {
-    "version_registered": _on_registered,
-    "gate_passed": _on_gate,
-    "gate_failed": _on_gate,
-    "canary_started": _on_canary_started,
-    "traffic_shifted": _on_traffic_shifted,
-    "canary_paused": _on_paused,
-    "canary_resumed": _on_resumed,
-    "promoted": _on_promoted,
-    "rolled_back": _on_rolled_back,
-    "aborted": _on_aborted,
-    "alias_changed": _on_alias_changed,
-    "replica_synced": _on_replica_synced,
-    "replica_sync_failed": _on_replica_sync_failed,
-    "replica_heartbeat": _on_replica_heartbeat,
-}
+    before = {} if rep is None else {rid: _replica_state(rep)}
+    last = before[rid].last_heartbeat if before else None
+    if last is not None and ev.ts < last:
+        PROJECTED.labels("stale_status").inc()
+        return False
+    _store_replica(session, apply_heartbeat(before, ev)[rid])
+    session.flush()
+    PROJECTED.labels("status").inc()
+    return True
 
 
 def apply_events(session: Session, events: Iterable[LoggedEvent]) -> int:
@@ -320,13 +282,18 @@ TRANSIENT_DB_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
-def apply_or_skip(session: Session, logged: LoggedEvent) -> tuple[bool, Exception | None]:
-    """(applied, failure) of one event applied inside a savepoint. An event the projections cannot
+def apply_or_skip(
+    session: Session, logged: LoggedEvent, status: bool = False
+) -> tuple[bool, Exception | None]:
+    """(applied, failure) of one event applied inside a savepoint (`status`: a record of
+    `<ns>.replica-status`, applied with `apply_replica_status`). An event the projections cannot
     take (an error that is not the database being away) is rolled back alone and returned as the
     failure, so the others still apply. `follow` and `rebuild` both skip such an event, so a
     rebuild reproduces what `follow` wrote."""
     try:
         with session.begin_nested():
+            if status:
+                return apply_replica_status(session, logged.event), None
             return apply_event(session, logged), None
     except TRANSIENT_DB_ERRORS:
         raise
@@ -377,6 +344,7 @@ class RebuildReport:
     events_applied: int
     duplicates: int
     seconds: float
+    status_read: int = 0  # heartbeats read from `<ns>.replica-status`
 
 
 def rebuild(
@@ -393,6 +361,7 @@ def rebuild(
     url = db_url or settings.db_url
     started = time.monotonic()
     read = applied = 0
+    status_read = 0
     with Session(get_engine(url)) as session, session.begin():
         reset_projections(session)
         for logged in DeploymentLog(settings).read(until_end=True):
@@ -400,7 +369,12 @@ def rebuild(
             applied += apply_or_skip(session, logged)[0]
             if progress is not None:
                 progress(read)
-    report = RebuildReport(read, applied, read - applied, time.monotonic() - started)
+        for logged in ReplicaStatusLog(settings).read(until_end=True):
+            status_read += 1
+            apply_or_skip(session, logged, status=True)
+    report = RebuildReport(
+        read, applied, read - applied, time.monotonic() - started, status_read=status_read
+    )
     log.info(
         "rebuilt projections in %s from %s: %d events, %d applied, %d duplicates, %.2fs",
         url,
@@ -439,20 +413,19 @@ def follow(
 
     url = db_url or settings.db_url
     stop = stop or threading.Event()
-    topic = settings.topic("deployments")
+    topic, status_topic = settings.topic("deployments"), settings.topic("replica-status")
     # subscribe only once the broker answers and the topic's partitions are known: a group member
     # that joins before the metadata exists gets no partitions until its next metadata refresh
     try:
-        kafka_ready(settings, [topic], stop)
+        kafka_ready(settings, [topic, status_topic], stop)
     except Stopped:
         return
     consumer = make_consumer(settings, group_id=group_id, metadata_max_age_ms=30_000)
-    consumer.partitions_for_topic(topic)  # load this consumer's metadata before it joins the group
-    consumer.subscribe([topic])
+    for name in (topic, status_topic):  # this consumer's metadata, before it joins the group
+        consumer.partitions_for_topic(name)
+    consumer.subscribe([topic, status_topic])
     dead = DeadLetters(settings, consumer="projector")
-    log.info(
-        "projector following %s into %s (group %s)", settings.topic("deployments"), url, group_id
-    )
+    log.info("projector following %s and %s into %s (group %s)", topic, status_topic, url, group_id)
     try:
         while not stop.is_set():
             batch = consumer.poll(timeout_ms=int(poll_timeout_s * 1000))
@@ -473,7 +446,9 @@ def follow(
                                 INVALID_EVENTS.inc()
                                 bad.append((rec, exc.reason, exc.errors))
                                 continue
-                            _, failed = apply_or_skip(session, logged)
+                            _, failed = apply_or_skip(
+                                session, logged, status=rec.topic == status_topic
+                            )
                             if failed is not None:
                                 bad.append(
                                     (

@@ -4,7 +4,7 @@
     agent.start()    # a daemon thread; agent.stop() ends it
 
 On start the agent reads the deployment log from the beginning and folds it with the
-controller's own pure fold (`app.controller.state.fold`: champion, candidate, traffic split), so
+controller's own pure fold (`app.contracts.deployment_state.fold`: champion, candidate, traffic split), so
 every replica derives the same desired state from the same log. It then keeps following the
 topic and, whenever what it serves differs from what is desired, reconciles:
 
@@ -23,7 +23,8 @@ topic and, whenever what it serves differs from what is desired, reconciles:
 A sync that fails (fetch error, hash mismatch on every path) leaves the old weights serving,
 publishes `replica_sync_failed` and is retried after `retry_interval`. A successful one
 publishes `replica_synced`. Every `heartbeat_interval` the agent publishes `replica_heartbeat`
-with the versions it serves.
+with the versions it serves to `<ns>.replica-status` (compacted, keyed by replica id:
+app/contracts/replica_status.py), so heartbeats do not accumulate on the deployment log.
 
 Start order: the agent waits for the broker and the topic (app/infra/wait.py: backoff, one log
 line), and serves nothing until the log names a champion (one `waiting for` line, /readyz 503).
@@ -39,7 +40,8 @@ import threading
 import time
 from typing import Any
 
-from app.controller.state import DeploymentState, apply_event
+from app.contracts.deployment_state import DeploymentState, fold
+from app.contracts.replica_status import STATUS_TYPES, ReplicaStatusLog
 from app.deadletter import DeadLetters
 from app.deployments.events import REPLICA_TYPES, DeploymentEvent, DeploymentLog
 from app.infra.wait import Waiter
@@ -78,6 +80,7 @@ class SyncAgent:
         )
         self.state = DeploymentState(model=settings.model_name)
         self.events = DeploymentLog(settings)
+        self.status = ReplicaStatusLog(settings)  # heartbeats: `<ns>.replica-status`
         self.dead = DeadLetters(settings, consumer=f"replica:{cfg.id}")
         self.last_result: dict[str, Any] | None = None
         self.in_progress: dict[str, Any] | None = None  # the version being applied, for /v1/status
@@ -99,6 +102,7 @@ class SyncAgent:
         self._stop.set()
         self._thread.join(timeout_s)
         self.events.close()
+        self.status.close()
         self.dead.close()
         if hasattr(self.fetcher, "close"):
             self.fetcher.close()
@@ -224,7 +228,7 @@ class SyncAgent:
 
     def _apply(self, event: DeploymentEvent) -> None:
         """Fold one event (pure: the state changes only if the fold returns) and hand its artifact hint on."""
-        state = apply_event(self.state, event.model_dump(mode="json"))
+        state = fold(self.state, event)
         hint = ArtifactHint.from_details(event.details) if event.version else None
         if hint is not None and hasattr(self.fetcher, "learn"):
             self.fetcher.learn(event.version, hint)  # no MLflow look-up when it syncs
@@ -438,7 +442,7 @@ class SyncAgent:
             },
         )
         try:
-            self.events.publish(event)
+            (self.status if type_ in STATUS_TYPES else self.events).publish(event)
         except KafkaError as exc:  # reporting must not stop serving or syncing
             log.warning("could not publish %s: %s", type_, exc)
 

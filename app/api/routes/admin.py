@@ -69,16 +69,14 @@ class VerbRequest(BaseModel):
 
 
 def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:
+    from app.contracts.deployment_state import replay
     from app.controller.canary import operator_command
     from app.controller.config import get_controller_settings
-    from app.controller.state import fold
     from app.deployments.events import DeploymentEvent, DeploymentLog
 
     model = body.model or settings.model_name
     with DeploymentLog(settings) as dlog:
-        state = fold(
-            model, (le.event.model_dump(mode="json") for le in dlog.read(stall_timeout_s=10))
-        )
+        state = replay(model, (le.event for le in dlog.read(stall_timeout_s=10)))
         decisions = operator_command(
             state,
             verb,

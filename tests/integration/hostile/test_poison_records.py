@@ -11,7 +11,8 @@ record is on `<ns>.dlq` with its reason and its original bytes.
 Real parts: Kafka broker, PostgreSQL, MLflow server, uvicorn servers, a `python -m
 streams.worker` subprocess. One failure is injected: no valid deployment event makes the SQL
 projections raise any more (the event schema refuses what they cannot store), so the
-projector's `apply_failed` path is provoked by a projection handler replaced for one event type.
+projector's `apply_failed` path is provoked by replacing the fold the projector applies with one
+that raises for one event type.
 """
 
 from __future__ import annotations
@@ -176,10 +177,14 @@ def test_projector_dead_letters_bad_records_and_keeps_projecting(
     model = settings.model_name
     upgrade(fresh_postgres_url)
 
-    def refuse(session, ev, state):  # the injected failure (see the module docstring)
-        raise RuntimeError("this projection cannot take a canary_paused")
+    fold = projector.fold
 
-    monkeypatch.setitem(projector._HANDLERS, "canary_paused", refuse)
+    def refuse(state, ev):  # the injected failure (see the module docstring)
+        if ev.type == "canary_paused":
+            raise RuntimeError("this projection cannot take a canary_paused")
+        return fold(state, ev)
+
+    monkeypatch.setattr(projector, "fold", refuse)
     stop = threading.Event()
     follower = threading.Thread(
         target=projector.follow,

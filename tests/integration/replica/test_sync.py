@@ -21,7 +21,9 @@ pytestmark = pytest.mark.integration
 
 
 def replica_events(settings, n: int, type_: str) -> list[dict]:
-    return read_topic(settings, "deployments", n, where=lambda e: e["type"] == type_)
+    # heartbeats have their own compacted topic; the deployment log keeps syncs and failures
+    topic = "replica-status" if type_ == "replica_heartbeat" else "deployments"
+    return read_topic(settings, topic, n, where=lambda e: e["type"] == type_)
 
 
 def test_replica_follows_the_log_and_syncs_forward_by_verified_deltas(registered, replica_factory):

@@ -29,8 +29,17 @@ CFG = CanaryConfig(min_step=60, min_samples=50, step_deadline=600, margin=0.05, 
 
 
 def ev(type_, version=None, from_version=None, t=0.0, source="controller", **details):
+    # canary events carry the candidate's share (a valid DeploymentEvent; the fold is typed)
+    traffic = details.pop(
+        "traffic_pct", 5.0 if type_ in ("canary_started", "traffic_shifted") else None
+    )
     return Decision(
-        type=type_, version=version, from_version=from_version, source=source, details=details
+        type=type_,
+        version=version,
+        from_version=from_version,
+        source=source,
+        traffic_pct=traffic,
+        details=details,
     ).to_event("m", T0 + timedelta(seconds=t))
 
 

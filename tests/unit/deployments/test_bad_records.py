@@ -68,16 +68,20 @@ def test_a_lower_case_z_and_an_offset_decode_to_the_same_utc_instant():
 
 
 def test_an_event_the_projections_cannot_take_is_skipped_alone(session: Session, monkeypatch):
-    def refuse(session, ev, state):
-        state.champion = "99"  # a change made before the failure must not survive it
-        raise RuntimeError("cannot project")
-
-    monkeypatch.setitem(projector._HANDLERS, "canary_paused", refuse)
     events = [
         DeploymentEvent(type="promoted", model="m", version="1", source="controller"),
         DeploymentEvent(type="canary_paused", model="m", version="1", source="api"),
         DeploymentEvent(type="promoted", model="m", version="2", source="controller"),
     ]
+    store = projector._store
+
+    def refuse(session, row, before, after):
+        store(session, row, before, after)
+        if after.last_event_id == events[1].event_id:  # storing the canary_paused fails half-way
+            session.get(DeploymentState, "m").champion = "99"  # a change that must not survive
+            raise RuntimeError("cannot project")
+
+    monkeypatch.setattr(projector, "_store", refuse)
     results = [projector.apply_or_skip(session, LoggedEvent(0, i, e)) for i, e in enumerate(events)]
     session.commit()
     assert [r[0] for r in results] == [True, False, True]

@@ -138,6 +138,7 @@ def test_the_reward_and_the_controller_fold_read_every_spelling_ingest_accepts()
             "type": "canary_started",
             "model": "m",
             "version": "2",
+            "source": "controller",
             "traffic_pct": 5.0,
             "ts": "2026-11-21t10:00:00z",
         },
