@@ -71,6 +71,7 @@ from faust.sensors import Monitor
 from mode.supervisors import CrashingSupervisor
 from prometheus_client import Counter, Gauge, Histogram
 
+from app.contracts.kafka import FAUST_PRODUCER_OPTIONS
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.consumer import install as install_eager_drain
@@ -157,7 +158,7 @@ def dlq_envelope(
     key: bytes | None,
     value: bytes | None,
 ) -> dict[str, Any]:
-    """A `<ns>.dlq` record (streams.records.DlqRecord; the same envelope as app/deadletter.py)."""
+    """A `<ns>.dlq` record (app.contracts.rollouts.DlqRecord; the same envelope as app/contracts/deadletter.py)."""
     return {
         "reason": reason,
         "errors": errors,
@@ -692,17 +693,13 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         topic_partitions=n,
         topic_replication_factor=settings.replication_factor,
         web_enabled=False,
-        producer_acks=-1,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=cfg.commit_interval,
         broker_session_timeout=cfg.session_timeout,
         broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3),
         broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
-        # throughput: one in-flight produce request per broker, so batch more per request
-        producer_linger_ms=5,
-        producer_max_batch_size=1024 * 1024,
         stream_buffer_maxsize=cfg.stream_buffer_maxsize,
-        producer_max_request_size=8 * 1024 * 1024,
+        **FAUST_PRODUCER_OPTIONS,
         Monitor=LeanMonitor,
     )
     if cfg.eager_drain:

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.deployments.events import EVENT_TYPES
-from app.events import parse_ts as parse_event_ts
+from app.contracts.deployments import EVENT_TYPES
+from app.contracts.events import parse_ts as parse_event_ts
 
 Phase = Literal["idle", "canary", "paused"]
 
@@ -34,7 +34,7 @@ def vkey(version: str | None) -> int:
 
 
 def parse_ts(value: Any) -> datetime:
-    """An event's ts as aware UTC: the event schema's one parser (app/events.py); a naive datetime
+    """An event's ts as aware UTC: the event schema's one parser (app/contracts/events.py); a naive datetime
     (SQLite projection rows hand back naive UTC) is taken as UTC."""
     if isinstance(value, datetime) and value.tzinfo is None:
         value = value.replace(tzinfo=UTC)

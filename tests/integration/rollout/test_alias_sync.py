@@ -96,7 +96,7 @@ def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an
     import threading
     import time
 
-    from app.controller.aliases import TAG_PREFIX, read_snapshot, sync_aliases
+    from app.contracts.aliases import TAG_PREFIX, read_snapshot, sync_aliases
 
     client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-settle")
     sync_aliases(client, model, {"champion": "1"})

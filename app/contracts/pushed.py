@@ -13,7 +13,7 @@ artifact in MLflow; headers `model`, `version`, `parent_version`, `file`, `sha25
 to `FLYWHEEL_DELTA_PUSH_MAX_BYTES` are pushed (anchors never); the topic keeps a day of them.
 
 Trust: none is needed. Pushed bytes take the place of the downloaded file and nothing else: their
-size and SHA-256 must equal the ones in the deployment log's artifact hint (app/replica/hints.py),
+size and SHA-256 must equal the ones in the deployment log's artifact hint (app/contracts/hints.py),
 then the codec checks the held weights against the delta's base hash, hashes every decoded tensor
 and the checkpoint, exactly as for a download. A pushed delta that fails is dropped and the file is
 downloaded from MLflow; MLflow stays the source of truth, Kafka only carries a copy.
@@ -128,7 +128,7 @@ def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) 
     `sha256`, or Kafka fails: replicas then download it from MLflow, as without pushing."""
     from kafka.errors import KafkaError
 
-    from app.kafka_io import make_producer
+    from app.contracts.kafka import make_producer
 
     version, file = delta.version, delta.file
     if len(delta.data) > settings.delta_push_max_bytes:
@@ -144,7 +144,7 @@ def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) 
         return False
     key, value, headers = delta.record()
     own = producer is None
-    producer = producer or make_producer(settings, linger_ms=0)
+    producer = producer or make_producer(settings, profile="immediate")
     try:
         producer.send(settings.topic("deltas"), key=key, value=value, headers=headers).get(
             timeout=max(1.0, settings.kafka_produce_timeout * 2)
