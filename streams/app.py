@@ -72,6 +72,12 @@ from mode.supervisors import CrashingSupervisor
 from prometheus_client import Counter, Gauge, Histogram
 
 from app.contracts.kafka import FAUST_PRODUCER_OPTIONS
+from app.contracts.topics import (
+    STREAMS_INTERNAL_SPECS,
+    STREAMS_METRIC_PARTIALS,
+    STREAMS_TICKS,
+    topic_partitions,
+)
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.consumer import install as install_eager_drain
@@ -197,8 +203,8 @@ def internal_topics(
     """
     ns, n = settings.topic_namespace, settings.interactions_partitions
     topics = {
-        f"{ns}.streams-ticks": (n, {"retention.ms": str(3600_000)}),
-        f"{ns}.streams-metric-partials": (n, {"retention.ms": str(7 * 86400_000)}),
+        f"{ns}.{t.name}": (topic_partitions(settings, t.name), dict(t.config))
+        for t in STREAMS_INTERNAL_SPECS
     }
     for table in TABLES:
         topics[f"{app_id(settings, cfg)}-{table}-changelog"] = (n, {"cleanup.policy": "compact"})
@@ -704,8 +710,8 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
     )
     if cfg.eager_drain:
         install_eager_drain(app)  # before app.topic(): that creates the transport
-    interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
-    partials_name = f"{ns}.streams-metric-partials"
+    interactions, ticks = settings.topic("interactions"), f"{ns}.{STREAMS_TICKS}"
+    partials_name = f"{ns}.{STREAMS_METRIC_PARTIALS}"
     raw = {
         "key_type": bytes,
         "value_type": bytes,

@@ -43,6 +43,8 @@ LATE = "late"
 DLQ = "dlq"
 DELTAS = "deltas"
 REPLICA_STATUS = "replica-status"
+STREAMS_TICKS = "streams-ticks"
+STREAMS_METRIC_PARTIALS = "streams-metric-partials"
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,27 @@ TOPIC_SPECS: tuple[Topic, ...] = (
 # name -> topic configuration
 TOPICS: dict[str, dict[str, str]] = {t.name: t.config for t in TOPIC_SPECS}
 
+# The streams role's own topics, read and written by it alone: created with the interactions
+# partition count by streams/app.py (`ensure_internal_topics`, beside its tables' changelogs).
+STREAMS_INTERNAL_SPECS: tuple[Topic, ...] = (
+    # one tick per interactions partition, so labels close on quiet partitions
+    Topic(
+        STREAMS_TICKS,
+        key="none",
+        config={"retention.ms": str(3600_000)},
+        partitions_setting="interactions_partitions",
+    ),
+    # per-partition metric partials, merged into <ns>.version-metrics
+    Topic(
+        STREAMS_METRIC_PARTIALS,
+        key="model version",
+        config={"retention.ms": str(7 * 86400_000)},
+        partitions_setting="interactions_partitions",
+    ),
+)
+
 
 def topic_partitions(settings: Settings, name: str) -> int:
     """The partition count `name` is created with."""
-    spec = next(t for t in TOPIC_SPECS if t.name == name)
+    spec = next(t for t in TOPIC_SPECS + STREAMS_INTERNAL_SPECS if t.name == name)
     return int(getattr(settings, spec.partitions_setting))

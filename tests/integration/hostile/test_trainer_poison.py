@@ -41,6 +41,7 @@ from tests.integration.trainer.conftest import (
     read_dlq,
     refused_count,
     rollout_records,
+    trainer_env,  # noqa: F401 (a fixture)
     trainer_env_vars,
     wait_for,
 )
