@@ -59,7 +59,7 @@ import httpx
 import torch
 
 from app.contracts.hints import ArtifactHint, config_sha256
-from app.contracts.pushed import PushedDeltas
+from app.replica.pushed_store import PushedDeltas
 from app.settings import Settings
 from kernels.delta import DeltaFormatError
 from kernels.delta.manifest import MANIFEST_FILE, Manifest, delta_file

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from app.contracts.hints import ArtifactHint, artifact_hints
-from app.contracts.pushed import PushedDelta, PushedDeltas
+from app.contracts.pushed import PushedDelta
+from app.replica.pushed_store import PushedDeltas
 from tests.unit.replica.conftest import tiny_state
 
 Rec = namedtuple("Rec", "topic partition offset key value headers")
