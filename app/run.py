@@ -1,11 +1,10 @@
 """`flywheel run`: the whole loop locally, on the embedded defaults.
 
 Starts, in order: the embedded Kafka broker (and its topics), the database migrations, the
-MLflow server (UI), the API, then every other role whose command this build has (streams
-worker, trainer, controller, two replicas, the simulated editor population), each as its own
-process under a small supervisor (app/supervisor.py). Prints the URLs, shows a live status
-view, and on Ctrl-C stops everything cleanly. State lives in FLYWHEEL_DATA_DIR, so a second
-start resumes where the first stopped.
+MLflow server (UI), the API, then every other role (streams worker, trainer, controller, two
+replicas, the simulated editor population), each as its own process under a small supervisor
+(app/supervisor.py). Prints the URLs, shows a live status view, and on Ctrl-C stops everything
+cleanly. State lives in FLYWHEEL_DATA_DIR, so a second start resumes where the first stopped.
 """
 
 from __future__ import annotations
