@@ -37,10 +37,11 @@ run: $(STAMP)
 test: lint $(STAMP) postgres kafka-jars chromium
 	$(BIN)/python -m pytest tests
 
-# ruff (lint and format, configured in pyproject.toml).
+# ruff (lint and format) and the import contracts (import-linter), configured in pyproject.toml.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 # Rewrite the tree in ruff's format and apply its safe fixes.
 format: $(STAMP)

@@ -36,14 +36,7 @@ class SettingInfo:
 def settings_classes() -> list[type[BaseSettings]]:
     out = []
     for name in SETTINGS_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and (
-                name == exc.name or name.startswith(exc.name + ".")
-            ):  # role not in this build
-                continue
-            raise
+        mod = importlib.import_module(name)
         for obj in vars(mod).values():
             if (
                 isinstance(obj, type)

@@ -1,11 +1,10 @@
 """`flywheel run`: the whole loop locally, on the embedded defaults.
 
 Starts, in order: the embedded Kafka broker (and its topics), the database migrations, the
-MLflow server (UI), the API, then every other role whose command this build has (streams
-worker, trainer, controller, two replicas, the simulated editor population), each as its own
-process under a small supervisor (app/supervisor.py). Prints the URLs, shows a live status
-view, and on Ctrl-C stops everything cleanly. State lives in FLYWHEEL_DATA_DIR, so a second
-start resumes where the first stopped.
+MLflow server (UI), the API, then every other role (streams worker, trainer, controller, two
+replicas, the simulated editor population), each as its own process under a small supervisor
+(app/supervisor.py). Prints the URLs, shows a live status view, and on Ctrl-C stops everything
+cleanly. State lives in FLYWHEEL_DATA_DIR, so a second start resumes where the first stopped.
 """
 
 from __future__ import annotations
@@ -95,15 +94,6 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def available_roles() -> set[str]:
-    """Role commands this build of the CLI has (roles land issue by issue)."""
-    import typer
-
-    from app.cli import app as cli_app
-
-    return set(typer.main.get_command(cli_app).commands)  # type: ignore[attr-defined]
-
-
 def _stop_on_signals() -> None:
     """SIGTERM (a process manager, `timeout`, `docker stop`) and SIGHUP stop the stack as Ctrl-C does:
     the roles run in their own sessions, so a run killed without its cleanup would orphan them.
@@ -143,7 +133,6 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
     sup = Supervisor(data_dir / "logs", env)
     broker = LocalKafka.from_settings(settings)
     started_broker = False
-    roles = available_roles()
     try:
         with console.status(
             "starting Kafka (the first start resolves its jars from Maven Central)..."
@@ -192,34 +181,32 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
         sup.start(RoleSpec("projections", py + ["projections", "follow"]), wait=False)
         console.print("[green]✓[/green] projections (flywheel.deployments → SQL)")
         for role in ("streams", "trainer", "controller"):
-            if role in roles:
-                sup.start(RoleSpec(role, py + [role]), wait=False)
-                console.print(f"[green]✓[/green] {role}")
+            sup.start(RoleSpec(role, py + [role]), wait=False)
+            console.print(f"[green]✓[/green] {role}")
         replica_urls = []
-        if "replica" in roles:
-            for i in range(opts.replicas):
-                port = opts.replica_base_port + i
-                url = f"http://127.0.0.1:{port}"
-                replica_urls.append(url)
-                sup.start(
-                    RoleSpec(
+        for i in range(opts.replicas):
+            port = opts.replica_base_port + i
+            url = f"http://127.0.0.1:{port}"
+            replica_urls.append(url)
+            sup.start(
+                RoleSpec(
+                    f"replica-{i}",
+                    py
+                    + [
+                        "replica",
+                        "--host",
+                        "127.0.0.1",
+                        "--port",
+                        str(port),
+                        "--replica-id",
                         f"replica-{i}",
-                        py
-                        + [
-                            "replica",
-                            "--host",
-                            "127.0.0.1",
-                            "--port",
-                            str(port),
-                            "--replica-id",
-                            f"replica-{i}",
-                        ],
-                        url=url,
-                    ),
-                    wait=False,
-                )
-                console.print(f"[green]✓[/green] replica-{i} {url}")
-        if opts.simulate and "simulate" in roles and replica_urls:
+                    ],
+                    url=url,
+                ),
+                wait=False,
+            )
+            console.print(f"[green]✓[/green] replica-{i} {url}")
+        if opts.simulate and replica_urls:
             sup.start(
                 RoleSpec(
                     "simulate",

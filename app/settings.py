@@ -19,6 +19,7 @@ from typing import Annotated, Literal
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from app.contracts.topics import KAFKA_MESSAGE_MAX_BYTES, KAFKA_RECORD_OVERHEAD_BYTES, TOPICS
 from app.settings_base import FlywheelSettings
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?")
@@ -53,25 +54,6 @@ def parse_duration(value: object) -> float:
 
 
 Duration = Annotated[float, BeforeValidator(parse_duration)]
-
-# Kafka record limits (bytes), one chain from the HTTP body to the broker; tests/unit/test_kafka_limits.py
-# checks that it holds. An event of `max_event_bytes` becomes one record whose batch is at most
-# `max_event_bytes + KAFKA_RECORD_OVERHEAD_BYTES`: a v2 batch header is 61 bytes, a record's framing
-# (length, attributes, timestamp and offset deltas, key and value lengths, header count; varints)
-# at most 31, and the key (a request_id of up to 128 characters) at most 512 bytes of UTF-8.
-KAFKA_MESSAGE_MAX_BYTES = 1_048_588  # broker message.max.bytes and <ns>.interactions max.message.bytes (Kafka's default, set explicitly)
-KAFKA_RECORD_OVERHEAD_BYTES = (
-    1024  # upper bound of batch header + record framing + key for one event record
-)
-KAFKA_DERIVED_MAX_MESSAGE_BYTES = (
-    4 << 20
-)  # rollouts / late / dlq: records that embed an event (base64 in the dlq: x4/3)
-KAFKA_DELTAS_MAX_MESSAGE_BYTES = (
-    8 << 20
-)  # <ns>.deltas: pushed weight deltas (delta_push_max_bytes <= 7 MiB)
-KAFKA_PRODUCER_MAX_REQUEST_BYTES = (
-    8 << 20
-)  # kafka-python producers: any record of any topic above must fit
 
 
 class Settings(FlywheelSettings):
@@ -144,7 +126,7 @@ class Settings(FlywheelSettings):
         4 * 1024 * 1024,
         ge=0,
         le=7 * 1024 * 1024,
-        description="The trainer also writes each delta up to this size to `<ns>.deltas`, so replicas get it with the deployment event instead of downloading it from MLflow (app/replica/pushed.py). 0: never push.",
+        description="The trainer also writes each delta up to this size to `<ns>.deltas`, so replicas get it with the deployment event instead of downloading it from MLflow (app/contracts/pushed.py). 0: never push.",
     )
     kafka_cache_dir: Path = Field(
         Path.home() / ".cache" / "flywheel",
@@ -331,40 +313,6 @@ class Settings(FlywheelSettings):
         """Full topic name for a logical topic (`interactions` -> `flywheel.interactions`)."""
         assert name in TOPICS, f"unknown topic {name!r}; known: {sorted(TOPICS)}"
         return f"{self.topic_namespace}.{name}"
-
-
-# logical name -> (partitions setting or None for default, extra topic configs)
-TOPICS: dict[str, dict[str, str]] = {
-    "interactions": {"max.message.bytes": str(KAFKA_MESSAGE_MAX_BYTES)},
-    "rollouts": {
-        "cleanup.policy": "compact",
-        "max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES),
-    },
-    "version-metrics": {},
-    "deployments": {},
-    # replica heartbeats, keyed by replica id (app/contracts/replica_status.py): compaction keeps
-    # the latest report of each replica; hourly segments so the cleaner can reach them
-    "replica-status": {
-        "cleanup.policy": "compact",
-        "segment.ms": str(3600 * 1000),
-        "min.cleanable.dirty.ratio": "0.1",
-    },
-    "late": {"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)},
-    "dlq": {"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)},
-    # pushed deltas (app/replica/pushed.py): a copy for replicas; MLflow keeps the originals
-    "deltas": {
-        "retention.ms": str(24 * 3600 * 1000),
-        "retention.bytes": str(1 << 30),
-        "max.message.bytes": str(KAFKA_DELTAS_MAX_MESSAGE_BYTES),
-    },
-}
-
-
-def topic_partitions(settings: Settings, name: str) -> int:
-    return {
-        "interactions": settings.interactions_partitions,
-        "rollouts": settings.rollouts_partitions,
-    }.get(name, settings.default_partitions)
 
 
 @lru_cache(maxsize=1)

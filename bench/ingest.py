@@ -7,7 +7,7 @@ connections/threads, and wait for the broker's acknowledgement of every batch:
 - api: `flywheel api` in its own process (real uvicorn, migrations, auth, rate limiter,
   validation, acks=all idempotent producer); `--connections` client threads each keep one
   HTTP connection and post pre-encoded batch bodies.
-- raw: the kafka-python producer every other role uses (`app.kafka_io.make_producer`)
+- raw: the kafka-python producer every other role uses (`app.contracts.kafka.make_producer`)
   in this process; `--connections` threads each `send()` a batch's 100 records and wait
   for their 100 acknowledgements. This is the floor the API's own work is measured against.
 
@@ -145,7 +145,7 @@ def _drive(name: str, batches: list, connections: int, work) -> Result:
 
 
 def run_raw(settings: Settings, batches: list, connections: int) -> Result:
-    from app.kafka_io import make_producer
+    from app.contracts.kafka import make_producer
 
     producer = make_producer(settings)
     topic = settings.topic("interactions")

@@ -34,8 +34,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from app.contracts.deployment_state import apply_heartbeat, replay
+from app.contracts.deployments import DeploymentEvent, DeploymentLog
 from app.contracts.replica_status import ReplicaStatusLog
-from app.deployments.events import DeploymentEvent, DeploymentLog
 from app.replica.config import ReplicaConfig
 from app.settings import Settings
 
@@ -127,7 +127,7 @@ def day_of_events(
 
 def publish(settings: Settings, topic: str, events: list[DeploymentEvent], key: Callable) -> None:
     """Write `events` in order, batched (one flush at the end)."""
-    from app.kafka_io import make_producer
+    from app.contracts.kafka import make_producer
 
     producer = make_producer(settings, linger_ms=20)
     try:

@@ -91,8 +91,8 @@ def event_delay(stack, type_: str, version: str, wall0: float) -> float | None:
 def run_mode(
     webhooks: bool, args: argparse.Namespace, kafka: str, uri: str, work: Path, console
 ) -> dict[str, Any]:
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.controller.config import ControllerSettings
-    from app.deployments.events import DeploymentEvent, DeploymentLog
     from app.infra.kafka import ensure_topics
     from app.settings import Settings
     from tests.integration.rollout.stack import RolloutStack, nudged, tiny_policy_state, wait_for

@@ -478,7 +478,7 @@ def read_back(settings, timeout_s: float = 180.0) -> tuple[set[str], set[str]]:
     """(event_ids, generation request_ids) on the interactions topic, read to its end offsets."""
     from kafka import TopicPartition
 
-    from app.kafka_io import make_consumer
+    from app.contracts.kafka import make_consumer
 
     consumer = make_consumer(settings, group_id=None)
     events, generations = set(), set()

@@ -80,7 +80,7 @@ def baseline(settings, n: int) -> tuple[float, float]:
     """Plain kafka-python consume -> produce of the backlog; (events/s, events per CPU-second)."""
     import resource
 
-    from app.kafka_io import make_consumer, make_producer
+    from app.contracts.kafka import make_consumer, make_producer
 
     dest = f"{settings.topic_namespace}.bench-copy"
     cons = make_consumer(
@@ -226,8 +226,8 @@ def main() -> None:
     n = args.events or (12_000 if args.quick else 60_000)
     live_s = 5.0 if args.quick else 15.0
 
+    from app.contracts.kafka import make_consumer, make_producer
     from app.infra.kafka import LocalKafka
-    from app.kafka_io import make_consumer, make_producer
     from app.settings import Settings
     from streams.app import ensure_internal_topics
 

@@ -6,12 +6,12 @@
     .venv/bin/python -m bench.sync_replicas --kafka 127.0.0.1:9092 --mlflow http://127.0.0.1:5000  # reuse servers
 
 Set-up (all real, all local): an embedded Kafka broker and an `mlflow server` (started here unless
-given), version N registered the way the trainer ships it (pyfunc model + trainer.publish
+given), version N registered the way the trainer ships it (pyfunc model + app.contracts.artifacts
 delta/manifest artifacts), and 4 replicas' sync agents (app/replica/sync.py), each with its own
 weight store, verified cache directory, MLflow client and Kafka consumer (the HTTP front end is
 not involved in a sync, so it is left out). Every version is registered in MLflow before the
 rounds. A round: the trainer's announcement of the next version (its delta pushed to
-`<ns>.deltas` when `--push`, app/replica/pushed.py; then `version_registered` with the artifact
+`<ns>.deltas` when `--push`, app/contracts/pushed.py; then `version_registered` with the artifact
 hints), then `promoted` on `flywheel.deployments`, then wait until every replica serves it. With
 `--announce early` (default) the announcement goes out 0.5 s before the promotion, outside the
 measured time, as in production, where the gate runs between the two: a replica has the pushed
@@ -30,14 +30,14 @@ the MLflow server, which the floor accounts for (4 applies' CPU over the cores).
 
 The floor, measured side by side in the same run:
 - payload: the bytes each replica must receive in the measured time (the delta alone when the
-  deployment log carries the artifact hints of app/replica/hints.py, the default, downloaded or
+  deployment log carries the artifact hints of app/contracts/hints.py, the default, downloaded or
   pushed in-round; manifest + delta + config for a version announced without them; nothing for a
   delta pushed before the round), times 4, over the
   loopback bandwidth measured by downloading a large artifact from the same MLflow server
   (best of 3);
 - apply: what 4 verified reconstructions of the version from the held one, on in-memory bytes,
   need at the least on this machine: max(the fastest one alone, 4 x the least CPU time one needs /
-  CPU cores). Measured, best of 3 each, on `trainer.publish.apply_chain` and the replica's one-delta
+  CPU cores). Measured, best of 3 each, on `app.contracts.artifacts.apply_chain` and the replica's one-delta
   path (file SHA-256 + `decode_delta_verified` with every tensor hash checked) at the codec's
   default threads and at 1 thread (the replicas' default); CPU time is the process's, all threads.
   The report also prints the ratio against a looser floor, the fastest wall time x ceil(4 /
@@ -192,12 +192,12 @@ def _register(
 ) -> tuple[Any, Any]:
     """Register `version` in MLflow as the trainer does (artifacts, then the model version) and
     return what the trainer then announces: its `version_registered` event (with the artifact hints
-    of app/replica/hints.py unless `hints` is False) and its delta (an app.replica.pushed.PushedDelta,
+    of app/contracts/hints.py unless `hints` is False) and its delta (an app.contracts.pushed.PushedDelta,
     None for the anchor)."""
-    from app.deployments.events import DeploymentEvent
-    from app.replica.hints import artifact_hints
-    from app.replica.pushed import PushedDelta
-    from trainer.publish import publish_version
+    from app.contracts.artifacts import publish_version
+    from app.contracts.deployments import DeploymentEvent
+    from app.contracts.hints import artifact_hints
+    from app.contracts.pushed import PushedDelta
 
     pv = str(int(version) - 1) if parent is not None else None
     with tempfile.TemporaryDirectory() as tmp:
@@ -256,9 +256,9 @@ def _register(
 
 def _announce(settings: Any, dlog: Any, producer: Any, event: Any, delta: Any) -> None:
     """What trainer/shipping.py does after registering: push `delta` to `<ns>.deltas` unless it is
-    None (app/replica/pushed.py; on `producer`, kept open like `dlog`'s), then publish
+    None (app/contracts/pushed.py; on `producer`, kept open like `dlog`'s), then publish
     `version_registered`."""
-    from app.replica.pushed import publish_delta
+    from app.contracts.pushed import publish_delta
 
     if delta is not None:
         assert publish_delta(settings, delta, producer)
@@ -274,7 +274,7 @@ def warm_broker(settings: Any, n: int, console: Any = None) -> None:
     from kafka import KafkaAdminClient, TopicPartition
     from kafka.admin import NewTopic
 
-    from app.kafka_io import make_consumer, make_producer
+    from app.contracts.kafka import make_consumer, make_producer
 
     if n <= 0:
         return
@@ -294,7 +294,7 @@ def warm_broker(settings: Any, n: int, console: Any = None) -> None:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    producer = make_producer(settings, linger_ms=0)
+    producer = make_producer(settings, profile="immediate")
     acks = []
     try:
         for i in range(n):
@@ -342,10 +342,10 @@ def _apply_time(
     and both timings (apply_chain, one delta)."""
     import hashlib
 
+    from app.contracts.artifacts import apply_chain
     from kernels.delta import hash_state_dict
     from kernels.delta.codec import decode_delta_verified
     from kernels.delta.manifest import Manifest
-    from trainer.publish import apply_chain
 
     files: dict[tuple[str, str], bytes] = {}
 
@@ -689,8 +689,8 @@ def run_sync_bench(
     first delta sync imports and first-runs the codec's code paths: a one-time cost of a process,
     not of a sync).
     """
-    from app.deployments.events import DeploymentEvent, DeploymentLog
-    from app.kafka_io import make_producer
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
+    from app.contracts.kafka import make_producer
     from app.replica.fetch import VersionFetcher
     from trainer.registry import Registry
 
@@ -706,7 +706,7 @@ def run_sync_bench(
     run_id = reg.start_run()
     manifests: dict = {}
     dlog = DeploymentLog(settings)
-    pusher = make_producer(settings, linger_ms=0)
+    pusher = make_producer(settings, profile="immediate")
     announcements = [
         _register(
             reg,

@@ -71,6 +71,13 @@ from faust.sensors import Monitor
 from mode.supervisors import CrashingSupervisor
 from prometheus_client import Counter, Gauge, Histogram
 
+from app.contracts.kafka import FAUST_PRODUCER_OPTIONS
+from app.contracts.topics import (
+    STREAMS_INTERNAL_SPECS,
+    STREAMS_METRIC_PARTIALS,
+    STREAMS_TICKS,
+    topic_partitions,
+)
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.consumer import install as install_eager_drain
@@ -157,7 +164,7 @@ def dlq_envelope(
     key: bytes | None,
     value: bytes | None,
 ) -> dict[str, Any]:
-    """A `<ns>.dlq` record (streams.records.DlqRecord; the same envelope as app/deadletter.py)."""
+    """A `<ns>.dlq` record (app.contracts.rollouts.DlqRecord; the same envelope as app/contracts/deadletter.py)."""
     return {
         "reason": reason,
         "errors": errors,
@@ -196,8 +203,8 @@ def internal_topics(
     """
     ns, n = settings.topic_namespace, settings.interactions_partitions
     topics = {
-        f"{ns}.streams-ticks": (n, {"retention.ms": str(3600_000)}),
-        f"{ns}.streams-metric-partials": (n, {"retention.ms": str(7 * 86400_000)}),
+        f"{ns}.{t.name}": (topic_partitions(settings, t.name), dict(t.config))
+        for t in STREAMS_INTERNAL_SPECS
     }
     for table in TABLES:
         topics[f"{app_id(settings, cfg)}-{table}-changelog"] = (n, {"cleanup.policy": "compact"})
@@ -694,23 +701,19 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         topic_partitions=n,
         topic_replication_factor=settings.replication_factor,
         web_enabled=False,
-        producer_acks=-1,
         consumer_auto_offset_reset="earliest",
         broker_commit_interval=cfg.commit_interval,
         broker_session_timeout=cfg.session_timeout,
         broker_heartbeat_interval=min(3.0, cfg.session_timeout / 3),
         broker_rebalance_timeout=max(cfg.session_timeout, 10.0),
-        # throughput: one in-flight produce request per broker, so batch more per request
-        producer_linger_ms=5,
-        producer_max_batch_size=1024 * 1024,
         stream_buffer_maxsize=cfg.stream_buffer_maxsize,
-        producer_max_request_size=8 * 1024 * 1024,
+        **FAUST_PRODUCER_OPTIONS,
         Monitor=LeanMonitor,
     )
     if cfg.eager_drain:
         install_eager_drain(app)  # before app.topic(): that creates the transport
-    interactions, ticks = settings.topic("interactions"), f"{ns}.streams-ticks"
-    partials_name = f"{ns}.streams-metric-partials"
+    interactions, ticks = settings.topic("interactions"), f"{ns}.{STREAMS_TICKS}"
+    partials_name = f"{ns}.{STREAMS_METRIC_PARTIALS}"
     raw = {
         "key_type": bytes,
         "value_type": bytes,

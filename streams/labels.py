@@ -38,8 +38,8 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.events import EventValidationError, parse_event
-from streams.records import SUM_FIELDS, add_sums, empty_sums, rollout_sums, version_metrics
+from app.contracts.events import EventValidationError, parse_event
+from app.contracts.rollouts import SUM_FIELDS, add_sums, empty_sums, rollout_sums, version_metrics
 from streams.reward import RewardSpec, compute_reward
 
 log = logging.getLogger(__name__)

@@ -27,6 +27,8 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
+from app.contracts.kafka import outbox_producer_options
+
 log = logging.getLogger(__name__)
 
 Record = tuple[
@@ -42,9 +44,9 @@ class Outbox(Protocol):
 class KafkaOutbox:
     """An idempotent aiokafka producer used through `create_batch`/`send_batch` (started on first use)."""
 
-    def __init__(self, bootstrap: str, max_batch_bytes: int = 1024 * 1024, linger_ms: int = 0):
+    def __init__(self, bootstrap: str, max_batch_bytes: int = 1024 * 1024):
         self.bootstrap = [h.strip() for h in bootstrap.split(",")]
-        self.max_batch_bytes, self.linger_ms = max_batch_bytes, linger_ms
+        self.max_batch_bytes = max_batch_bytes
         self._producer: AIOKafkaProducer | None = None
         self._partitioner = DefaultPartitioner()
         self._lock = asyncio.Lock()
@@ -53,12 +55,7 @@ class KafkaOutbox:
         async with self._lock:
             if self._producer is None:
                 producer = AIOKafkaProducer(
-                    bootstrap_servers=self.bootstrap,
-                    acks="all",
-                    enable_idempotence=True,
-                    max_batch_size=self.max_batch_bytes,
-                    linger_ms=self.linger_ms,
-                    max_request_size=8 * self.max_batch_bytes,
+                    **outbox_producer_options(self.bootstrap, self.max_batch_bytes)
                 )
                 await producer.start()
                 self._producer = producer

@@ -283,7 +283,7 @@ class Relabeller:
         key: bytes | None,
         value: bytes | None,
     ) -> Emit:
-        from app.deadletter import envelope
+        from app.contracts.deadletter import envelope
 
         self.counts.dead_lettered[reason] += 1
         return Emit(
@@ -293,7 +293,7 @@ class Relabeller:
 
 def parse_time(text: str, option: str) -> datetime:
     """An RFC 3339 time with a timezone (the events' own parser), or ValueError naming the option."""
-    from app.events import parse_ts
+    from app.contracts.events import parse_ts
 
     try:
         return parse_ts(text)
@@ -344,7 +344,7 @@ def relabel(
 
     Raises kafka.errors.KafkaError when the broker refuses a write, RuntimeError when the topic is missing
     or the replay stops making progress (no record for `idle_timeout_s`)."""
-    from app.kafka_io import make_consumer, make_producer
+    from app.contracts.kafka import make_consumer, make_producer
 
     started = time.time()
     topic = settings.topic("interactions")

@@ -38,7 +38,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.events import parse_ts
+from app.contracts.events import parse_ts
 
 
 class RewardWeights(BaseModel):

@@ -128,7 +128,7 @@ class TrainerConfig(FlywheelSettings):
     anchor_every: int = Field(
         10,
         ge=1,
-        description="Every Nth version is published as a full anchor instead of a delta (trainer/publish.py).",
+        description="Every Nth version is published as a full anchor instead of a delta (app/contracts/artifacts.py).",
     )
     consumer_group: str = Field(
         "flywheel-trainer",

@@ -1,6 +1,6 @@
 """Dead letters of the trainer: refused rollouts go to `<ns>.dlq`, in streams' `DlqRecord` envelope.
 
-The envelope is streams/records.py `DlqRecord` (the one the streams workers write): `reason`
+The envelope is app/contracts/rollouts.py `DlqRecord` (the one the streams workers write): `reason`
 (trainer/validate.py `REFUSAL_REASONS`), `errors` (`[{"field", "message"}]`; a step failure
 adds `"exception"`), the source `topic`/`partition`/`offset`, and the original key and value
 as base64. A value larger than `max_value_bytes` is not copied (`value_b64` null, its size and
@@ -51,8 +51,8 @@ def envelope(
     include_value: bool = True,
 ) -> bytes:
     """The DLQ record (streams' `DlqRecord`) for `src`, as JSON bytes."""
-    from app.kafka_io import dumps
-    from streams.records import DlqRecord
+    from app.contracts.kafka import dumps
+    from app.contracts.rollouts import DlqRecord
 
     errors = [dict(e) for e in errors]
     value_b64 = None

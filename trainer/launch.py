@@ -68,7 +68,7 @@ def main(cfg: TrainerConfig | None = None) -> None:
                         description=(
                             f"step {step}  loss {m['loss']:+.4f}  reward {m['reward_mean']:+.3f}  ess {m['ess']:.2f}  "
                             f"kl {m.get('kl', 0.0):.4f}  v{trainer.last_shipped} shipped  "
-                            f"{trainer.pending['rollouts']} rollouts pending"
+                            f"{trainer.pending.rollouts} rollouts pending"
                         ),
                     )
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from app.kafka_io import make_consumer, make_producer
+from app.contracts.kafka import make_consumer, make_producer
 from app.settings import Settings
 from trainer import objective as obj
 from trainer.batch import collate, scatter_teacher, teacher_inputs
@@ -60,7 +60,8 @@ from trainer.metrics import (
 from trainer.policy import Policy, build_policy
 from trainer.registry import CHAMPION, Registry
 from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake, dedupe_key
-from trainer.shipping import execute_ship, new_pending
+from trainer.ship_state import Pending, ShipIntent
+from trainer.shipping import execute_ship
 from trainer.validate import ModelSpec, Refusal
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,8 @@ class Trainer:
         self.last_shipped: int | None = state["last_shipped"]
         self.last_ship_at: float = state["last_ship_at"]
         self.committed: dict[int, int] = dict(state["committed"])
-        self.pending: dict[str, Any] = state["pending"]
-        self.intent: dict[str, Any] | None = state["intent"]
+        self.pending = Pending.from_dict(state["pending"])
+        self.intent = None if state["intent"] is None else ShipIntent.from_dict(state["intent"])
         self.verdicts_seen: int = int(
             state.get("verdicts_seen", 0)
         )  # versions up to this one were checked for a rejection
@@ -140,8 +141,8 @@ class Trainer:
         ):  # a ship was in flight when the last process died, or this is the base
             log.info(
                 "resuming ship %s (parent v%s)",
-                self.intent["ship_id"],
-                self.intent["parent_version"],
+                self.intent.ship_id,
+                self.intent.parent_version,
             )
             self._finish_ship()
         self._refresh_reference()
@@ -166,7 +167,7 @@ class Trainer:
             "committed": {},
             "positions": {},
             "seen": [],
-            "pending": new_pending(),
+            "pending": Pending().to_dict(),
             "intent": None,
             "optimizer": None,
             "run_id": None,
@@ -186,15 +187,15 @@ class Trainer:
             fresh["last_shipped"] = latest
             return policy, fresh
         policy = self._base_policy()
-        fresh["intent"] = {
-            "ship_id": uuid.uuid4().hex,
-            "kind": "base",
-            "parent_version": None,
-            "positions": {},
-            "ranges": {},
-            "pending": new_pending(),
-            "step": 0,
-        }
+        fresh["intent"] = ShipIntent(
+            ship_id=uuid.uuid4().hex,
+            kind="base",
+            parent_version=None,
+            positions={},
+            ranges={},
+            pending=Pending(),
+            step=0,
+        ).to_dict()
         save_state(
             self.state_dir,
             dict(fresh, model=policy.state_dict(), policy_config=policy.config_dict()),
@@ -262,9 +263,9 @@ class Trainer:
         if metrics is None:
             return None
         self.step += 1
-        self.pending["steps"] += 1
+        self.pending.steps += 1
         for k, v in metrics.items():
-            self.pending["metric_sums"][k] = self.pending["metric_sums"].get(k, 0.0) + v
+            self.pending.metric_sums[k] = self.pending.metric_sums.get(k, 0.0) + v
         STEPS.inc()
         for k, g in STEP_GAUGES.items():
             if k in metrics:
@@ -353,24 +354,19 @@ class Trainer:
     def _account(self, batch: Batch) -> None:
         p = self.pending
         for part, off in batch.first_offsets.items():
-            p["first_offsets"].setdefault(part, off)
+            p.first_offsets.setdefault(part, off)
         for reason in SKIP_REASONS:
-            p["skipped"][reason] = p["skipped"].get(reason, 0) + batch.skipped[reason]
+            p.skipped[reason] = p.skipped.get(reason, 0) + batch.skipped[reason]
             if batch.skipped[reason]:
                 ROLLOUTS.labels(reason).inc(batch.skipped[reason])
-        p["rollouts"] += len(batch.rollouts)
-        p["request_ids"].extend(r.request_id for r in batch.rollouts)
-        p["reward_sum"] += sum(r.reward for r in batch.rollouts)
-        counts = p.setdefault(
-            "reward_spec_counts", {}
-        )  # absent from a state saved by an older trainer
+        p.rollouts += len(batch.rollouts)
+        p.request_ids.extend(r.request_id for r in batch.rollouts)
+        p.reward_sum += sum(r.reward for r in batch.rollouts)
         for r in batch.rollouts:
-            if r.reward_spec not in p["reward_specs"]:
-                p["reward_specs"].append(r.reward_spec)
-            counts[r.reward_spec] = counts.get(r.reward_spec, 0) + 1
-        p["relabelled"] = p.get("relabelled", 0) + sum(
-            1 for r in batch.rollouts if r.relabel_run is not None
-        )
+            if r.reward_spec not in p.reward_specs:
+                p.reward_specs.append(r.reward_spec)
+            p.reward_spec_counts[r.reward_spec] = p.reward_spec_counts.get(r.reward_spec, 0) + 1
+        p.relabelled += sum(1 for r in batch.rollouts if r.relabel_run is not None)
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
         ASSUMED_TEMPERATURE.inc(sum(r.temperature is None for r in batch.rollouts))
 
@@ -473,10 +469,10 @@ class Trainer:
         """If the interval passed (or `force`) and enough rollouts were trained on, ship. Returns the version."""
         if not (force or self.ship_due()):
             return None
-        if self.pending["rollouts"] < self.cfg.min_rollouts:
+        if self.pending.rollouts < self.cfg.min_rollouts:
             log.info(
                 "ship skipped: %d rollouts since v%s (< min_rollouts %d)",
-                self.pending["rollouts"],
+                self.pending.rollouts,
                 self.last_shipped,
                 self.cfg.min_rollouts,
             )
@@ -484,31 +480,48 @@ class Trainer:
             return None
         ranges = {}
         for part, end in self.intake.positions.items():
-            start = self.committed.get(part, self.pending["first_offsets"].get(part, end))
+            start = self.committed.get(part, self.pending.first_offsets.get(part, end))
             if end > start:
                 ranges[part] = [start, end]
-        self.intent = {
-            "ship_id": uuid.uuid4().hex,
-            "kind": "trained",
-            "parent_version": self.last_shipped,
-            "positions": dict(self.intake.positions),
-            "ranges": ranges,
-            "pending": self.pending,
-            "step": self.step,
-        }
+        self.intent = ShipIntent(
+            ship_id=uuid.uuid4().hex,
+            kind="trained",
+            parent_version=self.last_shipped,
+            positions=dict(self.intake.positions),
+            ranges=ranges,
+            pending=self.pending,
+            step=self.step,
+        )
         self.save()  # weights + intent, atomically, before anything reaches the registry
         return self._finish_ship()
 
     def _finish_ship(self) -> int:
         """Run the saved intent to the end (register, commit), then record it as shipped."""
         self._ensure_joined()
-        version = execute_ship(self)
+        intent = self.intent
+        assert intent is not None, "_finish_ship needs a saved ship intent"
+        shipped = execute_ship(
+            intent,
+            registry=self.registry,
+            policy=self.policy,
+            settings=self.settings,
+            run_id=self.run_id,
+            topic=self.topic,
+            anchor_every=self.cfg.anchor_every,
+            commit_offsets=self.commit_offsets,
+            parent_serving=self.parent_serving,
+            plant_bad_version=self.cfg.plant_bad_version,
+            pause=self._pause,
+        )
+        version = shipped.version
+        if shipped.serving is not None:
+            self.parent_serving = shipped.serving
         self.last_shipped = version
-        self.committed.update({int(k): int(v) for k, v in self.intent["positions"].items()})
+        self.committed.update({int(k): int(v) for k, v in intent.positions.items()})
         if (
-            self.intent["kind"] == "trained"
+            intent.kind == "trained"
         ):  # nothing trains between intent and here: all of pending shipped
-            self.pending = new_pending()
+            self.pending = Pending()
         self.intent = None
         self.last_ship_at = time.time()
         SHIPS.inc()
@@ -555,7 +568,7 @@ class Trainer:
             return None  # `verdicts_seen` is saved with the next state; re-reading passed verdicts changes nothing
         self.policy.load_serving_state_dict(self.registry.download_serving_state(champ))
         self.optimizer.state.clear()
-        self.pending["rebased_on"] = champ
+        self.pending.rebased_on = champ
         REBASES.inc()
         log.warning(
             "the gate found v%d confidently worse than champion v%d: continuing from v%d's weights "
@@ -613,8 +626,8 @@ class Trainer:
             "last_shipped": self.last_shipped,
             "last_ship_at": self.last_ship_at,
             "committed": dict(self.committed),
-            "pending": self.pending,
-            "intent": self.intent,
+            "pending": self.pending.to_dict(),
+            "intent": None if self.intent is None else self.intent.to_dict(),
             "run_id": self.run_id,
             "kl_coef": self.kl_ctl.coef,
             "verdicts_seen": self.verdicts_seen,

@@ -9,7 +9,7 @@ pyfunc model directory logged under the trainer's run (`ships/<ship_id>/model`):
     model/artifacts/tokenizer.json        tokenizer name / vocab_size / eos_id
 
 plus, next to it, `ships/<ship_id>/lineage/request_ids.json` (the rollouts trained on since the
-parent) and `ships/<ship_id>/delta/` (trainer/publish.py output, when that module exists).
+parent) and `ships/<ship_id>/delta/` (app/contracts/artifacts.py output, when that module exists).
 
 All artifacts are uploaded BEFORE `create_model_version`, and every tag is passed in that one
 call, so a version never exists in the registry without its artifacts and tags. The

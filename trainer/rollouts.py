@@ -1,6 +1,6 @@
 """Rollout intake: consume `flywheel.rollouts`, validate, dedupe by (request_id, reward_spec), skip stale, batch.
 
-The record schema is docs/DESIGN.md §Rollout record, as streams/records.py `Rollout` defines it
+The record schema is docs/DESIGN.md §Rollout record, as app/contracts/rollouts.py `Rollout` defines it
 (the producer's contract, validated first); `Rollout` here adds the structural invariants
 training needs, and trainer/validate.py checks it against the model being trained (tokenizer,
 vocabulary, context, routes, log-probs, reward, temperature). A record that fails any of them
@@ -129,7 +129,7 @@ class Rollout(BaseModel):
         """int32 [T, layers, top_k] or None."""
         if self.routes is None:
             return None
-        from app.events import decode_routes
+        from app.contracts.events import decode_routes
 
         return decode_routes(self.routes, tuple(self.route_shape))  # type: ignore[arg-type]
 
@@ -145,11 +145,11 @@ def parse_rollout(
 ) -> tuple[Rollout | None, Refusal | None]:
     """(rollout, None) or (None, the refusal: a reason and a message a user can act on).
 
-    First the producer's schema (streams/records.py `Rollout`, the contract of the topic), then
+    First the producer's schema (app/contracts/rollouts.py `Rollout`, the contract of the topic), then
     the structural invariants the trainer relies on (lengths, route bytes), then, given the
     model's `spec`, trainer/validate.py's checks. Never raises on any bytes.
     """
-    from streams.records import Rollout as StreamsRollout
+    from app.contracts.rollouts import Rollout as StreamsRollout
 
     if not value:
         return None, Refusal("invalid_json", "empty value (a tombstone or no bytes)")

@@ -1,16 +1,17 @@
 """One ship: artifacts up, version registered with its lineage tags, event published, offsets committed.
 
-`execute_ship(trainer)` runs the trainer's saved ship *intent* (trainer/loop.py writes it,
-atomically with the weights, before calling this). It is idempotent, so a restarted trainer
-simply runs it again:
+`execute_ship(intent, ...)` runs the trainer's saved ship *intent* (trainer/ship_state.py;
+trainer/loop.py saves it, atomically with the weights, before calling this) with what it is
+given: the registry, the policy, the settings and the callbacks that commit offsets and pause
+(for crash tests). It is idempotent, so a restarted trainer simply runs it again:
 
 1. look the intent's ship_id up in the registry; a version that exists but is not READY is
    deleted (it can never be served), a READY one means the registration already happened;
-2. otherwise upload the pyfunc model, lineage and delta (trainer/publish.py, for the predicted
+2. otherwise upload the pyfunc model, lineage and delta (app/contracts/artifacts.py, for the predicted
    version number) under `ships/<ship_id>/` of the run, then create the version with every
    tag in ONE call (so it is never visible half-tagged);
 3. set `champion` if the model has none (the first, base, version);
-4. push the delta to `<ns>.deltas` when it is small enough (app/replica/pushed.py; replicas then
+4. push the delta to `<ns>.deltas` when it is small enough (app/contracts/pushed.py; replicas then
    need not download it), then publish `version_registered` (event_id derived from the ship_id,
    so a re-publish dedupes). A ship resumed after a crash does not push (the bytes are gone with
    the crashed process; replicas download the delta from MLflow);
@@ -19,36 +20,30 @@ simply runs it again:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trainer.registry import CHAMPION
-from trainer.rollouts import SKIP_REASONS
+import torch
 
-if TYPE_CHECKING:
-    from trainer.loop import Trainer
+from app.contracts.aliases import sync_aliases
+from app.contracts.artifacts import publish_version
+from app.contracts.deployments import DeploymentEvent, DeploymentLog
+from app.contracts.hints import artifact_hints
+from app.contracts.pushed import PushedDelta, publish_delta
+from app.settings import Settings
+from kernels.delta.manifest import MANIFEST_FILE, Manifest
+from trainer.policy import Policy
+from trainer.registry import CHAMPION, Registry
+from trainer.ship_state import ShipIntent
 
 log = logging.getLogger(__name__)
 
-
-def new_pending() -> dict[str, Any]:
-    """Lineage accumulated since the last ship (saved in the trainer state)."""
-    return {
-        "rollouts": 0,
-        "request_ids": [],
-        "skipped": dict.fromkeys(SKIP_REASONS, 0),
-        "first_offsets": {},
-        "reward_sum": 0.0,
-        "metric_sums": {},
-        "steps": 0,
-        "reward_specs": [],
-        "reward_spec_counts": {},
-        "relabelled": 0,
-    }
+ServingWeights = tuple[int, dict[str, torch.Tensor]]  # (version, bf16 serving weights)
 
 
 def reward_spec_detail(specs: str) -> str | None:
@@ -57,33 +52,33 @@ def reward_spec_detail(specs: str) -> str | None:
     return specs if specs != "none" and len(specs) <= 16 else None
 
 
-def lineage_tags(intent: dict[str, Any], topic: str) -> dict[str, str]:
-    p = intent["pending"]
-    steps = max(1, p["steps"])
-    summary = {k: round(v / steps, 6) for k, v in sorted(p["metric_sums"].items())}
+def lineage_tags(intent: ShipIntent, topic: str) -> dict[str, str]:
+    p = intent.pending
+    steps = max(1, p.steps)
+    summary = {k: round(v / steps, 6) for k, v in sorted(p.metric_sums.items())}
     summary.update(
-        steps=p["steps"],
-        reward_mean=round(p["reward_sum"] / p["rollouts"], 6) if p["rollouts"] else None,
+        steps=p.steps,
+        reward_mean=round(p.reward_sum / p.rollouts, 6) if p.rollouts else None,
     )
     return {
-        "kind": intent["kind"],
-        "parent_version": str(intent["parent_version"])
-        if intent["parent_version"] is not None
+        "kind": intent.kind,
+        "parent_version": str(intent.parent_version)
+        if intent.parent_version is not None
         else "none",
-        "rollouts_consumed": str(p["rollouts"]),
-        "rollouts_skipped": json.dumps(p["skipped"], sort_keys=True),
+        "rollouts_consumed": str(p.rollouts),
+        "rollouts_skipped": json.dumps(p.skipped, sort_keys=True),
         "kafka_offsets": json.dumps(
-            {"topic": topic, "partitions": {str(k): v for k, v in sorted(intent["ranges"].items())}}
+            {"topic": topic, "partitions": {str(k): v for k, v in sorted(intent.ranges.items())}}
         ),
-        "reward_spec": ",".join(p["reward_specs"]) or "none",
+        "reward_spec": ",".join(p.reward_specs) or "none",
         # rollouts trained per reward spec (relabelled ones under their new spec); "{}" from a pending
         # saved by a trainer that did not count them
-        "reward_specs": json.dumps(p.get("reward_spec_counts", {}), sort_keys=True),
-        "rollouts_relabelled": str(p.get("relabelled", 0)),
+        "reward_specs": json.dumps(p.reward_spec_counts, sort_keys=True),
+        "rollouts_relabelled": str(p.relabelled),
         "train_metrics": json.dumps(summary, sort_keys=True),
-        "trainer_step": str(intent["step"]),
+        "trainer_step": str(intent.step),
         "rollout_status": "registered",
-        **({"rebased_on": str(p["rebased_on"])} if p.get("rebased_on") is not None else {}),
+        **({"rebased_on": str(p.rebased_on)} if p.rebased_on is not None else {}),
     }
 
 
@@ -98,10 +93,34 @@ def plant_bad_weights(serving: dict[str, Any]) -> dict[str, Any]:
     return bad
 
 
-def execute_ship(t: Trainer) -> int:
-    intent, reg = t.intent, t.registry
-    assert intent is not None, "execute_ship needs a saved ship intent"
-    ship_id = intent["ship_id"]
+@dataclass(frozen=True)
+class Shipped:
+    """What a ship produced: the version, and its serving weights when this process made them
+    (the next ship's delta parent without a download; None when the ship was already registered)."""
+
+    version: int
+    serving: ServingWeights | None
+
+
+def execute_ship(
+    intent: ShipIntent,
+    *,
+    registry: Registry,
+    policy: Policy,
+    settings: Settings,
+    run_id: str,
+    topic: str,
+    anchor_every: int,
+    commit_offsets: Callable[[dict[int, int]], None],
+    parent_serving: ServingWeights | None = None,
+    plant_bad_version: int | None = None,
+    pause: Callable[[str], None] = lambda point: None,
+) -> Shipped:
+    """Carry `intent` out to the end (see the module docstring). `parent_serving` is the parent's
+    weights if the caller holds them; `pause(point)` is called at "before_register" and
+    "after_register"."""
+    reg = registry
+    ship_id = intent.ship_id
     mv = reg.find_ship(ship_id)
     if mv is not None and mv.status != "READY":
         log.warning(
@@ -112,36 +131,45 @@ def execute_ship(t: Trainer) -> int:
         )
         reg.delete_version(int(mv.version))
         mv = None
-    tags = lineage_tags(intent, t.topic)
+    tags = lineage_tags(intent, topic)
     pushed = None  # the delta to push before the event (none when resuming: the bytes died with the crashed run)
+    shipped_serving: ServingWeights | None = None
     if mv is None:
-        serving = t.policy.serving_state_dict()
-        tok = t.policy.tokenizer
+        serving = policy.serving_state_dict()
+        tok = policy.tokenizer
         tokenizer = {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
         # the delta's manifest names its version before the registry assigns it: predict it
         # (max version + 1; this trainer is the only writer) and repair it below if it differs
         predicted = max((int(v.version) for v in reg.versions()), default=0) + 1
-        if t.cfg.plant_bad_version and predicted == t.cfg.plant_bad_version:
+        if plant_bad_version and predicted == plant_bad_version:
             serving = plant_bad_weights(serving)
             tags["planted_bad"] = "true"
             log.warning(
                 "DEMO: shipping v%d with blown-up weights (FLYWHEEL_TRAINER_PLANT_BAD_VERSION)",
                 predicted,
             )
+        delta_args = {
+            "registry": reg,
+            "model_name": settings.model_name,
+            "anchor_every": anchor_every,
+            "parent_serving": parent_serving,
+        }
         with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
-            extra, delta, pushed = _publish_delta(t, Path(tmp), serving, intent, predicted)
+            extra, delta, pushed = _publish_delta(
+                Path(tmp), serving, intent, predicted, **delta_args
+            )
             tags["delta"] = json.dumps(delta, sort_keys=True)
             source = reg.upload_ship(
-                t.run_id,
+                run_id,
                 ship_id,
                 serving,
-                t.policy.config_dict(),
+                policy.config_dict(),
                 tokenizer,
-                intent["pending"]["request_ids"],
+                intent.pending.request_ids,
                 extra,
             )
-        t._pause("before_register")
-        version = reg.create_version(source, t.run_id, ship_id, tags)
+        pause("before_register")
+        version = reg.create_version(source, run_id, ship_id, tags)
         if delta["status"] == "published" and version != predicted:
             log.error(
                 "registry assigned v%d, the delta was written for v%d (deleted versions?): republishing it",
@@ -149,10 +177,12 @@ def execute_ship(t: Trainer) -> int:
                 predicted,
             )
             with tempfile.TemporaryDirectory(prefix="flywheel-delta-") as tmp:
-                extra, delta, pushed = _publish_delta(t, Path(tmp), serving, intent, version)
-                reg.client.log_artifacts(t.run_id, str(extra["delta"]), f"ships/{ship_id}/delta")
+                extra, delta, pushed = _publish_delta(
+                    Path(tmp), serving, intent, version, **delta_args
+                )
+                reg.client.log_artifacts(run_id, str(extra["delta"]), f"ships/{ship_id}/delta")
             reg.set_tag(version, "delta", json.dumps(delta, sort_keys=True))
-        t.parent_serving = (version, serving)
+        shipped_serving = (version, serving)
         log.info(
             "registered %s v%d (parent %s, %s rollouts, ship %s)",
             reg.name,
@@ -165,39 +195,38 @@ def execute_ship(t: Trainer) -> int:
         version = int(mv.version)
         source = mv.source
         log.info("ship %s was already registered as v%d; finishing it", ship_id, version)
-    t._pause("after_register")
+    pause("after_register")
     if reg.alias_version(CHAMPION) is None:
-        from app.controller.aliases import sync_aliases
-
         # as the controller moves aliases (acknowledging tag first), so the move is not taken for
         # an operator's move in the MLflow UI (an `alias_changed` event from "mlflow-ui")
         sync_aliases(reg.client, reg.name, {CHAMPION: str(version)})
         log.info("no champion yet: alias %s -> v%d", CHAMPION, version)
-    _publish_event(t, version, intent, tags, source, pushed)
-    t.commit_offsets(intent["positions"])
-    return version
+    _publish_event(settings, run_id, policy, version, intent, tags, source, pushed)
+    commit_offsets(intent.positions)
+    return Shipped(version, shipped_serving)
 
 
 def _publish_delta(
-    t: Trainer, out: Path, serving: dict, intent: dict[str, Any], version: int
-) -> tuple[dict[str, Path], dict[str, Any], Any]:
-    """Delta/anchor/manifest files (trainer/publish.py) for `version`, logged as `ships/<ship_id>/delta`,
-    their tag info, and the delta as an app.replica.pushed.PushedDelta (None for an anchor-only version).
+    out: Path,
+    serving: dict,
+    intent: ShipIntent,
+    version: int,
+    *,
+    registry: Registry,
+    model_name: str,
+    anchor_every: int,
+    parent_serving: ServingWeights | None,
+) -> tuple[dict[str, Path], dict[str, Any], PushedDelta | None]:
+    """Delta/anchor/manifest files (app/contracts/artifacts.py) for `version`, logged as `ships/<ship_id>/delta`,
+    their tag info, and the delta as an app.contracts.pushed.PushedDelta (None for an anchor-only version).
 
-    The parent's bf16 weights and manifest come from the registry (or memory). A parent shipped
-    without a manifest makes this version an anchor (the chain restarts there).
+    The parent's bf16 weights and manifest come from the registry (or `parent_serving`). A parent
+    shipped without a manifest makes this version an anchor (the chain restarts there).
     """
-    if importlib.util.find_spec("trainer.publish") is None:
-        log.info("trainer/publish.py not present: shipping without a delta")
-        return {}, {"status": "unavailable"}, None
-    from app.replica.pushed import PushedDelta
-    from kernels.delta.manifest import MANIFEST_FILE, Manifest
-    from trainer.publish import publish_version
-
-    parent = intent["parent_version"]
+    parent = intent.parent_version
     parent_sd = manifest = None
     if parent is not None:
-        manifest_json = _download_text(t, parent, f"delta/{MANIFEST_FILE}")
+        manifest_json = _download_text(registry, parent, f"delta/{MANIFEST_FILE}")
         if manifest_json is None:
             log.warning(
                 "parent v%s has no delta manifest: v%d is published as an anchor", parent, version
@@ -205,11 +234,10 @@ def _publish_delta(
             parent = None
         else:
             manifest = Manifest.model_validate_json(manifest_json)
-            cached = t.parent_serving
             parent_sd = (
-                cached[1]
-                if cached and cached[0] == parent
-                else t.registry.download_serving_state(parent)
+                parent_serving[1]
+                if parent_serving and parent_serving[0] == parent
+                else registry.download_serving_state(parent)
             )
     m = publish_version(
         out / "delta",
@@ -218,7 +246,7 @@ def _publish_delta(
         parent_sd,
         None if parent is None else str(parent),
         manifest,
-        anchor_every=t.cfg.anchor_every,
+        anchor_every=anchor_every,
     )
     info = {
         "status": "published",
@@ -227,15 +255,15 @@ def _publish_delta(
         "anchor": m.anchor is not None,
         "delta_bytes": m.delta.bytes if m.delta else None,
         "chain_depth": m.chain_depth,
-        # for replicas (app/replica/hints.py): the delta they fetch alone and the hash it must give
+        # for replicas (app/contracts/hints.py): the delta they fetch alone and the hash it must give
         "checkpoint_sha256": m.checkpoint_sha256,
         "delta_file": m.delta.file if m.delta else None,
         "delta_sha256": m.delta.sha256 if m.delta else None,
     }
-    # for the push to `<ns>.deltas` right before `version_registered` (app/replica/pushed.py)
+    # for the push to `<ns>.deltas` right before `version_registered` (app/contracts/pushed.py)
     pushed = (
         PushedDelta(
-            t.settings.model_name,
+            model_name,
             m.version,
             m.parent_version,
             m.delta.file,
@@ -248,17 +276,17 @@ def _publish_delta(
     return {"delta": out / "delta"}, info, pushed
 
 
-def _download_text(t: Trainer, version: int, rel: str) -> str | None:
+def _download_text(registry: Registry, version: int, rel: str) -> str | None:
     """A file next to `version`'s model directory (`ships/<ship_id>/<rel>`), or None if absent."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    mv = t.registry.client.get_model_version(t.registry.name, str(version))
+    mv = registry.client.get_model_version(registry.name, str(version))
     root = mv.source.rsplit("/model", 1)[0]
     with tempfile.TemporaryDirectory(prefix="flywheel-parent-") as tmp:
         try:
             path = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"{root}/{rel}", dst_path=tmp, tracking_uri=t.registry.uri
+                artifact_uri=f"{root}/{rel}", dst_path=tmp, tracking_uri=registry.uri
             )
         except (MlflowException, OSError):
             return None
@@ -266,26 +294,22 @@ def _download_text(t: Trainer, version: int, rel: str) -> str | None:
 
 
 def _publish_event(
-    t: Trainer,
+    settings: Settings,
+    run_id: str,
+    policy: Policy,
     version: int,
-    intent: dict[str, Any],
+    intent: ShipIntent,
     tags: dict[str, str],
     source: str,
-    pushed: Any = None,
+    pushed: PushedDelta | None = None,
 ) -> None:
-    if importlib.util.find_spec("app.deployments.events") is None:
-        log.info("app/deployments/events.py not present: no version_registered event")
-        return
-    from app.deployments.events import DeploymentEvent, DeploymentLog
-    from app.replica.hints import artifact_hints
-
     d = json.loads(tags.get("delta", "{}"))
     ok = d.get("status") == "published" and d.get("version") == str(
         version
     )  # the manifest made for this version
     hints = artifact_hints(
         source,
-        t.policy.config_dict(),
+        policy.config_dict(),
         d.get("checkpoint_sha256") if ok else None,
         d.get("parent"),
         {"file": d["delta_file"], "sha256": d["delta_sha256"], "bytes": d["delta_bytes"]}
@@ -293,24 +317,24 @@ def _publish_event(
         else None,
     )
     event = DeploymentEvent(
-        event_id=f"vr-{intent['ship_id']}",
+        event_id=f"vr-{intent.ship_id}",
         type="version_registered",
-        model=t.settings.model_name,
+        model=settings.model_name,
         version=str(version),
-        from_version=None if intent["parent_version"] is None else str(intent["parent_version"]),
+        from_version=None if intent.parent_version is None else str(intent.parent_version),
         source="trainer",
         actor="flywheel-trainer",
         reason=f"{tags['kind']} version: {tags['rollouts_consumed']} rollouts",
         details={
-            "run_id": t.run_id,
-            "ship_id": intent["ship_id"],
+            "run_id": run_id,
+            "ship_id": intent.ship_id,
             "rollouts_consumed": int(tags["rollouts_consumed"]),
             "reward_spec": reward_spec_detail(tags["reward_spec"]),
             "reward_specs": json.loads(tags["reward_specs"]),
             "rollouts_relabelled": int(tags["rollouts_relabelled"]),
             "kafka_offsets": json.loads(tags["kafka_offsets"]),
             "train_metrics": json.loads(tags["train_metrics"]),
-            # where replicas fetch it without asking MLflow (optional; app/replica/hints.py)
+            # where replicas fetch it without asking MLflow (optional; app/contracts/hints.py)
             "artifacts": hints,
         },
     )
@@ -321,11 +345,9 @@ def _publish_event(
         and (pushed.version, pushed.file, pushed.sha256)
         == (str(version), d["delta_file"], d["delta_sha256"])
     ):
-        from app.replica.pushed import publish_delta
-
         # before the event: a replica that reads the event has the bytes (or downloads them: nothing lost)
-        publish_delta(t.settings, pushed)
-    dlog = DeploymentLog(t.settings)
+        publish_delta(settings, pushed)
+    dlog = DeploymentLog(settings)
     try:
         dlog.publish(event)
     finally:

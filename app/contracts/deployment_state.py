@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.deployments.events import DeploymentEvent
+from app.contracts.deployments import DeploymentEvent
 
 Phase = Literal["idle", "canary", "paused"]
 StatusPhase = Literal["idle", "canary", "paused", "promoting"]

@@ -5,7 +5,7 @@ share, status, url) every `heartbeat_interval`. Those reports go to their own to
 replica id, not to `<ns>.deployments`: the deployment log holds decisions only (and the
 replicas' `replica_synced` / `replica_sync_failed`, one per version and replica), so what a
 replica, the controller or the projector replays at start does not grow with uptime. The
-topic is compacted (app/settings.py TOPICS): the broker keeps at least the latest report of
+topic is compacted (app/contracts/topics.py): the broker keeps at least the latest report of
 each replica; a reader takes the newest by `ts` (the projector: `apply_replica_status`).
 
     from app.contracts.replica_status import ReplicaStatusLog
@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import logging
 
-from app.deployments.events import DeploymentEvent, DeploymentLog
-from app.deployments.metrics import PUBLISHED
-from app.kafka_io import make_producer
+from app.contracts.deployments import PUBLISHED, DeploymentEvent, DeploymentLog
+from app.contracts.kafka import make_producer
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -49,7 +48,7 @@ class ReplicaStatusLog(DeploymentLog):
                 "publish decisions to the deployment log"
             )
         if self._producer is None:
-            self._producer = make_producer(self.settings, linger_ms=0)
+            self._producer = make_producer(self.settings, profile="immediate")
         future = self._producer.send(
             self.topic, key=event.details["replica_id"], value=event.to_bytes()
         )

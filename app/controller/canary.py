@@ -121,7 +121,7 @@ class CanaryConfig(BaseModel):
 @dataclass(frozen=True)
 class ArmStats:
     """Sufficient statistics of one version over a window: labelled reward and user outcomes
-    (streams/records.py SUM_FIELDS of the same names)."""
+    (app/contracts/rollouts.py SUM_FIELDS of the same names)."""
 
     n: int = 0
     reward_sum: float = 0.0

@@ -36,8 +36,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.contracts.aliases import read_snapshot, sync_aliases
 from app.controller import canary
-from app.controller.aliases import read_snapshot, sync_aliases
 from app.controller.config import ControllerSettings
 from app.controller.reconciler import Reconciler, alias_lock, reconcile_once
 from app.controller.state import DeploymentState, apply_event
@@ -67,7 +67,7 @@ GateFn = Callable[[str, str | None], Any]  # (version, champion) -> GateResult
 
 
 class MetricsRecord(BaseModel):
-    """The fields of a `<ns>.version-metrics` record (streams.records.VersionMetrics) the controller reads."""
+    """The fields of a `<ns>.version-metrics` record (app.contracts.rollouts.VersionMetrics) the controller reads."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -105,7 +105,7 @@ def _refuse_constant(name: str) -> float:
 def decode_metrics(raw: bytes | None) -> dict[str, Any]:
     """A version-metrics record value as a dict the controller can sum (`window`), or InvalidRecord
     (invalid_json | invalid_metrics): checked once on arrival, not on every tick."""
-    from app.deployments.events import InvalidRecord
+    from app.contracts.deployments import InvalidRecord
 
     try:
         value = json.loads(raw or b"", parse_constant=_refuse_constant)
@@ -136,7 +136,7 @@ class Controller:
         clock: Callable[[], float] = time.time,
         background_gate: bool = False,
     ):
-        from app.deployments.events import DeploymentLog
+        from app.contracts.deployments import DeploymentLog
 
         self.settings, self.cs, self.client, self.gate, self.clock = (
             settings,
@@ -165,11 +165,11 @@ class Controller:
         # worker thread so canary analysis keeps its cadence meanwhile; tests drive it inline
         self.background_gate = background_gate
         self._gate_job: tuple[str, Any] | None = None  # (version, future) in flight
-        self.dead: Any = None  # app.deadletter.DeadLetters, created with the first record
+        self.dead: Any = None  # app.contracts.deadletter.DeadLetters, created with the first record
 
     # --- events ---------------------------------------------------------------------------------
     def publish(self, events: list[dict[str, Any]]) -> None:
-        from app.deployments.events import DeploymentEvent
+        from app.contracts.deployments import DeploymentEvent
 
         for ev in events:
             self.dlog.publish(DeploymentEvent.model_validate(ev))
@@ -217,8 +217,8 @@ class Controller:
         that the fold or the state machine cannot take, is dead-lettered (docs/DEPLOYMENTS.md, "Bad
         records") and the loop goes on. Publishing the decisions is outside that: a failure there
         (Kafka, or an invalid decision: a bug) propagates as before, the input record is not blamed."""
-        from app.deadletter import DeadLetters, error
-        from app.deployments.events import InvalidRecord, decode_event
+        from app.contracts.deadletter import DeadLetters, error
+        from app.contracts.deployments import InvalidRecord, decode_event
 
         if self.dead is None:
             self.dead = DeadLetters(self.settings, consumer="controller")
@@ -435,7 +435,7 @@ class Controller:
 
     def publish_foreign(self, ev: dict[str, Any]) -> None:
         """An alias_changed event found by the reconciler: publish, and let the loop fold it when it comes back."""
-        from app.deployments.events import DeploymentEvent
+        from app.contracts.deployments import DeploymentEvent
 
         self.dlog.publish(DeploymentEvent.model_validate(ev))
 
@@ -455,8 +455,8 @@ class Controller:
     def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> None:
         from kafka import TopicPartition
 
+        from app.contracts.kafka import make_consumer
         from app.infra.wait import Stopped, kafka_ready
-        from app.kafka_io import make_consumer
 
         dep_topic, met_topic = (
             self.settings.topic("deployments"),

@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from app.controller.aliases import AliasMove, acknowledge, detect_moves, read_snapshot
+from app.contracts.aliases import AliasMove, acknowledge, detect_moves, read_snapshot
 from app.controller.state import Decision
 
 log = logging.getLogger(__name__)

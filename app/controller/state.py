@@ -22,8 +22,8 @@ from pydantic import BaseModel, Field
 
 from app.contracts import deployment_state
 from app.contracts.deployment_state import DeploymentState, Phase
-from app.deployments.events import EVENT_TYPES, DeploymentEvent
-from app.events import parse_ts as parse_event_ts
+from app.contracts.deployments import EVENT_TYPES, DeploymentEvent
+from app.contracts.events import parse_ts as parse_event_ts
 
 __all__ = ["Decision", "DeploymentState", "Phase", "apply_event", "fold", "parse_ts", "vkey"]
 
@@ -34,7 +34,7 @@ def vkey(version: str | None) -> int:
 
 
 def parse_ts(value: Any) -> datetime:
-    """An event's ts as aware UTC: the event schema's one parser (app/events.py); a naive datetime
+    """An event's ts as aware UTC: the event schema's one parser (app/contracts/events.py); a naive datetime
     (SQLite projection rows hand back naive UTC) is taken as UTC."""
     if isinstance(value, datetime) and value.tzinfo is None:
         value = value.replace(tzinfo=UTC)

@@ -45,10 +45,8 @@ from app.contracts.deployment_state import (
     apply_heartbeat,
     fold,
 )
-from app.contracts.replica_status import ReplicaStatusLog
-from app.db.models import DeploymentEvent as EventRow
-from app.db.models import DeploymentState, ModelVersion, Replica
-from app.deployments.events import (
+from app.contracts.deployments import (
+    INVALID_EVENTS,
     REPLICA_TYPES,
     DeploymentEvent,
     DeploymentLog,
@@ -56,7 +54,10 @@ from app.deployments.events import (
     LoggedEvent,
     decode_event,
 )
-from app.deployments.metrics import INVALID_EVENTS, PROJECTED, PROJECTED_OFFSET
+from app.contracts.replica_status import ReplicaStatusLog
+from app.db.models import DeploymentEvent as EventRow
+from app.db.models import DeploymentState, ModelVersion, Replica
+from app.deployments.metrics import PROJECTED, PROJECTED_OFFSET
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -406,10 +407,10 @@ def follow(
     skipped and dead-lettered to `<ns>.dlq` once the batch committed (reasons invalid_json,
     invalid_event, apply_failed). Returns when `stop` is set.
     """
+    from app.contracts.deadletter import DeadLetters, error
+    from app.contracts.kafka import make_consumer
     from app.db.session import session_scope
-    from app.deadletter import DeadLetters, error
     from app.infra.wait import Stopped, kafka_ready
-    from app.kafka_io import make_consumer
 
     url = db_url or settings.db_url
     stop = stop or threading.Event()

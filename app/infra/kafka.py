@@ -8,7 +8,7 @@ ports without re-formatting.
 
     flywheel kafka start | stop | status
 
-The topics of docs/DESIGN.md §Topics are created by `ensure_topics()` (idempotent).
+The topics declared in app/contracts/topics.py are created by `ensure_topics()` (idempotent).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.settings import KAFKA_MESSAGE_MAX_BYTES, TOPICS, Settings, topic_partitions
+from app.contracts.topics import KAFKA_MESSAGE_MAX_BYTES, TOPICS, topic_partitions
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class LocalKafka:
                     "log.retention.hours=-1",
                     "log.cleaner.min.compaction.lag.ms=0",
                     "log.segment.bytes=67108864",
-                    # the record limit of topics without their own max.message.bytes (app/settings.py: the chain
+                    # the record limit of topics without their own max.message.bytes (app/contracts/topics.py: the chain
                     # max_event_bytes -> producer max_request_size -> topic/broker limits)
                     f"message.max.bytes={KAFKA_MESSAGE_MAX_BYTES}",
                     "",
@@ -337,7 +338,7 @@ def _alive(pid: int) -> bool:
 def ensure_topics(
     settings: Settings, bootstrap: str | None = None, timeout_s: float = 30.0
 ) -> list[str]:
-    """Create the docs/DESIGN.md §Topics that do not exist yet. Returns the names it created."""
+    """Create the topics of app/contracts/topics.py that do not exist yet. Returns the names it created."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError

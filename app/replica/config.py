@@ -97,7 +97,7 @@ class ReplicaConfig(FlywheelSettings):
         True,
         description="Follow `<ns>.deltas` too and sync from a delta pushed there (the "
         "trainer pushes small ones) instead of downloading it from MLflow; "
-        "the bytes are verified the same way (app/replica/pushed.py).",
+        "the bytes are verified the same way (app/contracts/pushed.py).",
     )
     pushed_max_bytes: int = Field(
         64 * 1024 * 1024,

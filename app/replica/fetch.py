@@ -3,7 +3,7 @@
     fetcher = VersionFetcher(settings)
     got = fetcher.fetch("9", held={"7": loaded_v7})   # -> Fetched(state, config, sha256, path, ...)
 
-Layout (trainer/registry.py + trainer/publish.py): a version's model source is
+Layout (trainer/registry.py + app/contracts/artifacts.py): a version's model source is
 `<run artifacts>/ships/<ship_id>/model`; its sync artifacts (`manifest.json`,
 `delta-from-<parent>.fwd`, `anchor.safetensors` when due) lie next to it in
 `ships/<ship_id>/<artifacts_dir>` (default `delta`), and the policy architecture in
@@ -11,7 +11,7 @@ Layout (trainer/registry.py + trainer/publish.py): a version's model source is
 
 Where a version's artifacts are: from the deployment log when it says so (`learn(version, hint)`:
 the trainer's `version_registered` event carries the model version's source and its policy
-config's canonical SHA-256, app/replica/hints.py), else one MLflow REST look-up (model version ->
+config's canonical SHA-256, app/contracts/hints.py), else one MLflow REST look-up (model version ->
 artifact root), cached per version. A hinted root that fails is dropped and MLflow is asked; if
 MLflow names another root, the sync is retried once from there.
 
@@ -26,7 +26,7 @@ decoded tensor's SHA-256 and the checkpoint SHA-256 against the manifest. The pe
 digests the codec computed travel with the result (`Fetched.digests`), so loading does not
 hash the weights a second time (weights.load_verified compares the loaded bits instead).
 
-General path (anything else, or any failure of the fast path): `trainer.publish.apply_chain`
+General path (anything else, or any failure of the fast path): `app.contracts.artifacts.apply_chain`
 walks the manifests back from the target, tries the cheaper of "deltas forward from the held
 version" and "nearest anchor + deltas", falls back to the other on any hash mismatch or
 corrupt file, and verifies every file, every delta's base/target hashes and the result's
@@ -58,8 +58,8 @@ from urllib.parse import quote, urlparse
 import httpx
 import torch
 
-from app.replica.hints import ArtifactHint, config_sha256
-from app.replica.pushed import PushedDeltas
+from app.contracts.hints import ArtifactHint, config_sha256
+from app.replica.pushed_store import PushedDeltas
 from app.settings import Settings
 from kernels.delta import DeltaFormatError
 from kernels.delta.manifest import MANIFEST_FILE, Manifest, delta_file
@@ -139,7 +139,7 @@ class VersionFetcher:
         self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="fetch")
         self.pushed = PushedDeltas(
             max_bytes=pushed_max_bytes
-        )  # deltas received on `<ns>.deltas` (app/replica/pushed.py)
+        )  # deltas received on `<ns>.deltas` (app/contracts/pushed.py)
 
     # --- MLflow ---------------------------------------------------------------------------------------
     def champion_alias(self) -> str | None:
@@ -234,7 +234,7 @@ class VersionFetcher:
             return Path(path).read_bytes()
 
     def fetch_file(self, version: str, filename: str) -> bytes:
-        """The `fetch` callback of trainer.publish: one sync artifact of `version` (manifests cached)."""
+        """The `fetch` callback of app.contracts.artifacts: one sync artifact of `version` (manifests cached)."""
         version = str(version)
         if filename == MANIFEST_FILE:
             with self._lock:
@@ -297,7 +297,7 @@ class VersionFetcher:
         """Reconstruct `target` (verified) from the best held version (newest one at or below the
         target) or the nearest anchor. `held`: version -> object with `.state` and (optionally)
         `.sha256`, the held weights' verified checkpoint hash (LoadedVersion) and `.config`.
-        Raises trainer.publish.ChainError when no verifiable path exists."""
+        Raises app.contracts.artifacts.ChainError when no verifiable path exists."""
         target = str(target)
         hint = self._hinted(target)
         try:
@@ -407,7 +407,7 @@ class VersionFetcher:
         rejected: list[str],
     ) -> tuple[dict[str, torch.Tensor], dict[str, str], str] | str | None:
         """The delta alone (one GET, or none when it was pushed on `<ns>.deltas`), verified against
-        what the deployment log published for the target (app/replica/hints.py): the file's size and
+        what the deployment log published for the target (app/contracts/hints.py): the file's size and
         SHA-256, the held weights' checkpoint hash (by the codec, against the delta's base), every
         decoded tensor hashed and their checkpoint SHA-256 equal to the published one (it commits to
         every tensor's name and digest). Pushed bytes that fail are dropped and the file downloaded.
@@ -563,7 +563,7 @@ class VersionFetcher:
         attempts: list[str],
         timings: dict[str, float],
     ) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
-        from trainer.publish import ChainError, apply_chain
+        from app.contracts.artifacts import ChainError, apply_chain
 
         t0 = time.perf_counter()
         try:

@@ -48,7 +48,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from app.events import Id
+from app.contracts.events import Id
 from app.httplimits import BodyLimitMiddleware, body_limits, uvicorn_config
 from app.replica import metrics as m
 from app.replica.admission import ClientGone, GenerationQueue, QueueFull
@@ -184,7 +184,7 @@ class Replica:
     def __init__(self, settings: Settings, cfg: ReplicaConfig, start_sync: bool = True):
         import torch
 
-        from app.api.producer import EventProducer
+        from app.contracts.event_producer import EventProducer
 
         self.settings, self.cfg = settings, cfg
         self.id = cfg.id
@@ -289,7 +289,7 @@ class Replica:
         group_id: str | None,
         latency_ms: float,
     ) -> dict[str, Any]:
-        from app.events import encode_routes, parse_event
+        from app.contracts.events import encode_routes, parse_event
 
         event: dict[str, Any] = {
             "event_id": f"gen-{request_id}",
@@ -374,8 +374,8 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         },
     )
     async def complete(request: Request) -> Response:
-        from app.api.producer import KafkaUnavailable, RecordRejected
-        from app.kafka_io import dumps
+        from app.contracts.event_producer import KafkaUnavailable, RecordRejected
+        from app.contracts.kafka import dumps
         from trainer.policy.base import SamplingError
 
         if not replica.authorized(request):  # before the body is read

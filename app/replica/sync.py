@@ -13,7 +13,7 @@ topic and, whenever what it serves differs from what is desired, reconciles:
 - otherwise `fetch.VersionFetcher` reconstructs the version from MLflow artifacts: the delta
   chain from a version it holds, or the nearest anchor, every hash verified; a corrupt or
   mismatching delta falls back to the anchor. Events that carry artifact hints
-  (`details.artifacts`, the trainer's `version_registered`: app/replica/hints.py) are handed to
+  (`details.artifacts`, the trainer's `version_registered`: app/contracts/hints.py) are handed to
   the fetcher while folding, so the usual sync is one GET of the delta, without asking MLflow;
 - the decoded weights are loaded into a NEW (shadow) policy, whose serving weights are checked
   bit for bit against the tensors the codec verified (weights.load_verified), and only then
@@ -40,14 +40,14 @@ import threading
 import time
 from typing import Any
 
+from app.contracts.deadletter import DeadLetters
 from app.contracts.deployment_state import DeploymentState, fold
+from app.contracts.deployments import REPLICA_TYPES, DeploymentEvent, DeploymentLog
+from app.contracts.hints import ArtifactHint
 from app.contracts.replica_status import STATUS_TYPES, ReplicaStatusLog
-from app.deadletter import DeadLetters
-from app.deployments.events import REPLICA_TYPES, DeploymentEvent, DeploymentLog
 from app.infra.wait import Waiter
 from app.replica import metrics as m
 from app.replica.config import ReplicaConfig
-from app.replica.hints import ArtifactHint
 from app.replica.weights import (
     LoadedVersion,
     Serving,
@@ -119,8 +119,8 @@ class SyncAgent:
     def _run(self) -> None:
         from kafka import TopicPartition
 
+        from app.contracts.kafka import make_consumer
         from app.infra.wait import Stopped, kafka_ready
-        from app.kafka_io import make_consumer
 
         topic = self.settings.topic("deployments")
         while not self._stop.is_set():
@@ -187,9 +187,9 @@ class SyncAgent:
         """Fold a poll's records. A record that is not a valid event or pushed delta, or that the fold
         cannot take, is dead-lettered and skipped (the state stays as before it); nothing here raises
         for a bad record, so the agent never re-reads the log in a loop because of one."""
-        from app.deadletter import error
-        from app.deployments.events import InvalidRecord, decode_event
-        from app.replica.pushed import PushedDelta
+        from app.contracts.deadletter import error
+        from app.contracts.deployments import InvalidRecord, decode_event
+        from app.contracts.pushed import PushedDelta
 
         deltas = self.settings.topic("deltas")
         # pushed deltas first: the trainer pushes a delta before announcing its version

@@ -9,7 +9,7 @@ Two places hold everything the page shows:
   `<data_dir>/mlflow/mlflow.db` (where `flywheel run` keeps it, app/infra/mlflow_server.py) is read
   directly with `MlflowClient(tracking_uri="sqlite:///...")`: nothing needs to run. For a running
   stack, `--mlflow-uri` names the server.
-- **The deployments log** `<ns>.deployments` (app/deployments/events.py), read from one of:
+- **The deployments log** `<ns>.deployments` (app/contracts/deployments.py), read from one of:
   `db` — its SQL projection `deployment_events` (app/deployments/projector.py) in the app database
   (FLYWHEEL_DATABASE_URL, default `<data_dir>/flywheel.db`); `api` — `GET /v1/deployments/history`
   of a running API with a read key; `kafka` — the topic itself, from the beginning to its end.
@@ -307,7 +307,7 @@ def _events_from_api(src: ReportSources) -> list[dict[str, Any]]:
 def _events_from_kafka(src: ReportSources) -> list[dict[str, Any]]:
     from kafka.errors import KafkaError
 
-    from app.deployments.events import DeploymentLog
+    from app.contracts.deployments import DeploymentLog
 
     topic = src.settings.topic("deployments")
     try:

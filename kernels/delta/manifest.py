@@ -1,6 +1,6 @@
 """`manifest.json` of a published version: what it holds, its hashes and its place in the chain.
 
-Written by trainer/publish.py next to the version's artifacts; read first by every replica, so
+Written by app/contracts/artifacts.py next to the version's artifacts; read first by every replica, so
 it is the root of trust for a sync: it names the delta and anchor files with their SHA-256s,
 lists every tensor with dtype, shape and SHA-256, and gives the checkpoint SHA-256
 (kernels/delta/hashing.py) and the chain (parent version, nearest anchor, depth since it).

@@ -175,8 +175,8 @@ def _register_versions(mlflow_uri: str, model: str, tmp: Path, n: int = 3) -> li
 
 def _publish_history(settings) -> None:
     """1 champion, then 2 canaried and promoted, now 3 in canary at 5% against 2."""
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.controller.state import Decision
-    from app.deployments.events import DeploymentEvent, DeploymentLog
 
     trainer = {"source": "trainer", "actor": "trainer-0"}
     decisions = [
@@ -302,7 +302,7 @@ def test_the_harness_fails_a_block_on_a_4xx(docs_stack: DocsStack):
 
 def test_the_admin_examples_reach_the_deployment_log(docs_stack: DocsStack):
     """The README's operator block leaves its events on `<ns>.deployments` with source api."""
-    from app.deployments.events import DeploymentLog
+    from app.contracts.deployments import DeploymentLog
 
     [block] = [
         b for b in RUN_BLOCKS if b.file == "README.md" and "/v1/deployments/rollback" in b.text

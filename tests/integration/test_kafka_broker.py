@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from app.contracts.topics import KAFKA_MESSAGE_MAX_BYTES, KAFKA_RECORD_OVERHEAD_BYTES, TOPICS
 from app.infra.kafka import LocalKafka, ensure_topics
-from app.settings import KAFKA_MESSAGE_MAX_BYTES, KAFKA_RECORD_OVERHEAD_BYTES, TOPICS
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -44,12 +44,12 @@ def test_topics_are_created_with_configured_partitions_and_rollouts_compacted(ma
 
 
 def test_record_limits_agree_from_the_http_body_to_the_live_broker(make_settings):
-    """The chain of app/settings.py, read from the running broker and the configured clients."""
+    """The chain of app/contracts/topics.py, read from the running broker and the configured clients."""
     from kafka import KafkaAdminClient
     from kafka.admin import ConfigResource, ConfigResourceType
 
-    from app.api.producer import EventProducer
-    from app.kafka_io import make_consumer, make_producer
+    from app.contracts.event_producer import EventProducer
+    from app.contracts.kafka import make_consumer, make_producer
 
     s = make_settings()
     admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)

@@ -69,7 +69,7 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, every: floa
 
 
 def deployment_events(settings: Settings) -> list[dict[str, Any]]:
-    from app.deployments.events import DeploymentLog
+    from app.contracts.deployments import DeploymentLog
 
     return [le.event.model_dump(mode="json") for le in DeploymentLog(settings).read(until_end=True)]
 
@@ -80,13 +80,13 @@ def test_controller_started_before_the_model_is_registered_waits_then_gates_and_
 ) -> None:
     from mlflow import MlflowClient
 
-    from app.controller.aliases import read_snapshot, sync_aliases
+    from app.contracts.aliases import read_snapshot, sync_aliases
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.controller.config import ControllerSettings
     from app.controller.controller import Controller
     from app.controller.gate import GateResult
     from app.controller.monitors import Check
     from app.controller.state import Decision
-    from app.deployments.events import DeploymentEvent, DeploymentLog
 
     model = f"start-order-{uuid.uuid4().hex[:8]}"
     settings = make_settings(model_name=model, mlflow_uri=mlflow_server.uri)
@@ -556,7 +556,7 @@ def _projected_types(db_url: str) -> set[str]:
 def _rollout_ids(settings: Settings) -> set[str]:
     from kafka import TopicPartition
 
-    from app.kafka_io import make_consumer
+    from app.contracts.kafka import make_consumer
 
     consumer = make_consumer(settings, group_id=None)
     try:

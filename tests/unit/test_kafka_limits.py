@@ -1,4 +1,4 @@
-"""The Kafka record limits form one chain (app/settings.py): an event the API accepts fits a
+"""The Kafka record limits form one chain (app/contracts/topics.py): an event the API accepts fits a
 record the producer sends, which fits the topic's and the broker's limit; every record of
 every topic fits the kafka-python producers and consumers; a body holds one maximal event.
 The live broker's values are checked in tests/integration/test_kafka_broker.py."""
@@ -11,16 +11,16 @@ import pytest
 import yaml
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from app.api.producer import EventProducer
-from app.events import MAX_ID_LEN
-from app.settings import (
+from app.contracts.event_producer import EventProducer
+from app.contracts.events import MAX_ID_LEN
+from app.contracts.topics import (
     KAFKA_DELTAS_MAX_MESSAGE_BYTES,
     KAFKA_MESSAGE_MAX_BYTES,
     KAFKA_PRODUCER_MAX_REQUEST_BYTES,
     KAFKA_RECORD_OVERHEAD_BYTES,
     TOPICS,
-    Settings,
 )
+from app.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 

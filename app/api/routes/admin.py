@@ -70,9 +70,9 @@ class VerbRequest(BaseModel):
 
 def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:
     from app.contracts.deployment_state import replay
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.controller.canary import operator_command
     from app.controller.config import get_controller_settings
-    from app.deployments.events import DeploymentEvent, DeploymentLog
 
     model = body.model or settings.model_name
     with DeploymentLog(settings) as dlog:

@@ -19,12 +19,12 @@ A batch is all-or-nothing:
 - Kafka refuses a record for what it is -> 413/422 naming it (never retryable);
   Kafka unreachable or slower than `kafka_produce_timeout` -> 503 with Retry-After.
 
-Nothing of a refused batch is produced. The size limits form one chain (app/settings.py):
+Nothing of a refused batch is produced. The size limits form one chain (app/contracts/topics.py):
 `max_event_bytes` + key and framing <= the producer's `max_request_size` = the topic's and
 broker's record limit, and `max_body_bytes` holds at least one event of `max_event_bytes`.
 
 The body is parsed once with orjson (which rejects NaN/Infinity like standard JSON), the
-dicts are validated with the strict pydantic union of app/events.py (which rewrites `ts` to its
+dicts are validated with the strict pydantic union of app/contracts/events.py (which rewrites `ts` to its
 canonical form in place), and the producer gets `orjson.dumps(dict)`: no per-event pydantic
 re-serialisation on the hot path.
 orjson keeps the last of duplicate keys silently; a cheap count of `"key":` markers finds
@@ -46,10 +46,10 @@ from fastapi.responses import JSONResponse, Response
 
 from app.api.deps import require_scope
 from app.api.metrics import BATCHES, EVENTS_ACCEPTED, EVENTS_REJECTED, PRODUCE_SECONDS
-from app.api.producer import EventProducer, KafkaUnavailable, RecordRejected
 from app.api.ratelimit import TokenBucketLimiter
+from app.contracts.event_producer import EventProducer, KafkaUnavailable, RecordRejected
+from app.contracts.events import validate_batch
 from app.db.models import ApiKey
-from app.events import validate_batch
 from app.httplimits import read_capped
 
 log = logging.getLogger(__name__)

@@ -73,8 +73,8 @@ def _resources_locked(app: FastAPI) -> dict[str, Any]:
     if res is None:
         from mlflow import MlflowClient
 
+        from app.contracts.deployments import DeploymentLog
         from app.controller.config import get_controller_settings
-        from app.deployments.events import DeploymentLog
 
         cs = get_controller_settings()
         res = {
@@ -99,7 +99,7 @@ def _resources_locked(app: FastAPI) -> dict[str, Any]:
 
 
 def publish_dict(dlog, ev: dict[str, Any]) -> None:
-    from app.deployments.events import DeploymentEvent
+    from app.contracts.deployments import DeploymentEvent
 
     dlog.publish(DeploymentEvent.model_validate(ev))
 

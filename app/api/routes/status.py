@@ -26,9 +26,9 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, status
 from pydantic import BaseModel, Field
 
 from app.api.deps import SessionDep, SettingsDep, require_scope
+from app.contracts.deployments import EventType, Source
 from app.db.models import ApiKey, DeploymentState, ModelVersion, Replica
 from app.db.models import DeploymentEvent as EventRow
-from app.deployments.events import EventType, Source
 
 router = APIRouter(tags=["status"])
 ReadKey = Annotated[ApiKey, Depends(require_scope("read"))]
@@ -114,7 +114,7 @@ class DeploymentsPublic(BaseModel):
 
 
 class DeploymentEventBase(BaseModel):
-    """The contract fields of a deployment event (app/deployments/events.py)."""
+    """The contract fields of a deployment event (app/contracts/deployments.py)."""
 
     event_id: str
     type: str

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from app.events import format_ts, parse_ts
+from app.contracts.events import format_ts, parse_ts
 from tests.integration.api.conftest import event, read_interactions
 
 pytestmark = pytest.mark.integration

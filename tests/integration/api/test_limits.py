@@ -3,7 +3,7 @@ request's failure from every other request's answer.
 
 - An event of exactly `max_event_bytes` (compact JSON) is accepted and read back unchanged from
   Kafka; one byte more is 413 naming the event and the limit (the broker's, the topic's and the
-  producer's limits are the chain of app/settings.py, checked in tests/integration/test_kafka_broker.py).
+  producer's limits are the chain of app/contracts/topics.py, checked in tests/integration/test_kafka_broker.py).
 - A client sending oversized and poison batches while other clients send valid ones concurrently:
   every valid batch gets 202 and is on Kafka, and the shared producer is never replaced.
 - The producer itself (EventProducer on the real broker): a record over its record limit is
@@ -25,8 +25,8 @@ import httpx
 import orjson
 import pytest
 
-from app.api.producer import EventProducer, RecordRejected
-from app.events import format_ts, parse_ts
+from app.contracts.event_producer import EventProducer, RecordRejected
+from app.contracts.events import format_ts, parse_ts
 from tests.integration.api.conftest import event, read_interactions
 
 pytestmark = pytest.mark.integration

@@ -99,7 +99,7 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str, every: float
 
 
 def deployment_events(settings) -> list[dict]:
-    from app.deployments.events import DeploymentLog
+    from app.contracts.deployments import DeploymentLog
 
     with DeploymentLog(settings) as dlog:
         return [le.event.model_dump(mode="json") for le in dlog.read(stall_timeout_s=20)]

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture()
 def admin_api(make_settings, api_server):
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.db.keys import create_key
     from app.db.migrate import upgrade
     from app.db.session import session_scope
-    from app.deployments.events import DeploymentEvent, DeploymentLog
 
     settings = make_settings(model_name="fw-admin-test")
     upgrade(settings.db_url)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from app.controller.aliases import read_snapshot
+from app.contracts.aliases import read_snapshot
 from app.controller.config import ControllerSettings
 from app.controller.controller import Controller
 from app.controller.gate import GateResult
@@ -34,7 +34,7 @@ def types(settings, since=0):
 
 
 def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, make_settings):
-    from app.deployments.events import DeploymentEvent, DeploymentLog
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
 
     client, model = registry.client, registry.model
     settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
-from app.controller.aliases import read_snapshot, sync_aliases
+from app.contracts.aliases import read_snapshot, sync_aliases
 from app.controller.reconciler import Reconciler
 from app.controller.webhooks import ensure_webhook, sign
 from tests.conftest import MlflowServer, free_port
@@ -191,7 +191,7 @@ def test_forged_stale_and_replayed_deliveries(registry, make_settings, api_serve
 
 def test_reconciler_alone_carries_the_move_within_its_poll_interval(registry, make_settings):
     from app.api.routes.hooks import publish_dict
-    from app.deployments.events import DeploymentLog
+    from app.contracts.deployments import DeploymentLog
 
     client, model = registry.client, registry.model
     settings = make_settings(model_name=model)

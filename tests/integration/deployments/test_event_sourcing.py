@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy.orm import Session
 
+from app.contracts.deployments import DeploymentEvent, DeploymentLog
 from app.db.models import DeploymentState
-from app.deployments.events import DeploymentEvent, DeploymentLog
 from app.deployments.projector import follow, projection_rows, rebuild
 from tests.unit.deployments.scenario import EXPECTED_STATUS, MODEL, scenario_events
 
@@ -192,7 +192,7 @@ def test_follower_resumes_from_its_committed_offsets(make_settings, tmp_path: Pa
                     dlog.publish(e)
     from kafka import TopicPartition
 
-    from app.kafka_io import make_consumer
+    from app.contracts.kafka import make_consumer
 
     c = make_consumer(settings, group_id="resume-test")
     committed = c.committed(TopicPartition(settings.topic("deployments"), 0))

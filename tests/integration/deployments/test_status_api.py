@@ -15,8 +15,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from app.api.main import create_app
+from app.contracts.deployments import LoggedEvent
 from app.db.keys import create_key
-from app.deployments.events import LoggedEvent
 from app.deployments.projector import apply_events
 from app.settings import Settings
 from tests.unit.deployments.scenario import MODEL, OTHER, scenario_events
@@ -295,7 +295,7 @@ def test_model_version_shows_the_reward_specs_it_trained_on(api: StatusApi) -> N
     """What trainer/shipping.py publishes for a version trained on live v1 and relabelled v2 rollouts:
     counts per spec in `reward_specs`, the relabelled share, and a comma list that may be too long
     for the 16-character column (then null, the counts still complete)."""
-    from app.deployments.events import DeploymentEvent
+    from app.contracts.deployments import DeploymentEvent
 
     def registered(version: str, specs: dict[str, int], joined: str | None) -> DeploymentEvent:
         return DeploymentEvent(

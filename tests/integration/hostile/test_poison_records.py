@@ -69,7 +69,7 @@ def produce_raw(
     partition: int | None = None,
     headers: list | None = None,
 ) -> None:
-    from app.kafka_io import make_producer
+    from app.contracts.kafka import make_producer
 
     prod = make_producer(settings, key_serializer=None)
     for key, value in records:
@@ -168,10 +168,10 @@ def test_streams_worker_dead_letters_bad_records_and_closes_the_lower_case_z_lab
 def test_projector_dead_letters_bad_records_and_keeps_projecting(
     make_settings, fresh_postgres_url, monkeypatch
 ):
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.db.migrate import upgrade
     from app.db.models import DeploymentState
     from app.deployments import projector
-    from app.deployments.events import DeploymentEvent, DeploymentLog
 
     settings = make_settings(model_name=f"policy-{uuid.uuid4().hex[:8]}")
     model = settings.model_name
@@ -333,9 +333,9 @@ def test_replica_sync_agent_dead_letters_bad_records_and_syncs_the_next_version(
 
 # --- controller -----------------------------------------------------------------------------------
 def test_controller_dead_letters_bad_records_and_folds_the_next_event(make_settings):
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.controller.config import ControllerSettings
     from app.controller.controller import Controller
-    from app.deployments.events import DeploymentEvent, DeploymentLog
 
     settings = make_settings(model_name=f"policy-{uuid.uuid4().hex[:8]}")
     model = settings.model_name

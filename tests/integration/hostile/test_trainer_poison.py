@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 from mlflow import MlflowClient
 
-from app.events import encode_routes
-from app.kafka_io import dumps
+from app.contracts.events import encode_routes
+from app.contracts.kafka import dumps
 from tests.conftest import free_port
 from tests.integration.trainer.conftest import (
     TINY_POLICY,
@@ -41,6 +41,7 @@ from tests.integration.trainer.conftest import (
     read_dlq,
     refused_count,
     rollout_records,
+    trainer_env,  # noqa: F401 (a fixture)
     trainer_env_vars,
     wait_for,
 )
@@ -115,8 +116,8 @@ def test_poison_rollouts_are_dead_lettered_and_the_trainer_ships_only_the_good_o
         produce_raw(settings, records)
 
         drain(trainer, expected=len(records))  # raises if a step raised
-        assert trainer.pending["rollouts"] == 12 and trainer.step >= 3
-        assert trainer.pending["skipped"] == {"duplicate": 0, "stale": 0, "invalid": 7, "failed": 1}
+        assert trainer.pending.rollouts == 12 and trainer.step >= 3
+        assert trainer.pending.skipped == {"duplicate": 0, "stale": 0, "invalid": 7, "failed": 1}
         version = trainer.maybe_ship(force=True)
         assert version == 2
 

@@ -26,7 +26,7 @@ def read_topic(
     """Every JSON record of `<ns>.<name>` from the beginning until `want` match `where`."""
     from kafka import TopicPartition
 
-    from app.kafka_io import make_consumer
+    from app.contracts.kafka import make_consumer
 
     consumer = make_consumer(settings, group_id=None)
     try:
@@ -137,7 +137,7 @@ from tests.integration.rollout.stack import nudged as perturb  # noqa: E402 (re-
 
 class Registered:
     """Versions registered in the real MLflow server the way the trainer ships them: the pyfunc
-    model (trainer.registry.Registry.upload_ship) plus the sync artifacts of trainer.publish in
+    model (trainer.registry.Registry.upload_ship) plus the sync artifacts of app.contracts.artifacts in
     `ships/<ship_id>/delta/`. Version numbers are MLflow's (1, 2, ...)."""
 
     def __init__(self, uri: str, model: str, config: dict, anchor_every: int):
@@ -155,7 +155,7 @@ class Registered:
         import tempfile
         import uuid
 
-        from trainer.publish import publish_version
+        from app.contracts.artifacts import publish_version
 
         version = str(len(self.states) + 1)
         parent = str(len(self.states)) if self.states else None
@@ -199,7 +199,7 @@ class Registered:
 
 
 def publish_deployment(settings: Settings, type_: str, version: str, **kw: Any) -> None:
-    from app.deployments.events import DeploymentEvent, DeploymentLog
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
 
     with DeploymentLog(settings) as log:
         log.publish(

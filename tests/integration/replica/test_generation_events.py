@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.events import decode_routes, parse_event_bytes
+from app.contracts.events import decode_routes, parse_event_bytes
 from app.replica.weights import WeightCache, load_verified
 from kernels.delta.hashing import checkpoint_sha256
 from tests.integration.replica.conftest import read_topic, tiny_state

@@ -1,4 +1,4 @@
-"""Sync driven by the artifact hints of `version_registered` (app/replica/hints.py), against the real
+"""Sync driven by the artifact hints of `version_registered` (app/contracts/hints.py), against the real
 broker and MLflow server: the delta alone is fetched (no MLflow look-up, no manifest, no config), a
 stale hint or a wrong artifact root still ends on verified weights, and a corrupt delta still falls
 back to the anchor."""
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from app.replica.hints import artifact_hints
+from app.contracts.hints import artifact_hints
 from tests.integration.replica.conftest import (
     publish_deployment,
     register_chain,
@@ -124,7 +124,7 @@ def test_the_trainers_version_registered_event_carries_hints_that_match_the_regi
 
     from mlflow import MlflowClient
 
-    from app.replica.hints import ArtifactHint, config_sha256
+    from app.contracts.hints import ArtifactHint, config_sha256
     from kernels.delta.manifest import Manifest
     from tests.integration.replica.conftest import read_topic, ship_two_versions
 

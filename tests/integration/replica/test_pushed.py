@@ -1,4 +1,4 @@
-"""Deltas pushed on `<ns>.deltas` (app/replica/pushed.py) with the real broker, MLflow server and
+"""Deltas pushed on `<ns>.deltas` (app/contracts/pushed.py) with the real broker, MLflow server and
 trainer: the trainer pushes each delta (the same bytes as its MLflow artifact) before announcing
 the version; a replica syncs from the pushed copy without downloading anything; a corrupt pushed
 copy is refused and the original downloaded; a replica started later still finds the recent
@@ -21,12 +21,12 @@ pytestmark = pytest.mark.integration
 
 
 def push(settings, reg, version: str, data: bytes | None = None) -> None:
-    from app.kafka_io import make_producer
-    from app.replica.pushed import PushedDelta
+    from app.contracts.kafka import make_producer
+    from app.contracts.pushed import PushedDelta
 
     ref = reg.manifests[version].delta
     blob = data if data is not None else (reg.delta_bytes[version])
-    producer = make_producer(settings, linger_ms=0)
+    producer = make_producer(settings, profile="immediate")
     try:
         key, value, headers = PushedDelta(
             settings.model_name,
@@ -114,8 +114,8 @@ def test_the_trainer_pushes_each_delta_before_announcing_it_with_the_bytes_of_it
     from kafka import TopicPartition
     from mlflow import MlflowClient
 
-    from app.kafka_io import make_consumer
-    from app.replica.pushed import PushedDelta
+    from app.contracts.kafka import make_consumer
+    from app.contracts.pushed import PushedDelta
     from kernels.delta.manifest import Manifest
     from tests.integration.replica.conftest import ship_two_versions
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import torch
 
-from app.events import decode_routes, parse_event_bytes
+from app.contracts.events import decode_routes, parse_event_bytes
 from tests.integration.replica.conftest import (
     perturb,
     publish_deployment,

@@ -149,8 +149,8 @@ def history(mlflow_server, make_settings, tmp_path: Path) -> History:
     from mlflow import MlflowClient
     from mlflow.entities import Metric
 
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.db.migrate import upgrade
-    from app.deployments.events import DeploymentEvent, DeploymentLog
     from app.deployments.projector import rebuild
 
     model = f"report-policy-{uuid.uuid4().hex[:8]}"

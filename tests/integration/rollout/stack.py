@@ -21,7 +21,7 @@ Parts (all real; nothing mocked):
 
 Versions are tiny byte-level MoE policies registered with the trainer's code: the pyfunc
 model (`trainer.registry.Registry.upload_ship` + `create_version`) and the delta/manifest
-sync artifacts (`trainer.publish.publish_version`), then announced with `version_registered`.
+sync artifacts (`app.contracts.artifacts.publish_version`), then announced with `version_registered`.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class Versions:
         self, state: dict[str, Any], parent: str | None = None, kind: str = "trained"
     ) -> str:
         """Artifacts up and the version created in MLflow (the controller does not know it yet)."""
-        from trainer.publish import publish_version
+        from app.contracts.artifacts import publish_version
 
         predicted = str(max((int(v) for v in self.states), default=0) + 1)
         ship = f"ship-{uuid.uuid4().hex[:10]}"
@@ -183,7 +183,7 @@ class Versions:
 
     def announce(self, version: str) -> None:
         """Publish `version_registered` for an uploaded version (what the trainer does right after registering)."""
-        from app.deployments.events import DeploymentEvent, DeploymentLog
+        from app.contracts.deployments import DeploymentEvent, DeploymentLog
 
         with DeploymentLog(self.settings) as dlog:
             dlog.publish(
@@ -210,13 +210,13 @@ class MetricsFeed:
     """Publishes `flywheel.version-metrics` buckets the way streams/ does (one record per version per bucket)."""
 
     def __init__(self, settings: Settings):
-        from app.kafka_io import make_producer
+        from app.contracts.kafka import make_producer
 
         self.producer = make_producer(settings)
         self.topic = settings.topic("version-metrics")
 
     def bucket(self, version: str, n: int, mean: float, sd: float = 0.5) -> None:
-        from app.kafka_io import dumps
+        from app.contracts.kafka import dumps
 
         start = time.time()
         sums = {"n": float(n), "reward_sum": n * mean, "reward_sumsq": n * (sd * sd + mean * mean)}
@@ -474,7 +474,7 @@ class RolloutStack:
 
     def log_events(self, type_: str | None = None) -> list[dict[str, Any]]:
         """Every event on the deployment topic (oldest first), optionally of one type."""
-        from app.deployments.events import DeploymentLog
+        from app.contracts.deployments import DeploymentLog
 
         with DeploymentLog(self.settings) as dlog:
             evs = [le.event.model_dump(mode="json") for le in dlog.read(stall_timeout_s=30)]

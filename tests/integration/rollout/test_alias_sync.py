@@ -97,7 +97,7 @@ def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an
     import threading
     import time
 
-    from app.controller.aliases import TAG_PREFIX, read_snapshot, sync_aliases
+    from app.contracts.aliases import TAG_PREFIX, read_snapshot, sync_aliases
 
     client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-settle")
     sync_aliases(client, model, {"champion": "1"})
@@ -158,7 +158,7 @@ class _ReadersBetweenWrites:
     def __getattr__(self, name: str):
         import threading
 
-        from app.controller.aliases import detect_moves, read_snapshot
+        from app.contracts.aliases import detect_moves, read_snapshot
         from app.controller.reconciler import settled_moves
 
         attr = getattr(self._client, name)
@@ -192,7 +192,7 @@ def test_a_promotion_produces_no_alias_changed_event(make_settings, mlflow_serve
     candidate alias already removed, which the controller does not answer. (With the tag
     removed before the alias it saw `candidate` on the new champion, which the controller
     answered with an `alias_changed` "alias restored".)"""
-    from app.controller.aliases import read_snapshot
+    from app.contracts.aliases import read_snapshot
     from app.controller.reconciler import settled_moves
 
     client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-promote")

@@ -90,7 +90,7 @@ def start_worker(tmp_path: Path):
 
 
 def produce(settings, records: list[tuple[bytes | None, bytes]]) -> None:
-    from app.kafka_io import make_producer
+    from app.contracts.kafka import make_producer
 
     prod = make_producer(settings, key_serializer=None)
     for key, value in records:
@@ -112,7 +112,7 @@ def read_topic(
     distinct_keys: count distinct record keys instead of records, for topics where a restarted
     worker legitimately re-emits some records (at-least-once): the duplicates must not stop the
     read before the last distinct record arrived."""
-    from app.kafka_io import make_consumer
+    from app.contracts.kafka import make_consumer
 
     cons = make_consumer(settings, topic, group_id=None, consumer_timeout_ms=200)
     out: list[Any] = []
@@ -132,7 +132,7 @@ def read_topic(
 
 def arrivals(settings) -> list[Arrival]:
     """The interactions topic as the worker saw it: (partition order, record timestamp, event)."""
-    from app.events import EventValidationError, parse_event
+    from app.contracts.events import EventValidationError, parse_event
 
     recs = read_topic(settings, settings.topic("interactions"), expect=10**9, timeout=8.0)
     out = []

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from streams.records import Rollout, VersionMetrics
+from app.contracts.rollouts import Rollout, VersionMetrics
 from tests.integration.streams.conftest import WINDOW, arrivals, produce, read_topic, scenario
 from tests.unit.streams.reference import expected
 

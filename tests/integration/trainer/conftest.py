@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from app.events import encode_routes
-from app.kafka_io import dumps, make_consumer, make_producer
+from app.contracts.events import encode_routes
+from app.contracts.kafka import dumps, make_consumer, make_producer
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_POLICY = {
@@ -106,10 +106,10 @@ def drain(trainer, expected: int, max_polls: int = 400) -> None:
     for _ in range(max_polls):
         trainer.train_step()
         p = trainer.pending
-        if p["rollouts"] + sum(p["skipped"].values()) >= expected:
+        if p.rollouts + sum(p.skipped.values()) >= expected:
             return
     raise AssertionError(
-        f"only {trainer.pending['rollouts']} trained + {trainer.pending['skipped']} of {expected} records"
+        f"only {trainer.pending.rollouts} trained + {trainer.pending.skipped} of {expected} records"
     )
 
 
@@ -139,7 +139,7 @@ def read_dlq(
 ) -> list[dict[str, Any]]:
     """The dead letters about `<ns>.rollouts` (streams' DlqRecord, value decoded to `value` bytes), once
     at least `expect` arrived (then `settle` s more), or what arrived by `timeout`."""
-    from streams.records import DlqRecord
+    from app.contracts.rollouts import DlqRecord
 
     cons = make_consumer(settings, settings.topic("dlq"), group_id=None, consumer_timeout_ms=200)
     out: list[dict[str, Any]] = []

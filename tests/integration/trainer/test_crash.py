@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from app.kafka_io import dumps
+from app.contracts.kafka import dumps
 from tests.integration.trainer.conftest import (
     TINY_POLICY,
     TrainerProcess,
@@ -106,7 +106,7 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
 
     # records arriving between crashes: two re-emitted rollouts (trained before the first kill) and garbage
     produce(settings, [records[0], records[1]])
-    from app.kafka_io import make_producer
+    from app.contracts.kafka import make_producer
 
     prod = make_producer(settings)
     prod.send(settings.topic("rollouts"), key="garbage", value=b'{"request_id": "x"}').get(30)
@@ -323,7 +323,7 @@ def test_an_exception_escaping_a_step_is_not_saved_as_trained_by_the_shutdown(
     again = Trainer(settings, TrainerConfig(**cfg_kw))
     try:
         drain(again, 8)
-        ids = again.pending["request_ids"]
+        ids = again.pending.request_ids
         assert sorted(ids) == sorted(r["request_id"] for r in records), (
             f"lost or doubled: {Counter(ids)}"
         )

@@ -16,7 +16,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from app.kafka_io import dumps, make_consumer
+from app.contracts.kafka import dumps, make_consumer
 from tests.integration.trainer.conftest import drain, produce, produce_raw, rollout_records
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
@@ -53,10 +53,10 @@ def test_relabelled_rollouts_are_trained_once_and_counted_per_spec_in_the_lineag
             settings, [(f"{r['request_id']}|v2", dumps(r)) for r in relabelled + relabelled[:1]]
         )
         drain(trainer, 17)
-        assert trainer.pending["rollouts"] == 16 and trainer.pending["skipped"]["duplicate"] == 1, (
+        assert trainer.pending.rollouts == 16 and trainer.pending.skipped["duplicate"] == 1, (
             trainer.pending
         )
-        assert sorted(trainer.pending["request_ids"]) == sorted([r["request_id"] for r in live] * 2)
+        assert sorted(trainer.pending.request_ids) == sorted([r["request_id"] for r in live] * 2)
         version = trainer.maybe_ship(force=True)
         tags = (
             MlflowClient(settings.mlflow_uri)

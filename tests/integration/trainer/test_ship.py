@@ -41,7 +41,7 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
             and v1.tags["rollouts_consumed"] == "0"
         )
         assert client.get_model_version_by_alias(settings.model_name, "champion").version == "1"
-        from app.controller.aliases import detect_moves, read_snapshot
+        from app.contracts.aliases import detect_moves, read_snapshot
 
         assert detect_moves(read_snapshot(client, settings.model_name)) == [], (
             "the trainer's first champion is acknowledged like a controller move, not an outside (UI) move"
@@ -58,7 +58,7 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         dup = dict(records[0])  # the streams worker re-emitted one rollout: trained once
         produce(settings, records + [dup])
         drain(trainer, 11)
-        assert trainer.pending["rollouts"] == 10 and trainer.pending["skipped"]["duplicate"] == 1
+        assert trainer.pending.rollouts == 10 and trainer.pending.skipped["duplicate"] == 1
         assert committed_offsets(settings, cfg_kw["consumer_group"]) == {
             0: None,
             1: None,
@@ -129,6 +129,6 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         # with max_staleness 0, a rollout of v1 arriving after v2 shipped is skipped and counted, not trained on
         produce(settings, [dict(records[1], request_id="late-from-v1")])
         drain(trainer, 1)
-        assert trainer.pending["skipped"]["stale"] == 1 and trainer.pending["rollouts"] == 0
+        assert trainer.pending.skipped["stale"] == 1 and trainer.pending.rollouts == 0
     finally:
         trainer.close()

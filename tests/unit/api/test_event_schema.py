@@ -1,4 +1,4 @@
-"""The interaction-event schema as the ingest API applies it (app/events.py, docs/DESIGN.md §Editor events).
+"""The interaction-event schema as the ingest API applies it (app/contracts/events.py, docs/DESIGN.md §Editor events).
 
 Every rejection the API promises is checked here with the field it names and its message;
 the integration tests (tests/integration/api/) check the same cases over real HTTP and Kafka.
@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from app.events import EVENT_TYPES, validate_batch
+from app.contracts.events import EVENT_TYPES, validate_batch
 
 ENVELOPE = {
     "event_id": "ev-1",

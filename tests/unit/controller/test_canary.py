@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.contracts.deployments import DeploymentEvent
 from app.controller.canary import (
     ArmStats,
     CanaryConfig,
@@ -22,7 +23,6 @@ from app.controller.canary import (
     transition,
 )
 from app.controller.state import Decision, DeploymentState, fold
-from app.deployments.events import DeploymentEvent
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CFG = CanaryConfig(min_step=60, min_samples=50, step_deadline=600, margin=0.05, cs_target_n=200)

@@ -154,8 +154,8 @@ def test_window_sums_carry_the_outcomes_and_old_records_read_as_zero():
 
     import pytest
 
+    from app.contracts.deployments import InvalidRecord
     from app.controller.controller import Controller, decode_metrics
-    from app.deployments.events import InvalidRecord
 
     new = {
         "model_version": "2",

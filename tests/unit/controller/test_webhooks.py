@@ -8,7 +8,7 @@ import json
 import pytest
 from mlflow.webhooks.delivery import _generate_hmac_signature
 
-from app.controller.aliases import AliasMove, Snapshot, detect_moves
+from app.contracts.aliases import AliasMove, Snapshot, detect_moves
 from app.controller.webhooks import (
     DeliveryDedupe,
     Seen,

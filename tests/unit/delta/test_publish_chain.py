@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer.publish import ChainError, apply_chain, publish_version, resolve_chain
+from app.contracts.artifacts import ChainError, apply_chain, publish_version, resolve_chain
 
 from .conftest import bit_equal, make_small_pair, perturb
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from app.deployments.events import DeploymentEvent
+from app.contracts.deployments import DeploymentEvent
 
 T0 = datetime(2026, 3, 1, 8, 0, tzinfo=UTC)
 MODEL = "flywheel-policy"

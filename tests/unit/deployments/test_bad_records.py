@@ -14,10 +14,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
+from app.contracts.deployments import DeploymentEvent, InvalidRecord, LoggedEvent, decode_event
 from app.controller.state import fold
 from app.db.models import DeploymentState
 from app.deployments import projector
-from app.deployments.events import DeploymentEvent, InvalidRecord, LoggedEvent, decode_event
 
 BASE = {"type": "promoted", "model": "m", "version": "2", "source": "controller"}
 

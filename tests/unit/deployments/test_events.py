@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from pydantic import ValidationError
 
-from app.deployments.events import EVENT_TYPES, SOURCES, DeploymentEvent, decode_record
+from app.contracts.deployments import EVENT_TYPES, SOURCES, DeploymentEvent, decode_record
 
 
 def _ev(**kw) -> DeploymentEvent:

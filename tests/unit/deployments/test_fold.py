@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 from app.contracts.deployment_state import DeploymentState, fold, replay
-from app.deployments.events import DeploymentEvent
+from app.contracts.deployments import DeploymentEvent
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 M = "m"

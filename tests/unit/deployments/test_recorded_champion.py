@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
+from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.db.models import DeploymentState, ModelVersion
-from app.deployments.events import DeploymentEvent, LoggedEvent
 from app.deployments.projector import apply_event
 
 MODEL = "policy"

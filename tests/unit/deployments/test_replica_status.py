@@ -8,8 +8,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy.orm import Session
 
+from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.db.models import Replica
-from app.deployments.events import DeploymentEvent, LoggedEvent
 from app.deployments.projector import apply_event, apply_replica_status
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)

@@ -1,11 +1,11 @@
-"""The artifact hints a deployment event carries for replicas (app/replica/hints.py): what parses,
+"""The artifact hints a deployment event carries for replicas (app/contracts/hints.py): what parses,
 what is refused (then the replica asks MLflow / reads the manifest), and the config hash."""
 
 from __future__ import annotations
 
 import json
 
-from app.replica.hints import ArtifactHint, artifact_hints, config_sha256
+from app.contracts.hints import ArtifactHint, artifact_hints, config_sha256
 
 SOURCE = "mlflow-artifacts:/1/run/artifacts/ships/ship-1/model"
 DELTA = {"file": "delta-from-3.fwd", "sha256": "b" * 64, "bytes": 1234}

@@ -1,4 +1,4 @@
-"""Deltas pushed on `<ns>.deltas` (app/replica/pushed.py): the record format, the replica's bounded
+"""Deltas pushed on `<ns>.deltas` (app/contracts/pushed.py): the record format, the replica's bounded
 store, and the fetcher using a pushed delta instead of a download — verified exactly like one, and
 dropped (then downloaded from MLflow) when it does not verify. No broker or MLflow here: the
 fetcher's artifact GET is replaced by a dict lookup that counts calls (the real path is covered by
@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from app.replica.hints import ArtifactHint, artifact_hints
-from app.replica.pushed import PushedDelta, PushedDeltas
+from app.contracts.hints import ArtifactHint, artifact_hints
+from app.contracts.pushed import PushedDelta
+from app.replica.pushed_store import PushedDeltas
 from tests.unit.replica.conftest import tiny_state
 
 Rec = namedtuple("Rec", "topic partition offset key value headers")
@@ -60,12 +61,12 @@ def test_the_store_keeps_the_newest_deltas_within_its_count_and_byte_bounds():
 
 @pytest.fixture()
 def chain(tmp_path: Path):
-    """Versions 1 (anchor) and 2 (delta from 1) of a tiny policy as trainer/publish.py writes them,
+    """Versions 1 (anchor) and 2 (delta from 1) of a tiny policy as app/contracts/artifacts.py writes them,
     plus v1 loaded the way a replica holds it."""
+    from app.contracts.artifacts import publish_version
     from app.replica.weights import load_verified
     from kernels.delta.hashing import hash_state_dict
     from tests.integration.rollout.stack import nudged
-    from trainer.publish import publish_version
 
     cfg, s1 = tiny_state(0)
     s2 = nudged(s1, seed=1)
@@ -158,7 +159,7 @@ def test_a_corrupt_pushed_delta_is_dropped_and_the_original_downloaded(chain, tm
 def test_the_publisher_refuses_a_delta_over_the_limit_or_with_another_hash_before_touching_kafka(
     tmp_path: Path,
 ):
-    from app.replica.pushed import publish_delta
+    from app.contracts.pushed import publish_delta
     from app.settings import Settings
 
     # no broker at this address: a refusal must not need one

@@ -203,8 +203,8 @@ def test_the_streams_join_labels_a_question_by_the_spec_and_counts_its_followup(
     metrics still count the unhappy follow-up (what the canary's guardrail reads)."""
     import math
 
+    from app.contracts.rollouts import Rollout
     from streams.labels import Aggregator
-    from streams.records import Rollout
     from streams.reward import resolve_spec
     from tests.unit.streams.factories import generation, ts
 

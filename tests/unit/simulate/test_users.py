@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from app.events import parse_event
+from app.contracts.events import parse_event
 from app.simulate.prompts import prompts
 from app.simulate.users import SimulatedUser, expected_acceptance, features, population
 

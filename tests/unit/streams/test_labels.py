@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.events import parse_event
+from app.contracts.events import parse_event
+from app.contracts.rollouts import Rollout, VersionMetrics, empty_sums, version_metrics
 from streams.labels import Aggregator, MetricsMerger
-from streams.records import Rollout, VersionMetrics, empty_sums, version_metrics
 from streams.reward import resolve_spec
 from tests.unit.streams.factories import feedback as fb
 from tests.unit.streams.factories import generation as gen

@@ -17,7 +17,7 @@ import orjson
 from faust.types import Message
 
 import streams.labels as labels_mod
-from streams.records import DlqRecord, empty_sums
+from app.contracts.rollouts import DlqRecord, empty_sums
 from tests.unit.streams.factories import feedback, generation
 from tests.unit.streams.test_agent import _setup
 from tests.unit.streams.test_labels import make_agg

@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import app as cli
+from app.contracts.rollouts import DlqRecord, Rollout
 from streams.labels import Aggregator
-from streams.records import DlqRecord, Rollout
 from streams.relabel import Relabeller, RelabelOptions, relabel_key
 from streams.reward import RewardWeights, compute_reward, resolve_spec
 from tests.unit.streams.factories import feedback as fb

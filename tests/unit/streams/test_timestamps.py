@@ -1,4 +1,4 @@
-"""Event timestamps: ingest and every downstream reader agree (app/events.py `Timestamp`, `parse_ts`).
+"""Event timestamps: ingest and every downstream reader agree (app/contracts/events.py `Timestamp`, `parse_ts`).
 
 The property: any `ts` the ingest schema accepts parses downstream (`parse_ts`, used by the
 streams reward, the controller's fold and the trainer) to the same instant, never raises
@@ -17,8 +17,8 @@ from datetime import UTC, datetime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.contracts.events import format_ts, parse_event, parse_ts, validate_batch
 from app.controller.state import DeploymentState, apply_event
-from app.events import format_ts, parse_event, parse_ts, validate_batch
 from streams.reward import RewardSpec, RewardWeights, compute_reward
 
 CANONICAL = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$")

@@ -14,7 +14,8 @@ import torch
 from tests.unit.trainer.test_intake_state import record
 from trainer.checkpoint import load_state, save_state
 from trainer.rollouts import DedupeSet, dedupe_key, parse_rollout
-from trainer.shipping import lineage_tags, new_pending, reward_spec_detail
+from trainer.ship_state import Pending, ShipIntent
+from trainer.shipping import lineage_tags, reward_spec_detail
 
 
 def rollout(**overrides):
@@ -55,19 +56,27 @@ def test_keys_survive_the_state_file_and_plain_request_ids_from_old_states_still
 
 def test_lineage_tags_count_rollouts_per_spec_and_old_pendings_still_tag():
     pending = dict(
-        new_pending(),
+        Pending().to_dict(),
         rollouts=5,
         steps=1,
         reward_specs=["v1", "v2"],
         reward_spec_counts={"v1": 2, "v2": 3},
         relabelled=3,
     )
-    intent = {"kind": "trained", "parent_version": 1, "ranges": {}, "pending": pending, "step": 3}
-    tags = lineage_tags(intent, "ns.rollouts")
+    intent = {
+        "ship_id": "s1",
+        "kind": "trained",
+        "parent_version": 1,
+        "positions": {},
+        "ranges": {},
+        "pending": pending,
+        "step": 3,
+    }
+    tags = lineage_tags(ShipIntent.from_dict(intent), "ns.rollouts")
     assert tags["reward_spec"] == "v1,v2" and json.loads(tags["reward_specs"]) == {"v1": 2, "v2": 3}
     assert tags["rollouts_relabelled"] == "3"
     old = {k: v for k, v in pending.items() if k not in ("reward_spec_counts", "relabelled")}
-    tags = lineage_tags(dict(intent, pending=old), "ns.rollouts")
+    tags = lineage_tags(ShipIntent.from_dict(dict(intent, pending=old)), "ns.rollouts")
     assert tags["reward_specs"] == "{}" and tags["rollouts_relabelled"] == "0"
 
 

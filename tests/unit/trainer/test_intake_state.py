@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from app.events import encode_routes
+from app.contracts.events import encode_routes
 from trainer.checkpoint import load_state, save_state, state_path
 from trainer.config import TrainerConfig
 from trainer.rollouts import DedupeSet, parse_rollout

@@ -3,7 +3,7 @@
 still parses and is scored at the trainer's setting, counted.
 
 The rollouts are real generations of a tiny MoE policy at different temperatures, written as
-the streams worker writes them (streams/records.py) and parsed as the trainer's intake parses
+the streams worker writes them (app/contracts/rollouts.py) and parsed as the trainer's intake parses
 them (`parse_rollout`). The trainer's objective (`Trainer._loss`) runs on a stand-in holding only
 what it reads (config, policy, no reference policy): a Trainer needs MLflow and Kafka.
 
@@ -19,15 +19,15 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from app.events import encode_routes
-from streams.records import Rollout as RolloutRecord
+from app.contracts.events import encode_routes
+from app.contracts.rollouts import Rollout as RolloutRecord
 from tests.unit.policy.conftest import TINY, make_prompts
 from trainer.batch import collate
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 from trainer.policy import build_policy
 from trainer.rollouts import Batch, parse_rollout
-from trainer.shipping import new_pending
+from trainer.ship_state import Pending
 from trainer.validate import ModelSpec
 
 TEMPERATURES = (0.7, 1.3, 0.0)  # 0 = greedy, scored at T = 1
@@ -117,5 +117,5 @@ def test_rollouts_trained_without_a_temperature_are_counted(policy):
     rollouts = _parse(policy, records)
     name = "flywheel_trainer_rollouts_assumed_temperature_total"
     before = REGISTRY.get_sample_value(name) or 0.0
-    Trainer._account(SimpleNamespace(pending=new_pending()), Batch(rollouts=rollouts))  # type: ignore[arg-type]
+    Trainer._account(SimpleNamespace(pending=Pending()), Batch(rollouts=rollouts))  # type: ignore[arg-type]
     assert REGISTRY.get_sample_value(name) == before + 1

@@ -17,8 +17,8 @@ import logging
 import numpy as np
 import pytest
 
-from app.events import encode_routes
-from streams.records import DlqRecord
+from app.contracts.events import encode_routes
+from app.contracts.rollouts import DlqRecord
 from trainer.dlq import DeadLetters, RateLimitedLog, Source, envelope
 from trainer.policy import build_policy
 from trainer.rollouts import parse_rollout

@@ -6,7 +6,7 @@ rollback, an alias moved in the MLflow UI, a replica synced) is one `DeploymentE
 partition. The topic is the source of truth; the SQL tables are projections of it
 (app/deployments/projector.py).
 
-    from app.deployments.events import DeploymentEvent, DeploymentLog
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
 
     with DeploymentLog(settings) as log:
         partition, offset = log.publish(DeploymentEvent(
@@ -30,14 +30,24 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, get_args
 
+from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from app.deployments.metrics import INVALID_EVENTS, PUBLISHED
-from app.events import Timestamp
-from app.kafka_io import dumps, make_consumer, make_producer
+from app.contracts.events import Timestamp
+from app.contracts.kafka import dumps, make_consumer, make_producer
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+PUBLISHED = Counter(
+    "flywheel_deployment_events_published_total",
+    "Deployment events acknowledged by Kafka.",
+    ["type"],
+)
+INVALID_EVENTS = Counter(
+    "flywheel_deployment_events_invalid_total",
+    "Records on the deployments topic that are not valid events (skipped).",
+)
 
 EventType = Literal[
     "version_registered",
@@ -261,7 +271,7 @@ class DeploymentLog:
         """
         if self._producer is None:
             # one event per call, awaited: a linger only delays it (replicas and the controller act on it)
-            self._producer = make_producer(self.settings, linger_ms=0)
+            self._producer = make_producer(self.settings, profile="immediate")
         future = self._producer.send(self.topic, key=event.model, value=event.to_bytes())
         meta = future.get(timeout=max(1.0, self.settings.kafka_produce_timeout * 2))
         PUBLISHED.labels(event.type).inc()
@@ -340,7 +350,7 @@ class DeploymentLog:
 
 class InvalidRecord(ValueError):
     """A record of the deployment log that is not a valid event: `reason` (invalid_json | invalid_event)
-    and `errors` ([{"field", "message"}]) as they go into a DLQ envelope (app/deadletter.py)."""
+    and `errors` ([{"field", "message"}]) as they go into a DLQ envelope (app/contracts/deadletter.py)."""
 
     def __init__(self, reason: str, errors: list[dict[str, str]]):
         self.reason, self.errors = reason, errors

@@ -1,4 +1,5 @@
-"""The API's Kafka producer: asyncio-native (aiokafka), acks=all + idempotent, bounded waits.
+"""The asyncio Kafka producer of `<ns>.interactions` (the ingest API's events, the replicas'
+generations): asyncio-native (aiokafka), acks=all + idempotent, bounded waits.
 
 The ingest API must answer 202 only after Kafka acknowledged every event of a batch, and
 503 within `settings.kafka_produce_timeout` when the broker is unreachable, hung or slow,
@@ -9,7 +10,7 @@ acknowledgements under one deadline (`asyncio.wait_for`). Two kinds of failure:
   (over the record limit, corrupt): the route answers 413/422 naming the event, the client
   must not retry it as-is, and the shared producer is left alone. Record sizes are checked
   against `max_request_size` (= the interactions topic's `max.message.bytes`,
-  app/settings.py) before anything of the batch is sent, so a batch the broker would refuse
+  app/contracts/topics.py) before anything of the batch is sent, so a batch the broker would refuse
   for its size is never sent: such a refusal would also spend an idempotent sequence number
   the broker never saw and break the partition for every later batch. At start-up
   (`connect()`) the topic's actual limit is read from the broker, and a smaller one (a
@@ -25,14 +26,14 @@ them is done, so one request's failure never fails another request's batch. The 
 created lazily under the same deadline, so the API starts and answers 503 while Kafka is
 down, and recovers by itself when it is back.
 
-Why aiokafka here and kafka-python (`app.kafka_io.make_producer`) elsewhere: the API is one
+Why aiokafka here and kafka-python (`app.contracts.kafka.make_producer`) elsewhere: the API is one
 asyncio process. kafka-python's producer is thread-based; on the event loop each `send()`
 that starts a new batch wakes the sender thread through a socket and then waits to get the
 GIL back (cProfile: ~3 ms per wakeup), and moving sends to a thread pool cost more GIL
 traffic. aiokafka runs on the event loop itself, builds record batches in C, and measured
 27 CPU-us per 1 KB event against kafka-python's 57 (same broker, acks=all, idempotent,
-100-record batches). Configuration mirrors `make_producer` (acks=all, idempotence,
-linger 2 ms, 256 KiB batches); keys are partitioned with the same murmur2 partitioner as
+100-record batches). Its options come from app/contracts/kafka.py (`aio_producer_options`: the
+same acks=all, idempotence, linger and batch size as `make_producer`); keys are partitioned with the same murmur2 partitioner as
 kafka-python and Java clients, so a request_id lands on the same partition whoever
 produced it.
 
@@ -49,7 +50,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from app.settings import KAFKA_MESSAGE_MAX_BYTES, Settings
+from app.contracts.kafka import aio_producer_options
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +104,8 @@ class EventProducer:
         self.timeout_s = float(settings.kafka_produce_timeout)
         assert self.timeout_s > 0, f"kafka_produce_timeout must be > 0, got {self.timeout_s}"
         self.retry_after_s = max(1, math.ceil(self.timeout_s))
-        self._config: dict[str, Any] = {
-            "bootstrap_servers": settings.kafka_bootstrap.split(","),
-            "client_id": "flywheel-api",
-            "acks": "all",
-            "enable_idempotence": True,
-            "linger_ms": 2,
-            "max_batch_size": 256 * 1024,
-            # the interactions topic's record limit: a record the broker would refuse is refused here first
-            "max_request_size": KAFKA_MESSAGE_MAX_BYTES,
-            "request_timeout_ms": max(1000, int(self.timeout_s * 1000)),
-            "retry_backoff_ms": 50,
-            "key_serializer": lambda k: k.encode() if isinstance(k, str) else k,
-        }
+        # the interactions topic's record limit: a record the broker would refuse is refused here first
+        self._config: dict[str, Any] = aio_producer_options(settings, client_id="flywheel-api")
         self._config.update(overrides)
         self.max_record_bytes: int = self._config["max_request_size"]
         self._topic = settings.topic("interactions")

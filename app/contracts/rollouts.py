@@ -116,7 +116,7 @@ class LateRecord(BaseModel):
 
 
 class DlqRecord(BaseModel):
-    """A record some consumer could not use (the envelope of app/deadletter.py; docs/STREAMS.md lists the reasons)."""
+    """A record some consumer could not use (the envelope of app/contracts/deadletter.py; docs/STREAMS.md lists the reasons)."""
 
     model_config = ConfigDict(extra="forbid")
 

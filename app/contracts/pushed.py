@@ -4,7 +4,7 @@ instead of downloading them from MLflow (one HTTP round trip through the registr
 proxy, made by every replica at the same moment).
 
     publish_delta(settings, PushedDelta(model, "8", "7", "delta-from-7.fwd", sha256, blob))  # the trainer
-    store = PushedDeltas(max_bytes=64 << 20)                      # the replica (app/replica/fetch.py)
+    store = PushedDeltas(max_bytes=64 << 20)                      # the replica (app/replica/pushed_store.py)
     store.offer(PushedDelta.from_record(rec, model))             # while following the topic
     blob = store.get("8", "delta-from-7.fwd")                    # None: download it as before
 
@@ -13,7 +13,7 @@ artifact in MLflow; headers `model`, `version`, `parent_version`, `file`, `sha25
 to `FLYWHEEL_DELTA_PUSH_MAX_BYTES` are pushed (anchors never); the topic keeps a day of them.
 
 Trust: none is needed. Pushed bytes take the place of the downloaded file and nothing else: their
-size and SHA-256 must equal the ones in the deployment log's artifact hint (app/replica/hints.py),
+size and SHA-256 must equal the ones in the deployment log's artifact hint (app/contracts/hints.py),
 then the codec checks the held weights against the delta's base hash, hashes every decoded tensor
 and the checkpoint, exactly as for a download. A pushed delta that fails is dropped and the file is
 downloaded from MLflow; MLflow stays the source of truth, Kafka only carries a copy.
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,49 +84,13 @@ class PushedDelta:
         return cls(data=bytes(rec.value), **{h: headers[h] for h in HEADERS})
 
 
-class PushedDeltas:
-    """The pushed deltas a replica received, newest kept: at most `max_items` and `max_bytes`.
-    Thread-safe (the follower offers, the sync reads)."""
-
-    def __init__(self, max_bytes: int = 64 << 20, max_items: int = 8):
-        self.max_bytes, self.max_items = max_bytes, max_items
-        self._items: OrderedDict[tuple[str, str], bytes] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def offer(self, d: PushedDelta | None) -> bool:
-        """Keep `d` unless it is larger than the whole store; evicts the oldest. True if kept."""
-        if d is None or len(d.data) > self.max_bytes:
-            return False
-        with self._lock:
-            self._items.pop((d.version, d.file), None)
-            self._items[(d.version, d.file)] = d.data
-            while (
-                len(self._items) > self.max_items
-                or sum(map(len, self._items.values())) > self.max_bytes
-            ):
-                self._items.popitem(last=False)
-        return True
-
-    def get(self, version: str, file: str) -> bytes | None:
-        with self._lock:
-            return self._items.get((str(version), file))
-
-    def drop(self, version: str, file: str) -> None:
-        with self._lock:
-            self._items.pop((str(version), file), None)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-
 def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) -> bool:
     """Write one delta to `<ns>.deltas` and wait for the broker's acknowledgement. Returns False
     (logged) when it is larger than `settings.delta_push_max_bytes`, its bytes do not have its
     `sha256`, or Kafka fails: replicas then download it from MLflow, as without pushing."""
     from kafka.errors import KafkaError
 
-    from app.kafka_io import make_producer
+    from app.contracts.kafka import make_producer
 
     version, file = delta.version, delta.file
     if len(delta.data) > settings.delta_push_max_bytes:
@@ -144,7 +106,7 @@ def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) 
         return False
     key, value, headers = delta.record()
     own = producer is None
-    producer = producer or make_producer(settings, linger_ms=0)
+    producer = producer or make_producer(settings, profile="immediate")
     try:
         producer.send(settings.topic("deltas"), key=key, value=value, headers=headers).get(
             timeout=max(1.0, settings.kafka_produce_timeout * 2)

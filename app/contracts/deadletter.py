@@ -5,7 +5,7 @@ controller) treats a record it cannot decode or apply the same way: the record g
 DLQ with its reason and its original bytes, a Prometheus counter counts it, and the consumer
 continues with the next record. No record can stop or crash-loop a role.
 
-Envelope (JSON, no key; the same fields as the streams worker's `streams.records.DlqRecord`):
+Envelope (JSON, no key; the same fields as the streams worker's `app.contracts.rollouts.DlqRecord`):
 
     {"reason": "invalid_json", "errors": [{"field": "(record)", "message": "..."}],
      "consumer": "projector", "topic": "flywheel.deployments", "partition": 0, "offset": 17,
@@ -37,7 +37,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from app.events import format_ts
+from app.contracts.events import format_ts
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ class DeadLetters:
     def send_envelope(self, env: dict[str, Any]) -> bool:
         from kafka.errors import KafkaError
 
-        from app.kafka_io import dumps, make_producer
+        from app.contracts.kafka import dumps, make_producer
 
         log.error(
             "%s: dead-lettering %s[%s]@%s (%s): %s",
@@ -122,7 +122,7 @@ class DeadLetters:
         )
         try:
             if self._producer is None:
-                self._producer = make_producer(self.settings, linger_ms=0)
+                self._producer = make_producer(self.settings, profile="immediate")
             self._producer.send(self.topic, value=dumps(env)).get(
                 timeout=max(1.0, self.settings.kafka_produce_timeout * 2)
             )

@@ -8,7 +8,7 @@ Used by the ingest API (`POST /v1/events`), the streams workers (decoding Kafka 
 invalid ones go to the dead-letter topic) and the replicas (which write `generation`
 events themselves).
 
-    from app.events import parse_event, EventValidationError
+    from app.contracts.events import parse_event, EventValidationError
     ev = parse_event({"type": "accept", "event_id": "e1", ...})
 """
 

@@ -1,0 +1,20 @@
+"""What several roles share, in one package that imports no role.
+
+Each module is the single home of one contract:
+
+- `events`: the editor event schema (POST /v1/events, `<ns>.interactions`)
+- `rollouts`: the rollout record format (`<ns>.rollouts`, `<ns>.version-metrics`, `<ns>.dlq`)
+- `deployments`: the typed deployment events and the deployment log's reader/writer
+- `artifacts`: the version artifacts (delta chain, anchors, manifest): written at ship time, read by replicas
+- `hints`: the artifact hints carried by `version_registered`
+- `pushed`: the pushed-delta record format of `<ns>.deltas`
+- `aliases`: the MLflow alias and tag conventions
+- `deadletter`: the dead-letter writer
+- `topics`: every topic's name and configuration
+- `kafka`: the one kafka-python producer/consumer factory and its option presets
+- `event_producer`: the asyncio (aiokafka) producer of the ingest API and the replicas
+
+The roles (app.api, app.replica, app.controller, app.deployments, streams, trainer,
+app.simulate, app.report) import these, the policy package (trainer.policy) and `kernels/`,
+never each other; `lint-imports` (contracts in pyproject.toml) enforces it.
+"""

@@ -1,0 +1,111 @@
+"""The trainer's ship state: what it trained since the last ship (`Pending`) and the ship it is
+carrying out (`ShipIntent`).
+
+Both are saved in the trainer's checkpoint (trainer/checkpoint.py) as plain dicts, since the
+checkpoint is loaded with `torch.load(weights_only=True)`: `to_dict()` writes them, `from_dict()`
+reads them back. `from_dict` accepts the dicts of every earlier trainer: keys added since
+(`reward_spec_counts`, `relabelled`, `rebased_on`) take their empty values, and partition keys are
+ints whatever they were saved as.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from trainer.rollouts import SKIP_REASONS
+
+ShipKind = Literal["base", "trained"]
+
+
+def _skipped() -> dict[str, int]:
+    return dict.fromkeys(SKIP_REASONS, 0)
+
+
+@dataclass
+class Pending:
+    """Lineage accumulated since the last ship; the next version's tags are made of it."""
+
+    rollouts: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=_skipped)
+    first_offsets: dict[int, int] = field(default_factory=dict)
+    reward_sum: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    steps: int = 0
+    reward_specs: list[str] = field(default_factory=list)
+    # rollouts trained per reward spec (relabelled ones under their new spec)
+    reward_spec_counts: dict[str, int] = field(default_factory=dict)
+    relabelled: int = 0
+    # the champion version the trainer continued from after a rejection (trainer/loop.py)
+    rebased_on: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "rollouts": self.rollouts,
+            "request_ids": list(self.request_ids),
+            "skipped": dict(self.skipped),
+            "first_offsets": dict(self.first_offsets),
+            "reward_sum": self.reward_sum,
+            "metric_sums": dict(self.metric_sums),
+            "steps": self.steps,
+            "reward_specs": list(self.reward_specs),
+            "reward_spec_counts": dict(self.reward_spec_counts),
+            "relabelled": self.relabelled,
+        }
+        if self.rebased_on is not None:
+            d["rebased_on"] = self.rebased_on
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Pending:
+        return cls(
+            rollouts=int(d.get("rollouts", 0)),
+            request_ids=list(d.get("request_ids", [])),
+            skipped={**_skipped(), **d.get("skipped", {})},
+            first_offsets={int(k): int(v) for k, v in d.get("first_offsets", {}).items()},
+            reward_sum=float(d.get("reward_sum", 0.0)),
+            metric_sums=dict(d.get("metric_sums", {})),
+            steps=int(d.get("steps", 0)),
+            reward_specs=list(d.get("reward_specs", [])),
+            reward_spec_counts=dict(d.get("reward_spec_counts", {})),
+            relabelled=int(d.get("relabelled", 0)),
+            rebased_on=None if d.get("rebased_on") is None else int(d["rebased_on"]),
+        )
+
+
+@dataclass
+class ShipIntent:
+    """One ship, saved with the weights before anything reaches the registry, so a restarted
+    trainer finishes it (trainer/shipping.py `execute_ship` is idempotent on `ship_id`)."""
+
+    ship_id: str
+    kind: ShipKind
+    parent_version: int | None
+    positions: dict[int, int]  # the Kafka offsets committed once the version is registered
+    ranges: dict[int, list[int]]  # partition -> [first, end) offsets of the rollouts it trained on
+    pending: Pending
+    step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ship_id": self.ship_id,
+            "kind": self.kind,
+            "parent_version": self.parent_version,
+            "positions": dict(self.positions),
+            "ranges": {k: list(v) for k, v in self.ranges.items()},
+            "pending": self.pending.to_dict(),
+            "step": self.step,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ShipIntent:
+        return cls(
+            ship_id=str(d["ship_id"]),
+            kind=d["kind"],
+            parent_version=None if d["parent_version"] is None else int(d["parent_version"]),
+            positions={int(k): int(v) for k, v in d.get("positions", {}).items()},
+            ranges={int(k): [int(x) for x in v] for k, v in d.get("ranges", {}).items()},
+            pending=Pending.from_dict(d.get("pending", {})),
+            step=int(d.get("step", 0)),
+        )
