@@ -4,11 +4,19 @@ Each module is the single home of one contract:
 
 - `events`: the editor event schema (POST /v1/events, `<ns>.interactions`)
 - `rollouts`: the rollout record format (`<ns>.rollouts`, `<ns>.version-metrics`, `<ns>.dlq`)
-- `deployments`: the typed deployment events and the deployment log's reader/writer
+- `deployments`: the typed deployment events (and `Decision`, an event before its id and time)
+  and the deployment log's reader/writer
+- `deployment_state`: the one typed fold of the deployment log (controller, replicas, API, projector)
+- `replica_status`: replica heartbeats on the compacted `<ns>.replica-status`
 - `artifacts`: the version artifacts (delta chain, anchors, manifest): written at ship time, read by replicas
 - `hints`: the artifact hints carried by `version_registered`
 - `pushed`: the pushed-delta record format of `<ns>.deltas`
 - `aliases`: the MLflow alias and tag conventions
+- `alias_reconcile`: alias moves made outside Flywheel -> `alias_changed` events (run by the API's
+  webhook receiver and the controller's poller)
+- `mlflow_webhooks`: MLflow webhook registration, delivery verification and dedupe
+- `operator`: the operator verbs over the deployment state, the canary's plan and thresholds
+  (`CanaryConfig`) and the controller settings the API reads (`ControllerCommandSettings`)
 - `deadletter`: the dead-letter writer
 - `topics`: every topic's name and configuration
 - `kafka`: the one kafka-python producer/consumer factory and its option presets

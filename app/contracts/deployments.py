@@ -17,6 +17,7 @@ partition. The topic is the source of truth; the SQL tables are projections of i
 
 `publish` returns only after the broker acknowledged the event (acks=all, idempotent producer).
 `replica_heartbeat` is a replica's report of what it serves (docs/DESIGN.md §Replica status).
+A `Decision` is an event before its id and time (`Decision.to_event(model)` -> the event as a dict).
 """
 
 from __future__ import annotations
@@ -244,6 +245,46 @@ def _nul(value: Any, path: str) -> str | None:
     else:
         return None
     return next((bad for p, v in items if (bad := _nul(v, p))), None)
+
+
+class Decision(BaseModel):
+    """A deployment event before it has an id and a timestamp: what the controller, an operator
+    verb (app/contracts/operator.py) or the alias reconciliation wants to become an event.
+    `to_event` adds `event_id`, `model` and `ts` and returns the event as a dict."""
+
+    type: str = Field(description="A deployment event type (docs/DESIGN.md §Deployment events).")
+    version: str | None = Field(None, description="The version the event is about (the new state).")
+    from_version: str | None = Field(None, description="The version it moves away from, if any.")
+    traffic_pct: float | None = Field(
+        None, description="Candidate's share of sessions after the event, in %."
+    )
+    source: str = Field("controller", description="trainer | controller | api | mlflow-ui.")
+    actor: str = Field(
+        "controller", description="Who decided: 'controller', an API key name, 'mlflow-ui'."
+    )
+    reason: str = Field("", description="Human-readable why.")
+    details: dict[str, Any] = Field(
+        default_factory=dict, description="Structured extra data (analysis, step...)."
+    )
+
+    def to_event(
+        self, model: str, ts: datetime | None = None, event_id: str | None = None
+    ) -> dict[str, Any]:
+        assert self.type in EVENT_TYPES, f"unknown deployment event type {self.type!r}"
+        ts = ts or datetime.now(UTC)
+        return {
+            "event_id": event_id or uuid.uuid4().hex,
+            "type": self.type,
+            "model": model,
+            "version": self.version,
+            "from_version": self.from_version,
+            "traffic_pct": self.traffic_pct,
+            "source": self.source,
+            "actor": self.actor,
+            "reason": self.reason,
+            "details": self.details,
+            "ts": ts.isoformat().replace("+00:00", "Z"),
+        }
 
 
 @dataclass(frozen=True)

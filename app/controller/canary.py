@@ -6,7 +6,9 @@
 window, at time `now`), an `Event` (a deployment event seen on `flywheel.deployments`,
 e.g. a gate result, an operator verb, an MLflow-UI alias move) or a `Tick` (time passed).
 `events` are new deployment events (dicts, docs/DESIGN.md §Deployment events) already folded into `state'`;
-the controller publishes them. Nothing here touches Kafka, MLflow or a clock.
+the controller publishes them. Nothing here touches Kafka, MLflow or a clock. The canary's
+plan and thresholds (`CanaryConfig`) and the operator verbs, which the API serves, live in
+app/contracts/operator.py.
 
 The comparison (why a confidence *sequence*): the controller looks at the data every time a
 metrics bucket arrives, for as long as a step lasts. A fixed-horizon test (e.g. Welch's
@@ -39,82 +41,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, Field, field_validator
-from pydantic_settings import NoDecode
+from pydantic import BaseModel, Field
 
-from app.controller.state import Decision, DeploymentState, apply_event, vkey
-from app.settings import Duration
+from app.contracts.deployments import Decision
+from app.contracts.operator import CanaryConfig, advance
+from app.controller.state import DeploymentState, apply_event, vkey
 
 Verdict = Literal["worse", "better_or_equal", "inconclusive", "insufficient"]
-
-
-def _csv_floats(v: object) -> object:
-    """`5,25,50,100` (the environment's form) -> (5.0, 25.0, 50.0, 100.0)."""
-    if isinstance(v, str):
-        return tuple(float(x) for x in v.replace(" ", "").split(",") if x)
-    return v
-
-
-class CanaryConfig(BaseModel):
-    """How a canary proceeds. Each field is also the setting `FLYWHEEL_CONTROLLER_<FIELD>`
-    (app/controller/config.py); durations accept `90`, `30s`, `15m`, `1h30m` and are seconds."""
-
-    steps: Annotated[tuple[float, ...], NoDecode, BeforeValidator(_csv_floats)] = Field(
-        (5.0, 25.0, 50.0, 100.0),
-        description="Canary steps: the candidate's % of sessions per step, comma-separated, increasing, ending at 100 (= promotion).",
-    )
-    min_step: Duration = Field(
-        600.0, ge=0, description="Minimum time a canary step lasts before it can be judged."
-    )
-    min_samples: int = Field(
-        200,
-        ge=2,
-        description="Minimum labelled samples per arm (candidate and champion) in a step's window before it is judged.",
-    )
-    step_deadline: Duration = Field(
-        3 * 3600.0,
-        gt=0,
-        description="A canary step still inconclusive this long after it started pauses for an operator.",
-    )
-    alpha: float = Field(
-        0.05,
-        gt=0,
-        lt=1,
-        description="Error level of the canary's confidence sequence (two-sided, time-uniform).",
-    )
-    margin: float = Field(
-        0.05,
-        ge=0,
-        description="Non-inferiority margin of the canary (reward units): not worse than this counts as equal.",
-    )
-    cs_target_n: int = Field(
-        1000,
-        ge=1,
-        description="Samples at which the canary's confidence sequence is tightest (set near a step's expected sample size).",
-    )
-    known_good_n: int = Field(
-        5, ge=1, description="How many previous known-good versions `rollback` may target."
-    )
-    guardrails: bool = Field(
-        True,
-        description="Roll back a canary confidently worse on a user-outcome guardrail (acceptance, kept-edit rate, follow-up sentiment, tool-call success rate), whatever its reward.",
-    )
-    guardrail_margin: float = Field(
-        0.02,
-        ge=0,
-        description="Non-inferiority margin of the canary's user-outcome guardrails (rate or sentiment units).",
-    )
-
-    @field_validator("steps")
-    @classmethod
-    def _steps_increase_to_100(cls, v: tuple[float, ...]) -> tuple[float, ...]:
-        if not v or v[-1] != 100.0 or any(b <= a for a, b in zip(v, v[1:])) or v[0] <= 0:
-            raise ValueError(
-                f"canary steps must increase from >0 and end at 100 (e.g. 5,25,50,100), got {v}"
-            )
-        return v
 
 
 # --- analysis ------------------------------------------------------------------------------
@@ -371,7 +306,7 @@ def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decis
         ]
     if a.verdict == "better_or_equal":
         return [
-            _advance(
+            advance(
                 state,
                 cfg,
                 f"canary step {state.step} ({state.traffic_pct:g}%) passed ({stats})",
@@ -379,31 +314,6 @@ def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decis
             )
         ]
     return _deadline(state, a, obs.now, cfg)
-
-
-def _advance(
-    state: DeploymentState, cfg: CanaryConfig, reason: str, details: dict[str, Any], **who: str
-) -> Decision:
-    nxt = state.step + 1
-    if nxt >= len(cfg.steps) - 1:  # the last step is 100% = the candidate becomes champion
-        return Decision(
-            type="promoted",
-            version=state.candidate,
-            from_version=state.champion,
-            traffic_pct=100.0,
-            reason=reason,
-            details={**details, "step": len(cfg.steps) - 1},
-            **who,
-        )
-    return Decision(
-        type="traffic_shifted",
-        version=state.candidate,
-        from_version=state.champion,
-        traffic_pct=cfg.steps[nxt],
-        reason=reason,
-        details={**details, "step": nxt},
-        **who,
-    )
 
 
 def _deadline(
@@ -578,138 +488,3 @@ def _answer_candidate_move(state: DeploymentState, cfg: CanaryConfig) -> list[De
         )
     )
     return out
-
-
-# --- operator verbs ---------------------------------------------------------------------------
-class CommandRejected(ValueError):
-    """The verb does not apply to the current state (HTTP 409) or names a bad target (422)."""
-
-    def __init__(self, message: str, status: int = 409):
-        super().__init__(message)
-        self.status = status
-
-
-def operator_command(
-    state: DeploymentState,
-    verb: str,
-    cfg: CanaryConfig,
-    *,
-    actor: str,
-    reason: str = "",
-    version: str | None = None,
-    skip_remaining: bool = False,
-) -> list[Decision]:
-    """The deployment events an operator verb becomes (source `api`), or CommandRejected."""
-    return _command(
-        state, verb, cfg, actor=actor, reason=reason, version=version, skip_remaining=skip_remaining
-    )
-
-
-def _command(
-    state: DeploymentState,
-    verb: str,
-    cfg: CanaryConfig,
-    *,
-    actor: str,
-    reason: str,
-    version: str | None,
-    skip_remaining: bool,
-) -> list[Decision]:
-    who = {"source": "api", "actor": actor}
-    why = reason or f"operator {verb}"
-    if verb in ("promote", "abort", "pause") and state.candidate is None:
-        raise CommandRejected(
-            f"{verb}: no canary is running for {state.model} (champion {state.champion})"
-        )
-    if verb == "promote":
-        if skip_remaining:
-            return [
-                Decision(
-                    type="promoted",
-                    version=state.candidate,
-                    from_version=state.champion,
-                    traffic_pct=100.0,
-                    reason=why,
-                    details={"skip_remaining": True},
-                    **who,
-                )
-            ]
-        return [_advance(state, cfg, why, {"manual": True}, **who)]
-    if verb == "abort":
-        return [
-            Decision(
-                type="aborted",
-                version=state.candidate,
-                from_version=state.candidate,
-                traffic_pct=0.0,
-                reason=why,
-                **who,
-            )
-        ]
-    if verb == "pause":
-        if state.phase != "canary":
-            raise CommandRejected(
-                f"pause: the canary of {state.candidate} is {state.phase}, not running"
-            )
-        return [
-            Decision(
-                type="canary_paused",
-                version=state.candidate,
-                traffic_pct=state.traffic_pct,
-                reason=why,
-                **who,
-            )
-        ]
-    if verb == "resume":
-        if state.phase != "paused":
-            raise CommandRejected(f"resume: nothing is paused (phase {state.phase})")
-        return [
-            Decision(
-                type="canary_resumed",
-                version=state.candidate,
-                traffic_pct=state.traffic_pct,
-                reason=why,
-                **who,
-            )
-        ]
-    if verb == "rollback":
-        targets = state.rollback_targets(cfg.known_good_n)
-        if not targets:
-            raise CommandRejected(
-                f"rollback: no known-good version other than champion {state.champion} to roll back to"
-            )
-        target = version or targets[0]
-        if target not in targets:
-            raise CommandRejected(
-                f"rollback: version {target} is not one of the last {cfg.known_good_n} known-good "
-                f"versions {targets}",
-                status=422,
-            )
-        out = []
-        if (
-            state.candidate is not None
-        ):  # a rollback of the champion also ends any canary, explicitly
-            out.append(
-                Decision(
-                    type="aborted",
-                    version=state.candidate,
-                    from_version=state.candidate,
-                    traffic_pct=0.0,
-                    reason=f"rollback to version {target}: {why}",
-                    **who,
-                )
-            )
-        out.append(
-            Decision(
-                type="rolled_back",
-                version=target,
-                from_version=state.champion,
-                traffic_pct=0.0,
-                reason=why,
-                **who,
-            )
-        )
-        return out
-    raise CommandRejected(
-        f"unknown verb {verb!r}; use promote, abort, rollback, pause or resume", status=422
-    )

@@ -1,29 +1,28 @@
-"""Controller settings, env prefix `FLYWHEEL_CONTROLLER_` (the API's admin and hook routes read them too).
+"""Controller settings, env prefix `FLYWHEEL_CONTROLLER_`.
 
     FLYWHEEL_CONTROLLER_STEPS=5,25,50,100  FLYWHEEL_CONTROLLER_MIN_STEP=10m
     FLYWHEEL_CONTROLLER_GATE_MAX_KL=0.5    FLYWHEEL_CONTROLLER_POLL_INTERVAL=5s
 
-Each threshold is declared once, in the model that uses it: the canary's in
-`canary.CanaryConfig` (whose fields `ControllerSettings` inherits: `FLYWHEEL_CONTROLLER_<FIELD>`),
-the offline gate's in `gate.GateConfig` (nested as `gate`: `FLYWHEEL_CONTROLLER_GATE_<FIELD>`).
-Durations accept the same forms as the main settings (`90`, `30s`, `15m`, `1h30m`). A bad value
-fails at construction with the variable's name (app/settings_base.py).
+Each threshold is declared once, in the model that uses it: the canary's in `CanaryConfig` and
+the webhook replay window in `ControllerCommandSettings` (app/contracts/operator.py: the API's
+operator verbs and webhook receiver read them too; `ControllerSettings` inherits their fields:
+`FLYWHEEL_CONTROLLER_<FIELD>`), the offline gate's in `gate.GateConfig` (nested as `gate`:
+`FLYWHEEL_CONTROLLER_GATE_<FIELD>`). Durations accept the same forms as the main settings
+(`90`, `30s`, `15m`, `1h30m`). A bad value fails at construction with the variable's name
+(app/settings_base.py).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from app.controller.canary import CanaryConfig
+from app.contracts.operator import ControllerCommandSettings
 from app.controller.gate import GateConfig
 from app.settings import Duration
-from app.settings_base import FlywheelSettings
 
 
-class ControllerSettings(CanaryConfig, FlywheelSettings):
+class ControllerSettings(ControllerCommandSettings):
     """Canary, gate, alias-reconciliation and webhook knobs of `flywheel controller`."""
 
     model_config = SettingsConfigDict(
@@ -34,7 +33,7 @@ class ControllerSettings(CanaryConfig, FlywheelSettings):
         validate_default=True,
     )
 
-    # canary: the fields of CanaryConfig
+    # canary and webhook replay window: the fields of ControllerCommandSettings
     # gate
     gate: GateConfig = Field(
         default_factory=GateConfig,
@@ -61,10 +60,6 @@ class ControllerSettings(CanaryConfig, FlywheelSettings):
         None,
         description="Public URL of POST /v1/hooks/mlflow (default: http://<api_host>:<api_port>/v1/hooks/mlflow).",
     )
-    webhook_window: Duration = Field(
-        300.0,
-        description="Replay window: deliveries whose timestamp is further from now are rejected.",
-    )
     # process
     tick_interval: Duration = Field(
         2.0, description="How often the controller loop re-evaluates deadlines and the canary."
@@ -72,14 +67,3 @@ class ControllerSettings(CanaryConfig, FlywheelSettings):
     metrics_port: int = Field(
         9103, ge=0, description="Prometheus /metrics port of `flywheel controller` (0: none)."
     )
-
-    def canary(self) -> CanaryConfig:
-        """The canary's thresholds (the fields inherited from CanaryConfig)."""
-        return CanaryConfig.model_validate(
-            {name: getattr(self, name) for name in CanaryConfig.model_fields}
-        )
-
-
-@lru_cache(maxsize=1)
-def get_controller_settings() -> ControllerSettings:
-    return ControllerSettings()

@@ -36,10 +36,12 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.contracts.alias_reconcile import alias_lock, reconcile_once
 from app.contracts.aliases import read_snapshot, sync_aliases
+from app.contracts.deployments import Decision
 from app.controller import canary
 from app.controller.config import ControllerSettings
-from app.controller.reconciler import Reconciler, alias_lock, reconcile_once
+from app.controller.reconciler import Reconciler
 from app.controller.state import DeploymentState, apply_event
 from app.infra.wait import Waiter
 from app.settings import Settings
@@ -330,7 +332,7 @@ class Controller:
                 else "no gate runner"
             )
             self._record_gate(
-                canary.Decision(
+                Decision(
                     type="gate_passed",
                     version=v,
                     reason=f"not gated: {why}",
@@ -365,7 +367,7 @@ class Controller:
             if self._gate_failures[v] < 3:
                 return
             self._record_gate(
-                canary.Decision(
+                Decision(
                     type="gate_failed",
                     version=v,
                     reason=f"gate could not run: {exc!r}"[:4000],
@@ -378,7 +380,7 @@ class Controller:
                 self.client.set_model_version_tag(self.model, v, k, val)
         self._record_gate(result.decision(v, self.state.champion))
 
-    def _record_gate(self, decision: canary.Decision) -> None:
+    def _record_gate(self, decision: Decision) -> None:
         GATE_RUNS.labels(decision.type).inc()
         ev = decision.to_event(self.model)
         self.seen.add(ev["event_id"])
@@ -418,7 +420,7 @@ class Controller:
             alias = read_snapshot(self.client, self.model).aliases["champion"]
         if alias is None:
             return False
-        ev = canary.Decision(
+        ev = Decision(
             type="alias_changed",
             version=alias,
             reason=(
@@ -544,7 +546,7 @@ class Controller:
         if self.client is None:
             return None
         if self.cs.webhooks_enabled:
-            from app.controller.webhooks import ensure_webhook
+            from app.contracts.mlflow_webhooks import ensure_webhook
 
             url = (
                 self.cs.webhook_url

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, Field
 
+from app.contracts.deployments import Decision
 from app.controller import ope
 from app.controller.monitors import (
     Check,
@@ -52,7 +53,6 @@ from app.controller.monitors import (
     regression_check,
     weight_sanity,
 )
-from app.controller.state import Decision
 
 log = logging.getLogger(__name__)
 REGRESSION_SET = Path(__file__).with_name("regression_prompts.json")

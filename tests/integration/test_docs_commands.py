@@ -175,8 +175,7 @@ def _register_versions(mlflow_uri: str, model: str, tmp: Path, n: int = 3) -> li
 
 def _publish_history(settings) -> None:
     """1 champion, then 2 canaried and promoted, now 3 in canary at 5% against 2."""
-    from app.contracts.deployments import DeploymentEvent, DeploymentLog
-    from app.controller.state import Decision
+    from app.contracts.deployments import Decision, DeploymentEvent, DeploymentLog
 
     trainer = {"source": "trainer", "actor": "trainer-0"}
     decisions = [

@@ -81,12 +81,11 @@ def test_controller_started_before_the_model_is_registered_waits_then_gates_and_
     from mlflow import MlflowClient
 
     from app.contracts.aliases import read_snapshot, sync_aliases
-    from app.contracts.deployments import DeploymentEvent, DeploymentLog
+    from app.contracts.deployments import Decision, DeploymentEvent, DeploymentLog
     from app.controller.config import ControllerSettings
     from app.controller.controller import Controller
     from app.controller.gate import GateResult
     from app.controller.monitors import Check
-    from app.controller.state import Decision
 
     model = f"start-order-{uuid.uuid4().hex[:8]}"
     settings = make_settings(model_name=model, mlflow_uri=mlflow_server.uri)
@@ -201,9 +200,9 @@ def test_controller_tick_waits_for_an_mlflow_server_that_went_away(
     """Aliases are synced every tick; an MLflow server that is gone is waited for, not fatal."""
     from mlflow import MlflowClient
 
+    from app.contracts.deployments import Decision
     from app.controller.config import ControllerSettings
     from app.controller.controller import Controller
-    from app.controller.state import Decision
     from app.infra.wait import waiting
 
     monkeypatch.setenv(

@@ -2,7 +2,7 @@
 
 Checked in this order, each before anything more is read or done:
 
-1. the delivery headers (app/controller/webhooks.py `check_headers`): present, a sane delivery
+1. the delivery headers (app/contracts/mlflow_webhooks.py `check_headers`): present, a sane delivery
    id, a finite unix-seconds timestamp inside the replay window -> 401 with the reason;
 2. the size: `Content-Length` over `webhook_max_body_bytes` -> 413 before reading; a chunked or
    lying body is read with the same cap;
@@ -13,7 +13,7 @@ Checked in this order, each before anything more is read or done:
    `duplicate` and does nothing; one being carried out right now, or a full dedupe, answers 503
    with Retry-After (MLflow retries).
 
-An alias event for our model then runs one alias reconciliation (app/controller/reconciler.py):
+An alias event for our model then runs one alias reconciliation (app/contracts/alias_reconcile.py):
 MLflow's current aliases are compared with Flywheel's acknowledged copy and each difference
 becomes an `alias_changed` event (source `mlflow-ui`) on `flywheel.deployments`, which the
 controller carries out. Using MLflow's current state rather than the payload makes out-of-order
@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.api.deps import SettingsDep
 from app.api.jsonbody import JsonBodyError, parse_json
-from app.controller.webhooks import (
+from app.contracts.mlflow_webhooks import (
     DeliveryDedupe,
     Seen,
     WebhookRejected,
@@ -74,9 +74,9 @@ def _resources_locked(app: FastAPI) -> dict[str, Any]:
         from mlflow import MlflowClient
 
         from app.contracts.deployments import DeploymentLog
-        from app.controller.config import get_controller_settings
+        from app.contracts.operator import get_command_settings
 
-        cs = get_controller_settings()
+        cs = get_command_settings()
         res = {
             "client": MlflowClient(
                 tracking_uri=app.state.settings.mlflow_uri,
@@ -158,9 +158,9 @@ def _payload(body: bytes, model_name: str) -> tuple[WebhookPayload, AliasData | 
 
 @router.post("/v1/hooks/mlflow", summary="MLflow webhook receiver (HMAC-signed)")
 async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]:
-    from app.controller.config import get_controller_settings
+    from app.contracts.operator import get_command_settings
 
-    window = get_controller_settings().webhook_window
+    window = get_command_settings().webhook_window
     try:
         delivery = check_headers(dict(request.headers), window)
     except WebhookRejected as exc:
@@ -232,7 +232,7 @@ async def _carry_out(
             "delivery_id": delivery_id,
             "reason": f"not an alias event of {settings.model_name}",
         }
-    from app.controller.reconciler import reconcile_once
+    from app.contracts.alias_reconcile import reconcile_once
 
     log.info(
         "webhook delivery %s: %s.%s %s", delivery_id, payload.entity, payload.action, payload.data

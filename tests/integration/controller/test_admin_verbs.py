@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.controller.state import Decision
+from app.contracts.deployments import Decision
 from tests.integration.controller.conftest import deployment_events
 
 pytestmark = pytest.mark.integration

@@ -9,11 +9,11 @@ import time
 import pytest
 
 from app.contracts.aliases import read_snapshot
+from app.contracts.deployments import Decision
 from app.controller.config import ControllerSettings
 from app.controller.controller import Controller
 from app.controller.gate import GateResult
 from app.controller.monitors import Check
-from app.controller.state import Decision
 from tests.integration.controller.conftest import deployment_events, wait_for
 from tests.integration.rollout.stack import (
     MetricsFeed as Feeder,

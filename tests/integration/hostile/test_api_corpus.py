@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from app.controller.webhooks import sign
+from app.contracts.mlflow_webhooks import sign
 from tests.integration.hostile.apiserver import (
     connect,
     head,

@@ -9,20 +9,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.contracts.deployments import DeploymentEvent
+from app.contracts.deployments import Decision, DeploymentEvent
+from app.contracts.operator import CanaryConfig, CommandRejected, operator_command
 from app.controller.canary import (
     ArmStats,
-    CanaryConfig,
-    CommandRejected,
     Event,
     Observe,
     Tick,
     analyze,
     cs_radius,
-    operator_command,
     transition,
 )
-from app.controller.state import Decision, DeploymentState, fold
+from app.controller.state import DeploymentState, fold
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CFG = CanaryConfig(min_step=60, min_samples=50, step_deadline=600, margin=0.05, cs_target_n=200)

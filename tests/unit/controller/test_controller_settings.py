@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from app.cli import app
 from app.config_reference import all_settings
-from app.controller.canary import CanaryConfig
+from app.contracts.operator import CanaryConfig
 from app.controller.config import ControllerSettings
 from app.controller.gate import GateConfig
 

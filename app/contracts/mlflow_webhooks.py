@@ -1,4 +1,5 @@
-"""MLflow webhooks: registration on the server, and verification of deliveries.
+"""MLflow webhooks: registration on the server (by the controller), and verification of
+deliveries (by the API's receiver, POST /v1/hooks/mlflow, app/api/routes/hooks.py).
 
 MLflow 3.x signs each delivery Standard-Webhooks style (mlflow/webhooks/delivery.py):
 
