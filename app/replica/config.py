@@ -105,7 +105,8 @@ class ReplicaConfig(FlywheelSettings):
         description="Memory for received pushed deltas (the newest 8 at most are kept).",
     )
     heartbeat_interval: Duration = Field(
-        15.0, description="How often the replica publishes `replica_heartbeat` to `<ns>.replica-status`."
+        15.0,
+        description="How often the replica publishes `replica_heartbeat` to `<ns>.replica-status`.",
     )
     poll_interval: Duration = Field(
         1.0, description="Kafka poll timeout of the deployment follower."
