@@ -33,25 +33,19 @@ class Trainer:
         self.data = torch.tensor(list(load_text_bytes()), dtype=torch.long)
         self.batch, self.seq = batch, seq
         self.gen = torch.Generator().manual_seed(1)
-        self.model = None
         if model_kind == "policy":
-            try:
-                from trainer.policy import build_policy
+            from trainer.policy import build_policy
 
-                self.model = build_policy(
-                    {**(policy_config or {}), "kernels": "default"}
-                )  # plain torch ops: training speed
-                self.kind = "built-in policy " + self.model.config_dict()["type"]
-            except ImportError:
-                self.model = None
-        self.fallback = self.model is None
-        if self.fallback:
+            # plain torch ops: training speed
+            self.model = build_policy({**(policy_config or {}), "kernels": "default"})
+            self.kind = "built-in policy " + self.model.config_dict()["type"]
+        else:
             self.model, self.kind = fallback_lm()(), "fallback transformer"
+        self.fallback = model_kind != "policy"
         from trainer.config import TrainerConfig
 
-        tc = (
-            TrainerConfig()
-        )  # the trainer's optimizer: AdamW betas, weight decay, clipping, default lr
+        # the trainer's optimizer: AdamW betas, weight decay, clipping, default lr
+        tc = TrainerConfig()
         self.default_lr, self.max_grad_norm = tc.lr, tc.max_grad_norm
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=1e-3, betas=tuple(tc.betas), weight_decay=tc.weight_decay
