@@ -85,9 +85,7 @@ TOPIC_SPECS: tuple[Topic, ...] = (
         LATE, key="request_id", config={"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)}
     ),
     # dead letters of every role (app/contracts/deadletter.py)
-    Topic(
-        DLQ, key="request_id", config={"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)}
-    ),
+    Topic(DLQ, key="none", config={"max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES)}),
     # pushed deltas (app/contracts/pushed.py): a copy for replicas; MLflow keeps the originals
     Topic(
         DELTAS,
