@@ -15,10 +15,14 @@ metrics bucket arrives, for as long as a step lasts. A fixed-horizon test (e.g. 
 one-sided bound) checked on every look has a false-decision rate far above its nominal
 alpha. We use the asymptotic confidence sequence of Waudby-Smith et al. (2021, "Time-uniform
 central limit theory and asymptotic confidence sequences", normal-mixture boundary), which
-is valid under continuous monitoring, on the inverse-propensity difference
-psi_i = R_i A_i / p - R_i (1 - A_i) / (1 - p) whose mean is mu_candidate - mu_champion.
-Its mean and variance follow exactly from per-arm sums (n, sum, sum of squares), which is
-what `flywheel.version-metrics` carries per bucket. With a non-inferiority margin delta:
+is valid under continuous monitoring, on the augmented inverse-propensity (AIPW) difference
+psi_i = (R_i - m_c) A_i / p - (R_i - m_h) (1 - A_i) / (1 - p) + m_c - m_h, with each arm's mean
+m as its regression (the paper's randomized-experiment case). Its mean is
+mu_candidate - mu_champion, and its variance var_c / p + var_h / (1 - p) has each arm's reward
+*centered*: the plain inverse-propensity difference R A / p - R (1 - A) / (1 - p) carries each
+arm's squared mean as well (E[R^2] / p), which for rewards in [0, 1] around 0.5 doubles the
+variance or more and so the samples a step needs. Both follow exactly from per-arm sums
+(n, sum, sum of squares), which is what `flywheel.version-metrics` carries per bucket. With a non-inferiority margin delta:
 upper bound < -delta -> candidate worse -> automatic rollback; lower bound > -delta ->
 better or equal -> next step (promotion after the last step below 100%); otherwise
 inconclusive, and inconclusive past the step deadline -> pause for an operator.
@@ -123,7 +127,7 @@ class Analysis(BaseModel):
     upper: float | None = None
     candidate: dict[str, Any] = Field(default_factory=dict)  # {"n", "reward_mean"}
     champion: dict[str, Any] = Field(default_factory=dict)
-    method: str = "asymptotic-cs-ipw"
+    method: str = "asymptotic-cs-aipw"
     alpha: float | None = None
     margin: float | None = None
     # guardrail -> {"verdict", "delta", "lower", "upper", "candidate", "champion", "margin"}
@@ -154,7 +158,7 @@ def analyze(cand: ArmStats, champ: ArmStats, cfg: CanaryConfig) -> Analysis:
     }
     if cand.n < cfg.min_samples or champ.n < cfg.min_samples:
         return Analysis(verdict="insufficient", **base)
-    delta, lo, hi = _ipw_bounds(
+    delta, lo, hi = _aipw_bounds(
         cand.n,
         cand.reward_sum,
         cand.reward_sumsq,
@@ -168,7 +172,7 @@ def analyze(cand: ArmStats, champ: ArmStats, cfg: CanaryConfig) -> Analysis:
         c_sums, h_sums = cand.guardrail_sums(), champ.guardrail_sums()
         for g in GUARDRAILS:
             (cs, cq), (hs, hq) = c_sums[g], h_sums[g]
-            d, gl, gh = _ipw_bounds(cand.n, cs, cq, champ.n, hs, hq, cfg)
+            d, gl, gh = _aipw_bounds(cand.n, cs, cq, champ.n, hs, hq, cfg)
             guardrails[g] = {
                 "verdict": _verdict(gl, gh, cfg.guardrail_margin),
                 "delta": d,
@@ -192,18 +196,22 @@ def _verdict(lo: float, hi: float, margin: float) -> Verdict:
     return "worse" if hi < -margin else "better_or_equal" if lo > -margin else "inconclusive"
 
 
-def _ipw_bounds(
+def _aipw_bounds(
     n_c: int, sum_c: float, sq_c: float, n_h: int, sum_h: float, sq_h: float, cfg: CanaryConfig
 ) -> tuple[float, float, float]:
     """(delta, lower, upper): mean_c - mean_h and its confidence-sequence bounds from per-arm sums
-    (`sq_*` the sum of squares, or an upper bound of it: the sequence only widens)."""
+    (`sq_*` the sum of squares, or an upper bound of it: the sequence only widens).
+
+    sigma^2 = var_c / p + var_h / (1 - p), the variance of the AIPW score per sample (p the
+    candidate's share of the window's samples)."""
     n = n_c + n_h
     p = n_c / n
-    delta = sum_c / n_c - sum_h / n_h
-    second = (sq_c / p**2 + sq_h / (1 - p) ** 2) / n
-    sigma = math.sqrt(max(second - delta**2, 0.0))
+    mean_c, mean_h = sum_c / n_c, sum_h / n_h
+    var_c = max(sq_c / n_c - mean_c**2, 0.0)
+    var_h = max(sq_h / n_h - mean_h**2, 0.0)
+    sigma = math.sqrt(var_c / p + var_h / (1 - p))
     r = cs_radius(sigma, n, cfg.alpha, cfg.cs_target_n)
-    return delta, delta - r, delta + r
+    return mean_c - mean_h, mean_c - mean_h - r, mean_c - mean_h + r
 
 
 # --- inputs ---------------------------------------------------------------------------------

@@ -302,13 +302,31 @@ def test_cs_radius_matches_hand_computation():
 
 
 def test_analyze_uses_exact_moments_from_sums():
-    a = analyze(
-        arm(100, 1.0, sd=0.0), arm(100, 0.0, sd=0.0), CFG.model_copy(update={"min_samples": 2})
+    cfg = CFG.model_copy(update={"min_samples": 2})
+    # p = 100 / 400 = 1/4: sigma^2 = 0.3^2 / (1/4) + 0.5^2 / (3/4) = 0.36 + 1/3
+    a = analyze(arm(100, 0.8, sd=0.3), arm(300, 0.2, sd=0.5), cfg)
+    assert a.delta == pytest.approx(0.6)
+    assert (a.candidate["n"], a.champion["reward_mean"]) == (100, pytest.approx(0.2))
+    sigma = math.sqrt(0.36 + 1 / 3)
+    assert a.upper - a.delta == pytest.approx(cs_radius(sigma, 400, cfg.alpha, cfg.cs_target_n))
+    assert a.method == "asymptotic-cs-aipw"
+    # constant rewards: no variance, the bounds close on the difference
+    b = analyze(arm(100, 1.0, sd=0.0), arm(100, 0.0, sd=0.0), cfg)
+    assert (b.lower, b.upper) == (pytest.approx(1.0), pytest.approx(1.0))
+
+
+def test_centering_narrows_the_bounds_of_rewards_with_a_mean():
+    """The plain inverse-propensity difference's variance carries each arm's squared mean; the
+    AIPW score's does not. Rewards around 0.6 (sd 0.4) on a 5% / 95% split."""
+    cfg = CFG.model_copy(update={"min_samples": 2})
+    a = analyze(arm(50, 0.6, sd=0.4), arm(950, 0.6, sd=0.4), cfg)
+    p = 0.05
+    ipw_sigma = math.sqrt((0.16 + 0.36) / p + (0.16 + 0.36) / (1 - p))
+    aipw_sigma = math.sqrt(0.16 / p + 0.16 / (1 - p))
+    assert a.upper - a.delta == pytest.approx(
+        cs_radius(aipw_sigma, 1000, cfg.alpha, cfg.cs_target_n)
     )
-    # psi takes +2 on candidate rows and 0 on champion rows (p = 1/2): mean 1, sd 1
-    assert a.delta == pytest.approx(1.0)
-    assert (a.candidate["n"], a.champion["reward_mean"]) == (100, 0.0)
-    assert a.upper - a.delta == pytest.approx(cs_radius(1.0, 200, CFG.alpha, CFG.cs_target_n))
+    assert (a.upper - a.delta) / cs_radius(ipw_sigma, 1000, cfg.alpha, cfg.cs_target_n) < 0.6
 
 
 def test_false_rollback_rate_of_equal_arms_under_repeated_looks_is_below_alpha():
@@ -327,6 +345,32 @@ def test_false_rollback_rate_of_equal_arms_under_repeated_looks_is_below_alpha()
                 worse += 1
                 break
     assert worse / runs <= 0.05, f"false 'worse' rate {worse / runs} under 100 looks"
+
+
+@pytest.mark.parametrize("share", [0.05, 0.5])
+def test_false_rollback_rate_of_equal_bernoulli_arms_on_a_split_is_below_alpha(share):
+    """Equal acceptance rates (0.6) on the canary's traffic split, looked at every 20 samples."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    cfg = CFG.model_copy(update={"margin": 0.0, "min_samples": 20})
+    runs, worse, n_total = 300, 0, 4000
+    for _ in range(runs):
+        is_cand = rng.random(n_total) < share
+        r = (rng.random(n_total) < 0.6).astype(np.float64)
+        for n in range(200, n_total + 1, 40):
+            c, h = r[:n][is_cand[:n]], r[:n][~is_cand[:n]]
+            if len(c) < cfg.min_samples or len(h) < cfg.min_samples:
+                continue
+            a = analyze(
+                ArmStats(len(c), c.sum(), (c * c).sum()),
+                ArmStats(len(h), h.sum(), (h * h).sum()),
+                cfg,
+            )
+            if a.verdict == "worse":
+                worse += 1
+                break
+    assert worse / runs <= 0.05, f"false 'worse' rate {worse / runs} at a {share:.0%} split"
 
 
 # --- exhaustive: random input sequences keep the invariants and replay exactly --------------
