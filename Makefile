@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 
-.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium bench lock clean
+.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium node bench lock clean
 
 venv: $(STAMP)
 
@@ -29,12 +29,23 @@ postgres:
 chromium:
 	deploy/chromium/ensure.sh
 
+# The Node packages (TypeScript client, the VS Code example, the `openai` npm client tests), each
+# installed with `npm ci` from its committed package-lock.json whenever that lockfile changes.
+NODE_PACKAGES := clients/typescript examples/vscode-extension tests/node/openai-compat
+NODE_STAMPS   := $(foreach p,$(NODE_PACKAGES),$(p)/node_modules/.flywheel-installed)
+
+node: $(NODE_STAMPS)
+
+%/node_modules/.flywheel-installed: %/package-lock.json %/package.json
+	cd $* && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
 # First README command: the whole service on its embedded defaults.
 run: $(STAMP)
 	$(BIN)/flywheel run
 
 # Second README command: lint, then the full test suite against the real Kafka, PostgreSQL and MLflow.
-test: lint $(STAMP) postgres kafka-jars chromium
+test: lint $(STAMP) postgres kafka-jars chromium node
 	$(BIN)/python -m pytest tests
 
 # ruff (lint and format) and the import contracts (import-linter), configured in pyproject.toml.
