@@ -130,6 +130,10 @@ class Generation(_Envelope):
     group_id: Id | None = None
     latency_ms: float | None = Field(None, ge=0.0)
     tokenizer: str = Field(min_length=1, max_length=64)
+    # why the completion ended: "stop" (eos or a stop sequence), "length" (max_tokens), or
+    # "cancelled" (the client went away mid-stream; completion_tokens is what was generated)
+    finish_reason: Literal["stop", "length", "cancelled"] | None = None
+    stream: bool | None = None  # whether the completion was streamed to the client
 
     @field_validator("logprobs")
     @classmethod
