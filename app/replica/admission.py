@@ -54,7 +54,7 @@ class ClientGone(Exception):
 
 
 @dataclass(eq=False)
-class _Ticket:
+class Ticket:
     cost: int
     arrived: float
     turn: asyncio.Future = field(repr=False)
@@ -82,7 +82,7 @@ class GenerationQueue:
         self._avg_cost, self._avg_seconds = 256.0, 256.0 * initial_s_per_cost
         self.max_retry_after_s = max_retry_after_s
         self.clock = clock
-        self._queued: list[_Ticket] = []
+        self._queued: list[Ticket] = []
         self._running_cost: int | None = None  # None: the thread is free
         self._publish()
 
@@ -106,7 +106,7 @@ class GenerationQueue:
         m.QUEUE_COST.labels(self.replica_id).set(self.queued_cost)
 
     # --- admission and order ----------------------------------------------------------------------
-    def _admit(self, cost: int) -> _Ticket:
+    def _admit(self, cost: int) -> Ticket:
         assert cost >= 1, f"cost must be >= 1, got {cost}"
         if self._running_cost is not None:  # busy: the request has to wait, if there is room
             if self.depth >= self.max_queued:
@@ -120,7 +120,7 @@ class GenerationQueue:
                     f"queued requests may generate {self.queued_cost} tokens; this one "
                     f"({cost}) would exceed the bound of {self.max_queued_cost}",
                 )
-        ticket = _Ticket(cost, self.clock(), asyncio.get_running_loop().create_future())
+        ticket = Ticket(cost, self.clock(), asyncio.get_running_loop().create_future())
         self._queued.append(ticket)
         self._dispatch()
         self._publish()
@@ -141,7 +141,7 @@ class GenerationQueue:
             return
         now, overdue_after = self.clock(), self.overdue_after_s()
 
-        def order(t: _Ticket) -> tuple[int, float, float]:
+        def order(t: Ticket) -> tuple[int, float, float]:
             return (
                 (0, t.arrived, 0.0) if now - t.arrived >= overdue_after else (1, t.cost, t.arrived)
             )
@@ -156,7 +156,12 @@ class GenerationQueue:
         self._dispatch()
         self._publish()
 
-    # --- the one entry point ----------------------------------------------------------------------
+    # --- the entry points -------------------------------------------------------------------------
+    def admit(self, cost: int) -> Ticket:
+        """Take a place in the queue now (QueueFull if there is none), to `run_admitted` later in
+        the same event loop: a streamed response learns whether it was admitted before it starts."""
+        return self._admit(cost)
+
     async def run(
         self,
         cost: int,
@@ -165,7 +170,17 @@ class GenerationQueue:
         still_wanted: Callable[[], Awaitable[bool]] | None = None,
     ) -> T:
         """Wait for the thread (or raise QueueFull at once), then run `fn(*args)` on it."""
-        ticket = self._admit(cost)
+        return await self.run_admitted(self._admit(cost), fn, *args, still_wanted=still_wanted)
+
+    async def run_admitted(
+        self,
+        ticket: Ticket,
+        fn: Callable[..., T],
+        *args: Any,
+        still_wanted: Callable[[], Awaitable[bool]] | None = None,
+    ) -> T:
+        """`run` for a request already admitted with `admit`."""
+        cost = ticket.cost
         try:
             await ticket.turn
         except asyncio.CancelledError:

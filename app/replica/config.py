@@ -76,11 +76,29 @@ class ReplicaConfig(FlywheelSettings):
         "(sum of `n * max_tokens`); a request that would exceed it "
         "gets 503 + Retry-After. At least `max_n * max_tokens`.",
     )
+    default_max_tokens: int = Field(
+        16,
+        ge=1,
+        description="`max_tokens` of an OpenAI-compatible request that sends none "
+        "(capped by `max_tokens` and the model's context).",
+    )
+    max_stop_sequences: int = Field(
+        4, ge=0, description="Most `stop` strings in an OpenAI-compatible request (OpenAI's is 4)."
+    )
+    max_stop_chars: int = Field(
+        256, ge=1, description="Longest `stop` string accepted (characters)."
+    )
+    max_open_streams: int = Field(
+        64,
+        ge=1,
+        description="Most streamed responses open at once (`stream: true`); one more gets "
+        "503 + Retry-After before anything is generated.",
+    )
     api_key: SecretStr | None = Field(
         None,
-        description="When set, `POST /v1/complete` needs `Authorization: Bearer "
-        "<key>` (401 otherwise); health, readiness and metrics stay "
-        "open.",
+        description="When set, `POST /v1/complete` and the OpenAI-compatible `/v1/...` "
+        "routes need `Authorization: Bearer <key>` (401 otherwise); health, "
+        "readiness and metrics stay open.",
     )
     torch_threads: int = Field(
         1, ge=1, description="torch intra-op threads for generation (one model call at a time)."

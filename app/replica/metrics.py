@@ -5,6 +5,9 @@ Every metric carries `replica_id`, so several replicas in one process (tests, be
 | metric | labels | what |
 |---|---|---|
 | `flywheel_replica_requests_total` | replica_id, slot, outcome | POST /v1/complete by slot and outcome (ok, invalid, unauthorized, not_ready, rejected, disconnected, unavailable) |
+| `flywheel_replica_openai_requests_total` | replica_id, endpoint, outcome | OpenAI-compatible requests (`completions`, `chat`, `models`) by outcome (ok, cancelled, invalid, unauthorized, model_not_found, not_ready, rejected, disconnected, unavailable) |
+| `flywheel_replica_streams_open` | replica_id | streamed responses open now |
+| `flywheel_replica_streams_cancelled_total` | replica_id, recorded | streams whose client went away before the end: `recorded="yes"` when tokens had been generated (their events say `finish_reason: "cancelled"`), `"no"` when nothing had been generated (no event) |
 | `flywheel_replica_queue_depth` | replica_id | requests waiting for the generation thread (not counting the running one) |
 | `flywheel_replica_queue_cost` | replica_id | sum of `n * max_tokens` of the waiting requests |
 | `flywheel_replica_queue_wait_seconds` | replica_id | time from admission to the start of a request's model call |
@@ -43,6 +46,19 @@ GENERATION_SECONDS = Histogram(
     "Model time of one request.",
     ["replica_id"],
     buckets=_LAT,
+)
+OPENAI_REQUESTS = Counter(
+    "flywheel_replica_openai_requests_total",
+    "OpenAI-compatible requests by endpoint and outcome.",
+    ["replica_id", "endpoint", "outcome"],
+)
+STREAMS_OPEN = Gauge(
+    "flywheel_replica_streams_open", "Streamed responses open now.", ["replica_id"]
+)
+STREAMS_CANCELLED = Counter(
+    "flywheel_replica_streams_cancelled_total",
+    "Streams whose client went away before the end, by whether anything was generated and recorded.",
+    ["replica_id", "recorded"],
 )
 QUEUE_DEPTH = Gauge(
     "flywheel_replica_queue_depth", "Requests waiting for the generation thread.", ["replica_id"]

@@ -41,7 +41,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,6 +58,7 @@ from app.replica.weights import LoadedVersion, WeightCache, WeightStore
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+B = TypeVar("B", bound=BaseModel)
 
 
 def _valid_unicode(v: str) -> str:
@@ -117,7 +118,12 @@ def _printable(v: Any, limit: int = 200) -> Any:
 
 
 def parse_complete_request(raw: bytes) -> CompleteRequest:
-    """Decode and validate a /v1/complete body; RequestInvalid names the field (or `body`).
+    """Decode and validate a /v1/complete body; RequestInvalid names the field (or `body`)."""
+    return parse_body(raw, CompleteRequest)
+
+
+def parse_body(raw: bytes, model: type[B]) -> B:
+    """Decode and validate a JSON body into `model`; RequestInvalid names the field (or `body`).
 
     The standard JSON decoder reads the body first so that NaN, Infinity, huge numbers and
     lone-surrogate escapes reach the model's validators, which name the field they are in."""
@@ -153,7 +159,7 @@ def parse_complete_request(raw: bytes) -> CompleteRequest:
                     ]
                 ) from None
     try:
-        return CompleteRequest.model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as exc:
         raise RequestInvalid(
             [
@@ -172,6 +178,42 @@ def _error(field: str, msg: str, status: int = 422) -> JSONResponse:
         {"detail": [{"loc": ["body", field], "msg": msg, "type": "value_error"}]},
         status_code=status,
     )
+
+
+def limit_error(
+    cfg: ReplicaConfig, *, n: int, max_tokens: int, prompt_chars: int, temperature: float
+) -> tuple[str, str] | None:
+    """The replica's own bounds on an otherwise valid request: (field, message) or None."""
+    if n > cfg.max_n:
+        return "n", f"n is {n}; this replica serves at most {cfg.max_n} candidates per request"
+    if max_tokens > cfg.max_tokens:
+        return (
+            "max_tokens",
+            f"max_tokens is {max_tokens}; this replica allows at most {cfg.max_tokens}",
+        )
+    if prompt_chars > cfg.max_prompt_chars:
+        return (
+            "prompt",
+            f"prompt has {prompt_chars} characters; at most {cfg.max_prompt_chars} are accepted",
+        )
+    if 0.0 < temperature < cfg.min_temperature:
+        return (
+            "temperature",
+            f"temperature {temperature!r} is below this replica's smallest non-zero temperature "
+            f"{cfg.min_temperature}; send 0 for greedy",
+        )
+    return None
+
+
+def context_error(lv: LoadedVersion, max_tokens: int) -> str | None:
+    """Why `max_tokens` does not fit the served model's context (None when it does)."""
+    ctx = int(lv.config.get("max_context") or 0)
+    if ctx and max_tokens > ctx - 1:
+        return (
+            f"max_tokens is {max_tokens}; the model's context holds {ctx} tokens including bos, "
+            f"so at most {ctx - 1}"
+        )
+    return None
 
 
 def _now() -> str:
@@ -201,6 +243,7 @@ class Replica:
         )
         self.start_sync = start_sync
         self.agent = None
+        self.jobs: set[asyncio.Task] = set()  # see spawn()
 
     def restore(self) -> None:
         """Serve the last verified versions from the local cache (before any sync)."""
@@ -229,6 +272,8 @@ class Replica:
             self.agent.start()
 
     async def stop(self) -> None:
+        if self.jobs:  # streams finishing: let them record their events (bounded)
+            await asyncio.wait(list(self.jobs), timeout=30)
         if self.agent is not None:
             await asyncio.to_thread(self.agent.stop)
         await self.producer.aclose()
@@ -245,13 +290,13 @@ class Replica:
         )
 
     @staticmethod
-    def encode_prompt(lv: LoadedVersion, req: CompleteRequest) -> list[int]:
+    def encode_prompt(lv: LoadedVersion, text: str, max_tokens: int) -> list[int]:
         """The prompt tokens the model will see (the end of the prompt when it is longer than the context).
 
         Raises ValueError when the version's tokenizer cannot encode the prompt."""
         tok = lv.policy.tokenizer
         try:
-            prompt = tok.encode(req.prompt)
+            prompt = tok.encode(text)
         except (ValueError, UnicodeError) as exc:
             raise ValueError(f"the tokenizer {tok.name} cannot encode the prompt: {exc}") from None
         bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
@@ -261,20 +306,28 @@ class Replica:
             )
         ctx = int(lv.config.get("max_context") or 0)
         if ctx:
-            keep = ctx - 1 - req.max_tokens
+            keep = ctx - 1 - max_tokens
             prompt = prompt[-keep:] if keep > 0 else []
         return prompt
 
     def _generate(
-        self, lv: LoadedVersion, prompt: list[int], req: CompleteRequest
+        self,
+        lv: LoadedVersion,
+        prompt: list[int],
+        n: int,
+        max_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        on_step: Any = None,
     ) -> tuple[list[Any], float]:
-        """Runs on the generation thread: (samples, model seconds)."""
+        """Runs on the generation thread: (samples, model seconds). `on_step`: trainer/policy/base.py."""
         t0 = time.perf_counter()
         samples = lv.policy.generate(
-            [prompt] * req.n,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            seed=secrets.randbits(62),
+            [prompt] * n,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            seed=secrets.randbits(62) if seed is None else seed,
+            on_step=on_step,
         )
         return samples, time.perf_counter() - t0
 
@@ -282,28 +335,34 @@ class Replica:
         self,
         *,
         request_id: str,
-        req: CompleteRequest,
+        session_id: str,
+        temperature: float,
         lv: LoadedVersion,
         prompt: list[int],
         sample: Any,
         group_id: str | None,
         latency_ms: float,
+        finish_reason: str,
+        stream: bool,
     ) -> dict[str, Any]:
+        """The `generation` event of one completion, checked against the ingest contract."""
         from app.contracts.events import encode_routes, parse_event
 
         event: dict[str, Any] = {
             "event_id": f"gen-{request_id}",
             "type": "generation",
             "request_id": request_id,
-            "session_id": req.session_id,
+            "session_id": session_id,
             "ts": _now(),
             "model_version": lv.version,
             "prompt_tokens": list(prompt),
             "completion_tokens": list(sample.tokens),
             "logprobs": [float(x) for x in sample.logprobs],
-            "temperature": float(req.temperature),
+            "temperature": float(temperature),
             "latency_ms": round(latency_ms, 3),
             "tokenizer": lv.policy.tokenizer.name,
+            "finish_reason": finish_reason,
+            "stream": stream,
         }
         if sample.routes is not None:
             event["routes"], event["route_shape"] = encode_routes(sample.routes)
@@ -311,6 +370,21 @@ class Replica:
             event["group_id"] = group_id
         parse_event(event)  # the replica's own output must satisfy the ingest contract
         return event  # (route_shape is a tuple here, a JSON array on the wire)
+
+    async def record(self, events: list[dict[str, Any]]) -> None:
+        """Send generation events to `<ns>.interactions` and wait for Kafka's ack
+        (RecordRejected / KafkaUnavailable from app/contracts/event_producer.py otherwise)."""
+        from app.contracts.kafka import dumps
+
+        await self.producer.produce(self.topic, [(e["request_id"], dumps(e)) for e in events])
+
+    def spawn(self, coro: Any) -> asyncio.Task:
+        """Run `coro` as a task the replica owns (it outlives the request that started it, e.g. a
+        stream whose client went away still records what was generated); stop() waits for them."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.jobs.add(task)
+        task.add_done_callback(self.jobs.discard)
+        return task
 
 
 def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) -> FastAPI:
@@ -336,33 +410,14 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
     def check_limits(req: CompleteRequest) -> JSONResponse | None:
         """The replica's own bounds on an otherwise valid request (422 naming the field)."""
-        if req.n > cfg.max_n:
-            return invalid(
-                "none",
-                "n",
-                f"n is {req.n}; this replica serves at most {cfg.max_n} candidates per request",
-            )
-        if req.max_tokens > cfg.max_tokens:
-            return invalid(
-                "none",
-                "max_tokens",
-                f"max_tokens is {req.max_tokens}; this replica allows at most {cfg.max_tokens}",
-            )
-        if len(req.prompt) > cfg.max_prompt_chars:
-            return invalid(
-                "none",
-                "prompt",
-                f"prompt has {len(req.prompt)} characters; at most "
-                f"{cfg.max_prompt_chars} are accepted",
-            )
-        if 0.0 < req.temperature < cfg.min_temperature:
-            return invalid(
-                "none",
-                "temperature",
-                f"temperature {req.temperature!r} is below this replica's smallest "
-                f"non-zero temperature {cfg.min_temperature}; send 0 for greedy",
-            )
-        return None
+        refused = limit_error(
+            cfg,
+            n=req.n,
+            max_tokens=req.max_tokens,
+            prompt_chars=len(req.prompt),
+            temperature=req.temperature,
+        )
+        return None if refused is None else invalid("none", *refused)
 
     @app.post(
         "/v1/complete",
@@ -375,7 +430,6 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
     )
     async def complete(request: Request) -> Response:
         from app.contracts.event_producer import KafkaUnavailable, RecordRejected
-        from app.contracts.kafka import dumps
         from trainer.policy.base import SamplingError
 
         if not replica.authorized(request):  # before the body is read
@@ -404,16 +458,10 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         slot = pick_slot(req.session_id, serving.traffic_pct, serving.candidate is not None)
         lv = serving.candidate if slot == "candidate" else serving.champion
         assert lv is not None
-        ctx = int(lv.config.get("max_context") or 0)
-        if ctx and req.max_tokens > ctx - 1:
-            return invalid(
-                slot,
-                "max_tokens",
-                f"max_tokens is {req.max_tokens}; the model's context holds {ctx} "
-                f"tokens including bos, so at most {ctx - 1}",
-            )
+        if (too_long := context_error(lv, req.max_tokens)) is not None:
+            return invalid(slot, "max_tokens", too_long)
         try:
-            prompt = replica.encode_prompt(lv, req)
+            prompt = replica.encode_prompt(lv, req.prompt, req.max_tokens)
         except ValueError as exc:
             return invalid(slot, "prompt", str(exc))
 
@@ -427,7 +475,9 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
                 replica._generate,
                 lv,
                 prompt,
-                req,
+                req.n,
+                req.max_tokens,
+                req.temperature,
                 still_wanted=still_wanted,
             )
         except QueueFull as exc:
@@ -447,22 +497,25 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         ids = [top_id] if req.n == 1 else [uuid.uuid4().hex for _ in range(req.n)]
         group_id = None if req.n == 1 else top_id
         latency_ms = (time.perf_counter() - t_start) * 1000.0
+        eos = lv.policy.tokenizer.eos_id
+        reasons = ["stop" if s.tokens and s.tokens[-1] == eos else "length" for s in samples]
         events = [
             replica.generation_event(
                 request_id=rid,
-                req=req,
+                session_id=req.session_id,
+                temperature=req.temperature,
                 lv=lv,
                 prompt=prompt,
                 sample=s,
                 group_id=group_id,
                 latency_ms=latency_ms,
+                finish_reason=reason,
+                stream=False,
             )
-            for rid, s in zip(ids, samples)
+            for rid, s, reason in zip(ids, samples, reasons)
         ]
         try:
-            await replica.producer.produce(
-                replica.topic, [(e["request_id"], dumps(e)) for e in events]
-            )
+            await replica.record(events)
         except (
             RecordRejected
         ) as exc:  # e.g. an event over the topic's record limit: nothing was sent
@@ -493,15 +546,9 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         m.REQUEST_SECONDS.labels(cfg.id).observe(time.perf_counter() - t_start)
         m.TOKENS.labels(cfg.id, lv.version, "prompt").inc(len(prompt) * req.n)
         m.TOKENS.labels(cfg.id, lv.version, "completion").inc(sum(len(s.tokens) for s in samples))
-        eos = lv.policy.tokenizer.eos_id
         completions = [
-            {
-                "request_id": rid,
-                "text": s.text,
-                "tokens": len(s.tokens),
-                "finish_reason": "stop" if s.tokens and s.tokens[-1] == eos else "length",
-            }
-            for rid, s in zip(ids, samples)
+            {"request_id": rid, "text": s.text, "tokens": len(s.tokens), "finish_reason": reason}
+            for rid, s, reason in zip(ids, samples, reasons)
         ]
         return JSONResponse(
             {
@@ -511,6 +558,10 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
                 "completions": completions,
             }
         )
+
+    from app.replica.openai_api import router as openai_router
+
+    app.include_router(openai_router(replica))  # /v1/completions, /v1/chat/completions, /v1/models
 
     @app.get("/v1/status")
     async def status() -> dict[str, Any]:

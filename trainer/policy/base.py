@@ -13,17 +13,32 @@ Conventions
 - Routes are int32 arrays of shape [T_completion, n_layers, top_k]: the expert ids each
   completion token was routed to in each MoE layer (None for dense policies).
 - The serving state dict is bf16 for floating tensors; `load_serving_state_dict` loads one.
+- `generate(..., on_step=fn)` calls `fn(step, tokens)` on the calling thread after every sampling
+  step, `tokens[i]` being the token row i just appended (None for a row that had already ended);
+  `fn` returning False ends the generation after that step (each Sample holds what was generated
+  so far, `meta["finish_reason"] == "stopped"` for the rows that had not ended). The callback
+  never changes what is sampled: a generation stopped after k steps is the first k steps of the
+  same generation run to the end (same seed), tokens and log-probs bit for bit. Streaming,
+  stop sequences and cancellation are built on it (app/replica/openai_api.py).
 """
 
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+OnStep = Callable[[int, list[int | None]], bool]
+"""`on_step(step, tokens) -> keep_going`: see the module docstring."""
+
+
+class NoChatTemplate(ValueError):
+    """The tokenizer has no chat template (the model serves plain completions only)."""
 
 
 class Tokenizer(ABC):
@@ -36,6 +51,16 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, tokens: list[int]) -> str: ...
+
+    @property
+    def has_chat_template(self) -> bool:
+        return False
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """The prompt text for chat `messages` (`[{"role", "content"}]`, roles already validated),
+        ending where the assistant's reply begins. Same name and role as Hugging Face tokenizers'
+        `apply_chat_template(..., tokenize=False, add_generation_prompt=True)`."""
+        raise NoChatTemplate(f"the tokenizer {self.name} has no chat template")
 
 
 class SamplingError(ValueError):
@@ -96,8 +121,10 @@ class Policy(ABC, torch.nn.Module):
         max_tokens: int,
         temperature: float = 1.0,
         seed: int | None = None,
+        on_step: OnStep | None = None,
     ) -> list[Sample]:
-        """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes."""
+        """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes;
+        `on_step` as in the module docstring."""
 
     @abstractmethod
     def logprobs(

@@ -31,7 +31,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from kernels.invariant import COMPUTE_DTYPE, get_ops
 from kernels.logprobs import log_probs, token_logprobs
 from kernels.moe import load_balance_loss, moe_ffn, route
-from trainer.policy.base import Policy, Sample, check_sampling_distribution, check_temperature
+from trainer.policy.base import (
+    OnStep,
+    Policy,
+    Sample,
+    check_sampling_distribution,
+    check_temperature,
+)
 from trainer.policy.tokenizer import ByteTokenizer
 
 
@@ -240,6 +246,7 @@ class MoEPolicy(Policy):
         max_tokens: int,
         temperature: float = 1.0,
         seed: int | None = None,
+        on_step: OnStep | None = None,
     ) -> list[Sample]:
         assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
         check_temperature(temperature)
@@ -265,6 +272,7 @@ class MoEPolicy(Policy):
         out_lp = [[] for _ in range(b)]
         out_rt = [[] for _ in range(b)]
         done = torch.zeros(b, dtype=torch.bool)
+        stopped = False  # on_step asked to end
         for step in range(max_tokens):
             logits = self.lm_logits(h_last)
             logp = log_probs(logits, temperature, self.ops)  # [B, V]
@@ -276,12 +284,17 @@ class MoEPolicy(Policy):
             else:
                 nxt = logp.argmax(dim=-1)
             lp = logp.gather(1, nxt[:, None])[:, 0]
+            appended: list[int | None] = [None] * b
             for i in range(b):
                 if not done[i]:
+                    appended[i] = int(nxt[i])
                     out_tok[i].append(int(nxt[i]))
                     out_lp[i].append(float(lp[i]))
                     out_rt[i].append(r_last[i].to(torch.int32).numpy())
             done |= nxt == tok.eos_id
+            if on_step is not None and not on_step(step, appended):
+                stopped = True
+                break
             if bool(done.all()) or step == max_tokens - 1:
                 break
             pos = (lens + step)[:, None]
@@ -301,6 +314,8 @@ class MoEPolicy(Policy):
                     "kernels": self.ops.name,
                     "finish_reason": "eos"
                     if out_tok[i] and out_tok[i][-1] == tok.eos_id
+                    else "stopped"
+                    if stopped and len(out_tok[i]) < max_tokens
                     else "length",
                 },
             )

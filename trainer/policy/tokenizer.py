@@ -2,6 +2,12 @@
 
 Text round-trips exactly (`decode(encode(s)) == s`); decoding drops special ids and replaces
 invalid UTF-8 (a completion can stop mid-character) with U+FFFD.
+
+Chat template (`apply_chat_template`, used by the replica's `POST /v1/chat/completions`): each
+message becomes `"<role>: <content>\n"` in order, then `"assistant: "` where the reply begins:
+
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    -> "system: Be brief.\nuser: hi\nassistant: "
 """
 
 from __future__ import annotations
@@ -21,3 +27,10 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, tokens: list[int]) -> str:
         return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return True
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "

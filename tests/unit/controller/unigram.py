@@ -32,19 +32,24 @@ class UnigramPolicy(Policy):
     def _logp(self, temperature: float) -> torch.Tensor:
         return torch.log_softmax(self.logits / max(temperature, 1e-6), dim=-1)
 
-    def generate(self, prompts, max_tokens, temperature=1.0, seed=None):
+    def generate(self, prompts, max_tokens, temperature=1.0, seed=None, on_step=None):
         g = torch.Generator().manual_seed(seed or 0)
         lp = self._logp(temperature).detach()
-        out = []
-        for _ in prompts:
+        rows = []
+        for _ in prompts:  # row by row (the draw order fixes what a seed samples)
             toks = []
             for _ in range(max_tokens):
                 t = int(torch.multinomial(lp.exp(), 1, generator=g))
                 toks.append(t)
                 if t == self.tokenizer.eos_id:
                     break
-            out.append(Sample(tokens=toks, logprobs=[float(lp[t]) for t in toks]))
-        return out
+            rows.append(toks)
+        if on_step is not None:  # context is ignored, so replaying the rows step by step is exact
+            for step in range(max(map(len, rows), default=0)):
+                if not on_step(step, [r[step] if step < len(r) else None for r in rows]):
+                    rows = [r[: step + 1] for r in rows]
+                    break
+        return [Sample(tokens=r, logprobs=[float(lp[t]) for t in r]) for r in rows]
 
     def logprobs(self, prompt_tokens, completion_tokens, routes=None, temperature=1.0):
         lp = self._logp(temperature)
