@@ -140,9 +140,18 @@ def unavailable(message: str, code: str, retry_after_s: int, outcome: str) -> Op
     )
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _param_path(loc: list[Any]) -> str:
-    """["messages", 0, "content"] -> "messages.[0].content" (how OpenAI names nested parameters)."""
-    return ".".join(f"[{x}]" if isinstance(x, int) else str(x) for x in loc)
+    """["messages", 0, "content"] -> "messages.[0].content" (how OpenAI names nested parameters);
+    pydantic's union-member tags (`str`, `list[function-after[...]]`) are not parameters."""
+    parts = [
+        f"[{x}]" if isinstance(x, int) else str(x)
+        for x in loc
+        if isinstance(x, int) or ("[" not in str(x) and str(x) not in _UNION_TAGS)
+    ]
+    return ".".join(parts)
 
 
 def from_invalid(exc: RequestInvalid) -> OpenAIError:

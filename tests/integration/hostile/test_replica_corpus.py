@@ -200,3 +200,135 @@ def test_with_the_minimum_lowered_the_sampler_guard_still_answers_422_instead_of
         timeout=60,
     )
     assert ok.status_code == 200, ok.text
+
+
+# The same hostile bodies through the OpenAI-compatible route (`user` is the session there), and a few
+# of its own; each must be a 400 in OpenAI's error shape whose `param` names the parameter (None for
+# the body as a whole). `stream: true` and `temperature: null` are valid there, so they are left out.
+OPENAI_SKIP = {"unknown field", "temperature null"}
+OPENAI_CORPUS: list[tuple[str, str, bytes, str | None]] = [
+    (
+        name,
+        "completions",
+        raw.replace(b'"session_id"', b'"user"'),
+        None if field == "body" else field.replace("session_id", "user"),
+    )
+    for name, raw, field in CORPUS
+    if name not in OPENAI_SKIP
+] + [
+    ("top_p NaN", "completions", b'{"prompt": "x", "user": "s", "top_p": NaN}', "top_p"),
+    ("top_p 0.5", "completions", b'{"prompt": "x", "user": "s", "top_p": 0.5}', "top_p"),
+    ("logprobs true", "completions", b'{"prompt": "x", "user": "s", "logprobs": true}', "logprobs"),
+    ("logprobs 5", "completions", b'{"prompt": "x", "user": "s", "logprobs": 5}', "logprobs"),
+    ("stream a string", "completions", b'{"prompt": "x", "user": "s", "stream": "yes"}', "stream"),
+    ("seed negative", "completions", b'{"prompt": "x", "user": "s", "seed": -1}', "seed"),
+    (
+        "seed huge",
+        "completions",
+        b'{"prompt": "x", "user": "s", "seed": 1' + b"0" * 40 + b"}",
+        "seed",
+    ),
+    ("stop empty", "completions", b'{"prompt": "x", "user": "s", "stop": ""}', "stop"),
+    (
+        "stop five",
+        "completions",
+        b'{"prompt": "x", "user": "s", "stop": ["a","b","c","d","e"]}',
+        "stop",
+    ),
+    ("stop surrogate", "completions", b'{"prompt": "x", "user": "s", "stop": "\\udc00"}', "stop"),
+    (
+        "stop too long",
+        "completions",
+        b'{"prompt": "x", "user": "s", "stop": "' + b"a" * 300 + b'"}',
+        "stop",
+    ),
+    ("no session", "completions", b'{"prompt": "x"}', "user"),
+    ("suffix", "completions", b'{"prompt": "x", "user": "s", "suffix": "y"}', "suffix"),
+    ("messages not a list", "chat", b'{"messages": "hi", "user": "s"}', "messages"),
+    ("messages empty", "chat", b'{"messages": [], "user": "s"}', "messages"),
+    (
+        "message without content",
+        "chat",
+        b'{"messages": [{"role": "user"}], "user": "s"}',
+        "messages.[0].content",
+    ),
+    (
+        "message role tool",
+        "chat",
+        b'{"messages": [{"role": "tool", "content": "x"}], "user": "s"}',
+        "messages.[0].role",
+    ),
+    (
+        "message content parts",
+        "chat",
+        b'{"messages": [{"role": "user", "content": [{"type": "text"}]}], "user": "s"}',
+        "messages.[0].content",
+    ),
+    (
+        "message content surrogate",
+        "chat",
+        b'{"messages": [{"role": "user", "content": "\\ud800"}], "user": "s"}',
+        "messages.[0].content",
+    ),
+    (
+        "tools",
+        "chat",
+        b'{"messages": [{"role": "user", "content": "x"}], "user": "s", "tools": [{}]}',
+        "tools",
+    ),
+    (
+        "top_logprobs",
+        "chat",
+        b'{"messages": [{"role": "user", "content": "x"}], "user": "s", "logprobs": true, "top_logprobs": 3}',
+        "top_logprobs",
+    ),
+    (
+        "both token limits",
+        "chat",
+        b'{"messages": [{"role": "user", "content": "x"}], "user": "s", "max_tokens": 2, "max_completion_tokens": 2}',
+        "max_completion_tokens",
+    ),
+    (
+        "messages over max_prompt_chars",
+        "chat",
+        b'{"messages": [{"role": "user", "content": "' + b"a" * 70_000 + b'"}], "user": "s"}',
+        "messages",
+    ),
+]
+
+
+def test_every_hostile_body_to_the_openai_routes_gets_a_400_naming_the_parameter(seeded_replica):
+    srv = seeded_replica(id="replica-hostile-oai")
+    failures = []
+    with httpx.Client(timeout=60) as client:
+        for name, endpoint, raw, param in OPENAI_CORPUS:
+            try:
+                r = client.post(
+                    f"{srv.url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
+                    content=raw,
+                    headers={"Content-Type": "application/json"},
+                )
+            except httpx.HTTPError as exc:
+                failures.append(f"{name}: {type(exc).__name__} {exc}")
+                continue
+            if r.status_code != 400:
+                failures.append(f"{name}: {r.status_code} {r.text[:200]}")
+                continue
+            err = r.json()["error"]
+            if (
+                err["param"] != param
+                or err["type"] != "invalid_request_error"
+                or not err["message"]
+            ):
+                failures.append(f"{name}: 400 names {err['param']!r}, expected {param!r}: {err}")
+        assert not failures, "\n".join(failures)
+        assert (
+            metric(
+                srv, "flywheel_replica_generation_seconds_count", replica_id="replica-hostile-oai"
+            )
+            == 0
+        ), "a refused request must not cost a model call"
+        ok = client.post(
+            f"{srv.url}/v1/completions", json={"prompt": "def f(", "max_tokens": 3, "user": "s"}
+        )
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"], ok.text

@@ -329,3 +329,35 @@ def test_a_stream_cancelled_before_its_first_token_writes_no_event(srv):
         where=lambda e: e["session_id"] == "s-cancel-early",
     )
     assert early == []
+
+
+def test_kafka_not_acknowledging_is_a_503_or_an_error_chunk_in_place_of_done(
+    replica_factory, make_settings, tmp_path
+):
+    from app.replica.weights import WeightCache, load_verified
+    from kernels.delta.hashing import checkpoint_sha256
+    from tests.conftest import free_port
+    from tests.integration.replica.conftest import tiny_state
+
+    cfg, state = tiny_state(3)
+    cache = WeightCache(tmp_path / "c-nokafka")
+    cache.put(load_verified("3", state, cfg, checkpoint_sha256(state)))
+    dead = make_settings(
+        create_topics=False, kafka_bootstrap=f"127.0.0.1:{free_port()}", kafka_produce_timeout=1.0
+    )
+    srv = replica_factory(
+        dead, start_sync=False, cache_dir=tmp_path / "c-nokafka", id="replica-oai-nokafka"
+    )
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="any", max_retries=0, timeout=60)
+    with pytest.raises(openai.InternalServerError) as exc:
+        client.completions.create(model=dead.model_name, prompt="x", max_tokens=2, user="s")
+    assert exc.value.status_code == 503 and exc.value.code == "kafka_unavailable"
+    assert int(exc.value.response.headers["retry-after"]) >= 1
+    chunks = []
+    with pytest.raises(openai.APIError) as exc:
+        for ch in client.completions.create(
+            model=dead.model_name, prompt="x", max_tokens=3, user="s", stream=True
+        ):
+            chunks.append(ch)
+    assert "could not record the generation" in exc.value.message
+    assert exc.value.body["code"] == "kafka_unavailable"

@@ -136,6 +136,8 @@ def test_the_byte_tokenizer_chat_template():
             "messages.[0].content",
         ),
         (b'{"prompt": "x", "user": ""}', CompletionRequest, "user"),
+        (b'{"prompt": "x", "stop": "\\udc00"}', CompletionRequest, "stop"),
+        (b'{"prompt": "x", "stop": ["a", 5]}', CompletionRequest, "stop"),
     ],
 )
 def test_invalid_bodies_become_openai_errors_naming_the_parameter(raw, model, param):
