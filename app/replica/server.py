@@ -1,4 +1,6 @@
-"""The replica's HTTP app: `POST /v1/complete`, `/v1/status`, `/healthz`, `/readyz`, `/metrics`.
+"""The replica's HTTP app: `POST /v1/complete`, `/v1/status`, `/healthz`, `/readyz`, `/metrics`,
+and the OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models` (openai_api.py,
+which shares this module's body parsing, limits, prompt encoding and generation events).
 
     flywheel replica --host 0.0.0.0 --port 8100 --replica-id replica-1
 
@@ -7,7 +9,8 @@ candidate by a stable hash of `session_id` (routing.py), samples `n` completions
 a single generation thread behind a bounded, cost-aware queue (admission.py: the event loop never
 blocks; one model call at a time per replica; a full queue answers 503 + Retry-After at once),
 writes one `generation` event per completion to `<ns>.interactions` (prompt/completion tokens,
-behaviour log-probs, MoE routes, temperature, group_id, latency, tokenizer, model_version), and
+behaviour log-probs, MoE routes, temperature, group_id, latency, tokenizer, model_version,
+finish_reason, stream), and
 answers only after Kafka acknowledged them all (503 + Retry-After otherwise):
 
     {"request_id": "...", "model_version": "3",
