@@ -67,6 +67,7 @@ from app.replica import metrics as m
 from app.replica.admission import ClientGone, QueueFull
 from app.replica.routing import pick_slot
 from app.replica.server import (
+    Replica,
     RequestInvalid,
     Text,
     _valid_unicode,
@@ -379,8 +380,8 @@ class Outcome:
 
 
 # --- the routes ------------------------------------------------------------------------------------
-def router(replica: Any) -> APIRouter:
-    """The OpenAI-compatible routes of `replica` (an app.replica.server.Replica)."""
+def router(replica: Replica) -> APIRouter:
+    """The OpenAI-compatible routes of `replica`."""
     from app.contracts.event_producer import KafkaUnavailable, RecordRejected
     from trainer.policy.base import NoChatTemplate, SamplingError
 
@@ -726,8 +727,14 @@ def router(replica: Any) -> APIRouter:
         cancelled = threading.Event()
         state = {"done": False}
 
-        def push(deltas: list[tuple[int, str]]) -> None:  # generation thread -> event loop
-            loop.call_soon_threadsafe(q.put_nowait, ("deltas", deltas))
+        loop_thread = threading.get_ident()
+
+        def push(deltas: list[tuple[int, str]]) -> None:
+            """Queue text for the stream, in order, from the generation thread or the loop's own."""
+            if threading.get_ident() == loop_thread:
+                q.put_nowait(("deltas", deltas))
+            else:
+                loop.call_soon_threadsafe(q.put_nowait, ("deltas", deltas))
 
         async def job() -> None:
             try:

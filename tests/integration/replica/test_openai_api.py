@@ -361,3 +361,25 @@ def test_kafka_not_acknowledging_is_a_503_or_an_error_chunk_in_place_of_done(
             chunks.append(ch)
     assert "could not record the generation" in exc.value.message
     assert exc.value.body["code"] == "kafka_unavailable"
+
+
+def test_a_full_queue_and_too_many_streams_are_503_with_retry_after_before_any_stream_starts(
+    seeded_replica,
+):
+    srv = seeded_replica(id="replica-oai-full", max_queued=1, max_open_streams=1)
+    client = _client(srv)
+    name = srv.settings.model_name
+    body = {"model": name, "prompt": "x", "max_tokens": 2, "user": "s-full", "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with HeldThread(srv), httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{srv.url}/v1/completions", json=body, headers=headers) as first:
+            assert first.status_code == 200  # admitted: it waits in the queue, its stream is open
+            with pytest.raises(openai.InternalServerError) as exc:  # a second stream
+                client.completions.create(**{**body, "stream": True})
+            assert exc.value.status_code == 503 and exc.value.code == "too_many_streams"
+            with pytest.raises(openai.InternalServerError) as exc:  # the queue holds one
+                client.completions.create(**{**body, "stream": False})
+            assert exc.value.status_code == 503 and exc.value.code == "queue_full"
+            assert int(exc.value.response.headers["retry-after"]) >= 1
+            first.close()
+    assert metric(srv, "flywheel_replica_openai_requests_total", outcome="rejected") == 2
