@@ -7,6 +7,9 @@
 - `fetch.py`: reconstructing a version from MLflow artifacts (delta chain or anchor), verified.
 - `sync.py`: the sync agent that follows `flywheel.deployments` and publishes replica events.
 - `server.py`: the FastAPI app (`POST /v1/complete`, /healthz, /readyz, /metrics, /v1/status).
+- `openai_api.py`: the OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`,
+  `/v1/models`), streaming as server-sent events.
+- `admission.py`: the bounded, cost-aware queue in front of the one generation thread.
 
 See docs/REPLICA.md.
 """
