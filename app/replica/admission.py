@@ -2,6 +2,8 @@
 
     queue = GenerationQueue("replica-1", pool, max_queued=16, max_queued_cost=4096)
     result = await queue.run(cost, fn, *args, still_wanted=client_connected)   # QueueFull, ClientGone
+    ticket = queue.admit(cost)                                   # QueueFull now (a stream, before it starts)
+    result = await queue.run_admitted(ticket, fn, *args)        # ... the model call later
 
 One model call runs at a time (the thread pool has one worker). Requests that find it busy wait
 here, in the event loop, never in the executor's own (unbounded) queue:
