@@ -254,8 +254,15 @@ def _gate_generation(srv) -> threading.Event:
     return gate
 
 
+def _cancelled(srv, recorded: str) -> float:
+    return metric(
+        srv, "flywheel_replica_streams_cancelled_total", replica_id=srv.config.id, recorded=recorded
+    )
+
+
 def test_a_client_that_disconnects_mid_stream_gets_one_cancelled_event(srv):
     gate = _gate_generation(srv)
+    before = _cancelled(srv, "yes")
     body = {
         "model": srv.settings.model_name,
         "messages": [{"role": "user", "content": "write a long story"}],
@@ -275,7 +282,11 @@ def test_a_client_that_disconnects_mid_stream_gets_one_cancelled_event(srv):
 
             group = json.loads(first[len("data: ") :])["id"]
         # the response is closed: the replica notices, then the generation may go on
-    wait_for(lambda: metric(srv, "flywheel_replica_streams_open") == 0, 30, "the stream to close")
+    wait_for(
+        lambda: metric(srv, "flywheel_replica_streams_open", replica_id=srv.config.id) == 0,
+        30,
+        "the stream to close",
+    )
     gate.set()
     events = read_topic(
         srv.settings, "interactions", 1, where=lambda e: e.get("session_id") == "s-cancel"
@@ -284,11 +295,7 @@ def test_a_client_that_disconnects_mid_stream_gets_one_cancelled_event(srv):
     e = events[0]
     assert e["finish_reason"] == "cancelled" and e["stream"] is True
     assert 1 <= len(e["completion_tokens"]) < 40
-    wait_for(
-        lambda: metric(srv, "flywheel_replica_streams_cancelled_total", recorded="yes") == 1,
-        30,
-        "the cancelled stream to be counted",
-    )
+    wait_for(lambda: _cancelled(srv, "yes") == before + 1, 30, "the cancelled stream to be counted")
 
 
 def test_a_stream_cancelled_before_its_first_token_writes_no_event(srv):
@@ -300,6 +307,7 @@ def test_a_stream_cancelled_before_its_first_token_writes_no_event(srv):
         "stream": True,
     }
     headers = {"Authorization": f"Bearer {KEY}"}
+    before = _cancelled(srv, "no")
     with HeldThread(srv):  # the generation thread is busy: the stream waits in the queue
         with httpx.Client(timeout=60) as http:
             with http.stream(
@@ -308,10 +316,12 @@ def test_a_stream_cancelled_before_its_first_token_writes_no_event(srv):
                 assert r.status_code == 200
                 assert '"role":"assistant"' in next(r.iter_lines())
         wait_for(
-            lambda: metric(srv, "flywheel_replica_streams_open") == 0, 30, "the stream to close"
+            lambda: metric(srv, "flywheel_replica_streams_open", replica_id=srv.config.id) == 0,
+            30,
+            "the stream to close",
         )
     wait_for(
-        lambda: metric(srv, "flywheel_replica_streams_cancelled_total", recorded="no") == 1,
+        lambda: _cancelled(srv, "no") == before + 1,
         30,
         "the stream cancelled before generating to be counted",
     )
@@ -382,4 +392,12 @@ def test_a_full_queue_and_too_many_streams_are_503_with_retry_after_before_any_s
             assert exc.value.status_code == 503 and exc.value.code == "queue_full"
             assert int(exc.value.response.headers["retry-after"]) >= 1
             first.close()
-    assert metric(srv, "flywheel_replica_openai_requests_total", outcome="rejected") == 2
+    assert (
+        metric(
+            srv,
+            "flywheel_replica_openai_requests_total",
+            replica_id=srv.config.id,
+            outcome="rejected",
+        )
+        == 2
+    )
