@@ -124,6 +124,24 @@ def test_a_stop_string_ends_the_text_before_it_and_the_event_keeps_the_tokens_ge
     assert e["logprobs"] == full_e["logprobs"][:n]
     assert _decode(e["completion_tokens"]).endswith(stop)
 
+    # streamed, the stop string is held back and never sent; the event is the same
+    chunks = list(
+        client.completions.create(
+            model=name,
+            prompt="def f(",
+            max_tokens=20,
+            seed=seed,
+            user="s-stop",
+            stop=stop,
+            stream=True,
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == text[:k]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    se = _events(srv, [chunks[0].id])[chunks[0].id]
+    assert se["completion_tokens"] == e["completion_tokens"] and se["logprobs"] == e["logprobs"]
+    assert se["stream"] is True and se["finish_reason"] == "stop"
+
 
 def test_streams_reassemble_to_the_events_and_equal_an_unstreamed_generation_bit_for_bit(srv):
     client = _client(srv)
