@@ -2,7 +2,7 @@
  * A minimal VS Code extension: inline completions from a Flywheel replica, and the editor's
  * feedback on them sent to the ingest API through `@flywheel/feedback-client`.
  *
- * For one suggestion the extension emits (README.md "Event timeline"):
+ * For one suggestion the extension emits (README.md, "The event timeline of one suggestion"):
  *
  *   replica  generation        written by the replica when it answers POST /v1/completions
  *   editor   accept | reject   accept when the item's command runs; reject when it is dismissed (offers.ts)
@@ -12,7 +12,8 @@
  * All events of one VS Code window share `session_id` = `vscode.env.sessionId`, which is also
  * the `user` of the completion requests (the replica's champion/candidate split). Delivery
  * failures never reach the UI: the client reports them to `onError`, logged in the "Flywheel"
- * output channel. Deactivation measures the pending persistence checks and flushes the client.
+ * output channel. Deactivation sends the pending rejects, takes the pending persistence
+ * measurements and flushes the client.
  */
 import * as vscode from "vscode";
 import { type DeliveryError, FeedbackClient, type SessionRef } from "@flywheel/feedback-client";
@@ -22,6 +23,12 @@ import { type Edit, mapSpan, maxSpanLength, persistedFraction, type Span } from 
 import { type Choice, complete } from "./replica";
 
 const ACCEPTED_COMMAND = "flywheel.accepted";
+/**
+ * How long a reject waits before it is sent. VS Code inserts an accepted suggestion before it
+ * runs the accept command, and that insertion can look like an overwrite of a newer suggestion
+ * at the same spot; an accept in the same document within this time withdraws the reject.
+ */
+const REJECT_GRACE_MS = 500;
 
 /** An accepted suggestion whose persistence is still to be measured. */
 interface Accepted {
@@ -50,6 +57,7 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
   private readonly sessionId = vscode.env.sessionId;
   private readonly offers = new OfferBook();
   private readonly accepted = new Set<Accepted>();
+  private readonly pendingRejects = new Map<Offer, ReturnType<typeof setTimeout>>();
   private readonly disposables: vscode.Disposable[] = [];
   private settings: Settings | undefined;
   private feedback: FeedbackClient | undefined;
@@ -131,6 +139,10 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
     if (token.isCancellationRequested || choices.length === 0) {
       return []; // never shown: no offer, no feedback
     }
+    const previous = this.offers.open(document.uri.toString());
+    if (previous !== undefined) {
+      this.sendPendingReject(previous); // a new request means no accept of it is on its way
+    }
     const offer = this.offers.add(document.uri.toString(), anchor, choices, modelVersion);
     const at = new vscode.Range(position, position);
     return choices.map(
@@ -152,6 +164,16 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
     if (offer === undefined || choice === undefined) {
       this.log.warn(`accept of an unknown suggestion (offer ${offerId}, choice ${index}): not reported`);
       return;
+    }
+    for (const [other, timer] of this.pendingRejects) {
+      if (other.documentUri === offer.documentUri) {
+        clearTimeout(timer);
+        this.pendingRejects.delete(other);
+        this.offers.settle(other, "passed");
+        this.log.info(
+          `reject of ${other.choices.map((c) => c.requestId).join(", ")} withdrawn: an accept followed`,
+        );
+      }
     }
     if (!this.offers.settle(offer, "accepted")) {
       this.log.warn(`accept of ${choice.requestId} after it was ${offer.state}: not reported`);
@@ -178,8 +200,8 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
   private judge(editor: vscode.TextEditor): void {
     const document = editor.document;
     const offer = this.offers.open(document.uri.toString());
-    if (offer === undefined) {
-      return;
+    if (offer === undefined || this.pendingRejects.has(offer)) {
+      return; // a pending reject stands unless an accept withdraws it
     }
     const cursor = document.offsetAt(editor.selection.active);
     let typed: string | undefined;
@@ -204,13 +226,31 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
     }
   }
 
+  /** Rejects an open offer after REJECT_GRACE_MS, unless an accept in its document comes first. */
   private reject(offer: Offer, why: string): void {
+    if (offer.state !== "open" || this.pendingRejects.has(offer)) {
+      return;
+    }
+    this.log.info(`reject of ${offer.choices.map((c) => c.requestId).join(", ")} pending (${why})`);
+    this.pendingRejects.set(
+      offer,
+      setTimeout(() => this.sendPendingReject(offer), REJECT_GRACE_MS),
+    );
+  }
+
+  private sendPendingReject(offer: Offer): void {
+    const timer = this.pendingRejects.get(offer);
+    if (timer === undefined) {
+      return;
+    }
+    clearTimeout(timer);
+    this.pendingRejects.delete(offer);
     if (!this.offers.settle(offer, "rejected")) {
       return;
     }
     for (const choice of offer.choices) {
       this.feedback?.reject(this.ref(offer, choice));
-      this.log.info(`reject ${choice.requestId} (${why})`);
+      this.log.info(`reject ${choice.requestId}`);
     }
   }
 
@@ -239,8 +279,11 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
   }
 
   /** Reports the share of `acc.text` still in its span, `afterS` seconds after the accept. */
-  private measure(acc: Accepted, afterS: number): void {
-    const document = vscode.workspace.textDocuments.find((d) => d.uri.toString() === acc.documentUri);
+  private measure(
+    acc: Accepted,
+    afterS: number,
+    document = vscode.workspace.textDocuments.find((d) => d.uri.toString() === acc.documentUri),
+  ): void {
     if (document === undefined || !this.accepted.has(acc)) {
       return; // closed: onDocumentClosed measured it
     }
@@ -257,16 +300,16 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
   }
 
   /** Measures now (after_s = the time since the accept) and cancels the later checks. */
-  private measureNow(acc: Accepted): void {
+  private measureNow(acc: Accepted, document?: vscode.TextDocument): void {
     acc.timers.forEach(clearTimeout);
     const elapsedS = Math.max(0.001, Math.round(Date.now() - acc.acceptedAtMs) / 1000);
-    this.measure(acc, elapsedS);
+    this.measure(acc, elapsedS, document);
     this.accepted.delete(acc);
   }
 
   private onDocumentChanged(e: vscode.TextDocumentChangeEvent): void {
     const uri = e.document.uri.toString();
-    // VS Code lists the changes so that applying them in order is correct
+    // applied one after another in the order given, as VS Code's own document mirror does
     const edits: Edit[] = e.contentChanges.map((c) => ({
       start: c.rangeOffset,
       end: c.rangeOffset + c.rangeLength,
@@ -288,7 +331,7 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
     const uri = document.uri.toString();
     for (const acc of this.accepted) {
       if (acc.documentUri === uri) {
-        this.measureNow(acc); // the text is gone after this event
+        this.measureNow(acc, document); // it may already be gone from workspace.textDocuments
       }
     }
   }
@@ -344,9 +387,15 @@ class FlywheelSession implements vscode.Disposable, vscode.InlineCompletionItemP
     });
   }
 
-  /** Measures every pending persistence check, then flushes and closes the feedback client. */
+  /**
+   * Sends the pending rejects, takes every pending persistence measurement, then flushes and
+   * closes the feedback client (VS Code awaits this through `deactivate`).
+   */
   dispose(): Promise<void> {
     this.disposed ??= (async () => {
+      for (const offer of [...this.pendingRejects.keys()]) {
+        this.sendPendingReject(offer);
+      }
       for (const acc of [...this.accepted]) {
         this.measureNow(acc);
       }
