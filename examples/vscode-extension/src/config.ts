@@ -13,7 +13,7 @@ export interface Settings {
   readonly replicaUrl: string;
   /** Serving key of the replica, or "" for none. */
   readonly replicaApiKey: string;
-  /** The `model` field of completion requests. */
+  /** The `model` field of completion requests; "" sends none (the replica's served model). */
   readonly model: string;
   /** Base URL of the ingest API (POST {ingestUrl}/v1/events), without a trailing slash. */
   readonly ingestUrl: string;
@@ -100,7 +100,7 @@ export function readSettings(config: vscode.WorkspaceConfiguration): Settings {
   const settings: Settings = {
     replicaUrl: url("replicaUrl"),
     replicaApiKey: text("replicaApiKey", 0),
-    model: text("model", 1),
+    model: text("model", 0),
     ingestUrl: url("ingestUrl"),
     ingestApiKey: text("ingestApiKey", 0),
     maxTokens: number("maxTokens", 1, 4096, true),

@@ -2,13 +2,14 @@
  * Completions from a Flywheel replica through its OpenAI-compatible API, with plain `fetch`.
  *
  *   POST {replicaUrl}/v1/completions
- *   {model, prompt, max_tokens, temperature, n, stop, user, stream: false}
+ *   {model?, prompt, max_tokens, temperature, n, stop, user, stream: false}
  *
  * `user` is the editor session: the replica picks the champion or the candidate model by it, and
  * the feedback events carry the same value as `session_id`. The response's `id` is Flywheel's
  * request_id, the id feedback events are keyed by; with n > 1 each choice carries its own
  * `request_id`. The model version comes from the `X-Flywheel-Model-Version` header (or
- * `system_fingerprint`) and is passed on with the feedback.
+ * `system_fingerprint`, `flywheel-v<version>`) and is passed on with the feedback. Without a
+ * `model` the replica answers with the model it serves.
  *
  * The replica writes the `generation` event itself, so the editor sends only feedback.
  * Inline suggestions are shown whole, so the request is not streamed; aborting it (VS Code
@@ -30,6 +31,7 @@ export interface Completion {
 export interface CompletionRequest {
   readonly replicaUrl: string;
   readonly apiKey: string;
+  /** "" leaves `model` out. */
   readonly model: string;
   readonly prompt: string;
   readonly maxTokens: number;
@@ -61,7 +63,7 @@ export async function complete(req: CompletionRequest): Promise<Completion> {
     method: "POST",
     headers,
     body: JSON.stringify({
-      model: req.model,
+      model: req.model !== "" ? req.model : undefined,
       prompt: req.prompt,
       max_tokens: req.maxTokens,
       temperature: req.temperature,
@@ -110,7 +112,10 @@ export function parseCompletion(body: unknown, n: number, versionHeader: string 
     return { requestId, text: raw.text, index: raw.index };
   });
   choices.sort((a, b) => a.index - b.index);
-  const fingerprint = typeof body.system_fingerprint === "string" ? body.system_fingerprint : undefined;
+  const fingerprint =
+    typeof body.system_fingerprint === "string"
+      ? body.system_fingerprint.replace(/^flywheel-v(?=.)/, "")
+      : undefined;
   return {
     choices: choices.map(({ requestId, text }) => ({ requestId, text })),
     modelVersion: versionHeader ?? fingerprint,

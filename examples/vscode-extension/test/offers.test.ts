@@ -60,7 +60,7 @@ describe("parseCompletion", () => {
     const body = {
       id: "req-1",
       choices: [{ index: 0, text: "x", finish_reason: "stop" }],
-      system_fingerprint: "6",
+      system_fingerprint: "flywheel-v6",
     };
     assert.deepEqual(parseCompletion(body, 1, "7"), {
       choices: [{ requestId: "req-1", text: "x" }],
