@@ -363,6 +363,7 @@ class Aggregator:
             "closed_by": "window",
             "tokenizer": gen.get("tokenizer"),
             "temperature": gen.get("temperature"),
+            "finish_reason": gen.get("finish_reason"),
         }
         bucket = math.floor(st["dl"] / self.bucket_s) * self.bucket_s
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)

@@ -98,6 +98,11 @@ class Rollout(BaseModel):
         description="the generation's sampling temperature: the trainer recomputes the "
         "log-probs at it (None in records written before the field: the trainer's setting)",
     )
+    finish_reason: Literal["stop", "length", "cancelled"] | None = Field(
+        None,
+        description="the generation's finish_reason: 'cancelled' when the client left a stream "
+        "mid-way (the completion is what was generated; None when the replica did not say)",
+    )
     relabel_run: str | None = Field(
         None,
         max_length=64,
