@@ -320,6 +320,90 @@ describe("FeedbackClient with a scripted server", () => {
     assert.equal(JSON.parse(calls[0]?.body ?? "{}").events.length, 2);
   });
 
+  test("a 413 for the whole body halves the batch down to single events; a lone one is refused", async () => {
+    // a stand-in for the server's body limit: more than 2 events is too large, and e3 alone is too
+    const posted: string[][] = [];
+    const fetchImpl: typeof fetch = async (_input, init) => {
+      const ids = (JSON.parse(String(init?.body)) as { events: FeedbackEvent[] }).events.map((e) => e.event_id);
+      posted.push(ids);
+      if (ids.length > 2 || ids.includes("e3")) {
+        return new Response(JSON.stringify({ detail: "request body exceeds 4096 bytes" }), { status: 413 });
+      }
+      return new Response(JSON.stringify({ accepted: ids.length }), { status: 202 });
+    };
+    const { errors, onError } = collect();
+    const client = new FeedbackClient({ baseUrl: BASE, apiKey: "k", flushIntervalMs: 0, fetch: fetchImpl, onError });
+    for (const i of [1, 2, 3, 4, 5, 6]) {
+      client.accept({ ...REF, eventId: `e${i}` });
+    }
+    await client.flush();
+    assert.deepEqual(posted, [
+      ["e1", "e2", "e3", "e4", "e5", "e6"],
+      ["e1", "e2", "e3"],
+      ["e1"],
+      ["e2", "e3"],
+      ["e2"],
+      ["e3"],
+      ["e4", "e5", "e6"],
+      ["e4"],
+      ["e5", "e6"],
+    ]);
+    assert.deepEqual(
+      errors.map((e) => [e.kind, e.status, e.events.map((ev) => ev.event_id)]),
+      [["rejected", 413, ["e3"]]],
+    );
+    assert.equal(client.pending, 0);
+  });
+
+  test("a 413 or 422 naming events refuses those and re-posts the rest; one about the body refuses the batch", async () => {
+    const posted: string[][] = [];
+    const fetchImpl: typeof fetch = async (_input, init) => {
+      const ids = (JSON.parse(String(init?.body)) as { events: FeedbackEvent[] }).events.map((e) => e.event_id);
+      posted.push(ids);
+      const errors = ids.flatMap((id, index) =>
+        id === "big" ? [{ index, field: "(event)", message: "too large" }] : id === "bad" ? [{ index, field: "value", message: "must be 1 or -1" }] : [],
+      );
+      if (ids.includes("big")) {
+        return new Response(JSON.stringify({ errors: errors.filter((e) => e.field === "(event)") }), { status: 413 });
+      }
+      if (ids.includes("bad")) {
+        return new Response(JSON.stringify({ errors }), { status: 422 });
+      }
+      if (ids.includes("body")) {
+        return new Response(JSON.stringify({ errors: [{ index: null, field: "events", message: "no" }] }), { status: 422 });
+      }
+      return new Response(JSON.stringify({ accepted: ids.length }), { status: 202 });
+    };
+    const { errors, onError } = collect();
+    const client = new FeedbackClient({ baseUrl: BASE, apiKey: "k", flushIntervalMs: 0, fetch: fetchImpl, onError });
+    for (const id of ["a", "big", "b", "bad", "c"]) {
+      client.accept({ ...REF, eventId: id });
+    }
+    await client.flush();
+    assert.deepEqual(posted, [
+      ["a", "big", "b", "bad", "c"],
+      ["a", "b", "bad", "c"],
+      ["a", "b", "c"],
+    ]);
+    assert.deepEqual(
+      errors.map((e) => [e.status, e.events.map((ev) => ev.event_id), e.details]),
+      [
+        [413, ["big"], [{ index: 0, field: "(event)", message: "too large" }]],
+        [422, ["bad"], [{ index: 0, field: "value", message: "must be 1 or -1" }]],
+      ],
+    );
+    client.accept({ ...REF, eventId: "body" });
+    client.accept({ ...REF, eventId: "d" });
+    await client.flush();
+    assert.deepEqual(posted.at(-1), ["body", "d"]);
+    assert.deepEqual(
+      errors.at(-1)?.events.map((ev) => ev.event_id),
+      ["body", "d"],
+      "an error about the whole body refuses the whole batch",
+    );
+    assert.equal(posted.length, 4);
+  });
+
   test("dispose flushes what is queued; later events are reported dropped, never thrown", async () => {
     const { fetchImpl, calls } = scriptedFetch([accepted]);
     const { errors, onError } = collect();
