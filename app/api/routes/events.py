@@ -43,12 +43,13 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, status
 from fastapi.responses import JSONResponse, Response
+from pydantic import TypeAdapter
 
 from app.api.deps import require_scope
 from app.api.metrics import BATCHES, EVENTS_ACCEPTED, EVENTS_REJECTED, PRODUCE_SECONDS
 from app.api.ratelimit import TokenBucketLimiter
 from app.contracts.event_producer import EventProducer, KafkaUnavailable, RecordRejected
-from app.contracts.events import validate_batch
+from app.contracts.events import Event, validate_batch
 from app.db.models import ApiKey
 from app.httplimits import read_capped
 
@@ -278,9 +279,51 @@ async def post_events(
     )
 
 
+def publish_event_schemas(app: FastAPI) -> None:
+    """Put the event schemas into the app's OpenAPI document as the request body of POST /v1/events.
+
+    The route reads its body by hand (size caps, orjson, `validate_batch`), so FastAPI cannot see
+    it; the schema published here is the same pydantic union `validate_batch` applies, one
+    component per event type (`Generation`, `Accept`, ...) under a discriminator on `type`.
+    Clients check themselves against it (clients/typescript's schema test)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = build()
+        events = TypeAdapter(list[Event]).json_schema(ref_template="#/components/schemas/{model}")
+        defs = events.pop("$defs")
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        clash = sorted(set(defs) & set(schemas))
+        assert not clash, f"event schema names clash with other OpenAPI components: {clash}"
+        schemas.update(defs)
+        limit = app.state.settings.max_batch_events
+        events.update(minItems=1, maxItems=limit)
+        doc["paths"]["/v1/events"]["post"]["requestBody"] = {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "properties": {"events": events},
+                        "required": ["events"],
+                        "additionalProperties": False,
+                    }
+                }
+            },
+        }
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def install(app: FastAPI) -> None:
-    """Wire the ingest route's state: the shared producer (lifespan-managed) and the rate limiter."""
+    """Wire the ingest route's state: the shared producer (lifespan-managed) and the rate limiter,
+    and publish the event schemas in the OpenAPI document."""
     settings = app.state.settings
+    publish_event_schemas(app)
     app.state.rate_limiter = TokenBucketLimiter(
         settings.rate_limit_per_s, settings.rate_limit_burst
     )
