@@ -68,6 +68,8 @@ def _f32(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """Run an fp32-only elementwise kernel; 16-bit inputs upcast and round back; fp64 refused."""
 
     def run(x: torch.Tensor, *rest) -> torch.Tensor:
+        if not x.is_floating_point():  # integer input: torch computes in the default float dtype
+            x = x.to(torch.float32)
         if x.dtype in _LOW_PRECISION:
             return fn(x.float(), *rest).to(x.dtype)
         if x.dtype != torch.float32:
@@ -363,177 +365,32 @@ COVERED_OPS: frozenset[str] = frozenset(op.name() for op in _OVERRIDES)
 # Ops whose result is exact or correctly rounded per element whatever the tensor's shape, thread
 # split or position in a buffer; they run on the default kernels. Keys are aten op names (all
 # overloads), grouped by why they are exact.
-EXACT_OPS_BY_REASON: dict[str, tuple[str, ...]] = {
-    "IEEE elementwise arithmetic (correctly rounded, no fusion across kernels)": (
-        "add",
-        "add_",
-        "sub",
-        "sub_",
-        "mul",
-        "mul_",
-        "div",
-        "div_",
-        "neg",
-        "neg_",
-        "sqrt",
-        "sqrt_",
-        "reciprocal",
-        "reciprocal_",
-        "abs",
-        "clamp",
-        "clamp_",
-        "clamp_min",
-        "clamp_max",
-        "floor",
-        "ceil",
-        "round",
-        "trunc",
-        "floor_divide",
-        "remainder",
-        "fmod",
-        "maximum",
-        "minimum",
-        "square",
-        "_to_copy",
-        "copy_",
-        "fill_",
-        "masked_fill",
-        "masked_fill_",
-        "where",
-        "lerp",
-    ),
-    "comparisons, logic and selection (exact)": (
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-        "logical_not",
-        "logical_and",
-        "logical_or",
-        "bitwise_and",
-        "bitwise_or",
-        "bitwise_not",
-        "bitwise_xor",
-        "isnan",
-        "isinf",
-        "isfinite",
-        "amax",
-        "amin",
-        "max",
-        "min",
-        "aminmax",
-        "argmax",
-        "argmin",
-        "topk",
-        "sort",
-        "argsort",
-        "any",
-        "all",
-        "nonzero",
-        "equal",
-        "allclose",
-        "isclose",
-        "unique_consecutive",
-        "_unique2",
-    ),
-    "integer counting; float cumsum is one sequential double-accumulated scan per row": (
-        "cumsum",
-        "histc",
-        "bincount",
-        "one_hot",
-        "cummax",
-        "cummin",
-    ),
-    "views, copies and layout": (
-        "view",
-        "_unsafe_view",
-        "reshape",
-        "alias",
-        "detach",
-        "expand",
-        "permute",
-        "transpose",
-        "t",
-        "unsqueeze",
-        "squeeze",
-        "slice",
-        "select",
-        "split",
-        "split_with_sizes",
-        "chunk",
-        "unbind",
-        "narrow",
-        "as_strided",
-        "clone",
-        "contiguous",
-        "cat",
-        "stack",
-        "flip",
-        "roll",
-        "repeat",
-        "repeat_interleave",
-        "tril",
-        "triu",
-        "lift_fresh",
-        "lift_fresh_copy",
-        "_local_scalar_dense",
-        "item",
-        "constant_pad_nd",
-        "set_",
-        "resize_",
-        "_reshape_alias",
-        "unfold",
-    ),
-    "indexing, gather and scatter without accumulation": (
-        "embedding",
-        "index",
-        "index_select",
-        "gather",
-        "index_put",
-        "index_put_",
-        "scatter",
-        "scatter_",
-        "index_copy",
-        "index_copy_",
-        "index_fill",
-        "index_fill_",
-        "masked_select",
-        "masked_scatter",
-        "take",
-    ),
-    "factories and random sampling (own generator)": (
-        "arange",
-        "zeros",
-        "zeros_like",
-        "ones",
-        "ones_like",
-        "full",
-        "full_like",
-        "empty",
-        "empty_like",
-        "empty_strided",
-        "new_zeros",
-        "new_ones",
-        "new_full",
-        "new_empty",
-        "scalar_tensor",
-        "linspace",
-        "tensor",
-        "multinomial",
-        "uniform_",
-        "normal_",
-        "bernoulli_",
-        "exponential_",
-        "rand",
-        "randn",
-        "randint",
-        "randperm",
-    ),
+EXACT_OPS_BY_REASON: dict[str, str] = {
+    "IEEE elementwise arithmetic (correctly rounded, no fusion across kernels)": """
+        add add_ sub sub_ rsub mul mul_ div div_ neg neg_ sqrt sqrt_ reciprocal reciprocal_ abs
+        clamp clamp_ clamp_min clamp_max floor ceil round trunc floor_divide remainder fmod
+        maximum minimum square _to_copy copy_ fill_ masked_fill masked_fill_ where lerp""",
+    "comparisons, logic and selection (exact)": """
+        eq ne lt le gt ge isin logical_not logical_and logical_or bitwise_and bitwise_or
+        bitwise_not bitwise_xor isnan isinf isfinite equal allclose isclose amax amin max min
+        aminmax argmax argmin topk sort argsort any all nonzero unique_consecutive _unique2""",
+    "integer counting; float cumsum is one sequential double-accumulated scan per row": """
+        cumsum histc bincount one_hot cummax cummin""",
+    "views, copies and layout": """
+        view _unsafe_view reshape _reshape_alias alias detach expand permute transpose t
+        unsqueeze squeeze slice select split split_with_sizes chunk unbind narrow as_strided
+        clone contiguous cat stack flip roll repeat repeat_interleave tril triu unfold
+        constant_pad_nd lift_fresh lift_fresh_copy _local_scalar_dense item set_ resize_""",
+    "indexing, gather and scatter without accumulation": """
+        embedding index index_select gather index_put index_put_ scatter scatter_ index_copy
+        index_copy_ index_fill index_fill_ masked_select masked_scatter take""",
+    "factories and random sampling (own generator)": """
+        arange zeros zeros_like ones ones_like full full_like empty empty_like empty_strided
+        new_zeros new_ones new_full new_empty scalar_tensor linspace tensor multinomial uniform_
+        normal_ bernoulli_ exponential_ rand randn randint randperm""",
 }
 EXACT_OPS: frozenset[str] = frozenset(
-    f"aten::{name}" for names in EXACT_OPS_BY_REASON.values() for name in names
+    f"aten::{name}" for names in EXACT_OPS_BY_REASON.values() for name in names.split()
 )
 _UNCOVERED: set[str] = set()
 

@@ -209,6 +209,14 @@ def test_every_op_the_model_dispatches_is_covered_or_exact(name):
         with torch.no_grad():
             _incremental(model.eval(), seqs[1])
             _batched(model, seqs, "right")
+            model.generate(  # sampling at a temperature with top-k / top-p filtering
+                seqs[0][None],
+                max_new_tokens=4,
+                do_sample=True,
+                temperature=0.7,
+                top_k=50,
+                top_p=0.9,
+            )
     unknown = sorted(op.name() for op in rec.forward if classify(op) is None)
     assert not unknown, (
         f"{name} dispatches ops that batch_invariant_mode neither covers nor lists as exact: "
