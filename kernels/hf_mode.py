@@ -2,7 +2,9 @@
 
 Inside `with batch_invariant_mode():` every aten op whose result can depend on the shape of the
 tensor it sits in (BLAS matmuls, reductions, vectorised transcendental functions, fused
-attention) is replaced by a fixed-order kernel from kernels/invariant.py, so a model's logits
+attention) is replaced by a batch-invariant kernel: matmuls by kernels/exact_matmul.py (BLAS on
+integer slices whose float64 sums are exact, so no order matters), everything else by the
+fixed-order trees and elementwise functions of kernels/invariant.py. So a model's logits
 for a token have the same bits alone, in a batch (right-padded, see below) and in an
 incremental KV-cache decode step as in a full forward. No model code changes: the trainer and
 the replica wrap `model(...)` / `model.generate(...)` in the mode.
@@ -53,6 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import invariant as inv
+from kernels.exact_matmul import exact_bmm
 
 logger = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -110,9 +113,19 @@ def _tree_reduce(x: torch.Tensor, dims, keepdim: bool, dtype, mean: bool) -> tor
 
 # --- matmuls: every output element is a halving tree over K -----------------------------------
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N] -> [B, M, N]; K zero-padded to a power of two and tree-reduced."""
-    if not (_is_float(a) and _is_float(b)):
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N]: the exact-integer BLAS kernel for fp32 (16-bit
+    inputs computed in fp32 and rounded back), the tree for float64."""
+    if not (_is_float(a) and _is_float(b)) or a.dtype != b.dtype:
         return aten.bmm.default(a, b)
+    if a.dtype == torch.float64:
+        return _tree_bmm(a, b)
+    if a.dtype in _LOW_PRECISION:
+        return exact_bmm(a.float(), b.float(), _tree_bmm).to(a.dtype)
+    return exact_bmm(a, b, _tree_bmm)
+
+
+def _tree_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N]; K zero-padded to a power of two and tree-reduced."""
     out_dtype = a.dtype
     if a.dtype in _LOW_PRECISION or b.dtype in _LOW_PRECISION:
         a, b = a.float(), b.float()

@@ -21,6 +21,7 @@ from transformers import (
 
 from kernels import hf_mode
 from kernels import invariant as inv
+from kernels.exact_matmul import K_MAX, exact_bmm
 from kernels.hf_mode import batch_invariant_mode, classify, in_backward
 from kernels.logprobs import log_probs
 
@@ -356,3 +357,65 @@ def test_flash_attention_for_cpu_matches_sdpa(case):
     with batch_invariant_mode():
         got = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- the exact-integer BLAS matmul (kernels/exact_matmul.py) --------------------------------------
+def test_exact_bmm_is_close_to_float64_and_independent_of_summation_order():
+    a, b = _rand(2, 37, 256, seed=20), _rand(2, 256, 96, seed=21, scale=1 / 16)
+    got = exact_bmm(a, b, hf_mode._tree_bmm)
+    want = (a.double() @ b.double()).float()
+    torch.testing.assert_close(got, want, rtol=0, atol=2.5e-7)  # within an ulp or so of fp64
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(22))
+    assert torch.equal(exact_bmm(a[:, :, perm], b[:, perm], hf_mode._tree_bmm), got), (
+        "summing K in another order changed bits: the float64 sums are not exact"
+    )
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(exact_bmm(a, b, hf_mode._tree_bmm), got)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_exact_bmm_is_row_and_zero_padding_invariant():
+    a, b = _rand(1, 20, 48, seed=23), _rand(1, 48, 33, seed=24)
+    full = exact_bmm(a, b, hf_mode._tree_bmm)
+    assert torch.equal(exact_bmm(a[:, 7:8], b, hf_mode._tree_bmm), full[:, 7:8])
+    garbage = _rand(1, 30, 33, seed=25, scale=1e4)  # pad keys' values: anything finite
+    for a_pad, b_pad in (
+        (torch.cat([a, torch.zeros(1, 20, 30)], 2), torch.cat([b, garbage], 1)),
+        (torch.cat([torch.zeros(1, 20, 30), a], 2), torch.cat([garbage, b], 1)),
+    ):
+        assert torch.equal(exact_bmm(a_pad, b_pad, hf_mode._tree_bmm), full)
+
+
+def test_exact_bmm_non_finite_rows_and_k_blocks():
+    a, b = _rand(1, 6, 16, seed=26), _rand(1, 16, 5, seed=27)
+    full = exact_bmm(a, b, hf_mode._tree_bmm)
+    a_bad = a.clone()
+    a_bad[0, 2, 3] = math.inf
+    got = exact_bmm(a_bad, b, hf_mode._tree_bmm)
+    assert not torch.isfinite(got[0, 2]).all()
+    assert torch.equal(got[0, [0, 1, 3, 4, 5]], full[0, [0, 1, 3, 4, 5]])
+    k = K_MAX + 7  # two K blocks
+    a2, b2 = _rand(1, 2, k, seed=28), _rand(1, k, 3, seed=29)
+    torch.testing.assert_close(
+        exact_bmm(a2, b2, hf_mode._tree_bmm),
+        (a2.double() @ b2.double()).float(),
+        rtol=1e-6,
+        atol=1e-5,
+    )
+
+
+def test_exact_bmm_parameter_cache_follows_in_place_updates():
+    lin = torch.nn.Linear(32, 8, bias=False)
+    x = _rand(3, 32, seed=30)
+    with torch.no_grad(), batch_invariant_mode():
+        first = lin(x)
+        again = lin(x)
+        lin.weight.mul_(2.0)  # an optimizer step: bumps the version counter
+        doubled = lin(x)
+        lin.weight.data = lin.weight.data * 4.0  # a new storage, same version counter
+        eightfold = lin(x)
+    assert torch.equal(first, again)
+    assert torch.equal(doubled, first * 2.0) and torch.equal(eightfold, first * 8.0)
