@@ -23,7 +23,9 @@ Every dispatched op falls in one of three classes (`classify`):
 - covered (`COVERED_OPS`): computed by a fixed-order kernel (table in docs/NUMERICS.md);
 - exact (`EXACT_OPS`): correctly rounded or exact whatever the shape (elementwise IEEE `+ - * /`,
   `sqrt`, comparisons, views, copies, indexing, integer counting), passed to the default kernel;
-- anything else is passed to the default kernel, logged once and listed by `uncovered_ops()`;
+- anything else, and a covered op called with arguments its kernel does not handle (float64
+  transcendental functions, `pow` with a non-integer exponent, attention dropout, sin/cos of
+  |x| > 1e6), runs on the default kernel, is logged once and listed by `uncovered_ops()`;
   tests/unit/kernels/test_hf_mode.py fails when a supported model dispatches one.
 
 Padding: the reduction trees are invariant to *trailing* zeros only, so batches must be
@@ -38,8 +40,7 @@ reference backward"). A forward recomputed inside backward (gradient checkpointi
 runs on default kernels.
 
 Compute dtype float32. bf16/fp16 inputs are computed in fp32 and rounded back (deterministic,
-so still invariant); float64 matmuls and sums use the same trees in float64; float64
-transcendental functions are refused. Not covered: GPU tensors (the ops pass through to the
+so still invariant); float64 matmuls and sums use the trees in float64. Not covered: GPU tensors (the ops pass through to the
 device kernels), `gelu`/`tanh`/`erf` and other ops no supported model dispatches.
 """
 
@@ -62,13 +63,18 @@ aten = torch.ops.aten
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+class NotCovered(Exception):
+    """A covered op called with arguments its invariant kernel does not handle: the dispatcher
+    runs the default kernel instead and reports the case in `uncovered_ops()`."""
+
+
 # --- helpers --------------------------------------------------------------------------------------
 def _is_float(x: torch.Tensor) -> bool:
     return x.is_floating_point() and x.device.type == "cpu"
 
 
 def _f32(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """Run an fp32-only elementwise kernel; 16-bit inputs upcast and round back; fp64 refused."""
+    """Run an fp32-only elementwise kernel; 16-bit inputs upcast and round back; fp64 not covered."""
 
     def run(x: torch.Tensor, *rest) -> torch.Tensor:
         if not x.is_floating_point():  # integer input: torch computes in the default float dtype
@@ -76,9 +82,7 @@ def _f32(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         if x.dtype in _LOW_PRECISION:
             return fn(x.float(), *rest).to(x.dtype)
         if x.dtype != torch.float32:
-            raise NotImplementedError(
-                f"batch_invariant_mode: {fn.__name__} on {x.dtype} is not covered (fp32 compute)"
-            )
+            raise NotCovered(f"{x.dtype} input")
         return fn(x, *rest)
 
     run.__name__ = fn.__name__
@@ -182,9 +186,8 @@ def _grouped_mm(x, w, offs=None, bias=None, out_dtype=None):
     """x [S, K] with rows grouped by `offs` (cumulative ends, int32) @ w [G, K, N] -> [S, N].
     Rows past offs[-1] (expert-parallel sentinels) are zero, where the CPU kernel leaves garbage."""
     if x.dim() != 2 or w.dim() != 3 or offs is None or bias is not None:
-        raise NotImplementedError(
-            "batch_invariant_mode: _grouped_mm is covered for 2D x 3D with offs and no bias, "
-            f"got {tuple(x.shape)} x {tuple(w.shape)} offs={offs is not None} bias={bias is not None}"
+        raise NotCovered(
+            f"{tuple(x.shape)} x {tuple(w.shape)}, offs={offs is not None}, bias={bias is not None}"
         )
     out = x.new_zeros(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype)
     start = 0
@@ -257,7 +260,7 @@ def _pow_scalar(x: torch.Tensor, exponent) -> torch.Tensor:
         for _ in range(abs(e)):
             out = out * x
         return out if e >= 0 else 1.0 / out
-    raise NotImplementedError(f"batch_invariant_mode: pow(x, {exponent}) is not covered")
+    raise NotCovered(f"exponent {exponent}")
 
 
 def _index_add(x, dim, index, source, *, alpha=1):
@@ -289,7 +292,7 @@ def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=
     """`_scaled_dot_product_flash_attention_for_cpu` -> (out [B,H,Tq,d], logsumexp [B,H,Tq])
     with tree matmuls, the invariant softmax and a padding-invariant key reduction."""
     if dropout_p != 0.0:
-        raise NotImplementedError("batch_invariant_mode: attention dropout is not covered")
+        raise NotCovered("dropout")
     b, h, tq, d = q.shape
     if k.shape[1] != h:  # grouped-query attention: repeat each kv head
         k = k.repeat_interleave(h // k.shape[1], dim=1)
@@ -331,6 +334,16 @@ def _nll_loss(x, target, weight=None, reduction=1, ignore_index=-100):
     return (total / total_weight if reduction == 1 else total), total_weight
 
 
+def _trig(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if bool((torch.isfinite(x) & (x.abs() > inv._TRIG_LIMIT)).any()):
+            raise NotCovered(f"{fn.__name__} of |x| > {inv._TRIG_LIMIT:g}")
+        return fn(x)
+
+    run.__name__ = fn.__name__
+    return run
+
+
 def _inplace(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor) -> torch.Tensor:
         return x.copy_(fn(x))
@@ -341,8 +354,8 @@ def _inplace(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tens
 _ELEMENTWISE = {
     "exp": _f32(inv.exp),
     "log": _f32(inv.log),
-    "sin": _f32(inv.sin),
-    "cos": _f32(inv.cos),
+    "sin": _f32(_trig(inv.sin)),
+    "cos": _f32(_trig(inv.cos)),
     "sigmoid": _f32(_sigmoid),
     "silu": _f32(_silu),
     "rsqrt": _rsqrt,
@@ -434,13 +447,22 @@ class _InvariantMode(TorchDispatchMode):
             return func(*args, **kwargs)
         impl = _OVERRIDES.get(func)
         if impl is None:
-            if classify(func) is None and func.name() not in _UNCOVERED:
-                _UNCOVERED.add(func.name())
-                logger.warning("batch_invariant_mode: %s is not covered", func.name())
+            if classify(func) is None:
+                _report(func.name())
             return func(*args, **kwargs)
         if any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args):
             return func(*args, **kwargs)  # CPU kernels only
-        return impl(*args, **kwargs)
+        try:
+            return impl(*args, **kwargs)
+        except NotCovered as e:
+            _report(f"{func.name()} ({e})")
+            return func(*args, **kwargs)
+
+
+def _report(what: str) -> None:
+    if what not in _UNCOVERED:
+        _UNCOVERED.add(what)
+        logger.warning("batch_invariant_mode: %s is not covered; default kernel used", what)
 
 
 _local = threading.local()

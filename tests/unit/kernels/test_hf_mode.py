@@ -228,10 +228,19 @@ def test_every_op_the_model_dispatches_is_covered_or_exact(name):
     assert rec.backward, "backward ops were dispatched inside the mode (default kernels)"
 
 
-def test_an_uncovered_op_is_reported():
+def test_uncovered_ops_and_arguments_run_default_and_are_reported():
+    x = _rand(5, seed=31)
     with batch_invariant_mode():
-        torch.special.erfcx(torch.ones(3))
-    assert "aten::special_erfcx" in hf_mode.uncovered_ops()
+        erfcx = torch.special.erfcx(x)
+        exp64 = torch.exp(x.double())
+        pow15 = x.abs() ** 1.5
+    assert torch.equal(erfcx, torch.special.erfcx(x))
+    assert torch.equal(exp64, torch.exp(x.double()))
+    assert torch.equal(pow15, x.abs() ** 1.5)
+    reported = hf_mode.uncovered_ops()
+    assert "aten::special_erfcx" in reported
+    assert "aten::exp (torch.float64 input)" in reported
+    assert "aten::pow.Tensor_Scalar (exponent 1.5)" in reported
 
 
 def test_mode_is_reentrant_and_thread_local():
