@@ -129,6 +129,26 @@ def test_sequence_alone_equals_itself_in_a_padded_batch_inside_the_mode(name, si
         assert torch.equal(a, b), f"{name} {side}: sequence {i} differs in the batch"
 
 
+@pytest.mark.parametrize("name", ["llama-eager", "moe-eager", "moe-sdpa"])
+def test_batched_left_padded_generate_equals_generating_each_prompt_alone(name):
+    model, seqs = tiny_model(name), _seqs()
+    prompts = [seqs[0][:6], seqs[1][:3], seqs[2][:9]]
+    t_max = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), t_max, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, t_max - len(p) :], mask[i, t_max - len(p) :] = p, 1
+    kw = {"max_new_tokens": 5, "do_sample": False, "output_logits": True, "pad_token_id": 0}
+    with torch.no_grad(), batch_invariant_mode():
+        batch = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **kw)
+        for i, p in enumerate(prompts):
+            alone = model.generate(p[None], return_dict_in_generate=True, **kw)
+            for j in range(5):
+                assert torch.equal(alone.logits[j][0], batch.logits[j][i]), (
+                    f"{name}: prompt {i} step {j} differs between batched and alone"
+                )
+
+
 @pytest.mark.parametrize("name", ["llama-eager", "moe-eager"])
 def test_default_kernels_are_not_invariant_outside_the_mode(name):
     """The comparisons above fail on the default CPU kernels (BLAS, vectorised libm)."""
