@@ -5,7 +5,7 @@ tensor it sits in (BLAS matmuls, reductions, vectorised transcendental functions
 attention) is replaced by a batch-invariant kernel: matmuls by kernels/exact_matmul.py (BLAS on
 integer slices whose float64 sums are exact, so no order matters), everything else by the
 fixed-order trees and elementwise functions of kernels/invariant.py. So a model's logits
-for a token have the same bits alone, in a batch (right-padded, see below) and in an
+for a token have the same bits alone, in a padded batch (see below) and in an
 incremental KV-cache decode step as in a full forward. No model code changes: the trainer and
 the replica wrap `model(...)` / `model.generate(...)` in the mode.
 
@@ -28,9 +28,11 @@ Every dispatched op falls in one of three classes (`classify`):
   |x| > 1e6), runs on the default kernel, is logged once and listed by `uncovered_ops()`;
   tests/unit/kernels/test_hf_mode.py fails when a supported model dispatches one.
 
-Padding: the reduction trees are invariant to *trailing* zeros only, so batches must be
-right-padded (a row's pad keys are at the end, masked to an exact zero weight). Left padding
-changes the tree's pairing of the real keys and is not batch-invariant.
+Padding, right or left: masked keys get an exact zero weight; the exact matmul adds exact
+zeros wherever they sit, and the halving tree over a zero-padded axis folds any zeros around a
+contiguous block of real values down to a cyclic shift of the block, which it reduces with the
+same (commutative) pairs. Left padding needs position_ids from the attention mask, as HF
+generate() computes them.
 
 Gradients: ops run by the autograd engine (`torch._C._current_autograd_node()` is set) are
 passed to the default kernels. Autograd recorded each forward op's own derivative formula, so
@@ -40,8 +42,9 @@ reference backward"). A forward recomputed inside backward (gradient checkpointi
 runs on default kernels.
 
 Compute dtype float32. bf16/fp16 inputs are computed in fp32 and rounded back (deterministic,
-so still invariant); float64 matmuls and sums use the trees in float64. Not covered: GPU tensors (the ops pass through to the
-device kernels), `gelu`/`tanh`/`erf` and other ops no supported model dispatches.
+so still invariant); float64 matmuls and sums use the trees in float64. Not covered: GPU
+tensors (the ops pass through to the device kernels), `gelu`/`tanh`/`erf` and other ops no
+supported model dispatches.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def _tree_reduce(x: torch.Tensor, dims, keepdim: bool, dtype, mean: bool) -> tor
     if dtype is not None:
         x = x.to(dtype)
     if not _is_float(x):  # integer / bool sums are exact
-        out = x.sum(dims or None, keepdim=keepdim) if dims else x.sum()
+        out = x.sum(dim=dims or None, keepdim=keepdim)
         return out.to(torch.float32) if mean else out
     low = x.dtype in _LOW_PRECISION
     flat, rdims = _reduce_dims(x.float() if low else x, dims)
@@ -115,7 +118,7 @@ def _tree_reduce(x: torch.Tensor, dims, keepdim: bool, dtype, mean: bool) -> tor
     return out.to(x.dtype) if low else out
 
 
-# --- matmuls: every output element is a halving tree over K -----------------------------------
+# --- matmuls: exact-integer BLAS (fp32), halving tree over K (float64, non-finite rows) ---------
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N] -> [B, M, N]: the exact-integer BLAS kernel for fp32 (16-bit
     inputs computed in fp32 and rounded back), the tree for float64."""
