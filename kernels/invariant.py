@@ -133,6 +133,48 @@ def log(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(x) & (x > 0), x, y)
 
 
+# sin / cos: range reduction and polynomial in float64, one rounding to float32 at the end. Every
+# float64 op is a separate correctly-rounded elementwise kernel, so the value of an element never
+# depends on the tensor around it. pi/2 is split Cody-Waite style (fdlibm's 33-bit pieces): n * P1
+# and n * P2 are exact for |n| < 2^20, so r = x - n pi/2 is accurate to ~1e-16 for |x| < 1e6.
+_PIO2 = (1.57079632673412561417e00, 6.07710050630396597660e-11, 2.02226624871116645580e-21)
+_TRIG_LIMIT = 1.0e6
+_SIN_COEF = [(-1.0) ** i / math.factorial(2 * i + 1) for i in range(10)]  # r^19 term < 1e-20
+_COS_COEF = [(-1.0) ** i / math.factorial(2 * i) for i in range(10)]
+
+
+def _sin_cos_reduced(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 x -> (sin r, cos r, quadrant) in float64 with x = n pi/2 + r, |r| <= pi/4."""
+    assert x.dtype == COMPUTE_DTYPE, f"sin/cos expect {COMPUTE_DTYPE}, got {x.dtype}"
+    big = torch.isfinite(x) & (x.abs() > _TRIG_LIMIT)
+    assert not bool(big.any()), f"sin/cos arguments must satisfy |x| <= {_TRIG_LIMIT:g}"
+    xd = x.to(torch.float64)
+    n = torch.floor(xd * (2.0 / math.pi) + 0.5)
+    r = ((xd - n * _PIO2[0]) - n * _PIO2[1]) - n * _PIO2[2]
+    r2 = r * r
+    s = torch.full_like(r, _SIN_COEF[-1])
+    c = torch.full_like(r, _COS_COEF[-1])
+    for cs, cc in zip(reversed(_SIN_COEF[:-1]), reversed(_COS_COEF[:-1])):
+        s = s * r2 + cs
+        c = c * r2 + cc
+    quadrant = torch.remainder(torch.nan_to_num(n), 4.0).to(torch.int64)
+    return s * r, c, quadrant
+
+
+def sin(x: torch.Tensor) -> torch.Tensor:
+    """float32 sin, elementwise from float64 correctly-rounded ops (|x| <= 1e6)."""
+    s, c, q = _sin_cos_reduced(x)
+    y = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
+    return y.to(COMPUTE_DTYPE)
+
+
+def cos(x: torch.Tensor) -> torch.Tensor:
+    """float32 cos, elementwise from float64 correctly-rounded ops (|x| <= 1e6)."""
+    s, c, q = _sin_cos_reduced(x)
+    y = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
+    return y.to(COMPUTE_DTYPE)
+
+
 # --- kernels: invariant forward + reference ------------------------------------------------------
 def _matmul_inv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k, n = w.shape
