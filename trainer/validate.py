@@ -10,7 +10,7 @@ message that names the field and the model's limit.
 |---|---|
 | `invalid_json` | the value is not JSON (bytes, a tombstone, deep nesting the parser refuses) |
 | `invalid_rollout` | the JSON is not a rollout record (schema, lengths, routes bytes vs route_shape) |
-| `tokenizer_mismatch` | the record names a tokenizer other than the model's |
+| `tokenizer_mismatch` | the record names a tokenizer other than the model's (`Tokenizer.name`: `byte-v1`, or an HF tokenizer's `<name>@<hash of its files>`, so the same name with other files is refused) |
 | `token_out_of_vocab` | a prompt or completion token id >= the model's vocabulary size |
 | `sequence_too_long` | bos + prompt + completion tokens > the model's context |
 | `invalid_logprobs` | a behaviour log-prob is NaN, infinite or > 0 |
@@ -75,11 +75,9 @@ class ModelSpec:
     @classmethod
     def of(cls, policy: Policy, *, replay_routes: bool, max_abs_reward: float) -> ModelSpec:
         c: dict[str, Any] = policy.config_dict()
-        moe = (
-            (int(c["n_layers"]), int(c["top_k"]), int(c["n_experts"]))
-            if {"n_layers", "top_k", "n_experts"} <= c.keys()
-            else None
-        )
+        moe = getattr(policy, "moe_spec", None)  # HF policies: (MoE layers, top_k, experts)
+        if moe is None and {"n_layers", "top_k", "n_experts"} <= c.keys():
+            moe = (int(c["n_layers"]), int(c["top_k"]), int(c["n_experts"]))
         return cls(
             tokenizer=policy.tokenizer.name,
             vocab_size=int(policy.tokenizer.vocab_size),

@@ -2,6 +2,7 @@
 
 from trainer.policy import build_policy, save_policy, load_policy
 policy = build_policy({"type": "moe-byte", "d_model": 64})   # None -> the default built-in
+policy = build_policy({"type": "hf", "model_dir": "/models/qwen-moe"})  # a Hugging Face model
 samples = policy.generate([policy.tokenizer.encode("def f(")], max_tokens=32, seed=0)
 lp = policy.logprobs([prompt], [samples[0].tokens], routes=[samples[0].routes])
 """
@@ -13,7 +14,7 @@ from typing import Any
 from trainer.policy.base import Policy, Sample, Tokenizer
 from trainer.policy.checkpoint import load_policy, save_policy
 
-POLICY_TYPES = ("moe-byte",)
+POLICY_TYPES = ("moe-byte", "hf")
 
 
 def build_policy(config: dict[str, Any] | None = None) -> Policy:
@@ -27,6 +28,10 @@ def build_policy(config: dict[str, Any] | None = None) -> Policy:
         from trainer.policy.moe_lm import MoEConfig, MoEPolicy
 
         return MoEPolicy(MoEConfig(**config))
+    if kind == "hf":
+        from trainer.policy.hf import HFConfig, HFPolicy
+
+        return HFPolicy(HFConfig(**config))
     raise ValueError(f"unknown policy type {kind!r}; known types: {', '.join(POLICY_TYPES)}")
 
 

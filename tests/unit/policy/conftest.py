@@ -41,3 +41,40 @@ def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 41, (n,), generator=g).tolist()
     return [torch.randint(32, 127, (k,), generator=g).tolist() for k in lengths]
+
+
+# --- Hugging Face model directories (tests/hf_models.py), built once per test session ---------------
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory):
+    from tests.hf_models import train_bpe_tokenizer
+
+    return train_bpe_tokenizer(tmp_path_factory.mktemp("hf-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def hf_llama_dir(tmp_path_factory, hf_tokenizer_dir):
+    from tests.hf_models import tiny_llama_dir
+
+    return tiny_llama_dir(tmp_path_factory.mktemp("hf-llama") / "tiny-llama", hf_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_llama_tied_dir(tmp_path_factory, hf_tokenizer_dir):
+    from tests.hf_models import tiny_llama_dir
+
+    return tiny_llama_dir(
+        tmp_path_factory.mktemp("hf-llama-tied") / "tiny-llama-tied",
+        hf_tokenizer_dir,
+        tie_word_embeddings=True,
+    )
+
+
+@pytest.fixture(scope="session")
+def hf_moe_dir(tmp_path_factory, hf_tokenizer_dir):
+    from tests.hf_models import tiny_qwen2_moe_dir
+
+    return tiny_qwen2_moe_dir(
+        tmp_path_factory.mktemp("hf-moe") / "tiny-qwen2-moe", hf_tokenizer_dir
+    )

@@ -1,0 +1,133 @@
+"""Tiny Hugging Face model directories built offline, exactly as a user would hand them to Flywheel.
+
+Nothing is downloaded: a byte-level BPE tokenizer is trained with `tokenizers` on this repository's
+own text, and the models are random `LlamaConfig` (dense) / `Qwen2MoeConfig` (MoE) instances saved
+with `save_pretrained` (config.json + model.safetensors) next to the tokenizer files. Shared by tests
+(tests/unit/policy/conftest.py caches one directory of each per session) and benchmarks.
+
+    tok_dir = train_bpe_tokenizer("/tmp/tok")            # tokenizer.json, tokenizer_config.json, ...
+    llama = tiny_llama_dir("/tmp/llama", tok_dir)          # + config.json, model.safetensors
+    moe = tiny_qwen2_moe_dir("/tmp/moe", tok_dir)          # 2 MoE layers, 4 experts, top-2
+
+The tokenizer: ByteLevel BPE (every string encodes), special tokens `<|bos|>`, `<|eos|>`,
+`<|pad|>`, and a chat template that renders each message as `<role>: <content>\\n` and ends with
+`assistant: ` where the reply begins.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+TEXT_DIRS = ("app", "trainer", "kernels", "docs")  # the training text: these folders' .py and .md
+
+
+def _training_files() -> list[str]:
+    files = sorted(
+        str(p)
+        for d in TEXT_DIRS
+        for p in (REPO / d).rglob("*")
+        if p.suffix in (".py", ".md") and p.is_file()
+    )
+    assert files, f"no .py/.md files under {TEXT_DIRS} of {REPO}"
+    return files
+
+
+def train_bpe_tokenizer(out_dir: str | Path, vocab_size: int = 300) -> Path:
+    """Train a byte-level BPE tokenizer on the repo's text and save it as a `PreTrainedTokenizerFast`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train(_training_files(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    return out
+
+
+def _save_model(config, path: str | Path, tokenizer_dir: str | Path, seed: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(out))
+    for f in Path(tokenizer_dir).iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def _special_ids(tokenizer_dir: str | Path) -> dict[str, int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return {
+        "vocab_size": len(tok),
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+
+
+def tiny_llama_dir(
+    path: str | Path, tokenizer_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = False
+) -> Path:
+    """A dense Llama (hidden 64, 2 layers, 4 heads) with random weights, saved with its tokenizer
+    (`tie_word_embeddings`: lm_head shares the input embedding, which save_pretrained writes once)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie_word_embeddings,
+        **_special_ids(tokenizer_dir),
+    )
+    return _save_model(config, path, tokenizer_dir, seed)
+
+
+def tiny_qwen2_moe_dir(path: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
+    """A Qwen2-MoE (hidden 64, 2 layers, 4 heads, 4 experts top-2 + a shared expert in every layer)
+    with random weights, saved with its tokenizer."""
+    from transformers import Qwen2MoeConfig
+
+    config = Qwen2MoeConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        **_special_ids(tokenizer_dir),
+    )
+    return _save_model(config, path, tokenizer_dir, seed)

@@ -1,0 +1,588 @@
+"""A Hugging Face `transformers` causal LM behind the Policy interface (dense or mixture-of-experts).
+
+    policy = build_policy({"type": "hf", "model_dir": "/models/my-qwen-moe"})
+
+The directory is what `save_pretrained` writes (config.json, *.safetensors) plus the tokenizer
+files. The model is loaded with `AutoModelForCausalLM` as fp32 master weights, eager attention and
+eager (per-expert loop) MoE experts.
+
+Numerics: the same contract as the built-in policy (trainer/policy/base.py, docs/NUMERICS.md).
+Every forward uses the bf16-rounded values of the fp32 masters (`serving_weight`, straight-through
+gradient), so a trainer holding fp32 masters and a replica holding the bf16 serving weights run the
+same forward; the model's forwards in `generate()` and `logprobs()` run inside
+`kernels.hf_mode.batch_invariant_mode()` (kernels="invariant"), and log-probs are
+kernels/logprobs.py at the sampling temperature.
+
+Sequences are `[start] + prompt + completion`, `start` being the tokenizer's bos (its eos when it has
+none), so a prompt may be empty; `max_context` counts the start token.
+
+MoE routes: every MoE layer's router (a module with `weight`, `top_k` and `num_experts` returning
+`(router_logits, gate_weights, expert_ids)`: Qwen2-MoE, Qwen3-MoE, Mixtral in transformers 5.x)
+gets a forward hook. Capturing, it records the expert ids; replaying, it substitutes logged ids
+where a mask says so and recomputes their gate weights from the live router logits (softmax,
+gather, renormalised when the router normalises its top-k), so the router keeps its gradient. The
+experts themselves (fused `experts.gate_up_proj` / `experts.down_proj` parameters) are untouched:
+they receive the ids and weights from the router. Routes of completion token j are the ids at the
+input position that predicted it (`len(prompt) + j`, start token = 0), as in moe_lm.py:
+int32 [T, n_moe_layers, top_k].
+
+Serving weights: bf16, under the names and layout `save_pretrained` writes (tied weights dropped,
+fused experts reverted to per-expert tensors by transformers' own conversion), so a serving state
+dict saved with safetensors next to the config and tokenizer loads with
+`AutoModelForCausalLM.from_pretrained`. `load_serving_state_dict` inverts that layout with an
+element map computed once by passing element indices through the same conversion.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from kernels.hf_mode import batch_invariant_mode
+from kernels.invariant import get_ops
+from kernels.logprobs import log_probs, token_logprobs
+from trainer.policy.base import (
+    OnStep,
+    Policy,
+    Sample,
+    Tokenizer,
+    check_sampling_distribution,
+    check_temperature,
+)
+from trainer.policy.moe_lm import serving_weight
+
+TOKENIZER_FILES = (
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+)
+"""The files that define a tokenizer; those present are hashed into its id."""
+TOKENIZER_ID_MAX = 64  # app/contracts/events.py GenerationEvent.tokenizer
+HASH_HEX = 16
+
+
+def tokenizer_files(model_dir: str | Path) -> list[Path]:
+    """The tokenizer files of a model directory, in sorted name order."""
+    d = Path(model_dir)
+    return sorted((d / n for n in TOKENIZER_FILES if (d / n).is_file()), key=lambda p: p.name)
+
+
+def tokenizer_id(model_dir: str | Path, name: str) -> str:
+    """`<name>@<first 16 hex of SHA-256 over the tokenizer files>` (at most 64 characters).
+
+    The hash covers each file's name, length and bytes, in sorted name order, so renaming,
+    editing, adding or removing a tokenizer file changes the id."""
+    files = tokenizer_files(model_dir)
+    if not files:
+        raise FileNotFoundError(
+            f"{model_dir} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})"
+        )
+    h = hashlib.sha256()
+    for f in files:
+        data = f.read_bytes()
+        h.update(f.name.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    clean = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "hf"
+    clean = clean[: TOKENIZER_ID_MAX - HASH_HEX - 1]
+    return f"{clean}@{h.hexdigest()[:HASH_HEX]}"
+
+
+class HFTokenizer(Tokenizer):
+    """A model directory's tokenizer; `name` is its id (`tokenizer_id`), recorded in events."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int) -> None:
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        cfg_file = Path(model_dir) / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        given = str(cfg.get("name_or_path") or "")
+        base = given if given and not Path(given).is_absolute() else Path(model_dir).resolve().name
+        self.name = tokenizer_id(model_dir, base.rstrip("/").split("/")[-1])
+        self.vocab_size = int(vocab_size)
+        if self.hf.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {model_dir} has no eos token")
+        self.eos_id = int(self.hf.eos_token_id)
+        self.bos_id = None if self.hf.bos_token_id is None else int(self.hf.bos_token_id)
+        self.pad_id = int(self.hf.pad_token_id if self.hf.pad_token_id is not None else self.eos_id)
+        self.start_id = self.bos_id if self.bos_id is not None else self.eos_id
+        self._n_tokens = len(self.hf)  # ids past it are embedding rows with no token
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.hf.decode(
+            [t for t in tokens if 0 <= t < self._n_tokens], skip_special_tokens=True
+        )
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        if not self.has_chat_template:
+            return super().apply_chat_template(messages)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class HFConfig(BaseModel):
+    """How to build an HF policy (JSON in every checkpoint and registry version)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["hf"] = Field("hf", description="Policy type for build_policy.")
+    model_dir: str = Field(description="Directory with config.json, safetensors and tokenizer.")
+    max_context: int | None = Field(
+        None,
+        ge=2,
+        description="Max tokens incl. the start token; None = the model's max_position_embeddings.",
+    )
+    kernels: Literal["invariant", "default"] = Field(
+        "invariant",
+        description="invariant: forwards inside kernels.hf_mode.batch_invariant_mode and invariant "
+        "log-probs (bit-exact contract); default: plain torch ops.",
+    )
+
+
+def _is_router(m: torch.nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    return (
+        isinstance(w, torch.nn.Parameter)
+        and w.ndim == 2
+        and isinstance(getattr(m, "top_k", None), int)
+        and isinstance(getattr(m, "num_experts", None), int)
+        and w.shape[0] == m.num_experts
+    )
+
+
+class _RouteState:
+    """Per-router state of one forward: replay ids/mask in, captured ids out. Kept per thread
+    (`router._flywheel_routes[thread id]`), so concurrent forwards never see each other's."""
+
+    def __init__(self, replay_ids: torch.Tensor | None, replay_mask: torch.Tensor | None):
+        self.replay_ids, self.replay_mask = replay_ids, replay_mask
+        self.captured: torch.Tensor | None = None
+
+
+def router_gate_weights(router: torch.nn.Module, logits: torch.Tensor, ids: torch.Tensor):
+    """The gate weights the router gives experts `ids` [N, k]: softmax of the logits gathered at the
+    ids, renormalised over the k when the router normalises (Mixtral always does)."""
+    top = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, ids)
+    if getattr(router, "norm_topk_prob", True):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(logits.dtype)
+
+
+def _router_hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    state = module._flywheel_routes.get(threading.get_ident())
+    if state is None:
+        return None
+    logits, gates, ids = output
+    if state.replay_ids is not None:
+        ids = torch.where(state.replay_mask[:, None], state.replay_ids, ids)
+        gates = router_gate_weights(module, logits, ids)
+        output = (logits, gates, ids)
+    state.captured = ids
+    return output
+
+
+class HFPolicy(Policy):
+    """`AutoModelForCausalLM` from a local directory implementing the Policy interface."""
+
+    def __init__(self, config: HFConfig) -> None:
+        super().__init__()
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(config.model_dir)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path}/config.json not found: not a model directory")
+        hf_config = AutoConfig.from_pretrained(str(path))
+        limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+        if config.max_context is None:
+            config = config.model_copy(update={"max_context": limit or 2048})
+        elif limit and config.max_context > limit:
+            raise ValueError(
+                f"max_context {config.max_context} > the model's max_position_embeddings {limit}"
+            )
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(
+            str(path),
+            dtype=torch.float32,
+            attn_implementation="eager",
+            **({"experts_implementation": "eager"} if _has_experts(hf_config) else {}),
+        )
+        self.model.eval()
+        rows = int(self.model.get_input_embeddings().weight.shape[0])
+        self.tokenizer = HFTokenizer(path, vocab_size=rows)
+        self.routers = [m for m in self.model.modules() if _is_router(m)]
+        for r in self.routers:
+            r._flywheel_routes = {}  # thread id -> _RouteState of that thread's forward
+            r.register_forward_hook(_router_hook)
+        self.ops = get_ops(config.kernels)
+        self.aux_loss = torch.zeros(())
+        self._serving_map: dict[str, _Placement] | None = None
+
+    # --- config ---------------------------------------------------------------------------------
+    def config_dict(self) -> dict[str, Any]:
+        return self.config.model_dump()
+
+    def set_kernels(self, name: Literal["invariant", "default"]) -> None:
+        """Switch between the batch-invariant mode and plain torch ops (e.g. the gate's statistics)."""
+        self.ops = get_ops(name)
+        self.config = self.config.model_copy(update={"kernels": name})
+
+    @property
+    def moe_spec(self) -> tuple[int, int, int] | None:
+        """(MoE layers, top_k, experts per layer) of the routes, None for a dense model."""
+        if not self.routers:
+            return None
+        return len(self.routers), self.routers[0].top_k, self.routers[0].num_experts
+
+    # --- the forward ----------------------------------------------------------------------------
+    def _mode(self):
+        return batch_invariant_mode() if self.config.kernels == "invariant" else nullcontext()
+
+    @contextmanager
+    def _routing(
+        self, replay_ids: torch.Tensor | None, replay_mask: torch.Tensor | None
+    ) -> Iterator[list[_RouteState]]:
+        """Arm every router for one forward; replay_ids [N, L, k] / replay_mask [N] over the forward's
+        flattened (batch, position) rows."""
+        states = [
+            _RouteState(None if replay_ids is None else replay_ids[:, li], replay_mask)
+            for li in range(len(self.routers))
+        ]
+        me = threading.get_ident()
+        for r, s in zip(self.routers, states):
+            r._flywheel_routes[me] = s
+        try:
+            yield states
+        finally:
+            for r in self.routers:
+                r._flywheel_routes.pop(me, None)
+
+    def forward_logits(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any = None,
+        replay_ids: torch.Tensor | None = None,
+        replay_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """tokens/positions [B, S] int64, attention_mask [B, S_cache + S] -> (logits [B, S, V] fp32,
+        routes [B, S, L, k] int64 or None for a dense model), on the bf16-rounded weights.
+        replay_ids [B, S, L, k] replace the routers' choice where replay_mask [B, S] is True."""
+        b, s = tokens.shape
+        flat_ids = None if replay_ids is None else replay_ids.reshape(b * s, *replay_ids.shape[2:])
+        flat_mask = None if replay_mask is None else replay_mask.reshape(b * s)
+        params = {n: serving_weight(p) for n, p in self.model.named_parameters()}
+        with self._routing(flat_ids, flat_mask) as states, self._mode():
+            out = torch.func.functional_call(
+                self.model,
+                params,
+                args=(),
+                kwargs={
+                    "input_ids": tokens,
+                    "attention_mask": attention_mask,
+                    "position_ids": positions,
+                    "past_key_values": cache,
+                    "use_cache": cache is not None,
+                },
+            )
+        routes = None
+        if states:
+            assert all(st.captured is not None for st in states), "a MoE router did not run"
+            routes = torch.stack([st.captured.view(b, s, -1) for st in states], dim=2)
+        return out.logits.float(), routes
+
+    # --- the Policy interface -------------------------------------------------------------------
+    def _check_lengths(self, n_prompt: int, n_completion: int) -> None:
+        if 1 + n_prompt + n_completion > self.config.max_context:
+            raise ValueError(
+                f"start token + prompt ({n_prompt}) + completion ({n_completion}) tokens exceed "
+                f"max_context {self.config.max_context}; truncate the prompt from the left"
+            )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        on_step: OnStep | None = None,
+    ) -> list[Sample]:
+        from transformers import DynamicCache
+
+        assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
+        check_temperature(temperature)
+        for p in prompts:
+            self._check_lengths(len(p), max_tokens)
+        if not prompts:
+            return []
+        tok = self.tokenizer
+        b = len(prompts)
+        lens = torch.tensor([1 + len(p) for p in prompts])
+        width = int(lens.max())
+        tokens = torch.full((b, width), tok.pad_id, dtype=torch.int64)
+        mask = torch.zeros((b, width), dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            tokens[i, : 1 + len(p)] = torch.tensor([tok.start_id, *p], dtype=torch.int64)
+            mask[i, : 1 + len(p)] = 1
+        positions = torch.arange(width).expand(b, width)
+        gen = torch.Generator()
+        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
+        cache = DynamicCache(config=self.model.config)
+        logits, routes = self.forward_logits(tokens, mask, positions, cache)
+        rows = torch.arange(b)
+        l_last = logits[rows, lens - 1]
+        r_last = None if routes is None else routes[rows, lens - 1]
+        out_tok: list[list[int]] = [[] for _ in range(b)]
+        out_lp: list[list[float]] = [[] for _ in range(b)]
+        out_rt: list[list[np.ndarray]] = [[] for _ in range(b)]
+        done = torch.zeros(b, dtype=torch.bool)
+        stopped = False
+        for step in range(max_tokens):
+            logp = log_probs(l_last, temperature, self.ops)  # [B, V]
+            check_sampling_distribution(l_last, logp, temperature)
+            if temperature > 0:
+                nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
+            else:
+                nxt = logp.argmax(dim=-1)
+            lp = logp.gather(1, nxt[:, None])[:, 0]
+            appended: list[int | None] = [None] * b
+            for i in range(b):
+                if not done[i]:
+                    appended[i] = int(nxt[i])
+                    out_tok[i].append(int(nxt[i]))
+                    out_lp[i].append(float(lp[i]))
+                    if r_last is not None:
+                        out_rt[i].append(r_last[i].to(torch.int32).numpy())
+            done |= nxt == tok.eos_id
+            if on_step is not None and not on_step(step, appended):
+                stopped = True
+                break
+            if bool(done.all()) or step == max_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.int64)], dim=1)
+            logits, routes = self.forward_logits(nxt[:, None], mask, (lens + step)[:, None], cache)
+            l_last = logits[:, 0]
+            r_last = None if routes is None else routes[:, 0]
+        return [
+            self._sample(out_tok[i], out_lp[i], out_rt[i], temperature, stopped, max_tokens)
+            for i in range(b)
+        ]
+
+    def _sample(
+        self,
+        tokens: list[int],
+        lps: list[float],
+        routes: list[np.ndarray],
+        temperature: float,
+        stopped: bool,
+        max_tokens: int,
+    ) -> Sample:
+        spec = self.moe_spec
+        rt = None
+        if spec is not None:
+            rt = np.stack(routes).astype(np.int32) if routes else np.zeros((0, *spec[:2]), np.int32)
+        eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_id
+        return Sample(
+            tokens=tokens,
+            logprobs=lps,
+            routes=rt,
+            text=self.tokenizer.decode(tokens),
+            meta={
+                "temperature": temperature,
+                "kernels": self.ops.name,
+                "finish_reason": "eos"
+                if eos
+                else "stopped"
+                if stopped and len(tokens) < max_tokens
+                else "length",
+            },
+        )
+
+    def completion_logits(
+        self,
+        prompt_tokens: list[list[int]],
+        completion_tokens: list[list[int]],
+        routes: list[np.ndarray | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Logits that predict each completion token: (logits [B, T_max, V] fp32, targets [B, T_max]
+        int64, valid [B, T_max] bool). Differentiable; routes replayed as in `logprobs`."""
+        assert len(prompt_tokens) == len(completion_tokens), (
+            f"{len(prompt_tokens)} prompts vs {len(completion_tokens)} completions"
+        )
+        tok, spec = self.tokenizer, self.moe_spec
+        b = len(prompt_tokens)
+        if routes is not None:
+            assert len(routes) == b, f"{len(routes)} routes for {b} sequences"
+        for p, comp in zip(prompt_tokens, completion_tokens):
+            self._check_lengths(len(p), len(comp))
+        seqs = [[tok.start_id, *p, *comp] for p, comp in zip(prompt_tokens, completion_tokens)]
+        width = max(len(s) for s in seqs)
+        t_max = max(1, max(len(comp) for comp in completion_tokens))
+        tokens = torch.full((b, width), tok.pad_id, dtype=torch.int64)
+        mask = torch.zeros((b, width), dtype=torch.int64)
+        pred_pos = torch.zeros((b, t_max), dtype=torch.int64)
+        targets = torch.full((b, t_max), tok.pad_id, dtype=torch.int64)
+        valid = torch.zeros((b, t_max), dtype=torch.bool)
+        replay_ids = replay_mask = None
+        if spec is not None and routes is not None and any(r is not None for r in routes):
+            replay_ids = torch.zeros((b, width, spec[0], spec[1]), dtype=torch.int64)
+            replay_mask = torch.zeros((b, width), dtype=torch.bool)
+        for i, (p, comp) in enumerate(zip(prompt_tokens, completion_tokens)):
+            tokens[i, : len(seqs[i])] = torch.tensor(seqs[i], dtype=torch.int64)
+            mask[i, : len(seqs[i])] = 1
+            n = len(comp)
+            pred_pos[i, :n] = torch.arange(len(p), len(p) + n)
+            targets[i, :n] = torch.tensor(comp, dtype=torch.int64)
+            valid[i, :n] = True
+            r = None if routes is None else routes[i]
+            if r is not None:
+                assert spec is not None, "routes given for a model without MoE layers"
+                r = np.asarray(r)
+                assert r.shape == (n, spec[0], spec[1]), (
+                    f"routes[{i}] has shape {r.shape}, expected {(n, spec[0], spec[1])}"
+                )
+                replay_ids[i, len(p) : len(p) + n] = torch.from_numpy(r.astype(np.int64))
+                replay_mask[i, len(p) : len(p) + n] = True
+        positions = torch.arange(width).expand(b, width)
+        logits, _ = self.forward_logits(tokens, mask, positions, None, replay_ids, replay_mask)
+        return logits[torch.arange(b)[:, None], pred_pos], targets, valid
+
+    def logprobs(
+        self,
+        prompt_tokens: list[list[int]],
+        completion_tokens: list[list[int]],
+        routes: list[np.ndarray | None] | None = None,
+        temperature: float | torch.Tensor = 1.0,
+    ) -> torch.Tensor:
+        logits, targets, valid = self.completion_logits(prompt_tokens, completion_tokens, routes)
+        logp = token_logprobs(logits, targets, temperature, self.ops)
+        return torch.where(valid, logp, torch.zeros_like(logp))
+
+    def completion_log_probs(
+        self,
+        prompt_tokens: list[list[int]],
+        completion_tokens: list[list[int]],
+        routes: list[np.ndarray | None] | None = None,
+        temperature: float | torch.Tensor = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Full log-distributions log_softmax(logits / T) [B, T_max, V] at each completion position,
+        with targets [B, T_max] and valid [B, T_max] (for KL and self-distillation terms)."""
+        logits, targets, valid = self.completion_logits(prompt_tokens, completion_tokens, routes)
+        return log_probs(logits, temperature, self.ops), targets, valid
+
+    # --- serving weights ------------------------------------------------------------------------
+    def _to_saved_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What `save_pretrained` would write for `state` (a state dict of self.model, tied tensors
+        sharing storage): tied copies dropped, transformers' weight conversions reverted."""
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        state = remove_tied_weights_from_state_dict(dict(state), self.model)
+        return revert_weight_conversion(self.model, state)
+
+    def serving_state_dict(self) -> dict[str, torch.Tensor]:
+        own = self.model.state_dict()
+        bf16: dict[int, torch.Tensor] = {}  # one bf16 copy per storage, so ties stay ties
+        state = {}
+        for k, v in own.items():
+            key = v.untyped_storage().data_ptr()
+            if key not in bf16:
+                bf16[key] = v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
+            state[k] = bf16[key]
+        return {k: v.contiguous() for k, v in self._to_saved_layout(state).items()}
+
+    def _saved_layout_map(self) -> dict[str, _Placement]:
+        """saved name -> where its elements live in the model's state dict, from element indices
+        passed through `_to_saved_layout`; every element of every model tensor is covered once."""
+        if self._serving_map is not None:
+            return self._serving_map
+        own = self.model.state_dict()
+        index: dict[str, torch.Tensor] = {}
+        by_storage: dict[int, torch.Tensor] = {}
+        starts, names, offset = [], [], 0
+        for k, v in own.items():
+            key = v.untyped_storage().data_ptr()
+            if key not in by_storage:
+                by_storage[key] = torch.arange(offset, offset + v.numel()).view(v.shape)
+                starts.append(offset)
+                names.append(k)
+                offset += v.numel()
+            index[k] = by_storage[key]
+        seen = torch.zeros(offset, dtype=torch.int32)
+        mapping: dict[str, _Placement] = {}
+        for saved, idx in self._to_saved_layout(index).items():
+            flat = idx.reshape(-1)
+            seen.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            src = bisect.bisect_right(starts, int(flat[0])) - 1 if flat.numel() else 0
+            rel = flat - starts[src]
+            n_src = own[names[src]].numel()
+            assert bool((rel >= 0).all()) and bool((rel < n_src).all()), (
+                f"saved tensor {saved} mixes elements of several model tensors"
+            )
+            first = int(rel[0]) if rel.numel() else 0
+            run = torch.equal(rel, torch.arange(first, first + rel.numel()))
+            mapping[saved] = _Placement(names[src], tuple(idx.shape), first, None if run else rel)
+        assert bool((seen == 1).all()), "the saved layout does not cover every weight exactly once"
+        self._serving_map = mapping
+        return mapping
+
+    def load_serving_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        mapping = self._saved_layout_map()
+        missing, extra = sorted(set(mapping) - set(state)), sorted(set(state) - set(mapping))
+        if missing or extra:
+            raise ValueError(
+                f"serving state dict does not match the architecture: missing {missing}, "
+                f"unexpected {extra}"
+            )
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for saved, at in mapping.items():
+                value = state[saved]
+                if tuple(value.shape) != at.shape:
+                    raise ValueError(f"{saved}: shape {tuple(value.shape)}, expected {at.shape}")
+                flat = own[at.name].view(-1)
+                src = value.reshape(-1).to(flat.dtype)
+                if at.index is None:
+                    flat[at.start : at.start + src.numel()] = src
+                else:
+                    flat[at.index] = src
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where a saved tensor's elements live: model tensor `name`, flat elements
+    `start .. start + numel` in order, or at `index` [numel] when they are not one run."""
+
+    name: str
+    shape: tuple[int, ...]  # the saved tensor's shape
+    start: int
+    index: torch.Tensor | None
+
+
+def _has_experts(hf_config: Any) -> bool:
+    return bool(getattr(hf_config, "num_experts", 0) or getattr(hf_config, "num_local_experts", 0))
