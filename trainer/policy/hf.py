@@ -346,17 +346,19 @@ class HFPolicy(Policy):
         width = int(lens.max())
         tokens = torch.full((b, width), tok.pad_id, dtype=torch.int64)
         mask = torch.zeros((b, width), dtype=torch.int64)
+        # Left padding: each row's keys in the cache are then pads, its prompt, its completion:
+        # one contiguous block after exact zeros, which the invariant reductions sum as the
+        # full forward does (right padding would put the pads between prompt and completion).
         for i, p in enumerate(prompts):
-            tokens[i, : 1 + len(p)] = torch.tensor([tok.start_id, *p], dtype=torch.int64)
-            mask[i, : 1 + len(p)] = 1
-        positions = torch.arange(width).expand(b, width)
+            tokens[i, width - 1 - len(p) :] = torch.tensor([tok.start_id, *p], dtype=torch.int64)
+            mask[i, width - 1 - len(p) :] = 1
+        positions = (torch.cumsum(mask, dim=1) - 1).clamp(min=0)
         gen = torch.Generator()
         gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
         cache = DynamicCache(config=self.model.config)
         logits, routes = self.forward_logits(tokens, mask, positions, cache)
-        rows = torch.arange(b)
-        l_last = logits[rows, lens - 1]
-        r_last = None if routes is None else routes[rows, lens - 1]
+        l_last = logits[:, -1]
+        r_last = None if routes is None else routes[:, -1]
         out_tok: list[list[int]] = [[] for _ in range(b)]
         out_lp: list[list[float]] = [[] for _ in range(b)]
         out_rt: list[list[np.ndarray]] = [[] for _ in range(b)]

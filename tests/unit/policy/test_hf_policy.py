@@ -102,7 +102,7 @@ def test_route_capture_matches_the_models_own_unreplayed_forward(hf_moe_dir):
         for r in policy.routers
     ]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), policy._mode():  # the policy's kernels, without its routing hooks
             ref_logits = policy.model(input_ids=tokens).logits
     finally:
         for h in handles:
