@@ -1,14 +1,15 @@
-"""The continuous trainer trains and ships a Hugging Face MoE policy, delta-synced to a replica.
+"""The continuous trainer trains and ships a Hugging Face policy, delta-synced to a replica.
 
 Real broker (make_settings) and real MLflow server (mlflow_server); the policy is a tiny Qwen2-MoE
-directory built offline (tests/hf_models.py) and named by the trainer's policy config
-(`FLYWHEEL_TRAINER_POLICY={"type": "hf", "model_dir": DIR}`):
+directory or a tiny dense Llama built offline (tests/hf_models.py), named by the trainer's policy
+config (`FLYWHEEL_TRAINER_POLICY={"type": "hf", "model_dir": DIR}`):
 
 - first start on an empty registry: v1 is the directory's own weights (bf16), not pretrained even
   though `pretrain_steps` is set;
-- rollouts sampled from the champion v1 (with their routed expert ids) go to `<ns>.rollouts`; the
-  trainer takes optimizer steps on them replaying the routes, and the train/infer `mismatch`
-  (champion log-probs in the trainer vs the logged behaviour log-probs) is exactly 0.0;
+- rollouts sampled from the champion v1 (with their routed expert ids for the MoE model) go to
+  `<ns>.rollouts`; the trainer takes optimizer steps on them replaying the routes, and the
+  train/infer `mismatch` (champion log-probs in the trainer vs the logged behaviour log-probs) is
+  exactly 0.0;
 - v2 ships as a delta from v1: v1 + delta rebuilt by app/contracts/artifacts.apply_chain from the
   registry's artifacts equals the trainer's serving weights bit for bit, and a replica-side
   `load_verified` of it gives a policy that generates.
@@ -45,15 +46,17 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
     return diff
 
 
-def test_the_trainer_ships_an_hf_moe_policy_as_a_delta_a_replica_loads(trainer_env, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen2-moe", "llama"])
+def test_the_trainer_ships_an_hf_policy_as_a_delta_a_replica_loads(trainer_env, tmp_path, arch):
     from app.contracts.artifacts import apply_chain, fetch_manifest
     from app.replica.fetch import VersionFetcher
     from app.replica.weights import load_verified
-    from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
+    from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir, train_bpe_tokenizer
     from trainer.policy import build_policy
 
     settings, cfg_kw = trainer_env
-    model_dir = tiny_qwen2_moe_dir(tmp_path / "tiny-moe", train_bpe_tokenizer(tmp_path / "tok"))
+    make_dir = tiny_qwen2_moe_dir if arch == "qwen2-moe" else tiny_llama_dir
+    model_dir = make_dir(tmp_path / arch, train_bpe_tokenizer(tmp_path / "tok"))
     policy_cfg = {"type": "hf", "model_dir": str(model_dir)}
     cfg_kw = dict(cfg_kw, policy=policy_cfg, pretrain_steps=300)
     trainer = Trainer(settings, TrainerConfig(**cfg_kw))
@@ -75,13 +78,12 @@ def test_the_trainer_ships_an_hf_moe_policy_as_a_delta_a_replica_loads(trainer_e
         champion.eval()
         rewards = itertools.cycle([1.0, -1.0])  # each group of two: one better, one worse
         records = rollout_records(champion, 1, 8, lambda _text: next(rewards), group_size=2)
-        n_layers, top_k, _ = champion.moe_spec
         for r in records:
-            assert r["routes"] is not None and r["route_shape"] == [
-                len(r["completion_tokens"]),
-                n_layers,
-                top_k,
-            ]
+            if champion.moe_spec is None:  # dense: no routes
+                assert r["routes"] is None and r["route_shape"] is None
+            else:
+                n_layers, top_k, _ = champion.moe_spec
+                assert r["route_shape"] == [len(r["completion_tokens"]), n_layers, top_k]
             r["tokenizer"] = champion.tokenizer.name
         produce(settings, records)
         drain(trainer, len(records))
@@ -118,7 +120,7 @@ def test_the_trainer_ships_an_hf_moe_policy_as_a_delta_a_replica_loads(trainer_e
             [tok.encode(p) for p in PROMPTS[:2]], max_tokens=6, temperature=1.0, seed=1
         )
         assert [len(s.tokens) > 0 for s in samples] == [True, True]
-        assert all(s.routes is not None for s in samples)
+        assert all((s.routes is not None) == (arch == "qwen2-moe") for s in samples)
     finally:
         fetcher.close()
         trainer.close()
