@@ -12,7 +12,7 @@ config (`FLYWHEEL_TRAINER_POLICY={"type": "hf", "model_dir": DIR}`):
   exactly 0.0;
 - v2 ships as a delta from v1: v1 + delta rebuilt by app/contracts/artifacts.apply_chain from the
   registry's artifacts equals the trainer's serving weights bit for bit, and a replica-side
-  `load_verified` of it gives a policy that generates.
+  `load_verified` of it gives a policy that generates, and so does the `models:/<name>/2` pyfunc.
 
 Run: PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/trainer/test_hf_trainer.py -q
 """
@@ -121,6 +121,13 @@ def test_the_trainer_ships_an_hf_policy_as_a_delta_a_replica_loads(trainer_env, 
         )
         assert [len(s.tokens) > 0 for s in samples] == [True, True]
         assert all((s.routes is not None) == (arch == "qwen2-moe") for s in samples)
+
+        import mlflow
+
+        mlflow.set_tracking_uri(settings.mlflow_uri)
+        model = mlflow.pyfunc.load_model(f"models:/{settings.model_name}/2")
+        out = model.predict(["def add(a, b):\n    ", "x = "], params={"max_tokens": 6, "seed": 1})
+        assert len(out) == 2 and all(isinstance(t, str) for t in out)
     finally:
         fetcher.close()
         trainer.close()
