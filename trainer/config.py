@@ -158,12 +158,12 @@ class TrainerConfig(FlywheelSettings):
     # --- base checkpoint (first start with an empty registry) --------------------------------------
     policy: Annotated[dict[str, Any], NoDecode] = Field(
         default_factory=dict,
-        description="Policy config (JSON) for `build_policy` when there is no checkpoint yet; {} = the built-in default.",
+        description='Policy config (JSON) for `build_policy` when there is no checkpoint yet; {} = the built-in default; {"type": "hf", "model_dir": DIR} = a Hugging Face causal LM whose base weights are its directory\'s own (no pretraining).',
     )
     pretrain_steps: int = Field(
         300,
         ge=0,
-        description="Pretraining steps on the synthetic code corpus for the base checkpoint (first start only).",
+        description="Pretraining steps on the synthetic code corpus for the base checkpoint (first start only; not used for a Hugging Face policy).",
     )
     base_checkpoint: Path | None = Field(
         None,
@@ -199,11 +199,18 @@ class TrainerConfig(FlywheelSettings):
     def _policy_json(cls, v: Any) -> Any:
         if isinstance(v, str):
             try:
-                return json.loads(v) if v.strip() else {}
+                v = json.loads(v) if v.strip() else {}
             except json.JSONDecodeError as exc:
                 raise ValueError(
                     f"FLYWHEEL_TRAINER_POLICY must be a JSON object, e.g. '{{\"d_model\": 64}}': {exc}"
                 ) from None
+        if isinstance(v, dict) and v.get("type") == "hf":
+            model_dir = v.get("model_dir")
+            if not model_dir or not (Path(str(model_dir)) / "config.json").is_file():
+                raise ValueError(
+                    f"FLYWHEEL_TRAINER_POLICY: model_dir {model_dir!r} of the hf policy is not a "
+                    "Hugging Face model directory (no config.json in it)"
+                )
         return v
 
     @field_validator("pause_at")

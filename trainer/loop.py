@@ -211,6 +211,13 @@ class Trainer:
             policy.load_serving_state_dict(load_file(str(cfg.base_checkpoint)))
             log.info("base checkpoint from %s", cfg.base_checkpoint)
             return policy
+        if (cfg.policy or {}).get("type") == "hf":  # the weights are the model directory's own
+            policy = build_policy(cfg.policy)
+            log.info(
+                "empty registry: the base policy is the Hugging Face model in %s (no pretraining)",
+                cfg.policy.get("model_dir"),
+            )
+            return policy
         if cfg.pretrain_steps > 0:
             from trainer.pretrain import pretrain
 

@@ -61,7 +61,7 @@ def rollout_records(
     samples = policy.generate(prompts, max_tokens=max_tokens, temperature=1.0, seed=seed)
     out = []
     for i, (p, s) in enumerate(zip(prompts, samples)):
-        routes, shape = encode_routes(s.routes)
+        routes, shape = encode_routes(s.routes) if s.routes is not None else (None, None)
         reward = float(reward_fn(s.text))
         errors = []
         if tool_error_every and i % tool_error_every == 0:
@@ -82,7 +82,7 @@ def rollout_records(
                 "completion_tokens": s.tokens,
                 "logprobs": s.logprobs,
                 "routes": routes,
-                "route_shape": list(shape),
+                "route_shape": list(shape) if shape is not None else None,
                 "reward": reward,
                 "components": {
                     "decision": reward,
