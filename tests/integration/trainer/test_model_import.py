@@ -5,7 +5,8 @@ variables). A tiny Qwen2-MoE directory (tests/hf_models.py, built offline) becom
 `champion` on it; a fresh cache directory filled from the version's artifacts alone
 (`Registry.policy_config`) rebuilds a policy whose serving weights equal the source's bf16 weights
 bit for bit, with the same tokenizer id; the anchor's checkpoint hash is those weights' hash; the
-pyfunc generates. Every bad input exits 2 with one line naming the file or field, and registers
+pyfunc generates; a replica's `VersionFetcher.policy_config` fills its own cache the same way.
+Every bad input exits 2 with one line naming the file or field, and registers
 nothing; a second import is refused without --force and replaces the model with it.
 
 Run: PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/trainer/test_model_import.py -q
@@ -108,6 +109,22 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
     assert rebuilt.moe_spec == source.moe_spec
     # the importer's own cache is filled too (a trainer on that machine starts without a download)
     assert (tmp_path / "importer" / "hf-models" / cfg["files_sha256"] / "tokenizer.json").is_file()
+
+    # a replica on a third machine: VersionFetcher.policy_config fills its own cache
+    from app.replica.fetch import VersionFetcher
+    from app.settings import Settings
+
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "replica"))
+    fetcher = VersionFetcher(Settings(mlflow_uri=mlflow_server.uri, model_name=name))
+    try:
+        assert fetcher.policy_config("1") == cfg
+    finally:
+        fetcher.close()
+    cached = tmp_path / "replica" / "hf-models" / cfg["files_sha256"]
+    assert sorted(p.name for p in cached.iterdir()) == sorted(
+        p.name for p in (tmp_path / "reader" / "hf-models" / cfg["files_sha256"]).iterdir()
+    )
+    assert build_policy(cfg).tokenizer.name == source.tokenizer.name
 
     mlflow.set_tracking_uri(mlflow_server.uri)
     model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
