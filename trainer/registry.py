@@ -276,7 +276,7 @@ class Registry:
         """`version`'s policy config, ready for `build_policy` on this machine: an HF policy's model
         files are downloaded into `<cache_root>/<files_sha256>/` (trainer/policy/hf_files.py),
         verified by hash, unless that directory is already there."""
-        from trainer.policy.hf_files import materialize, resolve
+        from trainer.policy.hf_files import ensure_from_artifacts
 
         mv = self.client.get_model_version(self.name, str(version))
         with tempfile.TemporaryDirectory(prefix="flywheel-dl-") as tmp:
@@ -286,27 +286,7 @@ class Registry:
                 tracking_uri=self.uri,
             )
             cfg = json.loads(Path(path).read_text())
-        sha = cfg.get("files_sha256") if cfg.get("type") == "hf" else None
-        if sha is None:
-            return cfg
-        try:
-            resolve(None, sha, cache_root)
-            return cfg
-        except ValueError:
-            pass  # not materialized here (or damaged): download the files
-        with tempfile.TemporaryDirectory(prefix="flywheel-dl-") as tmp:
-            hf_dir = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"{mv.source}/artifacts/hf", dst_path=tmp, tracking_uri=self.uri
-            )
-            files = {f.name: f.read_bytes() for f in Path(hf_dir).iterdir() if f.is_file()}
-        from trainer.policy.hf_files import HFFilesError, files_sha256
-
-        got = files_sha256(files)
-        if got != sha:
-            raise HFFilesError(
-                f"{self.name} v{version}: artifacts/hf hash to {got}, its config says {sha}"
-            )
-        materialize(files, cache_root)
+        ensure_from_artifacts(cfg, mv.source, self.uri, cache_root)
         return cfg
 
 

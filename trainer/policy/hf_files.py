@@ -107,3 +107,30 @@ def resolve(model_dir: str | None, sha: str | None, cache_root: str | Path | Non
         if got != sha:
             raise HFFilesError(f"{path}: model files hash to {got}, the policy config says {sha}")
     return path
+
+
+def ensure_from_artifacts(
+    config: dict, source: str, tracking_uri: str, cache_root: str | Path | None = None
+) -> None:
+    """Make `config` buildable here: for an HF config with `files_sha256`, download the model
+    version's `<source>/artifacts/hf/` (source = the version's MLflow model URI) into the cache,
+    verified, unless it is there already. Other configs: nothing to do."""
+    sha = config.get("files_sha256") if config.get("type") == "hf" else None
+    if sha is None:
+        return
+    try:
+        resolve(None, sha, cache_root)
+        return
+    except HFFilesError:
+        pass  # not here yet (or damaged): download
+    import mlflow
+
+    with tempfile.TemporaryDirectory(prefix="flywheel-hf-") as tmp:
+        hf_dir = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{source}/artifacts/hf", dst_path=tmp, tracking_uri=tracking_uri
+        )
+        files = {f.name: f.read_bytes() for f in Path(hf_dir).iterdir() if f.is_file()}
+    got = files_sha256(files)
+    if got != sha:
+        raise HFFilesError(f"{source}/artifacts/hf: files hash to {got}, the config says {sha}")
+    materialize(files, cache_root)

@@ -5,7 +5,8 @@ variables). A tiny Qwen2-MoE directory (tests/hf_models.py, built offline) becom
 `champion` on it; a fresh cache directory filled from the version's artifacts alone
 (`Registry.policy_config`) rebuilds a policy whose serving weights equal the source's bf16 weights
 bit for bit, with the same tokenizer id; the anchor's checkpoint hash is those weights' hash; the
-pyfunc generates; a replica's `VersionFetcher.policy_config` fills its own cache the same way.
+pyfunc generates; a replica's `VersionFetcher.policy_config` and the gate's `load_version` fill
+their own caches the same way.
 Every bad input exits 2 with one line naming the file or field, and registers
 nothing; a second import is refused without --force and replaces the model with it.
 
@@ -125,6 +126,13 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
         p.name for p in (tmp_path / "reader" / "hf-models" / cfg["files_sha256"]).iterdir()
     )
     assert build_policy(cfg).tokenizer.name == source.tokenizer.name
+
+    # the gate (app/controller/gate_io.py) on a fourth machine
+    from app.controller.gate_io import load_version
+
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "gate"))
+    gated, state, _ = load_version(MlflowClient(mlflow_server.uri, mlflow_server.uri), name, "1")
+    assert _bits(state) == _bits(want) and _bits(gated.serving_state_dict()) == _bits(want)
 
     mlflow.set_tracking_uri(mlflow_server.uri)
     model = mlflow.pyfunc.load_model(f"models:/{name}@champion")
