@@ -114,14 +114,17 @@ def validate(model_dir: str | Path) -> Any:
     tok = policy.tokenizer
     rows = tok.vocab_size
     n_tokens = len(tok.hf)
-    ids = {"len(tokenizer)": n_tokens - 1, "eos_token_id": tok.eos_id}
+    ids = {
+        f"the largest token id (len(tokenizer) = {n_tokens})": n_tokens - 1,
+        "eos_token_id": tok.eos_id,
+    }
     if tok.bos_id is not None:
         ids["bos_token_id"] = tok.bos_id
     for what, i in ids.items():
         if i >= rows:
             raise ModelImportError(
-                f"{d / 'tokenizer.json'}: {what} needs token id {i}, but config.json vocab_size "
-                f"gives the model {rows} embedding rows"
+                f"{d / 'tokenizer.json'}: {what} is {i}, but config.json vocab_size gives the "
+                f"model {rows} embedding rows"
             )
     return policy
 
