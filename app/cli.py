@@ -36,7 +36,9 @@ projections_app = typer.Typer(no_args_is_help=True, help="SQL projections of fly
 app.add_typer(kafka_app, name="kafka")
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+model_app = typer.Typer(no_args_is_help=True, help="Bring your own Hugging Face causal LM.")
 app.add_typer(projections_app, name="projections")
+app.add_typer(model_app, name="model")
 
 console = Console(stderr=True)
 
@@ -635,6 +637,37 @@ def pretrain_cmd(
         [policy.tokenizer.encode("def ")], max_tokens=160, temperature=0.7, seed=seed
     )[0]
     console.print(f"saved {path}; sample (T=0.7):\n[cyan]def {sample.text}[/cyan]")
+
+
+@model_app.command("import")
+def model_import(
+    model_dir: Annotated[
+        Path,
+        typer.Argument(help="A save_pretrained directory: config.json, *.safetensors, tokenizer."),
+    ],
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="Delete the registered model's versions and import as version 1."
+        ),
+    ] = False,
+) -> None:
+    """Validate MODEL_DIR and register it as version 1 of FLYWHEEL_MODEL_NAME, with champion on it."""
+    from trainer.model_import import ModelImportError, import_model
+
+    settings = _settings()
+    try:
+        version = import_model(
+            model_dir,
+            settings.mlflow_uri,
+            settings.model_name,
+            force=force,
+            cache_root=settings.data_dir / "hf-models",
+        )
+    except ModelImportError as exc:
+        console.print(f"model import refused: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    console.print(f"imported {model_dir} as {settings.model_name} v{version} (champion)")
 
 
 @app.command("run")

@@ -175,8 +175,7 @@ class Trainer:
         versions = self.registry.versions()
         if versions:  # local state lost but the registry has versions: continue from the newest one
             latest = int(versions[-1].version)
-            cfg = json.loads(Path(self._download(latest, "artifacts/config.json")).read_text())
-            policy = build_policy(cfg)
+            policy = build_policy(self.registry.policy_config(latest))
             policy.load_serving_state_dict(self.registry.download_serving_state(latest))
             log.warning(
                 "no trainer state in %s: starting from registered v%d (bf16 weights, fresh optimizer, "

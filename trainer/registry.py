@@ -7,6 +7,9 @@ pyfunc model directory logged under the trainer's run (`ships/<ship_id>/model`):
     model/artifacts/weights.safetensors   bf16 serving weights (Policy.serving_state_dict)
     model/artifacts/config.json           Policy.config_dict() -> trainer.policy.build_policy
     model/artifacts/tokenizer.json        tokenizer name / vocab_size / eos_id
+    model/artifacts/hf/                   HF policies only: config.json, generation_config.json and
+                                          the tokenizer files (trainer/policy/hf_files.py); the
+                                          policy config records their `files_sha256`
 
 plus, next to it, `ships/<ship_id>/lineage/request_ids.json` (the rollouts trained on since the
 parent) and `ships/<ship_id>/delta/` (app/contracts/artifacts.py output, when that module exists).
@@ -55,6 +58,8 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
         from trainer.policy import build_policy
 
         cfg = json.loads(Path(context.artifacts["config"]).read_text())
+        if cfg.get("type") == "hf" and "hf" in context.artifacts:
+            cfg["model_dir"] = context.artifacts["hf"]  # verified against files_sha256 on build
         self.policy = build_policy(cfg)
         self.policy.load_serving_state_dict(load_file(context.artifacts["weights"]))
         self.policy.eval()
@@ -193,6 +198,14 @@ class Registry:
                 str(weights),
                 metadata={"ship_id": ship_id, "format": "flywheel-serving-bf16"},
             )
+            artifacts = {
+                "weights": str(weights),
+                "config": str(files / "config.json"),
+                "tokenizer": str(files / "tokenizer.json"),
+            }
+            if policy_config.get("type") == "hf":
+                policy_config = _pack_hf_files(policy_config, tmp_path / "hf")
+                artifacts["hf"] = str(tmp_path / "hf")
             (files / "config.json").write_text(json.dumps(policy_config, indent=1, sort_keys=True))
             (files / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1, sort_keys=True))
             code = [
@@ -204,11 +217,7 @@ class Registry:
                 path=str(tmp_path / "model"),
                 python_model=PolicyPyfunc(),
                 code_paths=code,
-                artifacts={
-                    "weights": str(weights),
-                    "config": str(files / "config.json"),
-                    "tokenizer": str(files / "tokenizer.json"),
-                },
+                artifacts=artifacts,
                 pip_requirements=_pip_requirements(),
                 signature=_signature(),
             )
@@ -262,6 +271,36 @@ class Registry:
                 tracking_uri=self.uri,
             )
             return load_file(path)
+
+    def policy_config(self, version: int, cache_root: str | Path | None = None) -> dict[str, Any]:
+        """`version`'s policy config, ready for `build_policy` on this machine: an HF policy's model
+        files are downloaded into `<cache_root>/<files_sha256>/` (trainer/policy/hf_files.py),
+        verified by hash, unless that directory is already there."""
+        from trainer.policy.hf_files import ensure_from_artifacts
+
+        mv = self.client.get_model_version(self.name, str(version))
+        with tempfile.TemporaryDirectory(prefix="flywheel-dl-") as tmp:
+            path = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{mv.source}/artifacts/config.json",
+                dst_path=tmp,
+                tracking_uri=self.uri,
+            )
+            cfg = json.loads(Path(path).read_text())
+        ensure_from_artifacts(cfg, mv.source, self.uri, cache_root)
+        return cfg
+
+
+def _pack_hf_files(policy_config: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Write an HF policy's model files (trainer/policy/hf_files.py) into `out`; returns the config
+    to register: self-contained (`files_sha256`, no machine-local `model_dir`)."""
+    from trainer.policy.hf_files import pack, resolve
+
+    src = resolve(policy_config.get("model_dir"), policy_config.get("files_sha256"))
+    files, sha = pack(src)
+    out.mkdir()
+    for name, data in files.items():
+        (out / name).write_bytes(data)
+    return {**policy_config, "model_dir": None, "files_sha256": sha}
 
 
 def _signature():

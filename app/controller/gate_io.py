@@ -43,12 +43,16 @@ def load_version(
     from safetensors.torch import load_file
 
     from trainer.policy import build_policy
+    from trainer.policy.hf_files import ensure_from_artifacts
 
     tags = dict(client.get_model_version(model, version).tags or {})
     with tempfile.TemporaryDirectory(prefix="flywheel-gate-") as tmp:
         state = load_file(_download(client, model, version, "artifacts/weights.safetensors", tmp))
         with open(_download(client, model, version, "artifacts/config.json", tmp)) as f:
             config = json.load(f)
+    ensure_from_artifacts(  # an HF version's model files (trainer/policy/hf_files.py)
+        config, client.get_model_version(model, version).source, client.tracking_uri
+    )
     policy = build_policy(config)
     if all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
         policy.load_serving_state_dict(state)

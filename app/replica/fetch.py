@@ -277,9 +277,40 @@ class VersionFetcher:
             assert isinstance(cached, dict), (
                 f"policy config of version {version} is not a JSON object"
             )
+            self._materialize_hf_files(version, cached)
             with self._lock:
                 self._configs[version] = cached
         return dict(cached)
+
+    def _materialize_hf_files(self, version: str, config: dict[str, Any]) -> None:
+        """An HF policy's model files (`model/artifacts/hf/`, trainer/policy/hf_files.py) into the
+        local cache, verified against the config's `files_sha256`, so build_policy finds them."""
+        from trainer.policy.hf_files import (
+            HF_FILES,
+            HFFilesError,
+            files_sha256,
+            materialize,
+            resolve,
+        )
+
+        sha = config.get("files_sha256") if config.get("type") == "hf" else None
+        if sha is None:
+            return
+        try:
+            resolve(None, sha)
+            return
+        except HFFilesError:
+            pass  # not here yet (or damaged): download
+        files = {}
+        for name in HF_FILES:
+            try:
+                files[name] = self._get(f"{self._root(version)}/model/artifacts/hf/{name}")
+            except FileNotFoundError:
+                continue
+        got = files_sha256(files)
+        if got != sha:
+            raise HFFilesError(f"version {version}: model/artifacts/hf hash to {got}, config {sha}")
+        materialize(files)
 
     def _reusable_config(self, target: str, held: dict[str, Any]) -> dict[str, Any] | None:
         """A held version's config when the deployment log gave `target`'s config hash and it matches."""

@@ -126,6 +126,7 @@ class HeldOutEvaluator:
         from safetensors.torch import load_file
 
         from trainer.policy import build_policy
+        from trainer.policy.hf_files import ensure_from_artifacts
 
         mv = self.client.get_model_version(self.model_name, str(version))
         with tempfile.TemporaryDirectory(prefix="flywheel-eval-") as tmp:
@@ -139,7 +140,9 @@ class HeldOutEvaluator:
                 dst_path=tmp,
                 tracking_uri=self.uri,
             )
-            policy = build_policy(json.loads(Path(cfg).read_text()))
+            config = json.loads(Path(cfg).read_text())
+            ensure_from_artifacts(config, mv.source, self.uri)  # an HF version's model files
+            policy = build_policy(config)
             policy.load_serving_state_dict(load_file(weights))
         return policy.eval()
 

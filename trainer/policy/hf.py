@@ -3,7 +3,10 @@
     policy = build_policy({"type": "hf", "model_dir": "/models/my-qwen-moe"})
 
 The directory is what `save_pretrained` writes (config.json, *.safetensors) plus the tokenizer
-files. The model is loaded with `AutoModelForCausalLM` as fp32 master weights, eager attention and
+files; a registered version names it by `files_sha256` instead (trainer/policy/hf_files.py: the
+non-weight files, materialized from the registry) and its weights come from the version's serving
+weights (`load_serving_state_dict`; the model is built with `from_config` when the directory holds
+no weights). The model is loaded with `AutoModelForCausalLM` as fp32 master weights, eager attention and
 eager (per-expert loop) MoE experts.
 
 Numerics: the same contract as the built-in policy (trainer/policy/base.py, docs/NUMERICS.md).
@@ -108,14 +111,16 @@ def tokenizer_id(model_dir: str | Path, name: str) -> str:
 class HFTokenizer(Tokenizer):
     """A model directory's tokenizer; `name` is its id (`tokenizer_id`), recorded in events."""
 
-    def __init__(self, model_dir: str | Path, vocab_size: int) -> None:
+    def __init__(self, model_dir: str | Path, vocab_size: int, name: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         cfg_file = Path(model_dir) / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
         given = str(cfg.get("name_or_path") or "")
-        base = given if given and not Path(given).is_absolute() else Path(model_dir).resolve().name
+        base = name or (
+            given if given and not Path(given).is_absolute() else Path(model_dir).resolve().name
+        )
         self.name = tokenizer_id(model_dir, base.rstrip("/").split("/")[-1])
         self.vocab_size = int(vocab_size)
         if self.hf.eos_token_id is None:
@@ -150,7 +155,22 @@ class HFConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["hf"] = Field("hf", description="Policy type for build_policy.")
-    model_dir: str = Field(description="Directory with config.json, safetensors and tokenizer.")
+    model_dir: str | None = Field(
+        None,
+        description="Directory with config.json, the tokenizer and (optionally) safetensors; None = "
+        "the cache directory of files_sha256 (trainer/policy/hf_files.py).",
+    )
+    files_sha256: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 of the non-weight model files (trainer/policy/hf_files.py); the "
+        "directory's files must hash to it. Set in every registered version.",
+    )
+    name: str | None = Field(
+        None,
+        description="The tokenizer id's name part; None = the tokenizer's relative name_or_path, "
+        "else the directory's name. Registered versions record it (their directory is a hash).",
+    )
     max_context: int | None = Field(
         None,
         ge=2,
@@ -212,7 +232,9 @@ class HFPolicy(Policy):
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        path = Path(config.model_dir)
+        from trainer.policy.hf_files import resolve
+
+        path = resolve(config.model_dir, config.files_sha256)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}/config.json not found: not a model directory")
         hf_config = AutoConfig.from_pretrained(str(path))
@@ -224,15 +246,18 @@ class HFPolicy(Policy):
                 f"max_context {config.max_context} > the model's max_position_embeddings {limit}"
             )
         self.config = config
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(path),
-            dtype=torch.float32,
-            attn_implementation="eager",
+        kwargs = {
+            "dtype": torch.float32,
+            "attn_implementation": "eager",
             **({"experts_implementation": "eager"} if _has_experts(hf_config) else {}),
-        )
+        }
+        if any(path.glob("*.safetensors")) or any(path.glob("*.bin")):
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        else:  # a registry version's files (hf_files.py): the weights come with load_serving_state_dict
+            self.model = AutoModelForCausalLM.from_config(hf_config, **kwargs)
         self.model.eval()
         rows = int(self.model.get_input_embeddings().weight.shape[0])
-        self.tokenizer = HFTokenizer(path, vocab_size=rows)
+        self.tokenizer = HFTokenizer(path, vocab_size=rows, name=config.name)
         self.routers = [m for m in self.model.modules() if _is_router(m)]
         for r in self.routers:
             r._flywheel_routes = {}  # thread id -> _RouteState of that thread's forward
@@ -243,7 +268,10 @@ class HFPolicy(Policy):
 
     # --- config ---------------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
-        return self.config.model_dump()
+        """The config; `files_sha256` and `name` only when set (a plain directory's config is as
+        it always was, so its canonical hash does not change)."""
+        d = self.config.model_dump()
+        return {k: v for k, v in d.items() if v is not None or k not in ("files_sha256", "name")}
 
     def set_kernels(self, name: Literal["invariant", "default"]) -> None:
         """Switch between the batch-invariant mode and plain torch ops (e.g. the gate's statistics)."""

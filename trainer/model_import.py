@@ -1,0 +1,216 @@
+"""`flywheel model import DIR`: a user's Hugging Face causal LM directory becomes version 1 of the
+registered model, with `champion` on it.
+
+    policy = validate(Path("/models/my-qwen-moe"))            # ModelImportError on bad input
+    version = import_model(dir, mlflow_uri, model_name, force=False)
+
+Everything is validated before anything is written to the registry, so bad input registers nothing:
+
+- `config.json` present and loadable; its `model_type` has an `AutoModelForCausalLM` class and
+  the `architectures` it names (when it names any) is that class (a `BertModel` directory is refused);
+- weights: at least one `*.safetensors`, every file readable to its last tensor (a truncated or
+  corrupt file is refused), and the model loads from them with `AutoModelForCausalLM`;
+- tokenizer: its files present, and every token id (`len(tokenizer)`, eos, bos) below the model's
+  embedding rows;
+- the registered model holds no versions, unless `force` (then the registered model is deleted,
+  with its versions and aliases, and created again, so the import is version 1).
+
+The version is registered as the trainer registers a ship (trainer/registry.py): the pyfunc
+model with bf16 serving weights, the policy config made self-contained (`files_sha256`, the HF
+files under `model/artifacts/hf/`), and next to it the sync artifacts of app/contracts/artifacts.py
+for a first version (a full anchor with per-tensor and whole-checkpoint SHA-256s, no parent). The
+files are then materialized into this machine's cache, so a trainer here starts without a download.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from app.contracts.aliases import sync_aliases
+from app.contracts.artifacts import publish_version
+from trainer.registry import CHAMPION, Registry
+
+log = logging.getLogger(__name__)
+
+KIND = "import"
+
+
+class ModelImportError(ValueError):
+    """Bad input to `flywheel model import`; the message names the file or field."""
+
+
+def _check_architecture(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.is_file():
+        raise ModelImportError(f"{cfg_file}: missing (a model directory has config.json)")
+    try:
+        raw = json.loads(cfg_file.read_text())
+        hf_config = AutoConfig.from_pretrained(str(model_dir))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelImportError(f"{cfg_file}: cannot be loaded: {exc}") from None
+    model_type = hf_config.model_type
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if causal is None or getattr(hf_config, "is_encoder_decoder", False):
+        raise ModelImportError(
+            f"{cfg_file}: model_type {model_type!r} is not a causal LM "
+            "(AutoModelForCausalLM has no class for it)"
+        )
+    names = {causal} if isinstance(causal, str) else set(causal)
+    archs = raw.get("architectures") or []
+    if archs and not set(archs) & names:
+        raise ModelImportError(
+            f"{cfg_file}: architectures {archs} is not a causal LM (expected {sorted(names)})"
+        )
+    return hf_config
+
+
+def _check_weights(model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelImportError(f"{model_dir}: no *.safetensors weights file")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing = sorted(s for s in shards if not (model_dir / s).is_file())
+        if missing:
+            raise ModelImportError(f"{index}: names missing weights files {missing}")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():
+                    st.get_tensor(key)
+        except Exception as exc:  # safetensors raises its own SafetensorError on a bad header
+            raise ModelImportError(f"{f}: corrupt or truncated safetensors: {exc}") from None
+
+
+def validate(model_dir: str | Path) -> Any:
+    """The HF policy of `model_dir` (trainer/policy/hf.py) after every check of the module
+    docstring; ModelImportError naming the file or field otherwise."""
+    from trainer.policy import build_policy
+    from trainer.policy.hf import TOKENIZER_FILES, tokenizer_files
+
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise ModelImportError(f"{d}: no such directory")
+    _check_architecture(d)
+    _check_weights(d)
+    if not tokenizer_files(d):
+        raise ModelImportError(f"{d}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+    try:
+        policy = build_policy({"type": "hf", "model_dir": str(d)})
+    except Exception as exc:  # transformers' errors are many types: all mean "does not load"
+        raise ModelImportError(
+            f"{d}: AutoModelForCausalLM or its tokenizer does not load: {exc}"
+        ) from None
+    tok = policy.tokenizer
+    rows = tok.vocab_size
+    n_tokens = len(tok.hf)
+    ids = {
+        f"the largest token id (len(tokenizer) = {n_tokens})": n_tokens - 1,
+        "eos_token_id": tok.eos_id,
+    }
+    if tok.bos_id is not None:
+        ids["bos_token_id"] = tok.bos_id
+    for what, i in ids.items():
+        if i >= rows:
+            raise ModelImportError(
+                f"{d / 'tokenizer.json'}: {what} is {i}, but config.json vocab_size gives the "
+                f"model {rows} embedding rows"
+            )
+    return policy
+
+
+def import_model(
+    model_dir: str | Path,
+    mlflow_uri: str,
+    model_name: str,
+    force: bool = False,
+    cache_root: str | Path | None = None,
+) -> int:
+    """Validate `model_dir` and register it as version 1 of `model_name` with `champion` on it."""
+    from trainer.policy.hf_files import materialize, pack
+
+    d = Path(model_dir).resolve()
+    policy = validate(d)
+    reg = Registry(mlflow_uri, model_name)
+    existing = _existing_versions(reg)
+    if existing:
+        if not force:
+            raise ModelImportError(
+                f"registered model {model_name!r} already holds versions {existing} "
+                "(--force deletes them and imports as version 1)"
+            )
+        log.warning("--force: deleting registered model %s (versions %s)", model_name, existing)
+        reg.client.delete_registered_model(model_name)
+    serving = policy.serving_state_dict()
+    tok = policy.tokenizer
+    files, sha = pack(d)
+    config = {  # upload_ship registers it with model_dir None and the files' sha (registry.py)
+        **policy.config_dict(),
+        "name": tok.name.split("@", 1)[0],  # the cache dir's name is a hash: keep the tokenizer id
+        "model_dir": str(d),
+        "files_sha256": sha,
+    }
+    ship_id = f"import-{sha[:16]}"
+    run_id = reg.start_run()
+    with tempfile.TemporaryDirectory(prefix="flywheel-import-") as tmp:
+        m = publish_version(Path(tmp) / "delta", "1", serving, None, None, None)
+        source = reg.upload_ship(
+            run_id,
+            ship_id,
+            serving,
+            config,
+            {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+            [],
+            {"delta": Path(tmp) / "delta"},
+        )
+    delta = {
+        "status": "published",
+        "version": m.version,
+        "parent": None,
+        "anchor": True,
+        "delta_bytes": None,
+        "chain_depth": m.chain_depth,
+        "checkpoint_sha256": m.checkpoint_sha256,
+        "delta_file": None,
+        "delta_sha256": None,
+    }
+    tags = {
+        "kind": KIND,
+        "parent_version": "none",
+        "rollouts_consumed": "0",
+        "imported_from": str(d)[:4000],
+        "hf_files_sha256": sha,
+        "delta": json.dumps(delta, sort_keys=True),
+        "rollout_status": "registered",
+    }
+    version = reg.create_version(source, run_id, ship_id, tags)
+    reg.end_run(run_id)
+    if version != 1:  # another writer registered first: never leave a half-meant champion
+        raise ModelImportError(
+            f"registered model {model_name!r} got version {version} (another writer?); "
+            "champion not moved"
+        )
+    sync_aliases(reg.client, model_name, {CHAMPION: str(version)})
+    materialize(files, cache_root)
+    log.info("imported %s as %s v%d (champion); model files %s", d, model_name, version, sha)
+    return version
+
+
+def _existing_versions(reg: Registry) -> list[int]:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        reg.client.get_registered_model(reg.name)
+    except MlflowException:
+        return []
+    return [int(mv.version) for mv in reg.versions()]

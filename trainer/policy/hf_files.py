@@ -1,0 +1,136 @@
+"""The non-weight files of a Hugging Face model directory, content-addressed, so a registry version is
+self-contained: any machine rebuilds the HF policy from the version's artifacts alone.
+
+Writer (the registry, at registration time):
+
+    files, sha = pack(model_dir)          # {name: bytes} of config.json, generation_config.json,
+                                          # the tokenizer files; sha = files_sha256(files)
+    # logged as model/artifacts/hf/<name>; the policy config records {"files_sha256": sha}
+
+Reader (trainer registry load, replica fetch, gate, pyfunc):
+
+    path = materialize(files, cache_root)  # <cache_root>/<sha>/, written once, atomically
+    policy = build_policy({"type": "hf", "files_sha256": sha})   # resolves the same directory
+
+`resolve(model_dir, files_sha256, cache_root)` is how `HFPolicy` finds its directory: `model_dir`
+when given (a user's directory, or a downloaded artifact directory), else
+`<cache_root>/<files_sha256>/`; with `files_sha256` set, the directory's files must hash to it, so
+an edited or half-written cache is never used. The hash covers each file's name, length and bytes
+in sorted name order. The cache root defaults to `<FLYWHEEL_DATA_DIR>/hf-models`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from trainer.policy.hf import TOKENIZER_FILES
+
+MODEL_FILES = ("config.json", "generation_config.json")
+HF_FILES = tuple(sorted(MODEL_FILES + TOKENIZER_FILES))
+"""Every file `pack` carries (those present); weights are not among them."""
+CACHE_DIR = "hf-models"
+
+
+class HFFilesError(ValueError):
+    """A directory or file set that does not hash to what the policy config records."""
+
+
+def files_sha256(files: Mapping[str, bytes]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(files):
+        data = files[name]
+        h.update(name.encode() + b"\0" + str(len(data)).encode() + b"\0" + data)
+    return h.hexdigest()
+
+
+def pack(model_dir: str | Path) -> tuple[dict[str, bytes], str]:
+    """The non-weight files of `model_dir` ({name: bytes}) and their `files_sha256`."""
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d / 'config.json'}: missing (not a model directory)")
+    files = {n: (d / n).read_bytes() for n in HF_FILES if (d / n).is_file()}
+    return files, files_sha256(files)
+
+
+def default_cache_root() -> Path:
+    """`<FLYWHEEL_DATA_DIR>/hf-models` (FLYWHEEL_DATA_DIR defaults to `.flywheel`, app/settings.py)."""
+    return Path(os.environ.get("FLYWHEEL_DATA_DIR") or ".flywheel") / CACHE_DIR
+
+
+def materialize(files: Mapping[str, bytes], cache_root: str | Path | None = None) -> Path:
+    """`<cache_root>/<sha>/` holding `files`; written into a temporary directory and renamed, so a
+    reader never sees it half-written. An existing directory with the right hash is reused."""
+    unknown = sorted(set(files) - set(HF_FILES))
+    if unknown or "config.json" not in files:
+        raise HFFilesError(
+            f"not an HF model file set: unknown {unknown}, config.json "
+            f"{'present' if 'config.json' in files else 'missing'}"
+        )
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    sha = files_sha256(files)
+    final = root / sha
+    if final.is_dir():
+        if pack(final)[1] == sha:
+            return final
+        shutil.rmtree(final)  # a damaged cache entry: write it again
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{sha[:12]}-", dir=root))
+    try:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        os.replace(tmp, final)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (final.is_dir() and pack(final)[1] == sha):  # another reader won the rename: fine
+            raise
+    return final
+
+
+def resolve(model_dir: str | None, sha: str | None, cache_root: str | Path | None = None) -> Path:
+    """The directory an HF policy config names (module docstring); verified when `sha` is set."""
+    if model_dir is None and sha is None:
+        raise HFFilesError("an HF policy config needs model_dir or files_sha256")
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    path = Path(model_dir) if model_dir is not None else root / str(sha)
+    if sha is not None:
+        if not path.is_dir():
+            raise HFFilesError(
+                f"{path}: no such directory; the model files with files_sha256 {sha} are not "
+                "materialized here (the registry reader writes them from the version's artifacts)"
+            )
+        got = pack(path)[1]
+        if got != sha:
+            raise HFFilesError(f"{path}: model files hash to {got}, the policy config says {sha}")
+    return path
+
+
+def ensure_from_artifacts(
+    config: dict, source: str, tracking_uri: str, cache_root: str | Path | None = None
+) -> None:
+    """Make `config` buildable here: for an HF config with `files_sha256`, download the model
+    version's `<source>/artifacts/hf/` (source = the version's MLflow model URI) into the cache,
+    verified, unless it is there already. Other configs: nothing to do."""
+    sha = config.get("files_sha256") if config.get("type") == "hf" else None
+    if sha is None:
+        return
+    try:
+        resolve(None, sha, cache_root)
+        return
+    except HFFilesError:
+        pass  # not here yet (or damaged): download
+    import mlflow
+
+    with tempfile.TemporaryDirectory(prefix="flywheel-hf-") as tmp:
+        hf_dir = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{source}/artifacts/hf", dst_path=tmp, tracking_uri=tracking_uri
+        )
+        files = {f.name: f.read_bytes() for f in Path(hf_dir).iterdir() if f.is_file()}
+    got = files_sha256(files)
+    if got != sha:
+        raise HFFilesError(f"{source}/artifacts/hf: files hash to {got}, the config says {sha}")
+    materialize(files, cache_root)
