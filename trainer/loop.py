@@ -26,7 +26,6 @@ dead-lettered. Between `take()` and that accounting the in-memory state is not s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -34,7 +33,6 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -224,16 +222,6 @@ class Trainer:
             return pretrain(cfg.policy or None, cfg.pretrain_steps, cfg.seed)
         log.warning("empty registry and pretrain_steps=0: the base policy is randomly initialised")
         return build_policy(cfg.policy or None)
-
-    def _download(self, version: int, rel: str) -> str:
-        import mlflow
-
-        mv = self.registry.client.get_model_version(self.settings.model_name, str(version))
-        return mlflow.artifacts.download_artifacts(
-            artifact_uri=f"{mv.source}/{rel}",
-            dst_path=str(self.state_dir / "downloads" / str(version)),
-            tracking_uri=self.settings.mlflow_uri,
-        )
 
     def _refresh_reference(self) -> None:
         """Load the serving champion's weights as the KL reference when the alias moved."""
