@@ -236,7 +236,7 @@ def _held(
         other = "not imported from a Hugging Face model directory: the built-in policy?"
     return ModelImportError(
         f"{prefix} of another model (v{first.version}: {other}); "
-        "--force deletes them and imports as version 1"
+        "`flywheel model import --force` deletes them and imports as version 1"
     )
 
 
