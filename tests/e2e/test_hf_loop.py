@@ -15,6 +15,8 @@ sync to both replicas:
 - a trained version's lineage counts consumed rollouts; it was gated, canaried, then promoted or
   rolled back, and each replica published `replica_synced` for it by the `delta` path (forward
   from the version it held, not rebuilt from an anchor);
+- the held-out simulation scores v1 and the trained version; every replica serves the status
+  API's champion;
 - a second start on the same data dir resumes (nothing imported again), and a registry holding
   another model is refused with one line.
 
@@ -282,6 +284,15 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             t = len(g["completion_tokens"])
             assert g["route_shape"] == [t, MOE_LAYERS, TOP_K], g["route_shape"]
             assert len(base64.b64decode(g["routes"])) == 4 * t * MOE_LAYERS * TOP_K
+
+        # held-out simulation (app/simulate/evaluate.py) scores the imported and the trained version
+        def scored() -> bool:
+            return all(
+                "heldout_acceptance" in mlflow.get_model_version("flywheel-policy", v).tags
+                for v in ("1", version)
+            )
+
+        _wait_for("held-out acceptance of v1 and the trained version", scored, 300, proc, log)
 
         # status: the API's champion is what every replica reports serving
         def replicas_agree() -> str | None:
