@@ -651,9 +651,17 @@ def model_import(
             "--force", help="Delete the registered model's versions and import as version 1."
         ),
     ] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="When the registered model's versions were imported from this very model (same "
+            "files and weights), keep them and exit 0: an import step run on every start.",
+        ),
+    ] = False,
 ) -> None:
     """Validate MODEL_DIR and register it as version 1 of FLYWHEEL_MODEL_NAME, with champion on it."""
-    from trainer.model_import import ModelImportError, import_model
+    from trainer.model_import import AlreadyImported, ModelImportError, import_model
 
     settings = _settings()
     try:
@@ -664,6 +672,19 @@ def model_import(
             force=force,
             cache_root=settings.data_dir / "hf-models",
         )
+    except AlreadyImported as exc:
+        if not resume:
+            console.print(
+                f"model import refused: {exc}", markup=False, highlight=False, soft_wrap=True
+            )
+            raise typer.Exit(2) from None
+        console.print(
+            f"{model_dir} already imported: versions kept (--resume)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
     except ModelImportError as exc:
         console.print(f"model import refused: {exc}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -685,10 +706,20 @@ def run(
     duration: Annotated[
         str | None, typer.Option(help="Stop by itself after this long (e.g. 10m).")
     ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model",
+            help="A Hugging Face causal LM directory to run the loop on (FLYWHEEL_MODEL_DIR): "
+            "imported into an empty registry, resumed on one that holds it.",
+        ),
+    ] = None,
 ) -> None:
     """Run the whole loop locally on the embedded defaults (Kafka, MLflow, API and every role)."""
     from app.run import RunOptions, run_local
-    from app.settings import parse_duration
+    from app.settings import Settings, parse_duration
+
+    settings = _settings() if model is None else _configured(Settings, model_dir=model)
 
     opts = RunOptions(
         replicas=replicas,
@@ -697,7 +728,7 @@ def run(
         live=not no_live,
         duration_s=parse_duration(duration) if duration else None,
     )
-    raise typer.Exit(run_local(_settings(), opts))
+    raise typer.Exit(run_local(settings, opts))
 
 
 @app.command("replica")

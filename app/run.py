@@ -5,6 +5,21 @@ MLflow server (UI), the API, then every other role (streams worker, trainer, con
 replicas, the simulated editor population), each as its own process under a small supervisor
 (app/supervisor.py). Prints the URLs, shows a live status view, and on Ctrl-C stops everything
 cleanly. State lives in FLYWHEEL_DATA_DIR, so a second start resumes where the first stopped.
+
+`flywheel run --model DIR` (FLYWHEEL_MODEL_DIR) runs the same loop on a Hugging Face causal LM
+directory. Once MLflow is up and before any role starts, `flywheel model import DIR --resume` runs
+in its own process (`prepare_model`; trainer/model_import.py validates DIR exactly as for a user):
+
+- no version of FLYWHEEL_MODEL_NAME: DIR becomes version 1 and champion;
+- the first version was imported from DIR itself (same config and tokenizer files, same weights):
+  resume, nothing is imported;
+- anything else (the built-in policy's versions, another model's, bad input): the import's
+  one-line refusal is printed and nothing starts. There is no `--force`: replacing a registry's
+  versions is `flywheel model import --force`'s job, done on purpose, not as a side effect.
+
+The trainer then gets FLYWHEEL_TRAINER_POLICY `{"type": "hf", "model_dir": DIR}` (HF options
+already set in that variable, such as `kernels`, are kept), and the demo cadence leaves out what
+only fits the built-in policy (its learning rate and pretraining steps: `HF_DEMO_SKIP`).
 """
 
 from __future__ import annotations
@@ -14,7 +29,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from app.settings import Settings
 
@@ -56,6 +73,15 @@ DEMO_ENV = {
 }
 
 
+# demo settings tuned for the built-in 1.4M-parameter policy: a user's pretrained model keeps the
+# trainer's own defaults (lr 1e-6, trainer/config.py) and is never pretrained
+HF_DEMO_SKIP = ("FLYWHEEL_TRAINER_LR", "FLYWHEEL_TRAINER_PRETRAIN_STEPS")
+
+
+class RunModelError(ValueError):
+    """`flywheel run --model DIR` cannot run DIR on this registry; the message says why and what to do."""
+
+
 @dataclass
 class RunOptions:
     """Knobs of the local run (CLI flags of `flywheel run`)."""
@@ -83,6 +109,62 @@ def local_keys(settings: Settings) -> dict[str, str]:
     path.write_text(json.dumps(keys, indent=2))
     path.chmod(0o600)
     return keys
+
+
+def hf_trainer_policy(model_dir: Path, configured: str | None) -> dict[str, object]:
+    """The trainer's policy config for `--model DIR`: `configured` (FLYWHEEL_TRAINER_POLICY) may
+    add HF options; a built-in policy config there is a contradiction and refused."""
+    try:
+        user = json.loads(configured) if configured and configured.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise RunModelError(f"FLYWHEEL_TRAINER_POLICY is not JSON: {exc}") from None
+    if not isinstance(user, dict) or (user and user.get("type") != "hf"):
+        raise RunModelError(
+            f"FLYWHEEL_TRAINER_POLICY={configured} configures the built-in policy, but --model "
+            "runs a Hugging Face model: unset it, or give only HF options "
+            '(e.g. {"type": "hf", "kernels": "default"})'
+        )
+    return {**user, "type": "hf", "model_dir": str(model_dir)}
+
+
+def demo_env(model_dir: Path | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The roles' demo defaults (a variable set in `environ` wins); with `--model DIR`, without
+    `HF_DEMO_SKIP` and with the trainer on DIR's HF policy."""
+    demo = {k: v for k, v in DEMO_ENV.items() if k not in environ}
+    if model_dir is None:
+        return demo
+    policy = hf_trainer_policy(model_dir, environ.get("FLYWHEEL_TRAINER_POLICY"))
+    demo = {k: v for k, v in demo.items() if k not in HF_DEMO_SKIP}
+    demo["FLYWHEEL_TRAINER_POLICY"] = json.dumps(policy)
+    demo["FLYWHEEL_MODEL_DIR"] = str(model_dir)
+    return demo
+
+
+def prepare_model(settings: Settings, model_dir: Path, env: dict[str, str], log_dir: Path) -> str:
+    """`flywheel model import DIR --resume` in its own process (output in `<log_dir>/model-import.log`):
+    "imported" into an empty registry, "resumed" on one whose versions come from DIR;
+    RunModelError with the import's one-line refusal otherwise (another model, bad input)."""
+    import subprocess
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(settings.mlflow_uri, settings.mlflow_uri)
+    held = client.search_model_versions(f"name='{settings.model_name}'", max_results=1)
+    log_file = log_dir / "model-import.log"
+    with open(log_file, "ab") as out:
+        rc = subprocess.run(
+            [sys.executable, "-m", "app.cli", "model", "import", str(model_dir), "--resume"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    if rc != 0:
+        lines = log_file.read_text(errors="replace").strip().splitlines()
+        refused = [ln for ln in lines if ln.startswith("model import refused")]
+        raise RunModelError(
+            (refused or lines or [f"flywheel model import exited {rc}"])[-1] + f" (log: {log_file})"
+        )
+    return "resumed" if held else "imported"
 
 
 def _http_ok(url: str) -> bool:
@@ -120,8 +202,14 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     _stop_on_signals()
     data_dir = settings.data_dir.resolve()
+    model_dir = settings.model_dir.resolve() if settings.model_dir is not None else None
+    try:
+        demo = demo_env(model_dir, os.environ)
+    except RunModelError as exc:
+        console.print(f"[red]✗[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
     env = {
-        **{k: v for k, v in DEMO_ENV.items() if k not in os.environ},
+        **demo,
         "FLYWHEEL_DATA_DIR": str(data_dir),
         "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
         "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
@@ -165,6 +253,15 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
                     )
                 )
             console.print(f"[green]✓[/green] mlflow  {settings.mlflow_uri}")
+
+        if model_dir is not None:
+            with console.status(f"checking the registry for {model_dir}..."):
+                done = prepare_model(settings, model_dir, sup.base_env, data_dir / "logs")
+            console.print(
+                f"[green]✓[/green] model   {model_dir} ({done}; {settings.model_name} in MLflow)",
+                highlight=False,
+                soft_wrap=True,
+            )
 
         api_url = f"http://{settings.api_host}:{settings.api_port}"
         with console.status("starting the API..."):
@@ -236,6 +333,9 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
         return 0
     except KeyboardInterrupt:
         return 0
+    except RunModelError as exc:
+        console.print(f"[red]✗[/red] {exc}", highlight=False, soft_wrap=True)
+        return 2
     finally:
         console.print("stopping...")
         sup.stop_all()

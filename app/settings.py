@@ -77,6 +77,10 @@ class Settings(FlywheelSettings):
         "http://127.0.0.1:5000", description="MLflow tracking/registry server URI."
     )
     model_name: str = Field("flywheel-policy", description="Registered model name in MLflow.")
+    model_dir: Path | None = Field(
+        None,
+        description="`flywheel run` only (its `--model` flag): a Hugging Face causal LM directory (config.json, *.safetensors, tokenizer files) to run the whole loop on. Once MLflow is up, `flywheel model import DIR --resume` runs before the roles start: an empty registry gets DIR as version 1 (champion); a registry whose first version was imported from DIR itself (same config, tokenizer and weights) resumes; one holding another model is refused. The trainer gets DIR's HF policy. Unset: the built-in policy.",
+    )
     ship_interval: Duration = Field(
         5 * 3600.0, description="How often the trainer ships a checkpoint (e.g. `5h`, `2m`, `30s`)."
     )
@@ -271,6 +275,16 @@ class Settings(FlywheelSettings):
                 raise ValueError(
                     f"FLYWHEEL_KAFKA_BOOTSTRAP entry {part!r} must be host:port, e.g. localhost:9092"
                 )
+        return v
+
+    @field_validator("model_dir")
+    @classmethod
+    def _model_dir_is_a_model(cls, v: Path | None) -> Path | None:
+        if v is not None and not (v / "config.json").is_file():
+            raise ValueError(
+                f"FLYWHEEL_MODEL_DIR {str(v)!r} is not a Hugging Face model directory (no "
+                "config.json in it); give the directory save_pretrained wrote"
+            )
         return v
 
     @field_validator("topic_namespace")

@@ -13,7 +13,11 @@ Everything is validated before anything is written to the registry, so bad input
 - tokenizer: its files present, and every token id (`len(tokenizer)`, eos, bos) below the model's
   embedding rows;
 - the registered model holds no versions, unless `force` (then the registered model is deleted,
-  with its versions and aliases, and created again, so the import is version 1).
+  with its versions and aliases, and created again, so the import is version 1). When its first
+  version was imported from this very model (the same config and tokenizer files, `hf_files_sha256`,
+  and the same bf16 serving weights, the `checkpoint_sha256` of its `delta` tag), the error is
+  `AlreadyImported`: `flywheel model import --resume` (a deployment's import step, run on every
+  start) and `flywheel run --model` take that as "keep the versions" and go on.
 
 The version is registered as the trainer registers a ship (trainer/registry.py): the pyfunc
 model with bf16 serving weights, the policy config made self-contained (`files_sha256`, the HF
@@ -41,6 +45,10 @@ KIND = "import"
 
 class ModelImportError(ValueError):
     """Bad input to `flywheel model import`; the message names the file or field."""
+
+
+class AlreadyImported(ModelImportError):
+    """The registered model's versions descend from an import of this very model."""
 
 
 def _check_architecture(model_dir: Path) -> Any:
@@ -141,19 +149,16 @@ def import_model(
 
     d = Path(model_dir).resolve()
     policy = validate(d)
+    serving = policy.serving_state_dict()
+    files, sha = pack(d)
     reg = Registry(mlflow_uri, model_name)
     existing = _existing_versions(reg)
     if existing:
         if not force:
-            raise ModelImportError(
-                f"registered model {model_name!r} already holds versions {existing} "
-                "(--force deletes them and imports as version 1)"
-            )
+            raise _held(reg, existing, sha, serving)
         log.warning("--force: deleting registered model %s (versions %s)", model_name, existing)
         reg.client.delete_registered_model(model_name)
-    serving = policy.serving_state_dict()
     tok = policy.tokenizer
-    files, sha = pack(d)
     config = {  # upload_ship registers it with model_dir None and the files' sha (registry.py)
         **policy.config_dict(),
         "name": tok.name.split("@", 1)[0],  # the cache dir's name is a hash: keep the tokenizer id
@@ -204,6 +209,35 @@ def import_model(
     materialize(files, cache_root)
     log.info("imported %s as %s v%d (champion); model files %s", d, model_name, version, sha)
     return version
+
+
+def _held(
+    reg: Registry, existing: list[int], sha: str, serving: dict[str, Any]
+) -> ModelImportError:
+    """Why `existing` versions stop the import: AlreadyImported when the first one is an import of
+    the same files (`sha`) and weights (`serving`), ModelImportError naming the difference otherwise."""
+    from kernels.delta.hashing import checkpoint_sha256
+
+    first = reg.client.get_model_version(reg.name, str(existing[0]))
+    tags = dict(first.tags or {})
+    held = tags.get("hf_files_sha256")
+    prefix = f"registered model {reg.name!r} already holds versions {existing}"
+    if tags.get("kind") == KIND and held == sha:
+        weights = json.loads(tags.get("delta") or "{}").get("checkpoint_sha256")
+        if weights == checkpoint_sha256(serving):
+            return AlreadyImported(
+                f"{prefix}, imported from this model (v{first.version}: same files and weights); "
+                "--resume keeps them, --force deletes them and imports as version 1"
+            )
+        other = "the same config and tokenizer files, other weights"
+    elif held:
+        other = f"other config or tokenizer files, files_sha256 {held[:16]}"
+    else:
+        other = "not imported from a Hugging Face model directory: the built-in policy?"
+    return ModelImportError(
+        f"{prefix} of another model (v{first.version}: {other}); "
+        "`flywheel model import --force` deletes them and imports as version 1"
+    )
 
 
 def _existing_versions(reg: Registry) -> list[int]:

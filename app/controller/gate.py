@@ -70,7 +70,7 @@ class GateConfig(BaseModel):
     max_tensor_rel_change: float = Field(
         2.0,
         gt=0,
-        description="Gate: fail when the relative L2 change of any single tensor vs the parent version exceeds this.",
+        description="Gate: fail when the relative L2 change of any single tensor vs the parent version exceeds this (relative to the larger of its own norm and the norm of a tensor of its size at the parent checkpoint's RMS, so a tensor that is zero in the parent, such as a zero-initialized bias, has a finite change).",
     )
     ope_margin: float = Field(
         0.05,

@@ -85,7 +85,7 @@ def weight_sanity(
             ),
         ]
     num = den = 0.0
-    worst, worst_name = 0.0, ""
+    sums: dict[str, tuple[float, float, int]] = {}  # name -> (|a-b|^2, |b|^2, numel)
     for k, t in state.items():
         if not t.is_floating_point():
             continue
@@ -93,10 +93,18 @@ def weight_sanity(
         assert a.shape == b.shape, f"{k}: shape {tuple(a.shape)} vs parent {tuple(b.shape)}"
         d2, p2 = float(((a - b) ** 2).sum()), float((b**2).sum())
         num, den = num + d2, den + p2
-        rel = math.sqrt(d2) / max(math.sqrt(p2), 1e-12)
+        sums[k] = (d2, p2, b.numel())
+    glob = math.sqrt(num) / max(math.sqrt(den), 1e-12)
+    # a tensor's change relative to its own norm, or, when it is below that, to the norm a tensor
+    # of its size has at the parent checkpoint's RMS: a tensor that is zero in the parent (the
+    # zero-initialized q/k/v biases of a Qwen2 model, a LoRA B matrix) has no relative change of
+    # its own, and its first step would otherwise read as an infinite one
+    mean_sq = den / max(sum(n for _, _, n in sums.values()), 1)
+    worst, worst_name = 0.0, ""
+    for k, (d2, p2, n) in sums.items():
+        rel = math.sqrt(d2) / max(math.sqrt(p2), math.sqrt(mean_sq * n), 1e-12)
         if rel > worst:
             worst, worst_name = rel, k
-    glob = math.sqrt(num) / max(math.sqrt(den), 1e-12)
     ok = glob <= max_global_rel_change and worst <= max_tensor_rel_change
     return [
         finite,

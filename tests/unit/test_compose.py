@@ -1,6 +1,7 @@
 """docker-compose.yml is a real deployment description: every service it names runs a command
 the CLI has (with options it accepts), every FLYWHEEL_* variable is read by some settings
-class, secrets have no defaults, and every role waits for the migrate step."""
+class, secrets and the model directory have no defaults, and every role waits for the migrate
+step and for the one-shot import of the user's model (mounted read-only)."""
 
 from __future__ import annotations
 
@@ -80,8 +81,63 @@ def test_secrets_have_no_defaults():
         )
 
 
-@pytest.mark.parametrize("service", [s for s in ROLE_SERVICES if s not in ("migrate", "topics")])
+@pytest.mark.parametrize(
+    "service", [s for s in ROLE_SERVICES if s not in ("migrate", "topics", "model-import")]
+)
 def test_roles_start_after_the_migration_succeeded(service):
     deps = SERVICES[service].get("depends_on", {})
     assert deps.get("migrate", {}).get("condition") == "service_completed_successfully", service
     assert SERVICES[service]["environment"]["FLYWHEEL_PROFILE"] == "production"
+
+
+# --- the user's model: a read-only mount, imported once by a one-shot service before the roles ---
+MODEL_MOUNT = "/models/model"
+
+
+def _mounts(service: dict) -> dict[str, str]:
+    """{container path: "host-or-volume[:mode]"} of a service's short-syntax volumes."""
+    out = {}
+    for v in service.get("volumes", []):
+        mode = v[-3:] if v.endswith((":ro", ":rw")) else ""
+        src, _, dst = v.removesuffix(mode).rpartition(":")
+        out[dst] = src + mode
+    return out
+
+
+def test_the_model_directory_is_required_and_mounted_read_only():
+    text = (REPO / "docker-compose.yml").read_text()
+    uses = re.findall(r"\$\{MODEL_DIR([^}]*)\}", text)
+    assert uses and all(u.startswith(":?") for u in uses), f"MODEL_DIR must be required: {uses}"
+    for name in ("model-import", "trainer"):
+        mount = _mounts(SERVICES[name]).get(MODEL_MOUNT)
+        assert mount is not None, f"{name} must mount the model at {MODEL_MOUNT}"
+        assert mount.startswith("${MODEL_DIR:?") and mount.endswith(":ro"), (name, mount)
+
+
+def test_model_import_is_a_one_shot_that_keeps_the_versions_on_restart():
+    svc = SERVICES["model-import"]
+    assert svc["restart"] == "no"
+    assert svc["command"] == ["model", "import", MODEL_MOUNT, "--resume"]
+    assert svc["depends_on"] == {"mlflow": {"condition": "service_healthy"}}
+    assert _mounts(svc)["/var/lib/flywheel"] == "flywheel-data", "the HF files cache is shared"
+
+
+@pytest.mark.parametrize(
+    "service", [s for s in ROLE_SERVICES if s not in ("migrate", "topics", "model-import")]
+)
+def test_roles_start_after_the_model_import_succeeded(service):
+    deps = SERVICES[service].get("depends_on", {})
+    assert deps.get("model-import", {}).get("condition") == "service_completed_successfully", (
+        service
+    )
+
+
+def test_the_trainer_trains_the_mounted_model():
+    import json
+
+    env = _env_of(SERVICES["trainer"])
+    policy = json.loads(env["FLYWHEEL_TRAINER_POLICY"])
+    assert policy == {"type": "hf", "model_dir": MODEL_MOUNT}, policy
+    assert env["FLYWHEEL_PROFILE"] == "production" and "FLYWHEEL_WEBHOOK_SECRET" in env, (
+        "the trainer's environment must extend the shared one, not replace it"
+    )

@@ -78,3 +78,47 @@ def test_ctrl_c_stops_the_run_even_when_sigint_was_inherited_as_ignored():
         signal.SIGINT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
     )
     assert "cleanup ran" in out and rc == 0, (out, rc)
+
+
+def test_with_a_model_the_trainer_gets_its_hf_policy_and_no_built_in_demo_tuning(tmp_path):
+    """`flywheel run --model DIR`: the trainer trains DIR's HF policy at its own learning rate
+    (the demo's 1e-4 and pretraining are the built-in policy's); HF options already set in
+    FLYWHEEL_TRAINER_POLICY are kept; the rest of the demo cadence is the same."""
+    import json
+
+    import pytest
+
+    from app.run import HF_DEMO_SKIP, RunModelError, demo_env
+
+    model = tmp_path / "my-model"
+    assert demo_env(None, {}) == DEMO_ENV
+    env = demo_env(model, {})
+    assert json.loads(env["FLYWHEEL_TRAINER_POLICY"]) == {"type": "hf", "model_dir": str(model)}
+    assert env["FLYWHEEL_MODEL_DIR"] == str(model)
+    assert set(HF_DEMO_SKIP) <= set(DEMO_ENV) and not set(HF_DEMO_SKIP) & set(env)
+    assert {k: v for k, v in env.items() if k in DEMO_ENV} == {
+        k: v for k, v in DEMO_ENV.items() if k not in HF_DEMO_SKIP
+    }
+    kept = demo_env(model, {"FLYWHEEL_TRAINER_POLICY": '{"type": "hf", "kernels": "default"}'})
+    assert json.loads(kept["FLYWHEEL_TRAINER_POLICY"]) == {
+        "type": "hf",
+        "kernels": "default",
+        "model_dir": str(model),
+    }
+    with pytest.raises(RunModelError, match="built-in policy"):
+        demo_env(model, {"FLYWHEEL_TRAINER_POLICY": '{"d_model": 32}'})
+
+
+def test_model_dir_must_be_a_model_directory(tmp_path, monkeypatch):
+    import pytest
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    monkeypatch.setenv("FLYWHEEL_MODEL_DIR", str(tmp_path))
+    with pytest.raises(
+        ValidationError, match="FLYWHEEL_MODEL_DIR .* not a Hugging Face model directory"
+    ):
+        Settings()
+    (tmp_path / "config.json").write_text("{}")
+    assert Settings().model_dir == tmp_path

@@ -210,3 +210,33 @@ def test_bad_input_exits_2_names_the_problem_and_registers_nothing(mlflow_server
         assert len(line) == 1 and needle in line[0], (case, out.stderr[-2000:])
         assert _nothing_registered(mlflow_server, name), case
     assert not (tmp_path / "data" / "hf-models").exists()
+
+
+def test_resume_keeps_the_versions_of_the_same_model_and_refuses_other_weights(
+    mlflow_server, dirs, tmp_path
+):
+    """`--resume` (a deployment's import step, run on every start; `flywheel run --model`):
+    version 1 imported from the same files and weights keeps the registry as it is; the same
+    config and tokenizer with other weights is another model, refused, nothing registered."""
+    from tests.hf_models import tiny_qwen2_moe_dir
+    from trainer.registry import Registry
+
+    root, tok, model_dir = dirs
+    name = f"import-resume-{uuid.uuid4().hex[:8]}"
+    first = _import(mlflow_server, name, model_dir, tmp_path / "a", "--resume")
+    assert first.returncode == 0, first.stdout + first.stderr
+    reg = Registry(mlflow_server.uri, name)
+    assert [int(v.version) for v in reg.versions()] == [1]
+
+    again = _import(mlflow_server, name, model_dir, tmp_path / "b", "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already imported: versions kept (--resume)" in again.stdout + again.stderr
+    assert [int(v.version) for v in reg.versions()] == [1]
+    assert reg.alias_version("champion") == 1
+
+    other = tiny_qwen2_moe_dir(root / "other-weights", tok, seed=1)
+    refused = _import(mlflow_server, name, other, tmp_path / "c", "--resume")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    out = refused.stdout + refused.stderr
+    assert "of another model" in out and "other weights" in out, out
+    assert [int(v.version) for v in reg.versions()] == [1]

@@ -95,6 +95,23 @@ def test_big_weight_change_fails_and_small_one_passes():
     assert c.status == "fail" and "b" in c.detail and c.value == pytest.approx(math.sqrt(160 / 110))
 
 
+def test_a_zero_initialized_tensor_that_trains_is_not_an_infinite_change():
+    """Qwen2's q/k/v biases start at zero (so does a LoRA B matrix): a first step moves them
+    from a zero norm. Their change is measured against a tensor of their size at the checkpoint's
+    RMS; blowing them up, or any tensor x64 as the demo's planted version does, still fails."""
+    g = torch.Generator().manual_seed(0)
+    parent = {"w": torch.randn(64, 64, generator=g) * 0.02, "bias": torch.zeros(64)}
+    trained = {"w": parent["w"] + 1e-3, "bias": torch.full((64,), 1e-3)}
+    ok = weight_sanity(trained, parent, 0.5, 2.0)[1]
+    assert ok.status == "pass", ok.detail
+    blown_bias = {"w": parent["w"], "bias": torch.full((64,), 1.0)}
+    c = weight_sanity(blown_bias, parent, 0.5, 2.0)[1]
+    assert c.status == "fail" and "bias" in c.detail, c.detail
+    planted = {"w": parent["w"] * 64.0, "bias": parent["bias"]}
+    c = weight_sanity(planted, parent, 0.5, 2.0)[1]
+    assert c.status == "fail" and "w" in c.detail, c.detail
+
+
 def test_kl_and_regression_checks_by_hand():
     cand = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, 0.0, 0.0]])
     champ = cand - 0.1  # candidate is 0.1 nats more likely on each of its own 3 tokens
@@ -339,3 +356,23 @@ def test_reward_comparison_is_skipped_without_enough_logged_data():
     )
     c = {c.name: c for c in res.checks}["reward_vs_champion"]
     assert c.status == "skipped" and "40 logged rollouts" in c.detail
+
+
+def test_the_demos_planted_version_of_an_hf_moe_model_fails_the_weight_check(tmp_path):
+    """`flywheel run`'s planted version (trainer/shipping.plant_bad_weights: the largest matrix
+    x64) on a Qwen2-MoE's serving weights fails the gate's weight check; one optimizer-sized
+    nudge of every tensor, the zero-initialized q/k/v biases included, passes it."""
+    from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
+    from trainer.policy import build_policy
+    from trainer.shipping import plant_bad_weights
+
+    model = tiny_qwen2_moe_dir(tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"))
+    serving = build_policy({"type": "hf", "model_dir": str(model)}).serving_state_dict()
+    assert any(k.endswith("k_proj.bias") and not v.any() for k, v in serving.items())
+    nudged = {k: (v.float() + 1e-3).to(v.dtype) for k, v in serving.items()}
+    ok = weight_sanity(nudged, serving, 0.5, 2.0)[1]
+    assert ok.status == "pass", ok.detail
+    planted = plant_bad_weights(serving)
+    (blown,) = [k for k in serving if not torch.equal(planted[k], serving[k])]
+    c = weight_sanity(planted, serving, 0.5, 2.0)[1]
+    assert c.status == "fail" and f"in {blown} " in c.detail, c.detail

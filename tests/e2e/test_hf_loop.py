@@ -1,0 +1,344 @@
+"""A user's Hugging Face MoE model through the whole loop: `flywheel run --model DIR`.
+
+A tiny Qwen2-MoE directory is built offline (tests/hf_models.py: random weights, a BPE tokenizer
+trained on this repo's text) and saved with `save_pretrained`, as a user hands one over. `flywheel
+run --model DIR` runs as a subprocess with a short cadence (the built-in policy's e2e,
+tests/e2e/test_local_stack.py, runs the same stack): real Kafka, MLflow server, API, streams
+worker, trainer, controller, two replicas and the simulated editor population.
+
+Asserted through the registry, the status API, the replicas and the interactions topic:
+import -> serve -> feedback -> train -> ship -> gate -> canary -> promote or roll back -> delta
+sync to both replicas:
+
+- v1 is DIR itself (kind `import`, its model files' hash) and was champion;
+- generation events carry DIR's tokenizer id and MoE routes [T, 2 layers, top-2];
+- a trained version's lineage counts consumed rollouts; it was gated, canaried, then promoted or
+  rolled back, and each replica published `replica_synced` for it by the `delta` path (forward
+  from the version it held, not rebuilt from an anchor);
+- the held-out simulation scores v1 and the trained version; every replica serves the status
+  API's champion;
+- a second start on the same data dir resumes (nothing imported again), and a registry holding
+  another model is refused with one line.
+
+Each case of `CASES` only adds environment: the full fine-tuning case adds none.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir, train_bpe_tokenizer
+
+pytestmark = pytest.mark.e2e
+
+MOE_LAYERS, TOP_K = 2, 2  # tiny_qwen2_moe_dir
+
+# one entry per way of training the model; each only adds environment to `_env`
+CASES = [pytest.param({}, id="full")]
+
+
+def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
+    ports = {
+        name: free_port()
+        for name in (
+            "kafka",
+            "controller_quorum",
+            "mlflow",
+            "api",
+            "trainer_metrics",
+            "controller_metrics",
+            "streams_metrics",
+        )
+    }
+    ports["replicas"] = free_port()  # replica i on ports["replicas"] + i
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env.update(
+        FLYWHEEL_DATA_DIR=str(data_dir),
+        FLYWHEEL_KAFKA_BOOTSTRAP=f"127.0.0.1:{ports['kafka']}",
+        FLYWHEEL_KAFKA_CONTROLLER_PORT=str(ports["controller_quorum"]),
+        FLYWHEEL_KAFKA_HEAP="512m",
+        FLYWHEEL_MLFLOW_URI=f"http://127.0.0.1:{ports['mlflow']}",
+        FLYWHEEL_API_PORT=str(ports["api"]),
+        FLYWHEEL_SHIP_INTERVAL="60s",  # longer than a canary, or each new version supersedes it
+        FLYWHEEL_WAIT_WINDOW="4s",
+        # a random tiny model: lr 1e-6 (the HF default) moves no bf16 serving weight, and the
+        # delta would be empty; 1e-3 makes every version a real change
+        FLYWHEEL_TRAINER_LR="1e-3",
+        FLYWHEEL_TRAINER_MIN_ROLLOUTS="4",
+        FLYWHEEL_TRAINER_BATCH_SIZE="4",
+        FLYWHEEL_TRAINER_PLANT_BAD_VERSION="0",  # the planted version has its own unit tests
+        FLYWHEEL_TRAINER_METRICS_PORT=str(ports["trainer_metrics"]),
+        FLYWHEEL_CONTROLLER_METRICS_PORT=str(ports["controller_metrics"]),
+        FLYWHEEL_CONTROLLER_STEPS="50,100",  # few sessions here: a 5% step would see none
+        FLYWHEEL_CONTROLLER_MIN_STEP="3s",
+        FLYWHEEL_CONTROLLER_MARGIN="0.5",
+        FLYWHEEL_CONTROLLER_MIN_SAMPLES="4",
+        FLYWHEEL_CONTROLLER_STEP_DEADLINE="90s",
+        FLYWHEEL_CONTROLLER_POLL_INTERVAL="2s",
+        FLYWHEEL_CONTROLLER_GATE_ROLLOUTS="16",
+        FLYWHEEL_STREAMS_METRICS_BUCKET="2s",
+        FLYWHEEL_STREAMS_METRICS_PORT=str(ports["streams_metrics"]),
+        FLYWHEEL_SIMULATE_USERS="12",
+        FLYWHEEL_SIMULATE_RPS="4",
+        FLYWHEEL_SIMULATE_MAX_TOKENS="16",
+        PYTHONUNBUFFERED="1",
+    )
+    return env, ports
+
+
+def _start(env: dict[str, str], ports: dict[str, int], model_dir: Path, log: Path):
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "run",
+            "--model",
+            str(model_dir),
+            "--no-live",
+            "--duration",
+            "15m",
+            "--replica-base-port",
+            str(ports["replicas"]),
+        ],
+        env=env,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def _stop(proc: subprocess.Popen, timeout: float = 120.0) -> int:
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C does
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def _wait_for(what: str, fn, timeout: float, proc, log: Path, interval: float = 3.0):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, (
+            f"flywheel run exited ({proc.returncode}) while waiting for {what}:\n"
+            f"{log.read_text(errors='replace')[-4000:]}"
+        )
+        try:
+            last = fn()
+            if last:
+                return last
+        except (httpx.HTTPError, KeyError, ValueError) as exc:
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(
+        f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r}); "
+        f"logs in {log.parent}:\n{log.read_text(errors='replace')[-3000:]}"
+    )
+
+
+def _generations(bootstrap: str, limit: int = 50) -> list[dict]:
+    """Up to `limit` generation events from the start of `flywheel.interactions`."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(
+        "flywheel.interactions",
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        consumer_timeout_ms=10_000,
+    )
+    out = []
+    try:
+        for rec in consumer:
+            event = json.loads(rec.value)
+            if event.get("type") == "generation":
+                out.append(event)
+                if len(out) >= limit:
+                    break
+    finally:
+        consumer.close()
+    return out
+
+
+def _decided(events: list[dict]) -> str | None:
+    """The first trained version that was gated, canaried, and promoted or rolled back."""
+    by_type: dict[str, set[str]] = {}
+    for e in events:
+        by_type.setdefault(e["type"], set()).add(str(e.get("version")))
+    trained = {v for v in by_type.get("version_registered", set()) if v not in ("1", "None")}
+    for v in sorted(trained, key=int):
+        gated = v in by_type.get("gate_passed", set()) | by_type.get("gate_failed", set())
+        canaried = v in by_type.get("canary_started", set())
+        decided = v in by_type.get("promoted", set()) | by_type.get("rolled_back", set())
+        if gated and canaried and decided:
+            return v
+    return None
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("user-model")
+    return tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"))
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("extra_env", CASES)
+def test_an_hf_moe_model_goes_through_the_whole_loop(
+    tmp_path: Path, moe_dir: Path, extra_env: dict[str, str]
+):
+    from mlflow import MlflowClient
+
+    from trainer.policy.hf import HFTokenizer
+    from trainer.policy.hf_files import pack
+
+    data_dir = tmp_path / "data"
+    env, ports = _env(data_dir)
+    env.update(extra_env)
+    log = tmp_path / "run.log"
+    api = f"http://127.0.0.1:{ports['api']}"
+    replica_ids = ["replica-0", "replica-1"]
+    proc = _start(env, ports, moe_dir, log)
+    try:
+        _wait_for(
+            "the import of the model directory",
+            lambda: "(imported; flywheel-policy" in log.read_text(errors="replace"),
+            300,
+            proc,
+            log,
+        )
+        keys_file = data_dir / "local-keys.json"
+        http = httpx.Client(
+            base_url=api,
+            headers={"Authorization": f"Bearer {json.loads(keys_file.read_text())['read']}"},
+            timeout=10,
+        )
+
+        def history(**params) -> list[dict]:
+            r = http.get("/v1/deployments/history", params={"limit": 500, **params})
+            r.raise_for_status()
+            return r.json()["events"]
+
+        # import: v1 is the user's directory, and champion
+        mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
+        v1 = mlflow.get_model_version("flywheel-policy", "1")
+        assert v1.tags["kind"] == "import", v1.tags
+        assert v1.tags["hf_files_sha256"] == pack(moe_dir)[1]
+
+        def serving_v1() -> bool:
+            synced = {
+                e["details"]["replica_id"]
+                for e in history(type="replica_synced", version="1")
+                if e["version"] == "1" and e["details"].get("slot") == "champion"
+            }
+            return synced == set(replica_ids)
+
+        _wait_for("both replicas serving the imported v1 as champion", serving_v1, 300, proc, log)
+        assert any(e["version"] == "1" for e in history(type="alias_changed", version="1"))
+        lineage = http.get("/v1/models/1").json()["lineage"]
+        assert lineage["parent_version"] is None and not lineage["rollouts_consumed"], lineage
+
+        version = _wait_for(
+            "a trained version that was gated, canaried and promoted or rolled back",
+            lambda: _decided(history()),
+            900,
+            proc,
+            log,
+            interval=5,
+        )
+        body = http.get(f"/v1/models/{version}").json()
+        consumed = body.get("rollouts_consumed") or body.get("lineage", {}).get("rollouts_consumed")
+        assert consumed and int(consumed) > 0, f"v{version} must train on feedback: {body}"
+
+        # both replicas took the trained version forward from the one they held: a delta
+        def synced_by_delta() -> dict[str, list[str]]:
+            paths: dict[str, list[str]] = {r: [] for r in replica_ids}
+            for e in history(type="replica_synced", version=version):
+                if e["version"] == version:
+                    paths[e["details"]["replica_id"]].append(e["details"]["path"])
+            return paths if all(paths.values()) else {}
+
+        paths = _wait_for("both replicas' replica_synced", synced_by_delta, 120, proc, log)
+        assert all("delta" in p for p in paths.values()), paths
+        delta = json.loads(mlflow.get_model_version("flywheel-policy", version).tags["delta"])
+        assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
+
+        # serve: the generations the population got carry the tokenizer id and the MoE routes
+        expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
+        gens = _generations(env["FLYWHEEL_KAFKA_BOOTSTRAP"])
+        assert gens, "no generation event on flywheel.interactions"
+        for g in gens:
+            assert g["tokenizer"] == expected_tok, (g["tokenizer"], expected_tok)
+            t = len(g["completion_tokens"])
+            assert g["route_shape"] == [t, MOE_LAYERS, TOP_K], g["route_shape"]
+            assert len(base64.b64decode(g["routes"])) == 4 * t * MOE_LAYERS * TOP_K
+
+        # held-out simulation (app/simulate/evaluate.py) scores the imported and the trained version
+        def scored() -> bool:
+            return all(
+                "heldout_acceptance" in mlflow.get_model_version("flywheel-policy", v).tags
+                for v in ("1", version)
+            )
+
+        _wait_for("held-out acceptance of v1 and the trained version", scored, 300, proc, log)
+
+        # status: the API's champion is what every replica reports serving
+        def replicas_agree() -> str | None:
+            champion = http.get("/v1/deployments").json()["models"][0]["champion"]
+            served = {
+                httpx.get(f"http://127.0.0.1:{ports['replicas'] + i}/v1/status").json()["champion"]
+                for i in range(len(replica_ids))
+            }
+            return champion if champion is not None and served == {champion} else None
+
+        _wait_for("the replicas to serve the API's champion", replicas_agree, 120, proc, log)
+    finally:
+        rc = _stop(proc)
+    assert rc == 0, log.read_text(errors="replace")[-3000:]
+
+    # a second start on the same registry resumes: nothing is imported again
+    proc = _start(env, ports, moe_dir, log)
+    try:
+        _wait_for(
+            "the resumed start",
+            lambda: "(resumed; flywheel-policy" in log.read_text(errors="replace"),
+            300,
+            proc,
+            log,
+        )
+        assert not [
+            mv
+            for mv in mlflow.search_model_versions("name='flywheel-policy'")
+            if mv.tags.get("kind") == "import" and mv.version != "1"
+        ]
+    finally:
+        rc = _stop(proc)
+    assert rc == 0
+
+    # a registry that holds this model is refused for another one: one line, no role starts
+    other = tiny_llama_dir(moe_dir.parent / "other-model", moe_dir.parent / "tok")
+    before = len(log.read_bytes())
+    proc = _start(env, ports, other, log)
+    try:
+        rc = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+    text = log.read_bytes()[before:].decode(errors="replace")
+    assert rc == 2, text[-3000:]
+    refusal = [ln for ln in text.splitlines() if "model import refused" in ln]
+    assert len(refusal) == 1, text[-3000:]
+    assert "of another model" in refusal[0] and "other config or tokenizer files" in refusal[0]
+    assert "✓ api" not in text and "✓ trainer" not in text, text[-3000:]
