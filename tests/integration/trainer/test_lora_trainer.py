@@ -187,6 +187,8 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
         out = model.predict(["def add(a, b):\n    "], params={"max_tokens": 6, "seed": 1})
         assert len(out) == 1 and isinstance(out[0], str)
 
+        _check_export(settings, tmp_path, v3_state)
+
         # restart: the same fp32 adapter masters and optimizer moments
         trainer.save()
         masters = {k: v.clone() for k, v in trainer.policy.state_dict().items() if "lora_" in k}
@@ -206,3 +208,47 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
     finally:
         again.close()
         fetcher.close()
+
+
+def _check_export(settings, tmp_path: Path, v3_state: dict[str, torch.Tensor]) -> None:
+    """`flywheel model export 3` (the real CLI, in process): base + adapter/ that peft loads with
+    exactly v3's adapter, and --merged that transformers loads alone, with logits close to the
+    base + adapter's (merging rounds W + s * B @ A once per weight: not bit-equal); bad input
+    exits 2 with one line."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from app.cli import app
+
+    env = {
+        "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
+        "FLYWHEEL_MODEL_NAME": settings.model_name,
+        "FLYWHEEL_DATA_DIR": str(settings.data_dir),
+        "COLUMNS": "400",
+    }
+    runner = CliRunner()
+    plain, merged = tmp_path / "export-plain", tmp_path / "export-merged"
+    for args in (["3", "--out", str(plain)], ["3", "--out", str(merged), "--merged"]):
+        done = runner.invoke(app, ["model", "export", *args], env=env)
+        assert done.exit_code == 0, done.output
+    adapter = load_file(str(plain / "adapter" / "adapter_model.safetensors"))
+    assert adapter.keys() == v3_state.keys()
+    assert all(torch.equal(adapter[k], v3_state[k].float()) for k in v3_state)
+    kwargs = {"dtype": torch.float32, "attn_implementation": "eager"}
+    kwargs["experts_implementation"] = "eager"
+    ids = torch.tensor([[0, 5, 17, 42, 9]])
+    with torch.no_grad():
+        peft_model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(str(plain), **kwargs), str(plain / "adapter")
+        ).eval()
+        want = peft_model(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(str(merged), **kwargs).eval()(input_ids=ids)
+    torch.testing.assert_close(got.logits, want, rtol=1e-4, atol=1e-4)
+    for args, error in (
+        (["99", "--out", str(tmp_path / "x")], "has no version 99"),
+        (["3", "--out", str(plain)], "exists and is not an empty directory"),
+    ):
+        done = runner.invoke(app, ["model", "export", *args], env=env)
+        assert done.exit_code == 2 and error in done.output, done.output
