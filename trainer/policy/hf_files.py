@@ -12,7 +12,10 @@ Reader (trainer registry load, replica fetch, gate, pyfunc):
     path = materialize(files, cache_root)  # <cache_root>/<sha>/, written once, atomically
     policy = build_policy({"type": "hf", "files_sha256": sha})   # resolves the same directory
 
-`resolve(model_dir, files_sha256, cache_root)` is how `HFPolicy` finds its directory: `model_dir`
+A LoRA policy's file set also carries its frozen base weights (`model.safetensors`, `pack(...,
+weights=True)`; trainer/policy/lora.py), so its `files_sha256` covers the base.
+
+`resolve(model_dir, files_sha256, cache_root, weights)` is how `HFPolicy` finds its directory: `model_dir`
 when given (a user's directory, or a downloaded artifact directory), else
 `<cache_root>/<files_sha256>/`; with `files_sha256` set, the directory's files must hash to it, so
 an edited or half-written cache is never used. The hash covers each file's name, length and bytes
