@@ -188,8 +188,9 @@ class LoraPolicy(HFPolicy):
 
 def to_lora(policy: HFPolicy, spec: LoraSpec, cache_root: str | Path | None = None) -> LoraPolicy:
     """A LoRA policy whose frozen base is `policy`'s bf16 serving weights, with a fresh adapter
-    (peft's init: B = 0, so it starts as exactly the base). The base's files (config, tokenizer,
-    `model.safetensors`) go into the content-addressed cache (trainer/policy/hf_files.py)."""
+    (peft's init: B = 0, so it starts as exactly the base) and the same tokenizer id. The base's
+    files (config, tokenizer, `model.safetensors`) go into the content-addressed cache
+    (trainer/policy/hf_files.py)."""
     from safetensors.torch import save
 
     from trainer.policy.hf_files import WEIGHTS_FILE, files_sha256, materialize, pack, resolve
@@ -200,8 +201,9 @@ def to_lora(policy: HFPolicy, spec: LoraSpec, cache_root: str | Path | None = No
     files, _ = pack(src)
     files[WEIGHTS_FILE] = save(policy.serving_state_dict(), metadata={"format": "pt"})
     path = materialize(files, cache_root)
+    name = policy.config.name or policy.tokenizer.name.rsplit("@", 1)[0]  # the same tokenizer id
     config = policy.config.model_copy(
-        update={"model_dir": None, "files_sha256": files_sha256(files), "lora": spec}
+        update={"model_dir": None, "files_sha256": files_sha256(files), "lora": spec, "name": name}
     )
     if cache_root is not None:
         config = config.model_copy(update={"model_dir": str(path)})

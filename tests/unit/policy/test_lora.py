@@ -118,6 +118,7 @@ def test_a_fresh_adapter_is_exactly_the_base_and_only_the_adapter_trains(hf_moe_
     torch.manual_seed(0)
     policy = to_lora(full, MOE_SPEC, cache)
     prompts = encoded(policy)
+    assert policy.tokenizer.name == full.tokenizer.name  # rollouts of either are one tokenizer's
     # peft's init (B = 0): the same logits as the full policy it was made from, bit for bit
     assert torch.equal(full_logits(policy, prompts), full_logits(full, prompts))
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
