@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +114,18 @@ class LoraPolicy(HFPolicy):
             f"trainable parameters {sorted(trainable - set(self._adapter_keys.values()))[:3]} are "
             f"not adapter tensors"
         )
+        # peft's ParamWrapper registers a parametrization on the expert module for the length of
+        # each forward: `shadow()` (another thread: a replica's sync) must not copy the module then
+        self._forward_lock = threading.RLock()
 
     @property
     def lora(self) -> LoraSpec:
         assert self.config.lora is not None
         return self.config.lora
+
+    def forward_logits(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with self._forward_lock:
+            return super().forward_logits(*args, **kwargs)
 
     def _forward_params(self) -> dict[str, torch.Tensor]:
         """Only the adapter is substituted (bf16-rounded); the frozen base already holds bf16 values."""
@@ -156,18 +164,21 @@ class LoraPolicy(HFPolicy):
 
     def shadow(self) -> LoraPolicy:
         """A copy sharing the frozen base tensors (never written) with fresh, UNINITIALISED
-        adapter tensors, for `load_serving_state_dict` to fill (app/replica/weights.py)."""
-        own = self.model.state_dict(keep_vars=True)
-        adapter = {id(own[k]) for k in self._adapter_keys.values()}
-        memo: dict[int, Any] = {}
-        for t in self.state_dict(keep_vars=True).values():
-            if id(t) in memo:
-                continue
-            if id(t) in adapter:
-                memo[id(t)] = torch.nn.Parameter(torch.empty_like(t), requires_grad=t.requires_grad)
-            else:
-                memo[id(t)] = t  # shared: the base is frozen and identical in both
-        return copy.deepcopy(self, memo)
+        adapter tensors, for `load_serving_state_dict` to fill (app/replica/weights.py). Waits for
+        a forward running on another thread to end (the modules are copied between forwards)."""
+        with self._forward_lock:
+            own = self.model.state_dict(keep_vars=True)
+            adapter = {id(own[k]) for k in self._adapter_keys.values()}
+            memo: dict[int, Any] = {id(self._forward_lock): threading.RLock()}
+            for t in self.state_dict(keep_vars=True).values():
+                if id(t) in memo:
+                    continue
+                if id(t) in adapter:
+                    fresh = torch.empty_like(t)
+                    memo[id(t)] = torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
+                else:
+                    memo[id(t)] = t  # shared: the base is frozen and identical in both
+            return copy.deepcopy(self, memo)
 
     # --- export -----------------------------------------------------------------------------------
     def base_dir(self) -> Path:

@@ -312,3 +312,44 @@ def test_export_loads_with_transformers_and_peft_and_gives_the_policys_logits(
 def full_logits_of_base(policy: LoraPolicy, ids, mask, pos) -> torch.Tensor:
     with torch.no_grad(), policy.model.disable_adapter():
         return policy.forward_logits(ids, mask, pos)[0]
+
+
+def test_a_shadow_taken_while_another_thread_generates_is_a_clean_copy(hf_moe_dir, cache):
+    """A replica's sync thread makes the next version's shadow while the generation thread runs
+    the held one; peft's ParamWrapper holds a parametrization on the experts during each forward.
+    `shadow()` waits for the forward to end, so the copy carries no trace of it: loaded with an
+    adapter, it computes exactly what a policy built from scratch computes."""
+    import threading
+
+    policy = lora_policy(hf_moe_dir, MOE_SPEC, cache)
+    randomize_adapter(policy, seed=8)
+    prompts = encoded(policy)
+    inside, release = threading.Event(), threading.Event()
+    wrapper = next(m for n, m in policy.model.named_modules() if n.endswith("mlp.experts"))
+    experts = wrapper.get_base_layer()  # runs while both wrappers' parametrizations are on it
+
+    def hold(_module, _args):
+        if not inside.is_set():
+            inside.set()
+            assert release.wait(60), "the test never released the forward"
+
+    handle = experts.register_forward_pre_hook(hold)
+    gen = threading.Thread(target=policy.generate, args=(prompts, 3), kwargs={"seed": 0})
+    gen.start()
+    assert inside.wait(60), "the generation never reached the experts"
+    result: dict = {}
+    taker = threading.Thread(target=lambda: result.setdefault("shadow", policy.shadow()))
+    taker.start()
+    taker.join(0.5)
+    assert taker.is_alive(), "shadow() copied the policy in the middle of a forward"
+    release.set()
+    gen.join(60)
+    taker.join(60)
+    handle.remove()
+    shadow = result["shadow"]
+    randomize_adapter(policy, seed=9)  # the held version is untouched by loading the shadow
+    state = policy.serving_state_dict()
+    shadow.load_serving_state_dict(state)
+    fresh = build_policy(policy.config_dict())
+    fresh.load_serving_state_dict(state)
+    assert torch.equal(full_logits(shadow, prompts), full_logits(fresh, prompts))
