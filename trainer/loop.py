@@ -26,7 +26,6 @@ dead-lettered. Between `take()` and that accounting the in-memory state is not s
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -153,51 +152,10 @@ class Trainer:
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def _with_lora_setting(self, policy: Policy, source: str, convert: bool = True) -> Policy:
-        """`policy` as FLYWHEEL_TRAINER_LORA wants it: a full HF policy becomes the base of a fresh
-        adapter (`convert`; trainer/policy/lora.py), a LoRA policy must have the set adapter shape.
-        `source` names where the policy came from, for the errors."""
-        want = self.cfg.lora
-        have = policy.config_dict().get("lora")
-        if want is None:
-            if have is not None:
-                raise ValueError(
-                    f"{source} is a LoRA policy ({json.dumps(have, sort_keys=True)}) and "
-                    "FLYWHEEL_TRAINER_LORA is unset: set it to that adapter to continue training it"
-                )
-            return policy
-        from trainer.lora_spec import LoraSpec
-        from trainer.policy.lora import LoraTargetError, to_lora
+        """`policy` as FLYWHEEL_TRAINER_LORA wants it (trainer/policy/lora.py `with_lora_setting`)."""
+        from trainer.policy.lora import with_lora_setting
 
-        spec = LoraSpec(**want)
-        if have is not None:
-            if LoraSpec(**have) != spec:
-                raise ValueError(
-                    f"FLYWHEEL_TRAINER_LORA {json.dumps(spec.model_dump(), sort_keys=True)} differs "
-                    f"from the adapter of {source} ({json.dumps(have, sort_keys=True)})"
-                )
-            return policy
-        if policy.config_dict().get("type") != "hf":
-            raise ValueError(
-                f"FLYWHEEL_TRAINER_LORA needs a Hugging Face policy; {source} is type "
-                f"{policy.config_dict().get('type')!r}"
-            )
-        if not convert:
-            raise ValueError(
-                f"FLYWHEEL_TRAINER_LORA is set but {source} is a full fine-tuning state: start "
-                "with a new trainer state directory (the registry's versions are kept)"
-            )
-        try:
-            lora = to_lora(policy, spec)
-        except LoraTargetError as exc:
-            raise ValueError(f"FLYWHEEL_TRAINER_LORA: {exc}") from None
-        log.info(
-            "LoRA (r=%d, alpha=%g) on %s: %d adapter parameters, base frozen",
-            spec.r,
-            spec.alpha,
-            source,
-            sum(p.numel() for p in lora.parameters() if p.requires_grad),
-        )
-        return lora
+        return with_lora_setting(policy, self.cfg.lora, source, convert)
 
     def _version_policy(self, version: int) -> Policy:
         """Registered `version`'s policy with its serving weights, as FLYWHEEL_TRAINER_LORA wants it."""

@@ -26,6 +26,8 @@ parameter; the error names every one that does not.
 from __future__ import annotations
 
 import copy
+import json
+import logging
 import shutil
 import threading
 from pathlib import Path
@@ -36,6 +38,8 @@ import torch
 from trainer.lora_spec import LoraSpec
 from trainer.policy.hf import HFConfig, HFPolicy
 from trainer.policy.moe_lm import serving_weight
+
+log = logging.getLogger(__name__)
 
 
 class LoraTargetError(ValueError):
@@ -219,6 +223,53 @@ def to_lora(policy: HFPolicy, spec: LoraSpec, cache_root: str | Path | None = No
     if cache_root is not None:
         config = config.model_copy(update={"model_dir": str(path)})
     return LoraPolicy(config)
+
+
+def with_lora_setting(
+    policy: HFPolicy | Any, want: dict[str, Any] | None, source: str, convert: bool = True
+) -> Any:
+    """`policy` as the trainer's LoRA setting `want` (FLYWHEEL_TRAINER_LORA, None = full fine-tuning)
+    asks: a full HF policy becomes the base of a fresh adapter (`to_lora`, when `convert`), a LoRA
+    policy must have exactly that adapter shape, anything else is a ValueError naming the variable
+    and `source` (where the policy came from: a registered version, the trainer's state)."""
+    have = policy.config_dict().get("lora")
+    if want is None:
+        if have is not None:
+            raise ValueError(
+                f"{source} is a LoRA policy ({json.dumps(have, sort_keys=True)}) and "
+                "FLYWHEEL_TRAINER_LORA is unset: set it to that adapter to continue training it"
+            )
+        return policy
+    spec = LoraSpec(**want)
+    if have is not None:
+        if LoraSpec(**have) != spec:
+            raise ValueError(
+                f"FLYWHEEL_TRAINER_LORA {json.dumps(spec.model_dump(), sort_keys=True)} differs "
+                f"from the adapter of {source} ({json.dumps(have, sort_keys=True)})"
+            )
+        return policy
+    if not isinstance(policy, HFPolicy):
+        raise ValueError(
+            f"FLYWHEEL_TRAINER_LORA needs a Hugging Face policy; {source} is type "
+            f"{policy.config_dict().get('type', 'moe-byte')!r}"
+        )
+    if not convert:
+        raise ValueError(
+            f"FLYWHEEL_TRAINER_LORA is set but {source} is a full fine-tuning state: start "
+            "with a new trainer state directory (the registry's versions are kept)"
+        )
+    try:
+        lora = to_lora(policy, spec)
+    except LoraTargetError as exc:
+        raise ValueError(f"FLYWHEEL_TRAINER_LORA: {exc}") from None
+    log.info(
+        "LoRA (r=%d, alpha=%g) on %s: %d adapter parameters, base frozen",
+        spec.r,
+        spec.alpha,
+        source,
+        sum(p.numel() for p in lora.adapter_parameters()),
+    )
+    return lora
 
 
 def export_dir(policy: HFPolicy, out: str | Path, merged: bool = False) -> Path:

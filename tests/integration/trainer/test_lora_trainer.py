@@ -252,3 +252,65 @@ def _check_export(settings, tmp_path: Path, v3_state: dict[str, torch.Tensor]) -
     ):
         done = runner.invoke(app, ["model", "export", *args], env=env)
         assert done.exit_code == 2 and error in done.output, done.output
+
+
+def test_a_rejected_lora_version_rebases_onto_the_full_champion_with_a_fresh_adapter(
+    trainer_env, tmp_path, monkeypatch
+):
+    """The gate finds the first LoRA version (v2) confidently worse than the imported champion v1:
+    the trainer continues from v1, whose weights are another layout than its adapter, so it builds
+    a fresh adapter on v1's base (the same logits as v1, bit for bit) with a fresh optimizer over
+    the adapter alone, and its next version ships and rebuilds from the registry."""
+    from app.contracts.artifacts import apply_chain
+    from app.replica.fetch import VersionFetcher
+    from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
+    from trainer.policy import build_policy
+    from trainer.policy.lora import LoraPolicy
+
+    settings, cfg_kw = trainer_env
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(settings.data_dir))
+    model_dir = tiny_qwen2_moe_dir(tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"))
+    _import(settings, model_dir)
+    monkeypatch.setenv("FLYWHEEL_TRAINER_LORA", __import__("json").dumps(LORA))
+    cfg_kw = {k: v for k, v in cfg_kw.items() if k != "policy"}
+    trainer = Trainer(settings, TrainerConfig(**cfg_kw, verdict_check_s=1.0))
+    client = MlflowClient(settings.mlflow_uri)
+    fetcher = VersionFetcher(settings)
+    try:
+        v1 = build_policy(trainer.registry.policy_config(1))
+        v1.load_serving_state_dict(trainer.registry.download_serving_state(1))
+        rewards = itertools.cycle([1.0, -1.0])
+
+        def train_on_v1(seed: int) -> None:
+            records = rollout_records(v1, 1, 4, lambda _t: next(rewards), group_size=2, seed=seed)
+            for r in records:
+                r["tokenizer"] = v1.tokenizer.name
+            produce(settings, records)
+            drain(trainer, len(records))
+
+        train_on_v1(seed=0)
+        assert trainer.maybe_ship(force=True) == 2
+        client.set_model_version_tag(settings.model_name, "2", "flywheel.gate.status", "failed")
+        client.set_model_version_tag(
+            settings.model_name, "2", "flywheel.gate.reward_vs_champion", "fail -0.5"
+        )
+        assert trainer.maybe_rebase(now=1e9) == 1
+        policy = trainer.policy
+        assert isinstance(policy, LoraPolicy) and trainer.pending.rebased_on == 1
+        assert all(not v.any() for k, v in policy.serving_state_dict().items() if "lora_B" in k)
+        opt_params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        assert {id(p) for p in opt_params} == {id(p) for p in policy.adapter_parameters()}
+        assert not trainer.optimizer.state
+        prompts, comps = [[5, 6, 7], []], [[8, 9], [10]]
+        with torch.no_grad():
+            assert torch.equal(
+                policy.completion_logits(prompts, comps)[0], v1.completion_logits(prompts, comps)[0]
+            ), "a fresh adapter on v1's base must compute exactly v1"
+
+        train_on_v1(seed=1)
+        assert trainer.maybe_ship(force=True) == 3
+        state3, _ = apply_chain("3", fetcher.fetch_file)
+        assert _same_bits(state3, trainer.policy.serving_state_dict()) == []
+    finally:
+        fetcher.close()
+        trainer.close()

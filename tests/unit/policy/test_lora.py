@@ -110,6 +110,40 @@ def test_targets_the_model_does_not_have_are_refused_naming_them(hf_moe_dir, cac
     assert "experts.gate_up_proj" in msg.split("fused 3-d parameters:")[1]
 
 
+def test_the_trainer_setting_converts_a_full_policy_and_refuses_another_adapter(
+    hf_moe_dir, tmp_path, monkeypatch
+):
+    """trainer/loop.py applies FLYWHEEL_TRAINER_LORA with `with_lora_setting` to the policy it starts
+    from (a registered version, its own state, the base) and to a rebase's champion."""
+    from trainer.policy.lora import with_lora_setting
+
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path))  # to_lora's default cache
+    want = MOE_SPEC.model_dump()
+    full = build_policy({"type": "hf", "model_dir": str(hf_moe_dir)})
+    assert with_lora_setting(full, None, "v1") is full
+    lora = with_lora_setting(full, want, "registered v1")
+    assert isinstance(lora, LoraPolicy) and lora.config.lora == MOE_SPEC
+    assert (tmp_path / "hf-models" / lora.config.files_sha256 / "model.safetensors").is_file()
+    assert with_lora_setting(lora, want, "registered v2") is lora
+    with pytest.raises(
+        ValueError, match="registered v2 is a LoRA policy .* FLYWHEEL_TRAINER_LORA is"
+    ):
+        with_lora_setting(lora, None, "registered v2")
+    with pytest.raises(
+        ValueError, match='FLYWHEEL_TRAINER_LORA .*"r": 8.* differs from the adapter'
+    ):
+        with_lora_setting(lora, {**want, "r": 8}, "registered v2")
+    with pytest.raises(ValueError, match="is a full fine-tuning state"):
+        with_lora_setting(full, want, "the trainer state", convert=False)
+    with pytest.raises(ValueError, match="FLYWHEEL_TRAINER_LORA: LoRA targets not in the model"):
+        with_lora_setting(full, {"r": 2, "target_modules": ["w_qkv"]}, "registered v1")
+    builtin = build_policy({"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 32})
+    with pytest.raises(
+        ValueError, match="needs a Hugging Face policy; built-in is type 'moe-byte'"
+    ):
+        with_lora_setting(builtin, want, "built-in")
+
+
 # --- what trains, what is served ------------------------------------------------------------------
 
 
