@@ -29,6 +29,9 @@ they receive the ids and weights from the router. Routes of completion token j a
 input position that predicted it (`len(prompt) + j`, start token = 0), as in moe_lm.py:
 int32 [T, n_moe_layers, top_k].
 
+LoRA: a config with `lora` builds trainer/policy/lora.py's `LoraPolicy` (a peft adapter on this
+policy's model, the base weights among the model files); everything above holds for it.
+
 Serving weights: bf16, under the names and layout `save_pretrained` writes (tied weights dropped,
 fused experts reverted to per-expert tensors by transformers' own conversion), so a serving state
 dict saved with safetensors next to the config and tokenizer loads with
