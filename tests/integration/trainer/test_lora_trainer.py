@@ -187,6 +187,19 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
         out = model.predict(["def add(a, b):\n    "], params={"max_tokens": 6, "seed": 1})
         assert len(out) == 1 and isinstance(out[0], str)
 
+        # the registry's reader (trainer restart, gate, evaluator: hf_files.ensure_from_artifacts)
+        # fills a fresh cache with the base weights from v3's artifacts alone, verified
+        fresh = tmp_path / "fresh-cache"
+        config3 = trainer.registry.policy_config(3, cache_root=fresh)
+        assert (fresh / config3["files_sha256"] / "model.safetensors").is_file()
+        rebuilt = build_policy({**config3, "model_dir": str(fresh / config3["files_sha256"])})
+        rebuilt.load_serving_state_dict(v3_state)
+        with torch.no_grad():
+            assert torch.equal(
+                rebuilt.completion_logits([[5, 6]], [[7, 8]])[0],
+                lv3.policy.completion_logits([[5, 6]], [[7, 8]])[0],
+            )
+
         _check_export(settings, tmp_path, v3_state)
 
         # restart: the same fp32 adapter masters and optimizer moments
