@@ -691,6 +691,43 @@ def model_import(
     console.print(f"imported {model_dir} as {settings.model_name} v{version} (champion)")
 
 
+@model_app.command("export")
+def model_export(
+    version: Annotated[int, typer.Argument(help="The registered version to export.")],
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory to write (must not exist or be empty).")
+    ],
+    merged: Annotated[
+        bool,
+        typer.Option(
+            "--merged",
+            help="LoRA: merge the adapter into the base weights (else base + adapter/ for peft).",
+        ),
+    ] = False,
+) -> None:
+    """Write VERSION of FLYWHEEL_MODEL_NAME as a directory AutoModelForCausalLM.from_pretrained loads."""
+    from trainer.model_export import ExportError, export_version
+
+    settings = _settings()
+    try:
+        path = export_version(
+            version,
+            out,
+            settings.mlflow_uri,
+            settings.model_name,
+            merged=merged,
+            cache_root=settings.data_dir / "hf-models",
+        )
+    except ExportError as exc:
+        console.print(f"model export refused: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    lora = (path / "adapter").is_dir()
+    console.print(
+        f"exported {settings.model_name} v{version} to {path}"
+        + (" (base + adapter/ for peft)" if lora else " (merged)" if merged else "")
+    )
+
+
 @app.command("run")
 def run(
     replicas: Annotated[int, typer.Option(help="Inference replicas to start.")] = 2,

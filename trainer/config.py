@@ -160,6 +160,10 @@ class TrainerConfig(FlywheelSettings):
         default_factory=dict,
         description='Policy config (JSON) for `build_policy` when there is no checkpoint yet; {} = the built-in default; {"type": "hf", "model_dir": DIR} = a Hugging Face causal LM whose base weights are its directory\'s own (no pretraining).',
     )
+    lora: Annotated[dict[str, Any] | None, NoDecode] = Field(
+        None,
+        description='LoRA instead of full fine-tuning (JSON, trainer/lora_spec.py): {"r": 8, "alpha": 16, "dropout": 0, "target_modules": ["q_proj", "v_proj"], "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}; only the adapter trains and a version is the base model plus the adapter. Needs a Hugging Face policy (FLYWHEEL_TRAINER_POLICY type hf, or a registry whose versions are one, e.g. after `flywheel model import`). Unset or empty = full fine-tuning.',
+    )
     pretrain_steps: int = Field(
         300,
         ge=0,
@@ -213,6 +217,34 @@ class TrainerConfig(FlywheelSettings):
                 )
         return v
 
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_json(cls, v: Any) -> Any:
+        from pydantic import ValidationError
+
+        from trainer.lora_spec import LoraSpec
+
+        if isinstance(v, str):
+            if not v.strip():
+                return None
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"FLYWHEEL_TRAINER_LORA must be a JSON object, e.g. '{{\"r\": 8}}': {exc}"
+                ) from None
+        if v is None or v == {}:
+            return None
+        if not isinstance(v, dict):
+            raise ValueError(f"FLYWHEEL_TRAINER_LORA must be a JSON object, got {v!r}")
+        try:
+            return LoraSpec(**v).model_dump()
+        except ValidationError as exc:
+            errs = "; ".join(
+                f"{'.'.join(str(x) for x in e['loc']) or 'value'}: {e['msg']}" for e in exc.errors()
+            )
+            raise ValueError(f"FLYWHEEL_TRAINER_LORA: {errs}") from None
+
     @field_validator("pause_at")
     @classmethod
     def _known_pause_point(cls, v: str | None) -> str | None:
@@ -221,6 +253,16 @@ class TrainerConfig(FlywheelSettings):
                 f"FLYWHEEL_TRAINER_PAUSE_AT {v!r} must be one of {PAUSE_POINTS} (optionally `:N`)"
             )
         return v
+
+    @model_validator(mode="after")
+    def _lora_needs_hf(self) -> TrainerConfig:
+        if self.lora is not None and self.policy and self.policy.get("type", "moe-byte") != "hf":
+            raise ValueError(
+                "FLYWHEEL_TRAINER_LORA needs a Hugging Face policy; FLYWHEEL_TRAINER_POLICY is type "
+                f"{self.policy.get('type', 'moe-byte')!r} (set it to "
+                '\'{"type": "hf", "model_dir": DIR}\' or import a model with `flywheel model import`)'
+            )
+        return self
 
     @model_validator(mode="after")
     def _mask_range(self) -> TrainerConfig:

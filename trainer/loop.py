@@ -80,9 +80,7 @@ class Trainer:
         self.topic = settings.topic("rollouts")
         state = load_state(self.state_dir)
         self.policy, state = self._restore_or_bootstrap(state)
-        self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay
-        )
+        self.optimizer = self._make_optimizer()
         if state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         self.step: int = state["step"]
@@ -147,10 +145,29 @@ class Trainer:
         LAST_VERSION.set(self.last_shipped or 0)
 
     # --- start-up ----------------------------------------------------------------------------------
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the trainable parameters only (with LoRA: the adapter; the base is frozen)."""
+        cfg = self.cfg
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    def _with_lora_setting(self, policy: Policy, source: str, convert: bool = True) -> Policy:
+        """`policy` as FLYWHEEL_TRAINER_LORA wants it (trainer/policy/lora.py `with_lora_setting`)."""
+        from trainer.policy.lora import with_lora_setting
+
+        return with_lora_setting(policy, self.cfg.lora, source, convert)
+
+    def _version_policy(self, version: int) -> Policy:
+        """Registered `version`'s policy with its serving weights, as FLYWHEEL_TRAINER_LORA wants it."""
+        policy = build_policy(self.registry.policy_config(version))
+        policy.load_serving_state_dict(self.registry.download_serving_state(version))
+        return self._with_lora_setting(policy, f"registered v{version}")
+
     def _restore_or_bootstrap(self, state: dict[str, Any] | None) -> tuple[Policy, dict[str, Any]]:
         if state is not None:
             policy = build_policy(state["policy_config"])
             policy.load_state_dict(state["model"])
+            self._with_lora_setting(policy, f"the trainer state in {self.state_dir}", convert=False)
             log.info(
                 "resumed trainer state: step %d, last shipped v%s, positions %s",
                 state["step"],
@@ -173,8 +190,7 @@ class Trainer:
         versions = self.registry.versions()
         if versions:  # local state lost but the registry has versions: continue from the newest one
             latest = int(versions[-1].version)
-            policy = build_policy(self.registry.policy_config(latest))
-            policy.load_serving_state_dict(self.registry.download_serving_state(latest))
+            policy = self._version_policy(latest)
             log.warning(
                 "no trainer state in %s: starting from registered v%d (bf16 weights, fresh optimizer, "
                 "offsets from the consumer group)",
@@ -183,7 +199,7 @@ class Trainer:
             )
             fresh["last_shipped"] = latest
             return policy, fresh
-        policy = self._base_policy()
+        policy = self._with_lora_setting(self._base_policy(), "the base policy")
         fresh["intent"] = ShipIntent(
             ship_id=uuid.uuid4().hex,
             kind="base",
@@ -230,7 +246,12 @@ class Trainer:
         champ = self.registry.alias_version(CHAMPION)
         if champ is None or champ == self.ref_version:
             return
-        ref = build_policy(self.policy.config_dict())
+        config = self.policy.config_dict()
+        if (
+            config.get("type") == "hf"
+        ):  # the champion's own config: a LoRA line's champion may be full
+            config = {**self.registry.policy_config(champ), "kernels": config.get("kernels")}
+        ref = build_policy(config)
         ref.load_serving_state_dict(self.registry.download_serving_state(champ))
         ref.eval()
         for p in ref.parameters():
@@ -560,8 +581,12 @@ class Trainer:
         champ = self.registry.alias_version(CHAMPION)
         if rejected is None or champ is None or champ >= rejected:
             return None  # `verdicts_seen` is saved with the next state; re-reading passed verdicts changes nothing
-        self.policy.load_serving_state_dict(self.registry.download_serving_state(champ))
-        self.optimizer.state.clear()
+        if self.registry.policy_config(champ) == self._registered_config():
+            self.policy.load_serving_state_dict(self.registry.download_serving_state(champ))
+            self.optimizer.state.clear()
+        else:  # e.g. a LoRA line rejected back to the full base version: a fresh adapter on it
+            self.policy = self._version_policy(champ)
+            self.optimizer = self._make_optimizer()
         self.pending.rebased_on = champ
         REBASES.inc()
         log.warning(
@@ -574,6 +599,17 @@ class Trainer:
         self.save()
         self._refresh_reference()
         return champ
+
+    def _registered_config(self) -> dict[str, Any]:
+        """The policy's config as the registry records it (HF: model files by hash, no directory)."""
+        config = self.policy.config_dict()
+        if config.get("type") == "hf" and config.get("model_dir") is not None:
+            from trainer.policy.hf_files import pack, resolve
+
+            weights = bool(config.get("lora"))
+            path = resolve(config["model_dir"], config.get("files_sha256"), weights=weights)
+            config = {**config, "model_dir": None, "files_sha256": pack(path, weights)[1]}
+        return config
 
     def _ensure_joined(self, timeout_s: float = 600.0) -> None:
         """Commits need a group member: poll until the consumer has its partitions.

@@ -295,8 +295,11 @@ def _pack_hf_files(policy_config: dict[str, Any], out: Path) -> dict[str, Any]:
     to register: self-contained (`files_sha256`, no machine-local `model_dir`)."""
     from trainer.policy.hf_files import pack, resolve
 
-    src = resolve(policy_config.get("model_dir"), policy_config.get("files_sha256"))
-    files, sha = pack(src)
+    weights = bool(policy_config.get("lora"))  # a LoRA policy's base weights are model files
+    src = resolve(
+        policy_config.get("model_dir"), policy_config.get("files_sha256"), weights=weights
+    )
+    files, sha = pack(src, weights=weights)
     out.mkdir()
     for name, data in files.items():
         (out / name).write_bytes(data)

@@ -239,6 +239,15 @@ def _publish_delta(
                 if parent_serving and parent_serving[0] == parent
                 else registry.download_serving_state(parent)
             )
+            if _layout(parent_sd) != _layout(serving):
+                # e.g. a full version's weights -> the first LoRA version's adapter: nothing to diff
+                log.info(
+                    "parent v%s has other tensors than v%d (another policy config): v%d is an anchor",
+                    parent,
+                    version,
+                    version,
+                )
+                parent, parent_sd, manifest = None, None, None
     m = publish_version(
         out / "delta",
         str(version),
@@ -274,6 +283,10 @@ def _publish_delta(
         else None
     )
     return {"delta": out / "delta"}, info, pushed
+
+
+def _layout(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {k: (str(v.dtype), tuple(v.shape)) for k, v in state.items()}
 
 
 def _download_text(registry: Registry, version: int, rel: str) -> str | None:

@@ -284,9 +284,11 @@ class VersionFetcher:
 
     def _materialize_hf_files(self, version: str, config: dict[str, Any]) -> None:
         """An HF policy's model files (`model/artifacts/hf/`, trainer/policy/hf_files.py) into the
-        local cache, verified against the config's `files_sha256`, so build_policy finds them."""
+        local cache, verified against the config's `files_sha256`, so build_policy finds them (a
+        LoRA version's files include its base weights, downloaded once per base)."""
         from trainer.policy.hf_files import (
             HF_FILES,
+            WEIGHTS_FILE,
             HFFilesError,
             files_sha256,
             materialize,
@@ -296,13 +298,14 @@ class VersionFetcher:
         sha = config.get("files_sha256") if config.get("type") == "hf" else None
         if sha is None:
             return
+        weights = bool(config.get("lora"))
         try:
-            resolve(None, sha)
+            resolve(None, sha, weights=weights)
             return
         except HFFilesError:
             pass  # not here yet (or damaged): download
         files = {}
-        for name in HF_FILES:
+        for name in HF_FILES + ((WEIGHTS_FILE,) if weights else ()):
             try:
                 files[name] = self._get(f"{self._root(version)}/model/artifacts/hf/{name}")
             except FileNotFoundError:

@@ -93,9 +93,11 @@ def load_verified(
 
     Hashing what the policy will actually serve (after loading) covers the state dict too: the
     bf16 -> fp32 master -> bf16 round trip is exact, so any difference in `state` shows here.
-    `template`: a held version with the same architecture, whose structure is copied instead of
-    built (cheaper than a fresh random initialisation) without its weights (`_copy_structure`:
-    every weight is then loaded from `state` and verified).
+    `template`: a held version with the same config, whose structure is copied instead of built
+    (cheaper than a fresh random initialisation) without its weights (`Policy.shadow()`: every
+    serving tensor is fresh, then loaded from `state` and verified; a LoRA policy shares its frozen
+    base with the template, verified when the template was built by its config's `files_sha256`,
+    and only the adapter is fresh).
     `digests`: per-tensor SHA-256s of exactly these `state` tensors, computed by the caller from
     their bytes (the delta codec does while decoding, and checks them against the manifest).
     Then `sha256` must be the checkpoint hash of these digests and the policy's serving weights
@@ -104,7 +106,7 @@ def load_verified(
     from trainer.policy import build_policy
 
     if template is not None and dict(template.config) == dict(config):
-        policy = _copy_structure(template.policy)
+        policy = template.policy.shadow()
     else:
         policy = build_policy(dict(config))
     policy.load_serving_state_dict(dict(state))
@@ -134,26 +136,6 @@ def load_verified(
     return LoadedVersion(
         version=str(version), policy=policy, state=dict(state), sha256=sha256, config=dict(config)
     )
-
-
-def _copy_structure(policy: Any) -> Any:
-    """A deep copy of `policy` whose state-dict tensors are new and UNINITIALISED (every one is
-    overwritten by `load_serving_state_dict`, which refuses a state dict that misses any, and the
-    result is then verified bit for bit): copying the old weights first would be wasted work, the
-    largest part of building a shadow policy. Tied parameters stay tied (deepcopy's memo);
-    non-persistent buffers are copied as they are."""
-    import copy
-
-    memo: dict[int, Any] = {}
-    for t in policy.state_dict(keep_vars=True).values():  # parameters and persistent buffers
-        if id(t) not in memo:  # a tied tensor appears under each of its names
-            fresh = torch.empty_like(t)
-            memo[id(t)] = (
-                torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
-                if isinstance(t, torch.nn.Parameter)
-                else fresh
-            )
-    return copy.deepcopy(policy, memo)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -31,7 +31,12 @@ def build_policy(config: dict[str, Any] | None = None) -> Policy:
     if kind == "hf":
         from trainer.policy.hf import HFConfig, HFPolicy
 
-        return HFPolicy(HFConfig(**config))
+        hf = HFConfig(**config)
+        if hf.lora is not None:
+            from trainer.policy.lora import LoraPolicy
+
+            return LoraPolicy(hf)
+        return HFPolicy(hf)
     raise ValueError(f"unknown policy type {kind!r}; known types: {', '.join(POLICY_TYPES)}")
 
 

@@ -154,3 +154,23 @@ class Policy(ABC, torch.nn.Module):
     @abstractmethod
     def config_dict(self) -> dict[str, Any]:
         """JSON-serialisable config that `build_policy(config)` rebuilds the architecture from."""
+
+    def shadow(self) -> Policy:
+        """A policy of the same structure whose state-dict tensors are new and UNINITIALISED, for
+        `load_serving_state_dict` to fill (a replica's next version, app/replica/weights.py): copying
+        the old weights first would be wasted work, the largest part of building a shadow policy.
+        Tied parameters stay tied (deepcopy's memo); non-persistent buffers are copied as they are.
+        A policy whose serving state covers only part of its tensors (LoRA: the adapter) overrides
+        this to share the rest."""
+        import copy
+
+        memo: dict[int, Any] = {}
+        for t in self.state_dict(keep_vars=True).values():  # parameters and persistent buffers
+            if id(t) not in memo:  # a tied tensor appears under each of its names
+                fresh = torch.empty_like(t)
+                memo[id(t)] = (
+                    torch.nn.Parameter(fresh, requires_grad=t.requires_grad)
+                    if isinstance(t, torch.nn.Parameter)
+                    else fresh
+                )
+        return copy.deepcopy(self, memo)

@@ -29,6 +29,9 @@ they receive the ids and weights from the router. Routes of completion token j a
 input position that predicted it (`len(prompt) + j`, start token = 0), as in moe_lm.py:
 int32 [T, n_moe_layers, top_k].
 
+LoRA: a config with `lora` builds trainer/policy/lora.py's `LoraPolicy` (a peft adapter on this
+policy's model, the base weights among the model files); everything above holds for it.
+
 Serving weights: bf16, under the names and layout `save_pretrained` writes (tied weights dropped,
 fused experts reverted to per-expert tensors by transformers' own conversion), so a serving state
 dict saved with safetensors next to the config and tokenizer loads with
@@ -56,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from kernels.hf_mode import batch_invariant_mode
 from kernels.invariant import get_ops
 from kernels.logprobs import log_probs, token_logprobs
+from trainer.lora_spec import LoraSpec
 from trainer.policy.base import (
     OnStep,
     Policy,
@@ -181,6 +185,11 @@ class HFConfig(BaseModel):
         description="invariant: forwards inside kernels.hf_mode.batch_invariant_mode and invariant "
         "log-probs (bit-exact contract); default: plain torch ops.",
     )
+    lora: LoraSpec | None = Field(
+        None,
+        description="A LoRA adapter on the frozen base (trainer/policy/lora.py); the model files "
+        "then carry the base weights (model.safetensors, covered by files_sha256).",
+    )
 
 
 def _is_router(m: torch.nn.Module) -> bool:
@@ -234,7 +243,7 @@ class HFPolicy(Policy):
 
         from trainer.policy.hf_files import resolve
 
-        path = resolve(config.model_dir, config.files_sha256)
+        path = resolve(config.model_dir, config.files_sha256, weights=config.lora is not None)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path}/config.json not found: not a model directory")
         hf_config = AutoConfig.from_pretrained(str(path))
@@ -271,7 +280,9 @@ class HFPolicy(Policy):
         """The config; `files_sha256` and `name` only when set (a plain directory's config is as
         it always was, so its canonical hash does not change)."""
         d = self.config.model_dump()
-        return {k: v for k, v in d.items() if v is not None or k not in ("files_sha256", "name")}
+        return {
+            k: v for k, v in d.items() if v is not None or k not in ("files_sha256", "name", "lora")
+        }
 
     def set_kernels(self, name: Literal["invariant", "default"]) -> None:
         """Switch between the batch-invariant mode and plain torch ops (e.g. the gate's statistics)."""
@@ -323,7 +334,7 @@ class HFPolicy(Policy):
         b, s = tokens.shape
         flat_ids = None if replay_ids is None else replay_ids.reshape(b * s, *replay_ids.shape[2:])
         flat_mask = None if replay_mask is None else replay_mask.reshape(b * s)
-        params = {n: serving_weight(p) for n, p in self.model.named_parameters()}
+        params = self._forward_params()
         with self._routing(flat_ids, flat_mask) as states, self._mode():
             out = torch.func.functional_call(
                 self.model,
@@ -342,6 +353,10 @@ class HFPolicy(Policy):
             assert all(st.captured is not None for st in states), "a MoE router did not run"
             routes = torch.stack([st.captured.view(b, s, -1) for st in states], dim=2)
         return out.logits.float(), routes
+
+    def _forward_params(self) -> dict[str, torch.Tensor]:
+        """The parameters every forward substitutes: all of them, bf16-rounded (`serving_weight`)."""
+        return {n: serving_weight(p) for n, p in self.model.named_parameters()}
 
     # --- the Policy interface -------------------------------------------------------------------
     def _check_lengths(self, n_prompt: int, n_completion: int) -> None:

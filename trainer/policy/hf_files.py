@@ -12,7 +12,10 @@ Reader (trainer registry load, replica fetch, gate, pyfunc):
     path = materialize(files, cache_root)  # <cache_root>/<sha>/, written once, atomically
     policy = build_policy({"type": "hf", "files_sha256": sha})   # resolves the same directory
 
-`resolve(model_dir, files_sha256, cache_root)` is how `HFPolicy` finds its directory: `model_dir`
+A LoRA policy's file set also carries its frozen base weights (`model.safetensors`, `pack(...,
+weights=True)`; trainer/policy/lora.py), so its `files_sha256` covers the base.
+
+`resolve(model_dir, files_sha256, cache_root, weights)` is how `HFPolicy` finds its directory: `model_dir`
 when given (a user's directory, or a downloaded artifact directory), else
 `<cache_root>/<files_sha256>/`; with `files_sha256` set, the directory's files must hash to it, so
 an edited or half-written cache is never used. The hash covers each file's name, length and bytes
@@ -33,6 +36,9 @@ from trainer.policy.hf import TOKENIZER_FILES
 MODEL_FILES = ("config.json", "generation_config.json")
 HF_FILES = tuple(sorted(MODEL_FILES + TOKENIZER_FILES))
 """Every file `pack` carries (those present); weights are not among them."""
+WEIGHTS_FILE = "model.safetensors"
+"""The base weights a LoRA policy's file set carries (`pack(..., weights=True)`): the frozen base is
+part of the model's files, so `files_sha256` covers it (trainer/policy/lora.py)."""
 CACHE_DIR = "hf-models"
 
 
@@ -48,12 +54,16 @@ def files_sha256(files: Mapping[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def pack(model_dir: str | Path) -> tuple[dict[str, bytes], str]:
-    """The non-weight files of `model_dir` ({name: bytes}) and their `files_sha256`."""
+def pack(model_dir: str | Path, weights: bool = False) -> tuple[dict[str, bytes], str]:
+    """The non-weight files of `model_dir` ({name: bytes}) and their `files_sha256`; with `weights`
+    (a LoRA policy's base) `model.safetensors` too, which must then be there."""
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d / 'config.json'}: missing (not a model directory)")
-    files = {n: (d / n).read_bytes() for n in HF_FILES if (d / n).is_file()}
+    names = HF_FILES + ((WEIGHTS_FILE,) if weights else ())
+    if weights and not (d / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{d / WEIGHTS_FILE}: missing (the base weights of a LoRA policy)")
+    files = {n: (d / n).read_bytes() for n in names if (d / n).is_file()}
     return files, files_sha256(files)
 
 
@@ -65,7 +75,7 @@ def default_cache_root() -> Path:
 def materialize(files: Mapping[str, bytes], cache_root: str | Path | None = None) -> Path:
     """`<cache_root>/<sha>/` holding `files`; written into a temporary directory and renamed, so a
     reader never sees it half-written. An existing directory with the right hash is reused."""
-    unknown = sorted(set(files) - set(HF_FILES))
+    unknown = sorted(set(files) - set(HF_FILES) - {WEIGHTS_FILE})
     if unknown or "config.json" not in files:
         raise HFFilesError(
             f"not an HF model file set: unknown {unknown}, config.json "
@@ -75,7 +85,7 @@ def materialize(files: Mapping[str, bytes], cache_root: str | Path | None = None
     sha = files_sha256(files)
     final = root / sha
     if final.is_dir():
-        if pack(final)[1] == sha:
+        if pack(final, WEIGHTS_FILE in files)[1] == sha:
             return final
         shutil.rmtree(final)  # a damaged cache entry: write it again
     root.mkdir(parents=True, exist_ok=True)
@@ -86,13 +96,21 @@ def materialize(files: Mapping[str, bytes], cache_root: str | Path | None = None
         os.replace(tmp, final)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (final.is_dir() and pack(final)[1] == sha):  # another reader won the rename: fine
+        if not (
+            final.is_dir() and pack(final, WEIGHTS_FILE in files)[1] == sha
+        ):  # another won: fine
             raise
     return final
 
 
-def resolve(model_dir: str | None, sha: str | None, cache_root: str | Path | None = None) -> Path:
-    """The directory an HF policy config names (module docstring); verified when `sha` is set."""
+def resolve(
+    model_dir: str | None,
+    sha: str | None,
+    cache_root: str | Path | None = None,
+    weights: bool = False,
+) -> Path:
+    """The directory an HF policy config names (module docstring); verified when `sha` is set
+    (`weights`: the hash covers `model.safetensors` too, as a LoRA policy's does)."""
     if model_dir is None and sha is None:
         raise HFFilesError("an HF policy config needs model_dir or files_sha256")
     root = Path(cache_root) if cache_root is not None else default_cache_root()
@@ -103,7 +121,7 @@ def resolve(model_dir: str | None, sha: str | None, cache_root: str | Path | Non
                 f"{path}: no such directory; the model files with files_sha256 {sha} are not "
                 "materialized here (the registry reader writes them from the version's artifacts)"
             )
-        got = pack(path)[1]
+        got = pack(path, weights)[1]
         if got != sha:
             raise HFFilesError(f"{path}: model files hash to {got}, the policy config says {sha}")
     return path
@@ -119,7 +137,7 @@ def ensure_from_artifacts(
     if sha is None:
         return
     try:
-        resolve(None, sha, cache_root)
+        resolve(None, sha, cache_root, weights=bool(config.get("lora")))
         return
     except HFFilesError:
         pass  # not here yet (or damaged): download

@@ -55,7 +55,7 @@ def test_load_verified_refuses_digests_that_do_not_give_the_published_hash(tiny)
 def test_a_version_built_from_a_held_one_serves_its_own_weights_and_leaves_the_held_one_intact(
     tiny,
 ):
-    """The shadow policy copies the held version's structure without its weights (_copy_structure):
+    """The shadow policy copies the held version's structure without its weights (Policy.shadow):
     it must serve exactly the new weights, share no storage with the held policy, keep the
     non-persistent buffers, and leave the held version untouched (it may be serving requests)."""
     cfg, state0 = tiny(0)
