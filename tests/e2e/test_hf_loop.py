@@ -20,7 +20,11 @@ sync to both replicas:
 - a second start on the same data dir resumes (nothing imported again), and a registry holding
   another model is refused with one line.
 
-Each case of `CASES` only adds environment: the full fine-tuning case adds none.
+Each case of `CASES` only adds environment: the full fine-tuning case adds none, the LoRA case
+`FLYWHEEL_TRAINER_LORA` (q/v projections and the fused experts). With LoRA the first trained
+version is an adapter anchor (v1 holds full weights) and the test also waits for a later version
+shipped as an adapter delta, smaller than a twentieth of the model's file, that both replicas apply
+by the `delta` path; the resume and refusal checks run in the full case only.
 """
 
 from __future__ import annotations
@@ -44,8 +48,18 @@ pytestmark = pytest.mark.e2e
 
 MOE_LAYERS, TOP_K = 2, 2  # tiny_qwen2_moe_dir
 
+# LoRA on the attention projections and the fused experts (peft `target_parameters`)
+LORA = {
+    "r": 4,
+    "alpha": 8,
+    "target_modules": ["q_proj", "v_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
 # one entry per way of training the model; each only adds environment to `_env`
-CASES = [pytest.param({}, id="full")]
+CASES = [
+    pytest.param({}, id="full"),
+    pytest.param({"FLYWHEEL_TRAINER_LORA": json.dumps(LORA)}, id="lora"),
+]
 
 
 def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
@@ -200,6 +214,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     tmp_path: Path, moe_dir: Path, extra_env: dict[str, str]
 ):
     from mlflow import MlflowClient
+    from mlflow import artifacts as mlflow_artifacts
 
     from trainer.policy.hf import HFTokenizer
     from trainer.policy.hf_files import pack
@@ -207,6 +222,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     data_dir = tmp_path / "data"
     env, ports = _env(data_dir)
     env.update(extra_env)
+    lora = "FLYWHEEL_TRAINER_LORA" in extra_env
     log = tmp_path / "run.log"
     api = f"http://127.0.0.1:{ports['api']}"
     replica_ids = ["replica-0", "replica-1"]
@@ -270,10 +286,51 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
                     paths[e["details"]["replica_id"]].append(e["details"]["path"])
             return paths if all(paths.values()) else {}
 
-        paths = _wait_for("both replicas' replica_synced", synced_by_delta, 120, proc, log)
-        assert all("delta" in p for p in paths.values()), paths
-        delta = json.loads(mlflow.get_model_version("flywheel-policy", version).tags["delta"])
-        assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
+        def delta_tag(v: str) -> dict:
+            return json.loads(mlflow.get_model_version("flywheel-policy", v).tags["delta"])
+
+        if not lora:
+            paths = _wait_for("both replicas' replica_synced", synced_by_delta, 120, proc, log)
+            assert all("delta" in p for p in paths.values()), paths
+            delta = delta_tag(version)
+            assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
+        else:
+            # the first LoRA version is an adapter anchor (its parent v1 holds the full weights);
+            # a later one is an adapter delta, which both replicas apply forward
+            assert delta_tag("2")["anchor"] is True, delta_tag("2")
+
+            def adapter_delta_synced() -> str | None:
+                for mv in mlflow.search_model_versions("name='flywheel-policy'"):
+                    tag = json.loads(mv.tags.get("delta") or "{}")
+                    if int(mv.version) > 2 and tag.get("anchor") is False:
+                        version_ = str(mv.version)
+                        paths: dict[str, list[str]] = {r: [] for r in replica_ids}
+                        for e in history(type="replica_synced", version=version_):
+                            if e["version"] == version_:
+                                paths[e["details"]["replica_id"]].append(e["details"]["path"])
+                        if all(any("delta" in p for p in ps) for ps in paths.values()):
+                            return version_
+                return None
+
+            adapter_v = _wait_for(
+                "an adapter delta synced to both replicas", adapter_delta_synced, 900, proc, log
+            )
+            full_bytes = (moe_dir / "model.safetensors").stat().st_size  # fp32 base
+            assert 0 < delta_tag(adapter_v)["delta_bytes"] < full_bytes // 20, delta_tag(adapter_v)
+            config = json.loads(
+                (
+                    Path(
+                        mlflow_artifacts.download_artifacts(
+                            artifact_uri=f"models:/flywheel-policy/{adapter_v}",
+                            dst_path=str(tmp_path / "dl"),
+                            tracking_uri=env["FLYWHEEL_MLFLOW_URI"],
+                        )
+                    )
+                    / "artifacts"
+                    / "config.json"
+                ).read_text()
+            )
+            assert config["lora"]["r"] == LORA["r"], config
 
         # serve: the generations the population got carry the tokenizer id and the MoE routes
         expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
@@ -307,6 +364,8 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     finally:
         rc = _stop(proc)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
+    if lora:
+        return  # resuming and refusing another model do not depend on how the model trains
 
     # a second start on the same registry resumes: nothing is imported again
     proc = _start(env, ports, moe_dir, log)
