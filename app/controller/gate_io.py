@@ -39,7 +39,9 @@ def _download(client, model: str, version: str, rel: str, dst: str) -> str:
 def load_version(
     client, model: str, version: str
 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, str]]:
-    """(policy with the version's serving weights, the bf16 state dict, the version's tags)."""
+    """(policy with the version's serving weights, the bf16 state dict of the weights it computes
+    with (`Policy.effective_state_dict`: a LoRA version's adapter merged into its base, so a LoRA
+    child and its full parent compare tensor by tensor), the version's tags)."""
     from safetensors.torch import load_file
 
     from trainer.policy import build_policy
@@ -56,6 +58,8 @@ def load_version(
     policy = build_policy(config)
     if all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point()):
         policy.load_serving_state_dict(state)
+        # the weights it computes with (LoRA: the adapter merged), comparable across layouts
+        state = policy.effective_state_dict() or state
     if hasattr(policy, "set_kernels"):
         # the gate's statistics need fp32 accuracy, not the replicas' bit-exact batch invariance;
         # plain torch ops are ~10x faster here (a gate went from 83 s to 10 s on one busy core)

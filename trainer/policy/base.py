@@ -155,6 +155,13 @@ class Policy(ABC, torch.nn.Module):
     def config_dict(self) -> dict[str, Any]:
         """JSON-serialisable config that `build_policy(config)` rebuilds the architecture from."""
 
+    def effective_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The weights this policy computes with, as a full model's serving state, where that is
+        not `serving_state_dict()` itself (LoRA: the adapter merged into the base). None here: the
+        serving state is every weight. The gate's weight check compares these across versions of
+        different layouts (a full parent, a LoRA child)."""
+        return None
+
     def shadow(self) -> Policy:
         """A policy of the same structure whose state-dict tensors are new and UNINITIALISED, for
         `load_serving_state_dict` to fill (a replica's next version, app/replica/weights.py): copying

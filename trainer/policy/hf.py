@@ -541,17 +541,25 @@ class HFPolicy(Policy):
         return log_probs(logits, temperature, self.ops), targets, valid
 
     # --- serving weights ------------------------------------------------------------------------
-    def _to_saved_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What `save_pretrained` would write for `state` (a state dict of self.model, tied tensors
-        sharing storage): tied copies dropped, transformers' weight conversions reverted."""
+    def _to_saved_layout(
+        self, state: dict[str, torch.Tensor], model: torch.nn.Module | None = None
+    ) -> dict[str, torch.Tensor]:
+        """What `save_pretrained` would write for `state` (a state dict of `model`, default
+        self.model, tied tensors sharing storage): tied copies dropped, transformers' weight
+        conversions reverted."""
         from transformers.core_model_loading import revert_weight_conversion
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-        state = remove_tied_weights_from_state_dict(dict(state), self.model)
-        return revert_weight_conversion(self.model, state)
+        model = self.model if model is None else model
+        state = remove_tied_weights_from_state_dict(dict(state), model)
+        return revert_weight_conversion(model, state)
 
     def serving_state_dict(self) -> dict[str, torch.Tensor]:
-        own = self.model.state_dict()
+        return self._bf16_saved_state(self.model)
+
+    def _bf16_saved_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """`model`'s weights in bf16 under the names `save_pretrained` writes."""
+        own = model.state_dict()
         bf16: dict[int, torch.Tensor] = {}  # one bf16 copy per storage, so ties stay ties
         state = {}
         for k, v in own.items():
@@ -559,7 +567,7 @@ class HFPolicy(Policy):
             if key not in bf16:
                 bf16[key] = v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
             state[k] = bf16[key]
-        return {k: v.contiguous() for k, v in self._to_saved_layout(state).items()}
+        return {k: v.contiguous() for k, v in self._to_saved_layout(state, model).items()}
 
     def _saved_layout_map(self) -> dict[str, _Placement]:
         """saved name -> where its elements live in the model's state dict, from element indices

@@ -198,7 +198,13 @@ class LoraPolicy(HFPolicy):
 
     def merged_model(self) -> Any:
         """A plain `transformers` model (fp32) with the adapter merged into the base weights."""
-        return copy.deepcopy(self.model).merge_and_unload()
+        with self._forward_lock:  # peft parametrizes fused experts during a forward
+            return copy.deepcopy(self.model).merge_and_unload()
+
+    def effective_state_dict(self) -> dict[str, torch.Tensor]:
+        """The merged weights (base + scale * B @ A, rounded once to bf16) under the names a full
+        version of the base model serves: with a zero adapter, exactly the base's serving state."""
+        return self._bf16_saved_state(self.merged_model())
 
 
 def to_lora(policy: HFPolicy, spec: LoraSpec, cache_root: str | Path | None = None) -> LoraPolicy:

@@ -387,3 +387,39 @@ def test_a_shadow_taken_while_another_thread_generates_is_a_clean_copy(hf_moe_di
     fresh = build_policy(policy.config_dict())
     fresh.load_serving_state_dict(state)
     assert torch.equal(full_logits(shadow, prompts), full_logits(fresh, prompts))
+
+
+def test_the_gate_compares_a_lora_version_with_a_full_parent_by_its_merged_weights(
+    hf_moe_dir, cache
+):
+    """The gate's weight check (app/controller/monitors.py) needs the same tensors on both sides:
+    a LoRA version's effective weights are the adapter merged into the base, under the names the
+    full base version serves; a zero adapter gives the base's serving state exactly, a small one
+    changes only targeted tensors and passes, a blown-up one fails on its change, not its names."""
+    from app.controller.gate import GateConfig
+    from app.controller.monitors import weight_sanity
+
+    full = build_policy({"type": "hf", "model_dir": str(hf_moe_dir)})
+    base = full.serving_state_dict()
+    assert full.effective_state_dict() is None, "a full policy's serving state is every weight"
+    policy = lora_policy(hf_moe_dir, MOE_SPEC, cache)
+    fresh = policy.effective_state_dict()
+    assert set(fresh) == set(base)
+    assert all(torch.equal(fresh[k], base[k]) for k in base), "a zero adapter is the base"
+
+    cfg = GateConfig()
+
+    def weight_change(state):
+        checks = weight_sanity(state, base, cfg.max_global_rel_change, cfg.max_tensor_rel_change)
+        return next(c for c in checks if c.name == "weight_change")
+
+    randomize_adapter(policy, 1, std=0.01)
+    small = policy.effective_state_dict()
+    changed = {k for k in base if not torch.equal(small[k], base[k])}
+    assert changed and all(any(t in k for t in ("q_proj", "v_proj", "experts")) for k in changed), (
+        sorted(changed)[:5]
+    )
+    assert weight_change(small).status == "pass", weight_change(small)
+    randomize_adapter(policy, 1, std=3.0)
+    blown = weight_change(policy.effective_state_dict())
+    assert blown.status == "fail" and "names differ" not in (blown.detail or ""), blown
