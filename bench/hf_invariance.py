@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gen-tokens", type=int, default=24, help="completion tokens per prompt")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--profile", action="store_true", help="torch.profiler of the invariant step")
+    p.add_argument("--no-cost", action="store_true", help="the mismatch only")
     p.add_argument(
         "--mismatch-int8",
         action="store_true",
@@ -241,7 +242,7 @@ def main() -> None:
                 if kernels == "invariant" and scheme is None and r["max"] != 0:
                     failures.append(f"{name}: invariant mismatch max |Δ| {r['max']:.3g}")
         rows = windows(data, args.batch, args.seq + 1, seed=3)
-        tps = cost(policy, rows, args.repeats)
+        tps = {} if args.no_cost else cost(policy, rows, args.repeats)
         for kernels, v in tps.items():
             cst.add_row(name, params, kernels, f"{v:,.0f}", f"{tps['default'] / v:.2f}x")
         if args.profile and name != "builtin":
