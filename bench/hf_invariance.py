@@ -19,7 +19,8 @@ through Flywheel's HF policy (`build_policy({"type": "hf", ...})`):
    median of `--repeats`); ratio = default tokens/s / invariant tokens/s (target <= 1.35x).
    The mismatch (1) is measured with the default scheme; `--mismatch-int8` measures it with int8 too.
    The built-in policy (`builtin`: trainer.policy's default config, 1.4M parameters, its own
-   invariant kernels of kernels/invariant.py, not the dispatch mode) is measured the same way.
+   invariant kernels of kernels/invariant.py, not the dispatch mode) is measured the same way,
+   its invariant matmul as the exact-integer kernel (what it runs) and as the halving tree.
 3. `--profile`: torch.profiler over one invariant forward + backward per scheme: the aten ops by
    self CPU time.
 """
@@ -105,14 +106,29 @@ def variants(policy) -> dict[str, Any]:
             "invariant int8": setter("invariant", "int8"),
             "invariant float64": setter("invariant", "float64"),
         }
-    return {"default": setter("default", None), "invariant": setter("invariant", None)}
+    from kernels import invariant
+
+    exact, tree = invariant._matmul_inv, invariant._matmul_tree
+
+    def builtin(kernels: str, matmul):
+        def apply() -> None:
+            policy.set_kernels(kernels)
+            invariant._matmul_inv = matmul
+
+        return apply
+
+    return {
+        "default": builtin("default", exact),
+        "invariant (exact matmul)": builtin("invariant", exact),
+        "invariant (tree matmul)": builtin("invariant", tree),
+    }
 
 
 def cost(policy, rows: list[list[int]], repeats: int) -> dict[str, float]:
     """tokens/s of `train_step` per variant, rounds interleaved, median of `repeats`."""
-    from kernels import exact_matmul
+    from kernels import exact_matmul, invariant
 
-    scheme = exact_matmul.SCHEME
+    scheme, matmul = exact_matmul.SCHEME, invariant._matmul_inv
     times: dict[str, list[float]] = {}
     sets = variants(policy)
     policy.train()
@@ -127,7 +143,7 @@ def cost(policy, rows: list[list[int]], repeats: int) -> dict[str, float]:
                 train_step(policy, rows)
                 times.setdefault(name, []).append(time.perf_counter() - t0)
     finally:
-        exact_matmul.SCHEME = scheme
+        exact_matmul.SCHEME, invariant._matmul_inv = scheme, matmul
         policy.eval()
     n_tokens = sum(len(r) - 1 for r in rows)
     return {name: n_tokens / statistics.median(ts) for name, ts in times.items()}
@@ -255,7 +271,8 @@ def main() -> None:
         for f in failures:
             console.print(f"  {f}")
         raise SystemExit(1)
-    console.print("invariant kernels: generate() == logprobs() bit for bit on every HF model")
+    if any(name != "builtin" for name in args.models.split(",")):
+        console.print("invariant kernels: generate() == logprobs() bit for bit on every HF model")
 
 
 if __name__ == "__main__":
