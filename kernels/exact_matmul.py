@@ -32,19 +32,21 @@ the weights. K > K_MAX is reduced in blocks of K_MAX added left to right.
 Two integer forms of the scheme, chosen by `SCHEME` (different bits: the trainer and the replica
 must use the same one). `float64` is the default:
 - `float64`: the two 18-bit slices of steps 2-3 above, three float64 GEMMs (`torch.bmm`).
-- `int8` (experimental, not the contract): int8 slices multiplied by `torch._int_mm` (int8 x int8
-  -> int32, exact on every CPU; oneDNN runs it on AMX / VNNI where the CPU has them). Each scaled
-  operand, in (-1, 1), is cut into S8 = 5 slices of 7 bits (|slice| <= 127); the products of
-  slices s + t <= S8 - 1 are kept (15 of 25). The products of one diagonal d = s + t are one GEMM
-  over a concatenated K, [a_d .. a_0] @ [b_0; ..; b_d], an int32 sum below 5 K 127^2 < 2^31 for
-  K <= K_MAX_INT8 = 2^14; the diagonals are combined in int64 (Horner, exact) and rounded to
-  float64 once. About 1.7x cheaper per invariant training step than `float64` at 64-89M
-  parameters on this AMX CPU (bench/hf_invariance.py), but NOT invariant enough: b's K-row scale
-  2^f_k is the largest |b| over the whole K-row, and for attention scores (b = keys^T) that row
-  spans every key of the call, future keys included in a full forward, so the dropped low-order
-  products can round differently in a KV-cache decode (3 of 552 tokens differed on the tiny
-  Qwen3-MoE, 0 with `float64`; the `float64` form has the same dependence at 2^-36, below what
-  the tests have hit). Making it exact needs scales that do not depend on other keys.
+- `int8` (measured, not the default): int8 slices multiplied by `torch._int_mm` (int8 x int8 ->
+  int32, exact on every CPU; oneDNN runs it on AMX / VNNI where the CPU has them: 20x a float32
+  GEMM's rate on this CPU for 256 x 640 x 1792). Each scaled operand, in (-1, 1), is cut into
+  S8 = 5 slices of 7 bits (|slice| <= 127); the products of slices s + t <= S8 - 1 are kept
+  (15 of 25). The products of one diagonal d = s + t are one GEMM over a concatenated K,
+  [a_d .. a_0] @ [b_0; ..; b_d], an int32 sum below 5 K 127^2 < 2^31 for K <= K_MAX_INT8 = 2^14;
+  the diagonals are combined in int64 (Horner, exact) and rounded to float64 once. Invariant
+  under the same conditions as `float64` (0 differing tokens on the models of bench/hf_models.py),
+  but the step is bound by the elementwise splitting, not the GEMMs: per training step 1.15-1.9x
+  faster than `float64` on the 63.6M dense model, 0.9-1.0x on the 89.2M MoE one
+  (bench/hf_invariance.py), not enough to change the default.
+
+Both forms are batch-invariant only when b's K-row scales do not depend on the call: true for a
+weight, false for q @ k^T, whose K-rows span every key of the call (kernels/hf_mode.py routes the
+products of two activations to the tree for that reason).
 """
 
 from __future__ import annotations
