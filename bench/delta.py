@@ -4,8 +4,14 @@
     .venv/bin/python -m bench.delta                    # the ~0.88M-parameter fallback transformer
     .venv/bin/python -m bench.delta --quick            # short warm-up, lr {1e-6, 1e-5}, 1 step
     .venv/bin/python -m bench.delta --model policy --steps 1,10,100 --lrs 1e-6,1e-5   # docs/DESIGN.md §Delta sync grid
+    .venv/bin/python -m bench.delta --model hf-dense   # a 63.6M-parameter Qwen2 (bench/hf_models.py)
+    .venv/bin/python -m bench.delta --model hf-moe     # an 89M-parameter Qwen3-MoE (bench/hf_models.py)
 
-The model (`--model`) is the built-in policy (`policy`: trainer.policy.build_policy, fp32
+The model (`--model`) is a Hugging Face model of bench/hf_models.py (`hf-dense`, `hf-moe`: 50-150M
+parameters, built from a config, trained 40 steps at lr 1e-3 and cached, loaded through Flywheel's
+HF policy; next-token NLL on the repo text; defaults: no further warm-up, batch 4 x 64 tokens, grid
+lr {1e-6*, 1e-5} x {1, 10} steps, the fast codec only, best of 1; `--tiny` builds them at hidden 64
+for smoke tests), the built-in policy (`policy`: trainer.policy.build_policy, fp32
 masters, bf16 serving weights, 1.38M parameters) or the self-contained ~0.88M-parameter
 transformer of bench/training.py (`fallback`, the default: ~0.3 s per step). Both are
 trained by next-byte NLL on Python's standard-library sources with the TRAINER'S OPTIMIZER:
@@ -57,12 +63,12 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="warm-up steps at lr 1e-3 (default: fallback 150, policy 20; quick 5)",
     )
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; hf 4)")
     p.add_argument(
         "--seq",
         type=int,
         default=None,
-        help="bytes per sequence (default: fallback 128, policy 64)",
+        help="bytes (hf: tokens) per sequence (default: fallback 128, policy 64, hf 64)",
     )
     p.add_argument(
         "--lrs", default=None, help="comma-separated learning rates (default 1e-6,1e-5,1e-4)"
@@ -74,19 +80,23 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument(
         "--model",
-        choices=["policy", "fallback"],
+        choices=["policy", "fallback", "hf-dense", "hf-moe"],
         default="fallback",
         help="policy: the built-in policy (trainer.policy; ~1.5-5 s per training step on the shared "
-        "2 CPU cores); fallback: the ~0.88M-parameter transformer of bench/training.py (~0.3 s per step)",
+        "2 CPU cores); fallback: the ~0.88M-parameter transformer of bench/training.py (~0.3 s per step); "
+        "hf-dense / hf-moe: the 50-150M-parameter HF models of bench/hf_models.py",
     )
     p.add_argument(
-        "--no-sync", action="store_true", help="skip the replica sync part (policy only)"
+        "--tiny", action="store_true", help="hf models at hidden 64, 2 layers (smoke tests)"
+    )
+    p.add_argument(
+        "--no-sync", action="store_true", help="skip the replica sync part (policy and hf)"
     )
     p.add_argument(
         "--sync-rounds",
         type=int,
-        default=10,
-        help="measured replica sync rounds (policy only; one more warm-up round runs first)",
+        default=None,
+        help="measured replica sync rounds (policy 10, hf 3; one more warm-up round runs first)",
     )
     return p.parse_args()
 
@@ -94,7 +104,13 @@ def parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------ measurements
 
 
-def measure(base: dict, target: dict, level: int, repeats: int = 3) -> dict:
+def measure(
+    base: dict,
+    target: dict,
+    level: int,
+    repeats: int = 3,
+    impls: tuple[str, ...] = ("reference", "fast"),
+) -> dict:
     import numpy as np
     import zstandard
 
@@ -113,7 +129,7 @@ def measure(base: dict, target: dict, level: int, repeats: int = 3) -> dict:
     numel = sum(base[n].numel() for n in names)
     out = {"frac": changed / numel, "full": full, "zfull": zfull, "xorz": xorz}
     blobs = {}
-    for impl in ("reference", "fast"):
+    for impl in impls:
         enc_s, dec_s = [], []
         for _ in range(repeats):  # best of `repeats`: the shared cores' load only ever slows a run
             t0 = time.perf_counter()
@@ -128,7 +144,7 @@ def measure(base: dict, target: dict, level: int, repeats: int = 3) -> dict:
         )
         out[f"enc_{impl}"] = full / 1e6 / min(enc_s)
         out[f"dec_{impl}"] = full / 1e6 / min(dec_s)
-    out["same_bytes"] = blobs["reference"] == blobs["fast"]
+    out["same_bytes"] = blobs["reference"] == blobs["fast"] if "reference" in blobs else None
     out["delta"] = len(blobs["fast"])
     changed = [t for t in inspect_delta(blobs["fast"]).tensors if t.op == "delta"]
     out["ans"] = f"{sum(t.kind == 'ans' for t in changed)}/{len(changed)}"
@@ -145,27 +161,40 @@ def main() -> None:
 
     level = args.level or DEFAULT_LEVEL
     policy = args.model == "policy"
+    hf = args.model.startswith("hf-")
     warmup = (
-        args.warmup if args.warmup is not None else (5 if args.quick else 20 if policy else 150)
+        args.warmup
+        if args.warmup is not None
+        else (0 if hf else 5 if args.quick else 20 if policy else 150)
     )
     if args.steps:
         steps_grid = tuple(sorted({int(x) for x in args.steps.split(",")}))
     else:
-        steps_grid = (1,) if args.quick else (1, 10) if policy else (1, 10, 100)
+        steps_grid = (1,) if args.quick else (1, 10) if policy or hf else (1, 10, 100)
     lrs = (
         tuple(float(x) for x in args.lrs.split(","))
         if args.lrs
-        else ((1e-6, 1e-5) if args.quick else (1e-6, 1e-5, 1e-4))
+        else ((1e-6, 1e-5) if args.quick or hf else (1e-6, 1e-5, 1e-4))
     )
     console = Console(width=170)
-    tr = Trainer(args.model, args.batch, args.seq or (64 if policy else 128))
+    if hf:
+        from bench.hf_models import HFTrainer
+
+        tr = HFTrainer(
+            args.model, args.batch or 4, args.seq or 64, "tiny" if args.tiny else "full", console
+        )
+    else:
+        tr = Trainer(args.model, args.batch or 8, args.seq or (64 if policy else 128))
+    # the reference codec and 3 repeats cost minutes on a 100+ MB checkpoint: hf times the fast one once
+    impls, repeats = (("fast",), 1) if hf else (("reference", "fast"), 3)
     # versions one step apart at the default lr: a warm-up round + the measured ones
-    sync_steps = 1 + args.sync_rounds if policy and not args.no_sync else 0
+    sync_rounds = args.sync_rounds if args.sync_rounds is not None else (3 if hf else 10)
+    sync_steps = 1 + sync_rounds if (policy or hf) and not args.no_sync else 0
     if sync_steps and tr.default_lr not in lrs:
         lrs = tuple(sorted(lrs + (tr.default_lr,)))
     console.print(
         f"model: {tr.kind}, {tr.n_params():,} parameters; warm-up {warmup} steps at lr 1e-3; "
-        f"batch {tr.batch} x {tr.seq} bytes; zstd level {level}; trainer optimizer (AdamW betas "
+        f"batch {tr.batch} x {tr.seq} {'tokens' if hf else 'bytes'}; zstd level {level}; trainer optimizer (AdamW betas "
         f"{tuple(tr.opt.defaults['betas'])}, weight decay {tr.opt.defaults['weight_decay']}, clip "
         f"{tr.max_grad_norm}); * = trainer default lr {tr.default_lr:g}"
     )
@@ -194,7 +223,8 @@ def main() -> None:
                 if lr == tr.default_lr and done <= sync_steps:
                     chain.append(tr.serving())
     console.print(
-        f"warm-up loss {loss:.3f}; training took {time.perf_counter() - t_train:.0f} s "
+        (f"warm-up loss {loss:.3f}; " if warmup else "")
+        + f"training took {time.perf_counter() - t_train:.0f} s "
         f"({warmup + sum(max(max(steps_grid), sync_steps if lr == tr.default_lr else 0) for lr in lrs)} steps)"
     )
     table = Table(title="delta codec vs baselines (ratios = baseline bytes / delta bytes)")
@@ -217,7 +247,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     results = {}
     for (lr, s), (base, target) in sorted(pairs.items()):
-        r = measure(base, target, level)
+        r = measure(base, target, level, repeats, impls)
         results[(lr, s)] = r
         table.add_row(
             f"{lr:g}{'*' if lr == tr.default_lr else ''}",
@@ -228,9 +258,9 @@ def main() -> None:
             f"{r['zfull'] / r['delta']:.1f}x",
             f"{r['xorz'] / r['delta']:.2f}x",
             f"{r['full'] / r['xorz']:.1f}x",
-            f"{r['enc_reference']:.1f}",
+            f"{r['enc_reference']:.1f}" if "enc_reference" in r else "-",
             f"{r['enc_fast']:.1f}",
-            f"{r['dec_reference']:.1f}",
+            f"{r['dec_reference']:.1f}" if "dec_reference" in r else "-",
             f"{r['dec_fast']:.1f}",
             r["ans"],
             str(r["same_bytes"]),
@@ -248,6 +278,12 @@ def main() -> None:
         f">= 1.5x vs XOR+zstd everywhere: {'MET' if ok_xor else 'MISSED'} "
         f"(min {min(r['xorz'] / r['delta'] for r in results.values()):.2f}x)"
     )
+    if first is not None:
+        console.print(
+            f"published anchors: TRL sparse weight sync ~34-60x, PULSE ~130x (7B model); "
+            f"here {first['full'] / first['delta']:.0f}x at lr 1e-6 / 1 step on {tr.n_params() / 1e6:.1f}M "
+            "parameters"
+        )
     d = results.get((tr.default_lr, 1))
     if d is not None:
         console.print(
@@ -269,8 +305,8 @@ def main() -> None:
     # ---- time to sync 4 local replicas vs the floor (payload / measured loopback
     # bandwidth + apply time), on versions one step apart at the trainer's default lr;
     # bench/sync_replicas.py starts its own Kafka + MLflow and 4 replica processes.
-    if not policy:
-        console.print("[yellow]replica sync: needs the built-in policy (--model policy)[/]")
+    if not (policy or hf):
+        console.print("[yellow]replica sync: needs the built-in policy or an HF model[/]")
     elif sync_steps:
         from bench import sync_replicas
 

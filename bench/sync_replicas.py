@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.sync_replicas            # 3 rounds (+1 warm-up round), built-in policy
     .venv/bin/python -m bench.sync_replicas --quick    # 1 round (+1 warm-up), short training warm-up
+    .venv/bin/python -m bench.sync_replicas --model hf-dense   # a 63.6M-parameter Qwen2 (bench/hf_models.py)
     .venv/bin/python -m bench.sync_replicas --in-process   # the 4 agents as threads of this process
     .venv/bin/python -m bench.sync_replicas --kafka 127.0.0.1:9092 --mlflow http://127.0.0.1:5000  # reuse servers
 
@@ -147,26 +148,43 @@ def parse_args() -> argparse.Namespace:
         help="""fields of the built-in policy's config to change, as JSON (a larger model: '{"d_model": 256}')""",
     )
     p.add_argument(
+        "--model",
+        choices=["policy", "hf-dense", "hf-moe"],
+        default="policy",
+        help="the built-in policy, or a 50-150M-parameter HF model of bench/hf_models.py",
+    )
+    p.add_argument(
         "--child", default=None, help=argparse.SUPPRESS
     )  # internal: run one replica agent (id)
     return p.parse_args()
 
 
 def trained_states(
-    n: int, warmup: int, lr: float | None = None, policy_config: dict | None = None
+    n: int,
+    warmup: int,
+    lr: float | None = None,
+    policy_config: dict | None = None,
+    model: str = "policy",
 ) -> tuple[dict, list[dict]]:
     """(policy config, n successive bf16 serving state dicts, one AdamW step apart).
 
     bench/delta.py's Trainer (the built-in policy, next-byte NLL, the trainer's optimizer:
     trainer.config.TrainerConfig's AdamW betas, weight decay, gradient clipping) at `lr` (default:
     the trainer's default learning rate) after `warmup` steps at 1e-3, batch 4 x 128 bytes.
-    `policy_config`: fields of the built-in policy's config to change (a larger model)."""
-    from bench.training import Trainer
+    `policy_config`: fields of the built-in policy's config to change (a larger model).
+    `model` hf-dense / hf-moe: bench/hf_models.py's HFTrainer instead (already trained and cached:
+    no warm-up; batch 4 x 64 tokens)."""
+    if model != "policy":
+        from bench.hf_models import HFTrainer
 
-    tr = Trainer("policy", batch=4, seq=128, policy_config=policy_config)
-    assert tr.kind.startswith("built-in policy"), (
-        f"the sync benchmark needs the built-in policy, got {tr.kind}"
-    )
+        tr, warmup = HFTrainer(model), 0
+    else:
+        from bench.training import Trainer
+
+        tr = Trainer("policy", batch=4, seq=128, policy_config=policy_config)
+        assert tr.kind.startswith("built-in policy"), (
+            f"the sync benchmark needs the built-in policy, got {tr.kind}"
+        )
     lr = tr.default_lr if lr is None else lr
     for _ in range(warmup):
         tr.step(1e-3)
@@ -996,7 +1014,11 @@ def main() -> None:
     with local_stack(args.kafka, args.mlflow, console) as settings:
         console.print("training successive checkpoints…")
         cfg, states = trained_states(
-            rounds + 1, warmup=5 if args.quick else 20, lr=args.lr, policy_config=args.policy
+            rounds + 1,
+            warmup=5 if args.quick else 20,
+            lr=args.lr,
+            policy_config=args.policy,
+            model=args.model,
         )
         result = run_sync_bench(
             cfg,

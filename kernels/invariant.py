@@ -177,6 +177,22 @@ def cos(x: torch.Tensor) -> torch.Tensor:
 
 # --- kernels: invariant forward + reference ------------------------------------------------------
 def _matmul_inv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [K, N] with the exact-integer BLAS kernel (kernels/exact_matmul.py): every
+    caller passes a weight as `w`, whose K-row scales are constants, so a row's bits depend on that
+    row alone (batch invariance); rows with inf/NaN take the halving tree."""
+    from kernels.exact_matmul import exact_bmm
+
+    k, n = w.shape
+    rows = x.reshape(-1, k)
+    out = exact_bmm(rows[None], w[None], _tree_bmm)[0]
+    return out.reshape(*x.shape[:-1], n)
+
+
+def _tree_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.stack([_matmul_tree(a[i], b[i]) for i in range(a.shape[0])])
+
+
+def _matmul_tree(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     k, n = w.shape
     rows = x.reshape(-1, k)
     p2 = _next_pow2(k)
@@ -201,7 +217,7 @@ def reference_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [K, N] -> [..., N]; K reduced by the halving tree, rows chunked."""
+    """x [..., K] @ w [K, N] -> [..., N] for a weight `w`; exact-integer BLAS (`_matmul_inv`)."""
     assert x.dtype == w.dtype == COMPUTE_DTYPE, (
         f"matmul expects {COMPUTE_DTYPE}, got {x.dtype}, {w.dtype}"
     )

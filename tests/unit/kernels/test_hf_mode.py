@@ -448,3 +448,18 @@ def test_exact_bmm_parameter_cache_follows_in_place_updates():
         eightfold = lin(x)
     assert torch.equal(first, again)
     assert torch.equal(doubled, first * 2.0) and torch.equal(eightfold, first * 8.0)
+
+
+def test_attention_scores_do_not_depend_on_later_keys_inside_the_mode():
+    """q @ k^T for the first keys has the same bits whatever keys follow (a KV-cache decode step
+    sees only the keys so far, a full forward all of them); aten.bmm takes the tree for that.
+    The exact-integer kernel alone would not: it scales each K-row of b (a head dimension,
+    spanning every key) by its largest value, so a large later key changes the earlier scores."""
+    q, k = _rand(2, 1, 16, seed=40), _rand(2, 16, 5, seed=41)  # k^T: [B, head dim, keys]
+    later = _rand(2, 16, 3, seed=42, scale=1e6)
+    with_later = torch.cat([k, later], 2)
+    with torch.no_grad(), batch_invariant_mode():
+        assert torch.equal(torch.bmm(q, with_later)[:, :, :5], torch.bmm(q, k))
+    assert not torch.equal(
+        exact_bmm(q, with_later, hf_mode._tree_bmm)[:, :, :5], exact_bmm(q, k, hf_mode._tree_bmm)
+    ), "the exact-integer kernel's K-row scales do span N: it is not invariant to later keys"
