@@ -317,19 +317,13 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             )
             full_bytes = (moe_dir / "model.safetensors").stat().st_size  # fp32 base
             assert 0 < delta_tag(adapter_v)["delta_bytes"] < full_bytes // 20, delta_tag(adapter_v)
-            config = json.loads(
-                (
-                    Path(
-                        mlflow_artifacts.download_artifacts(
-                            artifact_uri=f"models:/flywheel-policy/{adapter_v}",
-                            dst_path=str(tmp_path / "dl"),
-                            tracking_uri=env["FLYWHEEL_MLFLOW_URI"],
-                        )
-                    )
-                    / "artifacts"
-                    / "config.json"
-                ).read_text()
+            source = mlflow.get_model_version("flywheel-policy", adapter_v).source
+            config_file = mlflow_artifacts.download_artifacts(
+                artifact_uri=f"{source}/artifacts/config.json",
+                dst_path=str(tmp_path / "dl"),
+                tracking_uri=env["FLYWHEEL_MLFLOW_URI"],
             )
+            config = json.loads(Path(config_file).read_text())
             assert config["lora"]["r"] == LORA["r"], config
 
         # serve: the generations the population got carry the tokenizer id and the MoE routes
