@@ -10,6 +10,9 @@ pyfunc model directory logged under the trainer's run (`ships/<ship_id>/model`):
     model/artifacts/hf/                   HF policies only: config.json, generation_config.json and
                                           the tokenizer files (trainer/policy/hf_files.py); the
                                           policy config records their `files_sha256`
+    model/artifacts/hf_ref.json           instead of hf/ when the files carry weights (a LoRA
+                                          base) that the parent version already stores: the
+                                          source of the version holding them
 
 plus, next to it, `ships/<ship_id>/lineage/request_ids.json` (the rollouts trained on since the
 parent) and `ships/<ship_id>/delta/` (app/contracts/artifacts.py output, when that module exists).
@@ -60,6 +63,12 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
         cfg = json.loads(Path(context.artifacts["config"]).read_text())
         if cfg.get("type") == "hf" and "hf" in context.artifacts:
             cfg["model_dir"] = context.artifacts["hf"]  # verified against files_sha256 on build
+        elif cfg.get("type") == "hf" and "hf_ref" in context.artifacts:
+            from trainer.policy.hf_files import ensure_from_artifacts
+
+            ref = json.loads(Path(context.artifacts["hf_ref"]).read_text())
+            # the files are stored with an earlier version: into the local cache, verified
+            ensure_from_artifacts(cfg, ref["source"], mlflow.get_tracking_uri())
         self.policy = build_policy(cfg)
         self.policy.load_serving_state_dict(load_file(context.artifacts["weights"]))
         self.policy.eval()
@@ -183,8 +192,13 @@ class Registry:
         tokenizer: dict[str, Any],
         request_ids: list[str],
         extra_dirs: dict[str, Path] | None = None,
+        parent_version: int | None = None,
     ) -> str:
-        """Log the pyfunc model (+ lineage, + extra dirs) under the run; returns the model source URI."""
+        """Log the pyfunc model (+ lineage, + extra dirs) under the run; returns the model source URI.
+
+        An HF model-file set that carries weights (a LoRA policy's base) and that `parent_version`
+        already stores is not logged again: `artifacts/hf_ref.json` names the version source that
+        holds it (trainer/policy/hf_files.py `HF_REF`)."""
         from safetensors.torch import save_file
 
         prefix = f"ships/{ship_id}"
@@ -205,7 +219,19 @@ class Registry:
             }
             if policy_config.get("type") == "hf":
                 policy_config = _pack_hf_files(policy_config, tmp_path / "hf")
-                artifacts["hf"] = str(tmp_path / "hf")
+                holder = self._hf_files_holder(policy_config, tmp_path / "hf", parent_version)
+                if holder is None:
+                    artifacts["hf"] = str(tmp_path / "hf")
+                else:
+                    from trainer.policy.hf_files import HF_REF
+
+                    ref = files / HF_REF
+                    ref.write_text(
+                        json.dumps(
+                            {"files_sha256": policy_config["files_sha256"], "source": holder}
+                        )
+                    )
+                    artifacts["hf_ref"] = str(ref)
             (files / "config.json").write_text(json.dumps(policy_config, indent=1, sort_keys=True))
             (files / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1, sort_keys=True))
             code = [
@@ -271,6 +297,25 @@ class Registry:
                 tracking_uri=self.uri,
             )
             return load_file(path)
+
+    def _hf_files_holder(
+        self, policy_config: dict[str, Any], packed: Path, parent_version: int | None
+    ) -> str | None:
+        """The model source that already stores these HF files, when they carry weights and the
+        parent version's config has the same `files_sha256`; else None (log them)."""
+        from trainer.policy.hf_files import WEIGHTS_FILE, ref_source
+
+        if parent_version is None or not (packed / WEIGHTS_FILE).is_file():
+            return None
+        source = self.client.get_model_version(self.name, str(parent_version)).source
+        with tempfile.TemporaryDirectory(prefix="flywheel-dl-") as tmp:
+            path = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{source}/artifacts/config.json", dst_path=tmp, tracking_uri=self.uri
+            )
+            parent = json.loads(Path(path).read_text())
+        if parent.get("files_sha256") != policy_config.get("files_sha256"):
+            return None
+        return ref_source(source, self.uri)
 
     def policy_config(self, version: int, cache_root: str | Path | None = None) -> dict[str, Any]:
         """`version`'s policy config, ready for `build_policy` on this machine: an HF policy's model

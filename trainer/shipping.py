@@ -167,6 +167,7 @@ def execute_ship(
                 tokenizer,
                 intent.pending.request_ids,
                 extra,
+                parent_version=intent.parent_version,
             )
         pause("before_register")
         version = reg.create_version(source, run_id, ship_id, tags)

@@ -286,8 +286,11 @@ class VersionFetcher:
         """An HF policy's model files (`model/artifacts/hf/`, trainer/policy/hf_files.py) into the
         local cache, verified against the config's `files_sha256`, so build_policy finds them (a
         LoRA version's files include its base weights, downloaded once per base)."""
+        import json
+
         from trainer.policy.hf_files import (
             HF_FILES,
+            HF_REF,
             WEIGHTS_FILE,
             HFFilesError,
             files_sha256,
@@ -304,10 +307,15 @@ class VersionFetcher:
             return
         except HFFilesError:
             pass  # not here yet (or damaged): download
+        model = f"{self._root(version)}/model"
+        try:  # stored with an earlier version (a LoRA line's base): hf_files.HF_REF names it
+            model = json.loads(self._get(f"{model}/artifacts/{HF_REF}"))["source"].rstrip("/")
+        except FileNotFoundError:
+            pass
         files = {}
         for name in HF_FILES + ((WEIGHTS_FILE,) if weights else ()):
             try:
-                files[name] = self._get(f"{self._root(version)}/model/artifacts/hf/{name}")
+                files[name] = self._get(f"{model}/artifacts/hf/{name}")
             except FileNotFoundError:
                 continue
         got = files_sha256(files)

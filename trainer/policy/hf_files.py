@@ -40,6 +40,10 @@ WEIGHTS_FILE = "model.safetensors"
 """The base weights a LoRA policy's file set carries (`pack(..., weights=True)`): the frozen base is
 part of the model's files, so `files_sha256` covers it (trainer/policy/lora.py)."""
 CACHE_DIR = "hf-models"
+HF_REF = "hf_ref.json"
+"""Written instead of `hf/` when a file set carrying weights is already stored with an earlier
+version: `{"files_sha256": ..., "source": <that version's model source URI>}`, so a LoRA line
+stores its base once (`ref_source` follows it)."""
 
 
 class HFFilesError(ValueError):
@@ -143,6 +147,7 @@ def ensure_from_artifacts(
         pass  # not here yet (or damaged): download
     import mlflow
 
+    source = ref_source(source, tracking_uri)
     with tempfile.TemporaryDirectory(prefix="flywheel-hf-") as tmp:
         hf_dir = mlflow.artifacts.download_artifacts(
             artifact_uri=f"{source}/artifacts/hf", dst_path=tmp, tracking_uri=tracking_uri
@@ -152,3 +157,25 @@ def ensure_from_artifacts(
     if got != sha:
         raise HFFilesError(f"{source}/artifacts/hf: files hash to {got}, the config says {sha}")
     materialize(files, cache_root)
+
+
+def ref_source(source: str, tracking_uri: str) -> str:
+    """The model source whose `artifacts/hf/` holds the files of the version at `source`: its own,
+    or the one its `artifacts/hf_ref.json` names (`HF_REF`)."""
+    import json
+
+    import mlflow
+
+    names = {
+        Path(f.path).name
+        for f in mlflow.artifacts.list_artifacts(
+            artifact_uri=f"{source}/artifacts", tracking_uri=tracking_uri
+        )
+    }
+    if HF_REF not in names:
+        return source
+    with tempfile.TemporaryDirectory(prefix="flywheel-hf-ref-") as tmp:
+        path = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{source}/artifacts/{HF_REF}", dst_path=tmp, tracking_uri=tracking_uri
+        )
+        return str(json.loads(Path(path).read_text())["source"])

@@ -15,6 +15,8 @@ CLI (a subprocess, as a user runs it) on a tiny Qwen2-MoE directory built offlin
   (the numerics contract with a non-zero adapter through the real loop);
 - v3 ships as an adapter delta from v2: v2 + delta rebuilt by apply_chain equals the trainer's
   adapter bit for bit, a replica swaps it in sharing v2's base tensors, and the pyfunc generates;
+  the base weights are stored once: v3's artifacts name v2's (`hf_ref.json`), and a replica with
+  an empty cache and a fresh registry reader follow that reference;
 - a restarted trainer resumes the same fp32 adapter and optimizer moments.
 
 Run: PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/trainer/test_lora_trainer.py -q
@@ -23,7 +25,9 @@ Run: PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/trainer/test_l
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +39,7 @@ from mlflow import MlflowClient
 from tests.integration.trainer.conftest import drain, produce, rollout_records
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
+from trainer.policy.hf_files import default_cache_root
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[3]
@@ -161,12 +166,21 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
         assert _same_bits(serving3, serving2), "the optimizer steps changed no adapter weight"
         m3 = fetch_manifest(fetcher.fetch_file, "3")
         assert m3.parent_version == "2" and m3.delta is not None and m3.anchor is None
+        # the base is stored once: v2's artifacts hold it, v3's name v2's (hf_files.HF_REF)
+        src2, src3 = (client.get_model_version(settings.model_name, v).source for v in ("2", "3"))
+        assert _artifact_names(settings, f"{src2}/artifacts/hf") >= {"model.safetensors"}
+        assert "hf" not in _artifact_names(settings, f"{src3}/artifacts")
+        ref = json.loads(fetcher._get(f"{src3}/artifacts/hf_ref.json"))
+        assert ref == {"files_sha256": config2["files_sha256"], "source": src2}, ref
+        shutil.rmtree(default_cache_root() / config2["files_sha256"])  # the replica follows it
         v3_state, m3 = apply_chain("3", fetcher.fetch_file, held=("2", lv2.state))
         assert _same_bits(v3_state, serving3) == []
+        config3 = fetcher.policy_config("3")
+        assert (default_cache_root() / config3["files_sha256"] / "model.safetensors").is_file()
         lv3 = load_verified(
             "3",
             v3_state,
-            fetcher.policy_config("3"),
+            config3,
             m3.checkpoint_sha256,
             template=lv2,
             digests={t.name: t.sha256 for t in m3.tensors},
@@ -221,6 +235,15 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
     finally:
         again.close()
         fetcher.close()
+
+
+def _artifact_names(settings, uri: str) -> set[str]:
+    import mlflow
+
+    return {
+        Path(f.path).name
+        for f in mlflow.artifacts.list_artifacts(artifact_uri=uri, tracking_uri=settings.mlflow_uri)
+    }
 
 
 def _check_export(settings, tmp_path: Path, v3_state: dict[str, torch.Tensor]) -> None:
