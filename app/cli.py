@@ -558,15 +558,26 @@ def trainer_cmd(
     port: Annotated[
         int | None,
         typer.Option(
-            help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_TRAINER_METRICS_PORT)."
+            help="Port of the Prometheus /metrics endpoint (0 disables; default FLYWHEEL_TRAINER_METRICS_PORT); rank R serves it on port + its local rank."
+        ),
+    ] = None,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            help="Ranks to start on this host with torchrun (default FLYWHEEL_TRAINER_NPROC; 1 = one process).",
         ),
     ] = None,
 ) -> None:
-    """Continuous RL trainer: consume rollouts, train, register a version every FLYWHEEL_SHIP_INTERVAL (docs/TRAINER.md)."""
+    """Continuous RL trainer: consume rollouts, train, register a version every FLYWHEEL_SHIP_INTERVAL (docs/TRAINER.md; several ranks: docs/SCALING.md)."""
     from trainer.config import TrainerConfig
 
-    cfg = _configured(TrainerConfig, metrics_port=port)
+    cfg = _configured(TrainerConfig, metrics_port=port, nproc=nproc)
     _settings()
+    if cfg.nproc > 1:
+        from trainer.launch import exec_torchrun
+
+        exec_torchrun(cfg)  # does not return
     from trainer.launch import main as trainer_main
 
     trainer_main(cfg)

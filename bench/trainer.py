@@ -7,8 +7,14 @@
    `logprobs()`: max |delta logprob| and the fraction of tokens whose bits differ, for default /
    invariant kernels x route replay off / on.
 
+3. `--nproc 1,2`: the trainer's own distributed step (`Trainer.forward_backward` on ranks started
+   by torchrun, bench/trainer_ranks.py) on one global batch: tokens/s per rank count, the scaling
+   efficiency tokens/s(N) / (N x tokens/s(1)), and one process with N threads as the baseline
+   that uses the same cores, all measured in the same run.
+
     .venv/bin/python -m bench.trainer --quick
     .venv/bin/python -m bench.trainer --checkpoint .flywheel/base --threads 2
+    .venv/bin/python -m bench.trainer --nproc 1,2
 """
 
 from __future__ import annotations
@@ -118,6 +124,49 @@ def route_drift(
     return flips / max(1, total), float(d_off), float(d_on)
 
 
+def ranks_tokens_per_s(nproc: int, threads: int, batch: int, steps: int) -> float:
+    """Global-batch tokens/s of the trainer step on `nproc` ranks (torchrun), `threads` each."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        argv += [f"--nproc-per-node={nproc}", "-m", "bench.trainer_ranks", "--out", out]
+        argv += ["--batch", str(batch), "--steps", str(steps), "--threads", str(threads)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(argv)} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            )
+        r = json.loads(open(out).read())
+    return r["tokens"] / statistics.median(r["step_s"])
+
+
+def scaling(nprocs: list[int], quick: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    batch, steps = (8, 2) if quick else (32, 5)
+    t = Table(
+        title=f"trainer step on N ranks (torchrun, gloo), global batch {batch} rollouts, tokens/s"
+    )
+    for col in ("ranks", "threads/rank", "tokens/s", "speed-up vs 1 rank", "efficiency"):
+        t.add_column(col, justify="right")
+    base = ranks_tokens_per_s(1, 1, batch, steps)
+    for n in nprocs:
+        tps = base if n == 1 else ranks_tokens_per_s(n, 1, batch, steps)
+        t.add_row(str(n), "1", f"{tps:,.0f}", f"{tps / base:.2f}x", f"{tps / (n * base):.0%}")
+        if n > 1:  # the same cores in one process: the baseline a rank count has to beat
+            one = ranks_tokens_per_s(1, n, batch, steps)
+            t.add_row("1", str(n), f"{one:,.0f}", f"{one / base:.2f}x", "-")
+    Console().print(t)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -129,7 +178,14 @@ def main() -> None:
     )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads.")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--nproc",
+        help="Comma-separated rank counts (e.g. 1,2): measure the distributed trainer step instead.",
+    )
     args = ap.parse_args()
+    if args.nproc:
+        scaling([int(x) for x in args.nproc.split(",")], args.quick)
+        return
 
     import torch
     from rich.console import Console

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -195,7 +195,43 @@ class TrainerConfig(FlywheelSettings):
     )
     pause_at: str | None = Field(
         None,
-        description=f"TEST HOOK: pause forever at a point ({', '.join(PAUSE_POINTS)}; `after_optimizer_step:N` = at step N), writing `<state_dir>/paused-at` so a test can SIGKILL the process there.",
+        description=f"TEST HOOK: pause forever at a point ({', '.join(PAUSE_POINTS)}; `after_optimizer_step:N` = at step N; a suffix `@R` = on rank R only), writing `<state_dir>/paused-at` (with the rank and pid) so a test can SIGKILL the process there.",
+    )
+
+    # --- ranks (torchrun; trainer/distributed.py) ------------------------------------------------------
+    nproc: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="`flywheel trainer` starts this many ranks on this host with torchrun (1 = one process, no torch.distributed). Under torchrun itself, WORLD_SIZE decides.",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="With nproc > 1: how many times torchrun restarts every rank after one fails or is killed (the state resumes from the last save; docs/SCALING.md).",
+    )
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="With more than one rank: `ddp` replicates the weights and sums gradients over ranks; `fsdp` shards them with FSDP2 `fully_shard` (Hugging Face policies) for models that do not fit one device.",
+    )
+    dist_backend: Literal["gloo", "nccl"] | None = Field(
+        None,
+        description="torch.distributed backend of the ranks; default NCCL when CUDA is available, else gloo.",
+    )
+    dist_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Timeout of the ranks' collectives (a rank waiting longer on the others fails with an error; torchrun then restarts all of them).",
+    )
+    ship_barrier_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long the ranks wait for each other to commit their offsets after rank 0 registered a version.",
+    )
+    grad_bucket_mb: float = Field(
+        25.0,
+        gt=0,
+        description="Size of the buckets in which gradients are summed over ranks (MiB).",
     )
 
     @field_validator("policy", mode="before")
@@ -248,9 +284,9 @@ class TrainerConfig(FlywheelSettings):
     @field_validator("pause_at")
     @classmethod
     def _known_pause_point(cls, v: str | None) -> str | None:
-        if v is not None and v.split(":")[0] not in PAUSE_POINTS:
+        if v is not None and v.split("@")[0].split(":")[0] not in PAUSE_POINTS:
             raise ValueError(
-                f"FLYWHEEL_TRAINER_PAUSE_AT {v!r} must be one of {PAUSE_POINTS} (optionally `:N`)"
+                f"FLYWHEEL_TRAINER_PAUSE_AT {v!r} must be one of {PAUSE_POINTS} (optionally `:N`, then `@RANK`)"
             )
         return v
 

@@ -11,6 +11,7 @@ nothing either (docs/TRAINER.md, "Crash safety").
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from typing import TYPE_CHECKING
@@ -19,6 +20,14 @@ if TYPE_CHECKING:
     from trainer.config import TrainerConfig
 
 log = logging.getLogger(__name__)
+
+
+def torchrun_world_size_env() -> int:
+    """WORLD_SIZE as torchrun set it (1 without torchrun), read without importing torch."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
 
 
 def wait_for_dependencies(settings, stop: threading.Event) -> bool:
@@ -45,19 +54,35 @@ def main(cfg: TrainerConfig | None = None) -> None:
     from prometheus_client import start_http_server
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+    from trainer.distributed import World
     from trainer.loop import Trainer
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if torchrun_world_size_env() > 1 else 0
     if cfg.metrics_port:
-        start_http_server(cfg.metrics_port)
+        start_http_server(cfg.metrics_port + local_rank)
     if not wait_for_dependencies(settings, stop):
         return
-    trainer = Trainer(settings, cfg)
+    world = World.from_env(cfg.dist_backend, cfg.dist_timeout_s)
+    if world.distributed and cfg.parallel == "fsdp":
+        world.close()
+        raise NotImplementedError(
+            "FLYWHEEL_TRAINER_PARALLEL=fsdp is not wired into the trainer yet"
+        )
+    try:
+        trainer = Trainer(settings, cfg, world)
+    except BaseException:
+        world.close()
+        raise
     try:
         with Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=False
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            transient=False,
+            disable=not world.is_main,
         ) as bar:
             task = bar.add_task("waiting for rollouts", total=None)
 
@@ -74,9 +99,41 @@ def main(cfg: TrainerConfig | None = None) -> None:
 
             trainer.run(stop, on_step)
     finally:
-        trainer.close()
+        try:
+            trainer.close()
+        finally:
+            world.close()
+
+
+def exec_torchrun(cfg: TrainerConfig) -> None:
+    """Replace this process with `torchrun --standalone --nproc-per-node N -m trainer.launch`
+    (`flywheel trainer --nproc N`): torchrun starts the N ranks, forwards SIGTERM to them, and
+    restarts all of them up to `max_restarts` times when one fails or is killed. The ranks read
+    their config from the environment, so the flags given to `flywheel trainer` go there."""
+    import sys
+
+    env = dict(os.environ)
+    env["FLYWHEEL_TRAINER_METRICS_PORT"] = str(cfg.metrics_port)
+    env["FLYWHEEL_TRAINER_NPROC"] = "1"  # each rank is one process; torchrun's WORLD_SIZE decides
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={cfg.nproc}",
+        f"--max-restarts={cfg.max_restarts}",
+        "-m",
+        "trainer.launch",
+    ]
+    log.info("starting %d trainer ranks: %s", cfg.nproc, " ".join(argv[1:]))
+    os.execvpe(sys.executable, argv, env)
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    rank = os.environ.get("RANK") if torchrun_world_size_env() > 1 else None
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {'' if rank is None else f'[rank {rank}] '}%(name)s: %(message)s",
+    )
     main()

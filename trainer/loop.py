@@ -22,6 +22,16 @@ dead-lettered. Between `take()` and that accounting the in-memory state is not s
 
     from trainer.loop import Trainer
     t = Trainer(settings, TrainerConfig()); t.run(stop_event); t.close()
+
+Ranks (torchrun; trainer/distributed.py, docs/SCALING.md "Trainer"): with a `World` of N > 1 ranks,
+each rank reads the rollouts partitions p with p % N == rank (assigned, not a group member),
+the ranks agree on every step (a global batch of `batch_size` split over what they hold, a rank
+with nothing taking part with zero gradient), the loss of each rank is normalised by the global
+batch's token counts and the gradients are summed over ranks, so the weights stay identical on
+every rank. Rank 0 alone talks to the registry for writes and writes the one state file: a save
+gathers every rank's positions, new dedupe keys and lineage into it, so weights and the positions
+of all ranks are saved together, atomically. A ship: rank 0 saves the intent, registers, then
+every rank commits its own partitions' offsets, then all meet at a barrier.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from trainer import objective as obj
 from trainer.batch import collate, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
 from trainer.config import TrainerConfig
+from trainer.distributed import PeerFailure, World, allocate, owned_partitions
 from trainer.dlq import DeadLetters, RateLimitedLog
 from trainer.metrics import (
     ASSUMED_TEMPERATURE,
@@ -69,16 +80,62 @@ class StepError(RuntimeError):
     """A step whose loss or gradient is not finite (nothing was applied)."""
 
 
+# how a distributed step's per-rank metrics combine into the step's (`combine_metrics`)
+_SUMMED = ("loss", "pg_loss", "kl", "batch_rollouts", "batch_tokens", "distill_rollouts")
+_BY_ROLLOUTS = ("reward_mean", "ess", "clip_fraction", "masked_fraction", "staleness_mean")
+
+
+def combine_metrics(parts: list[dict[str, float] | None]) -> dict[str, float]:
+    """One step's metrics from the ranks' (None: a rank without rollouts in the step).
+
+    Losses and counts add up (each rank's loss is already divided by the global counts);
+    `staleness_max` is the max; `grad_norm` and `kl_coef` are the same on every rank; the
+    per-rollout means are weighted by rollouts, the per-token ones by tokens."""
+    parts = [m for m in parts if m is not None]
+    if len(parts) == 1:
+        return dict(parts[0])
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in parts for k in m):
+        have = [m for m in parts if key in m]
+        if key in _SUMMED:
+            out[key] = float(sum(m[key] for m in have))
+        elif key == "staleness_max":
+            out[key] = float(max(m[key] for m in have))
+        elif key in ("grad_norm", "kl_coef"):
+            out[key] = float(have[0][key])
+        else:
+            weight = "batch_rollouts" if key in _BY_ROLLOUTS else "batch_tokens"
+            total = sum(m[weight] for m in have)
+            out[key] = (
+                float(sum(m[key] * m[weight] for m in have) / total)
+                if total
+                else float(have[0][key])
+            )
+    return out
+
+
+class _Forward:
+    """One rank's forward on its rollouts: what the loss terms are assembled from."""
+
+    def __init__(self, c, logp, w, ref_lp, teacher):
+        self.c, self.logp, self.w, self.ref_lp, self.teacher = c, logp, w, ref_lp, teacher
+
+
 class Trainer:
     """One trainer process: holds the policy, optimizer, intake and registry connection."""
 
-    def __init__(self, settings: Settings, cfg: TrainerConfig):
+    def __init__(self, settings: Settings, cfg: TrainerConfig, world: World | None = None):
         self.settings, self.cfg = settings, cfg
+        self.world = world if world is not None else World.single()
         self.state_dir = cfg.resolved_state_dir(settings.data_dir)
         self.registry = Registry(settings.mlflow_uri, settings.model_name, cfg.experiment)
-        self.registry.ensure_model()
+        if self.world.is_main:
+            self.registry.ensure_model()
         self.topic = settings.topic("rollouts")
-        state = load_state(self.state_dir)
+        if self.world.distributed:
+            state = self._shared_state()
+        else:
+            state = load_state(self.state_dir)
         self.policy, state = self._restore_or_bootstrap(state)
         self.optimizer = self._make_optimizer()
         if state.get("optimizer"):
@@ -98,7 +155,7 @@ class Trainer:
             state.get("verdicts_seen", 0)
         )  # versions up to this one were checked for a rejection
         self._verdict_checked_at = 0.0
-        self.run_id = self.registry.start_run(state.get("run_id"))
+        self.run_id = self.registry.start_run(state.get("run_id")) if self.world.is_main else None
         self.ref_policy: Policy | None = None
         self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = (
             None  # (version, bf16 weights) last shipped
@@ -117,17 +174,36 @@ class Trainer:
             max_poll_records=max(64, cfg.batch_size * 4),
             metadata_max_age_ms=30_000,
         )
+        self.owned: list[int] | None = None  # a rank's partitions (None: a group member)
+        positions = state["positions"]
+        if self.world.distributed:
+            self.owned = owned_partitions(self._topic_partitions(), self.world)
+            positions = {int(p): int(o) for p, o in positions.items() if int(p) in self.owned}
+            if not self.world.is_main:  # the lineage trained so far is in rank 0's part
+                self.pending = self.pending.local_part()
+            if not self.owned:
+                log.warning(
+                    "rank %d reads no partition: %s has fewer partitions than the %d ranks "
+                    "(it still takes part in every step, with zero gradient)",
+                    self.world.rank,
+                    self.topic,
+                    self.world.size,
+                )
         self.intake = RolloutIntake(
             self.consumer,
             self.topic,
-            positions=state["positions"],
+            positions=positions,
             seen=DedupeSet(cfg.dedupe_capacity, state["seen"]),
             max_staleness=cfg.max_staleness,
             spec=self.spec,
             dead_letters=self.dead_letters,
             log_interval_s=cfg.refusal_log_interval_s,
+            assign=self.owned,
         )
-        self._joined = False
+        if self.world.distributed:
+            self.intake.seen.added = []  # new keys go to rank 0 with each save
+        self._joined = self.owned is not None  # assigned partitions need no group join
+        self._clean_stop = False
         self._unsaved_take = (
             False  # a batch left the buffer and is not accounted yet: close() must not save
         )
@@ -145,6 +221,35 @@ class Trainer:
         LAST_VERSION.set(self.last_shipped or 0)
 
     # --- start-up ----------------------------------------------------------------------------------
+    def _shared_state(self) -> dict[str, Any]:
+        """The state file every rank starts from. On a first start rank 0 makes it (the base
+        policy, or the newest registered version) while the others wait, so all ranks start from
+        the same weights and the same saved positions."""
+        if self.world.is_main and load_state(self.state_dir) is None:
+            policy, fresh = self._restore_or_bootstrap(None)
+            if load_state(self.state_dir) is None:  # continuing from a registered version
+                save_state(
+                    self.state_dir,
+                    dict(fresh, model=policy.state_dict(), policy_config=policy.config_dict()),
+                )
+        self.world.barrier("the first state file", self.cfg.dist_timeout_s)
+        state = load_state(self.state_dir)
+        assert state is not None, f"rank 0 wrote no state to {self.state_dir} (a shared directory?)"
+        return state
+
+    def _topic_partitions(self, timeout_s: float = 120.0) -> list[int]:
+        """The rollouts topic's partitions (launch.py waited for the topic to exist)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.consumer.topics()  # refreshes the metadata
+            parts = self.consumer.partitions_for_topic(self.topic)
+            if parts:
+                return sorted(parts)
+            assert time.monotonic() < deadline, (
+                f"no partitions of {self.topic} in the broker's metadata after {timeout_s:.0f}s"
+            )
+            time.sleep(1.0)
+
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over the trainable parameters only (with LoRA: the adapter; the base is frozen)."""
         cfg = self.cfg
@@ -243,7 +348,10 @@ class Trainer:
         """Load the serving champion's weights as the KL reference when the alias moved."""
         if self.cfg.kl_coef <= 0:
             return
-        champ = self.registry.alias_version(CHAMPION)
+        # rank 0 reads the alias, so every rank takes the same reference
+        champ = self.world.broadcast(
+            self.registry.alias_version(CHAMPION) if self.world.is_main else None
+        )
         if champ is None or champ == self.ref_version:
             return
         config = self.policy.config_dict()
@@ -268,11 +376,25 @@ class Trainer:
     def train_step(self) -> dict[str, float] | None:
         """Poll; when a batch is ready, run one optimizer step on it. Returns the step metrics."""
         self.poll()
-        if not self.intake.ready(self.cfg.batch_size, self.cfg.max_wait_s):
-            return None
-        batch = self.intake.take(self.cfg.batch_size, self.last_shipped)
+        if not self.world.distributed:
+            if not self.intake.ready(self.cfg.batch_size, self.cfg.max_wait_s):
+                return None
+            batch = self.intake.take(self.cfg.batch_size, self.last_shipped)
+        else:  # the ranks agree on whether to step and split the global batch
+            views = self.world.all_gather(self.intake.readiness(self.cfg.max_wait_s))
+            counts = [n for n, _, _ in views]
+            total = sum(counts)
+            if not (
+                total >= self.cfg.batch_size
+                or any(drain for _, drain, _ in views)
+                or (total > 0 and any(waited for _, _, waited in views))
+            ):
+                return None
+            share = allocate(counts, self.cfg.batch_size)[self.world.rank]
+            batch = self.intake.take(share, self.last_shipped)
         self._unsaved_take = True
-        metrics = self._train_isolating(batch) if batch.rollouts else None
+        # every rank steps when any has rollouts (after staleness skips): zero contribution otherwise
+        metrics = self._train_isolating(batch) if self.world.sum(len(batch.rollouts)) else None
         self._account(batch)  # after the step: only rollouts it consumed count as trained
         self._unsaved_take = False
         if metrics is None:
@@ -286,7 +408,8 @@ class Trainer:
             if k in metrics:
                 g.set(metrics[k])
         try:
-            self.registry.log_metrics(self.run_id, metrics, self.step)
+            if self.world.is_main:
+                self.registry.log_metrics(self.run_id, metrics, self.step)
         except Exception as exc:
             self._warn.warning(
                 "log_metrics", "step %d metrics not logged to MLflow: %r", self.step, exc
@@ -314,7 +437,7 @@ class Trainer:
                 exc_info=True,
             )
         culprits: dict[int, BaseException] = {}
-        if len(batch.rollouts) == 1:
+        if len(batch.rollouts) == 1 and not isinstance(first, PeerFailure):
             culprits[0] = first
         else:
             for i in range(len(batch.rollouts)):
@@ -323,7 +446,9 @@ class Trainer:
                     culprits[i] = err
         keep = [i for i in range(len(batch.rollouts)) if i not in culprits]
         metrics = None
-        if culprits and keep:
+        # with ranks, the decisions are global: a retry is one more collective step
+        any_culprits, any_keep = self.world.any(bool(culprits)), self.world.any(bool(keep))
+        if any_culprits and any_keep:
             retry = batch.only(keep)
             try:
                 metrics = self.forward_backward(retry)
@@ -331,7 +456,7 @@ class Trainer:
                 STEP_FAILURES.inc()
                 culprits.update((i, exc) for i in keep)
                 keep = []
-        elif not culprits:  # no rollout fails alone: the batch as a whole does
+        elif not any_culprits:  # no rollout fails alone: the batch as a whole does
             culprits = dict.fromkeys(keep, first)
             keep = []
         for i, err in sorted(culprits.items()):
@@ -388,6 +513,8 @@ class Trainer:
     def forward_backward(self, batch: Batch) -> dict[str, float]:
         """Loss, backward, clip, optimizer step. Raises before touching the weights if anything fails
         or is not finite (the optimizer step is the last thing that can change state)."""
+        if self.world.distributed:
+            return self._forward_backward_ranks(batch)
         cfg, policy = self.cfg, self.policy
         self.optimizer.zero_grad(set_to_none=True)
         try:
@@ -398,24 +525,7 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 raise StepError(f"gradient norm is {float(grad_norm)}")
-            n_tok = float(c.mask.sum())
-            stale = torch.tensor(batch.staleness, dtype=torch.float32)
-            m.update(
-                loss=float(loss.detach()),
-                pg_loss=float(pg.detach()),
-                reward_mean=float(c.rewards.mean()),
-                ess=w.ess,
-                clip_fraction=w.clip_fraction,
-                masked_fraction=w.masked_fraction,
-                staleness_mean=float(stale.mean()),
-                staleness_max=float(stale.max()),
-                logprob_gap=float(
-                    ((logp.detach() - c.behav).abs() * c.mask).sum() / max(n_tok, 1.0)
-                ),
-                grad_norm=float(grad_norm),
-                batch_rollouts=float(len(batch.rollouts)),
-                batch_tokens=n_tok,
-            )
+            self._step_metrics(m, loss, pg, w, c, batch, logp, grad_norm)
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
@@ -424,8 +534,94 @@ class Trainer:
             self.kl_ctl.update(m["kl"])
         return m
 
-    def _loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], tuple[Any, ...]]:
-        """The objective on `batch` (no backward): (loss, metrics so far, (logp, pg, weights, collated))."""
+    def _step_metrics(self, m, loss, pg, w, c, batch, logp, grad_norm) -> None:
+        n_tok = float(c.mask.sum())
+        stale = torch.tensor(batch.staleness, dtype=torch.float32)
+        m.update(
+            loss=float(loss.detach()),
+            pg_loss=float(pg.detach()),
+            reward_mean=float(c.rewards.mean()),
+            ess=w.ess,
+            clip_fraction=w.clip_fraction,
+            masked_fraction=w.masked_fraction,
+            staleness_mean=float(stale.mean()),
+            staleness_max=float(stale.max()),
+            logprob_gap=float(((logp.detach() - c.behav).abs() * c.mask).sum() / max(n_tok, 1.0)),
+            grad_norm=float(grad_norm),
+            batch_rollouts=float(len(batch.rollouts)),
+            batch_tokens=n_tok,
+        )
+
+    def _agree(self, err: BaseException | None, phase: str) -> None:
+        """Every rank says whether its part of `phase` failed; all raise if any did (this rank's
+        own exception, or PeerFailure naming the ranks that failed and why)."""
+        views = self.world.all_gather(None if err is None else repr(err)[:500])
+        failed = {r: e for r, e in enumerate(views) if e is not None}
+        if err is not None:
+            raise err
+        if failed:
+            raise PeerFailure(f"{phase} failed on rank(s) {failed}")
+
+    def _forward_backward_ranks(self, batch: Batch) -> dict[str, float]:
+        """`forward_backward` as one rank of several: the same step on the global batch.
+
+        Each rank runs its own rollouts forward; the ranks exchange rewards (advantages are
+        normalised over the global batch and its groups) and token counts (each rank's loss is
+        divided by the global counts); each backward is local and the gradients are summed over
+        ranks, so every rank applies the same update. A rank without rollouts contributes zero.
+        A failure on any rank fails the step on all of them before anything is applied."""
+        cfg, world = self.cfg, self.world
+        self.optimizer.zero_grad(set_to_none=True)
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        try:
+            f, err = None, None
+            try:
+                if batch.rollouts:
+                    f = self._forward(batch)
+            except Exception as exc:
+                err = exc
+            self._agree(err, "the forward")
+            views = world.all_gather(
+                {
+                    "rewards": [] if f is None else f.c.rewards.tolist(),
+                    "groups": [] if f is None else list(f.c.group_ids),
+                    "tokens": 0.0 if f is None else float(f.c.mask.sum()),
+                    "kept": 0.0 if f is None else float(f.w.keep.sum()),
+                }
+            )
+            rewards = torch.tensor([r for v in views for r in v["rewards"]], dtype=torch.float32)
+            adv = obj.advantages(rewards, [g for v in views for g in v["groups"]])
+            start = sum(len(v["rewards"]) for v in views[: world.rank])
+            tokens, kept = sum(v["tokens"] for v in views), sum(v["kept"] for v in views)
+            m: dict[str, float] | None = None
+            try:
+                if f is not None:
+                    loss, m, (logp, pg, w, c) = self._assemble(
+                        f, adv[start : start + len(batch.rollouts)], tokens, kept
+                    )
+                    if not torch.isfinite(loss):
+                        raise StepError(f"loss is {float(loss)}")
+                    loss.backward()
+            except Exception as exc:
+                err = exc
+            self._agree(err, "the backward")
+            world.all_reduce_grads(params, cfg.grad_bucket_mb)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            if not torch.isfinite(grad_norm):  # the same summed gradient on every rank
+                raise StepError(f"gradient norm of the global batch is {float(grad_norm)}")
+            if m is not None:
+                self._step_metrics(m, loss, pg, w, c, batch, logp, grad_norm)
+            metrics = combine_metrics(world.all_gather(m))
+        except BaseException:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise
+        self.optimizer.step()
+        if "kl" in metrics:
+            self.kl_ctl.update(metrics["kl"])
+        return metrics
+
+    def _forward(self, batch: Batch) -> _Forward:
+        """The forwards of `batch` (policy, KL reference, self-distillation teacher), no loss yet."""
         cfg, policy = self.cfg, self.policy
         c = collate(batch.rollouts, cfg.temperature)
         routes = c.routes if cfg.replay_routes else None
@@ -440,16 +636,39 @@ class Trainer:
             mask_low=cfg.seq_mask_low,
             mask_high=cfg.seq_mask_high,
         )
-        adv = obj.advantages(c.rewards, c.group_ids)
-        pg = obj.policy_gradient_loss(
-            logp, adv, w, c.mask
-        )  # masked sequences shrink the step (objective.py)
-        loss = pg
-        m: dict[str, float] = {}
+        ref_lp = None
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_lp = self.ref_policy.logprobs(c.prompts, c.completions, routes, c.temperatures)
-            kl = obj.kl_k3(logp, ref_lp, w)
+        teacher = None
+        if cfg.distill_coef > 0:
+            t = teacher_inputs(
+                batch.rollouts, policy.tokenizer, policy.config_dict().get("max_context")
+            )
+            if t.rows:
+                with torch.no_grad():
+                    t_lp = policy.logprobs(t.prompts, t.tails, None, c.temperatures[t.rows])
+                teacher = (*scatter_teacher(t_lp, t, tuple(logp.shape)), len(t.rows))
+        return _Forward(c, logp, w, ref_lp, teacher)
+
+    def _assemble(
+        self,
+        f: _Forward,
+        adv: torch.Tensor,
+        tokens: float | None = None,
+        kept: float | None = None,
+    ) -> tuple[torch.Tensor, dict[str, float], tuple[Any, ...]]:
+        """The objective from a forward: (loss, metrics so far, (logp, pg, weights, collated)).
+        `tokens`/`kept`: the global batch's completion and kept tokens (ranks); None = this batch's."""
+        c, logp, w = f.c, f.logp, f.w
+        pg = obj.policy_gradient_loss(
+            logp, adv, w, c.mask, total=tokens
+        )  # masked sequences shrink the step (objective.py)
+        loss = pg
+        m: dict[str, float] = {}
+        if f.ref_lp is not None:
+            ref_lp = f.ref_lp
+            kl = obj.kl_k3(logp, ref_lp, w, total=kept)
             loss = loss + self.kl_ctl.coef * kl
             m["kl"], m["kl_coef"] = float(kl.detach()), self.kl_ctl.coef
             same = (
@@ -462,19 +681,19 @@ class Trainer:
                 float(same.sum()) > 0
             ):  # rollouts generated by exactly these weights: the train/infer mismatch
                 m["mismatch"] = float(((ref_lp - c.behav).abs() * same).sum() / same.sum())
-        if cfg.distill_coef > 0:
-            t = teacher_inputs(
-                batch.rollouts, policy.tokenizer, policy.config_dict().get("max_context")
-            )
-            if t.rows:
-                with torch.no_grad():
-                    t_lp = policy.logprobs(t.prompts, t.tails, None, c.temperatures[t.rows])
-                teacher, dmask = scatter_teacher(t_lp, t, tuple(logp.shape))
-                dl, dkl = obj.distill_loss(logp, teacher, dmask, w, c.mask)
-                loss = loss + cfg.distill_coef * dl
-                m["distill_kl"] = dkl
-                m["distill_rollouts"] = float(len(t.rows))
+        if f.teacher is not None:
+            teacher, dmask, rows = f.teacher
+            dl, dkl = obj.distill_loss(logp, teacher, dmask, w, c.mask, total=tokens)
+            loss = loss + self.cfg.distill_coef * dl
+            m["distill_kl"] = dkl
+            m["distill_rollouts"] = float(rows)
         return loss, m, (logp, pg, w, c)
+
+    def _loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], tuple[Any, ...]]:
+        """The objective on `batch` alone (no backward): (loss, metrics so far, (logp, pg, weights,
+        collated)). One process's step, and every rank's probe of a single rollout."""
+        f = self._forward(batch)
+        return self._assemble(f, obj.advantages(f.c.rewards, f.c.group_ids))
 
     # --- shipping ------------------------------------------------------------------------------------
     def ship_due(self) -> bool:
@@ -482,55 +701,81 @@ class Trainer:
 
     def maybe_ship(self, force: bool = False) -> int | None:
         """If the interval passed (or `force`) and enough rollouts were trained on, ship. Returns the version."""
-        if not (force or self.ship_due()):
+        if not self.world.broadcast(force or self.ship_due()):  # rank 0's clock decides
             return None
-        if self.pending.rollouts < self.cfg.min_rollouts:
+        pending, positions = self._global_lineage()
+        if pending.rollouts < self.cfg.min_rollouts:
             log.info(
                 "ship skipped: %d rollouts since v%s (< min_rollouts %d)",
-                self.pending.rollouts,
+                pending.rollouts,
                 self.last_shipped,
                 self.cfg.min_rollouts,
             )
             self.last_ship_at = time.time()
             return None
         ranges = {}
-        for part, end in self.intake.positions.items():
-            start = self.committed.get(part, self.pending.first_offsets.get(part, end))
+        for part, end in positions.items():
+            start = self.committed.get(part, pending.first_offsets.get(part, end))
             if end > start:
                 ranges[part] = [start, end]
         self.intent = ShipIntent(
-            ship_id=uuid.uuid4().hex,
+            ship_id=self.world.broadcast(uuid.uuid4().hex),
             kind="trained",
             parent_version=self.last_shipped,
-            positions=dict(self.intake.positions),
+            positions=positions,
             ranges=ranges,
-            pending=self.pending,
+            pending=pending,
             step=self.step,
         )
         self.save()  # weights + intent, atomically, before anything reaches the registry
         return self._finish_ship()
 
+    def _global_lineage(self) -> tuple[Pending, dict[int, int]]:
+        """What every rank trained since the last ship, and the positions of all partitions."""
+        if not self.world.distributed:
+            return self.pending, dict(self.intake.positions)
+        parts = self.world.all_gather((self.pending.to_dict(), dict(self.intake.positions)))
+        positions: dict[int, int] = {}
+        for _, pos in parts:
+            positions.update(pos)
+        return Pending.merge([Pending.from_dict(p) for p, _ in parts]), positions
+
     def _finish_ship(self) -> int:
-        """Run the saved intent to the end (register, commit), then record it as shipped."""
+        """Run the saved intent to the end (register, commit), then record it as shipped.
+
+        With ranks, rank 0 runs the ship; its offset commit is the point where every rank
+        commits its own partitions (`_commit_everywhere`); then rank 0 sends the version. A
+        failure on rank 0 is sent to the others instead, so every rank stops with it."""
         self._ensure_joined()
         intent = self.intent
         assert intent is not None, "_finish_ship needs a saved ship intent"
-        shipped = execute_ship(
-            intent,
-            registry=self.registry,
-            policy=self.policy,
-            settings=self.settings,
-            run_id=self.run_id,
-            topic=self.topic,
-            anchor_every=self.cfg.anchor_every,
-            commit_offsets=self.commit_offsets,
-            parent_serving=self.parent_serving,
-            plant_bad_version=self.cfg.plant_bad_version,
-            pause=self._pause,
-        )
-        version = shipped.version
-        if shipped.serving is not None:
-            self.parent_serving = shipped.serving
+        if self.world.is_main:
+            self._commit_sent = False
+            try:
+                shipped = execute_ship(
+                    intent,
+                    registry=self.registry,
+                    policy=self.policy,
+                    settings=self.settings,
+                    run_id=self.run_id,
+                    topic=self.topic,
+                    anchor_every=self.cfg.anchor_every,
+                    commit_offsets=self._commit_everywhere,
+                    parent_serving=self.parent_serving,
+                    plant_bad_version=self.cfg.plant_bad_version,
+                    pause=self._pause,
+                )
+            except BaseException as exc:
+                if self.world.distributed and not self._commit_sent:
+                    self.world.broadcast(("failed", f"{exc!r}"[:1000]))
+                raise
+            version = shipped.version
+            if shipped.serving is not None:
+                self.parent_serving = shipped.serving
+            self.world.broadcast(("shipped", version))
+        else:
+            self._commit_everywhere(intent.positions)
+            _, version = self._from_main(intent, "register the version")
         self.last_shipped = version
         self.committed.update({int(k): int(v) for k, v in intent.positions.items()})
         if (
@@ -556,6 +801,24 @@ class Trainer:
         rebase loads the champion's serving weights, clears the optimizer moments, records
         `rebased_on` in the pending lineage and saves the state, so a restart continues from there.
         """
+        champ = self.world.broadcast(self._rejected_to(now) if self.world.is_main else None)
+        if champ is None:
+            return None
+        if self.registry.policy_config(champ) == self._registered_config():
+            self.policy.load_serving_state_dict(self.registry.download_serving_state(champ))
+            self.optimizer.state.clear()
+        else:  # e.g. a LoRA line rejected back to the full base version: a fresh adapter on it
+            self.policy = self._version_policy(champ)
+            self.optimizer = self._make_optimizer()
+        self.pending.rebased_on = champ
+        REBASES.inc()
+        self.save()
+        self._refresh_reference()
+        return champ
+
+    def _rejected_to(self, now: float | None) -> int | None:
+        """The champion to rebase on, when the gate rejected one of this trainer's versions since
+        the last check (rank 0 decides; `maybe_rebase` applies it on every rank)."""
         now = time.monotonic() if now is None else now
         if (
             not self.cfg.rebase_on_reject
@@ -581,14 +844,6 @@ class Trainer:
         champ = self.registry.alias_version(CHAMPION)
         if rejected is None or champ is None or champ >= rejected:
             return None  # `verdicts_seen` is saved with the next state; re-reading passed verdicts changes nothing
-        if self.registry.policy_config(champ) == self._registered_config():
-            self.policy.load_serving_state_dict(self.registry.download_serving_state(champ))
-            self.optimizer.state.clear()
-        else:  # e.g. a LoRA line rejected back to the full base version: a fresh adapter on it
-            self.policy = self._version_policy(champ)
-            self.optimizer = self._make_optimizer()
-        self.pending.rebased_on = champ
-        REBASES.inc()
         log.warning(
             "the gate found v%d confidently worse than champion v%d: continuing from v%d's weights "
             "(fresh optimizer moments)",
@@ -596,8 +851,6 @@ class Trainer:
             champ,
             champ,
         )
-        self.save()
-        self._refresh_reference()
         return champ
 
     def _registered_config(self) -> dict[str, Any]:
@@ -633,6 +886,31 @@ class Trainer:
                 warned = now
             self.poll()
 
+    def _from_main(self, intent: ShipIntent, what: str) -> tuple[str, Any]:
+        kind, value = self.world.broadcast(None)
+        if kind == "failed":
+            raise RuntimeError(
+                f"rank 0 could not {what} for ship {intent.ship_id}: {value}; every rank stops and "
+                "the restarted ranks resume the ship from the saved intent"
+            )
+        return kind, value
+
+    def _commit_everywhere(self, positions: dict[int, int]) -> None:
+        """Commit the intent's offsets: one process commits them all; with ranks, rank 0 (whose
+        version is registered now) tells the others, each commits its own partitions, and all
+        meet at a barrier, so no rank moves on before every offset of the version is committed."""
+        if not self.world.distributed:
+            self.commit_offsets(positions)
+            return
+        if self.world.is_main:
+            self.world.broadcast(("commit", None))
+            self._commit_sent = True
+        else:
+            self._from_main(self.intent, "register the version")  # type: ignore[arg-type]
+        assert self.owned is not None
+        self.commit_offsets({p: o for p, o in positions.items() if int(p) in self.owned})
+        self.world.barrier("the offset commits of a ship", self.cfg.ship_barrier_timeout_s)
+
     def commit_offsets(self, positions: dict[int, int]) -> None:
         from kafka.structs import OffsetAndMetadata, TopicPartition
 
@@ -664,19 +942,45 @@ class Trainer:
         }
 
     def save(self) -> None:
-        """Save the state, after the dead letters of every record before the saved positions are acknowledged."""
+        """Save the state, after the dead letters of every record before the saved positions are acknowledged.
+
+        With ranks, a collective: every rank sends rank 0 its positions, the dedupe keys it added
+        since the last save and its lineage; rank 0 writes them with the weights in one file."""
         self.dead_letters.flush()
-        save_state(self.state_dir, self.state_dict())
+        if not self.world.distributed:
+            save_state(self.state_dir, self.state_dict())
+            return
+        parts = self.world.all_gather(
+            (dict(self.intake.positions), self.intake.seen.drain_added(), self.pending.to_dict())
+        )
+        if not self.world.is_main:
+            return
+        positions: dict[int, int] = {}
+        for pos, _added, _ in parts:
+            positions.update(pos)
+        for _, added, _ in parts[1:]:
+            self.intake.seen.merge(added)
+        state = self.state_dict()
+        state["positions"] = positions
+        state["pending"] = Pending.merge([Pending.from_dict(p) for _, _, p in parts]).to_dict()
+        save_state(self.state_dir, state)
 
     def _pause(self, point: str) -> None:
-        """Test hook (FLYWHEEL_TRAINER_PAUSE_AT): stop here forever so a test can SIGKILL us."""
+        """Test hook (FLYWHEEL_TRAINER_PAUSE_AT): stop here forever so a test can SIGKILL us.
+
+        `point[:step][@rank]`; it writes `<state_dir>/paused-at` (point, step, rank, pid) and does
+        not fire while that file exists, so ranks restarted by torchrun run past it."""
         want = self.cfg.pause_at
         if want is None:
             return
+        want, _, at_rank = want.partition("@")
         name, _, at_step = want.partition(":")
         if name != point or (at_step and int(at_step) != self.step):
             return
-        (self.state_dir / "paused-at").write_text(f"{point} step={self.step}\n")
+        marker = self.state_dir / "paused-at"
+        if (at_rank and int(at_rank) != self.world.rank) or marker.exists():
+            return  # another rank's hook, or spent: it fires once per marker (torchrun restarts)
+        marker.write_text(f"{point} step={self.step} rank={self.world.rank} pid={os.getpid()}\n")
         log.warning("paused at %s (test hook); waiting to be killed", point)
         while True:
             time.sleep(3600)
@@ -687,20 +991,29 @@ class Trainer:
         stop: threading.Event,
         on_step: Callable[[int, dict[str, float] | None], None] | None = None,
     ) -> None:
-        while not stop.is_set():
+        # with ranks, a stop asked of any rank (torchrun forwards SIGTERM to all) stops them together
+        while not self.world.any(stop.is_set()):
             metrics = self.train_step()
             self.maybe_rebase()
             self.maybe_ship()
             if on_step is not None:
                 on_step(self.step, metrics)
+        self._clean_stop = True
 
     def close(self) -> None:
         """Save the state and release Kafka/MLflow resources (safe after a failure)."""
         try:
-            if self.intent is None and not self._unsaved_take:
+            # ranks save only together, after a stop they agreed on; after a failure they restart
+            # from the last save (a collective with a failed rank would not return)
+            if (
+                self.intent is None
+                and not self._unsaved_take
+                and (self._clean_stop or not self.world.distributed)
+            ):
                 self.save()
         finally:
             self.consumer.close(autocommit=False)
             self.dlq.close(timeout=5)
-            self.registry.end_run(self.run_id, "FINISHED")
+            if self.world.is_main:
+                self.registry.end_run(self.run_id, "FINISHED")
             log.info("trainer closed at step %d (pid %d)", self.step, os.getpid())

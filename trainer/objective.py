@@ -127,14 +127,24 @@ def advantages(rewards: torch.Tensor, group_ids: list[str | None]) -> torch.Tens
     return out
 
 
-def _token_mean(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Sum over kept tokens / number of kept tokens; 0 (connected to the graph) if none."""
+def _token_mean(x: torch.Tensor, keep: torch.Tensor, total: float | None = None) -> torch.Tensor:
+    """Sum over kept tokens / number of kept tokens; 0 (connected to the graph) if none.
+
+    `total`: the denominator to use instead of `keep.sum()`: the count over the GLOBAL batch of a
+    distributed trainer (trainer/distributed.py), whose ranks each hold part of it, so that the
+    per-rank losses add up to the loss of the whole batch."""
+    if total is not None:
+        return (x * keep).sum() / total if total > 0 else (x * keep).sum() * 0.0
     n = keep.sum()
     return (x * keep).sum() / n if float(n) > 0 else (x * keep).sum() * 0.0
 
 
 def policy_gradient_loss(
-    logp: torch.Tensor, adv: torch.Tensor, w: ISWeights, mask: torch.Tensor | None = None
+    logp: torch.Tensor,
+    adv: torch.Tensor,
+    w: ISWeights,
+    mask: torch.Tensor | None = None,
+    total: float | None = None,
 ) -> torch.Tensor:
     """Truncated-IS policy gradient: -sg(min(rho, C)) * A * logp summed over kept tokens, divided by
     the completion tokens of the whole batch (`mask`; kept tokens when None).
@@ -147,14 +157,17 @@ def policy_gradient_loss(
     x = (
         -w.weights * adv.to(torch.float32).unsqueeze(1) * logp * w.keep
     )  # kept tokens only (keep is within mask)
-    return _token_mean(x, w.keep if mask is None else mask.to(torch.float32))
+    return _token_mean(x, w.keep if mask is None else mask.to(torch.float32), total)
 
 
-def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor, w: ISWeights) -> torch.Tensor:
-    """k3 estimate of KL(pi || pi_ref) on sampled tokens, IS-weighted, mean over kept tokens."""
+def kl_k3(
+    logp: torch.Tensor, logp_ref: torch.Tensor, w: ISWeights, total: float | None = None
+) -> torch.Tensor:
+    """k3 estimate of KL(pi || pi_ref) on sampled tokens, IS-weighted, mean over kept tokens
+    (`total`: the kept tokens of the global batch, see `_token_mean`)."""
     q = logp_ref.detach() - logp
     k3 = torch.exp(q) - q - 1.0
-    return _token_mean(w.weights * k3, w.keep)
+    return _token_mean(w.weights * k3, w.keep, total)
 
 
 class AdaptiveKL:
@@ -195,6 +208,7 @@ def distill_loss(
     distill_mask: torch.Tensor,
     w: ISWeights,
     mask: torch.Tensor | None = None,
+    total: float | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Self-distillation surrogate and the k1 reverse-KL estimate on the distilled tokens.
 
@@ -206,12 +220,15 @@ def distill_loss(
     batch: measured in the demo, steps with distillation had gradient norms 5-48x the others,
     the global clip then shrank the policy gradient by as much, and held-out acceptance fell
     from 0.52 to 0.32 in three versions; docs/TRAINER.md "Where the drift came from".)
-    With `mask` None the denominator is the distilled kept tokens.
+    With `mask` None the denominator is the distilled kept tokens. `total`: the completion tokens
+    of the global batch (see `_token_mean`).
     Returns (loss whose gradient is the IS-weighted reverse-KL score-function gradient,
              mean(logp - logp_teacher) over the distilled kept tokens as a float).
     """
     keep = w.keep * distill_mask.to(torch.float32)
     gap = (logp.detach() - logp_teacher.detach()) * keep
-    loss = _token_mean(w.weights * gap * logp, keep if mask is None else mask.to(torch.float32))
+    loss = _token_mean(
+        w.weights * gap * logp, keep if mask is None else mask.to(torch.float32), total
+    )
     n = float(keep.sum())
     return loss, (float(gap.sum()) / n if n else 0.0)

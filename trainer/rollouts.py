@@ -190,6 +190,8 @@ class DedupeSet:
 
     def __init__(self, capacity: int, items: list[Any] | None = None):
         self.capacity = capacity
+        # keys added since the last `drain_added()`; None: not recorded (one-process trainer)
+        self.added: list[DedupeKey] | None = None
         self._d: OrderedDict[DedupeKey | str, None] = OrderedDict()
         for item in (items or [])[-capacity:]:
             self._d[item if isinstance(item, str) else (str(item[0]), str(item[1]))] = None
@@ -205,11 +207,26 @@ class DedupeSet:
 
     def add(self, key: DedupeKey) -> None:
         self._d[key] = None
+        if self.added is not None:
+            self.added.append(key)
         if len(self._d) > self.capacity:
             self._d.popitem(last=False)
 
     def to_list(self) -> list[Any]:
         return [k if isinstance(k, str) else list(k) for k in self._d]
+
+    def drain_added(self) -> list[list[str]]:
+        """The keys added since the last call, as [request_id, reward_spec] pairs (a distributed
+        trainer's ranks send only these to rank 0 when the state is saved)."""
+        out, self.added = [list(k) for k in self.added or []], []
+        return out
+
+    def merge(self, items: list[Any]) -> None:
+        """Add keys saved by `to_list`/`drain_added` (another rank's), in order."""
+        for item in items:
+            self._d[item if isinstance(item, str) else (str(item[0]), str(item[1]))] = None
+        while len(self._d) > self.capacity:
+            self._d.popitem(last=False)
 
 
 @dataclass
@@ -259,7 +276,10 @@ class RolloutIntake:
         spec: ModelSpec | None = None,
         dead_letters: DeadLetters | None = None,
         log_interval_s: float = 10.0,
+        assign: list[int] | None = None,
     ):
+        """`assign`: read exactly these partitions (a rank of a distributed trainer,
+        trainer/distributed.py) instead of subscribing as a member of the consumer group."""
         from kafka import ConsumerRebalanceListener
 
         self.consumer, self.topic = consumer, topic
@@ -289,7 +309,21 @@ class RolloutIntake:
                     },
                 )
 
-        consumer.subscribe([topic], listener=_Listener())
+        if assign is None:
+            consumer.subscribe([topic], listener=_Listener())
+            return
+        from kafka.structs import TopicPartition
+
+        tps = [TopicPartition(topic, p) for p in assign]
+        consumer.assign(tps)
+        for tp in tps:
+            if tp.partition in self.positions:
+                consumer.seek(tp, self.positions[tp.partition])
+        log.info(
+            "reading partitions %s (resuming at %s)",
+            list(assign),
+            {p: self.positions.get(p, "committed") for p in assign},
+        )
 
     # --- reading ---------------------------------------------------------------------------------
     def poll(self, timeout_ms: int, max_records: int = 1000) -> int:
@@ -339,6 +373,15 @@ class RolloutIntake:
             or self.buffer[0].rollout is None
             or (n_valid > 0 and time.monotonic() - self.buffer[0].arrived >= max_wait_s)
         )
+
+    def readiness(self, max_wait_s: float) -> tuple[int, bool, bool]:
+        """(fresh rollouts buffered, skip entries at the head to drain, the head waited
+        `max_wait_s`): what `ready` decides on, for a distributed trainer to decide globally."""
+        if not self.buffer:
+            return 0, False, False
+        n_valid = sum(1 for e in self.buffer if e.rollout is not None)
+        head = self.buffer[0]
+        return n_valid, head.rollout is None, time.monotonic() - head.arrived >= max_wait_s
 
     def take(self, n: int, current_version: int | None) -> Batch:
         """Pop entries in arrival order until `n` fresh rollouts (then any skip entries right behind)."""

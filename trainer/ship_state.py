@@ -58,6 +58,40 @@ class Pending:
         return d
 
     @classmethod
+    def merge(cls, parts: list[Pending]) -> Pending:
+        """The lineage of a distributed trainer's ranks as one (trainer/distributed.py): what each
+        rank trained (rollouts, ids, skips, offsets, rewards, specs) is added up in rank order;
+        what every rank holds identically (steps, step metrics, `rebased_on`) is rank 0's."""
+        first = parts[0]
+        out = cls(
+            steps=first.steps,
+            metric_sums=dict(first.metric_sums),
+            rebased_on=first.rebased_on,
+        )
+        for p in parts:
+            out.rollouts += p.rollouts
+            out.request_ids.extend(p.request_ids)
+            for k, v in p.skipped.items():
+                out.skipped[k] = out.skipped.get(k, 0) + v
+            for part, off in p.first_offsets.items():
+                out.first_offsets[part] = min(off, out.first_offsets.get(part, off))
+            out.reward_sum += p.reward_sum
+            for spec in p.reward_specs:
+                if spec not in out.reward_specs:
+                    out.reward_specs.append(spec)
+            for k, v in p.reward_spec_counts.items():
+                out.reward_spec_counts[k] = out.reward_spec_counts.get(k, 0) + v
+            out.relabelled += p.relabelled
+        return out
+
+    def local_part(self) -> Pending:
+        """What a rank other than 0 keeps of a restored (merged) lineage: the fields every rank
+        holds identically; what was trained stays in rank 0's part only, so `merge` counts it once."""
+        return Pending(
+            steps=self.steps, metric_sums=dict(self.metric_sums), rebased_on=self.rebased_on
+        )
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Pending:
         return cls(
             rollouts=int(d.get("rollouts", 0)),

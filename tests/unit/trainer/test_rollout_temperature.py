@@ -83,7 +83,8 @@ def _scored(policy, rollouts, trainer_temperature: float):
     stand_in = SimpleNamespace(cfg=cfg, policy=policy, ref_policy=None)
     batch = Batch(rollouts=rollouts, staleness=[0] * len(rollouts))
     with torch.no_grad():
-        _, _, (logp, _, _, c) = Trainer._loss(stand_in, batch)  # type: ignore[arg-type]
+        f = Trainer._forward(stand_in, batch)  # type: ignore[arg-type]
+    logp, c = f.logp, f.c
     policy.eval()
     return logp * c.mask, c.behav * c.mask
 

@@ -1,0 +1,292 @@
+"""The trainer on torchrun: two ranks (gloo, CPU) keep every guarantee of the one-process trainer.
+
+1. Numerics (tests/integration/trainer/ddp_worker.py, no Kafka): each rank's log-probs of logged
+   generations equal their behaviour log-probs exactly; one step on 2 ranks leaves identical
+   weights on both; a rank without rollouts changes nothing (bitwise equal to one process on the
+   same global batch); an even 4/4 split gives the one-process gradient up to float summation
+   order (the per-rank sums are added by the all-reduce instead of inside one matmul).
+2. Crash safety on the real broker and MLflow server (`python -m torch.distributed.run
+   --max-restarts 2 -m trainer.launch`): SIGKILL of rank 1 right after an optimizer step, and of
+   rank 0 after it registered a version but before any offset was committed; torchrun restarts
+   both ranks each time. At the end every produced rollout was trained exactly once (the
+   lineage of all versions), the offset ranges tile each partition, every offset is committed,
+   the crashed ship was finished, not redone, and both ranks read partitions.
+
+Run: .venv/bin/pytest tests/integration/trainer/test_distributed.py -q
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from tests.integration.trainer.conftest import (
+    REPO,
+    TINY_POLICY,
+    committed_offsets,
+    end_offsets,
+    produce,
+    produce_raw,
+    rollout_records,
+    trainer_env_vars,
+    wait_for,
+)
+from trainer.policy import build_policy
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+WORKER = str(REPO / "tests/integration/trainer/ddp_worker.py")
+
+
+def _run(argv: list[str], log: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(log, "wb") as out:
+        rc = subprocess.run(
+            argv, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600
+        ).returncode
+    assert rc == 0, log.read_text()[-4000:]
+
+
+def test_two_rank_step_is_the_one_process_step(tmp_path):
+    _run(
+        [sys.executable, WORKER, "--out", str(tmp_path / "one"), "--split", "8"],
+        tmp_path / "one.log",
+    )
+    _run(
+        [*TORCHRUN, WORKER, "--out", str(tmp_path / "even"), "--split", "4,4"],
+        tmp_path / "even.log",
+    )
+    _run(
+        [*TORCHRUN, WORKER, "--out", str(tmp_path / "idle"), "--split", "8,0"],
+        tmp_path / "idle.log",
+    )
+    one = torch.load(tmp_path / "one/rank0.pt")
+    for case in ("even", "idle"):
+        r0, r1 = (torch.load(tmp_path / case / f"rank{r}.pt") for r in range(2))
+        for r in range(2):
+            info = json.loads((tmp_path / case / f"rank{r}.json").read_text())
+            assert info["exact_logprobs"], f"{case} rank {r}: log-probs differ from behaviour"
+        for k in one["weights"]:
+            assert torch.equal(r0["weights"][k], r1["weights"][k]), f"{case}: ranks disagree on {k}"
+        m0 = json.loads((tmp_path / case / "rank0.json").read_text())["metrics"]
+        m1 = json.loads((tmp_path / case / "rank1.json").read_text())["metrics"]
+        assert m0 == m1, "every rank logs the same combined step metrics"
+        assert m0["batch_rollouts"] == 8 and m0["logprob_gap"] == 0.0
+    idle = torch.load(tmp_path / "idle/rank0.pt")
+    for k in one["weights"]:  # adding a zero gradient is exact
+        assert torch.equal(idle["weights"][k], one["weights"][k]), f"idle rank changed {k}"
+    even = torch.load(tmp_path / "even/rank0.pt")
+    grad_rel = max(
+        float(
+            (even["grads"][k] - one["grads"][k]).abs().max()
+            / one["grads"][k].abs().max().clamp(min=1e-30)
+        )
+        for k in one["grads"]
+    )
+    w_diff = max(
+        float((even["weights"][k] - one["weights"][k]).abs().max()) for k in one["weights"]
+    )
+    print(
+        f"4/4 split vs one process: max relative gradient difference {grad_rel:.2e}, max |dw| {w_diff:.2e} (lr 1e-2)"
+    )
+    assert grad_rel < 1e-5, (
+        f"gradients differ by {grad_rel:.2e} relative (summation order alone gives ~1e-7)"
+    )
+    assert w_diff < 1e-4, f"weights differ by {w_diff:.2e} after one step"
+
+
+class Torchrun:
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 2 -m trainer.launch`."""
+
+    def __init__(self, env: dict[str, str], log: Path):
+        self.log, self.out = log, open(log, "ab")
+        self.proc = subprocess.Popen(
+            [*TORCHRUN, "--max-restarts=2", "--monitor-interval=1", "-m", "trainer.launch"],
+            env=dict(env, OMP_NUM_THREADS="1"),
+            cwd=REPO,
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def terminate(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(180)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.out.close()
+        return rc
+
+
+def _stop(p: Torchrun, log: Path) -> None:
+    """SIGTERM torchrun (it forwards it to the ranks): both ranks stop together and save
+    (torchrun itself then exits non-zero with the traceback of its SignalException)."""
+    before = log.read_text().count("trainer closed at step")
+    p.terminate()
+    text = log.read_text()
+    assert text.count("trainer closed at step") == before + 2, text[-4000:]
+
+
+def _kill_paused(marker: Path) -> str:
+    """SIGKILL the rank that paused at the test hook (its pid is in the marker); returns the marker."""
+    text = marker.read_text()
+    pid = int(text.split("pid=")[1].split()[0])
+    os.kill(pid, signal.SIGKILL)
+    return text
+
+
+def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_nothing_twice(
+    trainer_env, tmp_path
+):
+    settings, cfg = trainer_env
+    cfg.update(checkpoint_every=2, batch_size=4, max_wait_s=1.0)
+    state_dir = Path(cfg["state_dir"])
+    marker = state_dir / "paused-at"
+    client = MlflowClient(settings.mlflow_uri)
+    log = tmp_path / "torchrun.log"
+
+    def start(ship_interval: float, pause_at: str) -> Torchrun:
+        marker.unlink(missing_ok=True)
+        env = trainer_env_vars(settings.model_copy(update={"ship_interval": ship_interval}), cfg)
+        env["FLYWHEEL_TRAINER_PAUSE_AT"] = pause_at
+        return Torchrun(env, log)
+
+    def versions():
+        return sorted(
+            client.search_model_versions(f"name='{settings.model_name}'"),
+            key=lambda mv: int(mv.version),
+        )
+
+    policy = build_policy(TINY_POLICY)
+    records = rollout_records(policy, 1, 24, lambda text: 1.0 if "\n" in text else 0.0, seed=3)
+    produce(settings, records)
+
+    # 1. rank 1 killed right after optimizer step 3 (state saved at step 2); torchrun restarts both ranks
+    p = start(3600, "after_optimizer_step:3@1")
+    wait_for(marker.exists, 600, "rank 1 paused after step 3", p.proc, log)
+    assert "rank=1" in _kill_paused(marker)
+    # the restarted ranks pass step 3 again (the hook fires once per marker) and train the rest
+    wait_for(
+        lambda: log.read_text().count("resumed trainer state") >= 4,
+        600,
+        "both ranks restarted",
+        p.proc,
+        log,
+    )
+    _stop(p, log)
+    assert [mv.version for mv in versions()] == ["1"], "no ship yet: only the base version"
+
+    # duplicates of trained rollouts and garbage arrive between runs
+    produce(settings, [records[0], records[1]])
+    produce_raw(settings, [("garbage", b'{"request_id": "x"}')])
+
+    # 2. rank 0 killed after registering v2, before any offset is committed; torchrun restarts both
+    p = start(2, "after_register@0")
+    wait_for(marker.exists, 600, "rank 0 paused after_register", p.proc, log)
+    registered = versions()
+    assert [mv.version for mv in registered] == ["1", "2"]
+    assert set(committed_offsets(settings, cfg["consumer_group"]).values()) == {None}, (
+        "no rank commits before the version is registered and rank 0 says so"
+    )
+    assert "rank=0" in _kill_paused(marker)
+    ends = end_offsets(settings)
+    wait_for(
+        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
+        600,
+        "every offset committed by the restarted ranks",
+        p.proc,
+        log,
+    )
+    _stop(p, log)
+    text = log.read_text()
+    assert (
+        "[rank 1]" in text
+        and "reading partitions [1]" in text
+        and "reading partitions [0, 2]" in text
+    )
+
+    final = versions()
+    assert len(final) >= 3, [mv.version for mv in final]
+    ship_ids = [mv.tags.get("ship_id") for mv in final]
+    assert all(ship_ids) and len(set(ship_ids)) == len(final), f"one version per ship: {ship_ids}"
+    assert final[1].tags["ship_id"] == registered[1].tags["ship_id"], (
+        "the crashed ship was finished, not redone"
+    )
+    assert [mv.tags["parent_version"] for mv in final] == ["none"] + [
+        mv.version for mv in final[:-1]
+    ]
+    trained: list[str] = []
+    skipped: Counter = Counter()
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for mv in final:
+        assert mv.status == "READY"
+        path = client.download_artifacts(
+            mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path)
+        )
+        ids = json.loads(Path(path).read_text())
+        assert len(ids) == int(mv.tags["rollouts_consumed"])
+        trained += ids
+        skipped.update(json.loads(mv.tags["rollouts_skipped"]))
+        for part, (a, b) in json.loads(mv.tags["kafka_offsets"])["partitions"].items():
+            ranges.setdefault(int(part), []).append((a, b))
+    produced = [r["request_id"] for r in records]
+    assert not [i for i, n in Counter(trained).items() if n > 1], "a rollout was trained twice"
+    assert sorted(trained) == sorted(produced), f"lost: {set(produced) - set(trained)}"
+    assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0, skipped
+    for part, end in ends.items():
+        covered = 0
+        for a, b in sorted(ranges.get(part, [])):
+            assert a == covered, f"partition {part}: gap or overlap at {a}: {sorted(ranges[part])}"
+            covered = b
+        assert covered == end, f"partition {part}: lineage covers [0, {covered}) of [0, {end})"
+
+
+def test_flywheel_trainer_nproc_starts_the_ranks_with_torchrun(trainer_env, tmp_path):
+    """`flywheel trainer --nproc 2` replaces itself with torchrun: two ranks read disjoint
+    partitions, rank 0 registers the base version, and SIGTERM stops both cleanly."""
+    settings, cfg = trainer_env
+    client = MlflowClient(settings.mlflow_uri)
+    log = tmp_path / "cli.log"
+    env = dict(trainer_env_vars(settings, cfg), OMP_NUM_THREADS="1")
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "trainer", "--nproc", "2"],
+            env=env,
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_for(
+                lambda: (
+                    "reading partitions [1]" in log.read_text()
+                    and client.search_model_versions(f"name='{settings.model_name}'")
+                ),
+                300,
+                "two ranks and the base version",
+                proc,
+                log,
+            )
+            p = Torchrun.__new__(Torchrun)
+            p.proc, p.log, p.out = proc, log, open(os.devnull, "wb")
+            _stop(p, log)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert "starting 2 trainer ranks" in text and "reading partitions [0, 2]" in text
+    versions = client.search_model_versions(f"name='{settings.model_name}'")
+    assert [mv.version for mv in versions] == ["1"] and versions[0].tags["kind"] == "base"
