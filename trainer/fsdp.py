@@ -131,6 +131,12 @@ def shard_policy(policy: HFPolicy, *, reshard_after_forward: bool = True) -> Non
             m.set_force_sum_reduction_for_comms(True)
     _install_rounding(model)
     policy._forward_params = dict  # type: ignore[method-assign]  # rounding is per module now
+    policy.serving_state_dict = _refuse(  # type: ignore[method-assign]
+        "serving_state_dict", "use trainer.fsdp.full_serving_state (every rank calls it)"
+    )
+    policy.load_serving_state_dict = _refuse(  # type: ignore[method-assign]
+        "load_serving_state_dict", "load serving weights before shard_policy, or load_train_state"
+    )
     policy._fsdp_sharded = True  # type: ignore[attr-defined]
     log.info(
         "fully_shard over %d ranks (%s): %d decoder layers + root",
@@ -138,6 +144,13 @@ def shard_policy(policy: HFPolicy, *, reshard_after_forward: bool = True) -> Non
         backend,
         len(decoder_layers(model)),
     )
+
+
+def _refuse(name: str, instead: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{name}() on a sharded policy sees only this rank's shards: {instead}")
+
+    return refuse
 
 
 def _rounded(w: torch.Tensor) -> torch.Tensor:

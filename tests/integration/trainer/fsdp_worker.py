@@ -93,6 +93,15 @@ def main() -> None:
     for i, s in enumerate(samples):
         behaviour[i, : len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
     ranks[f"lp_sharded_{rank}"] = lp_sharded.tolist()
+    for name, call in (
+        ("serving_state_dict", lambda: policy.serving_state_dict()),
+        ("load_serving_state_dict", lambda: policy.load_serving_state_dict({})),
+    ):
+        try:
+            call()
+            ranks[f"refused_{name}_{rank}"] = ""
+        except RuntimeError as e:
+            ranks[f"refused_{name}_{rank}"] = str(e)
     if rank == 0:
         with torch.no_grad():
             res["lp_ref"] = ref.logprobs(prompts, comps)

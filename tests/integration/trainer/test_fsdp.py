@@ -99,6 +99,17 @@ def test_sharded_logprobs_equal_unsharded_bit_for_bit(run):
     assert bool((r["lp_ref"] != 0).any()), "no log-probs were compared"
 
 
+def test_sharded_forward_dispatches_only_covered_or_exact_ops(run):
+    assert run["res"]["uncovered"] == [], "ops batch_invariant_mode neither covers nor lists"
+
+
+def test_rank_local_serving_state_calls_are_refused(run):
+    for name in ("serving_state_dict", "load_serving_state_dict"):
+        for rank in (0, 1):
+            msg = run["ranks"][f"refused_{name}_{rank}"]
+            assert "sharded policy" in msg, f"rank {rank}: {name}() was not refused ({msg!r})"
+
+
 def test_sharded_logprobs_of_logged_generations_equal_behaviour_logprobs(run):
     r = run["res"]
     diff = (r["lp_gen"] - r["lp_behaviour"]).abs().max()
