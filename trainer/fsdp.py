@@ -3,7 +3,7 @@
     dist.init_process_group("gloo")               # trainer/distributed.py, under torchrun
     policy = build_policy({"type": "hf", "model_dir": d})
     shard_policy(policy)                          # before the optimizer is built
-    opt = torch.optim.AdamW(policy.model.parameters(), ...)
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], ...)
     loss = objective(policy.logprobs(...)) / global_tokens   # or idle_participation_loss(policy)
     loss.backward(); clip_grad_norm(policy, 1.0); opt.step()
     serving = full_serving_state(policy)          # collective; bf16 on rank 0, None elsewhere
@@ -23,23 +23,30 @@ up to float summation order: the per-rank partial sums are added once more).
 Numerics (docs/NUMERICS.md): an unsharded HFPolicy substitutes the bf16-rounded value of every
 fp32 master (`serving_weight`, straight-through gradient) with `functional_call` at the root.
 FSDP swaps the all-gathered parameters into each unit in its own pre-forward hook, which would
-overwrite a root substitution, so a sharded policy substitutes per module instead: a forward
-pre-hook on every module that owns parameters (it runs after FSDP's unshard) shadows each
-parameter with its rounded value in the module's instance `__dict__`, and a forward hook
-(prepended, so before FSDP's reshard) removes the shadow. Rounding is elementwise, so the forward
-sees the same values as unsharded, and with `kernels="invariant"` the log-probs are bit-identical
-(tests/integration/trainer/test_fsdp.py). The collectives' own ops (`fsdp::all_gather_copy_in`,
-`c10d` ops) pass through `batch_invariant_mode` on their default kernels (copies, exact).
+overwrite a root substitution, so a sharded policy substitutes per unit instead: a forward
+pre-hook on every unit (it runs after FSDP's unshard) shadows each parameter the unit manages
+that the policy substitutes (`_forward_params`) with its rounded value in its module's instance
+`__dict__` (attribute lookup finds it before `_parameters`), and a forward hook (prepended, so
+before FSDP's reshard) removes the shadows.
+Rounding is elementwise, so the forward sees the same values as unsharded, and with
+`kernels="invariant"` the log-probs are bit-identical (tests/integration/trainer/test_fsdp.py).
+The all-gather's own ops are on batch_invariant_mode's exact list (`EXACT_COMM_OPS`).
+
+LoRA (trainer/policy/lora.py): the frozen bf16 base and the fp32 adapter are sharded together
+(FSDP reduce-scatters only the adapter's gradients); as unsharded, only the adapter is
+substituted (the base holds bf16 values already), so peft's per-forward parametrization of fused
+expert parameters (`target_parameters`) runs on the unsharded base as usual.
+`full_serving_state` gathers only the trainable (adapter) tensors.
 
 Collective contract: all-gathers run in every unit's forward and backward and reduce-scatters in
 backward, so EVERY rank must run the same number of forward/backward passes per step. A rank
 without rollouts calls `idle_participation_loss` (a one-token forward whose loss is multiplied by
 0: its gradient contribution is exactly zero) for each pass the others make.
 
-Not supported: a LoRA policy (peft) raises NotImplementedError (see `shard_policy`); loading
-serving weights (`load_serving_state_dict`) into a sharded policy: load them before sharding, or
-use `load_train_state`; generation on a sharded policy (every rank would have to generate in
-lockstep; replicas serve the gathered bf16 state).
+Not supported (`serving_state_dict` / `load_serving_state_dict` raise on a sharded policy):
+rank-local serving state: gather with `full_serving_state`, load serving weights before sharding
+or use `load_train_state`. Generation on a sharded policy is untested (every rank would have to
+generate in lockstep; replicas serve the gathered bf16 state).
 """
 
 from __future__ import annotations
@@ -105,31 +112,29 @@ def shard_policy(policy: HFPolicy, *, reshard_after_forward: bool = True) -> Non
         raise TypeError(
             f"FSDP shards Hugging Face policies (type 'hf'), not {type(policy).__name__}"
         )
-    if policy.config.lora is not None:
-        raise NotImplementedError(
-            "FLYWHEEL_TRAINER_PARALLEL=fsdp does not support a LoRA policy: its forward substitutes "
-            "only the adapter at the root (which FSDP's per-unit parameter swap would overwrite), "
-            "peft parametrizes fused expert parameters during each forward, and its serving state "
-            "is the adapter under peft's names; none of that is wired to sharded parameters. The "
-            "frozen bf16 base is the large part and the adapter is small: use "
-            "FLYWHEEL_TRAINER_PARALLEL=ddp for LoRA."
-        )
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shard_policy needs an initialised torch.distributed process group")
     if is_sharded(policy):
         raise RuntimeError("shard_policy: the policy is already sharded")
+    with torch.no_grad():
+        substituted = set(policy._forward_params())
+    params = dict(policy.model.named_parameters())  # tied weights under their first name only
+    ids = {id(params[n]) for n in substituted}
+    rounded = {  # every name of every substituted parameter (a tied lm_head too)
+        n for n, p in policy.model.named_parameters(remove_duplicate=False) if id(p) in ids
+    }
     backend = dist.get_backend()
     device = "cuda" if backend == "nccl" else "cpu"
     mesh = init_device_mesh(device, (dist.get_world_size(),))
     model = policy.model
-    for layer in decoder_layers(model):
+    for layer in reversed(decoder_layers(model)):  # inner units before the ones around them
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
-    _install_rounding(model)
+    _install_rounding(model, rounded)
     policy._forward_params = dict  # type: ignore[method-assign]  # rounding is per module now
     policy.serving_state_dict = _refuse(  # type: ignore[method-assign]
         "serving_state_dict", "use trainer.fsdp.full_serving_state (every rank calls it)"
@@ -161,23 +166,46 @@ def _rounded(w: torch.Tensor) -> torch.Tensor:
     return w.detach().to(torch.bfloat16).to(w.dtype)
 
 
-def _shadow_params(module: nn.Module, args: Any) -> None:
-    for name, p in module._parameters.items():
-        if p is not None and p.is_floating_point():
-            module.__dict__[name] = _rounded(p)
+def _unit_modules(unit: nn.Module) -> list[nn.Module]:
+    """The modules whose parameters FSDP unit `unit` manages: `unit` and its descendants, not
+    descending into another unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out, stack = [], [unit]
+    while stack:
+        m = stack.pop()
+        out.append(m)
+        stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+    return out
 
 
-def _unshadow_params(module: nn.Module, args: Any, output: Any) -> None:
-    for name in module._parameters:
-        module.__dict__.pop(name, None)
+def _install_rounding(model: nn.Module, rounded: set[str]) -> None:
+    """Hooks on every FSDP unit that substitute the rounded values of the parameters it manages
+    whose names are in `rounded` (what the policy's `_forward_params` substitutes: all of them
+    for an HF policy, the adapter for LoRA) for the length of its forward (module docstring). The
+    pre-hook runs after FSDP's unshard (FSDP prepends its own), the forward hook before FSDP's
+    reshard (prepended here)."""
+    from torch.distributed.fsdp import FSDPModule
 
+    prefix = {id(m): f"{n}." if n else "" for n, m in model.named_modules()}
+    for unit in [m for m in model.modules() if isinstance(m, FSDPModule)]:
+        slots = [
+            (m, name)
+            for m in _unit_modules(unit)
+            for name, _ in m.named_parameters(recurse=False)
+            if prefix[id(m)] + name in rounded
+        ]
 
-def _install_rounding(model: nn.Module) -> None:
-    """Forward hooks that substitute rounded parameters per module (module docstring)."""
-    for m in model.modules():
-        if any(True for _ in m.parameters(recurse=False)):
-            m.register_forward_pre_hook(_shadow_params)
-            m.register_forward_hook(_unshadow_params, prepend=True)
+        def shadow(module: nn.Module, args: Any, slots: list = slots) -> None:
+            for m, name in slots:
+                m.__dict__[name] = _rounded(m._parameters[name])
+
+        def unshadow(module: nn.Module, args: Any, output: Any, slots: list = slots) -> None:
+            for m, name in slots:
+                m.__dict__.pop(name, None)
+
+        unit.register_forward_pre_hook(shadow)
+        unit.register_forward_hook(unshadow, prepend=True)
 
 
 def idle_participation_loss(policy: HFPolicy) -> torch.Tensor:
@@ -220,20 +248,22 @@ def _tie_like_model(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
-def _full_model_state(policy: HFPolicy) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(policy.model, options=opts)
-
-
 def full_serving_state(policy: HFPolicy) -> dict[str, torch.Tensor] | None:
     """COLLECTIVE (every rank calls it): rank 0 gets what the unsharded policy's
     `serving_state_dict()` returns (bf16, save_pretrained names and layout, tied copies dropped);
     the other ranks get None."""
-    state = _full_model_state(policy)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from trainer.policy.lora import LoraPolicy
+
+    lora = isinstance(policy, LoraPolicy)
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)
+    state = get_model_state_dict(policy.model, options=opts)
     if dist.get_rank() != 0:
         return None
+    if lora:  # LoraPolicy.serving_state_dict: the adapter, bf16, under peft's saved names
+        keys = policy._adapter_keys  # saved name -> model state-dict key
+        return {saved: state[key].to(torch.bfloat16).contiguous() for saved, key in keys.items()}
     return policy._bf16_saved_state(policy.model, _tie_like_model(policy.model, state))
 
 
@@ -241,7 +271,8 @@ def full_train_state(
     policy: HFPolicy, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, Any], dict[str, Any]] | tuple[None, None]:
     """COLLECTIVE: (full fp32 model state dict, full optimizer state dict) on rank 0, keyed by
-    parameter names, (None, None) elsewhere: the sharded trainer's checkpoint."""
+    parameter names, (None, None) elsewhere: the sharded trainer's checkpoint. The model state is
+    the whole model (a LoRA policy's frozen base included)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

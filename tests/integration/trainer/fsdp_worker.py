@@ -1,6 +1,6 @@
 """One rank of tests/integration/trainer/test_fsdp.py, launched by torchrun (gloo, CPU).
 
-    torchrun --standalone --nproc-per-node 2 tests/integration/trainer/fsdp_worker.py MODEL_DIR OUT
+    torchrun --standalone --nproc-per-node 2 fsdp_worker.py MODEL_DIR OUT full|lora
 
 Every rank builds the policy from MODEL_DIR and shards it (trainer/fsdp.py); rank 0 also holds an
 unsharded reference built from the same directory. The worker only computes and saves; the test
@@ -21,10 +21,12 @@ import torch
 import torch.distributed as dist
 
 from trainer import fsdp
+from trainer.lora_spec import LoraSpec
 from trainer.policy import build_policy
+from trainer.policy.lora import to_lora
 
 LR = 1e-2
-MAX_NORM = 0.5  # below the tiny models' gradient norm, so clipping scales every gradient
+MAX_NORM = 0.5  # below the full tiny models' gradient norm (~1.9), so clipping scales them
 TEXTS = [
     ("def main", "(): return 0"),
     ("the trainer", " ships a version"),
@@ -43,20 +45,33 @@ def batch(policy) -> tuple[list[list[int]], list[list[int]], torch.Tensor]:
 
 
 def loss_on(policy, idx: list[int], global_tokens: int) -> torch.Tensor:
-    """Policy-gradient loss of sequences `idx` of the batch, normalised by the GLOBAL token count."""
+    """Policy-gradient loss of the batch's sequences `idx`, normalised by the GLOBAL token count."""
     prompts, comps, adv = batch(policy)
     lp = policy.logprobs([prompts[i] for i in idx], [comps[i] for i in idx])
     return -(lp.sum(dim=1) * adv[idx]).sum() / global_tokens
 
 
-def build(model_dir: str):
-    return build_policy({"type": "hf", "model_dir": model_dir, "kernels": "invariant"})
+def build(model_dir: str, lora: bool, cache: Path):
+    """The policy; with `lora`, a LoRA policy on it (attention Linears + fused MoE experts) whose
+    adapter is set to seeded random values (peft starts B at 0, which would hide the adapter)."""
+    policy = build_policy({"type": "hf", "model_dir": model_dir, "kernels": "invariant"})
+    if not lora:
+        return policy
+    spec = LoraSpec(
+        r=4, target_modules=["q_proj", "v_proj"], target_parameters=["mlp.experts.gate_up_proj"]
+    )
+    policy = to_lora(policy, spec, cache)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in policy.adapter_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return policy
 
 
-def sharded(model_dir: str):
-    policy = build(model_dir)
+def sharded(model_dir: str, lora: bool, cache: Path):
+    policy = build(model_dir, lora, cache)
     fsdp.shard_policy(policy)
-    opt = torch.optim.AdamW(policy.model.parameters(), lr=LR)
+    opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=LR)
     return policy, opt
 
 
@@ -70,17 +85,17 @@ def step_sharded(policy, opt, idx: list[int], global_tokens: int) -> torch.Tenso
 
 
 def main() -> None:
-    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    model_dir, out, lora = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "lora"
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, f"the worker expects 2 ranks, got {world}"
-    torch.manual_seed(0)
+    cache = out / f"cache-{rank}"  # to_lora's model-file cache, one per rank
     res: dict[str, object] = {}
     ranks: dict[str, object] = {}
 
     # 1. log-probs: sharded vs unsharded, and vs the behaviour log-probs of logged generations
-    ref = build(model_dir)
-    policy, opt = sharded(model_dir)
+    ref = build(model_dir, lora, cache)
+    policy, opt = sharded(model_dir, lora, cache)
     prompts, comps, _ = batch(ref)
     samples = ref.generate(prompts, max_tokens=6, temperature=1.0, seed=7)
     gen_comps = [s.tokens for s in samples]
@@ -115,7 +130,7 @@ def main() -> None:
     serving = fsdp.full_serving_state(policy)
     model_sd, optim_sd = fsdp.full_train_state(policy, opt)
     if rank == 0:
-        ref_opt = torch.optim.AdamW(ref.model.parameters(), lr=LR)
+        ref_opt = torch.optim.AdamW([p for p in ref.model.parameters() if p.requires_grad], lr=LR)
         ref_opt.zero_grad(set_to_none=True)
         loss_on(ref, [0, 1, 2, 3], global_tokens).backward()
         res["norm_ref"] = torch.nn.utils.clip_grad_norm_(ref.model.parameters(), MAX_NORM)
@@ -125,20 +140,21 @@ def main() -> None:
         res["serving_ref"] = ref.serving_state_dict()
         res["serving"] = serving
         torch.save({"model": model_sd, "optim": optim_sd}, out / "train_state.pt")
-        sdir = out / "serving"
-        sdir.mkdir()
-        for f in Path(model_dir).iterdir():
-            if f.is_file() and not f.name.endswith(".safetensors"):
-                shutil.copy2(f, sdir / f.name)
-        from safetensors.torch import save_file
+        if not lora:  # a full model's serving directory; a LoRA serving state is the adapter
+            sdir = out / "serving"
+            sdir.mkdir()
+            for f in Path(model_dir).iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors"):
+                    shutil.copy2(f, sdir / f.name)
+            from safetensors.torch import save_file
 
-        save_file(serving, str(sdir / "model.safetensors"), metadata={"format": "pt"})
+            save_file(serving, str(sdir / "model.safetensors"), metadata={"format": "pt"})
     else:
         assert serving is None and model_sd is None and optim_sd is None, "rank 1 got full state"
 
     # 3. full_train_state -> file -> load_train_state into a fresh sharded policy: same state
     dist.barrier()
-    fresh, fresh_opt = sharded(model_dir)
+    fresh, fresh_opt = sharded(model_dir, lora, cache)
     saved = torch.load(out / "train_state.pt", weights_only=True) if rank == 0 else None
     fsdp.load_train_state(fresh, fresh_opt, saved and saved["model"], saved and saved["optim"])
     model_sd2, optim_sd2 = fsdp.full_train_state(fresh, fresh_opt)
@@ -150,7 +166,7 @@ def main() -> None:
     del fresh, fresh_opt
 
     # 4. rank 1 idle (idle_participation_loss), rank 0 the whole batch: same as 1 process
-    idle, idle_opt = sharded(model_dir)
+    idle, idle_opt = sharded(model_dir, lora, cache)
     mine = [0, 1, 2, 3] if rank == 0 else []
     ranks[f"norm_idle_{rank}"] = float(step_sharded(idle, idle_opt, mine, global_tokens))
     model_sd3, _ = fsdp.full_train_state(idle, idle_opt)

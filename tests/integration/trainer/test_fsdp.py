@@ -1,20 +1,22 @@
 """FSDP2 on Hugging Face policies (trainer/fsdp.py): 2 ranks, gloo, CPU, under real torchrun.
 
-For each tiny model (dense Llama, Llama with tied embeddings, Qwen2-MoE with fused experts) one
+For each tiny model (dense Llama, Llama with tied embeddings, Qwen2-MoE with fused experts, and
+a LoRA policy on the MoE: attention Linears + fused experts, seeded non-zero adapter) one
 `torchrun --standalone --nproc-per-node 2` run of fsdp_worker.py computes, on sharded policies,
 log-probs, one AdamW step with the global batch split over the ranks, one step with rank 1 idle,
 the gathered serving state and a train-state round trip; rank 0 also runs the unsharded reference.
 The worker saves; these tests assert.
 
-Tolerances (measured max |Δw| after one AdamW step, lr 1e-2, clip 0.5: dense 3.5e-6, tied 1.4e-6,
-MoE 3.0e-6 split; 6e-8 / 0 / 0 idle). Not bitwise, because the float sums differ: split, each rank
-sums the gradient of its half and the reduce-scatter adds the two partial sums, where one process
-sums all rows in one BLAS reduction; idle, the forward and the gradient are bit-identical (the
-idle rank adds exact zeros) but the clipping norm is a sum of per-shard norms in another order
-(1 ulp in the norm, so the clip coefficient moves by 1 ulp). AdamW's first step divides the
-gradient by its own magnitude, so an ulp in g can move w by much more than lr * 1e-7 where
-|g| is tiny: W_TOL is 1e-4 (1% of lr), far below a real step (~lr) and far above the noise.
-The forward has no such sums across ranks: sharded log-probs are asserted bit for bit.
+Tolerances, measured max |Δw| after one AdamW step (lr 1e-2, clip 0.5) vs one process on the
+global batch: split 3.5e-6 dense, 1.4e-6 tied, 3.0e-6 MoE, 3.7e-6 LoRA; idle 6e-8 dense, 0 for
+the others. Not bitwise, because float sums differ: split, each rank sums the gradient of its
+half and the reduce-scatter adds the two partial sums, where one process sums all rows in one
+BLAS reduction; idle (the idle rank adds exact zeros), the weights are bit-identical whenever the
+clipping norm is, and the dense model's norm (a sum of per-shard norms, in another order) is 1 ulp
+off, which moves the clip coefficient. AdamW's first step divides the gradient by its own
+magnitude, so an ulp in g moves w by much more than lr * 1e-7 where |g| is tiny: W_TOL is 1e-4
+(1% of lr), far below a real step (~lr) and far above the noise. The forward has no sums across
+ranks: sharded log-probs are asserted bit for bit.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 W_TOL = 1e-4  # max |Δw| after one step (module docstring); lr is 1e-2
 NORM_RTOL = 1e-6  # the global gradient norm, sharded vs one process
 BF16_RTOL = 2.0**-7  # one bf16 ulp: a serving weight may round the other way
-MODELS = ("llama", "llama_tied", "moe")
+MODELS = ("llama", "llama_tied", "moe", "moe_lora")  # moe_lora: LoRA on the MoE model
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 def _model_dir(kind: str, root: Path, tok: Path) -> Path:
     from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir
 
-    if kind == "moe":
+    if kind.startswith("moe"):
         return tiny_qwen2_moe_dir(root / kind, tok)
     return tiny_llama_dir(root / kind, tok, tie_word_embeddings=kind == "llama_tied")
 
@@ -71,12 +73,27 @@ def run(request, tmp_path_factory, tokenizer_dir) -> dict:
         str(WORKER),
         str(model_dir),
         str(out),
+        "lora" if request.param.endswith("_lora") else "full",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
     res = torch.load(out / "results.pt", weights_only=False)
     ranks = json.loads((out / "ranks.json").read_text())
-    return {"kind": request.param, "model_dir": model_dir, "out": out, "res": res, "ranks": ranks}
+    return {
+        "kind": request.param,
+        "lora": request.param.endswith("_lora"),
+        "model_dir": model_dir,
+        "out": out,
+        "res": res,
+        "ranks": ranks,
+    }
+
+
+def _policy(run: dict, cache: Path):
+    """The worker's unsharded policy for this run (the same build, incl. the seeded adapter)."""
+    from tests.integration.trainer.fsdp_worker import build
+
+    return build(str(run["model_dir"]), run["lora"], cache)
 
 
 def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -84,10 +101,8 @@ def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-def _initial_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from trainer.policy import build_policy
-
-    policy = build_policy({"type": "hf", "model_dir": str(model_dir)})
+def _initial_weights(run: dict, cache: Path) -> dict[str, torch.Tensor]:
+    policy = _policy(run, cache)
     return {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
 
 
@@ -116,12 +131,12 @@ def test_sharded_logprobs_of_logged_generations_equal_behaviour_logprobs(run):
     assert torch.equal(r["lp_gen"], r["lp_behaviour"]), f"max |Δ logp| {diff}"
 
 
-def test_two_rank_step_on_half_batches_matches_global_batch_on_one_process(run):
+def test_two_rank_step_on_half_batches_matches_global_batch_on_one_process(run, tmp_path):
     r, ranks = run["res"], run["ranks"]
     assert ranks["norm_split_0"] == ranks["norm_split_1"], "clip_grad_norm differs across ranks"
     assert ranks["norm_split_0"] == pytest.approx(float(r["norm_ref"]), rel=NORM_RTOL)
     dw = _max_abs_diff(r["w_split"], r["w_ref"])
-    moved = _max_abs_diff(r["w_ref"], _initial_weights(run["model_dir"]))
+    moved = _max_abs_diff(r["w_ref"], _initial_weights(run, tmp_path))
     assert moved > 100 * W_TOL, f"the reference step barely moved the weights ({moved})"
     assert dw <= W_TOL, f"{run['kind']}: max |Δw| {dw} > {W_TOL}"
 
@@ -134,9 +149,7 @@ def test_idle_rank_with_zero_loss_matches_one_process_on_the_batch(run):
     assert dw <= W_TOL, f"{run['kind']}: max |Δw| {dw} > {W_TOL}"
 
 
-def test_full_serving_state_is_the_unsharded_serving_state_dict(run):
-    from trainer.policy import build_policy
-
+def test_full_serving_state_is_the_unsharded_serving_state_dict(run, tmp_path):
     r = run["res"]
     serving, ref = r["serving"], r["serving_ref"]
     assert set(serving) == set(ref), sorted(set(serving) ^ set(ref))
@@ -148,24 +161,33 @@ def test_full_serving_state_is_the_unsharded_serving_state_dict(run):
             f"{k}: {(a - b).abs().max()}"
         )
     # exactly what the unsharded conversion gives for the gathered fp32 weights
-    policy = build_policy({"type": "hf", "model_dir": str(run["model_dir"])})
+    policy = _policy(run, tmp_path)
     policy.model.load_state_dict(r["w_split"])
     expect = policy.serving_state_dict()
     assert all(torch.equal(serving[k], expect[k]) for k in expect), "serving != bf16(w_split)"
 
 
-def test_directory_of_gathered_serving_state_loads_with_from_pretrained(run):
+def test_gathered_serving_state_loads_where_a_replica_loads_it(run, tmp_path):
+    """A full model: the directory (safetensors + config + tokenizer) loads with
+    `from_pretrained`. LoRA: the adapter loads into a fresh LoRA policy on the same base."""
     from transformers import AutoModelForCausalLM
 
     from trainer.policy import build_policy
 
+    serving = run["res"]["serving"]
+    if run["lora"]:
+        policy = _policy(run, tmp_path)
+        policy.load_serving_state_dict(serving)
+        loaded = policy.serving_state_dict()
+        assert set(loaded) == set(serving)
+        assert all(torch.equal(loaded[k], serving[k]) for k in serving), "adapter differs"
+        return
     sdir = run["out"] / "serving"
     model, info = AutoModelForCausalLM.from_pretrained(
         str(sdir), dtype=torch.float32, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     loaded = build_policy({"type": "hf", "model_dir": str(sdir)}).serving_state_dict()
-    serving = run["res"]["serving"]
     assert set(loaded) == set(serving)
     assert all(torch.equal(loaded[k], serving[k]) for k in serving), "loaded weights differ"
 
@@ -181,18 +203,3 @@ def test_train_state_round_trip_is_identical(run):
             assert torch.equal(loaded["state"][name][field], st[field]), f"{name}.{field}"
     for rank in (0, 1):
         assert ranks[f"lp_loaded_{rank}"] == ranks[f"lp_stepped_{rank}"], f"rank {rank} log-probs"
-
-
-def test_lora_policy_is_refused_with_a_reason(tmp_path, tokenizer_dir):
-    from tests.hf_models import tiny_llama_dir
-    from trainer import fsdp
-    from trainer.lora_spec import LoraSpec
-    from trainer.policy import build_policy
-    from trainer.policy.lora import to_lora
-
-    base = build_policy(
-        {"type": "hf", "model_dir": str(tiny_llama_dir(tmp_path / "m", tokenizer_dir))}
-    )
-    policy = to_lora(base, LoraSpec(r=4, target_modules=["q_proj"]), tmp_path / "cache")
-    with pytest.raises(NotImplementedError, match="ddp for LoRA"):
-        fsdp.shard_policy(policy)
