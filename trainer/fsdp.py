@@ -41,7 +41,11 @@ expert parameters (`target_parameters`) runs on the unsharded base as usual.
 Collective contract: all-gathers run in every unit's forward and backward and reduce-scatters in
 backward, so EVERY rank must run the same number of forward/backward passes per step. A rank
 without rollouts calls `idle_participation_loss` (a one-token forward whose loss is multiplied by
-0: its gradient contribution is exactly zero) for each pass the others make.
+0: its gradient contribution is exactly zero) for each pass the others make. A parameter that a
+rank's forward did not use (an expert held as its own module that no token of that rank was
+routed to) is reduced as a zero gradient (`set_reduce_scatter_unused_params`), so the ranks'
+reduce-scatters always match; one no rank used then has a zero gradient where one process would
+leave it None (AdamW still decays its moments).
 
 Not supported (`serving_state_dict` / `load_serving_state_dict` raise on a sharded policy):
 rank-local serving state: gather with `full_serving_state`, load serving weights before sharding
@@ -134,6 +138,7 @@ def shard_policy(policy: HFPolicy, *, reshard_after_forward: bool = True) -> Non
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+            m.set_reduce_scatter_unused_params(True, recurse=False)
     _install_rounding(model, rounded)
     policy._forward_params = dict  # type: ignore[method-assign]  # rounding is per module now
     policy.serving_state_dict = _refuse(  # type: ignore[method-assign]
