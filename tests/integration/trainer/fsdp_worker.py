@@ -68,17 +68,20 @@ def build(model_dir: str, lora: bool, cache: Path):
     return policy
 
 
-def sharded(model_dir: str, lora: bool, cache: Path):
+def sharded(model_dir: str, lora: bool, cache: Path, reshard_after_forward: bool = True):
     policy = build(model_dir, lora, cache)
-    fsdp.shard_policy(policy)
+    fsdp.shard_policy(policy, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=LR)
     return policy, opt
 
 
-def step_sharded(policy, opt, idx: list[int], global_tokens: int) -> torch.Tensor:
+def step_sharded(policy, opt, passes: list[list[int]], global_tokens: int) -> torch.Tensor:
+    """One optimizer step accumulating one forward/backward per entry of `passes` (the batch's
+    sequence indices; [] = an idle pass)."""
     opt.zero_grad(set_to_none=True)
-    loss = loss_on(policy, idx, global_tokens) if idx else fsdp.idle_participation_loss(policy)
-    loss.backward()
+    for idx in passes:
+        loss = loss_on(policy, idx, global_tokens) if idx else fsdp.idle_participation_loss(policy)
+        loss.backward()
     norm = fsdp.clip_grad_norm(policy, MAX_NORM)
     opt.step()
     return norm
@@ -126,7 +129,7 @@ def main() -> None:
     # 2. one AdamW step, each rank half of the global batch (loss / global tokens)
     global_tokens = sum(len(c) for c in comps)
     halves = [[0, 1], [2, 3]]
-    ranks[f"norm_split_{rank}"] = float(step_sharded(policy, opt, halves[rank], global_tokens))
+    ranks[f"norm_split_{rank}"] = float(step_sharded(policy, opt, [halves[rank]], global_tokens))
     serving = fsdp.full_serving_state(policy)
     model_sd, optim_sd = fsdp.full_train_state(policy, opt)
     if rank == 0:
@@ -167,11 +170,19 @@ def main() -> None:
 
     # 4. rank 1 idle (idle_participation_loss), rank 0 the whole batch: same as 1 process
     idle, idle_opt = sharded(model_dir, lora, cache)
-    mine = [0, 1, 2, 3] if rank == 0 else []
+    mine = [[0, 1, 2, 3]] if rank == 0 else [[]]
     ranks[f"norm_idle_{rank}"] = float(step_sharded(idle, idle_opt, mine, global_tokens))
     model_sd3, _ = fsdp.full_train_state(idle, idle_opt)
+    del idle, idle_opt
+
+    # 5. two accumulated passes per rank, uneven (rank 1's second pass idle), layers kept
+    # gathered between forward and backward: the same global-batch step
+    acc, acc_opt = sharded(model_dir, lora, cache, reshard_after_forward=False)
+    passes = [[0, 1], [2]] if rank == 0 else [[3], []]
+    ranks[f"norm_acc_{rank}"] = float(step_sharded(acc, acc_opt, passes, global_tokens))
+    model_sd4, _ = fsdp.full_train_state(acc, acc_opt)
     if rank == 0:
-        res["w_idle"] = model_sd3
+        res["w_idle"], res["w_acc"] = model_sd3, model_sd4
         from kernels.hf_mode import uncovered_ops
 
         res["uncovered"] = sorted(uncovered_ops())

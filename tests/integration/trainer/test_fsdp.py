@@ -4,12 +4,13 @@ For each tiny model (dense Llama, Llama with tied embeddings, Qwen2-MoE with fus
 a LoRA policy on the MoE: attention Linears + fused experts, seeded non-zero adapter) one
 `torchrun --standalone --nproc-per-node 2` run of fsdp_worker.py computes, on sharded policies,
 log-probs, one AdamW step with the global batch split over the ranks, one step with rank 1 idle,
-the gathered serving state and a train-state round trip; rank 0 also runs the unsharded reference.
+one step of two accumulated uneven passes (one of them idle), the gathered serving state and a
+train-state round trip; rank 0 also runs the unsharded reference.
 The worker saves; these tests assert.
 
 Tolerances, measured max |Δw| after one AdamW step (lr 1e-2, clip 0.5) vs one process on the
 global batch: split 3.5e-6 dense, 1.4e-6 tied, 3.0e-6 MoE, 3.7e-6 LoRA; idle 6e-8 dense, 0 for
-the others. Not bitwise, because float sums differ: split, each rank sums the gradient of its
+the others; accumulated 2.3e-5 dense, 1.3e-6 tied, 3.3e-6 MoE, 1.7e-6 LoRA. Not bitwise, because float sums differ: split, each rank sums the gradient of its
 half and the reduce-scatter adds the two partial sums, where one process sums all rows in one
 BLAS reduction; idle (the idle rank adds exact zeros), the weights are bit-identical whenever the
 clipping norm is, and the dense model's norm (a sum of per-shard norms, in another order) is 1 ulp
@@ -146,6 +147,16 @@ def test_idle_rank_with_zero_loss_matches_one_process_on_the_batch(run):
     assert ranks["norm_idle_0"] == ranks["norm_idle_1"]
     assert ranks["norm_idle_0"] == pytest.approx(float(r["norm_ref"]), rel=NORM_RTOL)
     dw = _max_abs_diff(r["w_idle"], r["w_ref"])
+    assert dw <= W_TOL, f"{run['kind']}: max |Δw| {dw} > {W_TOL}"
+
+
+def test_uneven_accumulated_passes_with_an_idle_one_match_one_process(run):
+    """Rank 0: sequences [0, 1] then [2]; rank 1: [3] then an idle pass; no reshard after
+    forward. Two backward passes accumulate into one step of the global batch."""
+    r, ranks = run["res"], run["ranks"]
+    assert ranks["norm_acc_0"] == ranks["norm_acc_1"]
+    assert ranks["norm_acc_0"] == pytest.approx(float(r["norm_ref"]), rel=NORM_RTOL)
+    dw = _max_abs_diff(r["w_acc"], r["w_ref"])
     assert dw <= W_TOL, f"{run['kind']}: max |Δw| {dw} > {W_TOL}"
 
 
