@@ -432,8 +432,21 @@ EXACT_OPS_BY_REASON: dict[str, str] = {
         new_zeros new_ones new_full new_empty scalar_tensor linspace tensor multinomial uniform_
         normal_ bernoulli_ exponential_ rand randn randint randperm""",
 }
-EXACT_OPS: frozenset[str] = frozenset(
-    f"aten::{name}" for names in EXACT_OPS_BY_REASON.values() for name in names.split()
+# Non-aten ops a sharded forward (trainer/fsdp.py, FSDP2) dispatches: the parameter all-gather
+# (whole-tensor copies in and out of one buffer, and gloo/NCCL's all-gather, which moves bytes) and
+# the profiler's record-function markers (no tensor values). Keys are qualified op names.
+EXACT_COMM_OPS: frozenset[str] = frozenset(
+    {
+        "fsdp::all_gather_copy_in",
+        "fsdp::split_with_sizes_copy",
+        "c10d::_allgather_base_",
+        "profiler::_record_function_enter_new",
+        "profiler::_record_function_exit",
+    }
+)
+EXACT_OPS: frozenset[str] = (
+    frozenset(f"aten::{name}" for names in EXACT_OPS_BY_REASON.values() for name in names.split())
+    | EXACT_COMM_OPS
 )
 _UNCOVERED: set[str] = set()
 

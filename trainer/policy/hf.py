@@ -557,9 +557,12 @@ class HFPolicy(Policy):
     def serving_state_dict(self) -> dict[str, torch.Tensor]:
         return self._bf16_saved_state(self.model)
 
-    def _bf16_saved_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """`model`'s weights in bf16 under the names `save_pretrained` writes."""
-        own = model.state_dict()
+    def _bf16_saved_state(
+        self, model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """`model`'s weights (or `state`, a full state dict of it, tied keys sharing one tensor:
+        trainer/fsdp.py's gathered state) in bf16 under the names `save_pretrained` writes."""
+        own = model.state_dict() if state is None else state
         bf16: dict[int, torch.Tensor] = {}  # one bf16 copy per storage, so ties stay ties
         state = {}
         for k, v in own.items():
