@@ -64,7 +64,7 @@ def main() -> None:
     t.cfg, t.world, t.policy = cfg, world, policy
     t.optimizer = t._make_optimizer()
     t.kl_ctl = obj.AdaptiveKL(0.0, None)
-    t.ref_policy, t.ref_version = None, None
+    t.ref_policy, t.ref_version, t.sharded = None, None, False
 
     times = []
     for _ in range(args.steps + 1):  # the first step warms up

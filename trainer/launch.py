@@ -66,11 +66,6 @@ def main(cfg: TrainerConfig | None = None) -> None:
     if not wait_for_dependencies(settings, stop):
         return
     world = World.from_env(cfg.dist_backend, cfg.dist_timeout_s)
-    if world.distributed and cfg.parallel == "fsdp":
-        world.close()
-        raise NotImplementedError(
-            "FLYWHEEL_TRAINER_PARALLEL=fsdp is not wired into the trainer yet"
-        )
     try:
         trainer = Trainer(settings, cfg, world)
     except BaseException:

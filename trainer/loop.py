@@ -137,9 +137,12 @@ class Trainer:
         else:
             state = load_state(self.state_dir)
         self.policy, state = self._restore_or_bootstrap(state)
+        # FSDP2 (trainer/fsdp.py): the full weights are loaded first, then sharded over the ranks
+        self.sharded = self.world.distributed and cfg.parallel == "fsdp"
+        if self.sharded:
+            self._shard()
         self.optimizer = self._make_optimizer()
-        if state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer(state)
         self.step: int = state["step"]
         self.kl_ctl = obj.AdaptiveKL(
             state.get("kl_coef", cfg.kl_coef) if cfg.kl_target is not None else cfg.kl_coef,
@@ -221,6 +224,45 @@ class Trainer:
         LAST_VERSION.set(self.last_shipped or 0)
 
     # --- start-up ----------------------------------------------------------------------------------
+    def _shard(self) -> None:
+        """Shard the (fully loaded) policy over the ranks with FSDP2; Hugging Face policies only."""
+        from trainer.fsdp import shard_policy
+
+        kind = self.policy.config_dict().get("type", "moe-byte")
+        if kind != "hf":
+            raise ValueError(
+                f"FLYWHEEL_TRAINER_PARALLEL=fsdp shards Hugging Face policies; this policy is {kind!r} "
+                "(use ddp: it fits one device)"
+            )
+        shard_policy(self.policy)
+
+    def _load_optimizer(self, state: dict[str, Any]) -> None:
+        """The saved optimizer state, when it was saved by the same kind of ranks (an FSDP state
+        is keyed by parameter name, a one-process/DDP one by position)."""
+        if not state.get("optimizer"):
+            return
+        saved_sharded = state.get("parallel") == "fsdp"
+        if saved_sharded != self.sharded:
+            log.warning(
+                "the saved optimizer state is from %s training and this trainer is %s: starting with "
+                "fresh optimizer moments (the weights are the saved ones)",
+                "sharded" if saved_sharded else "unsharded",
+                "sharded" if self.sharded else "unsharded",
+            )
+            return
+        if not self.sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
+            return
+        from trainer.fsdp import load_train_state
+
+        main = self.world.is_main
+        load_train_state(
+            self.policy,
+            self.optimizer,
+            state["fsdp_model"] if main else None,
+            state["optimizer"] if main else None,
+        )
+
     def _shared_state(self) -> dict[str, Any]:
         """The state file every rank starts from. On a first start rank 0 makes it (the base
         policy, or the newest registered version) while the others wait, so all ranks start from
@@ -271,7 +313,10 @@ class Trainer:
     def _restore_or_bootstrap(self, state: dict[str, Any] | None) -> tuple[Policy, dict[str, Any]]:
         if state is not None:
             policy = build_policy(state["policy_config"])
-            policy.load_state_dict(state["model"])
+            if state.get("model") is not None:
+                policy.load_state_dict(state["model"])
+            else:  # saved by sharded ranks: the Hugging Face model's full state (trainer/fsdp.py)
+                policy.model.load_state_dict(state["fsdp_model"])
             self._with_lora_setting(policy, f"the trainer state in {self.state_dir}", convert=False)
             log.info(
                 "resumed trainer state: step %d, last shipped v%s, positions %s",
@@ -437,7 +482,9 @@ class Trainer:
                 exc_info=True,
             )
         culprits: dict[int, BaseException] = {}
-        if len(batch.rollouts) == 1 and not isinstance(first, PeerFailure):
+        if self.sharded:
+            pass  # probing one rollout alone would break the ranks' lockstep: the batch fails as a whole
+        elif len(batch.rollouts) == 1 and not isinstance(first, PeerFailure):
             culprits[0] = first
         else:
             for i in range(len(batch.rollouts)):
@@ -574,10 +621,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         try:
-            f, err = None, None
+            f, err, idle = None, None, None
             try:
                 if batch.rollouts:
                     f = self._forward(batch)
+                elif self.sharded:  # the same forwards as the other ranks, contributing zero
+                    idle = self._idle_forwards()
             except Exception as exc:
                 err = exc
             self._agree(err, "the forward")
@@ -602,11 +651,18 @@ class Trainer:
                     if not torch.isfinite(loss):
                         raise StepError(f"loss is {float(loss)}")
                     loss.backward()
+                elif idle is not None:
+                    idle.backward()
             except Exception as exc:
                 err = exc
             self._agree(err, "the backward")
-            world.all_reduce_grads(params, cfg.grad_bucket_mb)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            if self.sharded:  # FSDP reduce-scattered the summed gradients in the backward
+                from trainer.fsdp import clip_grad_norm
+
+                grad_norm = clip_grad_norm(self.policy, cfg.max_grad_norm)
+            else:
+                world.all_reduce_grads(params, cfg.grad_bucket_mb)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if not torch.isfinite(grad_norm):  # the same summed gradient on every rank
                 raise StepError(f"gradient norm of the global batch is {float(grad_norm)}")
             if m is not None:
@@ -619,6 +675,18 @@ class Trainer:
         if "kl" in metrics:
             self.kl_ctl.update(metrics["kl"])
         return metrics
+
+    def _idle_forwards(self) -> torch.Tensor:
+        """A sharded rank without rollouts: the forwards `_forward` runs on the others (the policy,
+        and the self-distillation teacher when it is on), on one token, with loss x 0."""
+        from trainer.fsdp import idle_participation_loss
+
+        self.policy.train()
+        loss = idle_participation_loss(self.policy)
+        if self.cfg.distill_coef > 0:
+            with torch.no_grad():
+                idle_participation_loss(self.policy)
+        return loss
 
     def _forward(self, batch: Batch) -> _Forward:
         """The forwards of `batch` (policy, KL reference, self-distillation teacher), no loss yet."""
@@ -649,6 +717,11 @@ class Trainer:
                 with torch.no_grad():
                     t_lp = policy.logprobs(t.prompts, t.tails, None, c.temperatures[t.rows])
                 teacher = (*scatter_teacher(t_lp, t, tuple(logp.shape)), len(t.rows))
+            elif getattr(self, "sharded", False):  # sharded ranks run the same forwards in lockstep
+                from trainer.fsdp import idle_participation_loss
+
+                with torch.no_grad():
+                    idle_participation_loss(policy)
         return _Forward(c, logp, w, ref_lp, teacher)
 
     def _assemble(
@@ -749,6 +822,11 @@ class Trainer:
         self._ensure_joined()
         intent = self.intent
         assert intent is not None, "_finish_ship needs a saved ship intent"
+        serving = None
+        if self.sharded:  # every rank takes part in the gather; rank 0 gets the bf16 weights
+            from trainer.fsdp import full_serving_state
+
+            serving = full_serving_state(self.policy)
         if self.world.is_main:
             self._commit_sent = False
             try:
@@ -764,6 +842,7 @@ class Trainer:
                     parent_serving=self.parent_serving,
                     plant_bad_version=self.cfg.plant_bad_version,
                     pause=self._pause,
+                    serving=serving,
                 )
             except BaseException as exc:
                 if self.world.distributed and not self._commit_sent:
@@ -804,11 +883,13 @@ class Trainer:
         champ = self.world.broadcast(self._rejected_to(now) if self.world.is_main else None)
         if champ is None:
             return None
-        if self.registry.policy_config(champ) == self._registered_config():
+        if not self.sharded and self.registry.policy_config(champ) == self._registered_config():
             self.policy.load_serving_state_dict(self.registry.download_serving_state(champ))
             self.optimizer.state.clear()
-        else:  # e.g. a LoRA line rejected back to the full base version: a fresh adapter on it
+        else:  # a LoRA line rejected back to the full base version (a fresh adapter on it), or sharded
             self.policy = self._version_policy(champ)
+            if self.sharded:
+                self._shard()
             self.optimizer = self._make_optimizer()
         self.pending.rebased_on = champ
         REBASES.inc()
@@ -923,11 +1004,19 @@ class Trainer:
             )
 
     # --- state ---------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, full: tuple[Any, Any] | None = None) -> dict[str, Any]:
+        """Everything a restart needs. `full`: a sharded trainer's (model, optimizer) state
+        gathered on rank 0 (trainer/fsdp.py `full_train_state`), saved under `fsdp_model`."""
+        if full is not None:
+            model: dict[str, Any] = {"model": None, "fsdp_model": full[0], "parallel": "fsdp"}
+            optimizer = full[1]
+        else:
+            model = {"model": self.policy.state_dict()}
+            optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
         return {
-            "model": self.policy.state_dict(),
+            **model,
             "policy_config": self.policy.config_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": optimizer,
             "step": self.step,
             "positions": dict(self.intake.positions),
             "seen": self.intake.seen.to_list(),
@@ -950,6 +1039,11 @@ class Trainer:
         if not self.world.distributed:
             save_state(self.state_dir, self.state_dict())
             return
+        full = None
+        if self.sharded:  # a collective: the full model and optimizer state on rank 0
+            from trainer.fsdp import full_train_state
+
+            full = full_train_state(self.policy, self.optimizer)
         parts = self.world.all_gather(
             (dict(self.intake.positions), self.intake.seen.drain_added(), self.pending.to_dict())
         )
@@ -960,7 +1054,7 @@ class Trainer:
             positions.update(pos)
         for _, added, _ in parts[1:]:
             self.intake.seen.merge(added)
-        state = self.state_dict()
+        state = self.state_dict(full)
         state["positions"] = positions
         state["pending"] = Pending.merge([Pending.from_dict(p) for _, _, p in parts]).to_dict()
         save_state(self.state_dir, state)

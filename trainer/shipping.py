@@ -115,10 +115,12 @@ def execute_ship(
     parent_serving: ServingWeights | None = None,
     plant_bad_version: int | None = None,
     pause: Callable[[str], None] = lambda point: None,
+    serving: dict[str, torch.Tensor] | None = None,
 ) -> Shipped:
     """Carry `intent` out to the end (see the module docstring). `parent_serving` is the parent's
     weights if the caller holds them; `pause(point)` is called at "before_register" and
-    "after_register"."""
+    "after_register"; `serving`: the policy's serving weights when the caller gathered them
+    (sharded ranks, trainer/fsdp.py), else `policy.serving_state_dict()`."""
     reg = registry
     ship_id = intent.ship_id
     mv = reg.find_ship(ship_id)
@@ -135,7 +137,7 @@ def execute_ship(
     pushed = None  # the delta to push before the event (none when resuming: the bytes died with the crashed run)
     shipped_serving: ServingWeights | None = None
     if mv is None:
-        serving = policy.serving_state_dict()
+        serving = serving if serving is not None else policy.serving_state_dict()
         tok = policy.tokenizer
         tokenizer = {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}
         # the delta's manifest names its version before the registry assigns it: predict it

@@ -63,7 +63,7 @@ def main() -> None:
     t.cfg, t.world, t.policy = cfg, world, policy
     t.optimizer = t._make_optimizer()
     t.kl_ctl = obj.AdaptiveKL(cfg.kl_coef, None)
-    t.ref_policy, t.ref_version = None, None
+    t.ref_policy, t.ref_version, t.sharded = None, None, False
 
     exact = True
     if mine:
