@@ -135,7 +135,9 @@ def ranks_tokens_per_s(nproc: int, threads: int, batch: int, steps: int) -> floa
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        argv += [f"--nproc-per-node={nproc}", "-m", "bench.trainer_ranks", "--out", out]
+        # --max-restarts: on a loaded machine gloo's first connection can fail; a restart redoes it
+        argv += [f"--nproc-per-node={nproc}", "--max-restarts=2", "-m", "bench.trainer_ranks"]
+        argv += ["--out", out]
         argv += ["--batch", str(batch), "--steps", str(steps), "--threads", str(threads)]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
