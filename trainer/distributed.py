@@ -80,7 +80,13 @@ class World:
             torch.cuda.set_device(local_rank)
         timeout = timedelta(seconds=timeout_s)
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(
+                backend=backend,
+                store=_attempt_store(rank, size, timeout),
+                rank=rank,
+                world_size=size,
+                timeout=timeout,
+            )
         control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else None
         log.info("rank %d of %d (local rank %d, backend %s)", rank, size, local_rank, backend)
         return cls(rank, size, local_rank, backend, timeout_s, control)
@@ -180,6 +186,28 @@ class World:
                 bucket, size = [], 0
         if bucket:
             flush()
+
+
+def _attempt_store(rank: int, size: int, timeout: timedelta) -> Any:
+    """The rendezvous store of this start, keys prefixed by torchrun's restart count.
+
+    torchrun's agent keeps one store across elastic restarts, so without the prefix a restarted
+    rank can read the address a killed rank published in an earlier attempt and fail to connect
+    (gloo: "connectFullMesh failed ... Connection refused"), or wait forever on a key that
+    attempt already consumed. Under torchrun the agent hosts the store; started by hand with
+    MASTER_ADDR/MASTER_PORT, rank 0 hosts it."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        size,
+        is_master=not agent and rank == 0,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"flywheel/attempt-{attempt}", store)
 
 
 def owned_partitions(partitions: list[int], world: World) -> list[int]:

@@ -6,9 +6,10 @@
    same global batch); an even 4/4 split gives the one-process gradient up to float summation
    order (the per-rank sums are added by the all-reduce instead of inside one matmul).
 2. Crash safety on the real broker and MLflow server (`python -m torch.distributed.run
-   --max-restarts 2 -m trainer.launch`): SIGKILL of rank 1 right after an optimizer step, and of
-   rank 0 after it registered a version but before any offset was committed; torchrun restarts
-   both ranks each time. At the end every produced rollout was trained exactly once (the
+   --max-restarts 2 -m trainer.launch`): SIGKILL of rank 1 right after an optimizer step, of
+   rank 1 while rank 0 holds a saved ship intent before registering, and of rank 0 after it
+   registered a version but before any offset was committed; torchrun restarts both ranks each
+   time. At the end every produced rollout was trained exactly once (the
    lineage of all versions), the offset ranges tile each partition, every offset is committed,
    the crashed ship was finished, not redone, and both ranks read partitions.
 
@@ -143,6 +144,15 @@ def _stop(p: Torchrun, log: Path) -> None:
     assert text.count("trainer closed at step") == before + 2, text[-4000:]
 
 
+def _other_rank_pid(p: Torchrun, marker: Path) -> int:
+    """The pid of the rank that did not pause (torchrun's other child)."""
+    paused = int(marker.read_text().split("pid=")[1].split()[0])
+    out = subprocess.run(["pgrep", "-P", str(p.proc.pid)], capture_output=True, text=True).stdout
+    others = [int(x) for x in out.split() if int(x) != paused]
+    assert len(others) == 1, f"torchrun's children: {out.split()}, paused {paused}"
+    return others[0]
+
+
 def _kill_paused(marker: Path) -> str:
     """SIGKILL the rank that paused at the test hook (its pid is in the marker); returns the marker."""
     text = marker.read_text()
@@ -192,16 +202,38 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
     _stop(p, log)
     assert [mv.version for mv in versions()] == ["1"], "no ship yet: only the base version"
 
-    # duplicates of trained rollouts and garbage arrive between runs
-    produce(settings, [records[0], records[1]])
+    # 2. rank 1 killed while rank 0 holds the saved ship intent, before registering: torchrun restarts
+    # both and the resumed intent registers v2 once
+    p = start(2, "before_register@0")
+    wait_for(marker.exists, 600, "rank 0 paused before_register", p.proc, log)
+    assert "rank=0" in marker.read_text()
+    assert [mv.version for mv in versions()] == ["1"], "nothing registered before the pause"
+    os.kill(_other_rank_pid(p, marker), signal.SIGKILL)
+    ends = end_offsets(settings)
+    wait_for(
+        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
+        600,
+        "the restarted ranks ship and commit everything",
+        p.proc,
+        log,
+    )
+    _stop(p, log)
+    assert len(versions()) >= 2
+
+    # fresh rollouts, duplicates of trained ones and garbage arrive between runs
+    newest = int(versions()[-1].version)  # labelled with it, so they are not stale
+    extra = rollout_records(policy, newest, 8, lambda t: float("(" in t), seed=5, prefix="x-")
+    produce(settings, extra + [records[0], records[1]])
     produce_raw(settings, [("garbage", b'{"request_id": "x"}')])
 
-    # 2. rank 0 killed after registering v2, before any offset is committed; torchrun restarts both
+    # 3. rank 0 killed after registering a version, before any rank committed its offsets
+    before = versions()
+    committed_before = committed_offsets(settings, cfg["consumer_group"])
     p = start(2, "after_register@0")
     wait_for(marker.exists, 600, "rank 0 paused after_register", p.proc, log)
     registered = versions()
-    assert [mv.version for mv in registered] == ["1", "2"]
-    assert set(committed_offsets(settings, cfg["consumer_group"]).values()) == {None}, (
+    assert len(registered) == len(before) + 1
+    assert committed_offsets(settings, cfg["consumer_group"]) == committed_before, (
         "no rank commits before the version is registered and rank 0 says so"
     )
     assert "rank=0" in _kill_paused(marker)
@@ -223,9 +255,10 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
 
     final = versions()
     assert len(final) >= 3, [mv.version for mv in final]
+    crashed = registered[-1]
     ship_ids = [mv.tags.get("ship_id") for mv in final]
     assert all(ship_ids) and len(set(ship_ids)) == len(final), f"one version per ship: {ship_ids}"
-    assert final[1].tags["ship_id"] == registered[1].tags["ship_id"], (
+    assert final[int(crashed.version) - 1].tags["ship_id"] == crashed.tags["ship_id"], (
         "the crashed ship was finished, not redone"
     )
     assert [mv.tags["parent_version"] for mv in final] == ["none"] + [
@@ -245,7 +278,7 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
         skipped.update(json.loads(mv.tags["rollouts_skipped"]))
         for part, (a, b) in json.loads(mv.tags["kafka_offsets"])["partitions"].items():
             ranges.setdefault(int(part), []).append((a, b))
-    produced = [r["request_id"] for r in records]
+    produced = [r["request_id"] for r in records + extra]
     assert not [i for i, n in Counter(trained).items() if n > 1], "a rollout was trained twice"
     assert sorted(trained) == sorted(produced), f"lost: {set(produced) - set(trained)}"
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0, skipped
