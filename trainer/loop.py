@@ -59,6 +59,8 @@ from trainer.metrics import (
     ASSUMED_TEMPERATURE,
     BUFFERED,
     LAST_VERSION,
+    PARTITIONS,
+    RANKS,
     REBASES,
     ROLLOUTS,
     SHIPS,
@@ -206,6 +208,9 @@ class Trainer:
         if self.world.distributed:
             self.intake.seen.added = []  # new keys go to rank 0 with each save
         self._joined = self.owned is not None  # assigned partitions need no group join
+        RANKS.set(self.world.size)
+        if self.owned is not None:
+            PARTITIONS.set(len(self.owned))
         self._clean_stop = False
         self._unsaved_take = (
             False  # a batch left the buffer and is not accounted yet: close() must not save
@@ -416,6 +421,8 @@ class Trainer:
     def poll(self) -> None:
         self.intake.poll(self.cfg.poll_timeout_ms, max_records=max(64, self.cfg.batch_size * 4))
         self._joined = self._joined or bool(self.consumer.assignment())
+        if self.owned is None:
+            PARTITIONS.set(len(self.consumer.assignment()))
         BUFFERED.set(self.intake.buffered())
 
     def train_step(self) -> dict[str, float] | None:

@@ -43,6 +43,13 @@ ASSUMED_TEMPERATURE = Counter(
     "field): scored at FLYWHEEL_TRAINER_TEMPERATURE instead of their replica's temperature.",
 )
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
+RANKS = Gauge(
+    "flywheel_trainer_ranks", "Ranks of the trainer (torchrun's WORLD_SIZE; 1 = one process)."
+)
+PARTITIONS = Gauge(
+    "flywheel_trainer_partitions",
+    "Rollouts partitions this rank reads (with ranks: p % ranks == rank; one process: its group assignment).",
+)
 BUFFERED = Gauge(
     "flywheel_trainer_buffered_records", "Records fetched but not yet trained on or skipped."
 )
