@@ -329,11 +329,13 @@ def test_flywheel_trainer_nproc_starts_the_ranks_with_torchrun(trainer_env, tmp_
     assert [mv.version for mv in versions] == ["1"] and versions[0].tags["kind"] == "base"
 
 
-def test_fsdp_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path):
-    """FLYWHEEL_TRAINER_PARALLEL=fsdp on a tiny Hugging Face MoE model, 2 gloo ranks: the ranks
-    train the champion's rollouts sharded (mismatch exactly 0: the sharded forward is the
-    replica's), rank 0 ships the gathered bf16 weights as v2, v1 + delta from the registry loads
-    verified in a replica and generates."""
+@pytest.mark.parametrize("mode", ["fsdp", "ddp-lora"])
+def test_hf_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path, mode):
+    """A tiny Hugging Face MoE model on 2 gloo ranks, sharded with FSDP (full fine-tuning) or
+    replicated with DDP (a LoRA adapter): the ranks train the champion's rollouts (mismatch
+    exactly 0: the ranks' forward is the replica's), rank 0 ships v2 (FSDP: the gathered bf16
+    weights as a delta; LoRA: the adapter), and v2 from the registry loads verified in a
+    replica and generates; a restart resumes the saved state."""
     from app.contracts.artifacts import apply_chain, fetch_manifest
     from app.replica.fetch import VersionFetcher
     from app.replica.weights import load_verified
@@ -342,7 +344,13 @@ def test_fsdp_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path):
 
     settings, cfg = trainer_env
     model_dir = tiny_qwen2_moe_dir(tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"))
-    cfg.update(policy={"type": "hf", "model_dir": str(model_dir)}, parallel="fsdp", lr=1e-3)
+    cfg.update(policy={"type": "hf", "model_dir": str(model_dir)}, lr=1e-3)
+    if mode == "fsdp":
+        cfg.update(parallel="fsdp")
+    else:
+        cfg.update(
+            parallel="ddp", lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+        )
     cfg.update(checkpoint_every=2, batch_size=4, max_wait_s=1.0)
     client = MlflowClient(settings.mlflow_uri)
     log = tmp_path / "torchrun.log"
@@ -377,14 +385,17 @@ def test_fsdp_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path):
     text = log.read_text()
     assert "reading partitions [1]" in text
 
-    # a restart loads the sharded state rank 0 saved (full model + optimizer, broadcast to the shards)
+    # a restart loads the state rank 0 saved (sharded: full model + optimizer, broadcast to the shards)
+    sharded = mode == "fsdp"
     before = text.count("resumed trainer state")
+    kl_refs = text.count("KL reference: champion")
     p = Torchrun(env, log)
     try:
         wait_for(
             lambda: (
                 log.read_text().count("resumed trainer state") >= before + 2
-                and log.read_text().count("fully_shard over 2 ranks") >= 4
+                and log.read_text().count("fully_shard over 2 ranks") >= (4 if sharded else 0)
+                and log.read_text().count("KL reference: champion") >= kl_refs + 2
             ),
             300,
             "both ranks resumed and sharded again",
@@ -395,20 +406,24 @@ def test_fsdp_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path):
         _stop(p, log)
     restarted = log.read_text()[len(text) :]
     assert "resumed trainer state: step 0" not in restarted, "the saved steps were resumed"
-    assert "fresh optimizer moments" not in restarted, "the sharded optimizer state was loaded"
+    assert "fresh optimizer moments" not in restarted, "the saved optimizer state was loaded"
 
     final = versions()
     run = final[1].run_id
     mismatch = client.get_metric_history(run, "mismatch")
-    assert mismatch and {m.value for m in mismatch} == {0.0}, "sharded log-probs = behaviour"
+    assert mismatch and {m.value for m in mismatch} == {0.0}, "the ranks' log-probs = behaviour"
     fetcher = VersionFetcher(settings)
     try:
         fetch = fetcher.fetch_file
         held_v1, _ = apply_chain("1", fetch)
         v2_state, manifest = apply_chain("2", fetch, held=("1", held_v1))
-        assert fetch_manifest(fetch, "2").delta is not None
-        changed = [k for k in v2_state if not torch.equal(v2_state[k], held_v1[k])]
-        assert changed, "the sharded steps changed no weight"
+        if sharded:  # the full weights, as a delta from v1
+            assert fetch_manifest(fetch, "2").delta is not None
+            changed = [k for k in v2_state if not torch.equal(v2_state[k], held_v1[k])]
+        else:  # the first LoRA version: the adapter alone, as an anchor
+            assert v2_state and all("lora" in k for k in v2_state), sorted(v2_state)[:4]
+            changed = [k for k in v2_state if "lora_B" in k and bool(v2_state[k].any())]
+        assert changed, "the ranks' steps changed no weight"
         lv = load_verified(
             "2",
             v2_state,
