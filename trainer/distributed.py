@@ -25,9 +25,10 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: launch.py reads WORLD_SIZE before torch
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class World:
         size = torchrun_world_size()
         if size == 1:
             return cls.single()
+        import torch
         import torch.distributed as dist
 
         rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
@@ -161,6 +163,7 @@ class World:
         gradients whatever it computed."""
         if not self.distributed:
             return
+        import torch
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 

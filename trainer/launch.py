@@ -22,14 +22,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def torchrun_world_size_env() -> int:
-    """WORLD_SIZE as torchrun set it (1 without torchrun), read without importing torch."""
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
-
-
 def wait_for_dependencies(settings, stop: threading.Event) -> bool:
     """The MLflow server, then the broker with the trainer's topics (app/infra/wait.py: backoff,
     one log line each). False when `stop` came first."""
@@ -54,13 +46,13 @@ def main(cfg: TrainerConfig | None = None) -> None:
     from prometheus_client import start_http_server
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from trainer.distributed import World
+    from trainer.distributed import World, torchrun_world_size
     from trainer.loop import Trainer
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if torchrun_world_size_env() > 1 else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if torchrun_world_size() > 1 else 0
     if cfg.metrics_port:
         start_http_server(cfg.metrics_port + local_rank)
     if not wait_for_dependencies(settings, stop):
@@ -126,7 +118,9 @@ def exec_torchrun(cfg: TrainerConfig) -> None:
 
 
 if __name__ == "__main__":
-    rank = os.environ.get("RANK") if torchrun_world_size_env() > 1 else None
+    from trainer.distributed import torchrun_world_size
+
+    rank = os.environ.get("RANK") if torchrun_world_size() > 1 else None
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s {'' if rank is None else f'[rank {rank}] '}%(name)s: %(message)s",

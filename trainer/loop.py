@@ -564,30 +564,6 @@ class Trainer:
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
         ASSUMED_TEMPERATURE.inc(sum(r.temperature is None for r in batch.rollouts))
 
-    def forward_backward(self, batch: Batch) -> dict[str, float]:
-        """Loss, backward, clip, optimizer step. Raises before touching the weights if anything fails
-        or is not finite (the optimizer step is the last thing that can change state)."""
-        if self.world.distributed:
-            return self._forward_backward_ranks(batch)
-        cfg, policy = self.cfg, self.policy
-        self.optimizer.zero_grad(set_to_none=True)
-        try:
-            loss, m, (logp, pg, w, c) = self._loss(batch)
-            if not torch.isfinite(loss):
-                raise StepError(f"loss is {float(loss)}")
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            if not torch.isfinite(grad_norm):
-                raise StepError(f"gradient norm is {float(grad_norm)}")
-            self._step_metrics(m, loss, pg, w, c, batch, logp, grad_norm)
-        except BaseException:
-            self.optimizer.zero_grad(set_to_none=True)
-            raise
-        self.optimizer.step()
-        if "kl" in m:
-            self.kl_ctl.update(m["kl"])
-        return m
-
     def _step_metrics(self, m, loss, pg, w, c, batch, logp, grad_norm) -> None:
         n_tok = float(c.mask.sum())
         stale = torch.tensor(batch.staleness, dtype=torch.float32)
@@ -616,14 +592,16 @@ class Trainer:
         if failed:
             raise PeerFailure(f"{phase} failed on rank(s) {failed}")
 
-    def _forward_backward_ranks(self, batch: Batch) -> dict[str, float]:
-        """`forward_backward` as one rank of several: the same step on the global batch.
+    def forward_backward(self, batch: Batch) -> dict[str, float]:
+        """Loss, backward, clip, optimizer step. Raises before touching the weights if anything fails
+        or is not finite (the optimizer step is the last thing that can change state).
 
-        Each rank runs its own rollouts forward; the ranks exchange rewards (advantages are
+        With ranks, the same step on the global batch: each rank runs its own rollouts forward; the ranks exchange rewards (advantages are
         normalised over the global batch and its groups) and token counts (each rank's loss is
         divided by the global counts); each backward is local and the gradients are summed over
         ranks, so every rank applies the same update. A rank without rollouts contributes zero.
-        A failure on any rank fails the step on all of them before anything is applied."""
+        A failure on any rank fails the step on all of them before anything is applied. One
+        process is the case of one rank: every exchange is the identity (World.single())."""
         cfg, world = self.cfg, self.world
         self.optimizer.zero_grad(set_to_none=True)
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -671,7 +649,7 @@ class Trainer:
                 world.all_reduce_grads(params, cfg.grad_bucket_mb)
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if not torch.isfinite(grad_norm):  # the same summed gradient on every rank
-                raise StepError(f"gradient norm of the global batch is {float(grad_norm)}")
+                raise StepError(f"gradient norm is {float(grad_norm)}")
             if m is not None:
                 self._step_metrics(m, loss, pg, w, c, batch, logp, grad_norm)
             metrics = combine_metrics(world.all_gather(m))
