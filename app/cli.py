@@ -60,7 +60,18 @@ def _invalid(exc: Exception) -> typer.Exit:
     """Print a settings ValidationError (its locations are the FLYWHEEL_* variables,
     app/settings_base.py) and the exit to raise: status 2."""
     console.print("[red]invalid configuration:[/red]")
-    console.print(str(exc), markup=False, highlight=False, soft_wrap=True)
+    _say(str(exc))
+    return typer.Exit(2)
+
+
+def _say(text: str, **style) -> None:
+    """Print `text` as it is (no rich markup or highlighting: it may hold paths and brackets)."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True, **style)
+
+
+def _refused(text: str) -> typer.Exit:
+    """Say why a command refused its input; the exit to raise: status 2."""
+    _say(text)
     return typer.Exit(2)
 
 
@@ -673,6 +684,7 @@ def model_import(
 ) -> None:
     """Validate MODEL_DIR and register it as version 1 of FLYWHEEL_MODEL_NAME, with champion on it."""
     from trainer.model_import import AlreadyImported, ModelImportError, import_model
+    from trainer.policy.hf_files import CACHE_DIR
 
     settings = _settings()
     try:
@@ -681,24 +693,15 @@ def model_import(
             settings.mlflow_uri,
             settings.model_name,
             force=force,
-            cache_root=settings.data_dir / "hf-models",
+            cache_root=settings.data_dir / CACHE_DIR,
         )
     except AlreadyImported as exc:
         if not resume:
-            console.print(
-                f"model import refused: {exc}", markup=False, highlight=False, soft_wrap=True
-            )
-            raise typer.Exit(2) from None
-        console.print(
-            f"{model_dir} already imported: versions kept (--resume)",
-            markup=False,
-            highlight=False,
-            soft_wrap=True,
-        )
+            raise _refused(f"model import refused: {exc}") from None
+        _say(f"{model_dir} already imported: versions kept (--resume)")
         return
     except ModelImportError as exc:
-        console.print(f"model import refused: {exc}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise _refused(f"model import refused: {exc}") from None
     console.print(f"imported {model_dir} as {settings.model_name} v{version} (champion)")
 
 
@@ -718,6 +721,7 @@ def model_export(
 ) -> None:
     """Write VERSION of FLYWHEEL_MODEL_NAME as a directory AutoModelForCausalLM.from_pretrained loads."""
     from trainer.model_export import ExportError, export_version
+    from trainer.policy.hf_files import CACHE_DIR
 
     settings = _settings()
     try:
@@ -727,11 +731,10 @@ def model_export(
             settings.mlflow_uri,
             settings.model_name,
             merged=merged,
-            cache_root=settings.data_dir / "hf-models",
+            cache_root=settings.data_dir / CACHE_DIR,
         )
     except ExportError as exc:
-        console.print(f"model export refused: {exc}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+        raise _refused(f"model export refused: {exc}") from None
     lora = (path / "adapter").is_dir()
     console.print(
         f"exported {settings.model_name} v{version} to {path}"
@@ -916,7 +919,7 @@ def report(
         )
         data = load_report_data(src)
     except SourceMissing as exc:
-        console.print(f"report: {exc}", style="red", markup=False, highlight=False, soft_wrap=True)
+        _say(f"report: {exc}", style="red")
         raise typer.Exit(2) from None
     path = write_report(build_report(data), out or s.data_dir / "report.html")
     console.print(

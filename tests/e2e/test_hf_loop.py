@@ -31,17 +31,12 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.e2e.stack import stack_env, start_run, stop_run, wait_for
 from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir, train_bpe_tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -63,104 +58,18 @@ CASES = [
 
 
 def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
-    ports = {
-        name: free_port()
-        for name in (
-            "kafka",
-            "controller_quorum",
-            "mlflow",
-            "api",
-            "trainer_metrics",
-            "controller_metrics",
-            "streams_metrics",
-        )
-    }
-    ports["replicas"] = free_port()  # replica i on ports["replicas"] + i
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    env.update(
-        FLYWHEEL_DATA_DIR=str(data_dir),
-        FLYWHEEL_KAFKA_BOOTSTRAP=f"127.0.0.1:{ports['kafka']}",
-        FLYWHEEL_KAFKA_CONTROLLER_PORT=str(ports["controller_quorum"]),
-        FLYWHEEL_KAFKA_HEAP="512m",
-        FLYWHEEL_MLFLOW_URI=f"http://127.0.0.1:{ports['mlflow']}",
-        FLYWHEEL_API_PORT=str(ports["api"]),
-        FLYWHEEL_SHIP_INTERVAL="60s",  # longer than a canary, or each new version supersedes it
-        FLYWHEEL_WAIT_WINDOW="4s",
+    return stack_env(
+        data_dir,
         # a random tiny model: lr 1e-6 (the HF default) moves no bf16 serving weight, and the
         # delta would be empty; 1e-3 makes every version a real change
         FLYWHEEL_TRAINER_LR="1e-3",
-        FLYWHEEL_TRAINER_MIN_ROLLOUTS="4",
-        FLYWHEEL_TRAINER_BATCH_SIZE="4",
         FLYWHEEL_TRAINER_PLANT_BAD_VERSION="0",  # the planted version has its own unit tests
-        FLYWHEEL_TRAINER_METRICS_PORT=str(ports["trainer_metrics"]),
-        FLYWHEEL_CONTROLLER_METRICS_PORT=str(ports["controller_metrics"]),
-        FLYWHEEL_CONTROLLER_STEPS="50,100",  # few sessions here: a 5% step would see none
-        FLYWHEEL_CONTROLLER_MIN_STEP="3s",
-        FLYWHEEL_CONTROLLER_MARGIN="0.5",
-        FLYWHEEL_CONTROLLER_MIN_SAMPLES="4",
-        FLYWHEEL_CONTROLLER_STEP_DEADLINE="90s",
-        FLYWHEEL_CONTROLLER_POLL_INTERVAL="2s",
         FLYWHEEL_CONTROLLER_GATE_ROLLOUTS="16",
-        FLYWHEEL_STREAMS_METRICS_BUCKET="2s",
-        FLYWHEEL_STREAMS_METRICS_PORT=str(ports["streams_metrics"]),
-        FLYWHEEL_SIMULATE_USERS="12",
-        FLYWHEEL_SIMULATE_RPS="4",
-        FLYWHEEL_SIMULATE_MAX_TOKENS="16",
-        PYTHONUNBUFFERED="1",
     )
-    return env, ports
 
 
 def _start(env: dict[str, str], ports: dict[str, int], model_dir: Path, log: Path):
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "run",
-            "--model",
-            str(model_dir),
-            "--no-live",
-            "--duration",
-            "15m",
-            "--replica-base-port",
-            str(ports["replicas"]),
-        ],
-        env=env,
-        stdout=open(log, "ab"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def _stop(proc: subprocess.Popen, timeout: float = 120.0) -> int:
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C does
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-
-
-def _wait_for(what: str, fn, timeout: float, proc, log: Path, interval: float = 3.0):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (
-            f"flywheel run exited ({proc.returncode}) while waiting for {what}:\n"
-            f"{log.read_text(errors='replace')[-4000:]}"
-        )
-        try:
-            last = fn()
-            if last:
-                return last
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            last = exc
-        time.sleep(interval)
-    raise AssertionError(
-        f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r}); "
-        f"logs in {log.parent}:\n{log.read_text(errors='replace')[-3000:]}"
-    )
+    return start_run(env, ports, log, "--model", str(model_dir))
 
 
 def _generations(bootstrap: str, limit: int = 50) -> list[dict]:
@@ -228,7 +137,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     replica_ids = ["replica-0", "replica-1"]
     proc = _start(env, ports, moe_dir, log)
     try:
-        _wait_for(
+        wait_for(
             "the import of the model directory",
             lambda: "(imported; flywheel-policy" in log.read_text(errors="replace"),
             300,
@@ -261,12 +170,12 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             }
             return synced == set(replica_ids)
 
-        _wait_for("both replicas serving the imported v1 as champion", serving_v1, 300, proc, log)
+        wait_for("both replicas serving the imported v1 as champion", serving_v1, 300, proc, log)
         assert any(e["version"] == "1" for e in history(type="alias_changed", version="1"))
         lineage = http.get("/v1/models/1").json()["lineage"]
         assert lineage["parent_version"] is None and not lineage["rollouts_consumed"], lineage
 
-        version = _wait_for(
+        version = wait_for(
             "a trained version that was gated, canaried and promoted or rolled back",
             lambda: _decided(history()),
             900,
@@ -290,7 +199,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             return json.loads(mlflow.get_model_version("flywheel-policy", v).tags["delta"])
 
         if not lora:
-            paths = _wait_for("both replicas' replica_synced", synced_by_delta, 120, proc, log)
+            paths = wait_for("both replicas' replica_synced", synced_by_delta, 120, proc, log)
             assert all("delta" in p for p in paths.values()), paths
             delta = delta_tag(version)
             assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
@@ -312,7 +221,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
                             return version_
                 return None
 
-            adapter_v = _wait_for(
+            adapter_v = wait_for(
                 "an adapter delta synced to both replicas", adapter_delta_synced, 900, proc, log
             )
             full_bytes = (moe_dir / "model.safetensors").stat().st_size  # fp32 base
@@ -343,7 +252,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
                 for v in ("1", version)
             )
 
-        _wait_for("held-out acceptance of v1 and the trained version", scored, 300, proc, log)
+        wait_for("held-out acceptance of v1 and the trained version", scored, 300, proc, log)
 
         # status: the API's champion is what every replica reports serving
         def replicas_agree() -> str | None:
@@ -354,9 +263,9 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             }
             return champion if champion is not None and served == {champion} else None
 
-        _wait_for("the replicas to serve the API's champion", replicas_agree, 120, proc, log)
+        wait_for("the replicas to serve the API's champion", replicas_agree, 120, proc, log)
     finally:
-        rc = _stop(proc)
+        rc = stop_run(proc)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
     if lora:
         return  # resuming and refusing another model do not depend on how the model trains
@@ -364,7 +273,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     # a second start on the same registry resumes: nothing is imported again
     proc = _start(env, ports, moe_dir, log)
     try:
-        _wait_for(
+        wait_for(
             "the resumed start",
             lambda: "(resumed; flywheel-policy" in log.read_text(errors="replace"),
             300,
@@ -377,7 +286,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             if mv.tags.get("kind") == "import" and mv.version != "1"
         ]
     finally:
-        rc = _stop(proc)
+        rc = stop_run(proc)
     assert rc == 0
 
     # a registry that holds this model is refused for another one: one line, no role starts
@@ -388,7 +297,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
         rc = proc.wait(300)
     finally:
         if proc.poll() is None:
-            _stop(proc)
+            stop_run(proc)
     text = log.read_bytes()[before:].decode(errors="replace")
     assert rc == 2, text[-3000:]
     refusal = [ln for ln in text.splitlines() if "model import refused" in ln]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -257,6 +258,65 @@ def wait_for(
         f"timed out after {timeout}s waiting for {what}"
         + (f":\n{log.read_text()[-4000:]}" if log else "")
     )
+
+
+def model_versions(client, name: str) -> list:
+    """Every version of registered model `name`, oldest first."""
+    return sorted(client.search_model_versions(f"name='{name}'"), key=lambda mv: int(mv.version))
+
+
+def check_lineage(client, final, produced: list[str], ends: dict[int, int], tmp: Path) -> Counter:
+    """The end checks of the crash tests on `final`, every version of the model in order: one
+    version per ship_id, each READY with its lineage tags and weights, parents chained; the union
+    of the versions' lineage request ids is exactly `produced`, none twice; the offset ranges tile
+    [0, end) of every partition. Returns the skipped counts summed over the versions."""
+    ship_ids = [mv.tags.get("ship_id") for mv in final]
+    assert all(ship_ids) and len(set(ship_ids)) == len(final), f"one version per ship: {ship_ids}"
+    trained: list[str] = []
+    skipped: Counter = Counter()
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for mv in final:
+        assert mv.status == "READY"
+        for tag in (
+            "parent_version",
+            "rollouts_consumed",
+            "kafka_offsets",
+            "reward_spec",
+            "train_metrics",
+            "rollout_status",
+        ):
+            assert tag in mv.tags, f"v{mv.version} lacks tag {tag}"
+        prefix = f"ships/{mv.tags['ship_id']}"
+        ids = json.loads(
+            Path(
+                client.download_artifacts(mv.run_id, f"{prefix}/lineage/request_ids.json", str(tmp))
+            ).read_text()
+        )
+        assert len(ids) == int(mv.tags["rollouts_consumed"])
+        trained += ids
+        skipped.update(json.loads(mv.tags["rollouts_skipped"]))
+        for part, (a, b) in json.loads(mv.tags["kafka_offsets"])["partitions"].items():
+            ranges.setdefault(int(part), []).append((a, b))
+        weights = client.download_artifacts(
+            mv.run_id, f"{prefix}/model/artifacts/weights.safetensors", str(tmp)
+        )
+        assert os.path.getsize(weights) > 1000
+    assert [mv.tags["parent_version"] for mv in final] == ["none"] + [
+        mv.version for mv in final[:-1]
+    ]
+    dupes = [i for i, n in Counter(trained).items() if n > 1]
+    assert not dupes, f"trained twice: {dupes}"
+    assert sorted(trained) == sorted(produced), f"lost: {set(produced) - set(trained)}"
+    for part, end in ends.items():
+        spans = sorted(ranges.get(part, []))
+        covered = 0
+        for a, b in spans:
+            assert a == covered, (
+                f"partition {part}: gap or overlap at {a} (covered to {covered}): {spans}"
+            )
+            covered = b
+        assert covered == end, f"partition {part}: lineage covers [0, {covered}) of [0, {end})"
+    return skipped
 
 
 class TrainerProcess:

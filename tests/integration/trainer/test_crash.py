@@ -26,7 +26,6 @@ Run: .venv/bin/pytest tests/integration/trainer/test_crash.py -q
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -37,8 +36,10 @@ from app.contracts.kafka import dumps
 from tests.integration.trainer.conftest import (
     TINY_POLICY,
     TrainerProcess,
+    check_lineage,
     committed_offsets,
     end_offsets,
+    model_versions,
     produce,
     produce_raw,
     read_dlq,
@@ -69,10 +70,7 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
         return TrainerProcess(env, log)
 
     def versions():
-        return sorted(
-            client.search_model_versions(f"name='{settings.model_name}'"),
-            key=lambda mv: int(mv.version),
-        )
+        return model_versions(client, settings.model_name)
 
     # the base policy of an empty registry is v1 (tiny config, init_seed 0, no pretraining): sample from it
     policy = build_policy(TINY_POLICY)
@@ -126,60 +124,12 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
 
     final = versions()
     assert len(final) >= 3, [mv.version for mv in final]
-    ship_ids = [mv.tags.get("ship_id") for mv in final]
-    assert all(ship_ids) and len(set(ship_ids)) == len(final), f"one version per ship: {ship_ids}"
     assert final[1].tags["ship_id"] == registered[1].tags["ship_id"], (
         "the crashed ship was finished, not redone"
     )
-    trained_ids: list[str] = []
-    skipped: Counter = Counter()
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    for mv in final:
-        assert mv.status == "READY"
-        for tag in (
-            "parent_version",
-            "rollouts_consumed",
-            "kafka_offsets",
-            "reward_spec",
-            "train_metrics",
-            "rollout_status",
-        ):
-            assert tag in mv.tags, f"v{mv.version} lacks tag {tag}"
-        prefix = f"ships/{mv.tags['ship_id']}"
-        ids = json.loads(
-            Path(
-                client.download_artifacts(
-                    mv.run_id, f"{prefix}/lineage/request_ids.json", str(tmp_path)
-                )
-            ).read_text()
-        )
-        assert len(ids) == int(mv.tags["rollouts_consumed"])
-        trained_ids += ids
-        skipped.update(json.loads(mv.tags["rollouts_skipped"]))
-        for part, (a, b) in json.loads(mv.tags["kafka_offsets"])["partitions"].items():
-            ranges.setdefault(int(part), []).append((a, b))
-        weights = client.download_artifacts(
-            mv.run_id, f"{prefix}/model/artifacts/weights.safetensors", str(tmp_path)
-        )
-        assert os.path.getsize(weights) > 1000
-    assert [mv.tags["parent_version"] for mv in final] == ["none"] + [
-        mv.version for mv in final[:-1]
-    ]
-    produced = [r["request_id"] for r in records]
-    dupes = [i for i, n in Counter(trained_ids).items() if n > 1]
-    assert not dupes, f"trained twice: {dupes}"
-    assert sorted(trained_ids) == sorted(produced), f"lost: {set(produced) - set(trained_ids)}"
+    skipped = check_lineage(client, final, [r["request_id"] for r in records], ends, tmp_path)
     assert sum(int(mv.tags["rollouts_consumed"]) for mv in final) == 24
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0
-    for part, end in ends.items():
-        spans = sorted(ranges.get(part, []))
-        covered = 0
-        for a, b in spans:
-            assert a == covered, (
-                f"partition {part}: gap or overlap at {a} (covered to {covered}): {spans}"
-            )
-            covered = b
-        assert covered == end, f"partition {part}: lineage covers [0, {covered}) of [0, {end})"
 
 
 def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_counts_after_sigkill(

@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -33,8 +32,10 @@ from mlflow import MlflowClient
 from tests.integration.trainer.conftest import (
     REPO,
     TINY_POLICY,
+    check_lineage,
     committed_offsets,
     end_offsets,
+    model_versions,
     produce,
     produce_raw,
     rollout_records,
@@ -178,10 +179,7 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
         return Torchrun(env, log)
 
     def versions():
-        return sorted(
-            client.search_model_versions(f"name='{settings.model_name}'"),
-            key=lambda mv: int(mv.version),
-        )
+        return model_versions(client, settings.model_name)
 
     policy = build_policy(TINY_POLICY)
     records = rollout_records(policy, 1, 24, lambda text: 1.0 if "\n" in text else 0.0, seed=3)
@@ -256,38 +254,12 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
     final = versions()
     assert len(final) >= 3, [mv.version for mv in final]
     crashed = registered[-1]
-    ship_ids = [mv.tags.get("ship_id") for mv in final]
-    assert all(ship_ids) and len(set(ship_ids)) == len(final), f"one version per ship: {ship_ids}"
     assert final[int(crashed.version) - 1].tags["ship_id"] == crashed.tags["ship_id"], (
         "the crashed ship was finished, not redone"
     )
-    assert [mv.tags["parent_version"] for mv in final] == ["none"] + [
-        mv.version for mv in final[:-1]
-    ]
-    trained: list[str] = []
-    skipped: Counter = Counter()
-    ranges: dict[int, list[tuple[int, int]]] = {}
-    for mv in final:
-        assert mv.status == "READY"
-        path = client.download_artifacts(
-            mv.run_id, f"ships/{mv.tags['ship_id']}/lineage/request_ids.json", str(tmp_path)
-        )
-        ids = json.loads(Path(path).read_text())
-        assert len(ids) == int(mv.tags["rollouts_consumed"])
-        trained += ids
-        skipped.update(json.loads(mv.tags["rollouts_skipped"]))
-        for part, (a, b) in json.loads(mv.tags["kafka_offsets"])["partitions"].items():
-            ranges.setdefault(int(part), []).append((a, b))
     produced = [r["request_id"] for r in records + extra]
-    assert not [i for i, n in Counter(trained).items() if n > 1], "a rollout was trained twice"
-    assert sorted(trained) == sorted(produced), f"lost: {set(produced) - set(trained)}"
+    skipped = check_lineage(client, final, produced, ends, tmp_path)
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0, skipped
-    for part, end in ends.items():
-        covered = 0
-        for a, b in sorted(ranges.get(part, [])):
-            assert a == covered, f"partition {part}: gap or overlap at {a}: {sorted(ranges[part])}"
-            covered = b
-        assert covered == end, f"partition {part}: lineage covers [0, {covered}) of [0, {end})"
 
 
 def test_flywheel_trainer_nproc_starts_the_ranks_with_torchrun(trainer_env, tmp_path):
@@ -356,10 +328,7 @@ def test_hf_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path, mode):
     log = tmp_path / "torchrun.log"
 
     def versions():
-        return sorted(
-            client.search_model_versions(f"name='{settings.model_name}'"),
-            key=lambda mv: int(mv.version),
-        )
+        return model_versions(client, settings.model_name)
 
     # the champion v1 is the directory's weights: sample rollouts from them as a replica would
     champion = build_policy({"type": "hf", "model_dir": str(model_dir)})
