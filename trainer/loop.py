@@ -1029,19 +1029,14 @@ class Trainer:
             from trainer.fsdp import full_train_state
 
             full = full_train_state(self.policy, self.optimizer)
-        parts = self.world.all_gather(
-            (dict(self.intake.positions), self.intake.seen.drain_added(), self.pending.to_dict())
-        )
+        pending, positions = self._global_lineage()
+        added = self.world.all_gather(self.intake.seen.drain_added())
         if not self.world.is_main:
             return
-        positions: dict[int, int] = {}
-        for pos, _added, _ in parts:
-            positions.update(pos)
-        for _, added, _ in parts[1:]:
-            self.intake.seen.merge(added)
+        for keys in added[1:]:
+            self.intake.seen.merge(keys)
         state = self.state_dict(full)
-        state["positions"] = positions
-        state["pending"] = Pending.merge([Pending.from_dict(p) for _, _, p in parts]).to_dict()
+        state["positions"], state["pending"] = positions, pending.to_dict()
         save_state(self.state_dir, state)
 
     def _pause(self, point: str) -> None:

@@ -46,15 +46,14 @@ from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
+# --max-restarts: every run here survives a rank's death (on a loaded machine gloo's first
+# connection can fail too; a restart redoes the same deterministic work)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+TORCHRUN += ["--max-restarts=2"]
 WORKER = str(REPO / "tests/integration/trainer/ddp_worker.py")
 
 
 def _run(argv: list[str], log: Path) -> None:
-    """Run to the end. Under torchrun with --max-restarts 2: on a loaded machine gloo's initial
-    connection can fail (a rank aborts); a restart redoes the same deterministic computation."""
-    if argv[:3] == TORCHRUN[:3]:
-        argv = [*argv[:5], "--max-restarts=2", *argv[5:]]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with open(log, "wb") as out:
         rc = subprocess.run(
@@ -112,12 +111,13 @@ def test_two_rank_step_is_the_one_process_step(tmp_path):
 
 
 class Torchrun:
-    """`python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 2 -m trainer.launch`."""
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 2 -m
+    trainer.launch`, or `argv` that starts torchrun (`flywheel trainer --nproc 2`)."""
 
-    def __init__(self, env: dict[str, str], log: Path):
+    def __init__(self, env: dict[str, str], log: Path, argv: list[str] | None = None):
         self.log, self.out = log, open(log, "ab")
         self.proc = subprocess.Popen(
-            [*TORCHRUN, "--max-restarts=2", "--monitor-interval=1", "-m", "trainer.launch"],
+            argv or [*TORCHRUN, "--monitor-interval=1", "-m", "trainer.launch"],
             env=dict(env, OMP_NUM_THREADS="1"),
             cwd=REPO,
             stdout=self.out,
@@ -268,33 +268,21 @@ def test_flywheel_trainer_nproc_starts_the_ranks_with_torchrun(trainer_env, tmp_
     settings, cfg = trainer_env
     client = MlflowClient(settings.mlflow_uri)
     log = tmp_path / "cli.log"
-    env = dict(trainer_env_vars(settings, cfg), OMP_NUM_THREADS="1")
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "trainer", "--nproc", "2"],
-            env=env,
-            cwd=REPO,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    cli = [sys.executable, "-m", "app.cli", "trainer", "--nproc", "2"]
+    p = Torchrun(trainer_env_vars(settings, cfg), log, cli)
+    try:
+        wait_for(
+            lambda: (
+                "reading partitions [1]" in log.read_text()
+                and client.search_model_versions(f"name='{settings.model_name}'")
+            ),
+            300,
+            "two ranks and the base version",
+            p.proc,
+            log,
         )
-        try:
-            wait_for(
-                lambda: (
-                    "reading partitions [1]" in log.read_text()
-                    and client.search_model_versions(f"name='{settings.model_name}'")
-                ),
-                300,
-                "two ranks and the base version",
-                proc,
-                log,
-            )
-            p = Torchrun.__new__(Torchrun)
-            p.proc, p.log, p.out = proc, log, open(os.devnull, "wb")
-            _stop(p, log)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        _stop(p, log)
     text = log.read_text()
     assert "starting 2 trainer ranks" in text and "reading partitions [0, 2]" in text
     versions = client.search_model_versions(f"name='{settings.model_name}'")
