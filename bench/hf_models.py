@@ -23,12 +23,13 @@ hidden 64 / 2 layers (smoke tests: tests/unit/test_bench_hf.py).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import shutil
 from pathlib import Path
 from typing import Any
+
+from bench.training import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = REPO / "bench" / ".cache" / "hf-models"
@@ -161,8 +162,8 @@ def token_stream(model_dir_: Path):
     return torch.tensor(tok(text)["input_ids"], dtype=torch.int64)
 
 
-class HFTrainer:
-    """bench/training.Trainer's interface over Flywheel's HF policy: AdamW (the trainer's betas,
+class HFTrainer(Trainer):
+    """bench/training.Trainer (its optimizer, snapshot and restore) over Flywheel's HF policy: AdamW (the trainer's betas,
     weight decay, clipping) on next-token NLL of the repo text; `serving()` is the bf16 serving
     state dict (save_pretrained names), `model` the HFPolicy (kernels "default": training speed)."""
 
@@ -176,7 +177,6 @@ class HFTrainer:
     def _setup(self, path: Path, batch: int, seq: int, opt_state: dict | None) -> None:
         import torch
 
-        from trainer.config import TrainerConfig
         from trainer.policy import build_policy
 
         self.torch = torch
@@ -185,16 +185,9 @@ class HFTrainer:
         self.data = token_stream(path)
         self.batch, self.seq = batch, seq
         self.gen = torch.Generator().manual_seed(1)
-        tc = TrainerConfig()
-        self.default_lr, self.max_grad_norm = tc.lr, tc.max_grad_norm
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=1e-3, betas=tuple(tc.betas), weight_decay=tc.weight_decay
-        )
+        self._optimizer()
         if opt_state is not None:
             self.opt.load_state_dict(opt_state)
-
-    def n_params(self) -> int:
-        return sum(p.numel() for p in self.model.parameters())
 
     def sample(self) -> list[list[int]]:
         """`batch` windows of `seq + 1` tokens from the repo text."""
@@ -220,10 +213,3 @@ class HFTrainer:
 
     def serving(self) -> dict:
         return {k: v.clone() for k, v in self.model.serving_state_dict().items()}
-
-    def snapshot(self):
-        return copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict())
-
-    def restore(self, snap) -> None:
-        self.model.load_state_dict(snap[0])
-        self.opt.load_state_dict(snap[1])

@@ -42,12 +42,15 @@ class Trainer:
         else:
             self.model, self.kind = fallback_lm()(), "fallback transformer"
         self.fallback = model_kind != "policy"
+        self._optimizer()
+
+    def _optimizer(self) -> None:
+        """The trainer's optimizer on `self.model`: AdamW betas, weight decay, clipping, default lr."""
         from trainer.config import TrainerConfig
 
-        # the trainer's optimizer: AdamW betas, weight decay, clipping, default lr
         tc = TrainerConfig()
         self.default_lr, self.max_grad_norm = tc.lr, tc.max_grad_norm
-        self.opt = torch.optim.AdamW(
+        self.opt = self.torch.optim.AdamW(
             self.model.parameters(), lr=1e-3, betas=tuple(tc.betas), weight_decay=tc.weight_decay
         )
 
