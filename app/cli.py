@@ -794,12 +794,19 @@ def replica(
             "--replica-id", help="Id in events and metrics (default FLYWHEEL_REPLICA_ID)."
         ),
     ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            help="What generates: torch (built-in) or vllm (default FLYWHEEL_REPLICA_ENGINE; "
+            "docs/REPLICA.md)."
+        ),
+    ] = None,
 ) -> None:
     """An inference replica: POST /v1/complete, follows flywheel.deployments, syncs weights by verified deltas."""
     from app.replica.config import ReplicaConfig
     from app.replica.server import serve
 
-    cfg = _configured(ReplicaConfig, host=host, port=port, id=replica_id)
+    cfg = _configured(ReplicaConfig, host=host, port=port, id=replica_id, engine=engine)
     serve(_settings(), cfg)
 
 

@@ -111,13 +111,16 @@ def tiny_llama_dir(
     return _save_model(config, path, tokenizer_dir, seed)
 
 
-def tiny_qwen2_moe_dir(path: str | Path, tokenizer_dir: str | Path, seed: int = 0) -> Path:
-    """A Qwen2-MoE (hidden 64, 2 layers, 4 heads, 4 experts top-2 + a shared expert in every layer)
-    with random weights, saved with its tokenizer."""
+def tiny_qwen2_moe_dir(
+    path: str | Path, tokenizer_dir: str | Path, seed: int = 0, head_dim: int = 16
+) -> Path:
+    """A Qwen2-MoE (2 layers, 4 heads of `head_dim`, 4 experts top-2 + a shared expert in every
+    layer) with random weights, saved with its tokenizer. vLLM's CPU attention needs head_dim 64
+    (then hidden is 256)."""
     from transformers import Qwen2MoeConfig
 
     config = Qwen2MoeConfig(
-        hidden_size=64,
+        hidden_size=4 * head_dim,
         intermediate_size=128,
         moe_intermediate_size=32,
         shared_expert_intermediate_size=64,

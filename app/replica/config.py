@@ -9,6 +9,7 @@ Durations accept the same forms as the main settings (`90`, `30s`, `15m`, `1h30m
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -132,6 +133,46 @@ class ReplicaConfig(FlywheelSettings):
     retry_interval: Duration = Field(
         5.0, description="Wait before retrying a failed sync of the same target."
     )
+    engine: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="What generates (app/replica/engines/): `torch`, the built-in in-process "
+        "engine, or `vllm`, vLLM servers updated in place by verified versions (HF models).",
+    )
+    vllm_python: Path | None = Field(
+        None,
+        description="Python of vLLM's own environment; None = the one deploy/vllm/ensure.sh "
+        "builds (once per machine, under ~/.cache/flywheel).",
+    )
+    vllm_urls: list[str] = Field(
+        default_factory=list,
+        description="Running vLLM servers to use instead of starting them (JSON list; started "
+        "with the flags of app/replica/engines/vllm.py server_args and its worker extension).",
+    )
+    vllm_engines: int = Field(
+        2,
+        ge=1,
+        le=2,
+        description="vLLM servers this replica starts: 2 serve champion and candidate side by "
+        "side (a new version never pauses the champion); 1 serves no candidate.",
+    )
+    vllm_base_port: int = Field(
+        0, ge=0, le=65534, description="Port of the first vLLM server (0 = free ports)."
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="Extra `vllm serve` flags (JSON list), e.g. `--gpu-memory-utilization 0.4`.",
+    )
+    vllm_kv_cache_gib: int = Field(
+        1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of each vLLM server on CPU (GiB)."
+    )
+    vllm_start_timeout: Duration = Field(
+        900.0, description="Longest wait for a vLLM server to answer /health after it starts."
+    )
+    vllm_drain_timeout: Duration = Field(
+        60.0,
+        description="Longest wait for the requests on a version before a vLLM engine replaces "
+        "it in place (the sync is retried after it).",
+    )
     debug_pause_in_apply: Duration = Field(
         0.0,
         description="Testing only: stall this long in the middle of applying a "
@@ -163,6 +204,13 @@ class ReplicaConfig(FlywheelSettings):
                 f"({self.max_n} * {self.max_tokens}), or a maximal request could never queue; "
                 f"raise FLYWHEEL_REPLICA_MAX_QUEUED_COST or lower the other two"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_urls(self) -> ReplicaConfig:
+        for u in self.vllm_urls:
+            if not u.startswith(("http://", "https://")):
+                raise ValueError(f"vllm_urls: {u!r} must start with http:// or https://")
         return self
 
     def resolved_cache_dir(self, data_dir: Path) -> Path:

@@ -65,6 +65,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from app.contracts.events import MAX_ID_LEN
 from app.replica import metrics as m
 from app.replica.admission import ClientGone, QueueFull
+from app.replica.engines.base import EngineUnavailable
 from app.replica.routing import pick_slot
 from app.replica.server import (
     Replica,
@@ -356,11 +357,16 @@ class Plan:
     ids: list[str] = field(default_factory=list)
     top_id: str = ""
     created: int = 0
+    lease: Any = None  # the request's hold on lv (weights.Leases), released when it is done
 
     def __post_init__(self) -> None:
         self.top_id = uuid.uuid4().hex
         self.ids = [self.top_id] if self.n == 1 else [uuid.uuid4().hex for _ in range(self.n)]
         self.created = int(time.time())
+
+    def release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
 
     @property
     def fingerprint(self) -> str:
@@ -685,6 +691,10 @@ def router(replica: Replica) -> APIRouter:
             raise bad_param("temperature", str(exc)) from None
         except (RecordRejected, KafkaUnavailable) as exc:
             raise record_error(exc) from None
+        except EngineUnavailable as exc:
+            raise unavailable(
+                f"the engine cannot generate: {exc}", "engine_unavailable", 2, "unavailable"
+            ) from None
         usage = _usage(p, out)
         choices = []
         for i, (c, s, reason) in enumerate(zip(out.choices, out.samples, out.reasons)):
@@ -738,6 +748,12 @@ def router(replica: Replica) -> APIRouter:
 
         async def job() -> None:
             try:
+                await run_job()
+            finally:
+                p.release()
+
+        async def run_job() -> None:
+            try:
                 out = await generate(p, ticket, cancelled, push)
             except ClientGone:
                 m.STREAMS_CANCELLED.labels(cfg.id, "no").inc()
@@ -749,6 +765,13 @@ def router(replica: Replica) -> APIRouter:
                 return
             except (RecordRejected, KafkaUnavailable) as exc:
                 err = record_error(exc)
+                q.put_nowait(("error", err))
+                count(p.endpoint, err.outcome)
+                return
+            except EngineUnavailable as exc:
+                err = unavailable(
+                    f"the engine cannot generate: {exc}", "engine_unavailable", 2, "unavailable"
+                )
                 q.put_nowait(("error", err))
                 count(p.endpoint, err.outcome)
                 return
@@ -843,11 +866,30 @@ def router(replica: Replica) -> APIRouter:
 
     async def serve(request: Request, endpoint: str) -> Response:
         try:
-            p = await plan(request, endpoint)
-            return stream(p) if p.stream else await answer(request, p)
+            while True:
+                p = await plan(request, endpoint)
+                # an in-place engine waits for the lease before replacing p.lv; None: a swap
+                # took p.lv out after the plan's snapshot, so plan again on the new one
+                if (lease := replica.store.hold(p.lv)) is not None:
+                    p.lease = lease
+                    break
         except OpenAIError as exc:
             count(endpoint, exc.outcome)
             return exc.response()
+        try:
+            if p.stream:
+                return stream(p)  # its job releases the plan when the generation is over
+            return await answer(request, p)
+        except OpenAIError as exc:
+            p.release()
+            count(endpoint, exc.outcome)
+            return exc.response()
+        except BaseException:
+            p.release()
+            raise
+        finally:
+            if not p.stream:
+                p.release()
 
     @api.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -39,6 +39,7 @@ import hmac
 import json
 import logging
 import secrets
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -247,10 +248,14 @@ class Replica:
         self.start_sync = start_sync
         self.agent = None
         self.jobs: set[asyncio.Task] = set()  # see spawn()
+        from app.replica.engines import make_engine
+
+        self.engine = make_engine(settings, cfg)  # what generates: app/replica/engines/
+        self._boot: threading.Thread | None = None
 
     def restore(self) -> None:
         """Serve the last verified versions from the local cache (before any sync)."""
-        serving = self.cache.restore()
+        serving = self.cache.restore(engine=self.engine if self.engine.in_place else None)
         self.store.swap(
             champion=serving.champion, candidate=serving.candidate, traffic_pct=serving.traffic_pct
         )
@@ -266,21 +271,43 @@ class Replica:
             max_queued=self.cfg.max_queued,
             max_queued_cost=self.cfg.max_queued_cost,
         )
-        await asyncio.to_thread(self.restore)
+        if self.engine.in_place:  # engine servers take minutes to start: serve health meanwhile
+            self._boot = threading.Thread(
+                target=self._boot_engine, name=f"boot-{self.id}", daemon=True
+            )
+        else:
+            await asyncio.to_thread(self.restore)
         await self.producer.connect()
-        if self.start_sync:
-            from app.replica.sync import SyncAgent
+        if self._boot is not None:
+            self._boot.start()
+        elif self.start_sync:
+            self._start_agent()
 
-            self.agent = SyncAgent(self.settings, self.cfg, self.store, self.cache)
-            self.agent.start()
+    def _start_agent(self) -> None:
+        from app.replica.sync import SyncAgent
+
+        self.agent = SyncAgent(self.settings, self.cfg, self.store, self.cache, engine=self.engine)
+        self.agent.start()
+
+    def _boot_engine(self) -> None:
+        """Restore the cached versions into the engine (it starts its servers), then sync."""
+        try:
+            self.restore()
+        except Exception:
+            log.exception("replica %s could not restore its cached versions", self.id)
+        if self.start_sync:
+            self._start_agent()
 
     async def stop(self) -> None:
         if self.jobs:  # streams finishing: let them record their events (bounded)
             await asyncio.wait(list(self.jobs), timeout=30)
+        if self._boot is not None and self._boot.is_alive():
+            await asyncio.to_thread(self._boot.join, 5)
         if self.agent is not None:
             await asyncio.to_thread(self.agent.stop)
         await self.producer.aclose()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        await asyncio.to_thread(self.engine.close)
 
     # --- generation -----------------------------------------------------------------------------------
     def authorized(self, request: Request) -> bool:
@@ -432,9 +459,6 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         },
     )
     async def complete(request: Request) -> Response:
-        from app.contracts.event_producer import KafkaUnavailable, RecordRejected
-        from trainer.policy.base import SamplingError
-
         if not replica.authorized(request):  # before the body is read
             m.REQUESTS.labels(cfg.id, "none", "unauthorized").inc()
             return JSONResponse(
@@ -450,17 +474,32 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
             return JSONResponse({"detail": exc.errors}, status_code=422)
         if (refused := check_limits(req)) is not None:
             return refused
-        serving = replica.store.snapshot()  # one consistent snapshot for the whole request
-        if serving.champion is None:
-            m.REQUESTS.labels(cfg.id, "none", "not_ready").inc()
-            return JSONResponse(
-                {"detail": "no verified weights loaded yet; retry shortly"},
-                status_code=503,
-                headers={"Retry-After": "2"},
-            )
-        slot = pick_slot(req.session_id, serving.traffic_pct, serving.candidate is not None)
-        lv = serving.candidate if slot == "candidate" else serving.champion
-        assert lv is not None
+        lease = None
+        while lease is None:  # a swap between the snapshot and the lease: pick again
+            serving = replica.store.snapshot()  # one consistent snapshot for the whole request
+            if serving.champion is None:
+                m.REQUESTS.labels(cfg.id, "none", "not_ready").inc()
+                return JSONResponse(
+                    {"detail": "no verified weights loaded yet; retry shortly"},
+                    status_code=503,
+                    headers={"Retry-After": "2"},
+                )
+            slot = pick_slot(req.session_id, serving.traffic_pct, serving.candidate is not None)
+            lv = serving.candidate if slot == "candidate" else serving.champion
+            assert lv is not None
+            lease = replica.store.hold(lv)  # an in-place engine waits for it before replacing lv
+        try:
+            return await answer(req, slot, lv, t_start, request)
+        finally:
+            lease.release()
+
+    async def answer(
+        req: CompleteRequest, slot: str, lv: LoadedVersion, t_start: float, request: Request
+    ) -> Response:
+        from app.contracts.event_producer import KafkaUnavailable, RecordRejected
+        from app.replica.engines.base import EngineUnavailable
+        from trainer.policy.base import SamplingError
+
         if (too_long := context_error(lv, req.max_tokens)) is not None:
             return invalid(slot, "max_tokens", too_long)
         try:
@@ -495,6 +534,14 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
             return Response(status_code=499)  # nobody reads it; nothing was generated or logged
         except SamplingError as exc:
             return invalid(slot, "temperature", str(exc))
+        except EngineUnavailable as exc:
+            m.REQUESTS.labels(cfg.id, slot, "unavailable").inc()
+            log.warning("engine unavailable: %s", exc)
+            return JSONResponse(
+                {"detail": f"the engine cannot generate: {exc}"},
+                status_code=503,
+                headers={"Retry-After": "2"},
+            )
         m.GENERATION_SECONDS.labels(cfg.id).observe(gen_s)
         top_id = uuid.uuid4().hex
         ids = [top_id] if req.n == 1 else [uuid.uuid4().hex for _ in range(req.n)]
@@ -577,6 +624,7 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
             "desired": agent.desired() if agent else None,
             "last_sync": agent.last_result if agent else None,
             "syncing": agent.in_progress if agent else None,
+            "engine": replica.engine.status(),
         }
 
     @app.get("/healthz")

@@ -54,7 +54,6 @@ from app.replica.weights import (
     VerificationError,
     WeightCache,
     WeightStore,
-    load_verified,
 )
 from app.settings import Settings
 
@@ -71,10 +70,13 @@ class SyncAgent:
         store: WeightStore,
         cache: WeightCache,
         fetcher: Any = None,
+        engine: Any = None,
     ):
+        from app.replica.engines.base import BuiltinEngine
         from app.replica.fetch import VersionFetcher
 
         self.settings, self.cfg, self.store, self.cache = settings, cfg, store, cache
+        self.engine = engine or BuiltinEngine(cfg)  # app/replica/engines/
         self.fetcher = fetcher or VersionFetcher(
             settings, decode_threads=cfg.decode_threads, pushed_max_bytes=cfg.pushed_max_bytes
         )
@@ -252,12 +254,18 @@ class SyncAgent:
         outcomes: list[
             tuple[str, str, str | None, dict[str, Any]]
         ] = []  # (slot, version, from, info)
+        built = False  # an in-place engine builds one version per reconcile (engines/base.py)
         for slot in ("champion", "candidate"):
             target, have = want[slot], getattr(serving, slot)
+            if have is not None and not self.engine.usable(have):
+                have = None  # its engine was given to the other slot's version
             if target is None or (have is not None and have.version == target):
                 new[slot] = have if target is not None else None
                 continue
-            held = next((lv for lv in serving.held() if lv.version == target), None)
+            held = next(
+                (lv for lv in serving.held() if lv.version == target and self.engine.usable(lv)),
+                None,
+            )
             if held is not None:
                 new[slot] = held
                 outcomes.append(
@@ -269,9 +277,10 @@ class SyncAgent:
                     )
                 )
                 continue
-            if now < self._retry_at.get((slot, target), 0.0):
+            if now < self._retry_at.get((slot, target), 0.0) or (built and self.engine.in_place):
                 new[slot] = have if slot == "champion" else None
                 continue
+            built = True
             lv, info = self._build(slot, target, serving)
             if lv is None:
                 self._retry_at[(slot, target)] = now + self.cfg.retry_interval
@@ -338,7 +347,7 @@ class SyncAgent:
         frm = getattr(serving, slot).version if getattr(serving, slot) else None
         self.in_progress = {"slot": slot, "version": target, "stage": "fetch"}
         try:
-            if target in self.cache.versions():
+            if target in self.cache.versions() and not self.engine.in_place:
                 try:
                     lv = self.cache.load(target)
                     return lv, {"path": "cache", "bytes": 0, "seconds": time.perf_counter() - t0}
@@ -362,12 +371,13 @@ class SyncAgent:
                 self.in_progress = {"slot": slot, "version": target, "stage": "debug_pause"}
                 self._stop.wait(self.cfg.debug_pause_in_apply)
             t_load = time.perf_counter()
-            lv = load_verified(
+            lv = self.engine.load(
+                slot,
                 target,
                 fetched.state,
                 fetched.config,
                 fetched.sha256,
-                template=next(iter(serving.held()), None),
+                store=self.store,
                 digests=fetched.digests or None,
             )
             stages = {**getattr(fetched, "timings", {}), "load": time.perf_counter() - t_load}

@@ -48,6 +48,48 @@ class VerificationError(Exception):
     """Weights whose SHA-256 differs from the one the registry published: never served."""
 
 
+class Leases:
+    """Requests that picked a version and have not finished with it. An engine that updates its
+    weights in place (app/replica/engines/vllm.py) waits for them before it overwrites a version:
+    a request always generates with the weights of the version it names."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._n = 0
+
+    @property
+    def count(self) -> int:
+        return self._n
+
+    def acquire(self) -> Lease:
+        with self._cond:
+            self._n += 1
+        return Lease(self)
+
+    def _release(self) -> None:
+        with self._cond:
+            self._n -= 1
+            if self._n == 0:
+                self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once no request holds the version (False after `timeout_s`)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._n == 0, timeout=timeout_s)
+
+
+class Lease:
+    """One request's hold on a version; `release()` is idempotent."""
+
+    def __init__(self, leases: Leases) -> None:
+        self._leases: Leases | None = leases
+
+    def release(self) -> None:
+        leases, self._leases = self._leases, None
+        if leases is not None:
+            leases._release()
+
+
 @dataclass(frozen=True)
 class LoadedVersion:
     """One verified version, ready to generate. Immutable: a new version is a new object."""
@@ -60,6 +102,7 @@ class LoadedVersion:
     sha256: str  # checkpoint SHA-256 (kernels/delta/hashing.py)
     config: Mapping[str, Any]  # Policy.config_dict(), rebuilds the architecture
     loaded_at: float = dataclasses.field(default_factory=time.time)
+    leases: Leases = dataclasses.field(default_factory=Leases, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -171,6 +214,16 @@ class WeightStore:
             self._serving = new
             return new
 
+    def hold(self, lv: LoadedVersion) -> Lease | None:
+        """A lease on `lv` if the store still serves it, else None (pick again): a swap that took
+        `lv` out before the lease was counted is seen here, so an in-place engine that waited for
+        `lv`'s leases after the swap never loads over a request that holds one."""
+        lease = lv.leases.acquire()
+        if any(x is lv for x in self._serving.held()):
+            return lease
+        lease.release()
+        return None
+
     def find(self, version: str) -> LoadedVersion | None:
         return next((lv for lv in self._serving.held() if lv.version == str(version)), None)
 
@@ -232,15 +285,24 @@ class WeightCache:
             ).encode(),
         )
 
-    def load(self, version: str, threads: int = 1) -> LoadedVersion:
-        """Load and verify a cached version; a corrupt one is deleted and raises VerificationError."""
+    def read(self, version: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
+        """(state, config, sha256) of a cached version, unverified (`load` verifies)."""
         from safetensors.torch import load_file
 
+        meta = json.loads(self._marker(version).read_text())
+        return load_file(str(self._weights(version))), meta["config"], meta["sha256"]
+
+    def load(self, version: str, threads: int = 1, engine: Any = None) -> LoadedVersion:
+        """Load and verify a cached version (into `engine`, app/replica/engines/, when given: it
+        verifies as it loads); a corrupt one is deleted and raises VerificationError."""
         try:
-            meta = json.loads(self._marker(version).read_text())
-            state = load_file(str(self._weights(version)))
-            return load_verified(str(version), state, meta["config"], meta["sha256"], threads)
+            state, config, sha256 = self.read(version)
+            if engine is not None:
+                return engine.load_cached(str(version), state, config, sha256)
+            return load_verified(str(version), state, config, sha256, threads)
         except Exception as exc:
+            if engine is not None and not isinstance(exc, (VerificationError, OSError, ValueError)):
+                raise  # the engine failed (not the file): the cached version stays
             self.drop(version)
             raise VerificationError(
                 f"cached version {version} is unusable ({type(exc).__name__}: {exc}); removed"
@@ -258,7 +320,7 @@ class WeightCache:
             ).encode(),
         )
 
-    def restore(self, threads: int = 1) -> Serving:
+    def restore(self, threads: int = 1, engine: Any = None) -> Serving:
         """The last serving state, every version re-verified; a missing/corrupt one falls back to the
         newest verified cached version (for the champion) or nothing (for the candidate)."""
         try:
@@ -272,7 +334,7 @@ class WeightCache:
                 return None
             if version not in loaded:
                 try:
-                    loaded[version] = self.load(version, threads)
+                    loaded[version] = self.load(version, threads, engine)
                 except VerificationError as exc:
                     log.error("%s", exc)
                     return None

