@@ -765,15 +765,27 @@ def run(
             "imported into an empty registry, resumed on one that holds it.",
         ),
     ] = None,
+    replica_engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--replica-engine",
+            help="Engine of each replica in order (torch or vllm; repeat; the last one is used "
+            "for the rest). Default: FLYWHEEL_REPLICA_ENGINE for all.",
+        ),
+    ] = None,
 ) -> None:
     """Run the whole loop locally on the embedded defaults (Kafka, MLflow, API and every role)."""
     from app.run import RunOptions, run_local
     from app.settings import Settings, parse_duration
 
     settings = _settings() if model is None else _configured(Settings, model_dir=model)
+    engines = list(replica_engine or [])
+    if bad := [e for e in engines if e not in ("torch", "vllm")]:
+        raise _refused(f"--replica-engine must be torch or vllm, got {bad[0]!r}")
 
     opts = RunOptions(
         replicas=replicas,
+        replica_engines=engines,
         replica_base_port=replica_base_port,
         simulate=not no_simulate,
         live=not no_live,

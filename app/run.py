@@ -87,6 +87,7 @@ class RunOptions:
     """Knobs of the local run (CLI flags of `flywheel run`)."""
 
     replicas: int = 2  # inference replicas to start
+    replica_engines: list[str] = field(default_factory=list)  # engine of replica i (last repeats)
     replica_base_port: int = 8100  # replica i listens on base + i
     simulate: bool = True  # start the simulated editor population
     live: bool = True  # live status view (False: plain log lines)
@@ -282,6 +283,8 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
             console.print(f"[green]✓[/green] {role}")
         replica_urls = []
         for i in range(opts.replicas):
+            engines = opts.replica_engines
+            engine = engines[min(i, len(engines) - 1)] if engines else None
             port = opts.replica_base_port + i
             url = f"http://127.0.0.1:{port}"
             replica_urls.append(url)
@@ -297,12 +300,13 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
                         str(port),
                         "--replica-id",
                         f"replica-{i}",
+                        *(["--engine", engine] if engine else []),
                     ],
                     url=url,
                 ),
                 wait=False,
             )
-            console.print(f"[green]✓[/green] replica-{i} {url}")
+            console.print(f"[green]✓[/green] replica-{i} {url}" + (f" ({engine})" if engine else ""))
         if opts.simulate and replica_urls:
             sup.start(
                 RoleSpec(

@@ -304,3 +304,151 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     assert len(refusal) == 1, text[-3000:]
     assert "of another model" in refusal[0] and "other config or tokenizer files" in refusal[0]
     assert "✓ api" not in text and "✓ trainer" not in text, text[-3000:]
+
+
+def _rollouts(bootstrap: str, limit: int = 2000) -> list[tuple[int, int, dict]]:
+    """(partition, offset, record) of up to `limit` records of `flywheel.rollouts`."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(
+        "flywheel.rollouts",
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        consumer_timeout_ms=10_000,
+    )
+    out = []
+    try:
+        for rec in consumer:
+            if rec.value is not None:
+                out.append((rec.partition, rec.offset, json.loads(rec.value)))
+                if len(out) >= limit:
+                    break
+    finally:
+        consumer.close()
+    return out
+
+
+@pytest.mark.timeout(1800)
+def test_one_replica_on_each_engine_the_trainer_learns_from_vllm_generations(tmp_path: Path):
+    """`flywheel run --model DIR --replica-engine torch --replica-engine vllm`: replica-0 runs the
+    built-in engine, replica-1 vLLM (two `vllm serve` processes from deploy/vllm/ensure.sh's
+    environment) on a Qwen2-MoE with head_dim 64 (vLLM's CPU attention refuses 16). Both serve
+    the imported v1, both take a trained version by the delta path, vLLM's generations (no routes:
+    vLLM returns routed experts only on GPU) become rollouts inside a trained version's Kafka
+    ranges, and every replica ends on the API's champion."""
+    from mlflow import MlflowClient
+
+    from trainer.policy.hf import HFTokenizer
+
+    root = tmp_path / "user-model"
+    moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"), head_dim=64)
+    data_dir = tmp_path / "data"
+    env, ports = _env(data_dir)
+    log = tmp_path / "run.log"
+    api = f"http://127.0.0.1:{ports['api']}"
+    replica_ids = ["replica-0", "replica-1"]
+    proc = start_run(
+        env,
+        ports,
+        log,
+        "--model",
+        str(moe_dir),
+        "--replica-engine",
+        "torch",
+        "--replica-engine",
+        "vllm",
+    )
+    try:
+        wait_for(
+            "the import of the model directory",
+            lambda: "(imported; flywheel-policy" in log.read_text(errors="replace"),
+            300,
+            proc,
+            log,
+        )
+        keys_file = data_dir / "local-keys.json"
+        http = httpx.Client(
+            base_url=api,
+            headers={"Authorization": f"Bearer {json.loads(keys_file.read_text())['read']}"},
+            timeout=10,
+        )
+
+        def history(**params) -> list[dict]:
+            r = http.get("/v1/deployments/history", params={"limit": 500, **params})
+            r.raise_for_status()
+            return r.json()["events"]
+
+        def serving_v1() -> bool:
+            return {
+                e["details"]["replica_id"]
+                for e in history(type="replica_synced", version="1")
+                if e["version"] == "1"
+            } == set(replica_ids)
+
+        wait_for("both replicas (one on vLLM) serving v1", serving_v1, 600, proc, log)
+        engine = httpx.get(f"http://127.0.0.1:{ports['replicas'] + 1}/v1/status").json()["engine"]
+        assert engine["engine"] == "vllm" and engine["engines"][0]["version"] == "1", engine
+
+        def decided_and_synced() -> str | None:
+            events = history()
+            version = _decided(events)
+            if version is None:
+                return None
+            paths = {
+                e["details"]["replica_id"]: e["details"]["path"]
+                for e in events
+                if e["type"] == "replica_synced" and e["version"] == version
+            }
+            return version if set(paths) == set(replica_ids) else None
+
+        version = wait_for(
+            "a trained version decided and synced to both replicas",
+            decided_and_synced,
+            1200,
+            proc,
+            log,
+            interval=5,
+        )
+        paths = [
+            e["details"]["path"]
+            for e in history(type="replica_synced", version=version)
+            if e["version"] == version and e["details"]["replica_id"] == "replica-1"
+        ]
+        assert "delta" in paths or "held" in paths, paths
+
+        # vLLM's generations: the model's tokenizer, no routes; the built-in engine's carry routes
+        expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
+        gens = _generations(env["FLYWHEEL_KAFKA_BOOTSTRAP"], limit=400)
+        assert all(g["tokenizer"] == expected_tok for g in gens)
+        from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
+        from_torch = {g["request_id"] for g in gens if "route_shape" in g}
+        assert from_vllm and from_torch, (len(from_vllm), len(from_torch))
+
+        # the trainer learned from vLLM's generations: their rollouts lie in trained Kafka ranges
+        mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
+        ranges = []
+        for mv in mlflow.search_model_versions("name='flywheel-policy'"):
+            if mv.tags.get("kafka_offsets"):
+                parts = json.loads(mv.tags["kafka_offsets"])["partitions"]
+                ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
+        trained_vllm = [
+            (p, o)
+            for p, o, r in _rollouts(env["FLYWHEEL_KAFKA_BOOTSTRAP"])
+            if r.get("request_id") in from_vllm
+            and any(p == rp and a <= o < b for rp, a, b in ranges)
+        ]
+        assert trained_vllm, f"no vLLM-made rollout inside a trained range {ranges}"
+
+        def replicas_agree() -> str | None:
+            champion = http.get("/v1/deployments").json()["models"][0]["champion"]
+            served = {
+                httpx.get(f"http://127.0.0.1:{ports['replicas'] + i}/v1/status").json()["champion"]
+                for i in range(len(replica_ids))
+            }
+            return champion if champion is not None and served == {champion} else None
+
+        wait_for("the replicas to serve the API's champion", replicas_agree, 180, proc, log)
+    finally:
+        rc = stop_run(proc)
+    assert rc == 0, log.read_text(errors="replace")[-3000:]

@@ -139,10 +139,12 @@ class VLLMServer:
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
         }
-        cmd = [
+        cmd = [  # the launcher stops the server if this process dies without stopping it
             str(python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
+            str(EXTENSION_DIR / "flywheel_vllm_launch.py"),
+            "--parent",
+            str(os.getpid()),
+            "--",
             *server_args(model_dir, port, max_model_len, extra),
         ]
         log_path.parent.mkdir(parents=True, exist_ok=True)
