@@ -22,6 +22,9 @@ Every metric carries `replica_id`, so several replicas in one process (tests, be
 | `flywheel_replica_sync_failures_total` | replica_id, reason | failed syncs (the old weights keep serving) |
 | `flywheel_replica_fallbacks_total` | replica_id | delta chains refused (hash mismatch, corrupt) and rebuilt from an anchor |
 | `flywheel_replica_pushed_deltas_total` | replica_id, outcome | deltas from `<ns>.deltas`: received, used (no download), rejected (failed verification, downloaded instead) |
+| `flywheel_replica_engine_update_seconds` | replica_id, stage | a vLLM engine's in-place update by stage: `drain` (requests on the replaced version finishing), `write` (the transfer file), `load` (vLLM's reload), `hash` (inside vLLM), `pause` (vLLM paused: load + hash + RPC) |
+| `flywheel_replica_engine_verify_failures_total` | replica_id | in-place updates whose weights inside vLLM did not hash to the published checkpoint (the engine reloaded its previous version) |
+| `flywheel_replica_engine_version` | replica_id, engine | version held by each vLLM engine (-1: none verified) |
 """
 
 from __future__ import annotations
@@ -120,3 +123,21 @@ def observe_serving(replica_id: str, versions: dict[str, str | None], traffic_pc
     for slot, v in versions.items():
         SERVING_VERSION.labels(replica_id, slot).set(-1 if v is None else int(v))
     TRAFFIC_PCT.labels(replica_id).set(traffic_pct)
+
+
+ENGINE_UPDATE_SECONDS = Histogram(
+    "flywheel_replica_engine_update_seconds",
+    "In-place update of a vLLM engine by stage (drain, write, load, hash, pause).",
+    ["replica_id", "stage"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
+ENGINE_VERIFY_FAILURES = Counter(
+    "flywheel_replica_engine_verify_failures_total",
+    "In-place updates whose weights inside vLLM did not hash to the published checkpoint.",
+    ["replica_id"],
+)
+ENGINE_VERSION = Gauge(
+    "flywheel_replica_engine_version",
+    "Version held by each vLLM engine (-1: none verified).",
+    ["replica_id", "engine"],
+)

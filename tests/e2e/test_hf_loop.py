@@ -306,27 +306,28 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     assert "✓ api" not in text and "✓ trainer" not in text, text[-3000:]
 
 
-def _rollouts(bootstrap: str, limit: int = 2000) -> list[tuple[int, int, dict]]:
-    """(partition, offset, record) of up to `limit` records of `flywheel.rollouts`."""
-    from kafka import KafkaConsumer
+def _records(bootstrap: str, topic: str) -> list[tuple[int, int, dict]]:
+    """(partition, offset, record) of every record of `topic` up to its end offsets at the call
+    (bounded: a running stack keeps writing to it)."""
+    from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(
-        "flywheel.rollouts",
-        bootstrap_servers=bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-        consumer_timeout_ms=10_000,
-    )
-    out = []
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     try:
-        for rec in consumer:
-            if rec.value is not None:
-                out.append((rec.partition, rec.offset, json.loads(rec.value)))
-                if len(out) >= limit:
-                    break
+        tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        end = consumer.end_offsets(tps)
+        out = []
+        while any(consumer.position(tp) < end[tp] for tp in tps):
+            for tp, recs in consumer.poll(timeout_ms=1000).items():
+                out += [
+                    (tp.partition, r.offset, json.loads(r.value))
+                    for r in recs
+                    if r.value is not None and r.offset < end[tp]
+                ]
+        return out
     finally:
         consumer.close()
-    return out
 
 
 @pytest.mark.timeout(1800)
@@ -419,7 +420,11 @@ def test_one_replica_on_each_engine_the_trainer_learns_from_vllm_generations(tmp
 
         # vLLM's generations: the model's tokenizer, no routes; the built-in engine's carry routes
         expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
-        gens = _generations(env["FLYWHEEL_KAFKA_BOOTSTRAP"], limit=400)
+        gens = [
+            r
+            for _, _, r in _records(env["FLYWHEEL_KAFKA_BOOTSTRAP"], "flywheel.interactions")
+            if r.get("type") == "generation"
+        ]
         assert all(g["tokenizer"] == expected_tok for g in gens)
         from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
         from_torch = {g["request_id"] for g in gens if "route_shape" in g}
@@ -434,7 +439,7 @@ def test_one_replica_on_each_engine_the_trainer_learns_from_vllm_generations(tmp
                 ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
         trained_vllm = [
             (p, o)
-            for p, o, r in _rollouts(env["FLYWHEEL_KAFKA_BOOTSTRAP"])
+            for p, o, r in _records(env["FLYWHEEL_KAFKA_BOOTSTRAP"], "flywheel.rollouts")
             if r.get("request_id") in from_vllm
             and any(p == rp and a <= o < b for rp, a, b in ranges)
         ]

@@ -3,7 +3,8 @@
     flywheel replica --engine vllm          # FLYWHEEL_REPLICA_ENGINE=vllm
 
 **Processes.** The replica starts and supervises `FLYWHEEL_REPLICA_VLLM_ENGINES` (default 2) vLLM
-OpenAI servers (`python -m vllm.entrypoints.openai.api_server`) from vLLM's own environment
+OpenAI servers (`vllm.entrypoints.openai.api_server`, under vllm_worker/flywheel_vllm_launch.py,
+which stops a server whose replica died without stopping it) from vLLM's own environment
 (`FLYWHEEL_REPLICA_VLLM_PYTHON`, default the one deploy/vllm/ensure.sh provisions: vLLM pins its own
 dependency versions and never shares the project's), bound to 127.0.0.1, or connects to servers
 given by `FLYWHEEL_REPLICA_VLLM_URLS` (started with the same flags: `server_args()`). The servers
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from app.replica import metrics as m
 from app.replica.engines.base import EngineRefused, EngineUnavailable
 
 if TYPE_CHECKING:
@@ -534,7 +536,12 @@ class VLLMEngines:
 
         previous = engine.lv
         engine.lv = None  # nothing verified is held while the weights change
+        m.ENGINE_VERSION.labels(self.cfg.id, str(engine.index)).set(-1)
         report = engine.update(state, self.root / "vllm-transfer")
+        for stage in ("load", "hash"):
+            m.ENGINE_UPDATE_SECONDS.labels(self.cfg.id, stage).observe(report["seconds"][stage])
+        m.ENGINE_UPDATE_SECONDS.labels(self.cfg.id, "write").observe(report["write_s"])
+        m.ENGINE_UPDATE_SECONDS.labels(self.cfg.id, "pause").observe(report["pause_s"])
         if report.get("sha256") == sha256 and not report.get("missing"):
             lv = LoadedVersion(
                 version=str(version),
@@ -544,6 +551,7 @@ class VLLMEngines:
                 config=dict(config),
             )
             engine.lv = lv
+            m.ENGINE_VERSION.labels(self.cfg.id, str(engine.index)).set(_number(version))
             log.info(
                 "vllm: engine %d holds v%s, hashed inside vLLM (load %.3f s, pause %.3f s)",
                 engine.index,
@@ -561,10 +569,14 @@ class VLLMEngines:
             else f"the weights inside vLLM hash {str(report.get('sha256'))[:12]}…, the registry "
             f"published {sha256[:12]}… (differing tensors: {bad[:3]})"
         )
+        m.ENGINE_VERIFY_FAILURES.labels(self.cfg.id).inc()
         if previous is not None:
             again = engine.update(previous.state, self.root / "vllm-transfer")
             if again.get("sha256") == previous.sha256:
                 engine.lv = previous
+                m.ENGINE_VERSION.labels(self.cfg.id, str(engine.index)).set(
+                    _number(previous.version)
+                )
             else:
                 log.error(
                     "vllm: engine %d could not restore v%s either", engine.index, previous.version
@@ -619,6 +631,7 @@ class VLLMEngines:
                         f"{self.cfg.vllm_drain_timeout:.0f} s; v{version} waits for the next try"
                     )
                 drained = time.perf_counter() - t0
+                m.ENGINE_UPDATE_SECONDS.labels(self.cfg.id, "drain").observe(drained)
                 if drained > 0.001:
                     log.info("vllm: v%s drained in %.3f s", old.version, drained)
             try:
@@ -643,6 +656,13 @@ class VLLMEngines:
             raise EngineRefused(f"no free vLLM engine for cached v{version}")
         with free[0].lock:
             return self._verify_into(free[0], version, state, config, sha256)
+
+
+def _number(version: str) -> float:
+    try:
+        return float(int(version))
+    except ValueError:
+        return -1.0
 
 
 def _digest(t: torch.Tensor) -> str:

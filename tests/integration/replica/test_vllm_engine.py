@@ -22,6 +22,7 @@ import torch
 
 from tests.integration.replica.conftest import (
     Registered,
+    metric,
     perturb,
     publish_deployment,
     read_topic,
@@ -248,6 +249,8 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
             checkpoint_sha256(states[1]),
             store=srv.replica.store,
         )
+    assert metric(srv, "flywheel_replica_engine_verify_failures_total") == 1
+    assert metric(srv, "flywheel_replica_engine_update_seconds_count", stage="hash") >= 4
     after = status(srv)["engine"]["engines"]
     assert after[1]["version"] == "3", after
     assert after[1]["last_update"]["sha256"] == checkpoint_sha256(states[2])
