@@ -306,7 +306,9 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
                 ),
                 wait=False,
             )
-            console.print(f"[green]✓[/green] replica-{i} {url}" + (f" ({engine})" if engine else ""))
+            console.print(
+                f"[green]✓[/green] replica-{i} {url}" + (f" ({engine})" if engine else "")
+            )
         if opts.simulate and replica_urls:
             sup.start(
                 RoleSpec(
