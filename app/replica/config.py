@@ -162,6 +162,12 @@ class ReplicaConfig(FlywheelSettings):
         default_factory=list,
         description="Extra `vllm serve` flags (JSON list), e.g. `--gpu-memory-utilization 0.4`.",
     )
+    vllm_return_routes: bool = Field(
+        False,
+        description="Ask vLLM for the routed experts of MoE models "
+        "(`--enable-return-routed-experts`; needs vLLM's Model Runner V2, i.e. a GPU with "
+        "Triton) and log them in generation events; responses from vLLM are then not streamed.",
+    )
     vllm_kv_cache_gib: int = Field(
         1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of each vLLM server on CPU (GiB)."
     )

@@ -139,6 +139,12 @@ class VLLMServer:
             ),
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
             "VLLM_NO_USAGE_STATS": "1",
+            # routed experts come only from Model Runner V2 (Triton: GPU)
+            **(
+                {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+                if "--enable-return-routed-experts" in extra
+                else {}
+            ),
             "VLLM_DO_NOT_TRACK": "1",
         }
         cmd = [  # the launcher stops the server if this process dies without stopping it
@@ -218,6 +224,7 @@ class VLLMEngine:
     lv: LoadedVersion | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # one update at a time
     last_update: dict[str, Any] | None = None
+    return_routes: bool = False  # the server runs with --enable-return-routed-experts
 
     def _client(self, timeout: float = 600.0) -> Any:
         import httpx
@@ -271,8 +278,12 @@ class VLLMEngine:
         temperature: float,
         seed: int | None,
         on_step: Callable[[int, list[int | None]], bool] | None,
-    ) -> tuple[list[list[int]], list[list[float]], list[str | None], bool]:
-        """(tokens, log-probs, vLLM finish reasons, stopped by on_step) per prompt."""
+    ) -> Generated:
+        """Tokens, log-probs, vLLM finish reasons and (with `return_routes`) routes per prompt.
+
+        Streamed, so `on_step` sees each token as vLLM produces it, except with `return_routes`:
+        vLLM puts routed experts only in a whole (non-streamed) response, and `on_step` then sees
+        the tokens when it arrives."""
         import httpx
 
         same = all(p == prompts[0] for p in prompts)
@@ -285,58 +296,96 @@ class VLLMEngine:
             "logprobs": 0,
             "return_token_ids": True,
             "skip_special_tokens": False,
-            "stream": True,
+            "stream": not self.return_routes,
         }
         if seed is not None:
             body["seed"] = int(seed) % (2**63)
-        n = len(prompts)
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        lps: list[list[float]] = [[] for _ in range(n)]
-        reasons: list[str | None] = [None] * n
-        stopped = False
-        step = 0
-        try:
-            with (
-                self._client() as c,
-                c.stream("POST", "/v1/completions", json=body) as r,
-            ):
-                if r.status_code != 200:
-                    r.read()
+        out = Generated(len(prompts))
+
+        def take(choices: list[dict[str, Any]]) -> bool:
+            """Record choices (a chunk's or the whole response's); False once on_step stops."""
+            for ch in choices:
+                i = int(ch["index"])
+                ids = ch.get("token_ids") or []
+                got = (ch.get("logprobs") or {}).get("token_logprobs") or []
+                if len(got) != len(ids):
                     raise EngineUnavailable(
-                        f"{self.url} /v1/completions: {r.status_code} {r.text[:500]}"
+                        f"{self.url} returned {len(ids)} tokens with {len(got)} log-probs"
                     )
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    for ch in chunk.get("choices", []):
-                        i = int(ch["index"])
-                        ids = ch.get("token_ids") or []
-                        got = (ch.get("logprobs") or {}).get("token_logprobs") or []
-                        if len(got) != len(ids):
-                            raise EngineUnavailable(
-                                f"{self.url} returned {len(ids)} tokens with {len(got)} log-probs"
-                            )
-                        for t, lp in zip(ids, got):
-                            tokens[i].append(int(t))
-                            lps[i].append(float(lp))
-                            if on_step is not None:
-                                row: list[int | None] = [None] * n
-                                row[i] = int(t)
-                                if not on_step(step, row):
-                                    stopped = True
-                                step += 1
-                            if stopped:
-                                break
-                        if ch.get("finish_reason"):
-                            reasons[i] = ch["finish_reason"]
-                        if stopped:
-                            break
-                    if stopped:
-                        break  # closing the stream aborts the request in vLLM
+                if ch.get("routed_experts"):
+                    prompt = prompts[0] if same else prompts[i]
+                    out.routes[i] = completion_routes(ch["routed_experts"], len(prompt), len(ids))
+                for t, lp in zip(ids, got):
+                    out.tokens[i].append(int(t))
+                    out.logprobs[i].append(float(lp))
+                    if on_step is not None:
+                        row: list[int | None] = [None] * out.n
+                        row[i] = int(t)
+                        if not on_step(out.steps, row):
+                            out.stopped = True
+                        out.steps += 1
+                    if out.stopped:
+                        return False
+                if ch.get("finish_reason"):
+                    out.reasons[i] = ch["finish_reason"]
+            return True
+
+        try:
+            with self._client() as c:
+                if self.return_routes:
+                    r = c.post("/v1/completions", json=body)
+                    if r.status_code != 200:
+                        raise EngineUnavailable(
+                            f"{self.url} /v1/completions: {r.status_code} {r.text[:500]}"
+                        )
+                    take(r.json()["choices"])
+                    return out
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    if r.status_code != 200:
+                        r.read()
+                        raise EngineUnavailable(
+                            f"{self.url} /v1/completions: {r.status_code} {r.text[:500]}"
+                        )
+                    for line in r.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        if not take(json.loads(line[6:]).get("choices", [])):
+                            break  # closing the stream aborts the request in vLLM
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from exc
-        return tokens, lps, reasons, stopped
+        return out
+
+
+class Generated:
+    """What one `VLLMEngine.generate` call produced, per prompt."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.reasons: list[str | None] = [None] * n
+        self.routes: list[Any] = [None] * n  # int32 [T, MoE layers, top_k] with return_routes
+        self.stopped = False
+        self.steps = 0
+
+
+def completion_routes(b64: str, prompt_len: int, n_completion: int) -> Any:
+    """The routes of the completion tokens from vLLM's `routed_experts` (base64 `.npy` of the
+    experts chosen at every forwarded position, [prompt + completion - 1, layers, top_k]): the
+    token sampled at position p was produced by the forward of position p - 1, as Flywheel's
+    events record it (trainer/policy/hf.py generate)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    arr = np.load(io.BytesIO(base64.b64decode(b64)), allow_pickle=False)
+    need = prompt_len + n_completion - 1
+    if arr.ndim != 3 or arr.shape[0] < need:
+        raise EngineUnavailable(
+            f"routed_experts has shape {arr.shape}; {need} forwarded positions expected"
+        )
+    return np.ascontiguousarray(arr[prompt_len - 1 : need].astype(np.int32))
 
 
 class VLLMPolicy:
@@ -349,7 +398,7 @@ class VLLMPolicy:
             dict(config),
             tokenizer,
         )
-        self.moe_spec = None  # routes are not returned on CPU (module docstring)
+        self.moe_spec = None  # what the engine returns decides (module docstring)
 
     def config_dict(self) -> dict[str, Any]:
         return dict(self.config)
@@ -377,16 +426,17 @@ class VLLMPolicy:
         if not prompts:
             return []
         start = self.tokenizer.start_id
-        tokens, lps, reasons, stopped = self.engine.generate(
+        got = self.engine.generate(
             [[start, *p] for p in prompts],
             max_tokens=max_tokens,
             temperature=temperature,
             seed=seed,
             on_step=on_step,
         )
+        stopped = got.stopped
         eos = self.tokenizer.eos_id
         out = []
-        for toks, lp, reason in zip(tokens, lps, reasons):
+        for toks, lp, reason, routes in zip(got.tokens, got.logprobs, got.reasons, got.routes):
             finish = (
                 "eos"
                 if toks and toks[-1] == eos
@@ -398,7 +448,7 @@ class VLLMPolicy:
                 Sample(
                     tokens=toks,
                     logprobs=[float(np.float32(x)) for x in lp],
-                    routes=None,
+                    routes=routes,
                     text=self.tokenizer.decode(toks),
                     meta={
                         "temperature": temperature,
@@ -457,7 +507,8 @@ class VLLMEngines:
             model_dir = self._model_dir(config)
             if self.cfg.vllm_urls:
                 self.engines = [
-                    VLLMEngine(i, u.rstrip("/")) for i, u in enumerate(self.cfg.vllm_urls)
+                    VLLMEngine(i, u.rstrip("/"), return_routes=self.cfg.vllm_return_routes)
+                    for i, u in enumerate(self.cfg.vllm_urls)
                 ]
             else:
                 python = self.cfg.vllm_python or provision_python()
@@ -475,7 +526,14 @@ class VLLMEngines:
                             max_model_len=ctx,
                             log_path=self.root / f"vllm-engine{i}.log",
                             kv_cache_gib=self.cfg.vllm_kv_cache_gib,
-                            extra=list(self.cfg.vllm_args),
+                            extra=[
+                                *self.cfg.vllm_args,
+                                *(
+                                    ["--enable-return-routed-experts"]
+                                    if self.cfg.vllm_return_routes
+                                    else []
+                                ),
+                            ],
                         )
                     )
                     self._servers.append(servers[-1])
@@ -486,7 +544,10 @@ class VLLMEngines:
                     for s in servers:
                         s.stop()
                     raise
-                self.engines = [VLLMEngine(i, s.url, s) for i, s in enumerate(servers)]
+                self.engines = [
+                    VLLMEngine(i, s.url, s, return_routes=self.cfg.vllm_return_routes)
+                    for i, s in enumerate(servers)
+                ]
             self.model_files = config.get("files_sha256")
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ class RecordingEngine(VLLMEngine):
         self.calls: list[dict] = []
         self.corrupt = 0
         self.missing: list[str] = []
-        self.script: tuple = ([], [], [], False)
+        self.script: tuple = ([], [], [], False)  # tokens, log-probs, finish reasons, stopped
         self.prompts: list[list[int]] = []
 
     def update(self, state, transfer_dir):
@@ -70,11 +70,17 @@ class RecordingEngine(VLLMEngine):
             "missing": missing,
             "seconds": {"probe": 0.0, "load": 0.0, "hash": 0.0},
             "pause_s": 0.0,
+            "write_s": 0.0,
         }
 
     def generate(self, prompts, *, max_tokens, temperature, seed, on_step):
+        from app.replica.engines.vllm import Generated
+
         self.prompts = prompts
-        return self.script
+        out = Generated(len(prompts))
+        tokens, logprobs, reasons, out.stopped = self.script
+        out.tokens, out.logprobs, out.reasons = list(tokens), list(logprobs), list(reasons)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -361,3 +367,28 @@ def test_wait_idle_returns_once_every_lease_is_released():
     assert result == {"idle": True} and leases.count == 0
     b.release()
     assert leases.count == 0
+
+
+# --- routed experts (vLLM returns them only with Model Runner V2, i.e. on GPU) --------------------
+def test_completion_routes_take_the_positions_that_produced_the_completion_tokens():
+    """vLLM's `routed_experts` covers every forwarded position [prompt + completion - 1, L, k]; the
+    completion token j was produced by the forward of position prompt_len - 1 + j. The payload is
+    built here as vLLM's serving code does (numpy `.npy`, base64): no GPU runs here."""
+    import base64
+    import io
+
+    import numpy as np
+
+    from app.replica.engines.vllm import completion_routes
+
+    prompt_len, n_completion, layers, k = 5, 3, 2, 2
+    positions = prompt_len + n_completion - 1
+    arr = np.arange(positions * layers * k, dtype=np.uint8).reshape(positions, layers, k)
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    got = completion_routes(b64, prompt_len, n_completion)
+    assert got.dtype == np.int32 and got.shape == (n_completion, layers, k)
+    assert np.array_equal(got, arr[prompt_len - 1 :].astype(np.int32))
+    with pytest.raises(EngineUnavailable, match="forwarded positions expected"):
+        completion_routes(b64, prompt_len, n_completion + 1)
