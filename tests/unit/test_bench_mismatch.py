@@ -93,3 +93,26 @@ def test_quick_sets_the_small_run():
     assert a.prompts * a.samples == 32  # 32 completions x 16 tokens
     with pytest.raises(AssertionError, match="--prompts"):
         parse_args(["--prompts", "99"])
+
+
+def test_full_reload_dir_copies_the_model_files_with_the_given_weights(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from bench.mismatch import full_reload_dir
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text('{"model_type": "llama"}')
+    (src / "tokenizer.json").write_text("{}")
+    save_file({"w": torch.zeros(2, 3)}, str(src / "model.safetensors"))
+    save_file({"extra": torch.zeros(1)}, str(src / "model-00002.safetensors"))
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).to(torch.bfloat16)}
+    out = full_reload_dir(src, state, tmp_path / "reload")
+    assert (out / "config.json").read_text() == '{"model_type": "llama"}'
+    assert (out / "tokenizer.json").is_file()
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    got = load_file(str(out / "model.safetensors"))
+    assert got.keys() == {"w"} and got["w"].dtype == torch.bfloat16
+    assert torch.equal(got["w"], state["w"])
+    assert torch.equal(load_file(str(src / "model.safetensors"))["w"], torch.zeros(2, 3))
