@@ -25,6 +25,7 @@ Every metric carries `replica_id`, so several replicas in one process (tests, be
 | `flywheel_replica_engine_update_seconds` | replica_id, stage | a vLLM engine's in-place update by stage: `drain` (requests on the replaced version finishing), `write` (the transfer file), `load` (vLLM's reload), `hash` (inside vLLM), `pause` (vLLM paused: load + hash + RPC) |
 | `flywheel_replica_engine_verify_failures_total` | replica_id | in-place updates whose weights inside vLLM did not hash to the published checkpoint (the engine reloaded its previous version) |
 | `flywheel_replica_engine_version` | replica_id, engine | version held by each vLLM engine (-1: none verified) |
+| `flywheel_replica_engine_restarts_total` | replica_id | vLLM servers that exited and were restarted (their version reloaded and verified) |
 """
 
 from __future__ import annotations
@@ -140,4 +141,9 @@ ENGINE_VERSION = Gauge(
     "flywheel_replica_engine_version",
     "Version held by each vLLM engine (-1: none verified).",
     ["replica_id", "engine"],
+)
+ENGINE_RESTARTS = Counter(
+    "flywheel_replica_engine_restarts_total",
+    "vLLM servers that exited and were restarted by their replica.",
+    ["replica_id"],
 )

@@ -157,6 +157,7 @@ class SyncAgent:
                             topic,
                             self.desired(),
                         )
+                    self.engine.check()  # a vLLM server that exited: restarted, reloaded
                     self.reconcile()
                     self._heartbeat()
             except Stopped:

@@ -60,6 +60,10 @@ class Engine(Protocol):
 
     def status(self) -> dict[str, Any]: ...
 
+    def check(self) -> None:
+        """Repair what can be repaired (a vLLM server that exited); the sync agent calls it."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -111,6 +115,9 @@ class BuiltinEngine:
 
     def status(self) -> dict[str, Any]:
         return {"engine": self.name}
+
+    def check(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -131,6 +131,15 @@ class VLLMServer:
     ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
+        self._again = lambda: VLLMServer(
+            python,
+            model_dir,
+            port=port,
+            max_model_len=max_model_len,
+            log_path=log_path,
+            kv_cache_gib=kv_cache_gib,
+            extra=extra,
+        )
         env = {
             **os.environ,
             "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc, reachable on 127.0.0.1 only
@@ -164,6 +173,11 @@ class VLLMServer:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def restart(self) -> VLLMServer:
+        """A new process with the same flags and port (this one has exited)."""
+        self.stop()
+        return self._again()
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -568,6 +582,49 @@ class VLLMEngines:
                 for e in self.engines
             ],
         }
+
+    def check(self) -> None:
+        """Restart a server that exited (a crash, the OOM killer) and reload the version it held,
+        verified as any update: its requests get 503 meanwhile, the other engine keeps serving.
+        Called by the sync agent's loop."""
+        for e in self.engines:
+            s = e.server
+            if s is None or s.alive() or self._closing.is_set():
+                continue
+            with e.lock:
+                held, e.lv = e.lv, None
+                log.error(
+                    "vllm: engine %d (%s) exited with %s; restarting it (the end of %s:\n%s)",
+                    e.index,
+                    e.url,
+                    s.proc.returncode,
+                    s.log_path,
+                    s.tail(5),
+                )
+                m.ENGINE_RESTARTS.labels(self.cfg.id).inc()
+                m.ENGINE_VERSION.labels(self.cfg.id, str(e.index)).set(-1)
+                e.server = s.restart()
+                self._servers.append(e.server)
+                try:
+                    e.server.wait_ready(self.cfg.vllm_start_timeout, self._closing)
+                    if held is None:
+                        continue
+                    report = e.update(held.state, self.root / "vllm-transfer")
+                    if report.get("sha256") == held.sha256 and not report.get("missing"):
+                        e.lv = held  # the same LoadedVersion: the store's snapshot stays valid
+                        m.ENGINE_VERSION.labels(self.cfg.id, str(e.index)).set(
+                            _number(held.version)
+                        )
+                        log.info("vllm: engine %d restarted, v%s verified", e.index, held.version)
+                    else:
+                        m.ENGINE_VERIFY_FAILURES.labels(self.cfg.id).inc()
+                        log.error(
+                            "vllm: engine %d restarted but v%s did not verify",
+                            e.index,
+                            held.version,
+                        )
+                except Exception:
+                    log.exception("vllm: engine %d could not be restarted", e.index)
 
     # --- loading --------------------------------------------------------------------------------
     def usable(self, lv: LoadedVersion) -> bool:

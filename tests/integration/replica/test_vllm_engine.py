@@ -11,6 +11,8 @@ log-probs are explained by the version it names better than by any other version
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -258,6 +260,31 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
     r = httpx.post(
         f"{srv.url}/v1/complete",
         json={"session_id": "load-0-1", "prompt": "x = ", "max_tokens": 4},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
+
+    # --- a vLLM server that dies is restarted and the version it held reloaded, verified -------
+    e0 = engine.engines[0]
+    launcher = e0.server.proc.pid  # vllm_worker/flywheel_vllm_launch.py; the server is its child
+    server_pid = int(subprocess.check_output(["pgrep", "-P", str(launcher)]).split()[0])
+    os.kill(server_pid, signal.SIGKILL)
+    wait_for(
+        lambda: metric(srv, "flywheel_replica_engine_restarts_total") == 1,
+        timeout_s=60,
+        what="the dead server noticed",
+    )
+    wait_for(
+        lambda: (e := status(srv)["engine"]["engines"][0])["alive"] and e["version"] == "1",
+        timeout_s=START_S,
+        what="engine 0 restarted and holding v1 again",
+    )
+    assert status(srv)["engine"]["engines"][0]["last_update"]["sha256"] == checkpoint_sha256(
+        states[0]
+    )
+    r = httpx.post(
+        f"{srv.url}/v1/complete",
+        json={"session_id": "after-restart", "prompt": "x = ", "max_tokens": 4},
         timeout=120,
     )
     assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
