@@ -1,24 +1,26 @@
-"""Bounded, cost-aware admission to a replica's one generation thread.
+"""Bounded, cost-aware admission to a replica's generation threads.
 
     queue = GenerationQueue("replica-1", pool, max_queued=16, max_queued_cost=4096)
     result = await queue.run(cost, fn, *args, still_wanted=client_connected)   # QueueFull, ClientGone
     ticket = queue.admit(cost)                                   # QueueFull now (a stream, before it starts)
     result = await queue.run_admitted(ticket, fn, *args)        # ... the model call later
 
-One model call runs at a time (the thread pool has one worker). Requests that find it busy wait
-here, in the event loop, never in the executor's own (unbounded) queue:
+`slots` model calls run at a time (the thread pool has that many workers): 1 for the built-in engine,
+whose policy generates one batch at a time; more for an engine that batches concurrent requests
+itself (vLLM's continuous batching, FLYWHEEL_REPLICA_VLLM_CONCURRENCY). Requests that find every
+slot busy wait here, in the event loop, never in the executor's own (unbounded) queue:
 
 - **Bounds.** At most `max_queued` requests wait, and the sum of their costs (`n * max_tokens`,
   the tokens they may generate) is at most `max_queued_cost`. A request that would exceed either
   is refused at once with `QueueFull` (the route answers 503 + Retry-After) and costs nothing.
-- **Order.** When the thread frees up, the next request is the cheapest waiting one (smallest
+- **Order.** When a slot frees up, the next request is the cheapest waiting one (smallest
   cost, then the earliest), so a 1-token request does not wait behind queued maximal ones;
   except that a request which has waited longer than the time to drain a full queue
   (`max_queued_cost * s_per_cost`) is overdue, and overdue requests go first, oldest first, so
   nothing starves. `s_per_cost` is the measured generation time per cost unit (moving averages
   of model seconds and of cost, seeded by `initial_s_per_cost`).
-- **Worst case.** A request waits for the call running when it arrived (at most one maximal
-  request), then for cheaper requests until it is overdue (one full-queue drain, plus the call
+- **Worst case** (one slot). A request waits for the call running when it arrived (at most one
+  maximal request), then for cheaper requests until it is overdue (one full-queue drain, plus the call
   started just before), then for the older overdue ones (at most the queue it arrived behind):
   about `2 * (max_request_cost + max_queued_cost) * s_per_cost` in all. A cheap request
   usually waits just for the running call (docs/REPLICA.md has measured figures).
@@ -75,9 +77,12 @@ class GenerationQueue:
         initial_s_per_cost: float = 2e-3,
         max_retry_after_s: int = 60,
         clock: Callable[[], float] = time.monotonic,
+        slots: int = 1,
     ):
         assert max_queued >= 0 and max_queued_cost >= 1, f"bounds {max_queued}, {max_queued_cost}"
         assert initial_s_per_cost > 0, f"initial_s_per_cost must be > 0, got {initial_s_per_cost}"
+        assert slots >= 1, f"slots must be >= 1, got {slots}"
+        self.slots = slots
         self.replica_id, self.pool = replica_id, pool
         self.max_queued, self.max_queued_cost = max_queued, max_queued_cost
         self.s_per_cost = initial_s_per_cost
@@ -85,7 +90,7 @@ class GenerationQueue:
         self.max_retry_after_s = max_retry_after_s
         self.clock = clock
         self._queued: list[Ticket] = []
-        self._running_cost: int | None = None  # None: the thread is free
+        self._running: list[int] = []  # costs of the calls running now (at most `slots`)
         self._publish()
 
     # --- state ------------------------------------------------------------------------------------
@@ -100,8 +105,8 @@ class GenerationQueue:
 
     def retry_after_s(self) -> int:
         """Seconds until the work ahead now is expected to be done (1..max_retry_after_s)."""
-        ahead = self.queued_cost + (self._running_cost or 0)
-        return max(1, min(self.max_retry_after_s, math.ceil(ahead * self.s_per_cost)))
+        ahead = self.queued_cost + sum(self._running)
+        return max(1, min(self.max_retry_after_s, math.ceil(ahead * self.s_per_cost / self.slots)))
 
     def _publish(self) -> None:
         m.QUEUE_DEPTH.labels(self.replica_id).set(self.depth)
@@ -110,7 +115,7 @@ class GenerationQueue:
     # --- admission and order ----------------------------------------------------------------------
     def _admit(self, cost: int) -> Ticket:
         assert cost >= 1, f"cost must be >= 1, got {cost}"
-        if self._running_cost is not None:  # busy: the request has to wait, if there is room
+        if len(self._running) >= self.slots:  # busy: the request has to wait, if there is room
             if self.depth >= self.max_queued:
                 self._refuse(
                     "requests",
@@ -134,13 +139,11 @@ class GenerationQueue:
 
     def overdue_after_s(self) -> float:
         """How long a request may wait before it goes ahead of cheaper ones: one full-queue drain."""
-        return self.max_queued_cost * self.s_per_cost
+        return self.max_queued_cost * self.s_per_cost / self.slots
 
     def _dispatch(self) -> None:
-        """Give the free thread to the oldest overdue request, else to the cheapest waiting one."""
+        """Give each free slot to the oldest overdue request, else to the cheapest waiting one."""
         self._queued = [t for t in self._queued if not t.turn.done()]  # cancelled while waiting
-        if self._running_cost is not None or not self._queued:
-            return
         now, overdue_after = self.clock(), self.overdue_after_s()
 
         def order(t: Ticket) -> tuple[int, float, float]:
@@ -148,13 +151,14 @@ class GenerationQueue:
                 (0, t.arrived, 0.0) if now - t.arrived >= overdue_after else (1, t.cost, t.arrived)
             )
 
-        nxt = min(self._queued, key=order)
-        self._queued.remove(nxt)
-        self._running_cost = nxt.cost
-        nxt.turn.set_result(None)
+        while len(self._running) < self.slots and self._queued:
+            nxt = min(self._queued, key=order)
+            self._queued.remove(nxt)
+            self._running.append(nxt.cost)
+            nxt.turn.set_result(None)
 
-    def _release(self) -> None:
-        self._running_cost = None
+    def _release(self, cost: int) -> None:
+        self._running.remove(cost)
         self._dispatch()
         self._publish()
 
@@ -190,14 +194,14 @@ class GenerationQueue:
                 self._queued.remove(ticket)
                 self._publish()
             elif ticket.turn.done() and not ticket.turn.cancelled():
-                self._release()  # the turn was granted just before the cancellation
+                self._release(cost)  # the turn was granted just before the cancellation
             raise
         m.QUEUE_WAIT_SECONDS.labels(self.replica_id).observe(self.clock() - ticket.arrived)
         try:
             if still_wanted is not None and not await still_wanted():
                 raise ClientGone()
         except BaseException:
-            self._release()
+            self._release(cost)
             raise
         t0 = self.clock()
         fut = asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -205,7 +209,7 @@ class GenerationQueue:
         def _done(f: asyncio.Future) -> None:
             if not f.cancelled() and f.exception() is None:
                 self._learn(cost, self.clock() - t0)
-            self._release()
+            self._release(cost)
 
         fut.add_done_callback(
             _done

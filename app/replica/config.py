@@ -168,6 +168,13 @@ class ReplicaConfig(FlywheelSettings):
         "(`--enable-return-routed-experts`; needs vLLM's Model Runner V2, i.e. a GPU with "
         "Triton) and log them in generation events; responses from vLLM are then not streamed.",
     )
+    vllm_concurrency: int = Field(
+        8,
+        ge=1,
+        description="Requests a vLLM replica lets generate at once (vLLM batches them); the "
+        "built-in engine runs one at a time. The queue bounds apply to the requests waiting "
+        "beyond these.",
+    )
     vllm_kv_cache_gib: int = Field(
         1, ge=1, description="VLLM_CPU_KVCACHE_SPACE of each vLLM server on CPU (GiB)."
     )

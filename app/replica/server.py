@@ -239,7 +239,6 @@ class Replica:
         self.store = WeightStore()
         self.producer = EventProducer(settings)
         self.topic = settings.topic("interactions")
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"generate-{cfg.id}")
         self.queue: GenerationQueue | None = None  # made in start(), on the serving event loop
         self.loop: asyncio.AbstractEventLoop | None = None
         self.api_key = (
@@ -251,6 +250,9 @@ class Replica:
         from app.replica.engines import make_engine
 
         self.engine = make_engine(settings, cfg)  # what generates: app/replica/engines/
+        self.pool = ThreadPoolExecutor(  # one model call per slot (admission.py)
+            max_workers=self.engine.slots, thread_name_prefix=f"generate-{cfg.id}"
+        )
         self._boot: threading.Thread | None = None
 
     def restore(self) -> None:
@@ -270,6 +272,7 @@ class Replica:
             self.pool,
             max_queued=self.cfg.max_queued,
             max_queued_cost=self.cfg.max_queued_cost,
+            slots=self.engine.slots,
         )
         if self.engine.in_place:  # engine servers take minutes to start: serve health meanwhile
             self._boot = threading.Thread(

@@ -28,6 +28,7 @@ class Engine(Protocol):
 
     name: str
     in_place: bool
+    slots: int  # model calls that may run at once (app/replica/admission.py)
 
     def load(
         self,
@@ -72,6 +73,7 @@ class BuiltinEngine:
 
     name = "torch"
     in_place = False
+    slots = 1  # the policy generates one batch at a time
 
     def __init__(self, cfg: ReplicaConfig) -> None:
         self.cfg = cfg

@@ -483,6 +483,7 @@ class VLLMEngines:
 
     def __init__(self, settings: Settings, cfg: ReplicaConfig) -> None:
         self.settings, self.cfg = settings, cfg
+        self.slots = cfg.vllm_concurrency  # vLLM batches concurrent requests (continuous batching)
         self.root = cfg.resolved_cache_dir(settings.data_dir)
         self.engines: list[VLLMEngine] = []
         self.model_files: str | None = None  # files_sha256 of the model the engines serve

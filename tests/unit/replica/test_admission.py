@@ -203,3 +203,34 @@ def test_cancelling_a_waiting_request_leaves_the_queue_and_a_running_one_holds_t
         pool.shutdown()
 
     run(main())
+
+
+def test_with_several_slots_that_many_calls_run_at_once_and_the_bounds_count_the_rest():
+    """An engine that batches concurrent requests itself (vLLM) gets `slots` model calls at once;
+    the queue's bounds then apply to the requests waiting beyond them, and a freed slot goes to the
+    next waiting one."""
+
+    async def main() -> None:
+        pool = ThreadPoolExecutor(2)
+        q = GenerationQueue("rq-slots", pool, max_queued=1, max_queued_cost=100, slots=2)
+        a, b, c = Gate(), Gate(), Gate()
+        ta = asyncio.create_task(q.run(10, a, "a"))
+        tb = asyncio.create_task(q.run(10, b, "b"))
+        await _until(lambda: a.started.is_set() and b.started.is_set(), "two calls running")
+        assert q.depth == 0
+        tc = asyncio.create_task(q.run(10, c, "c"))
+        await _until(lambda: q.depth == 1, "the third waiting")
+        assert not c.started.is_set()
+        with pytest.raises(QueueFull) as full:
+            await q.run(1, c, "refused")
+        assert full.value.reason == "requests"
+        b.release.set()
+        assert await tb == "b"
+        await _until(c.started.is_set, "the third call to take the freed slot")
+        a.release.set()
+        c.release.set()
+        assert await ta == "a" and await tc == "c"
+        assert q.depth == 0 and q._running == []
+        pool.shutdown()
+
+    run(main())
