@@ -32,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -96,6 +97,33 @@ def _generations(bootstrap: str, limit: int = 50) -> list[dict]:
     return out
 
 
+def _status_api(api: str, data_dir: Path) -> tuple[httpx.Client, Any]:
+    """A client of the status API with the run's read key, and `history(**params)` of deployments."""
+    keys_file = data_dir / "local-keys.json"
+    http = httpx.Client(
+        base_url=api,
+        headers={"Authorization": f"Bearer {json.loads(keys_file.read_text())['read']}"},
+        timeout=10,
+    )
+
+    def history(**params) -> list[dict]:
+        r = http.get("/v1/deployments/history", params={"limit": 500, **params})
+        r.raise_for_status()
+        return r.json()["events"]
+
+    return http, history
+
+
+def _replicas_agree(http: httpx.Client, ports: dict[str, int], n: int) -> str | None:
+    """The API's champion once every replica reports serving it (else None)."""
+    champion = http.get("/v1/deployments").json()["models"][0]["champion"]
+    served = {
+        httpx.get(f"http://127.0.0.1:{ports['replicas'] + i}/v1/status").json()["champion"]
+        for i in range(n)
+    }
+    return champion if champion is not None and served == {champion} else None
+
+
 def _decided(events: list[dict]) -> str | None:
     """The first trained version that was gated, canaried, and promoted or rolled back."""
     by_type: dict[str, set[str]] = {}
@@ -144,17 +172,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             proc,
             log,
         )
-        keys_file = data_dir / "local-keys.json"
-        http = httpx.Client(
-            base_url=api,
-            headers={"Authorization": f"Bearer {json.loads(keys_file.read_text())['read']}"},
-            timeout=10,
-        )
-
-        def history(**params) -> list[dict]:
-            r = http.get("/v1/deployments/history", params={"limit": 500, **params})
-            r.raise_for_status()
-            return r.json()["events"]
+        http, history = _status_api(api, data_dir)
 
         # import: v1 is the user's directory, and champion
         mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
@@ -255,15 +273,13 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
         wait_for("held-out acceptance of v1 and the trained version", scored, 300, proc, log)
 
         # status: the API's champion is what every replica reports serving
-        def replicas_agree() -> str | None:
-            champion = http.get("/v1/deployments").json()["models"][0]["champion"]
-            served = {
-                httpx.get(f"http://127.0.0.1:{ports['replicas'] + i}/v1/status").json()["champion"]
-                for i in range(len(replica_ids))
-            }
-            return champion if champion is not None and served == {champion} else None
-
-        wait_for("the replicas to serve the API's champion", replicas_agree, 120, proc, log)
+        wait_for(
+            "the replicas to serve the API's champion",
+            lambda: _replicas_agree(http, ports, len(replica_ids)),
+            120,
+            proc,
+            log,
+        )
     finally:
         rc = stop_run(proc)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
@@ -368,17 +384,7 @@ def test_one_replica_on_each_engine_the_trainer_learns_from_vllm_generations(tmp
             proc,
             log,
         )
-        keys_file = data_dir / "local-keys.json"
-        http = httpx.Client(
-            base_url=api,
-            headers={"Authorization": f"Bearer {json.loads(keys_file.read_text())['read']}"},
-            timeout=10,
-        )
-
-        def history(**params) -> list[dict]:
-            r = http.get("/v1/deployments/history", params={"limit": 500, **params})
-            r.raise_for_status()
-            return r.json()["events"]
+        http, history = _status_api(api, data_dir)
 
         def serving_v1() -> bool:
             return {
@@ -445,15 +451,13 @@ def test_one_replica_on_each_engine_the_trainer_learns_from_vllm_generations(tmp
         ]
         assert trained_vllm, f"no vLLM-made rollout inside a trained range {ranges}"
 
-        def replicas_agree() -> str | None:
-            champion = http.get("/v1/deployments").json()["models"][0]["champion"]
-            served = {
-                httpx.get(f"http://127.0.0.1:{ports['replicas'] + i}/v1/status").json()["champion"]
-                for i in range(len(replica_ids))
-            }
-            return champion if champion is not None and served == {champion} else None
-
-        wait_for("the replicas to serve the API's champion", replicas_agree, 180, proc, log)
+        wait_for(
+            "the replicas to serve the API's champion",
+            lambda: _replicas_agree(http, ports, len(replica_ids)),
+            180,
+            proc,
+            log,
+        )
     finally:
         rc = stop_run(proc)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
