@@ -288,3 +288,72 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
         timeout=120,
     )
     assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
+
+
+def test_a_replica_uses_a_vllm_server_given_by_url(
+    registered, replica_factory, mlflow_server, tmp_path, monkeypatch, vllm_python
+):
+    """FLYWHEEL_REPLICA_VLLM_URLS: a server the operator started (with `server_args()` and the
+    worker extension) is used as it is; one URL is one engine, so the replica serves the champion
+    only, and a candidate is refused with a reason instead of being half-served."""
+    from app.replica.engines.vllm import VLLMServer, _free_port
+    from kernels.delta.hashing import checkpoint_sha256
+    from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
+    from trainer.policy import build_policy
+
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "data"))
+    model_dir = tiny_qwen2_moe_dir(
+        tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"), head_dim=64
+    )
+    base = build_policy({"type": "hf", "model_dir": str(model_dir)})
+    states = [base.serving_state_dict()]
+    states.append(perturb(states[0], 7, frac=0.3, scale=0.2))
+    settings, _ = registered
+    reg = Registered(
+        mlflow_server.uri, settings.model_name, {**base.config_dict(), "name": "moe"}, 8
+    )
+    for st in states:
+        reg.add(st)
+    server = VLLMServer(
+        vllm_python,
+        model_dir,
+        port=_free_port(),
+        max_model_len=256,
+        log_path=tmp_path / "operator-vllm.log",
+        kv_cache_gib=1,
+        extra=[],
+    )
+    try:
+        server.wait_ready(START_S)
+        publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
+        srv = replica_factory(
+            settings, id="replica-url", engine="vllm", vllm_urls=[server.url], retry_interval=0.5
+        )
+        wait_for(lambda: status(srv)["champion"] == "1", timeout_s=START_S, what="v1 via URL")
+        engines = status(srv)["engine"]["engines"]
+        assert [(e["url"], e["version"], e["alive"]) for e in engines] == [
+            (server.url, "1", None)
+        ], engines
+        assert engines[0]["last_update"]["sha256"] == checkpoint_sha256(states[0])
+        r = httpx.post(
+            f"{srv.url}/v1/complete",
+            json={"session_id": "u", "prompt": "def f():", "max_tokens": 6},
+            timeout=120,
+        )
+        assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
+        publish_deployment(settings, "canary_started", "2", from_version="1", traffic_pct=50.0)
+        failed = wait_for(
+            lambda: read_topic(
+                settings,
+                "deployments",
+                1,
+                timeout_s=5,
+                where=lambda e: e["type"] == "replica_sync_failed" and e["version"] == "2",
+            ),
+            timeout_s=180,
+            what="the candidate refused",
+        )
+        assert "FLYWHEEL_REPLICA_VLLM_ENGINES" in failed[0]["details"]["error"], failed[0]
+        assert status(srv)["champion"] == "1" and status(srv)["candidate"] is None
+    finally:
+        server.stop()
