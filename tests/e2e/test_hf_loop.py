@@ -424,32 +424,44 @@ def test_one_replica_on_each_engine_the_trainer_learns_from_vllm_generations(tmp
         ]
         assert "delta" in paths or "held" in paths, paths
 
-        # vLLM's generations: the model's tokenizer, no routes; the built-in engine's carry routes
+        # vLLM's generations: the model's tokenizer, no routes; the built-in engine's carry routes.
+        # The trainer learned from them: their rollouts lie in a trained version's Kafka ranges
+        # (vLLM starts later than the built-in engine, so the first versions may hold none yet).
         expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
-        gens = [
-            r
-            for _, _, r in _records(env["FLYWHEEL_KAFKA_BOOTSTRAP"], "flywheel.interactions")
-            if r.get("type") == "generation"
-        ]
-        assert all(g["tokenizer"] == expected_tok for g in gens)
-        from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
-        from_torch = {g["request_id"] for g in gens if "route_shape" in g}
-        assert from_vllm and from_torch, (len(from_vllm), len(from_torch))
-
-        # the trainer learned from vLLM's generations: their rollouts lie in trained Kafka ranges
         mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
-        ranges = []
-        for mv in mlflow.search_model_versions("name='flywheel-policy'"):
-            if mv.tags.get("kafka_offsets"):
-                parts = json.loads(mv.tags["kafka_offsets"])["partitions"]
-                ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
-        trained_vllm = [
-            (p, o)
-            for p, o, r in _records(env["FLYWHEEL_KAFKA_BOOTSTRAP"], "flywheel.rollouts")
-            if r.get("request_id") in from_vllm
-            and any(p == rp and a <= o < b for rp, a, b in ranges)
-        ]
-        assert trained_vllm, f"no vLLM-made rollout inside a trained range {ranges}"
+        bootstrap = env["FLYWHEEL_KAFKA_BOOTSTRAP"]
+        seen: dict[str, int] = {}
+
+        def trained_on_vllm() -> list[tuple[int, int]]:
+            gens = [
+                r
+                for _, _, r in _records(bootstrap, "flywheel.interactions")
+                if r.get("type") == "generation"
+            ]
+            assert all(g["tokenizer"] == expected_tok for g in gens)
+            from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
+            seen.update(vllm=len(from_vllm), torch=len(gens) - len(from_vllm))
+            ranges = []
+            for mv in mlflow.search_model_versions("name='flywheel-policy'"):
+                if mv.tags.get("kafka_offsets"):
+                    parts = json.loads(mv.tags["kafka_offsets"])["partitions"]
+                    ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
+            return [
+                (p, o)
+                for p, o, r in _records(bootstrap, "flywheel.rollouts")
+                if r.get("request_id") in from_vllm
+                and any(p == rp and a <= o < b for rp, a, b in ranges)
+            ]
+
+        wait_for(
+            "a version trained on rollouts of vLLM's generations",
+            trained_on_vllm,
+            900,
+            proc,
+            log,
+            interval=10,
+        )
+        assert seen["vllm"] > 0 and seen["torch"] > 0, seen  # generations from both engines
 
         wait_for(
             "the replicas to serve the API's champion",
