@@ -9,7 +9,8 @@
 - `server.py`: the FastAPI app (`POST /v1/complete`, /healthz, /readyz, /metrics, /v1/status).
 - `openai_api.py`: the OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`,
   `/v1/models`), streaming as server-sent events.
-- `admission.py`: the bounded, cost-aware queue in front of the one generation thread.
+- `admission.py`: the bounded, cost-aware queue in front of the generation threads.
+- `engines/`: what generates: the built-in torch engine or vLLM servers updated in place.
 
 See docs/REPLICA.md.
 """

@@ -65,7 +65,7 @@ class Ticket:
 
 
 class GenerationQueue:
-    """Admission, ordering and metrics of the requests waiting for one generation thread."""
+    """Admission, ordering and metrics of the requests waiting for a generation slot."""
 
     def __init__(
         self,

@@ -102,7 +102,10 @@ class ReplicaConfig(FlywheelSettings):
         "readiness and metrics stay open.",
     )
     torch_threads: int = Field(
-        1, ge=1, description="torch intra-op threads for generation (one model call at a time)."
+        1,
+        ge=1,
+        description="torch intra-op threads for generation (the built-in engine: one model call "
+        "at a time).",
     )
     decode_threads: int = Field(
         1,

@@ -5,7 +5,7 @@
     client.completions.create(model="flywheel-policy", prompt="def f(", max_tokens=32, user="session-1")
 
 Same serving path as `POST /v1/complete` (server.py): the session picks champion or candidate,
-generation runs on the one generation thread behind the bounded queue, and every completion
+generation runs on the generation threads behind the bounded queue, and every completion
 writes one `generation` event to `<ns>.interactions`, acknowledged by Kafka before the answer
 (before `data: [DONE]` for a stream). What is specific to this API:
 

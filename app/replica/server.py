@@ -6,8 +6,9 @@ which shares this module's body parsing, limits, prompt encoding and generation 
 
 `POST /v1/complete` `{session_id, prompt, max_tokens, temperature, n}` picks the champion or the
 candidate by a stable hash of `session_id` (routing.py), samples `n` completions in one batch on
-a single generation thread behind a bounded, cost-aware queue (admission.py: the event loop never
-blocks; one model call at a time per replica; a full queue answers 503 + Retry-After at once),
+generation threads behind a bounded, cost-aware queue (admission.py: the event loop never
+blocks; one model call at a time with the built-in engine, several with vLLM; a full queue
+answers 503 + Retry-After at once),
 writes one `generation` event per completion to `<ns>.interactions` (prompt/completion tokens,
 behaviour log-probs, MoE routes, temperature, group_id, latency, tokenizer, model_version,
 finish_reason, stream), and
