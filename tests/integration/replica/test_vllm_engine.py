@@ -62,6 +62,7 @@ def _explained_by(events: list[dict], policies: dict[str, object]) -> dict[str, 
                 )[0, : len(e["completion_tokens"])]
             d = (lp - torch.tensor(e["logprobs"])).abs()
             row[v] = float(d.mean())
+            row[f"median{v}"] = float(d.median())
             row[f"tok{v}"] = [round(float(x), 3) for x in d]
         row["ts"] = e["ts"]
         row["prompt"] = e["prompt_tokens"]
@@ -74,8 +75,10 @@ def _check_versions(events: list[dict], policies: dict[str, object]) -> None:
         e = next(x for x in events if x["request_id"] == rid)
         named = e["model_version"]
         others = {v: d for v, d in row.items() if v != named and v in policies}
-        # vLLM computes in bf16, the trainer in fp32 on the same bf16 weights (bench/mismatch.py)
-        assert row[named] < 0.25, f"{rid}: v{named} explains its log-probs only to {row}"
+        # vLLM computes in bf16 (batched with other requests), the trainer in fp32 on the same bf16
+        # weights (bench/mismatch.py); without routes to replay, a token whose MoE routing flips
+        # between the two can be off by more than a nat, hence the median per completion
+        assert row[f"median{named}"] < 0.25, f"{rid}: v{named} explains it only to {row}"
         assert all(4 * row[named] < d for d in others.values()), (
             f"{rid} names v{named} but another version explains it better: {row}"
         )
