@@ -186,23 +186,12 @@ def median(xs: Sequence[float]) -> float:
 
 def build_model(kind: str, work: Path, tokenizer_dir: Path) -> Path:
     """A tiny HF model directory with head_dim 64 (what vLLM's CPU attention accepts)."""
-    from tests.hf_models import _save_model, _special_ids, tiny_qwen2_moe_dir
+    from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir
 
     if kind == "moe":
         return tiny_qwen2_moe_dir(work / "moe", tokenizer_dir, head_dim=64)
     if kind == "dense":
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=256,
-            **_special_ids(tokenizer_dir),
-        )
-        return _save_model(config, work / "dense", tokenizer_dir, seed=0)
+        return tiny_llama_dir(work / "dense", tokenizer_dir, head_dim=64)
     raise SystemExit(f"unknown --model {kind!r}: expected moe or dense")
 
 

@@ -92,15 +92,20 @@ def _special_ids(tokenizer_dir: str | Path) -> dict[str, int]:
 
 
 def tiny_llama_dir(
-    path: str | Path, tokenizer_dir: str | Path, seed: int = 0, tie_word_embeddings: bool = False
+    path: str | Path,
+    tokenizer_dir: str | Path,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    head_dim: int = 16,
 ) -> Path:
-    """A dense Llama (hidden 64, 2 layers, 4 heads) with random weights, saved with its tokenizer
+    """A dense Llama (2 layers, 4 heads of `head_dim`: hidden 64 by default, 256 with the head_dim
+    64 vLLM's CPU attention needs) with random weights, saved with its tokenizer
     (`tie_word_embeddings`: lm_head shares the input embedding, which save_pretrained writes once)."""
     from transformers import LlamaConfig
 
     config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,

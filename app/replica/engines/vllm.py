@@ -621,12 +621,7 @@ class VLLMEngines:
                     e.server.wait_ready(self.cfg.vllm_start_timeout, self._closing)
                     if held is None:
                         continue
-                    report = e.update(held.state, self.root / "vllm-transfer")
-                    if report.get("sha256") == held.sha256 and not report.get("missing"):
-                        e.lv = held  # the same LoadedVersion: the store's snapshot stays valid
-                        m.ENGINE_VERSION.labels(self.cfg.id, str(e.index)).set(
-                            _number(held.version)
-                        )
+                    if self._reload(e, held):  # the same LoadedVersion: the store stays valid
                         log.info("vllm: engine %d restarted, v%s verified", e.index, held.version)
                     else:
                         m.ENGINE_VERIFY_FAILURES.labels(self.cfg.id).inc()
@@ -651,6 +646,16 @@ class VLLMEngines:
         path = self._model_dir(config)
         rows = int(getattr(AutoConfig.from_pretrained(str(path)), "vocab_size", 0) or 0)
         return HFTokenizer(path, vocab_size=rows, name=config.get("name"))
+
+    def _reload(self, engine: VLLMEngine, lv: LoadedVersion) -> bool:
+        """Load a version the engine held back into it; True (engine.lv = lv) when what vLLM then
+        holds hashes to lv's checkpoint."""
+        report = engine.update(lv.state, self.root / "vllm-transfer")
+        if report.get("sha256") != lv.sha256 or report.get("missing"):
+            return False
+        engine.lv = lv
+        m.ENGINE_VERSION.labels(self.cfg.id, str(engine.index)).set(_number(lv.version))
+        return True
 
     def _verify_into(
         self,
@@ -701,13 +706,7 @@ class VLLMEngines:
         )
         m.ENGINE_VERIFY_FAILURES.labels(self.cfg.id).inc()
         if previous is not None:
-            again = engine.update(previous.state, self.root / "vllm-transfer")
-            if again.get("sha256") == previous.sha256:
-                engine.lv = previous
-                m.ENGINE_VERSION.labels(self.cfg.id, str(engine.index)).set(
-                    _number(previous.version)
-                )
-            else:
+            if not self._reload(engine, previous):
                 log.error(
                     "vllm: engine %d could not restore v%s either", engine.index, previous.version
                 )
