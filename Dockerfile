@@ -5,7 +5,8 @@ FROM python:3.11-slim-bookworm
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     FLYWHEEL_DATA_DIR=/var/lib/flywheel FLYWHEEL_PROFILE=production
 
-RUN apt-get update && apt-get install -y --no-install-recommends curl && rm -rf /var/lib/apt/lists/* \
+# gcc: kernels/fixed_order.py compiles its GEMM for the CPU it runs on, at first use
+RUN apt-get update && apt-get install -y --no-install-recommends curl gcc libc6-dev && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 flywheel && mkdir -p /var/lib/flywheel && chown flywheel /var/lib/flywheel
 
 WORKDIR /srv/flywheel

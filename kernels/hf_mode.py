@@ -59,6 +59,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels import exact_matmul
 from kernels import invariant as inv
 from kernels.exact_matmul import exact_bmm
 
@@ -133,14 +134,19 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _activation_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`aten.bmm` / `baddbmm` and sdpa's q @ k^T: products of two activations (attention), on the
-    tree. The exact-integer kernel scales each K-row of b by its largest |value| over N; for
-    q @ k^T that row spans every key of the call, future keys included in a full forward, so a
-    KV-cache decode step would scale (and round the dropped low-order products) differently:
-    measured on 64-89M-parameter models, 1-7% of generated tokens' log-probs differed from
-    logprobs() (bench/hf_invariance.py). The tree's order is fixed and padding-invariant."""
+    """`aten.bmm` / `baddbmm` and sdpa's q @ k^T and weights @ v: products of two activations
+    (attention). On the fixed-order kernel (fp32, the default scheme) like a weight's: each element
+    is its own K-ordered chain, and the zero weights of masked keys add nothing wherever they sit.
+    The exact-integer schemes scale each K-row of b by its largest |value| over N; for q @ k^T
+    that row spans every key of the call, future keys included in a full forward, so a KV-cache
+    decode step would scale (and round the dropped low-order products) differently: measured on
+    64-89M-parameter models, 1-7% of generated tokens' log-probs differed from logprobs()
+    (bench/hf_invariance.py). Under those schemes these products take the tree, whose order is
+    fixed and padding-invariant."""
     if not (_is_float(a) and _is_float(b)) or a.dtype != b.dtype:
         return aten.bmm.default(a, b)
+    if a.dtype != torch.float64 and exact_matmul.active_scheme() == "fixed":
+        return _bmm(a, b)
     return _tree_bmm(a, b)
 
 

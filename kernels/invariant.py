@@ -274,6 +274,24 @@ def reference_attention(
 def _attention_inv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
 ) -> torch.Tensor:
+    from kernels import exact_matmul, fixed_order
+
+    if exact_matmul.active_scheme() != "fixed":
+        return _attention_tree(q, k, v, q_pos)
+    b, h, tq, d = q.shape
+    tk = k.shape[2]
+    qs = (q * (1.0 / math.sqrt(d))).reshape(b * h, tq, d)
+    kt = k.reshape(b * h, tk, d).transpose(1, 2)  # each score: one FMA chain over d
+    scores = fixed_order.bmm(qs, fixed_order.pack(kt), tk).reshape(b, h, tq, tk)
+    scores = scores.masked_fill(~_causal_mask(q_pos, tk), -math.inf)
+    e = exp(scores - scores.amax(dim=-1, keepdim=True))  # masked keys: exact zeros
+    num = fixed_order.bmm(e.reshape(b * h, tq, tk), fixed_order.pack(v.reshape(b * h, tk, d)), d)
+    return num.reshape(b, h, tq, d) / tree_sum(e, -1)[..., None]
+
+
+def _attention_tree(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor
+) -> torch.Tensor:
     b, h, tq, d = q.shape
     tk = k.shape[2]
     scale = 1.0 / math.sqrt(d)

@@ -168,8 +168,11 @@ def test_full_serving_state_is_the_unsharded_serving_state_dict(run, tmp_path):
         assert serving[k].dtype == ref[k].dtype == torch.bfloat16, k
         assert serving[k].shape == ref[k].shape, k
         a, b = serving[k].float(), ref[k].float()
-        assert bool(((a - b).abs() <= BF16_RTOL * b.abs() + 1e-6).all()), (
-            f"{k}: {(a - b).abs().max()}"
+        # the fp32 weights may differ by W_TOL (the tests above), then each rounds to bf16
+        excess = (a - b).abs() - (BF16_RTOL * b.abs() + W_TOL)
+        worst = int(excess.flatten().argmax())
+        assert bool((excess <= 0).all()), (
+            f"{k}: element {worst}: {a.flatten()[worst]} vs {b.flatten()[worst]}"
         )
     # exactly what the unsharded conversion gives for the gathered fp32 weights
     policy = _policy(run, tmp_path)

@@ -19,7 +19,7 @@ from transformers import (
     Qwen2MoeForCausalLM,
 )
 
-from kernels import hf_mode
+from kernels import exact_matmul, hf_mode
 from kernels import invariant as inv
 from kernels.exact_matmul import K_MAX, exact_bmm
 from kernels.hf_mode import batch_invariant_mode, classify, in_backward
@@ -389,6 +389,17 @@ def test_flash_attention_for_cpu_matches_sdpa(case):
 
 
 # --- the exact-integer BLAS matmul (kernels/exact_matmul.py) --------------------------------------
+@pytest.fixture
+def integer_scheme():
+    """The exact-integer `float64` scheme (the default is the fixed-order kernel, whose own tests
+    are tests/unit/kernels/test_fixed_order.py)."""
+    before = exact_matmul.SCHEME
+    exact_matmul.SCHEME = "float64"
+    yield
+    exact_matmul.SCHEME = before
+
+
+@pytest.mark.usefixtures("integer_scheme")
 def test_exact_bmm_is_close_to_float64_and_independent_of_summation_order():
     a, b = _rand(2, 37, 256, seed=20), _rand(2, 256, 96, seed=21, scale=1 / 16)
     got = exact_bmm(a, b, hf_mode._tree_bmm)
@@ -406,7 +417,9 @@ def test_exact_bmm_is_close_to_float64_and_independent_of_summation_order():
         torch.set_num_threads(before)
 
 
-def test_exact_bmm_is_row_and_zero_padding_invariant():
+@pytest.mark.parametrize("scheme", ["fixed", "float64"])
+def test_exact_bmm_is_row_and_zero_padding_invariant(scheme, monkeypatch):
+    monkeypatch.setattr(exact_matmul, "SCHEME", scheme)
     a, b = _rand(1, 20, 48, seed=23), _rand(1, 48, 33, seed=24)
     full = exact_bmm(a, b, hf_mode._tree_bmm)
     assert torch.equal(exact_bmm(a[:, 7:8], b, hf_mode._tree_bmm), full[:, 7:8])
@@ -418,6 +431,7 @@ def test_exact_bmm_is_row_and_zero_padding_invariant():
         assert torch.equal(exact_bmm(a_pad, b_pad, hf_mode._tree_bmm), full)
 
 
+@pytest.mark.usefixtures("integer_scheme")
 def test_exact_bmm_non_finite_rows_and_k_blocks():
     a, b = _rand(1, 6, 16, seed=26), _rand(1, 16, 5, seed=27)
     full = exact_bmm(a, b, hf_mode._tree_bmm)
@@ -436,7 +450,9 @@ def test_exact_bmm_non_finite_rows_and_k_blocks():
     )
 
 
-def test_exact_bmm_parameter_cache_follows_in_place_updates():
+@pytest.mark.parametrize("scheme", ["fixed", "float64"])
+def test_exact_bmm_parameter_cache_follows_in_place_updates(scheme, monkeypatch):
+    monkeypatch.setattr(exact_matmul, "SCHEME", scheme)
     lin = torch.nn.Linear(32, 8, bias=False)
     x = _rand(3, 32, seed=30)
     with torch.no_grad(), batch_invariant_mode():
@@ -450,16 +466,21 @@ def test_exact_bmm_parameter_cache_follows_in_place_updates():
     assert torch.equal(doubled, first * 2.0) and torch.equal(eightfold, first * 8.0)
 
 
-def test_attention_scores_do_not_depend_on_later_keys_inside_the_mode():
+@pytest.mark.parametrize("scheme", ["fixed", "float64"])
+def test_attention_scores_do_not_depend_on_later_keys_inside_the_mode(scheme, monkeypatch):
     """q @ k^T for the first keys has the same bits whatever keys follow (a KV-cache decode step
-    sees only the keys so far, a full forward all of them); aten.bmm takes the tree for that.
-    The exact-integer kernel alone would not: it scales each K-row of b (a head dimension,
-    spanning every key) by its largest value, so a large later key changes the earlier scores."""
+    sees only the keys so far, a full forward all of them): under the fixed-order kernel because
+    each score is its own chain over the head dimension, under the integer schemes because aten.bmm
+    takes the tree. The exact-integer kernel alone would not: it scales each K-row of b (a head
+    dimension, spanning every key) by its largest value, so a large later key changes the earlier
+    scores."""
+    monkeypatch.setattr(exact_matmul, "SCHEME", scheme)
     q, k = _rand(2, 1, 16, seed=40), _rand(2, 16, 5, seed=41)  # k^T: [B, head dim, keys]
     later = _rand(2, 16, 3, seed=42, scale=1e6)
     with_later = torch.cat([k, later], 2)
     with torch.no_grad(), batch_invariant_mode():
         assert torch.equal(torch.bmm(q, with_later)[:, :, :5], torch.bmm(q, k))
+    monkeypatch.setattr(exact_matmul, "SCHEME", "float64")
     assert not torch.equal(
         exact_bmm(q, with_later, hf_mode._tree_bmm)[:, :, :5], exact_bmm(q, k, hf_mode._tree_bmm)
     ), "the exact-integer kernel's K-row scales do span N: it is not invariant to later keys"
