@@ -71,6 +71,8 @@ def _import(settings, model_dir: Path) -> None:
         "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
         "FLYWHEEL_MODEL_NAME": settings.model_name,
         "FLYWHEEL_DATA_DIR": str(settings.data_dir),
+        "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
         "COLUMNS": "400",
     }
     done = subprocess.run(
