@@ -63,7 +63,6 @@ KIND = "import"
 SOURCE = "import"  # DeploymentEvent.source of the import's events
 ACTOR = "flywheel-model-import"
 TAG_EVENT = "deployment_event"  # on the version once its version_registered is acknowledged
-KAFKA_CHECK_S = 10.0  # how long the pre-registration check waits for the broker
 
 
 class ModelImportError(ValueError):
@@ -263,12 +262,14 @@ def import_model(
 
 
 def check_deployment_log(settings: Settings) -> None:
-    """DeploymentLogUnavailable unless the broker at FLYWHEEL_KAFKA_BOOTSTRAP answers within
-    KAFKA_CHECK_S and `<ns>.deployments` has partitions."""
+    """DeploymentLogUnavailable unless the broker at FLYWHEEL_KAFKA_BOOTSTRAP answers within one
+    dependency check's time (app/infra/wait.py CHECK_TIMEOUT_S) and `<ns>.deployments` has
+    partitions."""
     from app.contracts.kafka import make_consumer
+    from app.infra.wait import CHECK_TIMEOUT_S
 
     topic = settings.topic("deployments")
-    ms = int(KAFKA_CHECK_S * 1000)
+    ms = int(CHECK_TIMEOUT_S * 1000)
     try:
         consumer = make_consumer(
             settings,

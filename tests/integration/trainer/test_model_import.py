@@ -274,7 +274,8 @@ def test_without_the_deployments_topic_nothing_is_registered(
     mlflow_server, make_settings, dirs, tmp_path
 ):
     """The deployment log must be able to record the import: a namespace whose topics do not exist
-    (`flywheel kafka topics` not run) exits 1 naming the topic, and registers nothing."""
+    (`flywheel kafka topics` not run) exits 1 naming the topic, and registers nothing; so does a
+    broker that does not answer (a port of this test's range with nothing listening)."""
     _, _, model_dir = dirs
     settings = make_settings(create_topics=False)
     env = (
@@ -294,6 +295,15 @@ def test_without_the_deployments_topic_nothing_is_registered(
     assert "nothing registered" in line[0], line
     assert _nothing_registered(mlflow_server, name)
     assert not (tmp_path / "data" / "hf-models").exists()
+
+    down = (settings, {"FLYWHEEL_KAFKA_BOOTSTRAP": "127.0.0.1:9151"})
+    out = _import(mlflow_server, down, name, model_dir, tmp_path / "data")
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    line = [x for x in text.splitlines() if x.startswith("model import failed:")]
+    assert len(line) == 1 and "Kafka at 127.0.0.1:9151 does not answer" in line[0], text
+    assert "nothing registered" in line[0]
+    assert _nothing_registered(mlflow_server, name)
 
 
 def test_resume_keeps_the_versions_of_the_same_model_and_refuses_other_weights(
