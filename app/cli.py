@@ -678,31 +678,39 @@ def model_import(
         typer.Option(
             "--resume",
             help="When the registered model's versions were imported from this very model (same "
-            "files and weights), keep them and exit 0: an import step run on every start.",
+            "files and weights), keep them (publishing v1's version_registered if the deployment "
+            "log lacks it) and exit 0: an import step run on every start.",
         ),
     ] = False,
 ) -> None:
-    """Validate MODEL_DIR and register it as version 1 of FLYWHEEL_MODEL_NAME, with champion on it."""
-    from trainer.model_import import AlreadyImported, ModelImportError, import_model
+    """Validate MODEL_DIR and register it as version 1 of FLYWHEEL_MODEL_NAME, with champion on it;
+    its `version_registered` goes on the deployment log (Kafka must answer, or nothing is registered)."""
+    from trainer.model_import import (
+        DeploymentLogUnavailable,
+        ModelImportError,
+        import_model,
+    )
     from trainer.policy.hf_files import CACHE_DIR
 
     settings = _settings()
     try:
-        version = import_model(
+        done = import_model(
             model_dir,
-            settings.mlflow_uri,
-            settings.model_name,
+            settings,
             force=force,
+            resume=resume,
             cache_root=settings.data_dir / CACHE_DIR,
         )
-    except AlreadyImported as exc:
-        if not resume:
-            raise _refused(f"model import refused: {exc}") from None
-        _say(f"{model_dir} already imported: versions kept (--resume)")
-        return
     except ModelImportError as exc:
         raise _refused(f"model import refused: {exc}") from None
-    console.print(f"imported {model_dir} as {settings.model_name} v{version} (champion)")
+    except DeploymentLogUnavailable as exc:
+        _say(f"model import failed: {exc}")
+        raise typer.Exit(1) from None
+    if done.resumed:
+        missing = "; its missing version_registered event published" if done.published else ""
+        _say(f"{model_dir} already imported: versions kept (--resume){missing}")
+        return
+    console.print(f"imported {model_dir} as {settings.model_name} v{done.version} (champion)")
 
 
 @model_app.command("export")

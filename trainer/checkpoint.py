@@ -1,7 +1,9 @@
 """Full trainer state on disk, written atomically (temp file + fsync + rename + fsync dir).
 
 One file, `<state_dir>/trainer_state.pt`, holds everything a killed trainer needs to resume
-without losing a rollout or training on one twice: fp32 master weights, optimizer state,
+without losing a rollout or training on one twice: the fp32 masters of what trains
+(`Policy.train_state_dict()`: every weight, or a LoRA policy's adapter alone, whose frozen base
+is rebuilt from the model files the saved policy config names and verifies), optimizer state,
 step, the Kafka positions the weights have processed, the dedupe set, the last shipped
 version, the lineage accumulated since that ship, and the pending ship intent (see
 docs/TRAINER.md, "Crash safety"). Weights and positions live in the same file, so they can

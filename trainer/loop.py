@@ -277,7 +277,9 @@ class Trainer:
             if load_state(self.state_dir) is None:  # continuing from a registered version
                 save_state(
                     self.state_dir,
-                    dict(fresh, model=policy.state_dict(), policy_config=policy.config_dict()),
+                    dict(
+                        fresh, model=policy.train_state_dict(), policy_config=policy.config_dict()
+                    ),
                 )
         self.world.barrier("the first state file", self.cfg.dist_timeout_s)
         state = load_state(self.state_dir)
@@ -315,11 +317,26 @@ class Trainer:
         policy.load_serving_state_dict(self.registry.download_serving_state(version))
         return self._with_lora_setting(policy, f"registered v{version}")
 
+    def _saved_policy(self, config: dict[str, Any]) -> Policy:
+        """The policy of the trainer state's config; a LoRA state holds the adapter only, so its
+        base must be the model files the config's `files_sha256` names, here and unchanged."""
+        from trainer.policy.hf_files import HFFilesError
+
+        try:
+            return build_policy(config)
+        except HFFilesError as exc:
+            raise RuntimeError(
+                f"the trainer state in {self.state_dir} cannot be resumed: its policy's model files "
+                f"(files_sha256 {config.get('files_sha256')}, the LoRA base when `lora` is set) are "
+                f"gone or changed: {exc}. Restore that directory, or start with a new trainer "
+                "state directory (the registry's versions are kept)"
+            ) from None
+
     def _restore_or_bootstrap(self, state: dict[str, Any] | None) -> tuple[Policy, dict[str, Any]]:
         if state is not None:
-            policy = build_policy(state["policy_config"])
+            policy = self._saved_policy(state["policy_config"])
             if state.get("model") is not None:
-                policy.load_state_dict(state["model"])
+                policy.load_train_state_dict(state["model"])
             else:  # saved by sharded ranks: the Hugging Face model's full state (trainer/fsdp.py)
                 policy.model.load_state_dict(state["fsdp_model"])
             self._with_lora_setting(policy, f"the trainer state in {self.state_dir}", convert=False)
@@ -366,7 +383,7 @@ class Trainer:
         ).to_dict()
         save_state(
             self.state_dir,
-            dict(fresh, model=policy.state_dict(), policy_config=policy.config_dict()),
+            dict(fresh, model=policy.train_state_dict(), policy_config=policy.config_dict()),
         )
         return policy, fresh
 
@@ -996,7 +1013,7 @@ class Trainer:
             model: dict[str, Any] = {"model": None, "fsdp_model": full[0], "parallel": "fsdp"}
             optimizer = full[1]
         else:
-            model = {"model": self.policy.state_dict()}
+            model = {"model": self.policy.train_state_dict()}
             optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
         return {
             **model,

@@ -2,7 +2,7 @@
 registered model, with `champion` on it.
 
     policy = validate(Path("/models/my-qwen-moe"))            # ModelImportError on bad input
-    version = import_model(dir, mlflow_uri, model_name, force=False)
+    done = import_model(dir, settings, force=False, resume=False)   # Imported(version=1, ...)
 
 Everything is validated before anything is written to the registry, so bad input registers nothing:
 
@@ -17,13 +17,28 @@ Everything is validated before anything is written to the registry, so bad input
   version was imported from this very model (the same config and tokenizer files, `hf_files_sha256`,
   and the same bf16 serving weights, the `checkpoint_sha256` of its `delta` tag), the error is
   `AlreadyImported`: `flywheel model import --resume` (a deployment's import step, run on every
-  start) and `flywheel run --model` take that as "keep the versions" and go on.
+  start) and `flywheel run --model` take that as "keep the versions" and go on;
+- the deployment log (`<ns>.deployments` on FLYWHEEL_KAFKA_BOOTSTRAP) answers and exists: an
+  import whose registration the log could not record is refused (`DeploymentLogUnavailable`)
+  before anything is written.
 
 The version is registered as the trainer registers a ship (trainer/registry.py): the pyfunc
 model with bf16 serving weights, the policy config made self-contained (`files_sha256`, the HF
 files under `model/artifacts/hf/`), and next to it the sync artifacts of app/contracts/artifacts.py
 for a first version (a full anchor with per-tensor and whole-checkpoint SHA-256s, no parent). The
 files are then materialized into this machine's cache, so a trainer here starts without a download.
+
+The deployment log then says so, as it does for every registered version: one `version_registered`
+event (source `import`, actor `flywheel-model-import`; details: the run and ship ids, 0 rollouts,
+the model files' `hf_files_sha256`, the directory, and the artifact hints of app/contracts/hints.py
+with the anchor's checkpoint SHA-256). `champion` is set as the trainer sets it on its first version
+(acknowledged, app/contracts/aliases.py), so the controller records it on the log as it does the
+trainer's (`alias_changed` from `controller`, `record_serving_champion`): no event for it here. The
+event's id is `vr-import-<run id>`, a function of the registered version, and once Kafka
+acknowledged it the version is tagged `deployment_event` (`<event id> <topic>[<partition>]@<offset>`).
+A version without that tag (Kafka failed between the registration and the event, or the process
+died there) gets its event from `--resume`, with the same id (the projections dedupe on it); a
+tagged one gets none, so resuming never duplicates it.
 """
 
 from __future__ import annotations
@@ -31,16 +46,23 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from app.contracts.aliases import sync_aliases
 from app.contracts.artifacts import publish_version
-from trainer.registry import CHAMPION, Registry
+from app.contracts.deployments import DeploymentEvent, DeploymentLog
+from app.contracts.hints import artifact_hints
+from app.settings import Settings
+from trainer.registry import CHAMPION, TAG_SHIP_ID, Registry
 
 log = logging.getLogger(__name__)
 
 KIND = "import"
+SOURCE = "import"  # DeploymentEvent.source of the import's events
+ACTOR = "flywheel-model-import"
+TAG_EVENT = "deployment_event"  # on the version once its version_registered is acknowledged
 
 
 class ModelImportError(ValueError):
@@ -49,6 +71,21 @@ class ModelImportError(ValueError):
 
 class AlreadyImported(ModelImportError):
     """The registered model's versions descend from an import of this very model."""
+
+
+class DeploymentLogUnavailable(RuntimeError):
+    """Kafka or the deployments topic is not there: before the registration nothing was written;
+    after it (the message says which) `--resume` publishes the missing event."""
+
+
+@dataclass(frozen=True)
+class Imported:
+    """What `import_model` did: `version` is champion; `resumed` when the versions were already
+    this import's (`resume`); `published` when this call published its `version_registered`."""
+
+    version: int
+    resumed: bool
+    published: bool
 
 
 def _check_architecture(model_dir: Path) -> Any:
@@ -139,25 +176,25 @@ def validate(model_dir: str | Path) -> Any:
 
 def import_model(
     model_dir: str | Path,
-    mlflow_uri: str,
-    model_name: str,
+    settings: Settings,
     force: bool = False,
+    resume: bool = False,
     cache_root: str | Path | None = None,
-) -> int:
-    """Validate `model_dir` and register it as version 1 of `model_name` with `champion` on it."""
+) -> Imported:
+    """Validate `model_dir` and register it as version 1 of `settings.model_name` with `champion`
+    on it, then publish its `version_registered` (module docstring). With `resume`, versions that
+    are an import of this very model are kept (AlreadyImported otherwise) and a missing event is
+    published; DeploymentLogUnavailable when the deployment log cannot take the event."""
     from trainer.policy.hf_files import materialize, pack
 
     d = Path(model_dir).resolve()
     policy = validate(d)
     serving = policy.serving_state_dict()
     files, sha = pack(d)
-    reg = Registry(mlflow_uri, model_name)
+    check_deployment_log(settings)  # before any write: a registration the log cannot record is none
+    model_name = settings.model_name
+    reg = Registry(settings.mlflow_uri, model_name)
     existing = _existing_versions(reg)
-    if existing:
-        if not force:
-            raise _held(reg, existing, sha, serving)
-        log.warning("--force: deleting registered model %s (versions %s)", model_name, existing)
-        reg.client.delete_registered_model(model_name)
     tok = policy.tokenizer
     config = {  # upload_ship registers it with model_dir None and the files' sha (registry.py)
         **policy.config_dict(),
@@ -165,6 +202,17 @@ def import_model(
         "model_dir": str(d),
         "files_sha256": sha,
     }
+    registered_config = {**config, "model_dir": None}
+    if existing:
+        held = _held(reg, existing, sha, serving)
+        if resume and isinstance(held, AlreadyImported):
+            mv = reg.client.get_model_version(model_name, str(existing[0]))
+            published = publish_registered(settings, mv, registered_config)
+            return Imported(int(mv.version), resumed=True, published=published)
+        if not force:
+            raise held
+        log.warning("--force: deleting registered model %s (versions %s)", model_name, existing)
+        reg.client.delete_registered_model(model_name)
     ship_id = f"import-{sha[:16]}"
     run_id = reg.start_run()
     with tempfile.TemporaryDirectory(prefix="flywheel-import-") as tmp:
@@ -207,8 +255,99 @@ def import_model(
         )
     sync_aliases(reg.client, model_name, {CHAMPION: str(version)})
     materialize(files, cache_root)
+    mv = reg.client.get_model_version(model_name, str(version))
+    published = publish_registered(settings, mv, registered_config)
     log.info("imported %s as %s v%d (champion); model files %s", d, model_name, version, sha)
-    return version
+    return Imported(version, resumed=False, published=published)
+
+
+def check_deployment_log(settings: Settings) -> None:
+    """DeploymentLogUnavailable unless the broker at FLYWHEEL_KAFKA_BOOTSTRAP answers within one
+    dependency check's time (app/infra/wait.py CHECK_TIMEOUT_S) and `<ns>.deployments` has
+    partitions."""
+    from app.contracts.kafka import make_consumer
+    from app.infra.wait import CHECK_TIMEOUT_S
+
+    topic = settings.topic("deployments")
+    ms = int(CHECK_TIMEOUT_S * 1000)
+    try:
+        consumer = make_consumer(
+            settings,
+            group_id=None,
+            bootstrap_timeout_ms=ms,
+            request_timeout_ms=ms + 1000,
+            client_id="flywheel-model-import",
+        )
+        try:
+            parts = consumer.partitions_for_topic(topic)
+        finally:
+            consumer.close()
+    except Exception as exc:  # kafka-python raises many types (NoBrokersAvailable, timeouts)
+        raise DeploymentLogUnavailable(
+            f"Kafka at {settings.kafka_bootstrap} does not answer ({type(exc).__name__}: {exc}); "
+            "nothing registered (the deployment log must record the import)"
+        ) from None
+    if not parts:
+        raise DeploymentLogUnavailable(
+            f"topic {topic} does not exist on Kafka at {settings.kafka_bootstrap} (`flywheel kafka "
+            "topics` creates it); nothing registered (the deployment log must record the import)"
+        )
+
+
+def registered_event(model: str, mv: Any, config: dict[str, Any]) -> DeploymentEvent:
+    """The `version_registered` event of the imported version `mv` (an MLflow ModelVersion) whose
+    registered policy config is `config`; the same event (id included) every time it is built."""
+    tags = dict(mv.tags or {})
+    delta = json.loads(tags.get("delta") or "{}")
+    return DeploymentEvent(
+        event_id=f"vr-import-{mv.run_id}",
+        type="version_registered",
+        model=model,
+        version=str(mv.version),
+        source=SOURCE,
+        actor=ACTOR,
+        reason=f"imported a Hugging Face model as version {mv.version} (champion)",
+        details={
+            "run_id": mv.run_id,
+            "ship_id": tags.get(TAG_SHIP_ID),
+            "rollouts_consumed": 0,
+            "reward_spec": None,
+            "imported_from": tags.get("imported_from", "")[:1024],
+            "hf_files_sha256": tags.get("hf_files_sha256"),
+            # a full anchor: replicas verify it by this checkpoint hash (app/contracts/hints.py)
+            "artifacts": artifact_hints(mv.source, config, delta.get("checkpoint_sha256")),
+        },
+    )
+
+
+def publish_registered(settings: Settings, mv: Any, config: dict[str, Any]) -> bool:
+    """Publish the `version_registered` of `mv` unless its TAG_EVENT says it was acknowledged; then
+    tag it. True if this call published. DeploymentLogUnavailable (naming `--resume`) on failure."""
+    if (mv.tags or {}).get(TAG_EVENT):
+        return False
+    event = registered_event(settings.model_name, mv, config)
+    dlog = DeploymentLog(settings)
+    try:
+        partition, offset = dlog.publish(event)
+    except Exception as exc:  # KafkaError, or a timeout waiting for the ack
+        raise DeploymentLogUnavailable(
+            f"{settings.model_name} v{mv.version} is registered (champion) but its "
+            f"version_registered event is not on {dlog.topic}: {type(exc).__name__}: {exc}; "
+            "`flywheel model import DIR --resume` publishes it"
+        ) from None
+    finally:
+        _close(dlog)
+    Registry(settings.mlflow_uri, settings.model_name).set_tag(
+        int(mv.version), TAG_EVENT, f"{event.event_id} {dlog.topic}[{partition}]@{offset}"
+    )
+    return True
+
+
+def _close(dlog: DeploymentLog) -> None:
+    try:
+        dlog.close()
+    except Exception as exc:  # a broker gone while flushing: the publish already said what matters
+        log.warning("closing the deployment log producer: %s", exc)
 
 
 def _held(

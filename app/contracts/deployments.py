@@ -66,7 +66,7 @@ EventType = Literal[
     "replica_sync_failed",
     "replica_heartbeat",  # a replica's periodic report of what it serves
 ]
-Source = Literal["trainer", "controller", "api", "mlflow-ui", "replica"]
+Source = Literal["trainer", "controller", "api", "mlflow-ui", "replica", "import"]
 EVENT_TYPES: tuple[str, ...] = get_args(EventType)
 SOURCES: tuple[str, ...] = get_args(Source)
 
@@ -142,7 +142,8 @@ class DeploymentEvent(BaseModel):
         description="Candidate's share of sessions in percent, for canary events.",
     )
     source: Source = Field(
-        description="Who decided: trainer, controller, api (operator verb), mlflow-ui (alias move), replica."
+        description="Who decided: trainer, controller, api (operator verb), mlflow-ui (alias move), replica, "
+        "import (`flywheel model import`)."
     )
     actor: str = Field("", max_length=128, description="Person or process behind the decision.")
     reason: str = Field("", max_length=4096, description="Why, in words an operator understands.")
@@ -258,7 +259,9 @@ class Decision(BaseModel):
     traffic_pct: float | None = Field(
         None, description="Candidate's share of sessions after the event, in %."
     )
-    source: str = Field("controller", description="trainer | controller | api | mlflow-ui.")
+    source: str = Field(
+        "controller", description="trainer | controller | api | mlflow-ui | replica | import."
+    )
     actor: str = Field(
         "controller", description="Who decided: 'controller', an API key name, 'mlflow-ui'."
     )

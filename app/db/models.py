@@ -74,7 +74,9 @@ class DeploymentEvent(Base):
     version: Mapped[str | None] = mapped_column(String(32))
     from_version: Mapped[str | None] = mapped_column(String(32))
     traffic_pct: Mapped[float | None] = mapped_column(Float)
-    source: Mapped[str] = mapped_column(String(16))  # trainer | controller | api | mlflow-ui
+    source: Mapped[str] = mapped_column(
+        String(16)
+    )  # trainer | controller | api | mlflow-ui | replica | import
     actor: Mapped[str] = mapped_column(String(128), default="")
     reason: Mapped[str] = mapped_column(Text, default="")
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)

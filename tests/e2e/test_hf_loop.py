@@ -189,6 +189,10 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             return synced == set(replica_ids)
 
         wait_for("both replicas serving the imported v1 as champion", serving_v1, 300, proc, log)
+        registered = history(type="version_registered", version="1")
+        assert [(e["source"], e["actor"]) for e in registered] == [
+            ("import", "flywheel-model-import")
+        ], registered
         assert any(e["version"] == "1" for e in history(type="alias_changed", version="1"))
         lineage = http.get("/v1/models/1").json()["lineage"]
         assert lineage["parent_version"] is None and not lineage["rollouts_consumed"], lineage

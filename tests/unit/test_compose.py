@@ -122,7 +122,10 @@ def test_model_import_is_a_one_shot_that_keeps_the_versions_on_restart():
     svc = SERVICES["model-import"]
     assert svc["restart"] == "no"
     assert svc["command"] == ["model", "import", MODEL_MOUNT, "--resume"]
-    assert svc["depends_on"] == {"mlflow": {"condition": "service_healthy"}}
+    assert svc["depends_on"] == {
+        "mlflow": {"condition": "service_healthy"},
+        "topics": {"condition": "service_completed_successfully"},
+    }, "the import publishes v1's version_registered on the deployments topic"
     assert _mounts(svc)["/var/lib/flywheel"] == "flywheel-data", "the HF files cache is shared"
 
 

@@ -155,6 +155,16 @@ class Policy(ABC, torch.nn.Module):
     def config_dict(self) -> dict[str, Any]:
         """JSON-serialisable config that `build_policy(config)` rebuilds the architecture from."""
 
+    def train_state_dict(self) -> dict[str, torch.Tensor]:
+        """What the trainer's local state (trainer/checkpoint.py) keeps of this policy: the fp32
+        masters of what trains. Here every tensor; a policy with a frozen part that `build_policy`
+        rebuilds from its config (LoRA: the base, verified by `files_sha256`) keeps only the rest."""
+        return self.state_dict()
+
+    def load_train_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what `train_state_dict` returned into a policy `build_policy` made from the same config."""
+        self.load_state_dict(state)
+
     def effective_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The weights this policy computes with, as a full model's serving state, where that is
         not `serving_state_dict()` itself (LoRA: the adapter merged into the base). None here: the

@@ -140,6 +140,32 @@ class LoraPolicy(HFPolicy):
         params = dict(self.model.named_parameters())
         return [params[k] for k in self._adapter_keys.values()]
 
+    # --- the trainer's local state: the adapter's fp32 masters --------------------------------------
+    def train_state_dict(self) -> dict[str, torch.Tensor]:
+        """The adapter's fp32 masters under the peft model's state-dict keys (`...lora_A...`,
+        `...lora_B...`), no base tensor: `build_policy(config_dict())` rebuilds the base from the
+        model files its `files_sha256` names and verifies (trainer/policy/hf_files.py `resolve`)."""
+        own = self.model.state_dict()
+        return {key: own[key].detach().clone() for key in self._adapter_keys.values()}
+
+    def load_train_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        want = set(self._adapter_keys.values())
+        missing, extra = sorted(want - set(state)), sorted(set(state) - want)
+        if missing or extra:
+            raise ValueError(
+                f"trainer state is not this LoRA adapter's masters: missing {missing[:3]}, "
+                f"unexpected {extra[:3]} ({len(missing)} missing, {len(extra)} unexpected)"
+            )
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for key in want:
+                if state[key].shape != own[key].shape:
+                    raise ValueError(
+                        f"trainer state {key}: shape {tuple(state[key].shape)}, "
+                        f"the adapter's is {tuple(own[key].shape)}"
+                    )
+                own[key].copy_(state[key])
+
     # --- serving weights: the adapter ---------------------------------------------------------
     def serving_state_dict(self) -> dict[str, torch.Tensor]:
         own = self.model.state_dict()

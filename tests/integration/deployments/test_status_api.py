@@ -4,6 +4,7 @@ SQL) on SQLite and PostgreSQL, with projections built from the shared event scen
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -329,3 +330,48 @@ def test_model_version_shows_the_reward_specs_it_trained_on(api: StatusApi) -> N
     assert (v3["reward_spec"], v3["reward_specs"]) == (None, {"v1": 5, "v2-no-tool-hack": 9})
     v1 = api.get("/v1/models/1").json()["lineage"]
     assert (v1["reward_specs"], v1["rollouts_relabelled"]) == ({"v1": 40}, 0)
+
+
+def test_an_imported_version_is_projected_and_found_by_its_source(api: StatusApi) -> None:
+    """`flywheel model import`'s event (trainer/model_import.py `registered_event`, built from a
+    registered MLflow version) and the controller's recording of its champion alias: the history
+    finds it by `source=import`, and v1's lineage is the import's."""
+    from mlflow.entities.model_registry import ModelVersion, ModelVersionTag
+
+    from app.contracts.deployments import Decision, DeploymentEvent
+    from trainer.model_import import registered_event
+
+    sha, ckpt = "a" * 64, "b" * 64
+    tags = {
+        "kind": "import",
+        "ship_id": f"import-{sha[:16]}",
+        "hf_files_sha256": sha,
+        "imported_from": "/models/my-qwen-moe",
+        "delta": json.dumps({"checkpoint_sha256": ckpt, "anchor": True}),
+    }
+    mv = ModelVersion(
+        "m",
+        "1",
+        0,
+        source="mlflow-artifacts:/1/run1/artifacts/ships/import-aaaa/model",
+        run_id="run1",
+        tags=[ModelVersionTag(k, v) for k, v in tags.items()],
+    )
+    registered = registered_event(MODEL, mv, {"type": "hf", "files_sha256": sha})
+    recorded = DeploymentEvent.model_validate(
+        Decision(
+            type="alias_changed", version="1", details={"alias": "champion", "recorded": True}
+        ).to_event(MODEL)
+    )
+    api.project([registered, recorded])
+    found = api.get("/v1/deployments/history", source="import").json()["events"]
+    assert [(e["type"], e["version"], e["actor"]) for e in found] == [
+        ("version_registered", "1", "flywheel-model-import")
+    ]
+    v1 = api.get("/v1/models/1").json()
+    assert (v1["lineage"]["run_id"], v1["lineage"]["rollouts_consumed"]) == ("run1", 0)
+    assert v1["lineage"]["parent_version"] is None
+    details = v1["lineage"]["details"]
+    assert details["hf_files_sha256"] == sha and details["ship_id"] == tags["ship_id"]
+    assert details["artifacts"]["checkpoint_sha256"] == ckpt
+    assert v1["rollout"]["is_champion"]

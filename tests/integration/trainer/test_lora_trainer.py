@@ -17,7 +17,9 @@ CLI (a subprocess, as a user runs it) on a tiny Qwen2-MoE directory built offlin
   adapter bit for bit, a replica swaps it in sharing v2's base tensors, and the pyfunc generates;
   the base weights are stored once: v3's artifacts name v2's (`hf_ref.json`), and a replica with
   an empty cache and a fresh registry reader follow that reference;
-- a restarted trainer resumes the same fp32 adapter and optimizer moments.
+- a restarted trainer resumes the same fp32 adapter and optimizer moments; its state file holds
+  the adapter's masters alone (no base tensor: far smaller than the base weights), and a restart
+  whose base model files are gone or changed fails naming them.
 
 Run: PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/trainer/test_lora_trainer.py -q
 """
@@ -71,6 +73,8 @@ def _import(settings, model_dir: Path) -> None:
         "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
         "FLYWHEEL_MODEL_NAME": settings.model_name,
         "FLYWHEEL_DATA_DIR": str(settings.data_dir),
+        "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
         "COLUMNS": "400",
     }
     done = subprocess.run(
@@ -232,9 +236,48 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
         assert resumed.keys() == moments.keys()
         for i in moments:
             assert torch.equal(resumed[i]["exp_avg"], moments[i]["exp_avg"])
+        base = again.policy.base_dir()
     finally:
         again.close()
         fetcher.close()
+    _check_state_holds_the_adapter_only(settings, cfg, base, masters)
+
+
+def _check_state_holds_the_adapter_only(settings, cfg, base: Path, masters: dict) -> None:
+    """The trainer state keeps the adapter's fp32 masters and a reference to the base (the policy
+    config's `files_sha256`); the base is rebuilt from its verified files, so a missing or
+    different base directory stops the restart with the reason."""
+    from trainer.checkpoint import load_state, state_path
+
+    state_dir = cfg.resolved_state_dir(settings.data_dir)
+    state = load_state(state_dir)
+    keys = set(state["model"])
+    assert keys and all(".lora_A." in k or ".lora_B." in k for k in keys), sorted(keys)[:5]
+    assert {k.removeprefix("model.") for k in masters} == keys, "exactly the adapter's masters"
+    assert all(v.dtype == torch.float32 for v in state["model"].values())
+    assert state["policy_config"]["files_sha256"] == base.name, "the base, by its files' hash"
+    base_bytes = (base / "model.safetensors").stat().st_size
+    saved = state_path(state_dir).stat().st_size
+    print(f"trainer state {saved} bytes; base weights {base_bytes} bytes (bf16)")
+    assert saved < base_bytes / 2, (saved, base_bytes)
+
+    moved = base.with_name(base.name + ".moved")
+    base.rename(moved)
+    try:
+        with pytest.raises(RuntimeError, match="cannot be resumed") as gone:
+            Trainer(settings, cfg)
+        assert base.name in str(gone.value) and "no such directory" in str(gone.value)
+        shutil.copytree(moved, base)
+        weights = base / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[-1] ^= 0x01  # one bit of the last tensor: another base
+        weights.write_bytes(bytes(data))
+        with pytest.raises(RuntimeError, match="cannot be resumed") as changed:
+            Trainer(settings, cfg)
+        assert f"the policy config says {base.name}" in str(changed.value)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        moved.rename(base)
 
 
 def _artifact_names(settings, uri: str) -> set[str]:

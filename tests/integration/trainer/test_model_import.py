@@ -1,4 +1,5 @@
-"""`flywheel model import DIR` against a real MLflow server (tests/conftest.py `mlflow_server`).
+"""`flywheel model import DIR` against a real MLflow server (tests/conftest.py `mlflow_server`) and
+a real Kafka broker (`make_settings`: a fresh topic namespace per test).
 
 The CLI runs as a user runs it (`python -m app.cli model import`, a subprocess with FLYWHEEL_*
 variables). A tiny Qwen2-MoE directory (tests/hf_models.py, built offline) becomes v1 with
@@ -9,6 +10,9 @@ pyfunc generates; a replica's `VersionFetcher.policy_config` and the gate's `loa
 their own caches the same way.
 Every bad input exits 2 with one line naming the file or field, and registers
 nothing; a second import is refused without --force and replaces the model with it.
+The deployment log holds exactly one `version_registered` (source `import`) per registration, with
+v1's checkpoint hash; a refused import publishes nothing, an import without the deployments topic
+registers nothing, and `--resume` publishes a missing event once and never a duplicate.
 
 Run: PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/trainer/test_model_import.py -q
 """
@@ -41,7 +45,17 @@ def dirs(tmp_path_factory):
     return root, tok, tiny_qwen2_moe_dir(root / "tiny-moe", tok)
 
 
-def _import(mlflow_server, name: str, model_dir: Path, data_dir: Path, *flags: str):
+@pytest.fixture()
+def kafka_env(make_settings):
+    """A fresh topic namespace on the test broker, topics created; the import's Kafka variables."""
+    settings = make_settings()
+    return settings, {
+        "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
+    }
+
+
+def _import(mlflow_server, kafka_env, name: str, model_dir: Path, data_dir: Path, *flags: str):
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -49,6 +63,7 @@ def _import(mlflow_server, name: str, model_dir: Path, data_dir: Path, *flags: s
         "FLYWHEEL_MODEL_NAME": name,
         "FLYWHEEL_DATA_DIR": str(data_dir),
         "COLUMNS": "400",
+        **kafka_env[1],
     }
     return subprocess.run(
         [sys.executable, "-m", "app.cli", "model", "import", str(model_dir), *flags],
@@ -69,12 +84,24 @@ def _nothing_registered(mlflow_server, name: str) -> bool:
     return not client.search_model_versions(f"name='{name}'")
 
 
+def _registered(settings, name: str) -> list:
+    """The `version_registered` events of model `name` on the settings' deployments topic."""
+    from app.contracts.deployments import DeploymentLog
+
+    with DeploymentLog(settings) as dlog:
+        return [
+            e.event
+            for e in dlog.read(stall_timeout_s=60)
+            if e.event.type == "version_registered" and e.event.model == name
+        ]
+
+
 def _bits(sd: dict[str, torch.Tensor]) -> dict[str, bytes]:
     return {k: v.contiguous().view(torch.uint8).numpy().tobytes() for k, v in sd.items()}
 
 
 def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
-    mlflow_server, dirs, tmp_path, monkeypatch
+    mlflow_server, kafka_env, dirs, tmp_path, monkeypatch
 ):
     import mlflow
 
@@ -84,7 +111,7 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
 
     _, _, model_dir = dirs
     name = f"import-{uuid.uuid4().hex[:8]}"
-    out = _import(mlflow_server, name, model_dir, tmp_path / "importer")
+    out = _import(mlflow_server, kafka_env, name, model_dir, tmp_path / "importer")
     assert out.returncode == 0, out.stderr
     reg = Registry(mlflow_server.uri, name)
     assert [int(v.version) for v in reg.versions()] == [1]
@@ -98,6 +125,26 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
     want = source.serving_state_dict()
     assert delta["checkpoint_sha256"] == hash_state_dict(want)[1]
 
+    # the deployment log: one version_registered for v1, from the import, with v1's identity
+    from app.contracts.hints import ArtifactHint, config_sha256
+
+    v1 = reg.versions()[0]
+    (event,) = _registered(kafka_env[0], name)
+    assert (event.version, event.from_version, event.source) == ("1", None, "import")
+    assert event.actor == "flywheel-model-import"
+    assert event.event_id == f"vr-import-{v1.run_id}"
+    assert event.details["run_id"] == v1.run_id
+    assert event.details["rollouts_consumed"] == 0
+    assert event.details["hf_files_sha256"] == tags["hf_files_sha256"]
+    assert event.details["imported_from"] == str(model_dir.resolve())
+    hint = ArtifactHint.from_details(event.details)
+    assert hint is not None and hint.root == v1.source.rsplit("/model", 1)[0]
+    assert hint.checkpoint_sha256 == hash_state_dict(want)[1]
+    assert hint.delta_file is None and hint.parent_version is None  # a full anchor
+    assert tags["deployment_event"].startswith(
+        f"{event.event_id} {kafka_env[0].topic('deployments')}["
+    )
+
     # another machine: a fresh data dir, nothing but the registry
     monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "reader"))
     cfg = reg.policy_config(1)
@@ -108,6 +155,7 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
     assert _bits(rebuilt.serving_state_dict()) == _bits(want)
     assert rebuilt.tokenizer.name == source.tokenizer.name
     assert rebuilt.moe_spec == source.moe_spec
+    assert hint.config_sha256 == config_sha256(cfg)  # the config a replica downloads
     # the importer's own cache is filled too (a trainer on that machine starts without a download)
     assert (tmp_path / "importer" / "hf-models" / cfg["files_sha256"] / "tokenizer.json").is_file()
 
@@ -139,14 +187,18 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
     texts = model.predict(["def add(a, b):"], params={"max_tokens": 4, "seed": 1})
     assert len(texts) == 1 and isinstance(texts[0], str)
 
-    again = _import(mlflow_server, name, model_dir, tmp_path / "importer")
+    again = _import(mlflow_server, kafka_env, name, model_dir, tmp_path / "importer")
     assert again.returncode == 2
     assert "already holds versions [1]" in again.stderr and "--force" in again.stderr
     assert [int(v.version) for v in reg.versions()] == [1]
-    forced = _import(mlflow_server, name, model_dir, tmp_path / "importer", "--force")
+    assert len(_registered(kafka_env[0], name)) == 1, "a refused import publishes nothing"
+    forced = _import(mlflow_server, kafka_env, name, model_dir, tmp_path / "importer", "--force")
     assert forced.returncode == 0, forced.stderr
     assert [int(v.version) for v in reg.versions()] == [1]
     assert reg.alias_version("champion") == 1
+    # the new v1 is another registration (another run): its own event
+    first, second = _registered(kafka_env[0], name)
+    assert second.event_id == f"vr-import-{reg.versions()[0].run_id}" != first.event_id
 
 
 def _copy(model_dir: Path, dst: Path) -> Path:
@@ -199,44 +251,112 @@ def _bad_dirs(root: Path, tok: Path, model_dir: Path) -> dict[str, tuple[Path, s
     }
 
 
-def test_bad_input_exits_2_names_the_problem_and_registers_nothing(mlflow_server, dirs, tmp_path):
+def test_bad_input_exits_2_names_the_problem_and_registers_nothing(
+    mlflow_server, kafka_env, dirs, tmp_path
+):
     root, tok, model_dir = dirs
     cases = _bad_dirs(tmp_path, tok, model_dir)
     for case, (bad, needle) in cases.items():
         name = f"bad-{uuid.uuid4().hex[:8]}"
-        out = _import(mlflow_server, name, bad, tmp_path / "data")
+        out = _import(mlflow_server, kafka_env, name, bad, tmp_path / "data")
         assert out.returncode == 2, (case, out.returncode, out.stderr[-2000:])
         line = [x for x in out.stderr.splitlines() if x.startswith("model import refused:")]
         assert len(line) == 1 and needle in line[0], (case, out.stderr[-2000:])
         assert _nothing_registered(mlflow_server, name), case
     assert not (tmp_path / "data" / "hf-models").exists()
+    from app.contracts.deployments import DeploymentLog
+
+    with DeploymentLog(kafka_env[0]) as dlog:
+        assert list(dlog.read()) == [], "a refused import publishes nothing"
+
+
+def test_without_the_deployments_topic_nothing_is_registered(
+    mlflow_server, make_settings, dirs, tmp_path
+):
+    """The deployment log must be able to record the import: a namespace whose topics do not exist
+    (`flywheel kafka topics` not run) exits 1 naming the topic, and registers nothing; so does a
+    broker that does not answer (a port of this test's range with nothing listening)."""
+    _, _, model_dir = dirs
+    settings = make_settings(create_topics=False)
+    env = (
+        settings,
+        {
+            "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+            "FLYWHEEL_TOPIC_NAMESPACE": settings.topic_namespace,
+        },
+    )
+    name = f"nolog-{uuid.uuid4().hex[:8]}"
+    out = _import(mlflow_server, env, name, model_dir, tmp_path / "data")
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    line = [x for x in text.splitlines() if x.startswith("model import failed:")]
+    assert len(line) == 1, text
+    assert f"topic {settings.topic('deployments')} does not exist" in line[0], line
+    assert "nothing registered" in line[0], line
+    assert _nothing_registered(mlflow_server, name)
+    assert not (tmp_path / "data" / "hf-models").exists()
+
+    down = (settings, {"FLYWHEEL_KAFKA_BOOTSTRAP": "127.0.0.1:9151"})
+    out = _import(mlflow_server, down, name, model_dir, tmp_path / "data")
+    assert out.returncode == 1, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    line = [x for x in text.splitlines() if x.startswith("model import failed:")]
+    assert len(line) == 1 and "Kafka at 127.0.0.1:9151 does not answer" in line[0], text
+    assert "nothing registered" in line[0]
+    assert _nothing_registered(mlflow_server, name)
 
 
 def test_resume_keeps_the_versions_of_the_same_model_and_refuses_other_weights(
-    mlflow_server, dirs, tmp_path
+    mlflow_server, kafka_env, make_settings, dirs, tmp_path
 ):
     """`--resume` (a deployment's import step, run on every start; `flywheel run --model`):
-    version 1 imported from the same files and weights keeps the registry as it is; the same
-    config and tokenizer with other weights is another model, refused, nothing registered."""
+    version 1 imported from the same files and weights keeps the registry as it is and publishes
+    no second event; the same config and tokenizer with other weights is another model, refused,
+    nothing registered. A version whose `deployment_event` tag is missing (the broker failed
+    between the registration and the event) gets its event from `--resume`, with the same id."""
     from tests.hf_models import tiny_qwen2_moe_dir
     from trainer.registry import Registry
 
     root, tok, model_dir = dirs
     name = f"import-resume-{uuid.uuid4().hex[:8]}"
-    first = _import(mlflow_server, name, model_dir, tmp_path / "a", "--resume")
+    first = _import(mlflow_server, kafka_env, name, model_dir, tmp_path / "a", "--resume")
     assert first.returncode == 0, first.stdout + first.stderr
     reg = Registry(mlflow_server.uri, name)
     assert [int(v.version) for v in reg.versions()] == [1]
+    (event,) = _registered(kafka_env[0], name)
 
-    again = _import(mlflow_server, name, model_dir, tmp_path / "b", "--resume")
+    again = _import(mlflow_server, kafka_env, name, model_dir, tmp_path / "b", "--resume")
     assert again.returncode == 0, again.stdout + again.stderr
     assert "already imported: versions kept (--resume)" in again.stdout + again.stderr
+    assert "event published" not in again.stdout + again.stderr
     assert [int(v.version) for v in reg.versions()] == [1]
     assert reg.alias_version("champion") == 1
+    assert _registered(kafka_env[0], name) == [event], "resume published a duplicate"
+
+    # v1 registered, its event never acknowledged (no tag): --resume publishes it, once
+    reg.client.delete_model_version_tag(name, "1", "deployment_event")
+    fresh = make_settings()  # a log that never got the event
+    log_env = (
+        fresh,
+        {
+            "FLYWHEEL_KAFKA_BOOTSTRAP": fresh.kafka_bootstrap,
+            "FLYWHEEL_TOPIC_NAMESPACE": fresh.topic_namespace,
+        },
+    )
+    healed = _import(mlflow_server, log_env, name, model_dir, tmp_path / "b", "--resume")
+    assert healed.returncode == 0, healed.stdout + healed.stderr
+    assert "missing version_registered event published" in healed.stdout + healed.stderr
+    (republished,) = _registered(fresh, name)
+    assert republished.event_id == event.event_id and republished.details == event.details
+    assert reg.versions()[0].tags["deployment_event"].startswith(event.event_id)
+    again = _import(mlflow_server, log_env, name, model_dir, tmp_path / "b", "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert len(_registered(fresh, name)) == 1
 
     other = tiny_qwen2_moe_dir(root / "other-weights", tok, seed=1)
-    refused = _import(mlflow_server, name, other, tmp_path / "c", "--resume")
+    refused = _import(mlflow_server, kafka_env, name, other, tmp_path / "c", "--resume")
     assert refused.returncode == 2, refused.stdout + refused.stderr
     out = refused.stdout + refused.stderr
     assert "of another model" in out and "other weights" in out, out
     assert [int(v.version) for v in reg.versions()] == [1]
+    assert _registered(kafka_env[0], name) == [event]

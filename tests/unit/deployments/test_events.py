@@ -36,7 +36,7 @@ def test_types_and_sources_cover_the_design_contract() -> None:
         "replica_sync_failed",
     }
     assert design <= set(EVENT_TYPES) and set(EVENT_TYPES) - design == {"replica_heartbeat"}
-    assert set(SOURCES) == {"trainer", "controller", "api", "mlflow-ui", "replica"}
+    assert set(SOURCES) == {"trainer", "controller", "api", "mlflow-ui", "replica", "import"}
 
 
 def test_json_round_trip_is_lossless_and_defaults_fill_id_and_ts() -> None:

@@ -201,6 +201,32 @@ def test_the_base_weights_are_model_files_covered_by_files_sha256(hf_moe_dir, ca
         build_policy(policy.config_dict())
 
 
+def test_the_train_state_is_the_adapter_masters_and_the_base_comes_from_its_files(
+    hf_moe_dir, cache
+):
+    """`train_state_dict` (what the trainer's local state keeps): the fp32 adapter masters only;
+    a policy built from the config alone, with them loaded, computes the same logits bit for bit."""
+    policy = lora_policy(hf_moe_dir, MOE_SPEC, cache)
+    randomize_adapter(policy, seed=7)
+    with torch.no_grad():
+        for p in policy.adapter_parameters():
+            p.add_(1e-4)  # fp32 masters that bf16 cannot hold: the state keeps them exactly
+    state = policy.train_state_dict()
+    adapter = {n for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert set(state) == adapter and all(".lora_A." in k or ".lora_B." in k for k in state)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    base_numel = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
+    assert sum(v.numel() for v in state.values()) < base_numel / 10
+    again = build_policy(json.loads(json.dumps(policy.config_dict())))
+    again.load_train_state_dict(state)
+    own = again.model.state_dict()
+    assert all(torch.equal(own[k], v) for k, v in state.items())
+    prompts = encoded(policy)
+    assert torch.equal(full_logits(again, prompts), full_logits(policy, prompts))
+    with pytest.raises(ValueError, match="not this LoRA adapter's masters"):
+        again.load_train_state_dict(policy.state_dict())  # a state that holds the base too
+
+
 # --- the numerics contract with LoRA --------------------------------------------------------------
 
 
