@@ -92,26 +92,49 @@ def _split_b(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return b0.float(), b1.float(), f  # |slices| < 2^18: exact in float32, half the cache
 
 
+DERIVED_FROM = "_flywheel_derived_from"
+
+
+def mark_derived(t: torch.Tensor, source: torch.Tensor, how: str) -> torch.Tensor:
+    """Declare `t` a pure function `how` of the parameter `source`'s current value (e.g. its bf16
+    rounding, made afresh each forward), so `_ParamCache` keys `t`'s packed form by `source` and
+    its version counter instead of repacking `t` on every call. Returns `t`."""
+    setattr(t, DERIVED_FROM, (weakref.ref(source), how))
+    return t
+
+
 class _ParamCache:
-    """b's slices for views of parameters, invalidated by in-place updates (version counter)."""
+    """b's slices for views of parameters, invalidated by in-place updates (version counter).
+
+    `weight` names the parameter view that `b` was made from where `b` itself is not tracked as a
+    view: views taken inside a dispatch mode (kernels/hf_mode.py's `b[None]`, an expert's `w[g]`)
+    run below autograd, so they have no `_base`; `tag` tells apart several `b` from one `weight`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: dict[tuple, tuple] = {}
 
-    def get(self, b: torch.Tensor, split=None) -> tuple[torch.Tensor, ...]:
+    def get(self, b: torch.Tensor, split=None, weight=None, tag=None) -> tuple[torch.Tensor, ...]:
         split = split or _split_b
-        base = b._base if b._base is not None else b
-        if not isinstance(base, torch.nn.Parameter):
-            return split(b)
+        ref = b if weight is None else weight
+        base = ref._base if ref._base is not None else ref
+        how = None
+        if not isinstance(base, torch.nn.Parameter):  # a tensor marked by `mark_derived`?
+            derived = getattr(base, DERIVED_FROM, None)
+            base = derived[0]() if derived is not None else None
+            if base is None:
+                return split(b)
+            how = derived[1]
         key = (
             split.__name__,
             id(base),
-            b.untyped_storage().data_ptr(),  # `param.data = t` swaps storage, keeps the version
-            b.storage_offset(),
-            tuple(b.shape),
-            tuple(b.stride()),
-            b.dtype,
+            base.untyped_storage().data_ptr(),  # `param.data = t` swaps storage, keeps the version
+            ref.storage_offset(),
+            tuple(ref.shape),
+            tuple(ref.stride()),
+            ref.dtype,
+            tag,
+            how,
         )
         with self._lock:
             hit = self._entries.get(key)
@@ -197,9 +220,12 @@ def active_scheme() -> str:
     return SCHEME
 
 
-def exact_bmm(a: torch.Tensor, b: torch.Tensor, tree_bmm) -> torch.Tensor:
+def exact_bmm(
+    a: torch.Tensor, b: torch.Tensor, tree_bmm, weight: torch.Tensor | None = None, tag=None
+) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N] float32 -> float32; `tree_bmm` serves non-finite rows (the
-    integer schemes; the fixed-order kernel computes them as they come)."""
+    integer schemes; the fixed-order kernel computes them as they come). `weight` / `tag`: the
+    parameter view `b` was made from, for the cache of b's packed form (`_ParamCache`)."""
     assert a.dtype == b.dtype == torch.float32, (
         f"exact_bmm expects float32, got {a.dtype}, {b.dtype}"
     )
@@ -208,7 +234,7 @@ def exact_bmm(a: torch.Tensor, b: torch.Tensor, tree_bmm) -> torch.Tensor:
         return a.new_zeros(a.shape[0], a.shape[1], b.shape[2])
     scheme = active_scheme()
     if scheme == "fixed":
-        return fixed_order.bmm(a, _CACHE.get(b, _pack), b.shape[2])
+        return fixed_order.bmm(a, _CACHE.get(b, _pack, weight, tag), b.shape[2])
     int8 = scheme == "int8"
     if not int8 and not bool(torch.isfinite(b).all()):
         return tree_bmm(a, b)
@@ -217,12 +243,12 @@ def exact_bmm(a: torch.Tensor, b: torch.Tensor, tree_bmm) -> torch.Tensor:
     for start in range(0, k, k_max):  # blocks of k_max, summed left to right
         ab, bb = a[:, :, start : start + k_max], b[:, start : start + k_max]
         if int8:  # b's finiteness is cached with its slices
-            split = _CACHE.get(bb, _split_b8) if k <= k_max else _split_b8(bb)
+            split = _CACHE.get(bb, _split_b8, weight, tag) if k <= k_max else _split_b8(bb)
             if not split[2]:
                 return tree_bmm(a, b)
             part = _exact_block8(ab, split)
         else:
-            split = _CACHE.get(bb) if k <= k_max else _split_b(bb)
+            split = _CACHE.get(bb, None, weight, tag) if k <= k_max else _split_b(bb)
             part = _exact_block(ab, bb, split)
         out = part if out is None else out + part
     out = out.float()

@@ -121,16 +121,17 @@ def _tree_reduce(x: torch.Tensor, dims, keepdim: bool, dtype, mean: bool) -> tor
 
 
 # --- matmuls: exact-integer BLAS (fp32), halving tree over K (float64, non-finite rows) ---------
-def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [B, M, K] @ b [B, K, N] -> [B, M, N]: the exact-integer BLAS kernel for fp32 (16-bit
-    inputs computed in fp32 and rounded back), the tree for float64."""
+def _bmm(a: torch.Tensor, b: torch.Tensor, weight=None, tag=None) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N]: kernels/exact_matmul.py's `exact_bmm` for fp32
+    (16-bit inputs computed in fp32 and rounded back), the tree for float64. `weight` / `tag`:
+    the parameter (view) `b` was taken from inside the mode, so its packed form is cached."""
     if not (_is_float(a) and _is_float(b)) or a.dtype != b.dtype:
         return aten.bmm.default(a, b)
     if a.dtype == torch.float64:
         return _tree_bmm(a, b)
     if a.dtype in _LOW_PRECISION:
         return exact_bmm(a.float(), b.float(), _tree_bmm).to(a.dtype)
-    return exact_bmm(a, b, _tree_bmm)
+    return exact_bmm(a, b, _tree_bmm, weight, tag)
 
 
 def _activation_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -175,8 +176,8 @@ def _tree_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.to(out_dtype)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _bmm(a[None], b[None])[0]
+def _mm(a: torch.Tensor, b: torch.Tensor, weight=None, tag=None) -> torch.Tensor:
+    return _bmm(a[None], b[None], b if weight is None else weight, tag)[0]
 
 
 def _scaled_add(prod: torch.Tensor, bias: torch.Tensor, beta, alpha) -> torch.Tensor:
@@ -215,7 +216,7 @@ def _grouped_mm(x, w, offs=None, bias=None, out_dtype=None):
     start = 0
     for g, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = _mm(x[start:end], w[g])
+            out[start:end] = _mm(x[start:end], w[g], w, g)
         start = end
     return out
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kernels.exact_matmul import mark_derived
 from kernels.invariant import COMPUTE_DTYPE, get_ops
 from kernels.logprobs import log_probs, token_logprobs
 from kernels.moe import load_balance_loss, moe_ffn, route
@@ -102,14 +103,14 @@ def serving_weight(w: torch.Tensor) -> torch.Tensor:
     refreshed whenever the parameter changes (its in-place version counter moves).
     """
     if torch.is_grad_enabled() and w.requires_grad:
-        return _RoundToBF16.apply(w)
+        return mark_derived(_RoundToBF16.apply(w), w, "bf16")
     hit = _ROUNDED.get(id(w))
     if hit is None or hit[0]() is not w or hit[1] != w._version:
         with torch.no_grad():
             hit = (
                 weakref.ref(w, lambda _r, key=id(w): _ROUNDED.pop(key, None)),
                 w._version,
-                w.detach().to(torch.bfloat16).to(COMPUTE_DTYPE),
+                mark_derived(w.detach().to(torch.bfloat16).to(COMPUTE_DTYPE), w, "bf16"),
             )
         _ROUNDED[id(w)] = hit
     return hit[2]

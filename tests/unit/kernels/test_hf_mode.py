@@ -466,6 +466,35 @@ def test_exact_bmm_parameter_cache_follows_in_place_updates(scheme, monkeypatch)
     assert torch.equal(doubled, first * 2.0) and torch.equal(eightfold, first * 8.0)
 
 
+def test_a_weight_derived_afresh_each_forward_is_packed_once_per_parameter_version(monkeypatch):
+    """The policies substitute a bf16-rounded copy of every parameter per forward
+    (`serving_weight`); `mark_derived` keys its packed form by the parameter and its version."""
+    lin = torch.nn.Linear(32, 8, bias=False)
+    packs = []
+    pack = exact_matmul._pack
+
+    def counting(b):
+        packs.append(tuple(b.shape))
+        return pack(b)
+
+    counting.__name__ = "_pack"
+    monkeypatch.setattr(exact_matmul, "_pack", counting)
+    x = _rand(3, 32, seed=31)
+
+    def forward():
+        rounded = lin.weight.detach().to(torch.bfloat16).float()  # a new tensor each time
+        w = exact_matmul.mark_derived(rounded, lin.weight, "bf16")
+        return torch.nn.functional.linear(x, w)
+
+    with torch.no_grad(), batch_invariant_mode():
+        first, again = forward(), forward()
+        assert len(packs) == 1, packs
+        lin.weight.mul_(2.0)  # an optimizer step: the parameter's version moves
+        doubled = forward()
+    assert len(packs) == 2, packs
+    assert torch.equal(first, again) and torch.equal(doubled, first * 2.0)
+
+
 @pytest.mark.parametrize("scheme", ["fixed", "float64"])
 def test_attention_scores_do_not_depend_on_later_keys_inside_the_mode(scheme, monkeypatch):
     """q @ k^T for the first keys has the same bits whatever keys follow (a KV-cache decode step
