@@ -111,7 +111,7 @@ class ReplicaConfig(FlywheelSettings):
         True,
         description="Built-in engine: keep the policy of the last version it stopped serving and load "
         "the next version into it in place once no request uses it (no module copy, no fresh "
-        "allocation: ~2x faster loads of large models). Costs one policy's memory between syncs, "
+        "allocation: faster loads of large models). Costs one policy's memory between syncs, "
         "as much as a sync holds while it builds; false frees it at each swap.",
     )
     decode_threads: int = Field(
