@@ -46,7 +46,8 @@ The floor, measured side by side in the same run:
   counts the apply's second core as free).
 ratio = measured / floor; target <= 2. The floor leaves out everything else a sync
 needs (the Kafka event's delivery, the MLflow look-up of the new version, HTTP round trips,
-loading the shadow policy, the swap): those are what the ratio measures.
+loading the new version into the replica's policy and checking it, the swap): those are what the
+ratio measures.
 The successive checkpoints come from real steps of the trainer's optimizer (AdamW with
 trainer.config.TrainerConfig's betas, weight decay, clipping and default lr, after a short
 warm-up at 1e-3) of the built-in policy on next-byte prediction of Python's standard-library

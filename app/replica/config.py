@@ -107,6 +107,13 @@ class ReplicaConfig(FlywheelSettings):
         description="torch intra-op threads for generation (the built-in engine: one model call "
         "at a time).",
     )
+    standby: bool = Field(
+        True,
+        description="Built-in engine: keep the policy of the last version it stopped serving and load "
+        "the next version into it in place once no request uses it (no module copy, no fresh "
+        "allocation: faster loads of large models). Costs one policy's memory between syncs, "
+        "as much as a sync holds while it builds; false frees it at each swap.",
+    )
     decode_threads: int = Field(
         1,
         ge=1,

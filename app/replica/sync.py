@@ -15,7 +15,8 @@ topic and, whenever what it serves differs from what is desired, reconciles:
   mismatching delta falls back to the anchor. Events that carry artifact hints
   (`details.artifacts`, the trainer's `version_registered`: app/contracts/hints.py) are handed to
   the fetcher while folding, so the usual sync is one GET of the delta, without asking MLflow;
-- the decoded weights are loaded into a NEW (shadow) policy, whose serving weights are checked
+- the decoded weights are loaded into a policy no request uses (the engine's standby: a version
+  no longer served, loaded in place; else a new shadow policy), whose serving weights are checked
   bit for bit against the tensors the codec verified (weights.load_verified), and only then
   published with one atomic `WeightStore.swap`; the verified version is written to the local
   cache right after. In-flight requests finish on the weights they started with.
@@ -343,7 +344,7 @@ class SyncAgent:
     def _build(
         self, slot: str, target: str, serving: Serving
     ) -> tuple[LoadedVersion | None, dict[str, Any]]:
-        """Reconstruct + verify `target` into a shadow policy and cache it; None on failure (published)."""
+        """Reconstruct + verify `target` into a policy no request uses; None on failure (published)."""
         t0 = time.perf_counter()
         frm = getattr(serving, slot).version if getattr(serving, slot) else None
         self.in_progress = {"slot": slot, "version": target, "stage": "fetch"}

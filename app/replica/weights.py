@@ -4,7 +4,9 @@ A replica holds up to two loaded versions, the champion and the candidate, plus 
 traffic share, as ONE immutable `Serving` snapshot. A request reads the snapshot once (a single
 reference read) and keeps the `LoadedVersion` it picked until it has answered, so a swap never
 changes the weights under a running generation. A sync builds the new version completely on
-the side (a shadow policy built from the decoded, hash-verified state dict) and then publishes
+the side (in a policy no request uses: a fresh shadow, or the built-in engine's standby, the
+policy of a version no longer served whose requests have all finished, loaded in place; then
+verified against the decoded, hash-verified state dict) and then publishes
 it with `WeightStore.swap(...)`: one reference assignment under a lock. There is no moment at
 which a request can see half of an old and half of a new version (docs/DESIGN.md §Invariants:
 no torn weights).
@@ -131,6 +133,7 @@ def load_verified(
     threads: int = 2,
     template: LoadedVersion | None = None,
     digests: Mapping[str, str] | None = None,
+    standby: Any = None,
 ) -> LoadedVersion:
     """Load `state` into a NEW policy and verify the policy's own serving weights against `sha256`.
 
@@ -145,10 +148,16 @@ def load_verified(
     their bytes (the delta codec does while decoding, and checks them against the manifest).
     Then `sha256` must be the checkpoint hash of these digests and the policy's serving weights
     must equal `state` bit for bit; nothing is hashed twice.
+    `standby`: a policy built from the same config that nothing generates with any more (a version
+    no longer served, its leases idle: the built-in engine's standby, app/replica/engines/base.py).
+    `state` is loaded into it in place, every serving tensor overwritten, then verified as above;
+    a standby that fails verification must not be used again.
     """
     from trainer.policy import build_policy
 
-    if template is not None and dict(template.config) == dict(config):
+    if standby is not None:
+        policy = standby
+    elif template is not None and dict(template.config) == dict(config):
         policy = template.policy.shadow()
     else:
         policy = build_policy(dict(config))

@@ -621,12 +621,11 @@ class HFPolicy(Policy):
                 value = state[saved]
                 if tuple(value.shape) != at.shape:
                     raise ValueError(f"{saved}: shape {tuple(value.shape)}, expected {at.shape}")
-                flat = own[at.name].view(-1)
-                src = value.reshape(-1).to(flat.dtype)
-                if at.index is None:
-                    flat[at.start : at.start + src.numel()] = src
+                flat, src = own[at.name].view(-1), value.reshape(-1)
+                if at.index is None:  # one run: converted as it is copied, no temporary
+                    flat[at.start : at.start + src.numel()].copy_(src)
                 else:
-                    flat[at.index] = src
+                    flat[at.index] = src.to(flat.dtype)
 
 
 @dataclass(frozen=True)
