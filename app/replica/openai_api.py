@@ -607,9 +607,10 @@ def router(replica: Replica) -> APIRouter:
                 return False
             return not cancelled.is_set()
 
+        run_model = replica._generate if p.lease is None else p.lease.run(replica._generate)
         samples, gen_s = await replica.queue.run_admitted(
             ticket,
-            replica._generate,
+            run_model,  # holds p.lv until the generation returns, even if this handler is cancelled
             p.lv,
             p.prompt,
             p.n,

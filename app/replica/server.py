@@ -59,7 +59,7 @@ from app.replica import metrics as m
 from app.replica.admission import ClientGone, GenerationQueue, QueueFull
 from app.replica.config import ReplicaConfig
 from app.replica.routing import pick_slot
-from app.replica.weights import LoadedVersion, WeightCache, WeightStore
+from app.replica.weights import Lease, LoadedVersion, WeightCache, WeightStore
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -493,12 +493,17 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
             assert lv is not None
             lease = replica.store.hold(lv)  # an in-place engine waits for it before replacing lv
         try:
-            return await answer(req, slot, lv, t_start, request)
+            return await answer(req, slot, lv, lease, t_start, request)
         finally:
             lease.release()
 
     async def answer(
-        req: CompleteRequest, slot: str, lv: LoadedVersion, t_start: float, request: Request
+        req: CompleteRequest,
+        slot: str,
+        lv: LoadedVersion,
+        lease: Lease,
+        t_start: float,
+        request: Request,
     ) -> Response:
         from app.contracts.event_producer import KafkaUnavailable, RecordRejected
         from app.replica.engines.base import EngineUnavailable
@@ -518,7 +523,7 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
         try:
             samples, gen_s = await replica.queue.run(
                 req.n * req.max_tokens,
-                replica._generate,
+                lease.run(replica._generate),  # holds lv until the generation returns
                 lv,
                 prompt,
                 req.n,

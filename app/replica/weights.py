@@ -34,10 +34,10 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 class VerificationError(Exception):
     """Weights whose SHA-256 differs from the one the registry published: never served."""
+
+
+T = TypeVar("T")
 
 
 class Leases:
@@ -80,16 +83,54 @@ class Leases:
             return self._cond.wait_for(lambda: self._n == 0, timeout=timeout_s)
 
 
+class LeaseReleased(RuntimeError):
+    """A generation wrapped by `Lease.run` started after its request had released the lease."""
+
+
 class Lease:
-    """One request's hold on a version; `release()` is idempotent."""
+    """One request's hold on a version; `release()` is idempotent.
+
+    The generation itself runs on a worker thread that outlives a cancelled request handler, so a
+    handler's `release()` alone could let an engine overwrite the weights under a generation still
+    running. `run(fn)` wraps the function that thread calls: while it runs, the hold stays until
+    both the holder has released and the call has returned; a call that starts after the holder
+    released raises `LeaseReleased` instead of generating on weights no longer held.
+    """
 
     def __init__(self, leases: Leases) -> None:
         self._leases: Leases | None = leases
+        self._lock = threading.Lock()
+        self._running = 0
+        self._released = False
 
     def release(self) -> None:
-        leases, self._leases = self._leases, None
+        with self._lock:
+            self._released = True
+            if self._running:
+                return  # the generation thread lets go when it returns
+            leases, self._leases = self._leases, None
         if leases is not None:
             leases._release()
+
+    def run(self, fn: Callable[..., T]) -> Callable[..., T]:
+        def call(*args: Any, **kwargs: Any) -> T:
+            with self._lock:
+                if self._leases is None:
+                    raise LeaseReleased("the request released its lease before generating")
+                self._running += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    last = self._released and self._running == 0
+                    leases = self._leases if last else None
+                    if last:
+                        self._leases = None
+                if leases is not None:
+                    leases._release()
+
+        return call
 
 
 @dataclass(frozen=True)

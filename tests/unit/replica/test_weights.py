@@ -197,3 +197,55 @@ def test_prune_keeps_the_newest_and_the_serving_versions(tmp_path, tiny):
         cache.put(load_verified(str(v), s, cfg, checkpoint_sha256(s)))
     cache.prune(keep=2, protect={"1"})
     assert cache.versions() == ["1", "4", "5"]
+
+
+# --- a request's lease and the generation thread that outlives its handler ----------------------
+def test_a_lease_held_by_a_running_generation_outlives_its_handlers_release():
+    import threading
+
+    from app.replica.weights import Leases
+
+    leases = Leases()
+    lease = leases.acquire()
+    started, finish = threading.Event(), threading.Event()
+
+    def generate() -> str:
+        started.set()
+        finish.wait(5)
+        return "tokens"
+
+    result: list[str] = []
+    worker = threading.Thread(target=lambda: result.append(lease.run(generate)()))
+    worker.start()
+    assert started.wait(5)
+    lease.release()  # the handler is cancelled while its generation runs
+    assert leases.count == 1 and not leases.wait_idle(0.05), "released under a running generation"
+    finish.set()
+    worker.join(5)
+    assert result == ["tokens"] and leases.count == 0 and leases.wait_idle(0)
+    lease.release()  # idempotent
+    assert leases.count == 0
+
+
+def test_a_generation_that_starts_after_its_request_released_the_lease_does_not_run():
+    from app.replica.weights import LeaseReleased, Leases
+
+    leases = Leases()
+    lease = leases.acquire()
+    ran = []
+    wrapped = lease.run(lambda: ran.append(1))
+    lease.release()
+    with pytest.raises(LeaseReleased):
+        wrapped()
+    assert ran == [] and leases.count == 0
+
+
+def test_a_finished_generation_leaves_the_lease_to_its_holder():
+    from app.replica.weights import Leases
+
+    leases = Leases()
+    lease = leases.acquire()
+    assert lease.run(lambda x: x + 1)(1) == 2
+    assert leases.count == 1  # the request still holds it (events not yet written)
+    lease.release()
+    assert leases.count == 0
