@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "fixed_order_gemm.c"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-shared", "-fPIC")
+# kernels.invariant.exp in C: every operation rounded on its own, as its torch form does
+EXP_SOURCE = Path(__file__).parent / "csrc" / "invariant_exp.c"
+EXP_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 _PARALLEL_MIN_FLOPS = 1 << 21  # below this a call runs on the calling thread alone
 
 _lock = threading.Lock()
@@ -72,27 +75,31 @@ def _compiler() -> str:
     return cc
 
 
-def _build() -> ctypes.CDLL:
+def _compile(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256(
         "\0".join(
-            [SOURCE.read_text(), " ".join(FLAGS), version, platform.machine(), _cpu_flags()]
+            [source.read_text(), " ".join(flags), version, platform.machine(), _cpu_flags()]
         ).encode()
     ).hexdigest()[:16]
-    out = _cache_dir() / f"fixed_order_gemm-{digest}.so"
+    out = _cache_dir() / f"{source.stem}-{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
             so = Path(tmp) / out.name
             done = subprocess.run(
-                [cc, *FLAGS, "-o", str(so), str(SOURCE)], capture_output=True, text=True
+                [cc, *flags, "-o", str(so), str(source)], capture_output=True, text=True
             )
             if done.returncode != 0:
-                raise RuntimeError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")
+                raise RuntimeError(f"{cc} failed on {source.name}: {done.stderr.strip()[-2000:]}")
             os.replace(so, out)
-        logger.info("fixed-order GEMM built: %s", out)
-    lib = ctypes.CDLL(str(out))
+        logger.info("built %s", out)
+    return ctypes.CDLL(str(out))
+
+
+def _build() -> ctypes.CDLL:
+    lib = _compile(SOURCE, FLAGS)
     p, i = ctypes.c_void_p, ctypes.c_ssize_t
     lib.fo_gemm.argtypes = [p, i, i, p, i, p, i, i, i, i, i, i, i, i]
     lib.fo_gemm.restype = None
@@ -112,6 +119,40 @@ def _load() -> ctypes.CDLL | None:
                 _error = str(e)
                 logger.warning("fixed-order GEMM unavailable (%s); exact-integer matmul used", e)
     return _lib
+
+
+_exp_lib: ctypes.CDLL | None = None
+_exp_error: str | None = None
+
+
+def _load_exp() -> ctypes.CDLL | None:
+    global _exp_lib, _exp_error
+    if _exp_lib is not None or _exp_error is not None:
+        return _exp_lib
+    with _lock:
+        if _exp_lib is None and _exp_error is None:
+            try:
+                lib = _compile(EXP_SOURCE, EXP_FLAGS)
+                lib.fo_exp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ssize_t]
+                lib.fo_exp.restype = None
+                _exp_lib = lib
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                _exp_error = str(e)
+                logger.warning("compiled exp unavailable (%s); its torch form is used", e)
+    return _exp_lib
+
+
+def exp(x: torch.Tensor) -> torch.Tensor | None:
+    """kernels.invariant.exp of a float32 CPU tensor in one C pass, the same bits; None where the
+    C form cannot be built here (the caller then runs the torch form)."""
+    lib = _load_exp()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    if x.numel():
+        lib.fo_exp(x.data_ptr(), y.data_ptr(), x.numel())
+    return y
 
 
 def available() -> bool:

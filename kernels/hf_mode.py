@@ -59,7 +59,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import exact_matmul
+from kernels import exact_matmul, fixed_order
 from kernels import invariant as inv
 from kernels.exact_matmul import exact_bmm
 
@@ -118,6 +118,13 @@ def _tree_reduce(x: torch.Tensor, dims, keepdim: bool, dtype, mean: bool) -> tor
         for d in sorted(rdims):
             out = out.unsqueeze(d)
     return out.to(x.dtype) if low else out
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """`kernels.invariant.exp` (fp32): its one-pass C form where it is built (the same bits; the
+    mode runs below autograd, which recorded exp's own derivative), else its torch form."""
+    y = fixed_order.exp(x) if x.device.type == "cpu" else None
+    return inv.exp_torch(x) if y is None else y
 
 
 # --- matmuls: exact-integer BLAS (fp32), halving tree over K (float64, non-finite rows) ---------
@@ -224,7 +231,7 @@ def _grouped_mm(x, w, offs=None, bias=None, out_dtype=None):
 # --- softmax family, reductions ------------------------------------------------------------------
 def _softmax(x: torch.Tensor, dim: int, half_to_float: bool = False) -> torch.Tensor:
     def fn(z):
-        e = inv.exp(z - z.amax(dim=dim, keepdim=True))
+        e = _exp(z - z.amax(dim=dim, keepdim=True))
         return e / inv.tree_sum(e, dim, keepdim=True)
 
     out = _f32(fn)(x.float() if half_to_float else x)
@@ -234,7 +241,7 @@ def _softmax(x: torch.Tensor, dim: int, half_to_float: bool = False) -> torch.Te
 def _log_softmax(x: torch.Tensor, dim: int, half_to_float: bool = False) -> torch.Tensor:
     def fn(z):
         shifted = z - z.amax(dim=dim, keepdim=True)
-        return shifted - inv.log(inv.tree_sum(inv.exp(shifted), dim, keepdim=True))
+        return shifted - inv.log(inv.tree_sum(_exp(shifted), dim, keepdim=True))
 
     out = _f32(fn)(x.float() if half_to_float else x)
     return out.float() if half_to_float else out
@@ -258,11 +265,11 @@ def _mean(x, *, dtype=None):
 
 # --- elementwise ---------------------------------------------------------------------------------
 def _sigmoid(x):
-    return 1.0 / (1.0 + inv.exp(-x))
+    return 1.0 / (1.0 + _exp(-x))
 
 
 def _silu(x):
-    return x / (1.0 + inv.exp(-x))
+    return x / (1.0 + _exp(-x))
 
 
 def _rsqrt(x):
@@ -334,7 +341,7 @@ def _sdpa_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=
             scores = scores + attn_mask
     top = scores.amax(dim=-1, keepdim=True)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    e = inv.exp(scores - top)
+    e = _exp(scores - top)
     denom = inv.tree_sum(e, -1, keepdim=True)
     # a fully masked query row (a pad position) gets zero weights, as the CPU flash kernel does,
     # so no NaN reaches the real rows through the pad positions' values
@@ -376,7 +383,7 @@ def _inplace(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tens
 
 
 _ELEMENTWISE = {
-    "exp": _f32(inv.exp),
+    "exp": _f32(_exp),
     "log": _f32(inv.log),
     "sin": _f32(_trig(inv.sin)),
     "cos": _f32(_trig(inv.cos)),

@@ -98,7 +98,21 @@ _LOG_COEF = [1.0 / (2 * i + 1) for i in range(7)]  # atanh series in s^2, |s| <=
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """float32 exp: Cody-Waite reduction x = n ln2 + r, Horner polynomial, 2^n via exponent bits."""
+    """float32 exp: Cody-Waite reduction x = n ln2 + r, Horner polynomial, 2^n via exponent bits.
+    On CPU, outside autograd, the same operations run as one C pass (kernels/csrc/invariant_exp.c,
+    the same bits); `exp_torch` is the form that defines them."""
+    assert x.dtype == COMPUTE_DTYPE, f"exp expects {COMPUTE_DTYPE}, got {x.dtype}"
+    if x.device.type == "cpu" and not (torch.is_grad_enabled() and x.requires_grad):
+        from kernels import fixed_order
+
+        y = fixed_order.exp(x)
+        if y is not None:
+            return y
+    return exp_torch(x)
+
+
+def exp_torch(x: torch.Tensor) -> torch.Tensor:
+    """`exp` as torch operations, each a correctly rounded elementwise kernel."""
     assert x.dtype == COMPUTE_DTYPE, f"exp expects {COMPUTE_DTYPE}, got {x.dtype}"
     xc = x.clamp(-87.0, 88.0)
     n = torch.floor(xc * _LOG2E + 0.5)

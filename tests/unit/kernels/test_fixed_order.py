@@ -99,3 +99,26 @@ def test_close_to_float64_and_non_finite_values_propagate():
 def test_empty_shapes():
     assert _bmm(torch.zeros(1, 0, 4), torch.zeros(1, 4, 3)).shape == (1, 0, 3)
     assert torch.equal(_bmm(torch.ones(1, 2, 0), torch.ones(1, 0, 3)), torch.zeros(1, 2, 3))
+
+
+def test_the_compiled_exp_has_the_bits_of_the_torch_form():
+    """kernels/csrc/invariant_exp.c runs kernels.invariant.exp_torch's operations in one pass; it
+    is a speed-up only, so every float32 must come out the same, specials included."""
+    from kernels import invariant as inv
+
+    g = torch.Generator().manual_seed(12)
+    bits = torch.randint(-(2**31), 2**31 - 1, (2_000_000,), generator=g).to(torch.int32)
+    sweep = torch.cat(
+        [
+            bits.view(torch.float32),  # every exponent, NaNs with payloads
+            torch.randn(1_000_000, generator=g) * 30,  # the range softmax and silu use
+            torch.tensor([0.0, -0.0, 88.0, 88.72, 88.7201, 89.0, -87.0, -87.0001, -100.0]),
+            torch.tensor([float("inf"), -float("inf"), float("nan"), 1e-30, -1e-30]),
+        ]
+    )
+    got = fixed_order.exp(sweep)
+    assert got is not None, fixed_order._exp_error
+    want = inv.exp_torch(sweep)
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert bool(same.all()), f"{int((~same).sum())} values differ, e.g. x = {sweep[~same][:5]}"
+    assert torch.equal(inv.exp(sweep[-14:-5]), want[-14:-5])  # the public entry takes it
