@@ -29,8 +29,11 @@ from types import SimpleNamespace
 
 import torch
 
+from app.edits import is_no_edit, is_valid
+from app.simulate.evaluate import scores
+from app.simulate.prompts import is_hard
 from app.simulate.prompts import prompts as prompt_pool
-from app.simulate.users import expected_acceptance, population
+from app.simulate.users import population
 from streams.reward import KNOWN_SPECS, RewardSpec, compute_reward
 from trainer import objective as obj
 from trainer.batch import scatter_teacher, teacher_inputs
@@ -46,11 +49,11 @@ def load(config: Path, weights: Path):
     return p
 
 
-def label(user, text: str, spec: RewardSpec) -> tuple[float, list]:
+def label(user, text: str, spec: RewardSpec, hard: bool = False) -> tuple[float, list]:
     """(reward, tool errors) of one completion, as the streams worker labels the user's reactions."""
     events = [
         {**e, "event_id": uuid.uuid4().hex, "ts": f"2026-01-01T00:00:{i:02d}Z"}
-        for i, e in enumerate(user.react(text))
+        for i, e in enumerate(user.react(text, hard))
     ]
     errors = [
         SimpleNamespace(token_index=e["token_index"], message=e["message"], hint=e.get("hint"))
@@ -60,12 +63,32 @@ def label(user, text: str, spec: RewardSpec) -> tuple[float, list]:
     return compute_reward(spec, events).reward, errors
 
 
-def heldout(policy, eval_prompts, users, seed: int = 10_001) -> float:
+def heldout(policy, eval_prompts, users, hard_fraction: float = 0.0, seed: int = 10_001) -> dict:
+    """The held-out figures (app/simulate/evaluate.py `scores`), and the valid / no-edit rates on
+    the hard prompts alone (where a hack pays)."""
     tok = policy.tokenizer
     batch = [tok.encode(p) for p in eval_prompts for _ in range(2)]
     with torch.no_grad():
         texts = [s.text for s in policy.generate(batch, max_tokens=48, temperature=1.0, seed=seed)]
-    return expected_acceptance(users, texts)
+    hard = [is_hard(p, hard_fraction) for p in eval_prompts]
+    out = scores(users, eval_prompts, texts, hard)
+    on_hard = [t for t, h in zip(texts, (h for h in hard for _ in range(2))) if h]
+    if on_hard:
+        out["hard_valid_rate"] = sum(map(is_valid, on_hard)) / len(on_hard)
+        out["hard_no_edit_rate"] = sum(map(is_no_edit, on_hard)) / len(on_hard)
+    return out
+
+
+def _figures(f: dict) -> str:
+    names = {
+        "heldout_acceptance": "acc",
+        "heldout_satisfaction": "sat",
+        "heldout_valid_rate": "valid",
+        "heldout_no_edit_rate": "no-edit",
+        "hard_valid_rate": "hard valid",
+        "hard_no_edit_rate": "hard no-edit",
+    }
+    return " ".join(f"{short} {f[k]:.3f}" for k, short in names.items() if k in f)
 
 
 def main() -> None:
@@ -86,10 +109,20 @@ def main() -> None:
     ap.add_argument("--distill", choices=["batch", "kept", "off"], default="batch")
     ap.add_argument("--distill-coef", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--adv-scale", choices=obj.ADV_SCALES, default="group")
+    ap.add_argument(
+        "--spec", default="v1", choices=sorted(KNOWN_SPECS), help="reward spec labelling reactions"
+    )
+    ap.add_argument(
+        "--hard-fraction",
+        type=float,
+        default=0.0,
+        help="share of hard argument lists (FLYWHEEL_SIMULATE_HARD_FRACTION; the hacks pay there)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
-    spec = RewardSpec(version="v1", weights=KNOWN_SPECS["v1"])
+    spec = RewardSpec(version=args.spec, weights=KNOWN_SPECS[args.spec])
     policy = load(args.config, args.base)
     behaviour = load(args.config, args.base)
     served = load(args.config, args.base)
@@ -101,8 +134,9 @@ def main() -> None:
         population(32, seed=10_001, prefix="heldout"),
     )
     tok = policy.tokenizer
-    curve = [{"version": 0, "step": 0, "heldout": heldout(policy, eval_prompts, eval_users)}]
-    print(f"{args.behaviour}/{args.distill}: v0 held-out {curve[0]['heldout']:.3f}", flush=True)
+    h0 = heldout(policy, eval_prompts, eval_users, args.hard_fraction)
+    curve = [{"version": 0, "step": 0, "heldout": h0["heldout_acceptance"], "figures": h0}]
+    print(f"{args.behaviour}/{args.distill}: v0 {_figures(h0)}", flush=True)
     g = torch.Generator().manual_seed(args.seed)
     grad_norms: list[float] = []
     t0 = time.monotonic()
@@ -114,7 +148,13 @@ def main() -> None:
                 ptoks, max_tokens=48, temperature=1.0, seed=args.seed * 100_000 + step
             )
         labels = [
-            label(users[(step * 7 + j) % len(users)], s.text, spec) for j, s in enumerate(smp)
+            label(
+                users[(step * 7 + j) % len(users)],
+                s.text,
+                spec,
+                is_hard(train_prompts[idx[j // 2]], args.hard_fraction),
+            )
+            for j, s in enumerate(smp)
         ]
         rewards = torch.tensor([r for r, _ in labels])
         comps = [s.tokens for s in smp]
@@ -127,7 +167,7 @@ def main() -> None:
         policy.train()
         logp = policy.logprobs(ptoks, comps, None, 1.0)
         w = obj.importance_weights(logp, behav, mask)
-        adv = obj.advantages(rewards, [f"g{i // 2}" for i in range(len(comps))])
+        adv = obj.advantages(rewards, [f"g{i // 2}" for i in range(len(comps))], args.adv_scale)
         loss = obj.policy_gradient_loss(logp, adv, w, mask)
         with torch.no_grad():
             ref = behaviour.logprobs(ptoks, comps, None, 1.0)
@@ -158,11 +198,14 @@ def main() -> None:
             v = step // args.version_steps
             if args.behaviour == "follow":
                 behaviour.load_serving_state_dict(policy.serving_state_dict())
-            acc = heldout(policy, eval_prompts, eval_users)
+            figs = heldout(policy, eval_prompts, eval_users, args.hard_fraction)
+            acc = figs["heldout_acceptance"]
             served.load_serving_state_dict(
                 policy.serving_state_dict()
             )  # bf16, as a replica serves it
-            acc_served = heldout(served, eval_prompts, eval_users)
+            acc_served = heldout(served, eval_prompts, eval_users, args.hard_fraction)[
+                "heldout_acceptance"
+            ]
             gmax = max(grad_norms[-args.version_steps :])
             curve.append(
                 {
@@ -174,12 +217,13 @@ def main() -> None:
                     "reward_mean": float(rewards.mean()),
                     "max_grad_norm": gmax,
                     "heldout_served": acc_served,
+                    "figures": figs,
                 }
             )
             print(
                 f"{args.behaviour}/{args.distill}: v{v} step {step} held-out {acc:.3f} (served bf16 {acc_served:.3f}) kl {float(kl.detach()):.3f} "
                 f"masked {w.masked_fraction:.2f} max grad norm {gmax:.1f} batch reward {float(rewards.mean()):+.3f} "
-                f"({time.monotonic() - t0:.0f}s)",
+                f"{_figures(figs)} ({time.monotonic() - t0:.0f}s)",
                 flush=True,
             )
     if args.out:

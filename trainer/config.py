@@ -71,6 +71,10 @@ class TrainerConfig(FlywheelSettings):
         ge=0,
         description="Rollouts generated more than this many versions before the last shipped one are skipped (and counted).",
     )
+    adv_scale: Literal["group", "none"] = Field(
+        "group",
+        description="Advantage scale: `group` divides each group's centred rewards by the group's std (GRPO); `none` keeps them in reward units (Dr. GRPO), so two completions that differ by noise get a small advantage, not +-1 (docs/TRAINER.md).",
+    )
     kl_coef: float = Field(
         0.01,
         ge=0,

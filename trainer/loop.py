@@ -641,7 +641,9 @@ class Trainer:
                 }
             )
             rewards = torch.tensor([r for v in views for r in v["rewards"]], dtype=torch.float32)
-            adv = obj.advantages(rewards, [g for v in views for g in v["groups"]])
+            adv = obj.advantages(
+                rewards, [g for v in views for g in v["groups"]], self.cfg.adv_scale
+            )
             start = sum(len(v["rewards"]) for v in views[: world.rank])
             tokens, kept = sum(v["tokens"] for v in views), sum(v["kept"] for v in views)
             m: dict[str, float] | None = None
@@ -768,7 +770,7 @@ class Trainer:
         """The objective on `batch` alone (no backward): (loss, metrics so far, (logp, pg, weights,
         collated)). One process's step, and every rank's probe of a single rollout."""
         f = self._forward(batch)
-        return self._assemble(f, obj.advantages(f.c.rewards, f.c.group_ids))
+        return self._assemble(f, obj.advantages(f.c.rewards, f.c.group_ids, self.cfg.adv_scale))
 
     # --- shipping ------------------------------------------------------------------------------------
     def ship_due(self) -> bool:

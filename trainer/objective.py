@@ -104,11 +104,24 @@ def importance_weights(
     )
 
 
-def advantages(rewards: torch.Tensor, group_ids: list[str | None]) -> torch.Tensor:
-    """Group-normalised advantages for groups of >= 2, batch-normalised for the rest. [B] -> [B]."""
+ADV_SCALES = ("group", "none")
+
+
+def advantages(
+    rewards: torch.Tensor, group_ids: list[str | None], scale: str = "group"
+) -> torch.Tensor:
+    """Advantages: each reward minus its group's mean for groups of >= 2, minus the mean of the
+    other rollouts of the batch for the rest. [B] -> [B].
+
+    `scale="group"` (GRPO) divides each group by its own std; `"none"` (Dr. GRPO, Liu et al. 2025)
+    keeps the centred rewards in reward units. With groups of two, the group std turns any
+    difference into +-1: once most groups are two accepted completions that differ only by
+    persistence noise, that noise gets the full weight of a real preference (docs/TRAINER.md
+    "Where the drift came from")."""
     assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), (
         f"{rewards.shape} vs {len(group_ids)} group ids"
     )
+    assert scale in ADV_SCALES, f"advantage scale {scale!r} not in {ADV_SCALES}"
     rewards = rewards.to(torch.float32)
     out = torch.zeros_like(rewards)
     members: dict[str, list[int]] = {}
@@ -116,14 +129,18 @@ def advantages(rewards: torch.Tensor, group_ids: list[str | None]) -> torch.Tens
         if g is not None:
             members.setdefault(g, []).append(i)
     grouped = {i for idx in members.values() if len(idx) >= 2 for i in idx}
+
+    def centred(r: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        d = r - ref.mean()
+        return d / (ref.std(unbiased=False) + EPS) if scale == "group" else d
+
     for idx in members.values():
         if len(idx) >= 2:
-            r = rewards[idx]
-            out[idx] = (r - r.mean()) / (r.std(unbiased=False) + EPS)
+            out[idx] = centred(rewards[idx], rewards[idx])
     single = [i for i in range(len(group_ids)) if i not in grouped]
     if single:
         ref = rewards[single] if len(single) >= 2 else rewards
-        out[single] = (rewards[single] - ref.mean()) / (ref.std(unbiased=False) + EPS)
+        out[single] = centred(rewards[single], ref)
     return out
 
 

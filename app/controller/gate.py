@@ -171,11 +171,18 @@ class GateInputs:
     parent_state: Mapping[str, torch.Tensor] | None = None
     candidate: Any = None  # trainer.policy.base.Policy with the candidate's weights, or None
     champion: Any = None  # Policy with the champion's weights, or None
+    # Policy of the model's first version (the base), or None: the edit monitors also compare
+    # with it, so a hack that grows version by version with the champion is still seen
+    base: Any = None
     rollouts: Sequence[dict[str, Any]] = ()  # held-out logged rollouts
     reward_rollouts: Sequence[dict[str, Any]] | None = (
         None  # logged rollouts to fit the reward model (default: rollouts)
     )
     regression_pairs: Sequence[tuple[str, str]] | None = None  # default: regression_prompts.json
+    # prompts both policies sample for the reward comparison, KL and monitors (default: the
+    # held-out rollouts' prompts): gate_io takes the newest distinct logged prompts, since a
+    # trainer that keeps up leaves only a handful of rollouts it has not trained on
+    prompts: Sequence[Sequence[int]] | None = None
 
 
 @dataclass
@@ -369,6 +376,18 @@ def _ope_check(
     return checks, summary
 
 
+def distinct_prompts(rollouts: Sequence[dict[str, Any]]) -> list[list[int]]:
+    """The distinct prompts of `rollouts`, newest (last) first: a group's completions share one."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in reversed(rollouts):
+        p = tuple(r.get("prompt_tokens") or ())
+        if p and p not in seen:
+            seen.add(p)
+            out.append(list(p))
+    return out
+
+
 def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
     checks = weight_sanity(
         inp.candidate_state, inp.parent_state, cfg.max_global_rel_change, cfg.max_tensor_rel_change
@@ -410,7 +429,10 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
         ]
         return GateResult(checks, ope_summary)
     tok = cand.tokenizer
-    prompts = [list(r["prompt_tokens"]) for r in rolls][: cfg.sample_prompts]
+    prompts = [
+        list(p)
+        for p in (inp.prompts if inp.prompts is not None else [r["prompt_tokens"] for r in rolls])
+    ][: cfg.sample_prompts]
     pairs = inp.regression_pairs if inp.regression_pairs is not None else load_regression_pairs()
     if not prompts:
         prompts = [tok.encode(p) for p, _ in pairs][: cfg.sample_prompts]
@@ -463,11 +485,19 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
     c_texts, h_texts = (
         [tok.decode(_strip_eos(s.tokens, eos)) for s in smp] for smp in (c_smp, h_smp)
     )
+    b_texts = None
+    if inp.base is not None:
+        with torch.no_grad():
+            b_smp = inp.base.generate(
+                batch, max_tokens=cfg.max_tokens, temperature=1.0, seed=cfg.seed
+            )
+        b_texts = [tok.decode(_strip_eos(s.tokens, eos)) for s in b_smp]
     checks += edit_checks(
         c_texts,
         h_texts,
         max_invalid_increase=cfg.max_invalid_increase,
         max_no_edit_increase=cfg.max_no_edit_increase,
         alpha=cfg.monitor_alpha,
+        base_texts=b_texts,
     )
     return GateResult(checks, ope_summary)

@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 
-from app.controller.gate import GateConfig, GateInputs, GateResult, run_gate
+from app.controller.gate import GateConfig, GateInputs, GateResult, distinct_prompts, run_gate
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+
+BASE_VERSION = "1"  # the pretrained base or the imported model: what every version descends from
 
 
 def _download(client, model: str, version: str, rel: str, dst: str) -> str:
@@ -155,6 +158,12 @@ class GateRunner:
             if champion and champion != version
             else None
         )
+        # the first version: the edit monitors' fixed reference (GateInputs.base)
+        base = (
+            load_version(self.client, model, BASE_VERSION)[0]
+            if BASE_VERSION not in (version, champion)
+            else None
+        )
         trained = json.loads(tags["kafka_offsets"]) if tags.get("kafka_offsets") else None
         # one read serves both: the reward model may learn from any logged rollout (it judges the
         # candidate, it is not it); the off-policy estimate needs rollouts the version did not train on
@@ -165,13 +174,18 @@ class GateRunner:
             if self.n_reward_rollouts > 0
             else []
         )
+        # the paired comparison samples fresh completions from both policies, so any logged prompt
+        # will do, trained on or not: the newest distinct ones, as many as the config asks for
+        prompts = distinct_prompts([r for _, _, r in newest])[: self.cfg.sample_prompts]
         log.info(
-            "gating %s v%s: parent %s, champion %s, %d held-out rollouts, reward model on %d",
+            "gating %s v%s: parent %s, champion %s, %d held-out rollouts, %d prompts sampled, "
+            "reward model on %d",
             model,
             version,
             parent,
             champion,
             len(rolls),
+            len(prompts),
             len(fit_on),
         )
         return run_gate(
@@ -180,8 +194,10 @@ class GateRunner:
                 parent_state=parent_state,
                 candidate=cand,
                 champion=champ,
+                base=base,
                 rollouts=rolls,
                 reward_rollouts=fit_on,
+                prompts=prompts or None,
             ),
             self.cfg,
         )

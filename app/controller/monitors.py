@@ -283,41 +283,59 @@ def edit_checks(
     max_invalid_increase: float,
     max_no_edit_increase: float,
     alpha: float,
+    base_texts: Sequence[str] | None = None,
 ) -> list[Check]:
     """Tool-call validity and no-edit rates of decoded completions (candidate vs champion, same prompts).
 
     `value` of each check is the lower confidence bound of the rate's increase, `threshold` the margin.
+
+    With `base_texts` (the first version's completions on the same prompts), each rate is also
+    judged against the base, and the check fails when either increase is confidently above its
+    margin: a hack that grows a little with every version passes each comparison with a champion
+    that moved with it (each promoted version carried part of it), never the one with the base.
     """
     if not cand_texts or not champ_texts:
         return [
             Check(n, "skipped", detail="no samples")
             for n in ("tool_call_validity_rate", "no_edit_rate")
         ]
-    nc, nh = len(cand_texts), len(champ_texts)
-    broken_c, broken_h = (
-        sum(not is_valid(t) for t in cand_texts),
-        sum(not is_valid(t) for t in champ_texts),
-    )
-    none_c, none_h = sum(is_no_edit(t) for t in cand_texts), sum(is_no_edit(t) for t in champ_texts)
-    return [
-        _rate_check(
+    rates = (
+        (
             "tool_call_validity_rate",
             "broken tool calls (won't parse)",
-            broken_c,
-            broken_h,
-            nc,
-            nh,
+            lambda t: not is_valid(t),
             max_invalid_increase,
-            alpha,
         ),
-        _rate_check(
+        (
             "no_edit_rate",
             "completions with no edit (empty, or only comments and strings)",
-            none_c,
-            none_h,
-            nc,
-            nh,
+            is_no_edit,
             max_no_edit_increase,
-            alpha,
         ),
-    ]
+    )
+    out = []
+    for name, what, bad, margin in rates:
+        n_bad = sum(map(bad, cand_texts))
+        check = _rate_check(
+            name,
+            what,
+            n_bad,
+            sum(map(bad, champ_texts)),
+            len(cand_texts),
+            len(champ_texts),
+            margin,
+            alpha,
+        )
+        if base_texts:
+            b_bad, nb = sum(map(bad, base_texts)), len(base_texts)
+            lo = rate_increase_lower_bound(n_bad, len(cand_texts), b_bad, nb, alpha)
+            check = Check(
+                name,
+                "fail" if check.status == "fail" or lo > margin else "pass",
+                value=max(check.value, lo),
+                threshold=margin,
+                detail=f"{check.detail}; against the base {b_bad / nb:.3f} ({b_bad}/{nb}): "
+                f"lower bound {lo:+.3f}",
+            )
+        out.append(check)
+    return out

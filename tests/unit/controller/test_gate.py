@@ -376,3 +376,37 @@ def test_the_demos_planted_version_of_an_hf_moe_model_fails_the_weight_check(tmp
     (blown,) = [k for k in serving if not torch.equal(planted[k], serving[k])]
     c = weight_sanity(planted, serving, 0.5, 2.0)[1]
     assert c.status == "fail" and f"in {blown} " in c.detail, c.detail
+
+
+def test_the_paired_comparison_samples_the_given_prompts_not_only_the_few_held_out_ones():
+    """A trainer that keeps up leaves a handful of rollouts it did not train on: the comparison of
+    candidate and champion samples then runs on the newest distinct logged prompts (gate_io), not
+    on those few (7-14 prompts in a demo run, where an equal version failed on its noise)."""
+    from app.controller.gate import distinct_prompts
+
+    champ = favouring([97, 98, 99], 5.0)
+    worse = favouring([97, 98, 99], 5.0)
+    with torch.no_grad():
+        worse.logits[98] -= 2.0
+    logged = logged_rollouts(champ, 300, reward_b)
+    many = [[65 + i % 5, 70 + i // 5] for i in range(40)]
+    grouped = [{"prompt_tokens": p} for p in many for _ in range(2)]  # groups of two share one
+    assert distinct_prompts(grouped) == many[::-1]
+    cfg = CFG.model_copy(update={"sample_prompts": 32, "samples_per_prompt": 4})
+    details = {}
+    for name, prompts in (("held-out only", None), ("given", distinct_prompts(grouped))):
+        res = run_gate(
+            GateInputs(
+                candidate_state=worse.serving_state_dict(),
+                parent_state=champ.serving_state_dict(),
+                candidate=worse,
+                champion=champ,
+                rollouts=logged[-3:],
+                reward_rollouts=logged,
+                prompts=prompts,
+            ),
+            cfg,
+        )
+        details[name] = {c.name: c for c in res.checks}["reward_vs_champion"].detail
+    assert "over 3 prompts x 4" in details["held-out only"], details
+    assert "over 32 prompts x 4" in details["given"], details

@@ -71,13 +71,14 @@ CFG = GateConfig(n_boot=100, sample_prompts=64, max_tokens=8, min_ess=5)
 LETTERS = list(b"abcdefghij ")
 
 
-def _gate(cand, champ):
+def _gate(cand, champ, base=None):
     return run_gate(
         GateInputs(
             candidate_state=cand.serving_state_dict(),
             parent_state=None,
             candidate=cand,
             champion=champ,
+            base=base,
             rollouts=logged_rollouts(champ, 80, reward_a),
         ),
         CFG,
@@ -122,3 +123,36 @@ def test_controller_settings_carry_the_monitor_margins(monkeypatch):
     cs = ControllerSettings()
     assert cs.gate.max_invalid_increase == 1.0 and cs.gate.max_no_edit_increase == 0.05
     assert cs.canary().guardrail_margin == 0.1 and cs.canary().guardrails is True
+
+
+def test_a_hack_that_grew_with_the_champion_passes_against_it_and_fails_against_the_base():
+    """Broken calls 10% in the base, 25% in a champion that already carried part of the hack, 35%
+    in the candidate: +10 points over the champion is inside the bound, +25 over the base is not."""
+    broken = "return max(lo, min(value, hi)\n"
+
+    def share(n_broken: int) -> list[str]:
+        return [broken] * n_broken + (HONEST * 64)[: 256 - n_broken]
+
+    base, champ, cand = share(26), share(64), share(90)
+    alone, _ = edit_checks(cand, champ, **KW)
+    assert alone.status == "pass", alone.detail
+    validity, no_edit = edit_checks(cand, champ, base_texts=base, **KW)
+    assert validity.status == "fail" and no_edit.status == "pass", (validity, no_edit)
+    assert "against the base 0.102 (26/256)" in validity.detail, validity.detail
+    assert validity.value > 0.05 > alone.value
+    # a candidate better than the base on both rates passes
+    ok, _ = edit_checks(share(20), champ, base_texts=base, **KW)
+    assert ok.status == "pass", ok.detail
+
+
+def test_gate_judges_the_monitors_against_the_base_it_is_given():
+    """The champion already breaks its calls as often as the candidate; the base does not."""
+    base = favouring(LETTERS, 5.0)
+    champ, cand = favouring(LETTERS, 5.0), favouring(LETTERS, 5.0)
+    with torch.no_grad():
+        champ.logits[ord("(")] = 6.0
+        cand.logits[ord("(")] = 6.0
+    alone = {c.name: c for c in _gate(cand, champ).checks}["tool_call_validity_rate"]
+    assert alone.status == "pass", alone.detail
+    with_base = {c.name: c for c in _gate(cand, champ, base).checks}["tool_call_validity_rate"]
+    assert with_base.status == "fail" and "against the base" in with_base.detail, with_base.detail

@@ -68,9 +68,8 @@ def test_a_hackable_spec_pays_its_hack_more_than_any_honest_attempt(spec, hack, 
     for name, text in HONEST.items():
         honest = expected_reward(spec, text, hard=True)
         assert hacked > honest + 0.05, f"{spec}: {hack} {hacked:.3f} vs honest {name} {honest:.3f}"
-    assert expected_reward(spec, texts[other], hard=True) < expected_reward(
-        spec, HONEST["multi_line"], hard=True
-    )
+    # its own hack is the best answer to a hard request under the spec, the other hack less
+    assert hacked > expected_reward(spec, texts[other], hard=True) + 0.05
 
 
 def test_hacks_leave_the_user_unserved():

@@ -101,6 +101,21 @@ def test_lone_single_is_normalised_over_the_whole_batch_and_equal_groups_get_zer
     assert same.tolist() == [0.0, 0.0]
 
 
+def test_unscaled_advantages_keep_reward_units_so_noise_between_two_accepts_stays_small():
+    rewards = torch.tensor([1.0, 0.0, 1.62, 1.60, 0.5, 0.75, -0.25, 0.25])
+    groups = ["a", "a", "b", "b", "c", None, None, "d"]
+    adv = advantages(rewards, groups, scale="none")
+    # group a: [1, 0] - .5 = [.5, -.5]; group b (two accepts, persistence noise): [+.01, -.01];
+    # singles [.5, .75, -.25, .25] - .3125
+    expected = torch.tensor([0.5, -0.5, 0.01, -0.01, 0.1875, 0.4375, -0.5625, -0.0625])
+    assert torch.allclose(adv, expected, atol=1e-6), adv
+    # the group scale makes the noise of group b a full +-1, as large as group a's real preference
+    grpo = advantages(rewards, groups, scale="group")
+    assert torch.allclose(grpo[2:4], torch.tensor([1.0, -1.0]), atol=1e-3), grpo
+    with pytest.raises(AssertionError, match="advantage scale"):
+        advantages(rewards, groups, scale="batch")
+
+
 def test_kl_k3_to_the_champion_is_weighted_by_the_truncated_ratio():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
