@@ -141,7 +141,9 @@ def _old_react(u: SimulatedUser, rng: random.Random, completion: str) -> list[di
         )
         p = 1.0 / (1.0 + math.exp(-z))
     events: list[dict] = []
-    if not _old_balanced(body) and rng.random() < 0.5:
+    if not _old_balanced(
+        body
+    ):  # a broken edit always draws the tool's error (it drew it half the time)
         events.append(
             {
                 "type": "tool_error",
