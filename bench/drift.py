@@ -33,7 +33,7 @@ from app.edits import is_no_edit, is_valid
 from app.simulate.evaluate import scores
 from app.simulate.prompts import is_hard
 from app.simulate.prompts import prompts as prompt_pool
-from app.simulate.users import population
+from app.simulate.users import Preference, population
 from streams.reward import KNOWN_SPECS, RewardSpec, compute_reward
 from trainer import objective as obj
 from trainer.batch import scatter_teacher, teacher_inputs
@@ -111,6 +111,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--adv-scale", choices=obj.ADV_SCALES, default="group")
     ap.add_argument(
+        "--w-broken",
+        type=float,
+        default=None,
+        help="the users' log-odds penalty for an edit that does not parse (default: Preference's)",
+    )
+    ap.add_argument(
         "--spec", default="v1", choices=sorted(KNOWN_SPECS), help="reward spec labelling reactions"
     )
     ap.add_argument(
@@ -127,11 +133,12 @@ def main() -> None:
     behaviour = load(args.config, args.base)
     served = load(args.config, args.base)
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    users = population(64, seed=args.seed)
+    pref = Preference(w_broken=args.w_broken) if args.w_broken is not None else None
+    users = population(64, seed=args.seed, pref=pref)
     train_prompts = prompt_pool(512, seed=args.seed)
     eval_prompts, eval_users = (
         prompt_pool(48, seed=10_001, held_out=True),
-        population(32, seed=10_001, prefix="heldout"),
+        population(32, seed=10_001, pref=pref, prefix="heldout"),
     )
     tok = policy.tokenizer
     h0 = heldout(policy, eval_prompts, eval_users, args.hard_fraction)
