@@ -130,6 +130,9 @@ class GateRunner:
     ):
         self.settings, self.client, self.cfg, self.n_rollouts = settings, client, cfg, n_rollouts
         self.n_reward_rollouts = n_reward_rollouts
+        self._base: Any = (
+            None  # BASE_VERSION's policy, loaded once: a registered version never changes
+        )
 
     def reference_version(self, model: str, tags: dict[str, str]) -> str | None:
         """The version the weight-change check compares with: the nearest ancestor the gate did
@@ -148,6 +151,13 @@ class GateRunner:
             parent = ptags.get("parent_version")
         return None
 
+    def base_policy(self, model: str) -> Any:
+        """The first version's policy, the edit monitors' fixed reference (GateInputs.base): loaded
+        on the first gate that needs it, then kept (it was downloaded again for every gate)."""
+        if self._base is None:
+            self._base = load_version(self.client, model, BASE_VERSION)[0]
+        return self._base
+
     def run(self, version: str, champion: str | None) -> GateResult:
         model = self.settings.model_name
         cand, cand_state, tags = load_version(self.client, model, version)
@@ -158,12 +168,7 @@ class GateRunner:
             if champion and champion != version
             else None
         )
-        # the first version: the edit monitors' fixed reference (GateInputs.base)
-        base = (
-            load_version(self.client, model, BASE_VERSION)[0]
-            if BASE_VERSION not in (version, champion)
-            else None
-        )
+        base = self.base_policy(model) if BASE_VERSION not in (version, champion) else None
         trained = json.loads(tags["kafka_offsets"]) if tags.get("kafka_offsets") else None
         # one read serves both: the reward model may learn from any logged rollout (it judges the
         # candidate, it is not it); the off-policy estimate needs rollouts the version did not train on
