@@ -103,7 +103,29 @@ def main() -> None:
         default=10,
         help="optimizer steps per shipped version (the demo: ~10)",
     )
+    ap.add_argument(
+        "--promote-every",
+        type=int,
+        default=1,
+        help="with --behaviour follow: the behaviour policy takes the trainer's weights every Nth "
+        "version only (the demo promotes every 2-3 versions; the trainer meanwhile learns from "
+        "samples of a champion it has left behind)",
+    )
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument(
+        "--fill",
+        choices=["full", "random"],
+        default="full",
+        help="`random`: each step takes 1..batch/2 groups of two (uniform), as a trainer that steps "
+        "on what arrived within FLYWHEEL_TRAINER_MAX_WAIT_S does on a loaded machine",
+    )
+    ap.add_argument(
+        "--partial-lr",
+        choices=["scale", "full"],
+        default="scale",
+        help="a partial batch's learning rate: `scale` by its share of --batch (the trainer's "
+        "FLYWHEEL_TRAINER_PARTIAL_BATCH_LR) or the `full` rate",
+    )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--kl-coef", type=float, default=0.01)
     ap.add_argument("--distill", choices=["batch", "kept", "off"], default="batch")
@@ -148,7 +170,10 @@ def main() -> None:
     grad_norms: list[float] = []
     t0 = time.monotonic()
     for step in range(1, args.steps + 1):
-        idx = torch.randint(0, len(train_prompts), (args.batch // 2,), generator=g).tolist()
+        groups = args.batch // 2
+        if args.fill == "random":
+            groups = int(torch.randint(1, groups + 1, (1,), generator=g))
+        idx = torch.randint(0, len(train_prompts), (groups,), generator=g).tolist()
         ptoks = [tok.encode(train_prompts[i]) for i in idx for _ in range(2)]
         with torch.no_grad():
             smp = behaviour.generate(
@@ -198,12 +223,19 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
+        scale = (
+            obj.partial_batch_lr_scale(len(comps), args.batch)
+            if args.partial_lr == "scale"
+            else 1.0
+        )
+        for group in opt.param_groups:
+            group["lr"] = args.lr * scale
         opt.step()
         grad_norms.append(gn)
         if step % args.version_steps == 0:
             policy.eval()
             v = step // args.version_steps
-            if args.behaviour == "follow":
+            if args.behaviour == "follow" and v % args.promote_every == 0:
                 behaviour.load_serving_state_dict(policy.serving_state_dict())
             figs = heldout(policy, eval_prompts, eval_users, args.hard_fraction)
             acc = figs["heldout_acceptance"]

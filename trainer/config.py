@@ -48,6 +48,10 @@ class TrainerConfig(FlywheelSettings):
         ge=0,
         description="A step runs on a partial batch once the oldest buffered rollout waited this long.",
     )
+    partial_batch_lr: Literal["scale", "full"] = Field(
+        "scale",
+        description="A step on a partial batch (fewer than `batch_size` rollouts after `max_wait_s`): `scale` runs it at lr x rollouts / batch_size (linear scaling rule: Adam's step has about the same size on 2 rollouts as on 16, so small noisy batches otherwise move the weights as far as full ones); `full` at lr.",
+    )
     seed: int = Field(0, description="Seed of torch's RNG (policy init when no checkpoint exists).")
 
     # --- objective (trainer/objective.py) ------------------------------------------------------

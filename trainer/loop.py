@@ -675,6 +675,14 @@ class Trainer:
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
+        lr = cfg.lr * (
+            obj.partial_batch_lr_scale(len(rewards), cfg.batch_size)
+            if cfg.partial_batch_lr == "scale"
+            else 1.0
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        metrics["lr"] = lr
         self.optimizer.step()
         if "kl" in metrics:
             self.kl_ctl.update(metrics["kl"])

@@ -67,5 +67,6 @@ STEP_GAUGES = {
         "mismatch",
         "distill_kl",
         "grad_norm",
+        "lr",
     )
 }

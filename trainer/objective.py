@@ -30,6 +30,8 @@ Terms (all choices stated here are also in docs/TRAINER.md):
   sampled by the behaviour policy, so each token's k3 is weighted by the same truncated
   ratio sg(min(rho_t, C)). (The policy interface returns the sampled token's log-prob only,
   so the exact per-token KL over the vocabulary is not available.)
+- Partial batches: a step on fewer than `batch_size` rollouts runs at the learning rate times
+  their share of `batch_size` (`partial_batch_lr_scale`, the linear scaling rule).
 - Self-distillation on tool_error feedback: for the tokens at and after the error position
   (mask `distill_mask`), the teacher is the same weights without grad, with the error
   message and hint in its context. The per-token reverse KL KL(pi_student || pi_teacher) is
@@ -142,6 +144,23 @@ def advantages(
         ref = rewards[single] if len(single) >= 2 else rewards
         out[single] = centred(rewards[single], ref)
     return out
+
+
+PARTIAL_BATCH_LR = ("scale", "full")
+
+
+def partial_batch_lr_scale(n_rollouts: int, batch_size: int) -> float:
+    """The learning-rate factor of a step on `n_rollouts` when a full batch is `batch_size`:
+    min(1, n / batch_size), the linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch
+    SGD").
+
+    Adam's update has about the same size whatever the gradient's scale, and the gradient of a
+    mean over few rollouts is mostly noise, so without it a step on 2 rollouts moves the weights
+    as far as a step on 16, in a random direction. A trainer that steps on what arrived within
+    `max_wait_s` takes many such steps on a loaded machine (measured in the demo: batches of 2-16
+    rollouts, docs/TRAINER.md)."""
+    assert batch_size >= 1 and n_rollouts >= 0, f"{n_rollouts} rollouts, batch size {batch_size}"
+    return min(1.0, n_rollouts / batch_size)
 
 
 def _token_mean(x: torch.Tensor, keep: torch.Tensor, total: float | None = None) -> torch.Tensor:

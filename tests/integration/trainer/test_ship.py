@@ -132,3 +132,33 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         assert trainer.pending.skipped["stale"] == 1 and trainer.pending.rollouts == 0
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize("rule", ["scale", "full"])
+def test_a_partial_batch_steps_at_its_share_of_the_learning_rate(trainer_env, rule):
+    """3 rollouts where a batch is 12: after `max_wait_s` the trainer steps on them at lr x 3/12
+    (`partial_batch_lr=scale`), or at lr (`full`). On a fresh AdamW the first update of every
+    parameter with a gradient is lr x g / (|g| + eps), about lr, whatever the batch: the weights show
+    the rate the step really ran at."""
+    settings, cfg_kw = trainer_env
+    cfg_kw.update(batch_size=12, max_wait_s=0.3, partial_batch_lr=rule, kl_coef=0.0)
+    trainer = Trainer(settings, TrainerConfig(**cfg_kw, max_staleness=0))
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+        rewards = iter([1.0, -1.0, 0.25])
+        produce(settings, rollout_records(trainer.policy, 1, 3, lambda _: next(rewards)))
+        metrics = None
+        for _ in range(400):
+            metrics = trainer.train_step() or metrics
+            if trainer.pending.rollouts >= 3:
+                break
+        assert trainer.pending.steps == 1 and trainer.pending.rollouts == 3, trainer.pending
+        want = cfg_kw["lr"] * (3 / 12 if rule == "scale" else 1.0)
+        assert metrics is not None and metrics["lr"] == pytest.approx(want)
+        moved = max(
+            float((p.detach() - before[n]).abs().max())
+            for n, p in trainer.policy.named_parameters()
+        )
+        assert want * 0.9 < moved <= want * 1.001, (moved, want)
+    finally:
+        trainer.close()

@@ -241,3 +241,31 @@ def test_adaptive_kl_holds_a_drifting_policy_near_its_target():
 def test_no_target_means_a_fixed_weight():
     ctl = obj.AdaptiveKL(0.01, target=None)
     assert [ctl.update(k) for k in (0.0, 1.0, 100.0)] == [0.01, 0.01, 0.01]
+
+
+def test_a_partial_batch_gets_its_share_of_the_learning_rate():
+    assert obj.partial_batch_lr_scale(2, 16) == 0.125
+    assert obj.partial_batch_lr_scale(16, 16) == 1.0
+    # a distributed step's global batch may overfill
+    assert obj.partial_batch_lr_scale(40, 16) == 1.0
+    assert obj.partial_batch_lr_scale(0, 16) == 0.0
+    with pytest.raises(AssertionError):
+        obj.partial_batch_lr_scale(3, 0)
+
+
+def test_adam_moves_as_far_on_a_small_noisy_batch_as_on_a_full_one_unless_the_rate_is_scaled():
+    """Why the scale exists: Adam's first update is lr x g / (|g| + eps) whatever |g|, so the
+    gradient of 2 rollouts (mostly noise) moves each weight as far as that of 16."""
+    torch.manual_seed(0)
+    moved = {}
+    for n in (2, 16):
+        w = torch.nn.Parameter(torch.zeros(8))
+        opt = torch.optim.AdamW([w], lr=1e-3, weight_decay=0.0)
+        x = torch.randn(n, 8)
+        (w * x).sum(dim=1).mean().backward()
+        for g in opt.param_groups:
+            g["lr"] = 1e-3 * obj.partial_batch_lr_scale(n, 16)
+        opt.step()
+        moved[n] = float(w.detach().abs().max())
+    assert moved[16] == pytest.approx(1e-3, rel=1e-3)
+    assert moved[2] == pytest.approx(1e-3 * 2 / 16, rel=1e-3)
