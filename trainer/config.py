@@ -189,7 +189,7 @@ class TrainerConfig(FlywheelSettings):
     poll_timeout_ms: int = Field(200, ge=1, description="Kafka poll timeout of the intake.")
     rebase_on_reject: bool = Field(
         True,
-        description="When the gate finds a version this trainer shipped confidently worse than the champion (`reward_vs_champion` failed), continue from the champion's weights with fresh optimizer moments instead of from the rejected line.",
+        description="When the gate fails a version this trainer shipped (any failing check: confidently worse reward than the champion, more broken tool calls, ...; a planted version excepted), continue from the champion's weights with fresh optimizer moments instead of from the rejected line.",
     )
     verdict_check_s: float = Field(
         15.0,

@@ -883,10 +883,10 @@ class Trainer:
 
     # --- rebasing on a rejection -----------------------------------------------------------------------
     def maybe_rebase(self, now: float | None = None) -> int | None:
-        """Continue from the champion when the gate found one of this trainer's versions confidently
-        worse than it (`flywheel.gate.reward_vs_champion` = fail; planted versions excepted). The
-        trainer's later weights descend from that rejected line, so training on would ship its
-        descendants. Returns the champion version rebased on, or None.
+        """Continue from the champion when the gate failed one of this trainer's versions
+        (`flywheel.gate.status` = failed: confidently worse reward, more broken tool calls, ...;
+        planted versions excepted). The trainer's later weights descend from that rejected line, so
+        training on would ship its descendants. Returns the champion version rebased on, or None.
 
         Reads the verdict tags of versions newer than `verdicts_seen` every `verdict_check_s`. The
         rebase loads the champion's serving weights, clears the optimizer moments, records
@@ -926,10 +926,7 @@ class Trainer:
             if v <= self.verdicts_seen or "flywheel.gate.status" not in tags:
                 continue
             newest_verdict = max(newest_verdict, v)
-            if (
-                tags.get("flywheel.gate.reward_vs_champion", "").startswith("fail")
-                and tags.get("planted_bad") != "true"
-            ):
+            if tags.get("flywheel.gate.status") == "failed" and tags.get("planted_bad") != "true":
                 rejected = v
         if newest_verdict == self.verdicts_seen:
             return None
@@ -938,7 +935,7 @@ class Trainer:
         if rejected is None or champ is None or champ >= rejected:
             return None  # `verdicts_seen` is saved with the next state; re-reading passed verdicts changes nothing
         log.warning(
-            "the gate found v%d confidently worse than champion v%d: continuing from v%d's weights "
+            "the gate failed v%d against champion v%d: continuing from v%d's weights "
             "(fresh optimizer moments)",
             rejected,
             champ,

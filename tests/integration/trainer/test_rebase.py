@@ -1,4 +1,4 @@
-"""The trainer continues from the champion when the gate finds one of its versions confidently worse.
+"""The trainer continues from the champion when the gate fails one of its versions.
 
 Real broker and MLflow server (trainer_env), a tiny real policy. The gate's verdict arrives as the
 controller writes it: MLflow version tags `flywheel.gate.*`.
@@ -76,13 +76,30 @@ def test_a_rejected_version_makes_the_trainer_continue_from_the_champion(trainer
         assert _train_and_ship(trainer, settings, 3) == 4
         tags = client.get_model_version(settings.model_name, "4").tags
         assert tags["rebased_on"] == "1" and tags["parent_version"] == "3"
+
+        # v4's predicted reward is fine but it breaks more tool calls: any failed check sends the
+        # trainer back (its descendants would break them too)
+        client.set_model_version_tag(settings.model_name, "4", "flywheel.gate.status", "failed")
+        client.set_model_version_tag(
+            settings.model_name, "4", "flywheel.gate.reward_vs_champion", "pass 0.02"
+        )
+        client.set_model_version_tag(
+            settings.model_name, "4", "flywheel.gate.tool_call_validity_rate", "fail 0.17"
+        )
+        assert _train_and_ship(trainer, settings, 4) == 5
+        assert any(
+            not torch.equal(v, champion[k]) for k, v in trainer.policy.serving_state_dict().items()
+        )
+        assert trainer.maybe_rebase(now=5e9) == 1
+        now = trainer.policy.serving_state_dict()
+        assert all(torch.equal(now[k], champion[k]) for k in champion)
     finally:
         trainer.close()
 
     # the rebase survived a restart: the state holds the verdicts seen, so v3's verdict is not re-applied
     again = Trainer(settings, TrainerConfig(**cfg_kw, verdict_check_s=1.0))
     try:
-        assert again.verdicts_seen == 3 and again.maybe_rebase(now=1e10) is None
+        assert again.verdicts_seen == 4 and again.maybe_rebase(now=1e10) is None
     finally:
         again.close()
 
