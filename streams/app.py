@@ -125,8 +125,9 @@ RESUME_GAPS = Counter(
 GAPS = Counter(
     "flywheel_streams_offset_gaps_total",
     "Interactions records delivered past the next offset the state expects (records in between never "
-    "reached the agent). refetched: the consumer was sought back and the record dropped; confirmed: "
-    "fetching again showed the log has no records in between",
+    "reached the agent). refetched: the consumer was sought back and the record dropped; resought: "
+    "the wanted record had not arrived refetch_retry_s after the seek and the timer sought again; "
+    "confirmed: fetching again showed the log has no records in between",
     ["outcome"],
 )
 BEHIND = Counter(
@@ -610,9 +611,38 @@ class Runtime:
             )
             return self._dlq(msg, msg.key, value, "invalid_partial", [_failure("(partial)", exc)])
 
+    async def retry_refetches(self, now: float | None = None) -> list[int]:
+        """Seek again every owned partition still waiting for the record its gap was sought back to,
+        `refetch_retry_s` after the last seek. `in_order` re-seeks only when another record of the
+        partition arrives; when none does (the stream ended, or every later record was already
+        delivered and dropped) nothing else would, and the partition would stay stuck behind the gap
+        while its ticks are withheld as backlogged. Called by the tick timer. Returns the partitions
+        sought."""
+        now = time.monotonic() if now is None else now
+        sought = []
+        for p, pending in list(self.refetching.items()):
+            if self.owned is not None and p not in self.owned:
+                self.refetching.pop(p, None)  # revoked: its next owner resumes from the progress
+                continue
+            if now - pending.since < self.refetch_retry_s:
+                continue
+            GAPS.labels("resought").inc()
+            log.warning(
+                "partition %d: offset %d has not arrived %.0f s after seeking to it; seeking again",
+                p,
+                pending.want,
+                now - pending.since,
+            )
+            self.refetching[p] = pending._replace(since=now)
+            await self.seek(p, pending.want)
+            sought.append(p)
+        return sought
+
     async def send_ticks(self) -> None:
         """Send one tick per assigned interactions partition (own Kafka clients: Faust's consumer thread stays free)."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
+
+        await self.retry_refetches()
 
         parts = sorted(
             tp.partition

@@ -340,6 +340,44 @@ def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetche
     asyncio.run(scenario())
 
 
+def test_a_partition_waiting_behind_a_gap_is_sought_again_by_the_timer_without_new_records():
+    """After a gap the agent seeks back and waits for `last + 1`. If that record does not come and
+    no later record of the partition arrives either, nothing in `in_order` would seek again: the
+    tick timer does, `refetch_retry_s` after the last seek, until the record arrives; a revoked
+    partition is let go (its next owner resumes from the progress)."""
+    from streams.app import GAPS
+
+    async def scenario():
+        app, rt, outbox = _setup()
+        rt.owned = {1, 2}
+        rt.refetch_retry_s = 5.0
+        sought: list[tuple[int, int]] = []
+
+        async def seek(partition, offset):
+            sought.append((partition, offset))
+
+        rt.seek = seek
+        await rt.on_batch([_delivered(rt, "a", 1, 10), _delivered(rt, "c", 1, 13)])  # 11, 12 lost
+        assert sought == [(1, 11)]
+        since = rt.refetching[1].since
+        resought = GAPS.labels("resought")._value.get()
+        assert await rt.retry_refetches(now=since + 1.0) == [], (
+            "too early: the seek may still deliver"
+        )
+        assert await rt.retry_refetches(now=since + 6.0) == [1] and sought[-1] == (1, 11)
+        assert await rt.retry_refetches(now=since + 7.0) == [], "the retry restarts the clock"
+        assert await rt.retry_refetches(now=since + 12.0) == [1]
+        assert GAPS.labels("resought")._value.get() == resought + 2
+        await rt.on_batch([_delivered(rt, "b", 1, 11)])  # it came: the wait is over
+        assert 1 not in rt.refetching and await rt.retry_refetches(now=since + 30.0) == []
+        await rt.on_batch([_delivered(rt, "d", 2, 5), _delivered(rt, "e", 2, 9)])
+        assert 2 in rt.refetching
+        rt.owned = {1}
+        assert await rt.retry_refetches(now=since + 60.0) == [] and 2 not in rt.refetching
+
+    asyncio.run(scenario())
+
+
 def test_the_faust_data_dir_is_inside_the_flywheel_data_dir(tmp_path):
     """Faust's default datadir is `<app id>-data` in the working directory (stray folders in a
     checkout); the worker's app keeps it in FLYWHEEL_DATA_DIR instead."""
