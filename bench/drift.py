@@ -121,7 +121,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--partial-lr",
-        choices=["scale", "full"],
+        choices=obj.PARTIAL_BATCH_LR,
         default="scale",
         help="a partial batch's learning rate: `scale` by its share of --batch (the trainer's "
         "FLYWHEEL_TRAINER_PARTIAL_BATCH_LR) or the `full` rate",
@@ -223,13 +223,10 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
-        scale = (
-            obj.partial_batch_lr_scale(len(comps), args.batch)
-            if args.partial_lr == "scale"
-            else 1.0
-        )
         for group in opt.param_groups:
-            group["lr"] = args.lr * scale
+            group["lr"] = args.lr * obj.partial_batch_lr_scale(
+                len(comps), args.batch, args.partial_lr
+            )
         opt.step()
         grad_norms.append(gn)
         if step % args.version_steps == 0:

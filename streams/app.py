@@ -642,8 +642,6 @@ class Runtime:
         """Send one tick per assigned interactions partition (own Kafka clients: Faust's consumer thread stays free)."""
         from aiokafka import AIOKafkaConsumer, TopicPartition
 
-        await self.retry_refetches()
-
         parts = sorted(
             tp.partition
             for tp in self.app.consumer.assignment()
@@ -807,6 +805,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
 
     @app.timer(cfg.tick_interval)
     async def tick() -> None:
+        await rt.retry_refetches()
         await rt.send_ticks()
 
     @app.on_partitions_revoked.connect

@@ -675,11 +675,7 @@ class Trainer:
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
-        lr = cfg.lr * (
-            obj.partial_batch_lr_scale(len(rewards), cfg.batch_size)
-            if cfg.partial_batch_lr == "scale"
-            else 1.0
-        )
+        lr = cfg.lr * obj.partial_batch_lr_scale(len(rewards), cfg.batch_size, cfg.partial_batch_lr)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         metrics["lr"] = lr

@@ -149,10 +149,10 @@ def advantages(
 PARTIAL_BATCH_LR = ("scale", "full")
 
 
-def partial_batch_lr_scale(n_rollouts: int, batch_size: int) -> float:
+def partial_batch_lr_scale(n_rollouts: int, batch_size: int, rule: str = "scale") -> float:
     """The learning-rate factor of a step on `n_rollouts` when a full batch is `batch_size`:
-    min(1, n / batch_size), the linear scaling rule (Goyal et al. 2017, "Accurate, Large Minibatch
-    SGD").
+    min(1, n / batch_size) under `rule="scale"`, the linear scaling rule (Goyal et al. 2017,
+    "Accurate, Large Minibatch SGD"); 1 under `"full"`.
 
     Adam's update has about the same size whatever the gradient's scale, and the gradient of a
     mean over few rollouts is mostly noise, so without it a step on 2 rollouts moves the weights
@@ -160,7 +160,8 @@ def partial_batch_lr_scale(n_rollouts: int, batch_size: int) -> float:
     `max_wait_s` takes many such steps on a loaded machine (measured in the demo: batches of 2-16
     rollouts, docs/TRAINER.md)."""
     assert batch_size >= 1 and n_rollouts >= 0, f"{n_rollouts} rollouts, batch size {batch_size}"
-    return min(1.0, n_rollouts / batch_size)
+    assert rule in PARTIAL_BATCH_LR, f"partial-batch rule {rule!r} not in {PARTIAL_BATCH_LR}"
+    return min(1.0, n_rollouts / batch_size) if rule == "scale" else 1.0
 
 
 def _token_mean(x: torch.Tensor, keep: torch.Tensor, total: float | None = None) -> torch.Tensor:

@@ -130,9 +130,7 @@ class GateRunner:
     ):
         self.settings, self.client, self.cfg, self.n_rollouts = settings, client, cfg, n_rollouts
         self.n_reward_rollouts = n_reward_rollouts
-        self._base: Any = (
-            None  # BASE_VERSION's policy, loaded once: a registered version never changes
-        )
+        self._base: dict[str, Any] = {}  # model -> BASE_VERSION's policy (a version never changes)
 
     def reference_version(self, model: str, tags: dict[str, str]) -> str | None:
         """The version the weight-change check compares with: the nearest ancestor the gate did
@@ -154,9 +152,9 @@ class GateRunner:
     def base_policy(self, model: str) -> Any:
         """The first version's policy, the edit monitors' fixed reference (GateInputs.base): loaded
         on the first gate that needs it, then kept (it was downloaded again for every gate)."""
-        if self._base is None:
-            self._base = load_version(self.client, model, BASE_VERSION)[0]
-        return self._base
+        if model not in self._base:
+            self._base[model] = load_version(self.client, model, BASE_VERSION)[0]
+        return self._base[model]
 
     def run(self, version: str, champion: str | None) -> GateResult:
         model = self.settings.model_name
