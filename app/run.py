@@ -196,7 +196,7 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
 
     from app.db.migrate import upgrade
     from app.infra.kafka import LocalKafka, ensure_topics
-    from app.infra.mlflow_server import WEBHOOK_ENV, host_port, mlflow_server_argv
+    from app.infra.mlflow_server import SERVER_ENV, host_port, mlflow_server_argv
     from app.supervisor import RoleSpec, Supervisor
 
     console = Console()
@@ -248,7 +248,7 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
                     RoleSpec(
                         "mlflow",
                         mlflow_server_argv(data_dir / "mlflow", mhost, mport),
-                        env=WEBHOOK_ENV,
+                        env=SERVER_ENV,
                         url=settings.mlflow_uri,
                         ready=lambda: _http_ok(f"{settings.mlflow_uri}/health"),
                     )

@@ -2,7 +2,9 @@
 
 SQLite backend store and a local artifact root in `<data_dir>/mlflow/`, UI on the port of
 FLYWHEEL_MLFLOW_URI (default 5000). Webhooks are allowed over plain http to private IPs
-(the controller listens on loopback), which MLflow refuses by default.
+(the controller listens on loopback), which MLflow refuses by default. MLflow's job runner is
+off (`MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`): Flywheel runs no MLflow jobs, and the runner is
+seven more Python processes (~250 MB each) that open the same SQLite store as the server.
 """
 
 from __future__ import annotations
@@ -23,12 +25,15 @@ log = logging.getLogger(__name__)
 # (10 threads, 30 s timeout, 3 retries) lets a few hung receivers delay every other delivery by
 # minutes; Flywheel's receiver answers in milliseconds, so a short timeout and a wider pool keep one
 # dead endpoint from starving the live ones (the poller still covers whatever is lost).
-WEBHOOK_ENV = {
+SERVER_ENV = {
     "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
     "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
     "MLFLOW_WEBHOOK_CACHE_TTL": "2",
     "MLFLOW_WEBHOOK_REQUEST_TIMEOUT": "10",
     "MLFLOW_WEBHOOK_DELIVERY_MAX_WORKERS": "32",
+    # MLflow >= 3.5 starts a job runner (a huey consumer per job kind, 7 processes) beside every
+    # server unless told not to; Flywheel uses none of its jobs (GenAI judges, trace rollups)
+    "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
 }
 
 
@@ -58,7 +63,7 @@ def host_port(uri: str) -> tuple[str, int]:
 
 
 def mlflow_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {**os.environ, **WEBHOOK_ENV, **(extra or {})}
+    return {**os.environ, **SERVER_ENV, **(extra or {})}
 
 
 def start_server(

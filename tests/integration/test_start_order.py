@@ -55,7 +55,15 @@ TINY_POLICY = {
 }
 
 
-def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, every: float = 0.5) -> Any:
+def wait_until(
+    pred: Callable[[], Any],
+    timeout_s: float,
+    what: str,
+    every: float = 0.5,
+    detail: Callable[[], str] | None = None,
+) -> Any:
+    """`pred()` until truthy; on timeout the message ends with `detail()` (a role's log tail: CI
+    shows the assertion message even where it cuts the captured output)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -64,7 +72,11 @@ def wait_until(pred: Callable[[], Any], timeout_s: float, what: str, every: floa
             got = None
         if got:
             return got
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"timed out after {timeout_s:.0f}s waiting for {what}"
+                + (f"\n{detail()}" if detail else "")
+            )
         time.sleep(every)
 
 
@@ -467,13 +479,15 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
         replica.wait_log(f"waiting for a champion named in {settings.topic('deployments')}", 120)
 
         # the trainer registers its base version; the projector writes it down
-        wait_until(
-            lambda: any(
+        def base_registered() -> bool:
+            assert trainer.alive(), f"the trainer exited:\n{trainer.tail()}"
+            return any(
                 e["type"] == "version_registered" and e["version"] == "1"
                 for e in deployment_events(settings)
-            ),
-            300,
-            "the trainer's base version",
+            )
+
+        wait_until(
+            base_registered, 300, "the trainer's base version", detail=lambda: trainer.tail()
         )
         keys = _keys(fresh_postgres_url)
         wait_until(
