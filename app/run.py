@@ -56,13 +56,16 @@ DEMO_ENV = {
     # one canary step at 50% (the most informative split), then promotion. At ~4 labelled completions
     # a second the confidence sequence of a 50/50 split narrows to about +-0.25 reward units in two
     # minutes: a non-inferiority margin of 0.15 lets an equal-or-better version through within about
-    # one ship interval, and a confidently worse one is rolled back
+    # one ship interval, and a confidently worse one is rolled back. A version about equal to the
+    # champion needs the sequence to narrow below the margin itself, (0.25/0.15)^2 x 2 min ~ 6 min:
+    # at a 4-minute deadline those canaries paused and were superseded (the champion stayed put for
+    # six versions in a demo run), so a step may take 8 minutes
     "FLYWHEEL_CONTROLLER_STEPS": "50,100",
     "FLYWHEEL_CONTROLLER_MIN_STEP": "30s",
     "FLYWHEEL_CONTROLLER_MIN_SAMPLES": "60",
     "FLYWHEEL_CONTROLLER_MARGIN": "0.15",
     "FLYWHEEL_CONTROLLER_CS_TARGET_N": "400",
-    "FLYWHEEL_CONTROLLER_STEP_DEADLINE": "4m",
+    "FLYWHEEL_CONTROLLER_STEP_DEADLINE": "8m",
     "FLYWHEEL_STREAMS_METRICS_BUCKET": "10s",
     # the demo plants one bad checkpoint (weights blown up) to show the gate stopping it
     "FLYWHEEL_TRAINER_PLANT_BAD_VERSION": "4",
