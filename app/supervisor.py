@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from app.infra.procs import stop_groups
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class Supervisor:
                     rp.state = "ready"
                 continue
             if rp.state != "crashed":
+                # what the role started (a vLLM server, a worker) outlives it in its process group
+                stop_groups([rp.proc], timeout_s=10.0)
                 rp.state = "crashed"
                 rp.next_restart = now + min(60.0, 2.0 ** min(rp.restarts, 5))
                 msgs.append(f"{rp.spec.name} exited with {code}; see {self.log_path(rp.spec.name)}")
@@ -114,23 +117,11 @@ class Supervisor:
         return msgs
 
     def stop_all(self, timeout: float = 20.0) -> None:
-        for rp in reversed(self.roles):
-            if rp.proc is not None and rp.proc.poll() is None:
-                try:
-                    os.killpg(rp.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + timeout
-        for rp in reversed(self.roles):
-            if rp.proc is None:
-                continue
-            try:
-                rp.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in %.0fs; killing", rp.spec.name, timeout)
-                try:
-                    os.killpg(rp.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                rp.proc.wait()
+        """SIGTERM every role's process group (a role's own children too), SIGKILL the groups
+        with processes left after `timeout`."""
+        running = [rp for rp in reversed(self.roles) if rp.proc is not None]
+        killed = stop_groups([rp.proc for rp in running if rp.proc is not None], timeout)
+        for rp in running:
+            if rp.proc in killed:
+                log.warning("%s did not stop in %.0fs; killed", rp.spec.name, timeout)
             rp.state = "stopped"

@@ -82,17 +82,11 @@ def start_server(
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """SIGTERM the server's process group (its gunicorn/uvicorn workers too); SIGKILL after `timeout`."""
-    import signal
+    """SIGTERM the server's process group (its uvicorn workers too), SIGKILL what is left after
+    `timeout` (app/infra/procs.py)."""
+    from app.infra.procs import stop_groups
 
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout)
-    except ProcessLookupError:
-        return
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout)
+    stop_groups([proc], timeout)
 
 
 def wait_healthy(uri: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:

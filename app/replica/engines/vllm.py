@@ -40,7 +40,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import socket
 import subprocess
 import threading
@@ -227,15 +226,11 @@ class VLLMServer:
             time.sleep(0.5)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        if self.alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        """Stop the server's whole process group, also when the launcher already exited: a server
+        that crashed leaves vLLM's EngineCore and worker processes running (GBs each)."""
+        from app.infra.procs import stop_groups
+
+        stop_groups([self.proc], timeout_s)
         self._log.close()
 
 

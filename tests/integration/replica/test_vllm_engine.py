@@ -50,6 +50,19 @@ def vllm_python() -> Path:
     return python
 
 
+def _running_in_group(pgid: int) -> list[int]:
+    """Pids of the processes of process group `pgid` still running (zombies excluded)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _explained_by(events: list[dict], policies: dict[str, object]) -> dict[str, dict[str, float]]:
     """Mean |event log-prob - trainer log-prob| of each event under every version's weights."""
     out = {}
@@ -282,6 +295,12 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
         lambda: (e := status(srv)["engine"]["engines"][0])["alive"] and e["version"] == "1",
         timeout_s=START_S,
         what="engine 0 restarted and holding v1 again",
+    )
+    # the killed server's EngineCore and worker (its children, ~3 GB) went with it
+    wait_for(
+        lambda: not _running_in_group(launcher),
+        timeout_s=30,
+        what="the dead server's vLLM workers gone",
     )
     assert status(srv)["engine"]["engines"][0]["last_update"]["sha256"] == checkpoint_sha256(
         states[0]

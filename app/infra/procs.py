@@ -1,0 +1,69 @@
+"""Stopping a child and everything it started: the child's process group.
+
+Servers Flywheel starts (`mlflow server`, vLLM, the roles of `flywheel run`) are started with
+`start_new_session=True`, so each leads a process group holding its workers. Waiting for the
+leader alone is not enough: a leader that crashed or was killed leaves its workers running (a
+vLLM API server killed by the OOM killer leaves its EngineCore and worker, ~3 GB, orphaned), and
+signalling the group only while the leader lives never reaches them. `stop_groups` signals every
+group, waits until no member of any group is left (or `timeout_s`), then SIGKILLs the rest.
+
+A process group id is the leader's pid; Linux does not hand out a pid that is still in use as a
+process group id, so signalling the group of a leader that already exited reaches only its own
+stragglers, never an unrelated process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process is left in process group `pgid` (a zombie not yet reaped counts)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal still exists
+        return True
+    return True
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+def stop_groups(
+    procs: Sequence[subprocess.Popen],
+    timeout_s: float = 20.0,
+    first: int = signal.SIGTERM,
+) -> list[subprocess.Popen]:
+    """Send `first` to each process's group (each was started with `start_new_session=True`),
+    wait up to `timeout_s` for every member of every group to exit, SIGKILL the groups with
+    members left, and reap the leaders. Returns the processes whose group had to be killed."""
+    for p in procs:
+        signal_group(p.pid, first)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for p in procs:
+            p.poll()  # reap an exited leader, else its zombie keeps the group "alive"
+        left = [p for p in procs if group_alive(p.pid)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for p in left:
+        signal_group(p.pid, signal.SIGKILL)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(10)
+    # SIGKILL cannot be ignored: the members go within moments (bounded, never a hang: a member
+    # stuck in the kernel or a zombie that init has not reaped yet is not waited for past this)
+    settle = time.monotonic() + 5.0
+    while any(group_alive(p.pid) for p in left) and time.monotonic() < settle:
+        time.sleep(0.05)
+    return left
