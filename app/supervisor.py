@@ -119,9 +119,9 @@ class Supervisor:
     def stop_all(self, timeout: float = 20.0) -> None:
         """SIGTERM every role's process group (a role's own children too), SIGKILL the groups
         with processes left after `timeout`."""
-        running = [rp for rp in reversed(self.roles) if rp.proc is not None]
-        killed = stop_groups([rp.proc for rp in running if rp.proc is not None], timeout)
-        for rp in running:
-            if rp.proc in killed:
+        running = [(rp, rp.proc) for rp in reversed(self.roles) if rp.proc is not None]
+        killed = stop_groups([proc for _, proc in running], timeout)
+        for rp, proc in running:
+            if proc in killed:
                 log.warning("%s did not stop in %.0fs; killed", rp.spec.name, timeout)
             rp.state = "stopped"

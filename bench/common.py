@@ -108,15 +108,9 @@ def start_role(
 
 
 def stop_role(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGINT the role's process group (graceful), SIGKILL it if it has not exited in `timeout_s`."""
-    import os
+    """SIGINT the role's process group (graceful), SIGKILL what is left after `timeout_s`."""
     import signal
 
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    from app.infra.procs import stop_groups
+
+    stop_groups([proc], timeout_s, first=signal.SIGINT)

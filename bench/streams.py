@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +41,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from app.infra.procs import stop_groups
 from bench.common import REPO
 
 console = Console(width=130)
@@ -182,13 +182,8 @@ def drain(
 
 
 def stop(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    if proc is not None:
+        stop_groups([proc], 30)
 
 
 def metric(port: int, name: str) -> float:

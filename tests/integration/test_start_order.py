@@ -344,14 +344,9 @@ class Role:
         wait_until(seen, timeout_s, f"a line with {parts} in the log of {self.name}")
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if not self.alive():
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        from app.infra.procs import stop_groups
+
+        stop_groups([self.proc], timeout_s)
 
 
 def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
