@@ -19,7 +19,8 @@ in its own process (`prepare_model`; trainer/model_import.py validates DIR exact
 
 The trainer then gets FLYWHEEL_TRAINER_POLICY `{"type": "hf", "model_dir": DIR}` (HF options
 already set in that variable, such as `kernels`, are kept), and the demo cadence leaves out what
-only fits the built-in policy (its learning rate and pretraining steps: `HF_DEMO_SKIP`).
+only fits the built-in policy (its learning rate, pretraining steps and rollouts per version:
+`HF_DEMO_SKIP`).
 """
 
 from __future__ import annotations
@@ -45,12 +46,14 @@ DEMO_ENV = {
     "FLYWHEEL_SHIP_INTERVAL": "2m",
     "FLYWHEEL_WAIT_WINDOW": "30s",
     "FLYWHEEL_TRAINER_LR": "1e-4",
-    "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "32",
+    # every version carries at least 256 rollouts of learning (a due ship waits for them): at the
+    # ~1.7 rollouts/s measured with three demo stacks side by side, a 2-minute interval alone gave
+    # 106-354 per version, and a run whose early versions got few learned slowest
+    "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "256",
     # a base that already writes the liked completion now and then (~1 in 3): 300 steps give ~1 in
     # 10, too rare for the reward to find within ten versions (measured: held-out 0.09, flat)
     "FLYWHEEL_TRAINER_PRETRAIN_STEPS": "600",
-    # the trainer, not traffic, is the bottleneck on a small machine: 2 requests/s (x2 candidates)
-    # is more than it trains on, and leaves it the CPU
+    # 2 requests/s (x2 candidates) leaves the trainer the CPU on a small machine
     "FLYWHEEL_SIMULATE_RPS": "2",
     "FLYWHEEL_CONTROLLER_GATE_ROLLOUTS": "64",
     # one canary step at 50% (the most informative split), then promotion. At ~4 labelled completions
@@ -77,8 +80,14 @@ DEMO_ENV = {
 
 
 # demo settings tuned for the built-in 1.4M-parameter policy: a user's pretrained model keeps the
-# trainer's own defaults (lr 1e-6, trainer/config.py) and is never pretrained
-HF_DEMO_SKIP = ("FLYWHEEL_TRAINER_LR", "FLYWHEEL_TRAINER_PRETRAIN_STEPS")
+# trainer's own defaults (lr 1e-6, trainer/config.py), is never pretrained, and ships on the
+# interval alone (it generates far slower on a CPU than the tiny policy: 256 rollouts a version
+# would hold its ships for a long time)
+HF_DEMO_SKIP = (
+    "FLYWHEEL_TRAINER_LR",
+    "FLYWHEEL_TRAINER_PRETRAIN_STEPS",
+    "FLYWHEEL_TRAINER_MIN_ROLLOUTS",
+)
 
 
 class RunModelError(ValueError):

@@ -73,7 +73,7 @@ class TrainerConfig(FlywheelSettings):
     max_staleness: int = Field(
         4,
         ge=0,
-        description="Rollouts generated more than this many versions before the last shipped one are skipped (and counted).",
+        description="Rollouts generated more than this many versions before the last shipped one, and before the serving champion, are skipped (and counted); the champion's own rollouts are never stale.",
     )
     adv_scale: Literal["group", "none"] = Field(
         "group",
@@ -131,7 +131,7 @@ class TrainerConfig(FlywheelSettings):
     min_rollouts: int = Field(
         1,
         ge=1,
-        description="A ship happens only if at least this many rollouts were trained on since the last one.",
+        description="A ship happens only if at least this many rollouts were trained on since the last one; a due ship waits for them and happens at the step that reaches them.",
     )
     anchor_every: int = Field(
         10,

@@ -63,6 +63,7 @@ from trainer.metrics import (
     RANKS,
     REBASES,
     ROLLOUTS,
+    SHIP_WAITING,
     SHIPS,
     STEP_FAILURES,
     STEP_GAUGES,
@@ -160,12 +161,14 @@ class Trainer:
             state.get("verdicts_seen", 0)
         )  # versions up to this one were checked for a rejection
         self._verdict_checked_at = 0.0
+        self._ship_waiting = False  # a due ship waits for `min_rollouts` (logged once per wait)
         self.run_id = self.registry.start_run(state.get("run_id")) if self.world.is_main else None
         self.ref_policy: Policy | None = None
         self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = (
             None  # (version, bf16 weights) last shipped
         )
-        self.ref_version: int | None = None
+        self.ref_version: int | None = None  # the KL reference's version (kl_coef > 0)
+        self.champion: int | None = None  # the serving champion, read at start, ship and rebase
         self.dlq = make_producer(settings)
         self.dead_letters = DeadLetters(self.dlq, settings.topic("dlq"), cfg.dlq_max_value_bytes)
         self.spec = ModelSpec.of(
@@ -412,14 +415,14 @@ class Trainer:
         return build_policy(cfg.policy or None)
 
     def _refresh_reference(self) -> None:
-        """Load the serving champion's weights as the KL reference when the alias moved."""
-        if self.cfg.kl_coef <= 0:
-            return
-        # rank 0 reads the alias, so every rank takes the same reference
+        """Read the serving champion (its rollouts are never stale) and load its weights as the
+        KL reference when the alias moved."""
+        # rank 0 reads the alias, so every rank takes the same champion
         champ = self.world.broadcast(
             self.registry.alias_version(CHAMPION) if self.world.is_main else None
         )
-        if champ is None or champ == self.ref_version:
+        self.champion = champ
+        if self.cfg.kl_coef <= 0 or champ is None or champ == self.ref_version:
             return
         config = self.policy.config_dict()
         if (
@@ -448,7 +451,7 @@ class Trainer:
         if not self.world.distributed:
             if not self.intake.ready(self.cfg.batch_size, self.cfg.max_wait_s):
                 return None
-            batch = self.intake.take(self.cfg.batch_size, self.last_shipped)
+            batch = self.intake.take(self.cfg.batch_size, self.last_shipped, self.champion)
         else:  # the ranks agree on whether to step and split the global batch
             views = self.world.all_gather(self.intake.readiness(self.cfg.max_wait_s))
             counts = [n for n, _, _ in views]
@@ -460,7 +463,7 @@ class Trainer:
             ):
                 return None
             share = allocate(counts, self.cfg.batch_size)[self.world.rank]
-            batch = self.intake.take(share, self.last_shipped)
+            batch = self.intake.take(share, self.last_shipped, self.champion)
         self._unsaved_take = True
         # every rank steps when any has rollouts (after staleness skips): zero contribution otherwise
         metrics = self._train_isolating(batch) if self.world.sum(len(batch.rollouts)) else None
@@ -781,18 +784,24 @@ class Trainer:
         return time.time() - self.last_ship_at >= self.settings.ship_interval
 
     def maybe_ship(self, force: bool = False) -> int | None:
-        """If the interval passed (or `force`) and enough rollouts were trained on, ship. Returns the version."""
+        """If the interval passed (or `force`) and enough rollouts were trained on, ship. Returns the version.
+
+        A due ship that lacks `min_rollouts` waits for them, and ships at the step that reaches
+        them, not an interval later: every version carries at least `min_rollouts` of learning
+        whatever the traffic, and the clock only sets the earliest time."""
         if not self.world.broadcast(force or self.ship_due()):  # rank 0's clock decides
             return None
         pending, positions = self._global_lineage()
         if pending.rollouts < self.cfg.min_rollouts:
-            log.info(
-                "ship skipped: %d rollouts since v%s (< min_rollouts %d)",
-                pending.rollouts,
-                self.last_shipped,
-                self.cfg.min_rollouts,
-            )
-            self.last_ship_at = time.time()
+            if not self._ship_waiting:
+                log.info(
+                    "ship due, waiting for rollouts: %d trained since v%s (min_rollouts %d)",
+                    pending.rollouts,
+                    self.last_shipped,
+                    self.cfg.min_rollouts,
+                )
+            self._ship_waiting = True
+            SHIP_WAITING.set(1)
             return None
         ranges = {}
         for part, end in positions.items():
@@ -871,6 +880,8 @@ class Trainer:
             self.pending = Pending()
         self.intent = None
         self.last_ship_at = time.time()
+        self._ship_waiting = False
+        SHIP_WAITING.set(0)
         SHIPS.inc()
         LAST_VERSION.set(version)
         self.save()

@@ -43,6 +43,10 @@ ASSUMED_TEMPERATURE = Counter(
     "field): scored at FLYWHEEL_TRAINER_TEMPERATURE instead of their replica's temperature.",
 )
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
+SHIP_WAITING = Gauge(
+    "flywheel_trainer_ship_waiting",
+    "1 while a due ship waits for FLYWHEEL_TRAINER_MIN_ROLLOUTS trained rollouts, else 0.",
+)
 RANKS = Gauge(
     "flywheel_trainer_ranks", "Ranks of the trainer (torchrun's WORLD_SIZE; 1 = one process)."
 )

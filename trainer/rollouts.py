@@ -22,7 +22,10 @@ Exactly-once bookkeeping (see docs/TRAINER.md):
   the key had the spec) still load: such an id was a live rollout, so it matches live
   rollouts of that request_id and never a relabelled one.
 - Staleness is decided at `take()` time against the last shipped version: a live rollout whose
-  `model_version` is more than `max_staleness` versions older is skipped as `stale`. A
+  `model_version` is more than `max_staleness` versions older, and older than the serving
+  champion, is skipped as `stale`. The champion's own rollouts (and a canary's, newer than
+  it) are never stale: they are what serves, however many versions the trainer shipped since
+  (a canary can hold the champion in place for longer than `max_staleness` ship intervals). A
   relabelled rollout (`relabel_run` set) is old by construction and is exempt: the objective's
   importance weights and sequence mask (trainer/objective.py) bound what it can move, as they
   do for every rollout. One whose version is not a number is still skipped as `stale`.
@@ -383,8 +386,9 @@ class RolloutIntake:
         head = self.buffer[0]
         return n_valid, head.rollout is None, time.monotonic() - head.arrived >= max_wait_s
 
-    def take(self, n: int, current_version: int | None) -> Batch:
-        """Pop entries in arrival order until `n` fresh rollouts (then any skip entries right behind)."""
+    def take(self, n: int, current_version: int | None, champion: int | None = None) -> Batch:
+        """Pop entries in arrival order until `n` fresh rollouts (then any skip entries right behind).
+        `current_version`: the last shipped version; `champion`: the serving champion, None if unknown."""
         batch = Batch()
         while self.buffer and (len(batch.rollouts) < n or self.buffer[0].rollout is None):
             e = self.buffer.popleft()
@@ -399,7 +403,11 @@ class RolloutIntake:
                 del self._buffered_ids[key]
             self.seen.add(key)
             behind = self._staleness(e.rollout, current_version)
-            if behind is None or (behind > self.max_staleness and e.rollout.relabel_run is None):
+            if behind is None or (
+                behind > self.max_staleness
+                and e.rollout.relabel_run is None
+                and (champion is None or (e.rollout.version_number() or 0) < champion)
+            ):
                 batch.skipped["stale"] += 1
                 continue
             batch.rollouts.append(e.rollout)

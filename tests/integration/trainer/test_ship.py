@@ -126,10 +126,46 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         again = model.predict(["def add(a, b):\n    ", "x = "], params={"max_tokens": 8, "seed": 1})
         assert again == out, "a fixed seed must reproduce the completions (params reach generate)"
 
-        # with max_staleness 0, a rollout of v1 arriving after v2 shipped is skipped and counted, not trained on
-        produce(settings, [dict(records[1], request_id="late-from-v1")])
+        # with max_staleness 0, a rollout of v1 arriving after v2 shipped is behind, but v1 is still
+        # the serving champion: what serves is never stale, it is trained on
+        assert trainer.champion == 1
+        produce(settings, [dict(records[1], request_id="late-from-champion-v1")])
         drain(trainer, 1)
-        assert trainer.pending.skipped["stale"] == 1 and trainer.pending.rollouts == 0
+        assert trainer.pending.skipped["stale"] == 0 and trainer.pending.rollouts == 1
+        # once v2 is champion (read at the next ship), v1's rollouts are stale, and v2's are not
+        client.set_registered_model_alias(settings.model_name, "champion", "2")
+        assert trainer.maybe_ship(force=True) == 3 and trainer.champion == 2
+        from_v2 = rollout_records(trainer.policy, 2, 1, lambda _: 0.5, prefix="from-champion-v2-")
+        produce(settings, [dict(records[2], request_id="late-from-old-v1")] + from_v2)
+        drain(trainer, 2)
+        assert trainer.pending.skipped["stale"] == 1 and trainer.pending.rollouts == 1
+    finally:
+        trainer.close()
+
+
+def test_a_due_ship_waits_for_min_rollouts_and_ships_at_the_step_that_reaches_them(trainer_env):
+    """min_rollouts 3: when the interval has passed with 2 rollouts trained, the ship waits (and the
+    wait is exported), then happens as soon as the third is trained, not an interval later."""
+    settings, cfg_kw = trainer_env
+    trainer = Trainer(settings, TrainerConfig(**cfg_kw, min_rollouts=3))
+    try:
+        from trainer.metrics import SHIP_WAITING
+
+        trainer.last_ship_at -= settings.ship_interval + 1  # the interval (1 h here) has passed
+        records = rollout_records(trainer.policy, 1, 3, lambda _: 0.5)
+        produce(settings, records[:2])
+        drain(trainer, 2)
+        assert trainer.pending.rollouts == 2
+        assert trainer.maybe_ship() is None and trainer.last_shipped == 1
+        assert SHIP_WAITING._value.get() == 1
+        assert trainer.maybe_ship() is None, "still 2 rollouts: still waiting"
+        produce(settings, records[2:])
+        drain(trainer, 3)
+        assert trainer.maybe_ship() == 2, "the third rollout makes the due ship happen at once"
+        assert SHIP_WAITING._value.get() == 0
+        tags = MlflowClient(settings.mlflow_uri).get_model_version(settings.model_name, "2").tags
+        assert tags["rollouts_consumed"] == "3"
+        assert trainer.maybe_ship() is None, "the next interval starts at the ship"
     finally:
         trainer.close()
 
