@@ -41,6 +41,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from app.infra.procs import stop_groups
 from app.settings import Settings
 from bench.common import REPO
 
@@ -360,12 +361,8 @@ def main() -> None:
             f"raw_cpu_us_per_event={best['raw'].cpu_s / best['raw'].events * 1e6:.0f}"
         )
     finally:
-        if api_proc is not None and api_proc.poll() is None:
-            os.killpg(api_proc.pid, signal.SIGINT)  # graceful; lets --profile write its report
-            try:
-                api_proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(api_proc.pid, signal.SIGKILL)
+        if api_proc is not None:  # SIGINT: graceful, lets --profile write its report
+            stop_groups([api_proc], timeout_s=30, first=signal.SIGINT)
         broker.stop()
 
 

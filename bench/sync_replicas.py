@@ -536,18 +536,9 @@ class _ProcessReplicas:
         ]
 
     def close(self) -> None:
-        import signal
-        import subprocess
+        from app.infra.procs import stop_groups
 
-        for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_groups(self.procs, timeout_s=30)
 
 
 def child(replica_id: str) -> None:
