@@ -263,6 +263,7 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
                         env=SERVER_ENV,
                         url=settings.mlflow_uri,
                         ready=lambda: _http_ok(f"{settings.mlflow_uri}/health"),
+                        infra=True,
                     )
                 )
             console.print(f"[green]✓[/green] mlflow  {settings.mlflow_uri}")

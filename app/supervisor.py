@@ -29,6 +29,9 @@ class RoleSpec:
     ready: Callable[[], bool] | None = None  # polled after start
     ready_timeout: float = 300.0  # generous: a busy machine can take minutes to import mlflow
     restart: bool = True
+    # a server the other roles use (MLflow): stopped after them, so that what they do on the way
+    # out (the trainer's last metrics, a ship in flight) still reaches it
+    infra: bool = False
 
 
 @dataclass
@@ -118,10 +121,16 @@ class Supervisor:
 
     def stop_all(self, timeout: float = 20.0) -> None:
         """SIGTERM every role's process group (a role's own children too), SIGKILL the groups
-        with processes left after `timeout`."""
-        running = [(rp, rp.proc) for rp in reversed(self.roles) if rp.proc is not None]
-        killed = stop_groups([proc for _, proc in running], timeout)
-        for rp, proc in running:
-            if proc in killed:
-                log.warning("%s did not stop in %.0fs; killed", rp.spec.name, timeout)
-            rp.state = "stopped"
+        with processes left after `timeout`: first the roles, together, then the `infra` servers
+        they use (each tier within `timeout`)."""
+        for infra in (False, True):
+            running = [
+                (rp, rp.proc)
+                for rp in reversed(self.roles)
+                if rp.proc is not None and rp.spec.infra == infra
+            ]
+            killed = stop_groups([proc for _, proc in running], timeout)
+            for rp, proc in running:
+                if proc in killed:
+                    log.warning("%s did not stop in %.0fs; killed", rp.spec.name, timeout)
+                rp.state = "stopped"

@@ -129,3 +129,51 @@ def test_each_stopper_stops_the_workers_of_a_crashed_child(stopper: str, tmp_pat
         assert not _running(worker), f"{stopper} left the crashed child's worker running"
     finally:
         _cleanup(worker)
+
+
+# a role that, when stopped, takes a moment to finish (the trainer's last metrics to MLflow) and
+# records whether the server it uses was still up then
+ROLE = """
+import signal, sys, time
+def up(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+def stop(*_):
+    time.sleep(0.5)
+    open(sys.argv[2], "w").write("up" if up(sys.argv[1]) else "down")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_supervisor_stops_the_roles_before_the_servers_they_use(tmp_path: Path) -> None:
+    """`flywheel run`'s stop (app/supervisor.py stop_all): the roles first, then the `infra`
+    servers (MLflow), so what a role does on its way out still reaches them. Stopped together,
+    the server went first and the trainer's last MLflow call retried until it was killed."""
+    from app.supervisor import RoleSpec, Supervisor
+
+    sup = Supervisor(tmp_path / "logs")
+    server = sup.start(
+        RoleSpec("mlflow", [sys.executable, "-c", "import time; time.sleep(600)"], infra=True)
+    )
+    seen = tmp_path / "seen"
+    role = sup.start(
+        RoleSpec("trainer", [sys.executable, "-c", ROLE, str(server.proc.pid), str(seen)])
+    )
+    try:
+        log = sup.log_path("trainer")
+        deadline = time.monotonic() + 30
+        while "ready" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "ready" in log.read_text(), log.read_text()
+        sup.stop_all(timeout=10)
+        assert seen.read_text() == "up", "the server was stopped before the role using it"
+        assert role.proc.returncode == 0 and not group_alive(server.proc.pid)
+        assert {rp.state for rp in sup.roles} == {"stopped"}
+    finally:
+        for rp in sup.roles:
+            _cleanup(rp.proc.pid)
