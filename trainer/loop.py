@@ -161,7 +161,8 @@ class Trainer:
             state.get("verdicts_seen", 0)
         )  # versions up to this one were checked for a rejection
         self._verdict_checked_at = 0.0
-        self._ship_waiting = False  # a due ship waits for `min_rollouts` (logged once per wait)
+        # while a due ship waits for `min_rollouts`: the step it last found too few at
+        self._ship_wait_step: int | None = None
         self.run_id = self.registry.start_run(state.get("run_id")) if self.world.is_main else None
         self.ref_policy: Policy | None = None
         self.parent_serving: tuple[int, dict[str, torch.Tensor]] | None = (
@@ -228,7 +229,7 @@ class Trainer:
                 self.intent.parent_version,
             )
             self._finish_ship()
-        self._refresh_reference()
+        self._refresh_champion()
         LAST_VERSION.set(self.last_shipped or 0)
 
     # --- start-up ----------------------------------------------------------------------------------
@@ -414,7 +415,7 @@ class Trainer:
         log.warning("empty registry and pretrain_steps=0: the base policy is randomly initialised")
         return build_policy(cfg.policy or None)
 
-    def _refresh_reference(self) -> None:
+    def _refresh_champion(self) -> None:
         """Read the serving champion (its rollouts are never stale) and load its weights as the
         KL reference when the alias moved."""
         # rank 0 reads the alias, so every rank takes the same champion
@@ -791,17 +792,21 @@ class Trainer:
         whatever the traffic, and the clock only sets the earliest time."""
         if not self.world.broadcast(force or self.ship_due()):  # rank 0's clock decides
             return None
+        if not force and self._ship_wait_step == self.step:
+            return (
+                None  # nothing trained since it found too few (the step is the same on every rank)
+            )
         pending, positions = self._global_lineage()
         if pending.rollouts < self.cfg.min_rollouts:
-            if not self._ship_waiting:
+            if self._ship_wait_step is None:
                 log.info(
                     "ship due, waiting for rollouts: %d trained since v%s (min_rollouts %d)",
                     pending.rollouts,
                     self.last_shipped,
                     self.cfg.min_rollouts,
                 )
-            self._ship_waiting = True
-            SHIP_WAITING.set(1)
+                SHIP_WAITING.set(1)
+            self._ship_wait_step = self.step
             return None
         ranges = {}
         for part, end in positions.items():
@@ -880,12 +885,12 @@ class Trainer:
             self.pending = Pending()
         self.intent = None
         self.last_ship_at = time.time()
-        self._ship_waiting = False
+        self._ship_wait_step = None
         SHIP_WAITING.set(0)
         SHIPS.inc()
         LAST_VERSION.set(version)
         self.save()
-        self._refresh_reference()
+        self._refresh_champion()
         return version
 
     # --- rebasing on a rejection -----------------------------------------------------------------------
@@ -913,7 +918,7 @@ class Trainer:
         self.pending.rebased_on = champ
         REBASES.inc()
         self.save()
-        self._refresh_reference()
+        self._refresh_champion()
         return champ
 
     def _rejected_to(self, now: float | None) -> int | None:

@@ -402,12 +402,8 @@ class RolloutIntake:
             if not self._buffered_ids[key]:
                 del self._buffered_ids[key]
             self.seen.add(key)
-            behind = self._staleness(e.rollout, current_version)
-            if behind is None or (
-                behind > self.max_staleness
-                and e.rollout.relabel_run is None
-                and (champion is None or (e.rollout.version_number() or 0) < champion)
-            ):
+            behind = self._staleness(e.rollout, current_version, champion)
+            if behind is None:
                 batch.skipped["stale"] += 1
                 continue
             batch.rollouts.append(e.rollout)
@@ -416,7 +412,8 @@ class RolloutIntake:
                 batch.sources[key] = e.source
         return batch
 
-    def _staleness(self, r: Rollout, current: int | None) -> int | None:
+    def _staleness(self, r: Rollout, current: int | None, champion: int | None) -> int | None:
+        """Versions `r` lags the last shipped version; None when it is stale (module docstring)."""
         v = r.version_number()
         if v is None:
             log.warning(
@@ -425,7 +422,9 @@ class RolloutIntake:
                 r.model_version,
             )
             return None
-        return max(0, (current or v) - v)
+        behind = max(0, (current or v) - v)
+        exempt = r.relabel_run is not None or (champion is not None and v >= champion)
+        return behind if behind <= self.max_staleness or exempt else None
 
     # --- housekeeping ----------------------------------------------------------------------------
     def _drop_partitions(self, parts: set[int]) -> None:

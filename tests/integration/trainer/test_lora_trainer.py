@@ -153,7 +153,7 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
 
         # champion -> v2: rollouts the replica's LoRA policy samples score with mismatch 0.0
         client.set_registered_model_alias(settings.model_name, "champion", "2")
-        trainer._refresh_reference()
+        trainer._refresh_champion()
         assert trainer.ref_version == 2
         seen = len(_mismatches(client, trainer.run_id))
         records = rollout_records(lv2.policy, 2, 8, lambda _t: next(rewards), group_size=2)

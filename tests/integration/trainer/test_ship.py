@@ -149,7 +149,10 @@ def test_a_due_ship_waits_for_min_rollouts_and_ships_at_the_step_that_reaches_th
     settings, cfg_kw = trainer_env
     trainer = Trainer(settings, TrainerConfig(**cfg_kw, min_rollouts=3))
     try:
-        from trainer.metrics import SHIP_WAITING
+        from prometheus_client import REGISTRY
+
+        def waiting() -> float | None:
+            return REGISTRY.get_sample_value("flywheel_trainer_ship_waiting")
 
         trainer.last_ship_at -= settings.ship_interval + 1  # the interval (1 h here) has passed
         records = rollout_records(trainer.policy, 1, 3, lambda _: 0.5)
@@ -157,12 +160,12 @@ def test_a_due_ship_waits_for_min_rollouts_and_ships_at_the_step_that_reaches_th
         drain(trainer, 2)
         assert trainer.pending.rollouts == 2
         assert trainer.maybe_ship() is None and trainer.last_shipped == 1
-        assert SHIP_WAITING._value.get() == 1
+        assert waiting() == 1
         assert trainer.maybe_ship() is None, "still 2 rollouts: still waiting"
         produce(settings, records[2:])
         drain(trainer, 3)
         assert trainer.maybe_ship() == 2, "the third rollout makes the due ship happen at once"
-        assert SHIP_WAITING._value.get() == 0
+        assert waiting() == 0
         tags = MlflowClient(settings.mlflow_uri).get_model_version(settings.model_name, "2").tags
         assert tags["rollouts_consumed"] == "3"
         assert trainer.maybe_ship() is None, "the next interval starts at the ship"

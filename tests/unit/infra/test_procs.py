@@ -131,18 +131,22 @@ def test_each_stopper_stops_the_workers_of_a_crashed_child(stopper: str, tmp_pat
         _cleanup(worker)
 
 
-# a role that, when stopped, takes a moment to finish (the trainer's last metrics to MLflow) and
-# records whether the server it uses was still up then
+# a server that leaves a mark when it is stopped, and a role that, when stopped, takes a moment to
+# finish (the trainer's last metrics to MLflow) and records whether the server was still up then
+SERVER = """
+import pathlib, signal, sys, time
+def stop(*_):
+    pathlib.Path(sys.argv[1]).touch()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+time.sleep(600)
+"""
 ROLE = """
-import signal, sys, time
-def up(pid):
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+import os, signal, sys, time
 def stop(*_):
     time.sleep(0.5)
-    open(sys.argv[2], "w").write("up" if up(sys.argv[1]) else "down")
+    open(sys.argv[2], "w").write("down" if os.path.exists(sys.argv[1]) else "up")
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
 print("ready", flush=True)
@@ -157,20 +161,18 @@ def test_the_supervisor_stops_the_roles_before_the_servers_they_use(tmp_path: Pa
     from app.supervisor import RoleSpec, Supervisor
 
     sup = Supervisor(tmp_path / "logs")
-    server = sup.start(
-        RoleSpec("mlflow", [sys.executable, "-c", "import time; time.sleep(600)"], infra=True)
-    )
-    seen = tmp_path / "seen"
-    role = sup.start(
-        RoleSpec("trainer", [sys.executable, "-c", ROLE, str(server.proc.pid), str(seen)])
-    )
+    stopped, seen = tmp_path / "server-stopped", tmp_path / "seen"
+    server = sup.start(RoleSpec("mlflow", [sys.executable, "-c", SERVER, str(stopped)], infra=True))
+    role = sup.start(RoleSpec("trainer", [sys.executable, "-c", ROLE, str(stopped), str(seen)]))
     try:
-        log = sup.log_path("trainer")
-        deadline = time.monotonic() + 30
-        while "ready" not in log.read_text() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "ready" in log.read_text(), log.read_text()
+        for name in ("mlflow", "trainer"):  # both have their SIGTERM handlers
+            log = sup.log_path(name)
+            deadline = time.monotonic() + 30
+            while "ready" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "ready" in log.read_text(), log.read_text()
         sup.stop_all(timeout=10)
+        assert stopped.exists(), "the server was not stopped with SIGTERM"
         assert seen.read_text() == "up", "the server was stopped before the role using it"
         assert role.proc.returncode == 0 and not group_alive(server.proc.pid)
         assert {rp.state for rp in sup.roles} == {"stopped"}
