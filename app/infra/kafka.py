@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.contracts.topics import KAFKA_MESSAGE_MAX_BYTES, TOPICS, topic_partitions
+from app.infra import kafka_net
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,8 @@ class LocalKafka:
         from kafka import KafkaAdminClient
         from kafka.errors import KafkaConfigurationError
 
+        kafka_net.install()
+
         deadline = time.monotonic() + timeout
         last: Exception | None = None
         while time.monotonic() < deadline:
@@ -340,6 +343,8 @@ def ensure_topics(
 ) -> list[str]:
     """Create the topics of app/contracts/topics.py that do not exist yet. Returns the names it created."""
     from kafka import KafkaAdminClient
+
+    kafka_net.install()
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 

@@ -36,6 +36,10 @@ def _check_kafka(settings: Settings, timeout_s: float) -> str:
     """One metadata round trip to the cluster on a fresh admin connection."""
     from kafka import KafkaAdminClient
 
+    from app.infra import kafka_net
+
+    kafka_net.install()
+
     ms = max(100, int(timeout_s * 1000))
     admin = KafkaAdminClient(
         bootstrap_servers=settings.kafka_bootstrap.split(","),
