@@ -141,6 +141,10 @@ STALE = Counter(
     "state for a partition this worker no longer owns)",
     ["reason"],
 )
+ASSIGNED = Gauge(
+    "flywheel_streams_assigned_partitions",
+    "Interactions partitions this worker owns (set when a rebalance completes; 0 while one is under way)",
+)
 CHANGELOG = Counter(
     "flywheel_streams_changelog_records_total",
     "Changelog records written (one per touched key per batch)",
@@ -224,7 +228,7 @@ def ensure_internal_topics(
 
     from app.infra.kafka import ensure_topics
 
-    ensure_topics(settings)
+    ensure_topics(settings)  # also installs the bounded kafka-python wait (app/infra/kafka_net.py)
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap.split(","))
     try:
         wanted = internal_topics(settings, cfg)
@@ -814,6 +818,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         rt.owned = (
             rt.owned or set()
         ) - gone  # until the rebalance completes, records of these are stale
+        ASSIGNED.set(len(rt.owned))
         for p in gone:
             agg.forget_partition(p)
             rt.last_processed.pop(p, None)
@@ -827,6 +832,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         await (
             rt.resume_from_state()
         )  # sent after table recovery, before Faust seeks to committed offsets
+        ASSIGNED.set(len(rt.owned))
 
     app.flywheel_agents = {"aggregate": aggregate, "merge_metrics": merge_metrics}  # type: ignore[attr-defined]
     log.info(

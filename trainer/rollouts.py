@@ -294,9 +294,14 @@ class RolloutIntake:
         self.buffer: deque[Entry] = deque()
         self._buffered_ids: dict[DedupeKey, int] = {}
         intake = self
+        # when this member started waiting for the group (subscribe, or a rebalance revoking its
+        # partitions); the join after a crash waits for the dead predecessor's session
+        # (app/contracts/kafka.py, GROUP_SESSION_TIMEOUT_MS): logged with the assignment
+        waiting_since = [time.monotonic()]
 
         class _Listener(ConsumerRebalanceListener):
             def on_partitions_revoked(self, revoked):
+                waiting_since[0] = time.monotonic()
                 intake._drop_partitions({tp.partition for tp in revoked})
 
             def on_partitions_assigned(self, assigned):
@@ -304,8 +309,9 @@ class RolloutIntake:
                     if tp.partition in intake.positions:
                         intake.consumer.seek(tp, intake.positions[tp.partition])
                 log.info(
-                    "assigned %s (resuming at %s)",
+                    "assigned %s after %.1f s waiting for the group (resuming at %s)",
                     sorted(tp.partition for tp in assigned),
+                    time.monotonic() - waiting_since[0],
                     {
                         tp.partition: intake.positions.get(tp.partition, "committed")
                         for tp in assigned

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,46 @@ from tests.unit.streams.factories import generation, random_feedback
 from tests.unit.streams.reference import Arrival
 
 WINDOW = 2.5
+
+
+def broker_timed_settings(make_settings, **overrides):
+    """`make_settings(...)` whose interactions topic stamps records with the broker's append time
+    (`message.timestamp.type=LogAppendTime`, docs/STREAMS.md "Time").
+
+    The reference (tests/unit/streams/reference.py) decides on record times alone; the worker also
+    closes labels on ticks of its wall clock minus FLYWHEEL_STREAMS_SKEW_MARGIN (0.5 s), which agree
+    with record times only when no record reaches the broker later than that after its timestamp.
+    With the producer's CreateTime a loaded machine breaks that: measured beside the full suite
+    (load ~18), 1 of 12,000 records reached the broker 2.5 s after its CreateTime (p99 0.28 s), and
+    a feedback record so delayed near its window's end is rightly `after_close` for the worker but
+    inside the window for the reference (seen as a rollout with reward 0.0 instead of -0.5 in 2 of
+    31 runs under load, nothing else amiss in the workers' metrics and logs).
+    With the broker's time a record is never stamped before a tick that did not count it."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    from app.contracts.topics import INTERACTIONS, TOPICS, topic_partitions
+    from app.infra.kafka import ensure_topics
+
+    settings = make_settings(create_topics=False, **overrides)
+
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    try:
+        config = {**TOPICS[INTERACTIONS], "message.timestamp.type": "LogAppendTime"}
+        admin.create_topics(
+            [
+                NewTopic(
+                    settings.topic(INTERACTIONS),
+                    num_partitions=topic_partitions(settings, INTERACTIONS),
+                    replication_factor=settings.replication_factor,
+                    topic_configs=config,
+                )
+            ]
+        )
+    finally:
+        admin.close()
+    ensure_topics(settings)  # the others, as make_settings creates them
+    return settings
 
 
 def streams_env(settings, **extra: str) -> dict[str, str]:
@@ -92,10 +133,11 @@ def start_worker(tmp_path: Path):
 def produce(settings, records: list[tuple[bytes | None, bytes]]) -> None:
     from app.contracts.kafka import make_producer
 
-    prod = make_producer(settings, key_serializer=None)
+    # a loaded broker can take long to answer metadata: wait (up to STALL_S) instead of failing
+    prod = make_producer(settings, key_serializer=None, max_block_ms=int(STALL_S * 1000))
     for key, value in records:
         prod.send(settings.topic("interactions"), key=key, value=value)
-    prod.flush(30)
+    prod.flush(STALL_S)
     prod.close()
 
 
@@ -130,11 +172,118 @@ def read_topic(
     return out
 
 
+# How long a read may see nothing new before a test gives up. Not a deadline: a read waits as long
+# as records keep arriving, however slow the machine; a worker that goes this long without one
+# record of output, alive and with input left, is stuck. The worker's own longest legitimate
+# silence is a rebalance (FLYWHEEL_STREAMS_SESSION_TIMEOUT 8 s here, rebalance timeout 10 s, then
+# table recovery), so this leaves a wide margin for a loaded machine.
+STALL_S = 90.0
+
+
+class Stalled(AssertionError):
+    """A read saw nothing new for STALL_S while what it waited for had not all arrived."""
+
+
+def read_until(
+    settings,
+    topic: str,
+    want: int,
+    *,
+    key_of: Callable[[Any], Any] | None = None,
+    alive: Sequence[WorkerProc] = (),
+    stall_s: float = STALL_S,
+    settle: float = 1.0,
+) -> list[Any]:
+    """Consume `topic` from the beginning until `want` distinct records arrived (then `settle` s more).
+
+    Distinct by `key_of(record)` (default: every record counts), so at-least-once duplicates never
+    end the read before the last distinct record. Waits on progress, not on a deadline: it fails
+    (`Stalled`, with the count) only when no new distinct record arrived for `stall_s`, and at once
+    when a process in `alive` exits."""
+    from app.contracts.kafka import make_consumer
+
+    cons = make_consumer(settings, topic, group_id=None, consumer_timeout_ms=200)
+    out: list[Any] = []
+    seen: set[Any] = set()
+    start = last_new = time.monotonic()
+    settle_until = None
+    try:
+        while True:
+            for rec in cons:
+                out.append(rec)
+                key = key_of(rec) if key_of is not None else len(out)
+                if key not in seen:
+                    seen.add(key)
+                    last_new = time.monotonic()
+            now = time.monotonic()
+            if len(seen) >= want:
+                settle_until = settle_until or now + settle
+                if now >= settle_until:
+                    return out
+                continue
+            dead = [w for w in alive if w.proc.poll() is not None]
+            if dead:
+                raise Stalled(
+                    f"{topic}: {len(seen)} of {want} distinct records, and a worker exited "
+                    f"(rc {dead[0].proc.returncode}):\n{dead[0].tail()}"
+                )
+            if now - last_new > stall_s:
+                raise Stalled(
+                    f"{topic}: {len(seen)} of {want} distinct records after {now - start:.0f} s; "
+                    f"nothing new for the last {now - last_new:.0f} s"
+                    + "".join(f"\n--- alive worker {w.log_path.name}:\n{w.tail()}" for w in alive)
+                )
+    finally:
+        cons.close()
+
+
+def read_to_end(settings, topic: str, stall_s: float = STALL_S) -> list[Any]:
+    """Every record of `topic` up to its end offsets as of the call (each partition read to its end,
+    however long that takes: fails only when the read makes no progress for `stall_s`)."""
+    from kafka.errors import KafkaTimeoutError
+    from kafka.structs import TopicPartition
+
+    from app.contracts.kafka import make_consumer
+
+    cons = make_consumer(settings, group_id=None)
+    try:
+        parts = None
+        start = last_new = time.monotonic()
+        while not parts:  # metadata of a topic just created can take a moment
+            parts = cons.partitions_for_topic(topic)
+            assert parts or time.monotonic() - start < stall_s, f"{topic}: no partitions"
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        cons.assign(tps)
+        cons.seek_to_beginning(*tps)
+        while True:  # a starved broker can miss the request's own timeout: ask again
+            try:
+                end = cons.end_offsets(tps)
+                break
+            except KafkaTimeoutError:
+                if time.monotonic() - start > stall_s:
+                    raise
+        out: list[Any] = []
+        while any(cons.position(tp) < end[tp] for tp in tps):
+            got = cons.poll(timeout_ms=200)
+            for recs in got.values():
+                out.extend(r for r in recs if r.offset < end[TopicPartition(r.topic, r.partition)])
+            if got:
+                last_new = time.monotonic()
+            elif time.monotonic() - last_new > stall_s:
+                raise Stalled(
+                    f"{topic}: read {len(out)} records, stuck at "
+                    f"{ {tp.partition: cons.position(tp) for tp in tps} } of {end}"
+                )
+        return out
+    finally:
+        cons.close()
+
+
 def arrivals(settings) -> list[Arrival]:
     """The interactions topic as the worker saw it: (partition order, record timestamp, event)."""
     from app.contracts.events import EventValidationError, parse_event
 
-    recs = read_topic(settings, settings.topic("interactions"), expect=10**9, timeout=8.0)
+    recs = read_to_end(settings, settings.topic("interactions"))
     out = []
     for r in recs:
         try:
