@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.flywheel-installed
 
-.PHONY: run test test-unit test-integration lint format venv postgres kafka-jars chromium compiler node vllm bench lock clean
+.PHONY: run test test-fast test-unit test-integration lint format venv postgres kafka-jars chromium compiler node vllm bench lock clean
 
 venv: $(STAMP)
 
@@ -53,9 +53,21 @@ node: $(NODE_STAMPS)
 run: $(STAMP)
 	$(BIN)/flywheel run
 
+# The suite runs on TEST_WORKERS pytest-xdist workers that share one broker, one MLflow server and
+# one PostgreSQL (tests/shared.py); each takes the next test of one queue, longest first
+# (tests/scheduling.py). Most of a test's time is spent waiting on other processes, so more
+# workers than cores pay off. Every run ends with its wall time and its 25 slowest tests.
+TEST_WORKERS ?= 4
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist load --maxschedchunk 1
+
 # Second README command: lint, then the full test suite against the real Kafka, PostgreSQL and MLflow.
 test: lint $(STAMP) postgres kafka-jars chromium compiler node vllm
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests $(PYTEST_PARALLEL)
+
+# The inner loop: unit tests and the integration tests that need no server (marker `stack`,
+# tests/conftest.py), in under three minutes.
+test-fast: $(STAMP) compiler node
+	$(BIN)/python -m pytest tests/unit tests/integration -m "not stack" $(PYTEST_PARALLEL)
 
 # ruff (lint and format) and the import contracts (import-linter), configured in pyproject.toml.
 lint: $(STAMP)

@@ -1,13 +1,15 @@
 """Shared fixtures: the real parts the tests run against.
 
-- `kafka`: a real single-node Apache Kafka 4.x (KRaft) broker, started once per test session
-  on free ports in a temporary data dir (app/infra/kafka.py, jars from Maven Central).
+- `kafka`: a real single-node Apache Kafka 4.x (KRaft) broker, started once per test run (one
+  for all xdist workers, tests/shared.py) on free ports in a temporary data dir
+  (app/infra/kafka.py, jars from Maven Central).
 - `make_settings`: Settings pointing at that broker, each call with its own topic namespace
   (so tests never see each other's records) and its topics created.
 - `postgres_url`: the real PostgreSQL server that `make test` provisions
   (deploy/postgres/ensure.sh). Missing server = loud failure, never a skip.
   `fresh_postgres_url`: a new database per test, whose drop ends only the test's own sessions.
-- `mlflow_server`: a real `mlflow server` (SQLite store, local artifacts) on a free port.
+- `mlflow_server`: a real `mlflow server` (SQLite store, local artifacts) on a free port, one per
+  test run like the broker.
 """
 
 from __future__ import annotations
@@ -16,11 +18,19 @@ import os
 import socket
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from app.settings import Settings
+from tests.scheduling import (
+    DurationRecorder,
+    StackLimitedScheduling,
+    load_durations,
+    longest_first,
+)
+from tests.shared import shared_service, stop_all, under_xdist
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,7 +43,9 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:  # noqa: F821
+    """The run's broker: one for all xdist workers (tests/shared.py), or this session's own."""
     from app.infra.kafka import LocalKafka
+    from app.infra.procs import group_alive
 
     existing = os.environ.get("FLYWHEEL_TEST_KAFKA_BOOTSTRAP")
     if existing:  # reuse a broker someone started (e.g. while iterating locally)
@@ -42,12 +54,25 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:  # 
         broker.wait_ready(30)
         yield broker
         return
-    broker = LocalKafka(
-        home=tmp_path_factory.mktemp("kafka"),
-        port=free_port(),
-        controller_port=free_port(),
-        heap="768m",
-    )
+
+    def new_broker(home: Path) -> LocalKafka:
+        return LocalKafka(home=home, port=free_port(), controller_port=free_port(), heap="1g")
+
+    if under_xdist():
+
+        def start(home: Path) -> dict:
+            broker = new_broker(home)
+            broker.start(timeout=120)
+            return {"pgid": broker.pid(), "port": broker.port, "cport": broker.cport}
+
+        record = shared_service(
+            tmp_path_factory.getbasetemp(), "kafka", start, lambda r: group_alive(r["pgid"])
+        )
+        yield LocalKafka(
+            home=Path(record["home"]), port=record["port"], controller_port=record["cport"]
+        )
+        return  # the controller stops it (pytest_sessionfinish)
+    broker = new_broker(tmp_path_factory.mktemp("kafka"))
     broker.start(timeout=120)
     yield broker
     broker.stop()
@@ -194,19 +219,101 @@ class MlflowServer:
         self.log.close()
 
 
+@dataclass(frozen=True)
+class SharedMlflow:
+    """The run's MLflow server as a worker that did not start it sees it (tests/shared.py)."""
+
+    root: Path
+    port: int
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+# the server caches its webhook list; tests register webhooks mid-session
+MLFLOW_TEST_ENV = {"MLFLOW_WEBHOOK_CACHE_TTL": "1"}
+
+
 @pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """A real MLflow tracking + registry server (SQLite backend, local artifact store)."""
+def mlflow_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[MlflowServer | SharedMlflow]:
+    """A real MLflow tracking + registry server (SQLite backend, local artifact store): one for
+    all xdist workers (tests/shared.py), or this session's own. Tests share it by model name."""
+    if under_xdist():
+
+        def start(home: Path) -> dict:
+            server = MlflowServer(home, free_port(), MLFLOW_TEST_ENV)
+            try:
+                server.wait_ready()
+            except Exception:
+                server.stop()
+                raise
+            return {"pgid": server.proc.pid, "port": server.port}
+
+        def alive(record: dict) -> bool:
+            import httpx
+
+            try:
+                url = f"http://127.0.0.1:{record['port']}/health"
+                return httpx.get(url, timeout=10).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        record = shared_service(tmp_path_factory.getbasetemp(), "mlflow", start, alive)
+        yield SharedMlflow(Path(record["home"]), record["port"])
+        return  # the controller stops it (pytest_sessionfinish)
     root = tmp_path_factory.mktemp("mlflow")
-    server = MlflowServer(
-        root,
-        free_port(),
-        {
-            "MLFLOW_WEBHOOK_CACHE_TTL": "1",  # the server caches its webhook list; tests register webhooks mid-session
-        },
-    )
+    server = MlflowServer(root, free_port(), MLFLOW_TEST_ENV)
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The xdist controller (or a plain run) stops the servers its workers shared."""
+    if not under_xdist():
+        stop_all(session.config._tmp_path_factory.getbasetemp())
+
+
+class StackLimits:
+    """`--dist load` with at most FLYWHEEL_TEST_MAX_STACKS whole stacks at once (tests/scheduling.py)."""
+
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log):
+        if config.getvalue("dist") == "load":
+            return StackLimitedScheduling(config, log)
+        return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller (or a plain run) records each test's duration for the next run's
+    queue order, and xdist schedules with the stack limit (tests/scheduling.py)."""
+    if not under_xdist():
+        config.pluginmanager.register(DurationRecorder(), "flywheel-test-durations")
+    if config.pluginmanager.hasplugin("xdist"):  # absent under `-p no:xdist`
+        config.pluginmanager.register(StackLimits(), "flywheel-stack-limits")
+
+
+# a test that takes one of these needs a server of the run (the broker, MLflow, PostgreSQL)
+STACK_FIXTURES = frozenset(
+    {"kafka", "make_settings", "mlflow_server", "postgres_url", "fresh_postgres_url"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks the tests that need a server of the run `stack` (`make test-fast` leaves them out).
+    Under xdist, the longest tests are queued first (tests/scheduling.py); a plain run keeps
+    pytest's order."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (
+            item.get_closest_marker("e2e")
+            or STACK_FIXTURES & set(getattr(item, "fixturenames", ()))
+            or "postgresql" in params.values()  # db_url / db_pair take PostgreSQL by parameter
+        ):
+            item.add_marker(pytest.mark.stack)
+    if under_xdist():
+        longest_first(items, load_durations())

@@ -6,25 +6,25 @@ run --model DIR` runs as a subprocess with a short cadence (the built-in policy'
 tests/e2e/test_local_stack.py, runs the same stack): real Kafka, MLflow server, API, streams
 worker, trainer, controller, two replicas and the simulated editor population.
 
-Asserted through the registry, the status API, the replicas and the interactions topic:
-import -> serve -> feedback -> train -> ship -> gate -> canary -> promote or roll back -> delta
-sync to both replicas:
+Two stacks, one per way of training the model (each stack costs minutes, so each checks all it
+can on its way):
 
-- v1 is DIR itself (kind `import`, its model files' hash) and was champion;
-- generation events carry DIR's tokenizer id and MoE routes [T, 2 layers, top-2];
-- a trained version's lineage counts consumed rollouts; it was gated, canaried, then promoted or
-  rolled back, and each replica published `replica_synced` for it by the `delta` path (forward
-  from the version it held, not rebuilt from an anchor);
-- the held-out simulation scores v1 and the trained version; every replica serves the status
-  API's champion;
-- a second start on the same data dir resumes (nothing imported again), and a registry holding
+- **Full fine-tuning on both engines** (`test_an_hf_moe_model_trains_on_both_engines_and_resumes`):
+  replica-0 runs the built-in engine, replica-1 vLLM (`vllm serve` from deploy/vllm/ensure.sh's
+  environment; the model has head_dim 64, which vLLM's CPU attention needs). Asserted through the
+  registry, the status API, the replicas and the topics: v1 is DIR itself (kind `import`, its
+  model files' hash) and was champion; a trained version's lineage counts consumed rollouts; it
+  was gated, canaried, then promoted or rolled back, and both replicas took it forward from the
+  version they held (the built-in engine by the `delta` path); generation events carry DIR's
+  tokenizer id, the built-in engine's its MoE routes [T, 2 layers, top-2] (vLLM returns routed
+  experts only on GPU); a version was trained on rollouts of vLLM's generations; the held-out
+  simulation scores v1 and the trained version; every replica serves the status API's champion;
+  a second start on the same data dir resumes (nothing imported again), and a registry holding
   another model is refused with one line.
-
-Each case of `CASES` only adds environment: the full fine-tuning case adds none, the LoRA case
-`FLYWHEEL_TRAINER_LORA` (q/v projections and the fused experts). With LoRA the first trained
-version is an adapter anchor (v1 holds full weights) and the test also waits for a later version
-shipped as an adapter delta, smaller than a twentieth of the model's file, that both replicas apply
-by the `delta` path; the resume and refusal checks run in the full case only.
+- **LoRA** (`test_an_hf_moe_model_trains_a_lora_adapter_through_the_whole_loop`,
+  `FLYWHEEL_TRAINER_LORA` on the q/v projections and the fused experts): the first trained version
+  is an adapter anchor (v1 holds full weights) and a later version ships as an adapter delta,
+  smaller than a twentieth of the model's file, that both replicas apply by the `delta` path.
 """
 
 from __future__ import annotations
@@ -51,11 +51,6 @@ LORA = {
     "target_modules": ["q_proj", "v_proj"],
     "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }
-# one entry per way of training the model; each only adds environment to `_env`
-CASES = [
-    pytest.param({}, id="full"),
-    pytest.param({"FLYWHEEL_TRAINER_LORA": json.dumps(LORA)}, id="lora"),
-]
 
 
 def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
@@ -69,8 +64,8 @@ def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
     )
 
 
-def _start(env: dict[str, str], ports: dict[str, int], model_dir: Path, log: Path):
-    return start_run(env, ports, log, "--model", str(model_dir))
+def _start(env: dict[str, str], ports: dict[str, int], model_dir: Path, log: Path, *args: str):
+    return start_run(env, ports, log, "--model", str(model_dir), *args)
 
 
 def _generations(bootstrap: str, limit: int = 50) -> list[dict]:
@@ -139,46 +134,76 @@ def _decided(events: list[dict]) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("user-model")
-    return tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"))
+def _imported(proc, log: Path) -> None:
+    wait_for(
+        "the import of the model directory",
+        lambda: "(imported; flywheel-policy" in log.read_text(errors="replace"),
+        300,
+        proc,
+        log,
+    )
+
+
+def _synced_paths(history, version: str, replica_ids: list[str]) -> dict[str, list[str]]:
+    """The sync paths (`delta`, `held`, ...) each replica published for `version` (None for
+    each until every replica has one)."""
+    paths: dict[str, list[str]] = {r: [] for r in replica_ids}
+    for e in history(type="replica_synced", version=version):
+        if e["version"] == version and e["details"]["replica_id"] in paths:
+            paths[e["details"]["replica_id"]].append(e["details"]["path"])
+    return paths if all(paths.values()) else {}
+
+
+def _check_import(mlflow, model_dir: Path, history, http: httpx.Client) -> None:
+    """v1 is the user's directory, registered by the import, and champion."""
+    from trainer.policy.hf_files import pack
+
+    v1 = mlflow.get_model_version("flywheel-policy", "1")
+    assert v1.tags["kind"] == "import", v1.tags
+    assert v1.tags["hf_files_sha256"] == pack(model_dir)[1]
+    registered = history(type="version_registered", version="1")
+    assert [(e["source"], e["actor"]) for e in registered] == [
+        ("import", "flywheel-model-import")
+    ], registered
+    assert any(e["version"] == "1" for e in history(type="alias_changed", version="1"))
+    lineage = http.get("/v1/models/1").json()["lineage"]
+    assert lineage["parent_version"] is None and not lineage["rollouts_consumed"], lineage
+
+
+def _check_trained_on_feedback(http: httpx.Client, version: str) -> None:
+    body = http.get(f"/v1/models/{version}").json()
+    consumed = body.get("rollouts_consumed") or body.get("lineage", {}).get("rollouts_consumed")
+    assert consumed and int(consumed) > 0, f"v{version} must train on feedback: {body}"
+
+
+def _delta_tag(mlflow, version: str) -> dict:
+    return json.loads(mlflow.get_model_version("flywheel-policy", version).tags["delta"])
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("extra_env", CASES)
-def test_an_hf_moe_model_goes_through_the_whole_loop(
-    tmp_path: Path, moe_dir: Path, extra_env: dict[str, str]
-):
+def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
+    """`flywheel run --model DIR --replica-engine torch --replica-engine vllm`, full fine-tuning
+    (the module docstring lists what is asserted). Needs minutes: one whole stack on the user's
+    model, two `vllm serve` processes starting on 2 shared cores, a ship interval, a gate, a
+    canary, then a restart and a refused start."""
     from mlflow import MlflowClient
-    from mlflow import artifacts as mlflow_artifacts
 
     from trainer.policy.hf import HFTokenizer
-    from trainer.policy.hf_files import pack
 
+    root = tmp_path / "user-model"
+    moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"), head_dim=64)
     data_dir = tmp_path / "data"
     env, ports = _env(data_dir)
-    env.update(extra_env)
-    lora = "FLYWHEEL_TRAINER_LORA" in extra_env
     log = tmp_path / "run.log"
     api = f"http://127.0.0.1:{ports['api']}"
     replica_ids = ["replica-0", "replica-1"]
-    proc = _start(env, ports, moe_dir, log)
+    engines = ("--replica-engine", "torch", "--replica-engine", "vllm")
+    proc = _start(env, ports, moe_dir, log, *engines)
     try:
-        wait_for(
-            "the import of the model directory",
-            lambda: "(imported; flywheel-policy" in log.read_text(errors="replace"),
-            300,
-            proc,
-            log,
-        )
+        _imported(proc, log)
         http, history = _status_api(api, data_dir)
-
-        # import: v1 is the user's directory, and champion
         mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
-        v1 = mlflow.get_model_version("flywheel-policy", "1")
-        assert v1.tags["kind"] == "import", v1.tags
-        assert v1.tags["hf_files_sha256"] == pack(moe_dir)[1]
+        _check_import(mlflow, moe_dir, history, http)
 
         def serving_v1() -> bool:
             synced = {
@@ -188,84 +213,73 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             }
             return synced == set(replica_ids)
 
-        wait_for("both replicas serving the imported v1 as champion", serving_v1, 300, proc, log)
-        registered = history(type="version_registered", version="1")
-        assert [(e["source"], e["actor"]) for e in registered] == [
-            ("import", "flywheel-model-import")
-        ], registered
-        assert any(e["version"] == "1" for e in history(type="alias_changed", version="1"))
-        lineage = http.get("/v1/models/1").json()["lineage"]
-        assert lineage["parent_version"] is None and not lineage["rollouts_consumed"], lineage
+        wait_for("both replicas (one on vLLM) serving v1 as champion", serving_v1, 600, proc, log)
+        engine = httpx.get(f"http://127.0.0.1:{ports['replicas'] + 1}/v1/status").json()["engine"]
+        assert engine["engine"] == "vllm" and engine["engines"][0]["version"] == "1", engine
+
+        def decided_and_synced() -> str | None:
+            version = _decided(history())
+            return version if version and _synced_paths(history, version, replica_ids) else None
 
         version = wait_for(
-            "a trained version that was gated, canaried and promoted or rolled back",
-            lambda: _decided(history()),
-            900,
+            "a trained version decided and synced to both replicas",
+            decided_and_synced,
+            1200,
             proc,
             log,
             interval=5,
         )
-        body = http.get(f"/v1/models/{version}").json()
-        consumed = body.get("rollouts_consumed") or body.get("lineage", {}).get("rollouts_consumed")
-        assert consumed and int(consumed) > 0, f"v{version} must train on feedback: {body}"
+        _check_trained_on_feedback(http, version)
+        # both replicas took it forward from the version they held: the built-in engine by a
+        # delta, vLLM by a delta applied in place (or it already held those weights)
+        paths = _synced_paths(history, version, replica_ids)
+        assert "delta" in paths["replica-0"], paths
+        assert "delta" in paths["replica-1"] or "held" in paths["replica-1"], paths
+        delta = _delta_tag(mlflow, version)
+        assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
 
-        # both replicas took the trained version forward from the one they held: a delta
-        def synced_by_delta() -> dict[str, list[str]]:
-            paths: dict[str, list[str]] = {r: [] for r in replica_ids}
-            for e in history(type="replica_synced", version=version):
-                if e["version"] == version:
-                    paths[e["details"]["replica_id"]].append(e["details"]["path"])
-            return paths if all(paths.values()) else {}
-
-        def delta_tag(v: str) -> dict:
-            return json.loads(mlflow.get_model_version("flywheel-policy", v).tags["delta"])
-
-        if not lora:
-            paths = wait_for("both replicas' replica_synced", synced_by_delta, 120, proc, log)
-            assert all("delta" in p for p in paths.values()), paths
-            delta = delta_tag(version)
-            assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
-        else:
-            # the first LoRA version is an adapter anchor (its parent v1 holds the full weights);
-            # a later one is an adapter delta, which both replicas apply forward
-            assert delta_tag("2")["anchor"] is True, delta_tag("2")
-
-            def adapter_delta_synced() -> str | None:
-                for mv in mlflow.search_model_versions("name='flywheel-policy'"):
-                    tag = json.loads(mv.tags.get("delta") or "{}")
-                    if int(mv.version) > 2 and tag.get("anchor") is False:
-                        version_ = str(mv.version)
-                        paths: dict[str, list[str]] = {r: [] for r in replica_ids}
-                        for e in history(type="replica_synced", version=version_):
-                            if e["version"] == version_:
-                                paths[e["details"]["replica_id"]].append(e["details"]["path"])
-                        if all(any("delta" in p for p in ps) for ps in paths.values()):
-                            return version_
-                return None
-
-            adapter_v = wait_for(
-                "an adapter delta synced to both replicas", adapter_delta_synced, 900, proc, log
-            )
-            full_bytes = (moe_dir / "model.safetensors").stat().st_size  # fp32 base
-            assert 0 < delta_tag(adapter_v)["delta_bytes"] < full_bytes // 20, delta_tag(adapter_v)
-            source = mlflow.get_model_version("flywheel-policy", adapter_v).source
-            config_file = mlflow_artifacts.download_artifacts(
-                artifact_uri=f"{source}/artifacts/config.json",
-                dst_path=str(tmp_path / "dl"),
-                tracking_uri=env["FLYWHEEL_MLFLOW_URI"],
-            )
-            config = json.loads(Path(config_file).read_text())
-            assert config["lora"]["r"] == LORA["r"], config
-
-        # serve: the generations the population got carry the tokenizer id and the MoE routes
+        # generations: the model's tokenizer on both engines; the built-in engine's carry the MoE
+        # routes, vLLM's none. The trainer learned from vLLM's: their rollouts lie in a trained
+        # version's Kafka ranges (vLLM starts later, so the first versions may hold none yet)
         expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
-        gens = _generations(env["FLYWHEEL_KAFKA_BOOTSTRAP"])
-        assert gens, "no generation event on flywheel.interactions"
-        for g in gens:
-            assert g["tokenizer"] == expected_tok, (g["tokenizer"], expected_tok)
-            t = len(g["completion_tokens"])
-            assert g["route_shape"] == [t, MOE_LAYERS, TOP_K], g["route_shape"]
-            assert len(base64.b64decode(g["routes"])) == 4 * t * MOE_LAYERS * TOP_K
+        bootstrap = env["FLYWHEEL_KAFKA_BOOTSTRAP"]
+        seen: dict[str, int] = {}
+
+        def trained_on_vllm() -> list[tuple[int, int]]:
+            gens = [
+                r
+                for _, _, r in _records(bootstrap, "flywheel.interactions")
+                if r.get("type") == "generation"
+            ]
+            assert all(g["tokenizer"] == expected_tok for g in gens)
+            routed = [g for g in gens if "route_shape" in g]
+            for g in routed:
+                t = len(g["completion_tokens"])
+                assert g["route_shape"] == [t, MOE_LAYERS, TOP_K], g["route_shape"]
+                assert len(base64.b64decode(g["routes"])) == 4 * t * MOE_LAYERS * TOP_K
+            from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
+            seen.update(vllm=len(from_vllm), torch=len(routed))
+            ranges = []
+            for mv in mlflow.search_model_versions("name='flywheel-policy'"):
+                if mv.tags.get("kafka_offsets"):
+                    parts = json.loads(mv.tags["kafka_offsets"])["partitions"]
+                    ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
+            return [
+                (p, o)
+                for p, o, r in _records(bootstrap, "flywheel.rollouts")
+                if r.get("request_id") in from_vllm
+                and any(p == rp and a <= o < b for rp, a, b in ranges)
+            ]
+
+        wait_for(
+            "a version trained on rollouts of vLLM's generations",
+            trained_on_vllm,
+            900,
+            proc,
+            log,
+            interval=10,
+        )
+        assert seen["vllm"] > 0 and seen["torch"] > 0, seen  # generations from both engines
 
         # held-out simulation (app/simulate/evaluate.py) scores the imported and the trained version
         def scored() -> bool:
@@ -275,22 +289,19 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
             )
 
         wait_for("held-out acceptance of v1 and the trained version", scored, 300, proc, log)
-
-        # status: the API's champion is what every replica reports serving
         wait_for(
             "the replicas to serve the API's champion",
             lambda: _replicas_agree(http, ports, len(replica_ids)),
-            120,
+            180,
             proc,
             log,
         )
     finally:
         rc = stop_run(proc)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
-    if lora:
-        return  # resuming and refusing another model do not depend on how the model trains
 
-    # a second start on the same registry resumes: nothing is imported again
+    # a second start on the same registry resumes: nothing is imported again (the registry's
+    # state is what matters here, so both replicas run the built-in engine)
     proc = _start(env, ports, moe_dir, log)
     try:
         wait_for(
@@ -310,7 +321,7 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     assert rc == 0
 
     # a registry that holds this model is refused for another one: one line, no role starts
-    other = tiny_llama_dir(moe_dir.parent / "other-model", moe_dir.parent / "tok")
+    other = tiny_llama_dir(root / "other-model", root / "tok")
     before = len(log.read_bytes())
     proc = _start(env, ports, other, log)
     try:
@@ -324,6 +335,90 @@ def test_an_hf_moe_model_goes_through_the_whole_loop(
     assert len(refusal) == 1, text[-3000:]
     assert "of another model" in refusal[0] and "other config or tokenizer files" in refusal[0]
     assert "✓ api" not in text and "✓ trainer" not in text, text[-3000:]
+
+
+@pytest.mark.timeout(1800)
+def test_an_hf_moe_model_trains_a_lora_adapter_through_the_whole_loop(tmp_path: Path):
+    """`flywheel run --model DIR` with FLYWHEEL_TRAINER_LORA (the module docstring lists what is
+    asserted). Needs minutes: one whole stack on the user's model, a ship interval, a gate and a
+    canary, then a second ship for the adapter delta."""
+    from mlflow import MlflowClient
+    from mlflow import artifacts as mlflow_artifacts
+
+    from trainer.policy.hf import HFTokenizer
+
+    root = tmp_path / "user-model"
+    moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"))
+    data_dir = tmp_path / "data"
+    env, ports = _env(data_dir)
+    env["FLYWHEEL_TRAINER_LORA"] = json.dumps(LORA)
+    log = tmp_path / "run.log"
+    api = f"http://127.0.0.1:{ports['api']}"
+    replica_ids = ["replica-0", "replica-1"]
+    proc = _start(env, ports, moe_dir, log)
+    try:
+        _imported(proc, log)
+        http, history = _status_api(api, data_dir)
+        mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
+        _check_import(mlflow, moe_dir, history, http)
+
+        version = wait_for(
+            "a trained version that was gated, canaried and promoted or rolled back",
+            lambda: _decided(history()),
+            900,
+            proc,
+            log,
+            interval=5,
+        )
+        _check_trained_on_feedback(http, version)
+        # the first LoRA version is an adapter anchor (its parent v1 holds the full weights);
+        # a later one is an adapter delta, which both replicas apply forward
+        assert _delta_tag(mlflow, "2")["anchor"] is True, _delta_tag(mlflow, "2")
+
+        def adapter_delta_synced() -> str | None:
+            for mv in mlflow.search_model_versions("name='flywheel-policy'"):
+                tag = json.loads(mv.tags.get("delta") or "{}")
+                if int(mv.version) > 2 and tag.get("anchor") is False:
+                    paths = _synced_paths(history, str(mv.version), replica_ids)
+                    if paths and all(any("delta" in p for p in ps) for ps in paths.values()):
+                        return str(mv.version)
+            return None
+
+        adapter_v = wait_for(
+            "an adapter delta synced to both replicas", adapter_delta_synced, 900, proc, log
+        )
+        full_bytes = (moe_dir / "model.safetensors").stat().st_size  # fp32 base
+        tag = _delta_tag(mlflow, adapter_v)
+        assert 0 < tag["delta_bytes"] < full_bytes // 20, tag
+        source = mlflow.get_model_version("flywheel-policy", adapter_v).source
+        config_file = mlflow_artifacts.download_artifacts(
+            artifact_uri=f"{source}/artifacts/config.json",
+            dst_path=str(tmp_path / "dl"),
+            tracking_uri=env["FLYWHEEL_MLFLOW_URI"],
+        )
+        config = json.loads(Path(config_file).read_text())
+        assert config["lora"]["r"] == LORA["r"], config
+
+        # serve: the generations the population got carry the tokenizer id and the MoE routes
+        expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
+        gens = _generations(env["FLYWHEEL_KAFKA_BOOTSTRAP"])
+        assert gens, "no generation event on flywheel.interactions"
+        for g in gens:
+            assert g["tokenizer"] == expected_tok, (g["tokenizer"], expected_tok)
+            t = len(g["completion_tokens"])
+            assert g["route_shape"] == [t, MOE_LAYERS, TOP_K], g["route_shape"]
+            assert len(base64.b64decode(g["routes"])) == 4 * t * MOE_LAYERS * TOP_K
+
+        wait_for(
+            "the replicas to serve the API's champion",
+            lambda: _replicas_agree(http, ports, len(replica_ids)),
+            120,
+            proc,
+            log,
+        )
+    finally:
+        rc = stop_run(proc)
+    assert rc == 0, log.read_text(errors="replace")[-3000:]
 
 
 def _records(bootstrap: str, topic: str) -> list[tuple[int, int, dict]]:
@@ -348,132 +443,3 @@ def _records(bootstrap: str, topic: str) -> list[tuple[int, int, dict]]:
         return out
     finally:
         consumer.close()
-
-
-@pytest.mark.timeout(1800)
-def test_one_replica_on_each_engine_the_trainer_learns_from_vllm_generations(tmp_path: Path):
-    """`flywheel run --model DIR --replica-engine torch --replica-engine vllm`: replica-0 runs the
-    built-in engine, replica-1 vLLM (two `vllm serve` processes from deploy/vllm/ensure.sh's
-    environment) on a Qwen2-MoE with head_dim 64 (vLLM's CPU attention refuses 16). Both serve
-    the imported v1, both take a trained version by the delta path, vLLM's generations (no routes:
-    vLLM returns routed experts only on GPU) become rollouts inside a trained version's Kafka
-    ranges, and every replica ends on the API's champion."""
-    from mlflow import MlflowClient
-
-    from trainer.policy.hf import HFTokenizer
-
-    root = tmp_path / "user-model"
-    moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"), head_dim=64)
-    data_dir = tmp_path / "data"
-    env, ports = _env(data_dir)
-    log = tmp_path / "run.log"
-    api = f"http://127.0.0.1:{ports['api']}"
-    replica_ids = ["replica-0", "replica-1"]
-    proc = start_run(
-        env,
-        ports,
-        log,
-        "--model",
-        str(moe_dir),
-        "--replica-engine",
-        "torch",
-        "--replica-engine",
-        "vllm",
-    )
-    try:
-        wait_for(
-            "the import of the model directory",
-            lambda: "(imported; flywheel-policy" in log.read_text(errors="replace"),
-            300,
-            proc,
-            log,
-        )
-        http, history = _status_api(api, data_dir)
-
-        def serving_v1() -> bool:
-            return {
-                e["details"]["replica_id"]
-                for e in history(type="replica_synced", version="1")
-                if e["version"] == "1"
-            } == set(replica_ids)
-
-        wait_for("both replicas (one on vLLM) serving v1", serving_v1, 600, proc, log)
-        engine = httpx.get(f"http://127.0.0.1:{ports['replicas'] + 1}/v1/status").json()["engine"]
-        assert engine["engine"] == "vllm" and engine["engines"][0]["version"] == "1", engine
-
-        def decided_and_synced() -> str | None:
-            events = history()
-            version = _decided(events)
-            if version is None:
-                return None
-            paths = {
-                e["details"]["replica_id"]: e["details"]["path"]
-                for e in events
-                if e["type"] == "replica_synced" and e["version"] == version
-            }
-            return version if set(paths) == set(replica_ids) else None
-
-        version = wait_for(
-            "a trained version decided and synced to both replicas",
-            decided_and_synced,
-            1200,
-            proc,
-            log,
-            interval=5,
-        )
-        paths = [
-            e["details"]["path"]
-            for e in history(type="replica_synced", version=version)
-            if e["version"] == version and e["details"]["replica_id"] == "replica-1"
-        ]
-        assert "delta" in paths or "held" in paths, paths
-
-        # vLLM's generations: the model's tokenizer, no routes; the built-in engine's carry routes.
-        # The trainer learned from them: their rollouts lie in a trained version's Kafka ranges
-        # (vLLM starts later than the built-in engine, so the first versions may hold none yet).
-        expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
-        mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
-        bootstrap = env["FLYWHEEL_KAFKA_BOOTSTRAP"]
-        seen: dict[str, int] = {}
-
-        def trained_on_vllm() -> list[tuple[int, int]]:
-            gens = [
-                r
-                for _, _, r in _records(bootstrap, "flywheel.interactions")
-                if r.get("type") == "generation"
-            ]
-            assert all(g["tokenizer"] == expected_tok for g in gens)
-            from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
-            seen.update(vllm=len(from_vllm), torch=len(gens) - len(from_vllm))
-            ranges = []
-            for mv in mlflow.search_model_versions("name='flywheel-policy'"):
-                if mv.tags.get("kafka_offsets"):
-                    parts = json.loads(mv.tags["kafka_offsets"])["partitions"]
-                    ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
-            return [
-                (p, o)
-                for p, o, r in _records(bootstrap, "flywheel.rollouts")
-                if r.get("request_id") in from_vllm
-                and any(p == rp and a <= o < b for rp, a, b in ranges)
-            ]
-
-        wait_for(
-            "a version trained on rollouts of vLLM's generations",
-            trained_on_vllm,
-            900,
-            proc,
-            log,
-            interval=10,
-        )
-        assert seen["vllm"] > 0 and seen["torch"] > 0, seen  # generations from both engines
-
-        wait_for(
-            "the replicas to serve the API's champion",
-            lambda: _replicas_agree(http, ports, len(replica_ids)),
-            180,
-            proc,
-            log,
-        )
-    finally:
-        rc = stop_run(proc)
-    assert rc == 0, log.read_text(errors="replace")[-3000:]
