@@ -351,9 +351,16 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
             f"\nAPI docs  {api_url}/docs\nMLflow UI {settings.mlflow_uri}\nStatus    {api_url}/v1/deployments "
             f"(read key in {data_dir / 'local-keys.json'})\nLogs      {data_dir / 'logs'}\nCtrl-C stops everything.\n"
         )
-        from app.status_view import StatusView
+        from app.status_view import StatusView, trainer_metrics_url
 
-        view = StatusView(api_url, keys["read"], sup)
+        view = StatusView(
+            api_url,
+            keys["read"],
+            sup,
+            mlflow_uri=settings.mlflow_uri,
+            model_name=settings.model_name,
+            trainer_metrics_url=trainer_metrics_url(sup.base_env),
+        )
         deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
         view.run(live=opts.live, until=deadline)
         return 0
