@@ -1,5 +1,5 @@
 """Every setting the project reads from the environment, gathered from its pydantic-settings
-classes. Renders the README's configuration reference (`flywheel config --markdown`) and lets
+classes. Renders the configuration reference, docs/CONFIGURATION.md (`flywheel config --markdown`), and lets
 tests check that a deployment file only sets variables that something actually reads.
 """
 
@@ -85,8 +85,11 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def write_readme(path: str = "README.md") -> None:
-    """Replace the README's configuration reference block with the generated table."""
+REFERENCE = "docs/CONFIGURATION.md"
+
+
+def write_reference(path: str = REFERENCE) -> None:
+    """Replace the configuration reference block of `path` with the generated table."""
     from pathlib import Path
 
     p = Path(path)
@@ -101,6 +104,6 @@ if __name__ == "__main__":
     import sys
 
     if "--write" in sys.argv:
-        write_readme()
+        write_reference()
     else:
         print(markdown())

@@ -28,6 +28,11 @@ Two layers, both configured from `app.settings.Settings` (the `http_*` fields):
     app.add_middleware(BodyLimitMiddleware, limits=body_limits(settings, {"/v1/events": 4 << 20}))
 
 Counted in `flywheel_http_rejected_total{reason}` and `flywheel_http_drained_bytes_total`.
+
+`GuardedHttpToolsProtocol` subclasses uvicorn's private `HttpToolsProtocol` and its
+`data_received` is uvicorn's with the head accounting added, so it is written against one
+uvicorn: `UVICORN_VERSION`, pinned in pyproject.toml. tests/unit/test_httplimits_uvicorn.py fails,
+saying what to port, when another uvicorn is installed or the copied method changed upstream.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# the uvicorn whose HttpToolsProtocol this module subclasses, and the sha256 of the source of the
+# `data_received` that `GuardedHttpToolsProtocol.data_received` copies
+UVICORN_VERSION = "0.54.0"
+UVICORN_DATA_RECEIVED_SHA256 = "010a7ae59a5d3b1a5e7326ce246878568629d126a076d8af5ba10cab040fae43"
 
 REJECTED = Counter(
     "flywheel_http_rejected_total",

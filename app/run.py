@@ -33,8 +33,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from app.infra.kafka import LocalKafka
+    from app.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +246,7 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
             "starting Kafka (the first start resolves its jars from Maven Central)..."
         ):
             started_broker = not broker.running()
-            broker.start()
+            broker.start(with_parent=True)
             ensure_topics(settings)
         console.print(f"[green]✓[/green] kafka {broker.bootstrap}  (logs {broker.home / 'logs'})")
 
@@ -344,9 +351,16 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
             f"\nAPI docs  {api_url}/docs\nMLflow UI {settings.mlflow_uri}\nStatus    {api_url}/v1/deployments "
             f"(read key in {data_dir / 'local-keys.json'})\nLogs      {data_dir / 'logs'}\nCtrl-C stops everything.\n"
         )
-        from app.status_view import StatusView
+        from app.status_view import StatusView, trainer_metrics_url
 
-        view = StatusView(api_url, keys["read"], sup)
+        view = StatusView(
+            api_url,
+            keys["read"],
+            sup,
+            mlflow_uri=settings.mlflow_uri,
+            model_name=settings.model_name,
+            trainer_metrics_url=trainer_metrics_url(sup.base_env),
+        )
         deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
         view.run(live=opts.live, until=deadline)
         return 0
@@ -356,8 +370,32 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
         console.print(f"[red]✗[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
     finally:
-        console.print("stopping...")
+        _stop(console, sup, broker if started_broker else None, data_dir)
+
+
+def _say(console: Console, text: str) -> None:
+    """Print, unless the output is gone: `flywheel run | tee run.log` and Ctrl-C end `tee` too,
+    and a write to the closed pipe must not keep the cleanup from running."""
+    try:
+        console.print(text)
+    except (OSError, ValueError):  # a closed stream
+        pass
+    except SystemExit:  # rich's Console.on_broken_pipe: stdout now goes to /dev/null
+        pass
+
+
+def _stop(console: Console, sup: Supervisor, broker: LocalKafka | None, data_dir: Path) -> None:
+    """Stop every role, then the MLflow server, then the broker `flywheel run` started; a second
+    Ctrl-C or a SIGTERM while stopping cannot cut this short (each step is bounded:
+    `Supervisor.stop_all`, `LocalKafka.stop`), and nothing here depends on stdout."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    _say(console, "stopping...")
+    try:
         sup.stop_all()
-        if started_broker:
+    finally:
+        if broker is not None:
             broker.stop()
-        console.print("stopped; state kept in " + str(data_dir))
+    _say(console, "stopped; state kept in " + str(data_dir))

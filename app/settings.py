@@ -3,7 +3,7 @@
 The names in docs/DESIGN.md §Settings and CLI (`FLYWHEEL_DATA_DIR`, `FLYWHEEL_KAFKA_BOOTSTRAP`,
 `FLYWHEEL_DATABASE_URL`, `FLYWHEEL_MLFLOW_URI`, `FLYWHEEL_MODEL_NAME`,
 `FLYWHEEL_SHIP_INTERVAL`, `FLYWHEEL_WAIT_WINDOW`) are a contract. Every other field is
-documented here and listed by `flywheel config` / the README's configuration reference.
+documented here and listed by `flywheel config` / docs/CONFIGURATION.md.
 
 Durations accept `90`, `90s`, `15m`, `5h`, `1d` (or combinations such as `1h30m`) and are
 stored as float seconds. A bad value fails at start-up with a message that says how to fix it.

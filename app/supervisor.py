@@ -2,7 +2,10 @@
 restart with backoff when a role crashes, clean stop in reverse start order.
 
 Each role runs as `python -m app.cli <role> ...` so it is exactly what an operator would run
-by hand; its stdout/stderr go to `<data_dir>/logs/<name>.log`.
+by hand; its stdout/stderr go to `<data_dir>/logs/<name>.log`. Roles run in their own sessions
+(so a terminal's Ctrl-C reaches only the supervisor, which stops them in order), and each gets
+SIGTERM from the kernel if the supervisor dies without stopping it (SIGKILL, the OOM killer:
+app/infra/procs.py `die_with_parent`), so no role outlives its supervisor.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.infra.procs import stop_groups
+from app.infra.procs import die_with_parent, stop_groups
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ class Supervisor:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            preexec_fn=die_with_parent(),
         )
         out.close()
         rp.state, rp.started_at = "starting", time.monotonic()

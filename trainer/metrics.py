@@ -57,6 +57,17 @@ PARTITIONS = Gauge(
 BUFFERED = Gauge(
     "flywheel_trainer_buffered_records", "Records fetched but not yet trained on or skipped."
 )
+# progress of the base policy's pretraining on an empty registry (trainer/pretrain.py), read by
+# the live view of `flywheel run` (app/status_view.py): 0 steps = this process is not pretraining
+PRETRAIN_STEPS = Gauge(
+    "flywheel_trainer_pretrain_steps",
+    "Steps of the base policy's pretraining (its total; 0 while this process has not pretrained).",
+)
+PRETRAIN_STEP = Gauge(
+    "flywheel_trainer_pretrain_step",
+    "Pretraining steps done (equal to flywheel_trainer_pretrain_steps once pretraining finished).",
+)
+PRETRAIN_LOSS = Gauge("flywheel_trainer_pretrain_loss", "Last pretraining step's next-token loss.")
 STEP_GAUGES = {
     name: Gauge(f"flywheel_trainer_{name}", f"Last optimizer step's {name.replace('_', ' ')}.")
     for name in (

@@ -8,6 +8,8 @@ next-token cross-entropy on the non-pad targets plus a small MoE load-balance te
 uses the `default` (BLAS) kernels for speed: the weights are the same either way, and the saved
 config keeps the policy's own kernel setting (`invariant` by default) for serving and RL.
 Numerics: fp32 masters, bf16-rounded forward (straight-through), AdamW in fp32.
+Progress goes to the gauges `flywheel_trainer_pretrain_step` / `_steps` / `_loss` (trainer/metrics.py),
+which `flywheel run`'s status view reads from the trainer's /metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainer.corpus import iter_documents
+from trainer.metrics import PRETRAIN_LOSS, PRETRAIN_STEP, PRETRAIN_STEPS
 from trainer.policy import build_policy, save_policy
 from trainer.policy.base import Policy
 
@@ -126,6 +129,8 @@ def pretrain(
 
     docs = iter_documents(seed)
     policy.train()
+    PRETRAIN_STEPS.set(cfg.steps)  # progress for the trainer's /metrics (trainer/metrics.py)
+    PRETRAIN_STEP.set(0)
     t0 = time.perf_counter()
     for step in range(cfg.steps):
         for group in opt.param_groups:
@@ -140,6 +145,8 @@ def pretrain(
         assert math.isfinite(loss.item()), (
             f"pretraining diverged at step {step}: loss {loss.item()}"
         )
+        PRETRAIN_STEP.set(step + 1)
+        PRETRAIN_LOSS.set(loss.item())
         if on_step is not None:
             on_step(step, loss.item())
         if step % 50 == 0 or step == cfg.steps - 1:

@@ -19,10 +19,7 @@ This module imports nothing of the project: app/settings.py reads its limits fro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from app.settings import Settings
+from typing import Protocol
 
 # broker message.max.bytes and <ns>.interactions max.message.bytes (Kafka's default, set explicitly)
 KAFKA_MESSAGE_MAX_BYTES = 1_048_588
@@ -132,7 +129,16 @@ STREAMS_INTERNAL_SPECS: tuple[Topic, ...] = (
 )
 
 
-def topic_partitions(settings: Settings, name: str) -> int:
+class _Partitions(Protocol):
+    """What `topic_partitions` reads of the settings (app.settings.Settings, which imports this
+    module for its limits: a Protocol keeps the two free of a cycle)."""
+
+    interactions_partitions: int
+    rollouts_partitions: int
+    default_partitions: int
+
+
+def topic_partitions(settings: _Partitions, name: str) -> int:
     """The partition count `name` is created with."""
     spec = next(t for t in TOPIC_SPECS + STREAMS_INTERNAL_SPECS if t.name == name)
     return int(getattr(settings, spec.partitions_setting))

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from app.contracts.topics import KAFKA_MESSAGE_MAX_BYTES, TOPICS, topic_partitions
 from app.infra import kafka_net
+from app.infra.procs import die_with_parent
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -233,8 +234,10 @@ class LocalKafka:
     def running(self) -> bool:
         return self.pid() is not None
 
-    def start(self, timeout: float = 90.0) -> None:
-        """Start the broker (format storage first if new) and wait until it serves metadata."""
+    def start(self, timeout: float = 90.0, with_parent: bool = False) -> None:
+        """Start the broker (format storage first if new) and wait until it serves metadata.
+        `with_parent`: the broker gets SIGTERM when this process dies (`flywheel run`'s own
+        broker); otherwise it runs until stopped (`flywheel kafka start`)."""
         if self.running():
             log.info("kafka already running (pid %s) on %s", self.pid(), self.bootstrap)
             self.wait_ready(timeout)
@@ -253,6 +256,7 @@ class LocalKafka:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=die_with_parent() if with_parent else None,
         )
         self.pid_file.write_text(str(proc.pid))
         log.info(

@@ -10,16 +10,44 @@ group, waits until no member of any group is left (or `timeout_s`), then SIGKILL
 A process group id is the leader's pid; Linux does not hand out a pid that is still in use as a
 process group id, so signalling the group of a leader that already exited reaches only its own
 stragglers, never an unrelated process.
+
+A child in its own session outlives its parent: nothing signals it when the parent dies. A
+parent that may die without its cleanup (SIGKILL, the OOM killer, a crash) starts such children
+with `preexec_fn=die_with_parent()`: Linux sends the child SIGTERM when the parent dies
+(`prctl(PR_SET_PDEATHSIG)`), and the child stops as it does on any SIGTERM, its own children
+included. The signal follows the thread that started the child, so the parent starts them from
+a thread that lives as long as it does (the main thread).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` for `subprocess.Popen`: the child gets `sig` when this process dies, and
+    gets it at once if this process died before the child was set up. None (nothing to do)
+    where the kernel has no parent-death signal (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+    parent = os.getpid()
+
+    def _in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os.kill(os.getpid(), sig)
+
+    return _in_child
 
 
 def group_alive(pgid: int) -> bool:

@@ -65,17 +65,17 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from app.contracts.events import MAX_ID_LEN
 from app.replica import metrics as m
 from app.replica.admission import ClientGone, QueueFull
-from app.replica.engines.base import EngineUnavailable
-from app.replica.routing import pick_slot
-from app.replica.server import (
-    Replica,
+from app.replica.bodies import (
     RequestInvalid,
     Text,
-    _valid_unicode,
     context_error,
     limit_error,
     parse_body,
+    valid_unicode,
 )
+from app.replica.engines.base import EngineUnavailable
+from app.replica.replica import Replica
+from app.replica.routing import pick_slot
 from app.replica.weights import LoadedVersion
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ def _strip_neutral(obj: Any) -> Any:
 
 
 def _session_id(v: str) -> str:
-    v = _valid_unicode(v)
+    v = valid_unicode(v)
     if not 1 <= len(v) <= MAX_ID_LEN:
         raise ValueError(f"must be 1..{MAX_ID_LEN} characters (it is the session id)")
     return v

@@ -1,6 +1,7 @@
 """The replica's HTTP app: `POST /v1/complete`, `/v1/status`, `/healthz`, `/readyz`, `/metrics`,
-and the OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models` (openai_api.py,
-which shares this module's body parsing, limits, prompt encoding and generation events).
+and the OpenAI-compatible `/v1/completions`, `/v1/chat/completions`, `/v1/models` (openai_api.py).
+Both APIs share the body parsing and refusals of bodies.py and the replica state, prompt encoding
+and generation events of replica.py; this module builds the app and serves it.
 
     flywheel replica --host 0.0.0.0 --port 8100 --replica-id replica-1
 
@@ -35,390 +36,34 @@ it has answered, so a sync that swaps versions meanwhile never affects it (weigh
 
 from __future__ import annotations
 
-import asyncio
-import hmac
-import json
 import logging
-import secrets
-import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
-from typing import Annotated, Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from app.contracts.events import Id
 from app.httplimits import BodyLimitMiddleware, body_limits, uvicorn_config
 from app.replica import metrics as m
-from app.replica.admission import ClientGone, GenerationQueue, QueueFull
+from app.replica.admission import ClientGone, QueueFull
+from app.replica.bodies import (
+    CompleteRequest,
+    RequestInvalid,
+    context_error,
+    field_error,
+    limit_error,
+    parse_complete_request,
+)
 from app.replica.config import ReplicaConfig
+from app.replica.replica import Replica
 from app.replica.routing import pick_slot
-from app.replica.weights import Lease, LoadedVersion, WeightCache, WeightStore
+from app.replica.weights import Lease, LoadedVersion
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
-B = TypeVar("B", bound=BaseModel)
-
-
-def _valid_unicode(v: str) -> str:
-    """Refuse lone surrogates (JSON's `"\\ud800"` decodes to one): they cannot be encoded, tokenized or logged."""
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"contains a lone surrogate (U+{ord(v[exc.start]):04X} at index {exc.start}), which is "
-            f"not valid Unicode; send UTF-8 text"
-        ) from None
-    return v
-
-
-Text = Annotated[str, Field(strict=True), AfterValidator(_valid_unicode)]
-
-
-class CompleteRequest(BaseModel):
-    """Body of POST /v1/complete (limits beyond these come from ReplicaConfig, checked in the route)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    session_id: Annotated[Id, Field(strict=True), AfterValidator(_valid_unicode)] = Field(
-        description="Editor session; picks champion vs candidate."
-    )
-    prompt: Text = Field(description="Text to complete (may be empty).")
-    max_tokens: int = Field(
-        64, ge=1, strict=True, description="Most completion tokens per candidate."
-    )
-    temperature: float = Field(
-        1.0,
-        ge=0.0,
-        le=100.0,
-        allow_inf_nan=False,
-        strict=True,
-        description="0 = greedy; otherwise at least the replica's `min_temperature`.",
-    )
-    n: int = Field(
-        1, ge=1, strict=True, description="Candidates for this context (n > 1 share a group_id)."
-    )
-
-
-class RequestInvalid(Exception):
-    """A 422: `errors` in FastAPI's shape, `[{loc: ["body", field...], msg, type}]`."""
-
-    def __init__(self, errors: list[dict[str, Any]]):
-        super().__init__(errors)
-        self.errors = errors
-
-
-def _printable(v: Any, limit: int = 200) -> Any:
-    """A loc item or message that is safe to send back (no lone surrogates, bounded length)."""
-    if not isinstance(v, str):
-        return v
-    v = v.encode("utf-8", "backslashreplace").decode("utf-8")
-    return v if len(v) <= limit else v[:limit] + "…"
-
-
-def parse_complete_request(raw: bytes) -> CompleteRequest:
-    """Decode and validate a /v1/complete body; RequestInvalid names the field (or `body`)."""
-    return parse_body(raw, CompleteRequest)
-
-
-def parse_body(raw: bytes, model: type[B]) -> B:
-    """Decode and validate a JSON body into `model`; RequestInvalid names the field (or `body`).
-
-    The standard JSON decoder reads the body first so that NaN, Infinity, huge numbers and
-    lone-surrogate escapes reach the model's validators, which name the field they are in."""
-
-    def body_error(msg: str, type_: str = "json_invalid") -> RequestInvalid:
-        return RequestInvalid([{"loc": ["body"], "msg": msg, "type": type_}])
-
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise body_error(
-            f"the body is not valid UTF-8 (byte {exc.start}: {exc.reason})", "utf8_invalid"
-        ) from None
-    try:
-        obj = json.loads(text)
-    except RecursionError:
-        raise body_error("the body is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError, and integers longer than Python's 4300-digit limit
-        raise body_error(f"the body is not valid JSON: {_printable(str(exc))}") from None
-    if isinstance(obj, dict):  # pydantic cannot name a key that is not valid Unicode: name it here
-        for key in obj:
-            try:
-                key.encode("utf-8")
-            except UnicodeEncodeError:
-                raise RequestInvalid(
-                    [
-                        {
-                            "loc": ["body", _printable(key)],
-                            "msg": "field name contains a lone "
-                            "surrogate, which is not valid Unicode",
-                            "type": "string_unicode",
-                        }
-                    ]
-                ) from None
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        raise RequestInvalid(
-            [
-                {
-                    "loc": ["body", *map(_printable, e["loc"])],
-                    "msg": _printable(e["msg"], 500),
-                    "type": e["type"],
-                }
-                for e in exc.errors(include_url=False, include_context=False, include_input=False)
-            ]
-        ) from None
-
-
-def _error(field: str, msg: str, status: int = 422) -> JSONResponse:
-    return JSONResponse(
-        {"detail": [{"loc": ["body", field], "msg": msg, "type": "value_error"}]},
-        status_code=status,
-    )
-
-
-def limit_error(
-    cfg: ReplicaConfig, *, n: int, max_tokens: int, prompt_chars: int, temperature: float
-) -> tuple[str, str] | None:
-    """The replica's own bounds on an otherwise valid request: (field, message) or None."""
-    if n > cfg.max_n:
-        return "n", f"n is {n}; this replica serves at most {cfg.max_n} candidates per request"
-    if max_tokens > cfg.max_tokens:
-        return (
-            "max_tokens",
-            f"max_tokens is {max_tokens}; this replica allows at most {cfg.max_tokens}",
-        )
-    if prompt_chars > cfg.max_prompt_chars:
-        return (
-            "prompt",
-            f"prompt has {prompt_chars} characters; at most {cfg.max_prompt_chars} are accepted",
-        )
-    if 0.0 < temperature < cfg.min_temperature:
-        return (
-            "temperature",
-            f"temperature {temperature!r} is below this replica's smallest non-zero temperature "
-            f"{cfg.min_temperature}; send 0 for greedy",
-        )
-    return None
-
-
-def context_error(lv: LoadedVersion, max_tokens: int) -> str | None:
-    """Why `max_tokens` does not fit the served model's context (None when it does)."""
-    ctx = int(lv.config.get("max_context") or 0)
-    if ctx and max_tokens > ctx - 1:
-        return (
-            f"max_tokens is {max_tokens}; the model's context holds {ctx} tokens including bos, "
-            f"so at most {ctx - 1}"
-        )
-    return None
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
-
-class Replica:
-    """Everything one replica process holds: config, weights, cache, event producer, sync agent."""
-
-    def __init__(self, settings: Settings, cfg: ReplicaConfig, start_sync: bool = True):
-        import torch
-
-        from app.contracts.event_producer import EventProducer
-
-        self.settings, self.cfg = settings, cfg
-        self.id = cfg.id
-        torch.set_num_threads(cfg.torch_threads)
-        self.cache = WeightCache(cfg.resolved_cache_dir(settings.data_dir))
-        self.store = WeightStore()
-        self.producer = EventProducer(settings)
-        self.topic = settings.topic("interactions")
-        self.queue: GenerationQueue | None = None  # made in start(), on the serving event loop
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.api_key = (
-            cfg.api_key.get_secret_value().encode("ascii") if cfg.api_key is not None else None
-        )
-        self.start_sync = start_sync
-        self.agent = None
-        self.jobs: set[asyncio.Task] = set()  # see spawn()
-        from app.replica.engines import make_engine
-
-        self.engine = make_engine(settings, cfg)  # what generates: app/replica/engines/
-        self.pool = ThreadPoolExecutor(  # one model call per slot (admission.py)
-            max_workers=self.engine.slots, thread_name_prefix=f"generate-{cfg.id}"
-        )
-        self._boot: threading.Thread | None = None
-
-    def restore(self) -> None:
-        """Serve the last verified versions from the local cache (before any sync)."""
-        serving = self.cache.restore(engine=self.engine if self.engine.in_place else None)
-        self.store.swap(
-            champion=serving.champion, candidate=serving.candidate, traffic_pct=serving.traffic_pct
-        )
-        m.observe_serving(self.id, serving.versions(), serving.traffic_pct)
-        if serving.champion is not None:
-            log.info("replica %s serving from its cache: %s", self.id, serving.versions())
-
-    async def start(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.queue = GenerationQueue(
-            self.id,
-            self.pool,
-            max_queued=self.cfg.max_queued,
-            max_queued_cost=self.cfg.max_queued_cost,
-            slots=self.engine.slots,
-        )
-        if self.engine.in_place:  # engine servers take minutes to start: serve health meanwhile
-            self._boot = threading.Thread(
-                target=self._boot_engine, name=f"boot-{self.id}", daemon=True
-            )
-        else:
-            await asyncio.to_thread(self.restore)
-        await self.producer.connect()
-        if self._boot is not None:
-            self._boot.start()
-        elif self.start_sync:
-            self._start_agent()
-
-    def _start_agent(self) -> None:
-        from app.replica.sync import SyncAgent
-
-        self.agent = SyncAgent(self.settings, self.cfg, self.store, self.cache, engine=self.engine)
-        self.agent.start()
-
-    def _boot_engine(self) -> None:
-        """Restore the cached versions into the engine (it starts its servers), then sync."""
-        try:
-            self.restore()
-        except Exception:
-            log.exception("replica %s could not restore its cached versions", self.id)
-        if self.start_sync:
-            self._start_agent()
-
-    async def stop(self) -> None:
-        if self.jobs:  # streams finishing: let them record their events (bounded)
-            await asyncio.wait(list(self.jobs), timeout=30)
-        if self._boot is not None and self._boot.is_alive():
-            await asyncio.to_thread(self._boot.join, 5)
-        if self.agent is not None:
-            await asyncio.to_thread(self.agent.stop)
-        await self.producer.aclose()
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        await asyncio.to_thread(self.engine.close)
-
-    # --- generation -----------------------------------------------------------------------------------
-    def authorized(self, request: Request) -> bool:
-        """True without a serving key; else whether `Authorization: Bearer <key>` matches (constant time)."""
-        if self.api_key is None:
-            return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("latin-1"), self.api_key
-        )
-
-    @staticmethod
-    def encode_prompt(lv: LoadedVersion, text: str, max_tokens: int) -> list[int]:
-        """The prompt tokens the model will see (the end of the prompt when it is longer than the context).
-
-        Raises ValueError when the version's tokenizer cannot encode the prompt."""
-        tok = lv.policy.tokenizer
-        try:
-            prompt = tok.encode(text)
-        except (ValueError, UnicodeError) as exc:
-            raise ValueError(f"the tokenizer {tok.name} cannot encode the prompt: {exc}") from None
-        bad = [t for t in prompt if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise ValueError(
-                f"the tokenizer {tok.name} produced ids outside its vocabulary: {bad[:5]}"
-            )
-        ctx = int(lv.config.get("max_context") or 0)
-        if ctx:
-            keep = ctx - 1 - max_tokens
-            prompt = prompt[-keep:] if keep > 0 else []
-        return prompt
-
-    def _generate(
-        self,
-        lv: LoadedVersion,
-        prompt: list[int],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        seed: int | None = None,
-        on_step: Any = None,
-    ) -> tuple[list[Any], float]:
-        """Runs on the generation thread: (samples, model seconds). `on_step`: trainer/policy/base.py."""
-        t0 = time.perf_counter()
-        samples = lv.policy.generate(
-            [prompt] * n,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            seed=secrets.randbits(62) if seed is None else seed,
-            on_step=on_step,
-        )
-        return samples, time.perf_counter() - t0
-
-    def generation_event(
-        self,
-        *,
-        request_id: str,
-        session_id: str,
-        temperature: float,
-        lv: LoadedVersion,
-        prompt: list[int],
-        sample: Any,
-        group_id: str | None,
-        latency_ms: float,
-        finish_reason: str,
-        stream: bool,
-    ) -> dict[str, Any]:
-        """The `generation` event of one completion, checked against the ingest contract."""
-        from app.contracts.events import encode_routes, parse_event
-
-        event: dict[str, Any] = {
-            "event_id": f"gen-{request_id}",
-            "type": "generation",
-            "request_id": request_id,
-            "session_id": session_id,
-            "ts": _now(),
-            "model_version": lv.version,
-            "prompt_tokens": list(prompt),
-            "completion_tokens": list(sample.tokens),
-            "logprobs": [float(x) for x in sample.logprobs],
-            "temperature": float(temperature),
-            "latency_ms": round(latency_ms, 3),
-            "tokenizer": lv.policy.tokenizer.name,
-            "finish_reason": finish_reason,
-            "stream": stream,
-        }
-        if sample.routes is not None:
-            event["routes"], event["route_shape"] = encode_routes(sample.routes)
-        if group_id is not None:
-            event["group_id"] = group_id
-        parse_event(event)  # the replica's own output must satisfy the ingest contract
-        return event  # (route_shape is a tuple here, a JSON array on the wire)
-
-    async def record(self, events: list[dict[str, Any]]) -> None:
-        """Send generation events to `<ns>.interactions` and wait for Kafka's ack
-        (RecordRejected / KafkaUnavailable from app/contracts/event_producer.py otherwise)."""
-        from app.contracts.kafka import dumps
-
-        await self.producer.produce(self.topic, [(e["request_id"], dumps(e)) for e in events])
-
-    def spawn(self, coro: Any) -> asyncio.Task:
-        """Run `coro` as a task the replica owns (it outlives the request that started it, e.g. a
-        stream whose client went away still records what was generated); stop() waits for them."""
-        task = asyncio.get_running_loop().create_task(coro)
-        self.jobs.add(task)
-        task.add_done_callback(self.jobs.discard)
-        return task
 
 
 def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) -> FastAPI:
@@ -440,7 +85,7 @@ def create_app(settings: Settings, cfg: ReplicaConfig, start_sync: bool = True) 
 
     def invalid(slot: str, field: str, msg: str) -> JSONResponse:
         m.REQUESTS.labels(cfg.id, slot, "invalid").inc()
-        return _error(field, msg)
+        return field_error(field, msg)
 
     def check_limits(req: CompleteRequest) -> JSONResponse | None:
         """The replica's own bounds on an otherwise valid request (422 naming the field)."""

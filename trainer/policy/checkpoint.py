@@ -46,7 +46,7 @@ def save_policy(
 
 def load_policy(path: str | Path) -> Policy:
     """Rebuild the policy from `path/config.json` and load `path/model.safetensors`."""
-    from trainer.policy import build_policy
+    from trainer.policy.factory import build_policy
 
     path = Path(path)
     cfg_file = path / CONFIG_FILE

@@ -68,21 +68,9 @@ from trainer.policy.base import (
     check_sampling_distribution,
     check_temperature,
 )
+from trainer.policy.hf_files import TOKENIZER_FILES
 from trainer.policy.moe_lm import serving_weight
 
-TOKENIZER_FILES = (
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "vocab.json",
-    "vocab.txt",
-)
-"""The files that define a tokenizer; those present are hashed into its id."""
 TOKENIZER_ID_MAX = 64  # app/contracts/events.py GenerationEvent.tokenizer
 HASH_HEX = 16
 

@@ -31,7 +31,19 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainer.policy.hf import TOKENIZER_FILES
+TOKENIZER_FILES = (
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+)
+"""The files that define a tokenizer; those present are hashed into its id."""
 
 MODEL_FILES = ("config.json", "generation_config.json")
 HF_FILES = tuple(sorted(MODEL_FILES + TOKENIZER_FILES))

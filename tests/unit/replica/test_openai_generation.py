@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.replica.bodies import RequestInvalid, parse_body
 from app.replica.openai_api import (
     ChatRequest,
     ChoiceText,
@@ -15,7 +16,6 @@ from app.replica.openai_api import (
     _strip_neutral,
     from_invalid,
 )
-from app.replica.server import RequestInvalid, parse_body
 from tests.unit.controller.unigram import UnigramPolicy
 from trainer.policy.tokenizer import ByteTokenizer
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from app.replica.server import RequestInvalid, parse_complete_request
+from app.replica.bodies import RequestInvalid, parse_complete_request
 
 
 def _fields(raw: bytes) -> list[list]:
