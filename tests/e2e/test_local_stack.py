@@ -40,6 +40,9 @@ def _env(data_dir: Path) -> tuple[dict[str, str], dict[str, int]]:
 
 @pytest.mark.timeout(1800)
 def test_the_loop_turns_end_to_end_and_resumes(tmp_path: Path):
+    """The module docstring's loop. Needs about two minutes: a whole `flywheel run` stack
+    (broker, MLflow, a dozen role processes) comes up, one ship interval (60 s) passes before the
+    first trained version, which is gated and canaried; then the stack restarts once."""
     data_dir = tmp_path / "data"
     env, ports = _env(data_dir)
     log = tmp_path / "run.log"

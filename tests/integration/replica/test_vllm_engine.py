@@ -101,6 +101,8 @@ def _check_versions(events: list[dict], policies: dict[str, object]) -> None:
 def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
     registered, replica_factory, mlflow_server, tmp_path, monkeypatch, vllm_python
 ):
+    """The module docstring's replica on two vLLM servers. Needs over a minute: two `vllm serve`
+    processes start (about 30 s each on 2 shared cores) and one restarts after a kill."""
     from app.replica.weights import VerificationError
     from kernels.delta.hashing import checkpoint_sha256
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer

@@ -55,6 +55,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice(
     trainer_env, tmp_path
 ):
+    """Steps 1-4 of the module docstring. Needs about two minutes: four trainer processes in a
+    row (each imports torch and MLflow and joins its consumer group, about 20 s on 2 shared
+    cores) and two ships through the real registry."""
     settings, cfg = trainer_env
     cfg.update(checkpoint_every=2, batch_size=4, max_wait_s=1.0)
     state_dir = Path(cfg["state_dir"])

@@ -165,6 +165,9 @@ def _kill_paused(marker: Path) -> str:
 def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_nothing_twice(
     trainer_env, tmp_path
 ):
+    """A rank SIGKILLed after a step, before a registration and after one (numbered below), each
+    time restarted by torchrun's elastic agent; every rollout trained exactly once. Needs over a
+    minute: the two ranks (each importing torch and joining gloo) start four times."""
     settings, cfg = trainer_env
     cfg.update(checkpoint_every=2, batch_size=4, max_wait_s=1.0)
     state_dir = Path(cfg["state_dir"])
