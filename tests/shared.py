@@ -9,6 +9,10 @@ started it (its own session), and the controller stops every such server at the 
 (`stop_all`, from `pytest_sessionfinish` in tests/conftest.py). Without xdist (`pytest -p
 no:xdist`, `-n 0`) the caller's fixture starts and stops it as a plain session fixture does.
 
+`shared_artifact` does the same for a directory that is expensive to build and only read once
+built (a tiny model with its tokenizer, the results of a torchrun): built once per run by the
+first worker that needs it, reused by every other worker and module.
+
 Tests isolate themselves on a shared server by name, never by a server of their own: a topic
 namespace per test on the broker, a model name per test in MLflow, a database per test on
 PostgreSQL.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -71,6 +76,23 @@ def shared_service(
             raise
         info.write_text(json.dumps(record))
         return record
+
+
+def shared_artifact(basetemp: Path, name: str, build: Callable[[Path], None]) -> Path:
+    """`<run root>/shared/artifacts/<name>`, built by `build(directory)` if no worker has yet.
+
+    Its users only read it. A build that raised leaves no artifact: the next user builds it
+    again (and fails the same way, loudly)."""
+    root = run_root(basetemp) / SHARED / "artifacts"
+    root.mkdir(parents=True, exist_ok=True)
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
 
 
 def stop_all(root: Path, timeout_s: float = 30.0) -> list[str]:

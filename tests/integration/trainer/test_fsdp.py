@@ -42,13 +42,6 @@ BF16_RTOL = 2.0**-7  # one bf16 ulp: a serving weight may round the other way
 MODELS = ("llama", "llama_tied", "moe", "moe_lora")  # moe_lora: LoRA on the MoE model
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> Path:
-    from tests.hf_models import train_bpe_tokenizer
-
-    return train_bpe_tokenizer(tmp_path_factory.mktemp("fsdp-tok"))
-
-
 def _model_dir(kind: str, root: Path, tok: Path) -> Path:
     from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir
 
@@ -57,12 +50,12 @@ def _model_dir(kind: str, root: Path, tok: Path) -> Path:
     return tiny_llama_dir(root / kind, tok, tie_word_embeddings=kind == "llama_tied")
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def run(request, tmp_path_factory, tokenizer_dir) -> dict:
-    """One 2-rank torchrun of the worker on a fresh tiny model: its results and directories."""
+def _torchrun(kind: str, root: Path) -> None:
+    """One 2-rank torchrun of the worker on a fresh tiny model of `kind`, into `root`."""
+    from tests.hf_models import train_bpe_tokenizer
+
     assert TORCHRUN.is_file(), f"{TORCHRUN} not found: install torch into the venv (make venv)"
-    root = tmp_path_factory.mktemp(f"fsdp-{request.param}")
-    model_dir = _model_dir(request.param, root, tokenizer_dir)
+    model_dir = _model_dir(kind, root, train_bpe_tokenizer(root / "tok"))
     out = root / "out"
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -74,19 +67,30 @@ def run(request, tmp_path_factory, tokenizer_dir) -> dict:
         str(WORKER),
         str(model_dir),
         str(out),
-        "lora" if request.param.endswith("_lora") else "full",
+        "lora" if kind.endswith("_lora") else "full",
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-    res = torch.load(out / "results.pt", weights_only=False)
-    ranks = json.loads((out / "ranks.json").read_text())
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def run(request, tmp_path_factory) -> dict:
+    """The torchrun of `request.param`: its results and directories. Run once per test run and
+    shared by every xdist worker (tests/shared.py `shared_artifact`): the tests only read it."""
+    from tests.shared import shared_artifact
+
+    kind = request.param
+    root = shared_artifact(
+        tmp_path_factory.getbasetemp(), f"fsdp-{kind}", lambda d: _torchrun(kind, d)
+    )
+    out = root / "out"
     return {
-        "kind": request.param,
-        "lora": request.param.endswith("_lora"),
-        "model_dir": model_dir,
+        "kind": kind,
+        "lora": kind.endswith("_lora"),
+        "model_dir": root / kind,
         "out": out,
-        "res": res,
-        "ranks": ranks,
+        "res": torch.load(out / "results.pt", weights_only=False),
+        "ranks": json.loads((out / "ranks.json").read_text()),
     }
 
 

@@ -38,11 +38,16 @@ REPO = Path(__file__).resolve().parents[3]
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
+    """(root, tokenizer, model) built once per test run for every worker (tests/shared.py
+    `shared_artifact`); tests only read them."""
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
+    from tests.shared import shared_artifact
 
-    root = tmp_path_factory.mktemp("import")
-    tok = train_bpe_tokenizer(root / "tok")
-    return root, tok, tiny_qwen2_moe_dir(root / "tiny-moe", tok)
+    def build(root: Path) -> None:
+        tiny_qwen2_moe_dir(root / "tiny-moe", train_bpe_tokenizer(root / "tok"))
+
+    root = shared_artifact(tmp_path_factory.getbasetemp(), "import-moe", build)
+    return root, root / "tok", root / "tiny-moe"
 
 
 @pytest.fixture()
@@ -353,7 +358,7 @@ def test_resume_keeps_the_versions_of_the_same_model_and_refuses_other_weights(
     assert again.returncode == 0, again.stdout + again.stderr
     assert len(_registered(fresh, name)) == 1
 
-    other = tiny_qwen2_moe_dir(root / "other-weights", tok, seed=1)
+    other = tiny_qwen2_moe_dir(tmp_path / "other-weights", tok, seed=1)
     refused = _import(mlflow_server, kafka_env, name, other, tmp_path / "c", "--resume")
     assert refused.returncode == 2, refused.stdout + refused.stderr
     out = refused.stdout + refused.stderr
