@@ -65,7 +65,7 @@ test: lint $(STAMP) postgres kafka-jars chromium compiler node vllm
 	$(BIN)/python -m pytest tests $(PYTEST_PARALLEL)
 
 # The inner loop: unit tests and the integration tests that need no server (marker `stack`,
-# tests/conftest.py), in under three minutes.
+# tests/conftest.py): 1,063 tests in about 4 minutes on 2 cores.
 test-fast: $(STAMP) compiler node
 	$(BIN)/python -m pytest tests/unit tests/integration -m "not stack" $(PYTEST_PARALLEL)
 
