@@ -23,14 +23,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from filelock import FileLock
 
-from app.infra.procs import group_alive, signal_group
+from app.infra.procs import stop_pgids
 
 SHARED = "shared"
 
@@ -105,12 +103,5 @@ def stop_all(root: Path, timeout_s: float = 30.0) -> list[str]:
         if "pgid" in record:
             records.append((info.stem, int(record["pgid"])))
         info.unlink()
-    for _, pgid in records:
-        signal_group(pgid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while any(group_alive(p) for _, p in records) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for _, pgid in records:
-        if group_alive(pgid):
-            signal_group(pgid, signal.SIGKILL)
+    stop_pgids([pgid for _, pgid in records], timeout_s)
     return [name for name, _ in records]

@@ -66,6 +66,29 @@ def signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def stop_pgids(
+    pgids: Sequence[int],
+    timeout_s: float = 20.0,
+    first: int = signal.SIGTERM,
+    reap: Callable[[], object] = lambda: None,
+) -> list[int]:
+    """Send `first` to each process group, wait up to `timeout_s` until no member of any is left
+    (`reap()` before each check, so a caller's exited leaders do not linger as zombies), then
+    SIGKILL the groups with members left. Returns those groups."""
+    for pgid in pgids:
+        signal_group(pgid, first)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reap()
+        left = [g for g in pgids if group_alive(g)]
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    for pgid in left:
+        signal_group(pgid, signal.SIGKILL)
+    return left
+
+
 def stop_groups(
     procs: Sequence[subprocess.Popen],
     timeout_s: float = 20.0,
@@ -74,18 +97,10 @@ def stop_groups(
     """Send `first` to each process's group (each was started with `start_new_session=True`),
     wait up to `timeout_s` for every member of every group to exit, SIGKILL the groups with
     members left, and reap the leaders. Returns the processes whose group had to be killed."""
-    for p in procs:
-        signal_group(p.pid, first)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for p in procs:
-            p.poll()  # reap an exited leader, else its zombie keeps the group "alive"
-        left = [p for p in procs if group_alive(p.pid)]
-        if not left or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
-    for p in left:
-        signal_group(p.pid, signal.SIGKILL)
+    killed = set(
+        stop_pgids([p.pid for p in procs], timeout_s, first, lambda: [p.poll() for p in procs])
+    )
+    left = [p for p in procs if p.pid in killed]
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(10)

@@ -22,7 +22,7 @@ from pathlib import Path
 from app.infra.procs import die_with_parent
 
 SUPERVISOR = """
-import sys, time
+import signal, sys
 from pathlib import Path
 from rich.console import Console
 from app.run import _stop, _stop_on_signals
@@ -36,8 +36,7 @@ try:
     for i in range(2):
         sup.start(RoleSpec(f"role-{i}", [sys.executable, "-c", "import time; time.sleep(600)"]), wait=False)
     console.print(" ".join(str(r.proc.pid) for r in sup.roles))
-    while True:
-        time.sleep(0.05)
+    signal.pause()  # until Ctrl-C
 except KeyboardInterrupt:
     pass
 finally:
