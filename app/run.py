@@ -393,9 +393,13 @@ def _stop(console: Console, sup: Supervisor, broker: LocalKafka | None, data_dir
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     _say(console, "stopping...")
+    start = time.monotonic()
     try:
         sup.stop_all()
+        _say(console, f"roles stopped in {time.monotonic() - start:.1f}s")
     finally:
         if broker is not None:
+            start = time.monotonic()
             broker.stop()
+            _say(console, f"broker stopped in {time.monotonic() - start:.1f}s")
     _say(console, "stopped; state kept in " + str(data_dir))

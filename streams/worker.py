@@ -3,7 +3,8 @@
 Validates the config (reward spec guard), serves Prometheus metrics, waits for the broker
 (app/infra/wait.py: started first, it stays up and says so), creates missing topics, then
 runs the Faust worker until SIGTERM/SIGINT. Start more processes with the
-same settings to split the partitions (one Kafka consumer group).
+same settings to split the partitions (one Kafka consumer group). `kill -USR2 <pid>` writes every
+thread's stack to the worker's stderr (a stuck start-up names its own line).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ log = logging.getLogger(__name__)
 def run_worker(
     settings: Settings | None = None, cfg: StreamsConfig | None = None, loglevel: str | None = None
 ) -> None:
+    import faulthandler
     import os
+    import signal
 
     from faust.worker import Worker
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     from prometheus_client import start_http_server
 
     from streams.app import build_app, ensure_internal_topics

@@ -25,12 +25,15 @@ import pytest
 
 from app.settings import Settings
 from tests.scheduling import (
+    CpuMeter,
     DurationRecorder,
     StackLimitedScheduling,
     load_durations,
     longest_first,
 )
 from tests.shared import shared_service, stop_all, under_xdist
+
+pytest_plugins = ["pytester"]  # tests/unit/test_scheduling.py runs pytest inside pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -293,6 +296,7 @@ def pytest_configure(config: pytest.Config) -> None:
     queue order, and xdist schedules with the stack limit (tests/scheduling.py)."""
     if not under_xdist():
         config.pluginmanager.register(DurationRecorder(), "flywheel-test-durations")
+    config.pluginmanager.register(CpuMeter(), "flywheel-test-cpu")  # fires where tests run
     if config.pluginmanager.hasplugin("xdist"):  # absent under `-p no:xdist`
         config.pluginmanager.register(StackLimits(), "flywheel-stack-limits")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import time
 from pathlib import Path
 
@@ -79,32 +80,74 @@ def longest_first(items: list[pytest.Item], known: dict[str, float]) -> None:
     items.sort(key=lambda item: queue_key(item.nodeid, known))
 
 
+def cpu_seconds() -> float:
+    """User + system CPU of this process and of its children that have exited and been reaped
+    (a test's subprocesses: a CLI run, a role, a whole `flywheel run` stack with its roles)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class CpuMeter:
+    """In the process that runs the tests (an xdist worker, or a plain run): the CPU seconds each
+    test used, setup to teardown, attached to its teardown report (`user_properties` "cpu_s", which
+    xdist carries to the controller). On 2 cores the suite is CPU-bound, so this, not the wall
+    time of a test that waited on others, is what a change to the suite must cut. Servers shared
+    by the run (tests/shared.py) are not counted: no test reaps them."""
+
+    def __init__(self) -> None:
+        self.start: dict[str, float] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        self.start[item.nodeid] = cpu_seconds()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call):
+        report = yield
+        if call.when == "teardown" and item.nodeid in self.start:
+            report.user_properties.append(("cpu_s", cpu_seconds() - self.start.pop(item.nodeid)))
+        return report
+
+
 class DurationRecorder:
-    """Sums each test's setup, call and teardown time as the reports arrive (in the xdist
-    controller, or the only process of a plain run), prints the run's wall time and its slowest
-    tests at the end, and merges the durations into the durations file."""
+    """Sums each test's setup, call and teardown time (and the CPU `CpuMeter` measured) as the
+    reports arrive (in the xdist controller, or the only process of a plain run), prints the
+    run's wall time and its slowest tests at the end, and merges the durations into the
+    durations file."""
 
     def __init__(self, path: Path = DURATIONS, show: int = 25) -> None:
         self.path, self.show = path, show
         self.seen: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
         self.started = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seen[report.nodeid] = self.seen.get(report.nodeid, 0.0) + report.duration
+        for name, value in report.user_properties:
+            if name == "cpu_s":
+                self.cpu[report.nodeid] = float(value)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.seen:
             return
         tr = terminalreporter
         wall = time.monotonic() - self.started
-        tr.write_sep("=", f"{self.show} slowest tests (setup + call + teardown)")
+        tr.write_sep("=", f"{self.show} slowest tests (setup + call + teardown; CPU they used)")
         for nodeid, seconds in sorted(self.seen.items(), key=lambda kv: -kv[1])[: self.show]:
-            tr.write_line(f"{seconds:8.1f}s  {nodeid}")
+            cpu = self.cpu.get(nodeid)
+            tr.write_line(f"{seconds:8.1f}s {'' if cpu is None else f'{cpu:7.1f}s cpu'}  {nodeid}")
+        if self.cpu:
+            tr.write_sep("=", f"{self.show} tests that used the most CPU")
+            for nodeid, cpu in sorted(self.cpu.items(), key=lambda kv: -kv[1])[: self.show]:
+                tr.write_line(f"{cpu:8.1f}s cpu  {self.seen.get(nodeid, 0.0):7.1f}s  {nodeid}")
         total = sum(self.seen.values())
         tr.write_sep(
             "=",
             f"{len(self.seen)} tests: {wall:.0f} s wall ({wall / 60:.1f} min), "
-            f"{total:.0f} s of test time",
+            f"{total:.0f} s of test time, {sum(self.cpu.values()):.0f} s of test CPU",
         )
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -115,6 +158,11 @@ class DurationRecorder:
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
         tmp.replace(self.path)
+        if self.cpu:  # beside the durations: what each test cost in CPU, for whoever cuts it
+            cpu_path = self.path.with_name(self.path.stem + "-cpu.json")
+            cpu_path.write_text(
+                json.dumps({k: round(v, 2) for k, v in self.cpu.items()}, indent=0, sort_keys=True)
+            )
 
 
 class StackLimitedScheduling(LoadScheduling):

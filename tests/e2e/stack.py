@@ -79,13 +79,33 @@ def start_run(
     )
 
 
-def stop_run(proc: subprocess.Popen, timeout: float = 120.0) -> int:
+# `flywheel run`'s own bound on stopping (app/run.py `_stop`): the roles, then the infra servers,
+# each tier SIGTERM, 20 s, SIGKILL, up to 15 s to reap (app/supervisor.py `stop_all`), then the
+# embedded broker's controlled shutdown, 30 s before SIGKILL (app/infra/kafka.py `LocalKafka.stop`)
+RUN_STOP_BOUND_S = 2 * (20 + 15) + 30
+
+
+def stop_run(
+    proc: subprocess.Popen, timeout: float = RUN_STOP_BOUND_S + 60, log: Path | None = None
+) -> int:
+    """Ctrl-C `flywheel run` and wait for its exit code; past `timeout`, kill its process group
+    and fail with the tail of `log` (the run logs how long each role took to stop)."""
+    start = time.monotonic()
     proc.send_signal(signal.SIGINT)  # what Ctrl-C does
     try:
-        return proc.wait(timeout)
+        rc = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        raise
+        tail = log.read_text(errors="replace")[-4000:] if log is not None else "(no log given)"
+        raise AssertionError(f"flywheel run did not stop within {timeout:.0f}s of Ctrl-C:\n{tail}")
+    _phase(f"stopped in {time.monotonic() - start:.0f}s")
+    return rc
+
+
+def _phase(what: str) -> None:
+    """A line on stderr (shown with the test's output on failure, and with `-s`): where an
+    end-to-end test spent its minutes."""
+    print(f"[e2e {time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
 def wait_for(
@@ -93,7 +113,8 @@ def wait_for(
 ):
     """`fn()` once it is truthy (HTTP and lookup errors count as not yet), failing with the log
     when `flywheel run` exits or `timeout` passes."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
     last = None
     while time.monotonic() < deadline:
         assert proc.poll() is None, (
@@ -103,6 +124,7 @@ def wait_for(
         try:
             last = fn()
             if last:
+                _phase(f"{time.monotonic() - start:.0f}s waiting for {what}")
                 return last
         except (httpx.HTTPError, KeyError, ValueError) as exc:
             last = exc

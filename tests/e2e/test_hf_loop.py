@@ -306,7 +306,7 @@ def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
             log,
         )
     finally:
-        rc = stop_run(proc)
+        rc = stop_run(proc, log=log)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
 
     # a second start on the same registry resumes: nothing is imported again (the registry's
@@ -326,7 +326,7 @@ def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
             if mv.tags.get("kind") == "import" and mv.version != "1"
         ]
     finally:
-        rc = stop_run(proc)
+        rc = stop_run(proc, log=log)
     assert rc == 0
 
     # a registry that holds this model is refused for another one: one line, no role starts
@@ -337,7 +337,7 @@ def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
         rc = proc.wait(300)
     finally:
         if proc.poll() is None:
-            stop_run(proc)
+            stop_run(proc, log=log)
     text = log.read_bytes()[before:].decode(errors="replace")
     assert rc == 2, text[-3000:]
     refusal = [ln for ln in text.splitlines() if "model import refused" in ln]
@@ -433,7 +433,7 @@ def test_an_hf_moe_model_trains_a_lora_adapter_through_the_whole_loop(tmp_path: 
             log,
         )
     finally:
-        rc = stop_run(proc)
+        rc = stop_run(proc, log=log)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
 
 

@@ -99,7 +99,7 @@ def test_the_loop_turns_end_to_end_and_resumes(tmp_path: Path):
         champion_before = status["models"][0]["champion"]
         assert champion_before is not None
     finally:
-        rc = stop_run(proc)
+        rc = stop_run(proc, log=log)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
     assert not (data_dir / "kafka" / "kafka.pid").exists(), "Ctrl-C must stop the embedded broker"
 
@@ -128,5 +128,5 @@ def test_the_loop_turns_end_to_end_and_resumes(tmp_path: Path):
             log,
         )
     finally:
-        rc = stop_run(proc)
+        rc = stop_run(proc, log=log)
     assert rc == 0

@@ -11,6 +11,7 @@ import json
 import pytest
 
 from tests.scheduling import (
+    CpuMeter,
     DurationRecorder,
     StackLimitedScheduling,
     load_durations,
@@ -129,3 +130,26 @@ def test_the_recorder_sums_phases_and_merges_into_the_file(tmp_path):
         )
     rec.pytest_sessionfinish(None, pytest.ExitCode.OK)
     assert load_durations(path) == {"tests/unit/old.py::t": 1.5, "tests/unit/x.py::a": 2.5}
+
+
+def test_the_cpu_meter_counts_a_tests_reaped_subprocesses_and_the_recorder_writes_them(pytester):
+    """A test that runs a CPU-bound subprocess gets at least that CPU on its teardown report, and
+    the recorder prints it and writes it beside the durations."""
+    pytester.makepyfile(
+        test_burn="""
+        import subprocess, sys
+
+        def test_burn():
+            subprocess.run([sys.executable, "-c", "x = 0\\nfor i in range(30_000_000): x += i"], check=True)
+
+        def test_idle():
+            pass
+        """
+    )
+    durations = pytester.path / "durations.json"
+    meter, rec = CpuMeter(), DurationRecorder(durations)
+    result = pytester.inline_run("-p", "no:xdist", plugins=[meter, rec])
+    result.assertoutcome(passed=2)
+    cpu = json.loads((pytester.path / "durations-cpu.json").read_text())
+    burn, idle = cpu["test_burn.py::test_burn"], cpu["test_burn.py::test_idle"]
+    assert burn > 0.5 and idle < 0.2 < burn, cpu

@@ -35,7 +35,12 @@ from tests.integration.replica.conftest import (  # noqa: F401  (fixtures)
     status,
 )
 from tests.integration.rollout.stack import wait_for
-from tests.integration.streams.conftest import produce, read_topic, start_worker  # noqa: F401  (fixture)
+from tests.integration.streams.conftest import (  # noqa: F401  (fixture)
+    produce,
+    read_topic,
+    read_until,
+    start_worker,
+)
 from tests.integration.streams.test_worker_broker import metric
 
 pytestmark = pytest.mark.integration
@@ -138,7 +143,10 @@ def test_streams_worker_dead_letters_bad_records_and_closes_the_lower_case_z_lab
     )
     assert good.status_code == 202, good.text
 
-    rollouts = read_topic(settings, settings.topic("rollouts"), 2, 120.0, distinct_keys=True)
+    # waits on progress (a stuck worker fails with its thread stacks), not on a deadline
+    rollouts = read_until(
+        settings, settings.topic("rollouts"), 2, key_of=lambda r: r.key, alive=[worker]
+    )
     by_key = {r.key: json.loads(r.value) for r in rollouts}
     assert set(by_key) == {b"req-z", b"req-good"}, f"rollouts: {sorted(by_key)}\n{worker.tail()}"
     assert by_key[b"req-z"]["reward"] == 0.75 and by_key[b"req-z"]["components"]["decision"] == 0.75

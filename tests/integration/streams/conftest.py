@@ -115,6 +115,21 @@ class WorkerProc:
     def tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
 
+    def stacks(self) -> str:
+        """Every thread's stack of the running worker (it dumps them on SIGUSR2, streams/worker.py),
+        read from its log; '' once it has exited."""
+        if self.proc.poll() is not None:
+            return ""
+        before = self.log_path.stat().st_size
+        os.kill(self.proc.pid, signal.SIGUSR2)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and self.log_path.stat().st_size == before:
+            time.sleep(0.1)
+        time.sleep(0.3)  # the rest of the dump
+        with open(self.log_path, "rb") as f:
+            f.seek(before)
+            return f.read().decode(errors="replace")[-6000:]
+
 
 @pytest.fixture()
 def start_worker(tmp_path: Path):
@@ -231,7 +246,10 @@ def read_until(
                 raise Stalled(
                     f"{topic}: {len(seen)} of {want} distinct records after {now - start:.0f} s; "
                     f"nothing new for the last {now - last_new:.0f} s"
-                    + "".join(f"\n--- alive worker {w.log_path.name}:\n{w.tail()}" for w in alive)
+                    + "".join(
+                        f"\n--- alive worker {w.log_path.name}:\n{w.tail()}\n--- its stacks:\n{w.stacks()}"
+                        for w in alive
+                    )
                 )
     finally:
         cons.close()
