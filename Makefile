@@ -11,10 +11,13 @@ STAMP  := $(VENV)/.flywheel-installed
 venv: $(STAMP)
 
 # A virtualenv with the pinned dependencies (requirements.lock) and the project, editable.
+# uv (from PyPI, pinned) installs them: from its cache under ~/.cache/uv a fresh clone's venv is
+# ready in seconds, where pip unpacked every wheel again (torch and its CUDA libraries, GBs).
+UV_VERSION := 0.13.9
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade "pip>=25"
-	$(BIN)/python -m pip install -q -c requirements.lock -e ".[test]"
+	$(BIN)/python -m pip install -q "uv==$(UV_VERSION)"
+	$(BIN)/uv pip install -q --native-tls --python $(BIN)/python -c requirements.lock -e ".[test]"
 	touch $(STAMP)
 
 # Kafka's jars from Maven Central into ~/.cache/flywheel (outside the repo).
