@@ -6,9 +6,14 @@
   the atomic swap.
 - `fetch.py`: reconstructing a version from MLflow artifacts (delta chain or anchor), verified.
 - `sync.py`: the sync agent that follows `flywheel.deployments` and publishes replica events.
-- `server.py`: the FastAPI app (`POST /v1/complete`, /healthz, /readyz, /metrics, /v1/status).
-- `openai_api.py`: the OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`,
-  `/v1/models`), streaming as server-sent events.
+- `replica.py`: one replica process's state and the generation path both APIs share.
+- `server.py`: the FastAPI app (`create_app`): the Replica, its lifespan, the routes.
+- `routes/`: one module per resource: `complete.py` (`POST /v1/complete`), `completions.py`,
+  `chat.py`, `models.py` (the OpenAI-compatible `/v1/completions`, `/v1/chat/completions`,
+  `/v1/models`), `health.py` (/healthz, /readyz, /metrics, /v1/status).
+- `openai/`: what the OpenAI-compatible routes share: request bodies, planning, generation,
+  the JSON answer, streaming as server-sent events, OpenAI's error shape.
+- `bodies.py`: strict request-body parsing and the refusals both APIs share.
 - `admission.py`: the bounded, cost-aware queue in front of the generation threads.
 - `engines/`: what generates: the built-in torch engine or vLLM servers updated in place.
 

@@ -1,7 +1,7 @@
 """Request bodies of the replica's routes (`/v1/complete` and the OpenAI-compatible ones): strict
 JSON decoding into pydantic models, valid-Unicode strings, and the refusals both APIs share (a
 field that is wrong, a limit that is exceeded, a prompt longer than the served context), each
-naming the field. app/replica/server.py documents the rules.
+naming the field. app/replica/routes/complete.py and app/replica/openai/ document the rules.
 """
 
 from __future__ import annotations

@@ -56,6 +56,13 @@ OPENAI_REQUESTS = Counter(
     "OpenAI-compatible requests by endpoint and outcome.",
     ["replica_id", "endpoint", "outcome"],
 )
+
+
+def count_openai(replica_id: str, endpoint: str, outcome: str) -> None:
+    """One OpenAI-compatible request answered (`flywheel_replica_openai_requests_total`)."""
+    OPENAI_REQUESTS.labels(replica_id, endpoint, outcome).inc()
+
+
 STREAMS_OPEN = Gauge(
     "flywheel_replica_streams_open", "Streamed responses open now.", ["replica_id"]
 )

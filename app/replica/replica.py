@@ -1,7 +1,7 @@
 """One replica process's state: its config, the weight store and cache, the generation queue, the
 event producer and the sync agent, and the generation path both APIs share (prompt encoding,
 sampling on the generation threads, one `generation` event per completion, acknowledged by Kafka
-before the answer). app/replica/server.py serves it over HTTP.
+before the answer). app/replica/server.py serves it over HTTP (the routes: app/replica/routes/).
 """
 
 from __future__ import annotations

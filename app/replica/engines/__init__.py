@@ -1,6 +1,6 @@
 """The engine seam: what generates behind a replica.
 
-The replica (app/replica/server.py, openai_api.py) is the HTTP front, the generation-event writer
+The replica (app/replica/server.py and its routes/, openai/) is the HTTP front, the generation-event writer
 and the sync agent's host; an engine loads verified versions and generates with them:
 
 - `builtin` (base.py, `FLYWHEEL_REPLICA_ENGINE=torch`, the default): every version is a new

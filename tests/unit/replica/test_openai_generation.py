@@ -9,13 +9,9 @@ import pytest
 import torch
 
 from app.replica.bodies import RequestInvalid, parse_body
-from app.replica.openai_api import (
-    ChatRequest,
-    ChoiceText,
-    CompletionRequest,
-    _strip_neutral,
-    from_invalid,
-)
+from app.replica.openai.choice_text import ChoiceText
+from app.replica.openai.errors import from_invalid
+from app.replica.openai.requests import ChatRequest, CompletionRequest, _strip_neutral
 from tests.unit.controller.unigram import UnigramPolicy
 from trainer.policy.tokenizer import ByteTokenizer
 
@@ -161,7 +157,7 @@ def test_invalid_bodies_become_openai_errors_naming_the_parameter(raw, model, pa
     ],
 )
 def test_unsupported_parameters_are_refused_unless_neutral(obj, param):
-    from app.replica.openai_api import OpenAIError
+    from app.replica.openai.errors import OpenAIError
 
     with pytest.raises(OpenAIError) as exc:
         _strip_neutral({"prompt": "x", **obj})

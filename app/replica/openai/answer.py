@@ -1,0 +1,92 @@
+"""The non-streamed answer of the OpenAI-compatible routes: a `text_completion` or
+`chat.completion` object, after Kafka acknowledged the generation events.
+
+- **Log-probs.** The behaviour log-prob of each sampled token: completions `logprobs: 0`, chat
+  `logprobs: true` (with `top_logprobs` absent or 0). Alternatives (`logprobs` > 0,
+  `top_logprobs` > 0) and log-probs in streams are refused with 400 (plan.py).
+- A client that disconnects before its turn in the generation queue gets nothing generated or
+  logged (499); once generating, a non-streamed request runs to the end, like /v1/complete.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from app.replica import metrics as m
+from app.replica.admission import ClientGone
+from app.replica.openai.generation import Outcome, admit, generate, generation_error, usage
+from app.replica.openai.plan import Plan
+from app.replica.replica import Replica
+
+
+async def answer(request: Request, replica: Replica, p: Plan) -> Response:
+    """Generate `p` to the end and answer with one JSON object (OpenAIError when it fails)."""
+    ticket = admit(replica, p)
+    gone = threading.Event()  # a non-streamed request runs to the end, like /v1/complete
+    try:
+        out = await generate(replica, p, ticket, gone, None, request)
+    except ClientGone:
+        m.count_openai(replica.id, p.endpoint, "disconnected")
+        return Response(status_code=499)  # nobody reads it; nothing was generated or logged
+    except Exception as exc:
+        if (err := generation_error(exc)) is None:
+            raise
+        raise err from None
+    body = {
+        "id": p.top_id,
+        "object": "chat.completion" if p.endpoint == "chat" else "text_completion",
+        "created": p.created,
+        "model": p.model,
+        "system_fingerprint": p.fingerprint,
+        "choices": _choices(p, out),
+        "usage": usage(p, out),
+    }
+    m.count_openai(replica.id, p.endpoint, "ok")
+    m.REQUEST_SECONDS.labels(replica.id).observe(time.perf_counter() - p.t_start)
+    return JSONResponse(body, headers=p.headers())
+
+
+def _choices(p: Plan, out: Outcome) -> list[dict[str, Any]]:
+    choices = []
+    for i, (c, s, reason) in enumerate(zip(out.choices, out.samples, out.reasons)):
+        choice: dict[str, Any] = {"index": i}
+        if p.endpoint == "chat":
+            choice["message"] = {"role": "assistant", "content": c.text, "refusal": None}
+            choice["logprobs"] = _chat_logprobs(c.tok, s) if p.logprobs else None
+        else:
+            choice["text"] = c.text
+            choice["logprobs"] = _completion_logprobs(c.tok, s) if p.logprobs else None
+        choice["finish_reason"] = reason
+        choice["request_id"] = p.ids[i]
+        choices.append(choice)
+    return choices
+
+
+def _token_text(tok: Any, tokens: list[int], j: int) -> str:
+    return tok.decode(tokens[j : j + 1])
+
+
+def _completion_logprobs(tok: Any, s: Any) -> dict[str, Any]:
+    """OpenAI's completions `logprobs` object for the sampled tokens (no alternatives)."""
+    return {
+        "tokens": [_token_text(tok, s.tokens, j) for j in range(len(s.tokens))],
+        "token_logprobs": [float(x) for x in s.logprobs],
+        "top_logprobs": None,
+        "text_offset": [len(tok.decode(s.tokens[:j])) for j in range(len(s.tokens))],
+    }
+
+
+def _chat_logprobs(tok: Any, s: Any) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for the sampled tokens (no alternatives)."""
+    content = []
+    for j, lp in enumerate(s.logprobs):
+        text = _token_text(tok, s.tokens, j)
+        content.append(
+            {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []}
+        )
+    return {"content": content, "refusal": None}
