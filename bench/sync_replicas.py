@@ -565,7 +565,7 @@ def child(replica_id: str) -> None:
         heartbeat_interval=3600,
         torch_threads=1,
     )
-    torch.set_num_threads(rc.torch_threads)  # what `flywheel replica` does (app/replica/server.py)
+    torch.set_num_threads(rc.torch_threads)  # what `flywheel replica` does (app/replica/replica.py)
     agent: SyncAgent | None = None
 
     class ReportingStore(WeightStore):

@@ -37,7 +37,7 @@ from pydantic import (
 MAX_ID_LEN = 128
 MAX_COMPLETION_TOKENS = 32768
 MAX_TEXT_LEN = 4096
-MAX_TEMPERATURE = 100.0  # the replicas' upper bound (app/replica/server.py)
+MAX_TEMPERATURE = 100.0  # the replicas' upper bound (app/replica/bodies.py, openai/requests.py)
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
 NonNegInt = Annotated[int, Field(ge=0)]

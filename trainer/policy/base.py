@@ -19,7 +19,7 @@ Conventions
   so far, `meta["finish_reason"] == "stopped"` for the rows that had not ended). The callback
   never changes what is sampled: a generation stopped after k steps is the first k steps of the
   same generation run to the end (same seed), tokens and log-probs bit for bit. Streaming,
-  stop sequences and cancellation are built on it (app/replica/openai_api.py).
+  stop sequences and cancellation are built on it (app/replica/openai/generation.py).
 """
 
 from __future__ import annotations
