@@ -210,13 +210,173 @@ def _stop_on_signals() -> None:
         signal.signal(sig, _interrupt)
 
 
+@dataclass
+class _Launch:
+    """What starting each part of the local run needs: where to say it, the settings, the
+    supervisor the roles run under and the data directory."""
+
+    console: Console
+    settings: Settings
+    sup: Supervisor
+    data_dir: Path
+
+    @property
+    def cli(self) -> list[str]:
+        """argv prefix of a `flywheel` command in a role's process."""
+        return [sys.executable, "-m", "app.cli"]
+
+    @property
+    def api_url(self) -> str:
+        return f"http://{self.settings.api_host}:{self.settings.api_port}"
+
+    def ok(self, text: str) -> None:
+        self.console.print(f"[green]✓[/green] {text}")
+
+
+def _role_env(
+    settings: Settings, data_dir: Path, demo: dict[str, str], extra: dict[str, str]
+) -> dict[str, str]:
+    """Every role's environment on top of the supervisor's: the demo defaults, where the shared
+    servers and the data are, then `flywheel run`'s own extra variables."""
+    return {
+        **demo,
+        "FLYWHEEL_DATA_DIR": str(data_dir),
+        "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
+        "MLFLOW_TRACKING_URI": settings.mlflow_uri,
+        "FLYWHEEL_DATABASE_URL": settings.db_url,
+        **extra,
+    }
+
+
+def _start_database(run: _Launch) -> dict[str, str]:
+    """Migrate the database; the local API keys (`local_keys`)."""
+    from app.db.migrate import upgrade
+
+    upgrade(run.settings.db_url)
+    keys = local_keys(run.settings)
+    run.ok(
+        f"database {run.settings.db_url}  (local API keys in {run.data_dir / 'local-keys.json'})"
+    )
+    return keys
+
+
+def _start_mlflow(run: _Launch) -> None:
+    """The MLflow server, unless one already answers on FLYWHEEL_MLFLOW_URI."""
+    from app.infra.mlflow_server import SERVER_ENV, host_port, mlflow_server_argv
+    from app.supervisor import RoleSpec
+
+    uri = run.settings.mlflow_uri
+    mhost, mport = host_port(uri)
+    if _http_ok(f"{uri}/health"):
+        run.console.print(f"[yellow]•[/yellow] reusing the MLflow server already on {uri}")
+        return
+    with run.console.status("starting the MLflow server..."):
+        run.sup.start(
+            RoleSpec(
+                "mlflow",
+                mlflow_server_argv(run.data_dir / "mlflow", mhost, mport),
+                env=SERVER_ENV,
+                url=uri,
+                ready=lambda: _http_ok(f"{uri}/health"),
+                infra=True,
+            )
+        )
+    run.ok(f"mlflow  {uri}")
+
+
+def _import_model(run: _Launch, model_dir: Path) -> None:
+    """`prepare_model`: RunModelError if the registry holds versions of another model."""
+    with run.console.status(f"checking the registry for {model_dir}..."):
+        done = prepare_model(run.settings, model_dir, run.sup.base_env, run.data_dir / "logs")
+    run.console.print(
+        f"[green]✓[/green] model   {model_dir} ({done}; {run.settings.model_name} in MLflow)",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _start_api(run: _Launch) -> None:
+    from app.supervisor import RoleSpec
+
+    api_url, s = run.api_url, run.settings
+    with run.console.status("starting the API..."):
+        run.sup.start(
+            RoleSpec(
+                "api",
+                run.cli + ["api", "--host", s.api_host, "--port", str(s.api_port)],
+                url=f"{api_url}/docs",
+                ready=lambda: _http_ok(f"{api_url}/healthz"),
+            )
+        )
+    run.ok(f"api     {api_url}/docs")
+
+
+def _start_roles(run: _Launch) -> None:
+    """The roles that serve no URL: projections, streams worker, trainer, controller."""
+    from app.supervisor import RoleSpec
+
+    run.sup.start(RoleSpec("projections", run.cli + ["projections", "follow"]), wait=False)
+    run.ok("projections (flywheel.deployments → SQL)")
+    for role in ("streams", "trainer", "controller"):
+        run.sup.start(RoleSpec(role, run.cli + [role]), wait=False)
+        run.ok(role)
+
+
+def _start_replicas(run: _Launch, opts: RunOptions) -> list[str]:
+    """`opts.replicas` replicas on consecutive ports, each with its engine; their URLs."""
+    from app.supervisor import RoleSpec
+
+    urls = []
+    for i in range(opts.replicas):
+        engines = opts.replica_engines
+        engine = engines[min(i, len(engines) - 1)] if engines else None
+        port = opts.replica_base_port + i
+        url = f"http://127.0.0.1:{port}"
+        urls.append(url)
+        argv = ["replica", "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--replica-id", f"replica-{i}", *(["--engine", engine] if engine else [])]
+        run.sup.start(RoleSpec(f"replica-{i}", run.cli + argv, url=url), wait=False)
+        run.ok(f"replica-{i} {url}" + (f" ({engine})" if engine else ""))
+    return urls
+
+
+def _start_simulate(run: _Launch, ingest_key: str, replica_urls: list[str]) -> None:
+    """The simulated editor population, asking `replica_urls` and posting to the API."""
+    from app.supervisor import RoleSpec
+
+    argv = ["simulate", "--api", run.api_url, "--api-key", ingest_key]
+    argv += sum((["--replica", u] for u in replica_urls), [])
+    run.sup.start(RoleSpec("simulate", run.cli + argv), wait=False)
+    run.ok("simulated editor population")
+
+
+def _watch(run: _Launch, read_key: str, opts: RunOptions) -> None:
+    """Print where everything is, then show the status view until Ctrl-C or `opts.duration_s`."""
+    from app.status_view import StatusView, trainer_metrics_url
+
+    api_url, keys_file = run.api_url, run.data_dir / "local-keys.json"
+    run.console.print(
+        f"\nAPI docs  {api_url}/docs\nMLflow UI {run.settings.mlflow_uri}\nStatus    {api_url}/v1/deployments "
+        f"(read key in {keys_file})\nLogs      {run.data_dir / 'logs'}\nCtrl-C stops everything.\n"
+    )
+    view = StatusView(
+        api_url,
+        read_key,
+        run.sup,
+        mlflow_uri=run.settings.mlflow_uri,
+        model_name=run.settings.model_name,
+        trainer_metrics_url=trainer_metrics_url(run.sup.base_env),
+    )
+    deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
+    view.run(live=opts.live, until=deadline)
+
+
 def run_local(settings: Settings, opts: RunOptions) -> int:
     from rich.console import Console
 
-    from app.db.migrate import upgrade
     from app.infra.kafka import LocalKafka, ensure_topics
-    from app.infra.mlflow_server import SERVER_ENV, host_port, mlflow_server_argv
-    from app.supervisor import RoleSpec, Supervisor
+    from app.supervisor import Supervisor
 
     console = Console()
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -228,17 +388,8 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
     except RunModelError as exc:
         console.print(f"[red]✗[/red] {exc}", highlight=False, soft_wrap=True)
         return 2
-    env = {
-        **demo,
-        "FLYWHEEL_DATA_DIR": str(data_dir),
-        "FLYWHEEL_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-        "FLYWHEEL_MLFLOW_URI": settings.mlflow_uri,
-        "MLFLOW_TRACKING_URI": settings.mlflow_uri,
-        "FLYWHEEL_DATABASE_URL": settings.db_url,
-        **opts.extra_env,
-    }
-    py = [sys.executable, "-m", "app.cli"]
-    sup = Supervisor(data_dir / "logs", env)
+    sup = Supervisor(data_dir / "logs", _role_env(settings, data_dir, demo, opts.extra_env))
+    run = _Launch(console, settings, sup, data_dir)
     broker = LocalKafka.from_settings(settings)
     started_broker = False
     try:
@@ -248,121 +399,17 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
             started_broker = not broker.running()
             broker.start(with_parent=True)
             ensure_topics(settings)
-        console.print(f"[green]✓[/green] kafka {broker.bootstrap}  (logs {broker.home / 'logs'})")
-
-        upgrade(settings.db_url)
-        keys = local_keys(settings)
-        console.print(
-            f"[green]✓[/green] database {settings.db_url}  (local API keys in {data_dir / 'local-keys.json'})"
-        )
-
-        mhost, mport = host_port(settings.mlflow_uri)
-        if _http_ok(f"{settings.mlflow_uri}/health"):
-            console.print(
-                f"[yellow]•[/yellow] reusing the MLflow server already on {settings.mlflow_uri}"
-            )
-        else:
-            with console.status("starting the MLflow server..."):
-                sup.start(
-                    RoleSpec(
-                        "mlflow",
-                        mlflow_server_argv(data_dir / "mlflow", mhost, mport),
-                        env=SERVER_ENV,
-                        url=settings.mlflow_uri,
-                        ready=lambda: _http_ok(f"{settings.mlflow_uri}/health"),
-                        infra=True,
-                    )
-                )
-            console.print(f"[green]✓[/green] mlflow  {settings.mlflow_uri}")
-
+        run.ok(f"kafka {broker.bootstrap}  (logs {broker.home / 'logs'})")
+        keys = _start_database(run)
+        _start_mlflow(run)
         if model_dir is not None:
-            with console.status(f"checking the registry for {model_dir}..."):
-                done = prepare_model(settings, model_dir, sup.base_env, data_dir / "logs")
-            console.print(
-                f"[green]✓[/green] model   {model_dir} ({done}; {settings.model_name} in MLflow)",
-                highlight=False,
-                soft_wrap=True,
-            )
-
-        api_url = f"http://{settings.api_host}:{settings.api_port}"
-        with console.status("starting the API..."):
-            sup.start(
-                RoleSpec(
-                    "api",
-                    py + ["api", "--host", settings.api_host, "--port", str(settings.api_port)],
-                    url=f"{api_url}/docs",
-                    ready=lambda: _http_ok(f"{api_url}/healthz"),
-                )
-            )
-        console.print(f"[green]✓[/green] api     {api_url}/docs")
-
-        sup.start(RoleSpec("projections", py + ["projections", "follow"]), wait=False)
-        console.print("[green]✓[/green] projections (flywheel.deployments → SQL)")
-        for role in ("streams", "trainer", "controller"):
-            sup.start(RoleSpec(role, py + [role]), wait=False)
-            console.print(f"[green]✓[/green] {role}")
-        replica_urls = []
-        for i in range(opts.replicas):
-            engines = opts.replica_engines
-            engine = engines[min(i, len(engines) - 1)] if engines else None
-            port = opts.replica_base_port + i
-            url = f"http://127.0.0.1:{port}"
-            replica_urls.append(url)
-            sup.start(
-                RoleSpec(
-                    f"replica-{i}",
-                    py
-                    + [
-                        "replica",
-                        "--host",
-                        "127.0.0.1",
-                        "--port",
-                        str(port),
-                        "--replica-id",
-                        f"replica-{i}",
-                        *(["--engine", engine] if engine else []),
-                    ],
-                    url=url,
-                ),
-                wait=False,
-            )
-            console.print(
-                f"[green]✓[/green] replica-{i} {url}" + (f" ({engine})" if engine else "")
-            )
+            _import_model(run, model_dir)
+        _start_api(run)
+        _start_roles(run)
+        replica_urls = _start_replicas(run, opts)
         if opts.simulate and replica_urls:
-            sup.start(
-                RoleSpec(
-                    "simulate",
-                    py
-                    + [
-                        "simulate",
-                        "--api",
-                        api_url,
-                        "--api-key",
-                        keys["ingest"],
-                        *sum((["--replica", u] for u in replica_urls), []),
-                    ],
-                ),
-                wait=False,
-            )
-            console.print("[green]✓[/green] simulated editor population")
-
-        console.print(
-            f"\nAPI docs  {api_url}/docs\nMLflow UI {settings.mlflow_uri}\nStatus    {api_url}/v1/deployments "
-            f"(read key in {data_dir / 'local-keys.json'})\nLogs      {data_dir / 'logs'}\nCtrl-C stops everything.\n"
-        )
-        from app.status_view import StatusView, trainer_metrics_url
-
-        view = StatusView(
-            api_url,
-            keys["read"],
-            sup,
-            mlflow_uri=settings.mlflow_uri,
-            model_name=settings.model_name,
-            trainer_metrics_url=trainer_metrics_url(sup.base_env),
-        )
-        deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
-        view.run(live=opts.live, until=deadline)
+            _start_simulate(run, keys["ingest"], replica_urls)
+        _watch(run, keys["read"], opts)
         return 0
     except KeyboardInterrupt:
         return 0
