@@ -24,6 +24,7 @@ import argparse
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,7 +38,7 @@ from app.simulate.users import Preference, population
 from streams.reward import KNOWN_SPECS, RewardSpec, compute_reward
 from trainer import objective as obj
 from trainer.batch import scatter_teacher, teacher_inputs
-from trainer.policy import build_policy
+from trainer.policy import Policy, build_policy
 
 
 def load(config: Path, weights: Path):
@@ -91,7 +92,7 @@ def _figures(f: dict) -> str:
     return " ".join(f"{short} {f[k]:.3f}" for k, short in names.items() if k in f)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", type=Path, required=True)
     ap.add_argument("--config", type=Path, required=True)
@@ -148,127 +149,230 @@ def main() -> None:
         help="share of hard argument lists (FLYWHEEL_SIMULATE_HARD_FRACTION; the hacks pay there)",
     )
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+@dataclass
+class Policies:
+    """The three copies of the policy a run holds, and the trainer's optimizer."""
+
+    trainer: Policy  # learns, in fp32
+    behaviour: Policy  # samples every batch and is the KL reference
+    served: Policy  # the trainer's bf16 serving weights, as a replica loads them
+    opt: torch.optim.Optimizer
+
+    @classmethod
+    def from_base(cls, args: argparse.Namespace) -> Policies:
+        trainer = load(args.config, args.base)
+        behaviour = load(args.config, args.base)
+        served = load(args.config, args.base)
+        opt = torch.optim.AdamW(
+            trainer.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0
+        )
+        return cls(trainer, behaviour, served, opt)
+
+
+@dataclass
+class Users:
+    """The simulated users and prompts: those the trainer learns from, and the held-out ones."""
+
+    train_users: list
+    train_prompts: list[str]
+    eval_users: list
+    eval_prompts: list[str]
+    hard_fraction: float
+
+    @classmethod
+    def build(cls, args: argparse.Namespace) -> Users:
+        pref = Preference(w_broken=args.w_broken) if args.w_broken is not None else None
+        train_users = population(64, seed=args.seed, pref=pref)
+        train_prompts = prompt_pool(512, seed=args.seed)
+        eval_prompts, eval_users = (
+            prompt_pool(48, seed=10_001, held_out=True),
+            population(32, seed=10_001, pref=pref, prefix="heldout"),
+        )
+        return cls(train_users, train_prompts, eval_users, eval_prompts, args.hard_fraction)
+
+    def heldout_figures(self, policy: Policy) -> dict:
+        return heldout(policy, self.eval_prompts, self.eval_users, self.hard_fraction)
+
+
+@dataclass
+class Run:
+    """One run of the experiment: its options, policies, users and the state of its steps."""
+
+    args: argparse.Namespace
+    spec: RewardSpec
+    policies: Policies
+    users: Users
+    generator: torch.Generator  # draws each step's number of groups and its prompts
+    grad_norms: list[float] = field(default_factory=list)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.args.behaviour}/{self.args.distill}"
+
+
+@dataclass
+class Batch:
+    """One step's completions, sampled from the behaviour policy and labelled by simulated users."""
+
+    prompts: list[list[int]]  # the prompt's tokens, once per completion
+    completions: list[list[int]]
+    behaviour_logprobs: torch.Tensor  # (completions, longest), zero-padded
+    mask: torch.Tensor  # 1.0 on completion tokens
+    labels: list[tuple[float, list]]  # (reward, tool errors) of each completion
+    rewards: torch.Tensor
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step reports at the next ship."""
+
+    kl: float
+    masked: float
+    reward_mean: float
+
+
+def sample_batch(run: Run, step: int) -> Batch:
+    """Groups of 2 completions per prompt from the behaviour policy, labelled with the reward spec."""
+    args, tok, prompts = run.args, run.policies.trainer.tokenizer, run.users.train_prompts
+    groups = args.batch // 2
+    if args.fill == "random":
+        groups = int(torch.randint(1, groups + 1, (1,), generator=run.generator))
+    idx = torch.randint(0, len(prompts), (groups,), generator=run.generator).tolist()
+    ptoks = [tok.encode(prompts[i]) for i in idx for _ in range(2)]
+    with torch.no_grad():
+        smp = run.policies.behaviour.generate(
+            ptoks, max_tokens=48, temperature=1.0, seed=args.seed * 100_000 + step
+        )
+    users = run.users.train_users
+    labels = [
+        label(
+            users[(step * 7 + j) % len(users)],
+            s.text,
+            run.spec,
+            is_hard(prompts[idx[j // 2]], args.hard_fraction),
+        )
+        for j, s in enumerate(smp)
+    ]
+    comps = [s.tokens for s in smp]
+    t_max = max(len(c) for c in comps)
+    behav = torch.zeros(len(comps), t_max)
+    mask = torch.zeros(len(comps), t_max)
+    for i, s in enumerate(smp):
+        behav[i, : len(s.tokens)] = torch.tensor(s.logprobs)
+        mask[i, : len(s.tokens)] = 1.0
+    rewards = torch.tensor([r for r, _ in labels])
+    return Batch(ptoks, comps, behav, mask, labels, rewards)
+
+
+def distill_loss(
+    policy: Policy, batch: Batch, logp: torch.Tensor, w: torch.Tensor, over: str
+) -> torch.Tensor | None:
+    """Self-distillation on the tool errors' feedback (None when no completion has any), over the
+    batch's tokens (`over` "batch") or the distilled ones alone ("kept")."""
+    rolls = [
+        SimpleNamespace(prompt_tokens=p, completion_tokens=c, tool_errors=e)
+        for p, c, (_, e) in zip(batch.prompts, batch.completions, batch.labels)
+    ]
+    t = teacher_inputs(rolls, policy.tokenizer, policy.config_dict().get("max_context"))
+    if not t.rows:
+        return None
+    with torch.no_grad():
+        t_lp = policy.logprobs(t.prompts, t.tails, None, 1.0)
+    teacher, dmask = scatter_teacher(t_lp, t, tuple(logp.shape))
+    dl, _ = obj.distill_loss(logp, teacher, dmask, w, batch.mask if over == "batch" else None)
+    return dl
+
+
+def train_step(run: Run, batch: Batch) -> StepStats:
+    """One optimizer step with the trainer's loss (trainer/loop.py) on `batch`."""
+    args, policy, opt = run.args, run.policies.trainer, run.policies.opt
+    comps = batch.completions
+    policy.train()
+    logp = policy.logprobs(batch.prompts, comps, None, 1.0)
+    w = obj.importance_weights(logp, batch.behaviour_logprobs, batch.mask)
+    adv = obj.advantages(batch.rewards, [f"g{i // 2}" for i in range(len(comps))], args.adv_scale)
+    loss = obj.policy_gradient_loss(logp, adv, w, batch.mask)
+    with torch.no_grad():
+        ref = run.policies.behaviour.logprobs(batch.prompts, comps, None, 1.0)
+    kl = obj.kl_k3(logp, ref, w)
+    loss = loss + args.kl_coef * kl
+    if args.distill != "off":
+        dl = distill_loss(policy, batch, logp, w, args.distill)
+        if dl is not None:
+            loss = loss + args.distill_coef * dl
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    run.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)))
+    for group in opt.param_groups:
+        group["lr"] = args.lr * obj.partial_batch_lr_scale(len(comps), args.batch, args.partial_lr)
+    opt.step()
+    return StepStats(float(kl.detach()), w.masked_fraction, float(batch.rewards.mean()))
+
+
+def ship(run: Run, step: int, stats: StepStats, t0: float) -> dict:
+    """A shipped version: promote it (with `--behaviour follow`, every --promote-every-th), measure
+    held-out acceptance on the trainer's and the served weights, print its line; its curve point."""
+    args, policies = run.args, run.policies
+    policies.trainer.eval()
+    v = step // args.version_steps
+    if args.behaviour == "follow" and v % args.promote_every == 0:
+        policies.behaviour.load_serving_state_dict(policies.trainer.serving_state_dict())
+    figs = run.users.heldout_figures(policies.trainer)
+    acc = figs["heldout_acceptance"]
+    # bf16, as a replica serves it
+    policies.served.load_serving_state_dict(policies.trainer.serving_state_dict())
+    acc_served = run.users.heldout_figures(policies.served)["heldout_acceptance"]
+    gmax = max(run.grad_norms[-args.version_steps :])
+    print(
+        f"{run.tag}: v{v} step {step} held-out {acc:.3f} (served bf16 {acc_served:.3f}) kl {stats.kl:.3f} "
+        f"masked {stats.masked:.2f} max grad norm {gmax:.1f} batch reward {stats.reward_mean:+.3f} "
+        f"{_figures(figs)} ({time.monotonic() - t0:.0f}s)",
+        flush=True,
+    )
+    return {
+        "version": v,
+        "step": step,
+        "heldout": acc,
+        "kl": stats.kl,
+        "masked": stats.masked,
+        "reward_mean": stats.reward_mean,
+        "max_grad_norm": gmax,
+        "heldout_served": acc_served,
+        "figures": figs,
+    }
+
+
+def write_curve(args: argparse.Namespace, curve: list[dict]) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
+        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "curve": curve}, indent=1)
+    )
+
+
+def main() -> None:
+    args = parse_args()
     torch.manual_seed(args.seed)
     spec = RewardSpec(version=args.spec, weights=KNOWN_SPECS[args.spec])
-    policy = load(args.config, args.base)
-    behaviour = load(args.config, args.base)
-    served = load(args.config, args.base)
-    opt = torch.optim.AdamW(policy.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    pref = Preference(w_broken=args.w_broken) if args.w_broken is not None else None
-    users = population(64, seed=args.seed, pref=pref)
-    train_prompts = prompt_pool(512, seed=args.seed)
-    eval_prompts, eval_users = (
-        prompt_pool(48, seed=10_001, held_out=True),
-        population(32, seed=10_001, pref=pref, prefix="heldout"),
+    run = Run(
+        args,
+        spec,
+        Policies.from_base(args),
+        Users.build(args),
+        torch.Generator().manual_seed(args.seed),
     )
-    tok = policy.tokenizer
-    h0 = heldout(policy, eval_prompts, eval_users, args.hard_fraction)
+    h0 = run.users.heldout_figures(run.policies.trainer)
     curve = [{"version": 0, "step": 0, "heldout": h0["heldout_acceptance"], "figures": h0}]
-    print(f"{args.behaviour}/{args.distill}: v0 {_figures(h0)}", flush=True)
-    g = torch.Generator().manual_seed(args.seed)
-    grad_norms: list[float] = []
+    print(f"{run.tag}: v0 {_figures(h0)}", flush=True)
     t0 = time.monotonic()
     for step in range(1, args.steps + 1):
-        groups = args.batch // 2
-        if args.fill == "random":
-            groups = int(torch.randint(1, groups + 1, (1,), generator=g))
-        idx = torch.randint(0, len(train_prompts), (groups,), generator=g).tolist()
-        ptoks = [tok.encode(train_prompts[i]) for i in idx for _ in range(2)]
-        with torch.no_grad():
-            smp = behaviour.generate(
-                ptoks, max_tokens=48, temperature=1.0, seed=args.seed * 100_000 + step
-            )
-        labels = [
-            label(
-                users[(step * 7 + j) % len(users)],
-                s.text,
-                spec,
-                is_hard(train_prompts[idx[j // 2]], args.hard_fraction),
-            )
-            for j, s in enumerate(smp)
-        ]
-        rewards = torch.tensor([r for r, _ in labels])
-        comps = [s.tokens for s in smp]
-        t_max = max(len(c) for c in comps)
-        behav = torch.zeros(len(comps), t_max)
-        mask = torch.zeros(len(comps), t_max)
-        for i, s in enumerate(smp):
-            behav[i, : len(s.tokens)] = torch.tensor(s.logprobs)
-            mask[i, : len(s.tokens)] = 1.0
-        policy.train()
-        logp = policy.logprobs(ptoks, comps, None, 1.0)
-        w = obj.importance_weights(logp, behav, mask)
-        adv = obj.advantages(rewards, [f"g{i // 2}" for i in range(len(comps))], args.adv_scale)
-        loss = obj.policy_gradient_loss(logp, adv, w, mask)
-        with torch.no_grad():
-            ref = behaviour.logprobs(ptoks, comps, None, 1.0)
-        kl = obj.kl_k3(logp, ref, w)
-        loss = loss + args.kl_coef * kl
-        dkl = 0.0
-        if args.distill != "off":
-            rolls = [
-                SimpleNamespace(prompt_tokens=p, completion_tokens=c, tool_errors=e)
-                for p, c, (_, e) in zip(ptoks, comps, labels)
-            ]
-            t = teacher_inputs(rolls, tok, policy.config_dict().get("max_context"))
-            if t.rows:
-                with torch.no_grad():
-                    t_lp = policy.logprobs(t.prompts, t.tails, None, 1.0)
-                teacher, dmask = scatter_teacher(t_lp, t, tuple(logp.shape))
-                dl, dkl = obj.distill_loss(
-                    logp, teacher, dmask, w, mask if args.distill == "batch" else None
-                )
-                loss = loss + args.distill_coef * dl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
-        for group in opt.param_groups:
-            group["lr"] = args.lr * obj.partial_batch_lr_scale(
-                len(comps), args.batch, args.partial_lr
-            )
-        opt.step()
-        grad_norms.append(gn)
+        stats = train_step(run, sample_batch(run, step))
         if step % args.version_steps == 0:
-            policy.eval()
-            v = step // args.version_steps
-            if args.behaviour == "follow" and v % args.promote_every == 0:
-                behaviour.load_serving_state_dict(policy.serving_state_dict())
-            figs = heldout(policy, eval_prompts, eval_users, args.hard_fraction)
-            acc = figs["heldout_acceptance"]
-            served.load_serving_state_dict(
-                policy.serving_state_dict()
-            )  # bf16, as a replica serves it
-            acc_served = heldout(served, eval_prompts, eval_users, args.hard_fraction)[
-                "heldout_acceptance"
-            ]
-            gmax = max(grad_norms[-args.version_steps :])
-            curve.append(
-                {
-                    "version": v,
-                    "step": step,
-                    "heldout": acc,
-                    "kl": float(kl.detach()),
-                    "masked": w.masked_fraction,
-                    "reward_mean": float(rewards.mean()),
-                    "max_grad_norm": gmax,
-                    "heldout_served": acc_served,
-                    "figures": figs,
-                }
-            )
-            print(
-                f"{args.behaviour}/{args.distill}: v{v} step {step} held-out {acc:.3f} (served bf16 {acc_served:.3f}) kl {float(kl.detach()):.3f} "
-                f"masked {w.masked_fraction:.2f} max grad norm {gmax:.1f} batch reward {float(rewards.mean()):+.3f} "
-                f"{_figures(figs)} ({time.monotonic() - t0:.0f}s)",
-                flush=True,
-            )
+            curve.append(ship(run, step, stats, t0))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(
-            json.dumps(
-                {"args": {k: str(v) for k, v in vars(args).items()}, "curve": curve}, indent=1
-            )
-        )
+        write_curve(args, curve)
 
 
 if __name__ == "__main__":
