@@ -47,8 +47,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from bench.training import Trainer
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def parse_args() -> argparse.Namespace:
@@ -151,82 +156,126 @@ def measure(
     return out
 
 
-def main() -> None:
-    args = parse_args()
-    from rich.console import Console
-    from rich.progress import Progress
-    from rich.table import Table
+# ------------------------------------------------------------------ the run
 
-    from kernels.delta import DEFAULT_LEVEL
 
-    level = args.level or DEFAULT_LEVEL
-    policy = args.model == "policy"
-    hf = args.model.startswith("hf-")
-    warmup = (
-        args.warmup
-        if args.warmup is not None
-        else (0 if hf else 5 if args.quick else 20 if policy else 150)
-    )
-    if args.steps:
-        steps_grid = tuple(sorted({int(x) for x in args.steps.split(",")}))
-    else:
-        steps_grid = (1,) if args.quick else (1, 10) if policy or hf else (1, 10, 100)
-    lrs = (
-        tuple(float(x) for x in args.lrs.split(","))
-        if args.lrs
-        else ((1e-6, 1e-5) if args.quick or hf else (1e-6, 1e-5, 1e-4))
-    )
-    console = Console(width=170)
-    if hf:
+@dataclass(frozen=True)
+class Grid:
+    """What a run trains and measures: warm-up, grid of learning rates x steps, the chain of
+    versions for the replica sync (`sync_steps` steps at the trainer's default lr; 0: none), and
+    the codec settings."""
+
+    level: int
+    warmup: int
+    steps: tuple[int, ...]
+    lrs: tuple[float, ...]
+    default_lr: float
+    sync_steps: int
+    impls: tuple[str, ...]
+    repeats: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, default_lr: float) -> Grid:
+        from kernels.delta import DEFAULT_LEVEL
+
+        policy = args.model == "policy"
+        hf = args.model.startswith("hf-")
+        warmup = (
+            args.warmup
+            if args.warmup is not None
+            else (0 if hf else 5 if args.quick else 20 if policy else 150)
+        )
+        if args.steps:
+            steps = tuple(sorted({int(x) for x in args.steps.split(",")}))
+        else:
+            steps = (1,) if args.quick else (1, 10) if policy or hf else (1, 10, 100)
+        lrs = (
+            tuple(float(x) for x in args.lrs.split(","))
+            if args.lrs
+            else ((1e-6, 1e-5) if args.quick or hf else (1e-6, 1e-5, 1e-4))
+        )
+        # the reference codec and 3 repeats cost minutes on a 100+ MB checkpoint: hf times the fast one once
+        impls, repeats = (("fast",), 1) if hf else (("reference", "fast"), 3)
+        # versions one step apart at the default lr: a warm-up round + the measured ones
+        sync_rounds = args.sync_rounds if args.sync_rounds is not None else (3 if hf else 10)
+        sync_steps = 1 + sync_rounds if (policy or hf) and not args.no_sync else 0
+        if sync_steps and default_lr not in lrs:
+            lrs = tuple(sorted(lrs + (default_lr,)))
+        return cls(
+            args.level or DEFAULT_LEVEL,
+            warmup,
+            steps,
+            lrs,
+            default_lr,
+            sync_steps,
+            impls,
+            repeats,
+        )
+
+    def steps_at(self, lr: float) -> int:
+        """Optimizer steps taken at `lr` after the warm-up."""
+        return max(max(self.steps), self.sync_steps if lr == self.default_lr else 0)
+
+    def lr_label(self, lr: float) -> str:
+        return f"{lr:g}{'*' if lr == self.default_lr else ''}"
+
+
+@dataclass
+class Checkpoints:
+    """The serving state dicts a run trained."""
+
+    pairs: dict[tuple[float, int], tuple[dict, dict]]  # (lr, steps) -> (base, target)
+    chain: list[dict]  # successive versions one step apart at the default lr (replica sync)
+    warmup_loss: float
+
+
+def make_trainer(args: argparse.Namespace, console: Console) -> Trainer:
+    if args.model.startswith("hf-"):
         from bench.hf_models import HFTrainer
 
-        tr = HFTrainer(
+        return HFTrainer(
             args.model, args.batch or 4, args.seq or 64, "tiny" if args.tiny else "full", console
         )
-    else:
-        tr = Trainer(args.model, args.batch or 8, args.seq or (64 if policy else 128))
-    # the reference codec and 3 repeats cost minutes on a 100+ MB checkpoint: hf times the fast one once
-    impls, repeats = (("fast",), 1) if hf else (("reference", "fast"), 3)
-    # versions one step apart at the default lr: a warm-up round + the measured ones
-    sync_rounds = args.sync_rounds if args.sync_rounds is not None else (3 if hf else 10)
-    sync_steps = 1 + sync_rounds if (policy or hf) and not args.no_sync else 0
-    if sync_steps and tr.default_lr not in lrs:
-        lrs = tuple(sorted(lrs + (tr.default_lr,)))
-    console.print(
-        f"model: {tr.kind}, {tr.n_params():,} parameters; warm-up {warmup} steps at lr 1e-3; "
-        f"batch {tr.batch} x {tr.seq} {'tokens' if hf else 'bytes'}; zstd level {level}; trainer optimizer (AdamW betas "
-        f"{tuple(tr.opt.defaults['betas'])}, weight decay {tr.opt.defaults['weight_decay']}, clip "
-        f"{tr.max_grad_norm}); * = trainer default lr {tr.default_lr:g}"
-    )
-    t_train = time.perf_counter()
+    return Trainer(args.model, args.batch or 8, args.seq or (64 if args.model == "policy" else 128))
+
+
+def train(tr: Trainer, grid: Grid, console: Console) -> Checkpoints:
+    """Warm up at lr 1e-3, then from that same warm state for each lr: snapshot the serving state
+    at each grid point (and at every step of the sync chain at the default lr)."""
+    from rich.progress import Progress
+
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("warm-up", total=warmup)
+        task = progress.add_task("warm-up", total=grid.warmup)
         loss = float("nan")
-        for _ in range(warmup):
+        for _ in range(grid.warmup):
             loss = tr.step(1e-3)
             progress.advance(task)
         warm = tr.snapshot()
         pairs, chain = {}, []
-        for lr in lrs:
+        for lr in grid.lrs:
             tr.restore(warm)
             base, done = tr.serving(), 0
-            last = max(max(steps_grid), sync_steps if lr == tr.default_lr else 0)
+            last = grid.steps_at(lr)
             task = progress.add_task(f"lr {lr:g}", total=last)
-            if lr == tr.default_lr:
+            if lr == grid.default_lr:
                 chain = [base]
             while done < last:
                 tr.step(lr)
                 done += 1
                 progress.advance(task)
-                if done in steps_grid:
+                if done in grid.steps:
                     pairs[(lr, done)] = (base, tr.serving())
-                if lr == tr.default_lr and done <= sync_steps:
+                if lr == grid.default_lr and done <= grid.sync_steps:
                     chain.append(tr.serving())
-    console.print(
-        (f"warm-up loss {loss:.3f}; " if warmup else "")
-        + f"training took {time.perf_counter() - t_train:.0f} s "
-        f"({warmup + sum(max(max(steps_grid), sync_steps if lr == tr.default_lr else 0) for lr in lrs)} steps)"
-    )
+    return Checkpoints(pairs, chain, loss)
+
+
+def measure_grid(
+    pairs: dict[tuple[float, int], tuple[dict, dict]], grid: Grid, console: Console
+) -> dict[tuple[float, int], dict]:
+    """`measure` of every (lr, steps) pair, printed as a table."""
+    from rich.table import Table
+
     table = Table(title="delta codec vs baselines (ratios = baseline bytes / delta bytes)")
     for col in (
         "lr",
@@ -247,10 +296,10 @@ def main() -> None:
         table.add_column(col, justify="right")
     results = {}
     for (lr, s), (base, target) in sorted(pairs.items()):
-        r = measure(base, target, level, repeats, impls)
+        r = measure(base, target, grid.level, grid.repeats, grid.impls)
         results[(lr, s)] = r
         table.add_row(
-            f"{lr:g}{'*' if lr == tr.default_lr else ''}",
+            grid.lr_label(lr),
             str(s),
             f"{100 * r['frac']:.2f}%",
             f"{r['delta'] / 1024:.1f}",
@@ -266,6 +315,13 @@ def main() -> None:
             str(r["same_bytes"]),
         )
     console.print(table)
+    return results
+
+
+def print_targets(
+    results: dict[tuple[float, int], dict], grid: Grid, n_params: int, console: Console
+) -> None:
+    """The targets of docs/DESIGN.md §Delta sync, the published anchors, and the ratios by lr."""
     first = results.get((1e-6, 1))
     ok_xor = all(r["xorz"] / r["delta"] >= 1.5 for r in results.values())
     if first is not None:
@@ -281,36 +337,63 @@ def main() -> None:
     if first is not None:
         console.print(
             f"published anchors: TRL sparse weight sync ~34-60x, PULSE ~130x (7B model); "
-            f"here {first['full'] / first['delta']:.0f}x at lr 1e-6 / 1 step on {tr.n_params() / 1e6:.1f}M "
+            f"here {first['full'] / first['delta']:.0f}x at lr 1e-6 / 1 step on {n_params / 1e6:.1f}M "
             "parameters"
         )
-    d = results.get((tr.default_lr, 1))
+    d = results.get((grid.default_lr, 1))
     if d is not None:
         console.print(
-            f"trainer default lr {tr.default_lr:g}, 1 step between versions: {100 * d['frac']:.2f}% changed, "
+            f"trainer default lr {grid.default_lr:g}, 1 step between versions: {100 * d['frac']:.2f}% changed, "
             f"{d['full'] / d['delta']:.0f}x vs bf16, {d['zfull'] / d['delta']:.0f}x vs zstd(full), "
             f"{d['xorz'] / d['delta']:.2f}x vs XOR+zstd; fast codec encode {d['enc_fast']:.0f} MB/s, "
             f"decode {d['dec_fast']:.0f} MB/s"
         )
-    for s in steps_grid:
-        row = [(lr, results[(lr, s)]) for lr in lrs if (lr, s) in results]
+    for s in grid.steps:
+        row = [(lr, results[(lr, s)]) for lr in grid.lrs if (lr, s) in results]
         console.print(
             f"{s} step(s), ratio vs bf16 by lr: "
             + ", ".join(
-                f"{lr:g}{'*' if lr == tr.default_lr else ''} -> {r['full'] / r['delta']:.0f}x "
+                f"{grid.lr_label(lr)} -> {r['full'] / r['delta']:.0f}x "
                 f"({100 * r['frac']:.1f}% changed)"
                 for lr, r in row
             )
         )
+
+
+def main() -> None:
+    args = parse_args()
+    from rich.console import Console
+
+    hf = args.model.startswith("hf-")
+    console = Console(width=170)
+    tr = make_trainer(args, console)
+    grid = Grid.from_args(args, tr.default_lr)
+    console.print(
+        f"model: {tr.kind}, {tr.n_params():,} parameters; warm-up {grid.warmup} steps at lr 1e-3; "
+        f"batch {tr.batch} x {tr.seq} {'tokens' if hf else 'bytes'}; zstd level {grid.level}; trainer optimizer (AdamW betas "
+        f"{tuple(tr.opt.defaults['betas'])}, weight decay {tr.opt.defaults['weight_decay']}, clip "
+        f"{tr.max_grad_norm}); * = trainer default lr {tr.default_lr:g}"
+    )
+    t_train = time.perf_counter()
+    ckpts = train(tr, grid, console)
+    console.print(
+        (f"warm-up loss {ckpts.warmup_loss:.3f}; " if grid.warmup else "")
+        + f"training took {time.perf_counter() - t_train:.0f} s "
+        f"({grid.warmup + sum(grid.steps_at(lr) for lr in grid.lrs)} steps)"
+    )
+    results = measure_grid(ckpts.pairs, grid, console)
+    print_targets(results, grid, tr.n_params(), console)
     # ---- time to sync 4 local replicas vs the floor (payload / measured loopback
     # bandwidth + apply time), on versions one step apart at the trainer's default lr;
     # bench/sync_replicas.py starts its own Kafka + MLflow and 4 replica processes.
-    if not (policy or hf):
+    if not (args.model == "policy" or hf):
         console.print("[yellow]replica sync: needs the built-in policy or an HF model[/]")
-    elif sync_steps:
+    elif grid.sync_steps:
         from bench import sync_replicas
 
-        sync_replicas.bench_pair({**tr.model.config_dict(), "kernels": "invariant"}, chain, console)
+        sync_replicas.bench_pair(
+            {**tr.model.config_dict(), "kernels": "invariant"}, ckpts.chain, console
+        )
 
 
 if __name__ == "__main__":
