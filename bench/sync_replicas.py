@@ -67,6 +67,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -676,47 +677,208 @@ def _stages(result: dict, t0: float) -> dict[str, float]:
     return st
 
 
+@dataclass(frozen=True)
+class SyncOptions:
+    """How `run_sync_bench` syncs the replicas (the CLI's flags of the same names)."""
+
+    replicas: int = 4
+    in_process: bool = False  # the agents as threads of this process instead of child processes
+    hints: str = "on"  # version_registered with artifact hints: on, off or alternate
+    push: str = "on"  # deltas pushed to <ns>.deltas: on, off or alternate
+    announce: str = "early"  # announcement before the measured time (early) or in it (in-round)
+    warm: int = 3000  # broker warm-up round trips first (`warm_broker`)
+    # the first rounds are measured and reported like the others but left out of the statistics
+    # (each replica process's first delta sync imports and first-runs the codec's code paths: a
+    # one-time cost of a process, not of a sync)
+    warmup_rounds: int = 1
+
+
+@dataclass
+class _Publisher:
+    """The trainer's and the controller's side of a round: versions announced and promoted."""
+
+    settings: Any
+    dlog: Any  # app.contracts.deployments.DeploymentLog
+    pusher: Any  # the producer deltas are pushed with
+
+    def announce(self, event: Any, delta: Any) -> None:
+        _announce(self.settings, self.dlog, self.pusher, event, delta)
+
+    def promote(self, version: str) -> None:
+        from app.contracts.deployments import DeploymentEvent
+
+        self.dlog.publish(
+            DeploymentEvent(
+                type="promoted",
+                model=self.settings.model_name,
+                version=version,
+                source="controller",
+                actor="bench",
+                traffic_pct=100.0,
+            )
+        )
+
+
+@dataclass
+class _SyncRun:
+    """What every round of `run_sync_bench` shares."""
+
+    opts: SyncOptions
+    pub: _Publisher
+    probe: Any  # app.replica.fetch.VersionFetcher: the floor's downloads
+    fleet: _ThreadReplicas | _ProcessReplicas
+    tmp: Path
+    bandwidth: float  # loopback bytes/s
+    full: int  # bytes of a full bf16 checkpoint
+    cores: int
+    console: Any
+
+
+@dataclass(frozen=True)
+class _ApplyFloor:
+    """A round's apply measured before it (`_apply_time`), and the concurrent-apply reference."""
+
+    seconds: float  # the fastest verified reconstruction, one replica alone
+    per_replica: int  # bytes one replica receives
+    applies: dict  # best timings: apply_chain, one_delta, cpu
+    concurrent: float | None  # the replica processes applying the same delta at once
+
+
+@dataclass(frozen=True)
+class _Timed:
+    """A round as measured: from just before its first publish call to the last replica's swap."""
+
+    t0: float  # time.time() before the first publish call
+    seconds: float
+    acked_ms: float  # the promotion's publish, until acknowledged
+    results: list[dict]  # each replica's sync report
+
+
+def _measure_apply(run: _SyncRun, i: int, held: dict) -> _ApplyFloor:
+    """The apply of version i + 1 on the held version i (state `held`), before its round."""
+    version = str(i + 1)
+    apply_s, per_replica, applies = _apply_time(
+        run.probe, version, (str(i), held), _hinted(run.opts.hints, version)
+    )
+    concurrent = None
+    if isinstance(run.fleet, _ProcessReplicas):
+        files = run.tmp / f"files-v{version}"
+        files.mkdir()
+        _write_files(run.probe, version, str(i), files)
+        concurrent = run.fleet.concurrent_apply(files)
+    return _ApplyFloor(apply_s, per_replica, applies, concurrent)
+
+
+def _publish_and_wait(run: _SyncRun, version: str, event: Any, delta: Any) -> _Timed:
+    """Announce `version` (`event`, then its pushed `delta` unless None) and promote it; wait until
+    every replica serves it."""
+    # early: the trainer announced it before; the gate ran; now it is promoted
+    if run.opts.announce == "early":
+        run.pub.announce(event, delta)
+    time.sleep(0.5)  # let the replicas' post-swap work of the previous round settle
+    t0 = time.time()
+    # in-round: ship-to-serve, announced and promoted at once, all measured
+    if run.opts.announce == "in-round":
+        run.pub.announce(event, delta)
+    t1 = time.time()
+    run.pub.promote(version)
+    acked = (time.time() - t1) * 1000
+    t_last, results = run.fleet.wait_all(version)
+    return _Timed(t0, t_last - t0, acked, results)
+
+
+def _round_result(run: _SyncRun, i: int, apply: _ApplyFloor, timed: _Timed) -> dict:
+    """Round i (version i + 1) against its floor."""
+    version, replicas, seconds = str(i + 1), run.opts.replicas, timed.seconds
+    pushed = _hinted(run.opts.push, version)
+    # a delta pushed before the round reached the replicas outside the measured time: its
+    # bytes are not counted in the floor either (the stricter comparison)
+    payload = 0 if (pushed and run.opts.announce == "early") else replicas * apply.per_replica
+    # 4 applies on `cores` cores finish no sooner than one apply alone (its fastest wall time,
+    # at any thread count) nor sooner than their CPU work spread over every core: 4 x the
+    # least CPU time one apply needs / cores. `ratio_old` is against the looser floor, the
+    # fastest wall time x ceil(4 / cores), which understates the floor whenever a
+    # multi-threaded apply is the fastest (it counts its extra cores as free).
+    apply_floor = max(apply.seconds, replicas * apply.applies["cpu"] / run.cores)
+    floor = payload / run.bandwidth + apply_floor
+    floor_old = payload / run.bandwidth + apply.seconds * math.ceil(replicas / run.cores)
+    floor_c = payload / run.bandwidth + apply.concurrent if apply.concurrent is not None else None
+    return {
+        "version": version,
+        "seconds": seconds,
+        "payload": payload,
+        "per_replica": apply.per_replica,
+        "apply": apply.seconds,
+        "applies": apply.applies,
+        "bandwidth": run.bandwidth,
+        "floor": floor,
+        "ratio": seconds / floor,
+        "apply_floor": apply_floor,
+        "ratio_old": seconds / floor_old,
+        "full": run.full,
+        "paths": [r.get("path") for r in timed.results],
+        "concurrent": apply.concurrent,
+        "floor_c": floor_c,
+        "ratio_c": seconds / floor_c if floor_c else None,
+        "stages": [{**_stages(r, timed.t0), "publish_ack": timed.acked_ms} for r in timed.results],
+        "hints": _hinted(run.opts.hints, version),
+        "pushed": pushed,
+        "chains": [r.get("chain") for r in timed.results],
+        "warmup": i <= run.opts.warmup_rounds,
+    }
+
+
+def _sync_round(run: _SyncRun, i: int, held: dict, announcement: tuple[Any, Any]) -> dict:
+    """Publish version i + 1 (held: version i's state) and time the replicas' sync to it."""
+    version = str(i + 1)
+    apply = _measure_apply(run, i, held)
+    event, delta = announcement
+    timed = _publish_and_wait(
+        run, version, event, delta if _hinted(run.opts.push, version) else None
+    )
+    result = _round_result(run, i, apply, timed)
+    if run.console is not None:
+        run.console.print(
+            f"v{version}: {result['seconds'] * 1000:.0f} ms for {run.opts.replicas} replicas, floor "
+            f"{result['floor'] * 1000:.1f} ms -> {result['ratio']:.2f}x"
+            + (" (warm-up round, not counted)" if result["warmup"] else "")
+        )
+    return result
+
+
 def run_sync_bench(
     cfg: dict,
     states: list[dict],
     settings: Any,
-    replicas: int = 4,
+    opts: SyncOptions | None = None,
     console: Any = None,
-    in_process: bool = False,
-    hints: str = "on",
-    push: str = "on",
-    announce: str = "early",
-    warm: int = 3000,
-    warmup_rounds: int = 1,
 ) -> dict:
-    """Register states[0..], sync `replicas` agents (separate processes unless `in_process`)
-    through every version after the first.
+    """Register states[0..], sync `opts.replicas` agents (separate processes unless
+    `opts.in_process`) through every version after the first.
 
     Returns per-round {version, seconds, floor, payload, apply, bandwidth, ratio} and the median.
     Needs a Settings with a reachable Kafka (topics created) and MLflow server.
-    `warm`: broker warm-up round trips first (`warm_broker`); `warmup_rounds`: the first rounds are
-    measured and reported like the others but left out of the statistics (each replica process's
-    first delta sync imports and first-runs the codec's code paths: a one-time cost of a process,
-    not of a sync).
     """
-    from app.contracts.deployments import DeploymentEvent, DeploymentLog
+    from app.contracts.deployments import DeploymentLog
     from app.contracts.kafka import make_producer
     from app.replica.fetch import VersionFetcher
     from trainer.registry import Registry
 
-    assert len(states) > warmup_rounds + 1, (
-        f"{len(states)} versions leave no measured round after {warmup_rounds} warm-up"
+    opts = opts or SyncOptions()
+    assert len(states) > opts.warmup_rounds + 1, (
+        f"{len(states)} versions leave no measured round after {opts.warmup_rounds} warm-up"
     )
-    if warm:
-        warm_broker(settings, warm, console)
+    if opts.warm:
+        warm_broker(settings, opts.warm, console)
     reg = Registry(
         settings.mlflow_uri, settings.model_name, experiment=f"bench-{settings.model_name}"
     )
     reg.ensure_model()
     run_id = reg.start_run()
+    pub = _Publisher(
+        settings, DeploymentLog(settings), make_producer(settings, profile="immediate")
+    )
     manifests: dict = {}
-    dlog = DeploymentLog(settings)
-    pusher = make_producer(settings, profile="immediate")
     announcements = [
         _register(
             reg,
@@ -726,116 +888,27 @@ def run_sync_bench(
             states[i - 1] if i else None,
             cfg,
             manifests,
-            _hinted(hints, str(i + 1)),
+            _hinted(opts.hints, str(i + 1)),
         )
         for i, st in enumerate(states)
     ]
-    _announce(settings, dlog, pusher, announcements[0][0], None)  # v1: the anchor
+    pub.announce(announcements[0][0], None)  # v1: the anchor
     probe = VersionFetcher(settings)
     full = sum(t.numel() * t.element_size() for t in states[0].values())
     bandwidth = _loopback_bandwidth(reg, run_id, probe, max(16 << 20, 8 * full))
-    dlog.publish(
-        DeploymentEvent(
-            type="promoted",
-            model=settings.model_name,
-            version="1",
-            source="controller",
-            actor="bench",
-            traffic_pct=100.0,
-        )
-    )
+    pub.promote("1")
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-sync-"))
-    fleet = (_ThreadReplicas if in_process else _ProcessReplicas)(settings, replicas, tmp)
+    fleet = (_ThreadReplicas if opts.in_process else _ProcessReplicas)(settings, opts.replicas, tmp)
+    run = _SyncRun(opts, pub, probe, fleet, tmp, bandwidth, full, os.cpu_count() or 1, console)
     rounds = []
-    cores = os.cpu_count() or 1
     try:
         fleet.wait_all("1")
         for i in range(1, len(states)):
-            version = str(i + 1)
-            hinted = _hinted(hints, version)
-            apply_s, per_replica, applies = _apply_time(
-                probe, version, (str(i), states[i - 1]), hinted
-            )
-            concurrent = None
-            if isinstance(fleet, _ProcessReplicas):
-                files = tmp / f"files-v{version}"
-                files.mkdir()
-                _write_files(probe, version, str(i), files)
-                concurrent = fleet.concurrent_apply(files)
-            pushed = _hinted(push, version)
-            event, delta = announcements[i]
-            delta = delta if pushed else None
-            if (
-                announce == "early"
-            ):  # the trainer announced it before; the gate ran; now it is promoted
-                _announce(settings, dlog, pusher, event, delta)
-            time.sleep(0.5)  # let the replicas' post-swap work of the previous round settle
-            t0 = time.time()
-            if (
-                announce == "in-round"
-            ):  # ship-to-serve: announced and promoted at once, all measured
-                _announce(settings, dlog, pusher, event, delta)
-            t1 = time.time()
-            dlog.publish(
-                DeploymentEvent(
-                    type="promoted",
-                    model=settings.model_name,
-                    version=version,
-                    source="controller",
-                    actor="bench",
-                    traffic_pct=100.0,
-                )
-            )
-            acked = (time.time() - t1) * 1000
-            t_last, results = fleet.wait_all(version)
-            seconds = t_last - t0
-            # a delta pushed before the round reached the replicas outside the measured time: its
-            # bytes are not counted in the floor either (the stricter comparison)
-            payload = 0 if (pushed and announce == "early") else replicas * per_replica
-            # 4 applies on `cores` cores finish no sooner than one apply alone (its fastest wall time,
-            # at any thread count) nor sooner than their CPU work spread over every core: 4 x the
-            # least CPU time one apply needs / cores. `ratio_old` is against the looser floor, the
-            # fastest wall time x ceil(4 / cores), which understates the floor whenever a
-            # multi-threaded apply is the fastest (it counts its extra cores as free).
-            apply_floor = max(apply_s, replicas * applies["cpu"] / cores)
-            floor = payload / bandwidth + apply_floor
-            floor_old = payload / bandwidth + apply_s * math.ceil(replicas / cores)
-            floor_c = payload / bandwidth + concurrent if concurrent is not None else None
-            rounds.append(
-                {
-                    "version": version,
-                    "seconds": seconds,
-                    "payload": payload,
-                    "per_replica": per_replica,
-                    "apply": apply_s,
-                    "applies": applies,
-                    "bandwidth": bandwidth,
-                    "floor": floor,
-                    "ratio": seconds / floor,
-                    "apply_floor": apply_floor,
-                    "ratio_old": seconds / floor_old,
-                    "full": full,
-                    "paths": [r.get("path") for r in results],
-                    "concurrent": concurrent,
-                    "floor_c": floor_c,
-                    "ratio_c": seconds / floor_c if floor_c else None,
-                    "stages": [{**_stages(r, t0), "publish_ack": acked} for r in results],
-                    "hints": hinted,
-                    "pushed": pushed,
-                    "chains": [r.get("chain") for r in results],
-                    "warmup": i <= warmup_rounds,
-                }
-            )
-            if console is not None:
-                console.print(
-                    f"v{version}: {seconds * 1000:.0f} ms for {replicas} replicas, floor "
-                    f"{floor * 1000:.1f} ms -> {seconds / floor:.2f}x"
-                    + (" (warm-up round, not counted)" if i <= warmup_rounds else "")
-                )
+            rounds.append(_sync_round(run, i, states[i - 1], announcements[i]))
     finally:
         fleet.close()
-        dlog.close()
-        pusher.close()
+        pub.dlog.close()
+        pub.pusher.close()
         probe.close()
     warmups, rounds = [r for r in rounds if r["warmup"]], [r for r in rounds if not r["warmup"]]
     med = sorted(rounds, key=lambda r: r["ratio"])[len(rounds) // 2]
@@ -843,11 +916,11 @@ def run_sync_bench(
         "rounds": rounds,
         "warmup_rounds": warmups,
         "median": med,
-        "cores": cores,
-        "mode": "threads" if in_process else "processes",
-        "hints": hints,
-        "push": push,
-        "announce": announce,
+        "cores": run.cores,
+        "mode": "threads" if opts.in_process else "processes",
+        "hints": opts.hints,
+        "push": opts.push,
+        "announce": opts.announce,
     }
 
 
@@ -986,7 +1059,9 @@ def bench_pair(cfg: dict, states: list[dict], console: Any, replicas: int = 4) -
 
     logging.getLogger("mlflow").setLevel(logging.ERROR)
     with local_stack(console=console) as settings:
-        result = run_sync_bench(cfg, states, settings, replicas=replicas, console=console)
+        result = run_sync_bench(
+            cfg, states, settings, SyncOptions(replicas=replicas), console=console
+        )
     print_report(result, console)
     return result
 
@@ -1012,12 +1087,8 @@ def main() -> None:
             policy_config=args.policy,
             model=args.model,
         )
-        result = run_sync_bench(
-            cfg,
-            states,
-            settings,
+        opts = SyncOptions(
             replicas=args.replicas,
-            console=console,
             in_process=args.in_process,
             hints=args.hints,
             push=args.push,
@@ -1025,6 +1096,7 @@ def main() -> None:
             warm=args.warm_broker,
             warmup_rounds=args.warmup_rounds,
         )
+        result = run_sync_bench(cfg, states, settings, opts, console=console)
     print_report(result, console)
 
 
