@@ -17,17 +17,43 @@ MODEL = "flywheel-policy"
 OTHER = "other-policy"
 
 
-def scenario_events(model: str = MODEL, other: str = OTHER) -> list[DeploymentEvent]:
-    t = iter(T0 + timedelta(minutes=i) for i in range(1000))
+GATE_OK = {
+    "snips": 0.31,
+    "dr": 0.30,
+    "ci95": [0.27, 0.35],
+    "ess": 812.5,
+    "kl": 0.004,
+    "checks": {"nan": False},
+}
+ANALYSIS_BETTER = {
+    "candidate": {"reward_mean": 0.42, "n": 900},
+    "champion": {"reward_mean": 0.38, "n": 8100},
+    "lower_bound": 0.01,
+    "verdict": "better",
+}
+ANALYSIS_WORSE = {
+    "candidate": {"reward_mean": 0.11, "n": 700},
+    "champion": {"reward_mean": 0.40, "n": 6000},
+    "upper_bound": -0.2,
+    "verdict": "worse",
+}
 
-    def ev(type_: str, version: str | None = None, **kw) -> DeploymentEvent:
-        kw.setdefault("model", model)
+
+class _Events:
+    """Builds the scenario's events one minute apart, in the order they are made."""
+
+    def __init__(self, model: str, other: str) -> None:
+        self.model, self.other = model, other
+        self.t = iter(T0 + timedelta(minutes=i) for i in range(1000))
+
+    def ev(self, type_: str, version: str | None = None, **kw) -> DeploymentEvent:
+        kw.setdefault("model", self.model)
         kw.setdefault("source", "controller")
         kw.setdefault("actor", "controller")
-        return DeploymentEvent(type=type_, version=version, ts=next(t), **kw)
+        return DeploymentEvent(type=type_, version=version, ts=next(self.t), **kw)
 
-    def registered(v: str, parent: str | None, consumed: int) -> DeploymentEvent:
-        return ev(
+    def registered(self, v: str, parent: str | None, consumed: int) -> DeploymentEvent:
+        return self.ev(
             "version_registered",
             v,
             from_version=parent,
@@ -42,29 +68,29 @@ def scenario_events(model: str = MODEL, other: str = OTHER) -> list[DeploymentEv
             },
         )
 
-    gate_ok = {
-        "snips": 0.31,
-        "dr": 0.30,
-        "ci95": [0.27, 0.35],
-        "ess": 812.5,
-        "kl": 0.004,
-        "checks": {"nan": False},
-    }
-    analysis_better = {
-        "candidate": {"reward_mean": 0.42, "n": 900},
-        "champion": {"reward_mean": 0.38, "n": 8100},
-        "lower_bound": 0.01,
-        "verdict": "better",
-    }
-    analysis_worse = {
-        "candidate": {"reward_mean": 0.11, "n": 700},
-        "champion": {"reward_mean": 0.40, "n": 6000},
-        "upper_bound": -0.2,
-        "verdict": "worse",
-    }
-    events = [
-        registered("1", None, 0),
-        ev(
+    def synced(self, version: str, replica: str, **details) -> DeploymentEvent:
+        return self.ev(
+            "replica_synced",
+            version,
+            source="replica",
+            actor=replica,
+            details={"replica_id": replica, **details},
+        )
+
+    def shifted(self, version: str, pct: float, step: int, analysis: dict) -> DeploymentEvent:
+        return self.ev(
+            "traffic_shifted",
+            version,
+            traffic_pct=pct,
+            details={"step": step, "analysis": analysis},
+        )
+
+
+def _bootstrap(e: _Events) -> list[DeploymentEvent]:
+    """v1 registered, made champion in the MLflow UI, synced by both replicas."""
+    return [
+        e.registered("1", None, 0),
+        e.ev(
             "alias_changed",
             "1",
             source="mlflow-ui",
@@ -72,52 +98,30 @@ def scenario_events(model: str = MODEL, other: str = OTHER) -> list[DeploymentEv
             reason="bootstrap",
             details={"alias": "champion"},
         ),
-        ev(
-            "replica_synced",
-            "1",
-            source="replica",
-            actor="r-a",
-            details={"replica_id": "r-a", "url": "http://r-a:8001"},
-        ),
-        ev(
-            "replica_synced",
-            "1",
-            source="replica",
-            actor="r-b",
-            details={"replica_id": "r-b", "url": "http://r-b:8001"},
-        ),
-        registered("2", "1", 5000),
-        ev("gate_passed", "2", details=gate_ok),
-        ev("canary_started", "2", from_version="1", traffic_pct=5.0, details={"step": 0}),
-        ev(
-            "replica_synced",
-            "2",
-            source="replica",
-            actor="r-a",
-            details={"replica_id": "r-a", "slot": "candidate"},
-        ),
-        ev(
-            "traffic_shifted",
-            "2",
-            traffic_pct=25.0,
-            details={"step": 1, "analysis": analysis_better},
-        ),
-        ev(
-            "traffic_shifted",
-            "2",
-            traffic_pct=50.0,
-            details={"step": 2, "analysis": analysis_better},
-        ),
-        ev(
-            "traffic_shifted",
-            "2",
-            traffic_pct=100.0,
-            details={"step": 3, "analysis": analysis_better},
-        ),
-        promoted_v2 := ev(
-            "promoted", "2", from_version="1", reason="candidate better at every step"
-        ),
-        ev(
+        e.synced("1", "r-a", url="http://r-a:8001"),
+        e.synced("1", "r-b", url="http://r-b:8001"),
+    ]
+
+
+def _v2_promoted(e: _Events) -> list[DeploymentEvent]:
+    """v2 passes the gate and every canary step and is promoted (the last event)."""
+    return [
+        e.registered("2", "1", 5000),
+        e.ev("gate_passed", "2", details=GATE_OK),
+        e.ev("canary_started", "2", from_version="1", traffic_pct=5.0, details={"step": 0}),
+        e.synced("2", "r-a", slot="candidate"),
+        e.shifted("2", 25.0, 1, ANALYSIS_BETTER),
+        e.shifted("2", 50.0, 2, ANALYSIS_BETTER),
+        e.shifted("2", 100.0, 3, ANALYSIS_BETTER),
+        e.ev("promoted", "2", from_version="1", reason="candidate better at every step"),
+    ]
+
+
+def _v3_to_v5(e: _Events) -> list[DeploymentEvent]:
+    """A heartbeat on v2, the other model's v1; v3 fails the gate, v4 is paused, resumed and
+    rolled back, v5 aborted by an operator and a replica fails to sync it."""
+    return [
+        e.ev(
             "replica_heartbeat",
             "2",
             source="replica",
@@ -125,31 +129,26 @@ def scenario_events(model: str = MODEL, other: str = OTHER) -> list[DeploymentEv
             details={"replica_id": "r-a", "champion_version": "2", "candidate_version": None},
             traffic_pct=0.0,
         ),
-        ev("version_registered", "1", model=other, source="trainer", details={"run_id": "o-1"}),
-        registered("3", "2", 9000),
-        ev("gate_failed", "3", details={"checks": {"nan": True}, "reason": "NaN in weights"}),
-        registered("4", "2", 12000),
-        ev("gate_passed", "4", details=gate_ok),
-        ev("canary_started", "4", from_version="2", traffic_pct=5.0, details={"step": 0}),
-        ev(
+        e.ev("version_registered", "1", model=e.other, source="trainer", details={"run_id": "o-1"}),
+        e.registered("3", "2", 9000),
+        e.ev("gate_failed", "3", details={"checks": {"nan": True}, "reason": "NaN in weights"}),
+        e.registered("4", "2", 12000),
+        e.ev("gate_passed", "4", details=GATE_OK),
+        e.ev("canary_started", "4", from_version="2", traffic_pct=5.0, details={"step": 0}),
+        e.ev(
             "canary_paused",
             "4",
             reason="inconclusive at deadline",
             details={"analysis": {"verdict": "inconclusive"}},
         ),
-        ev("canary_resumed", "4", source="api", actor="bob", reason="give it more time"),
-        ev(
-            "traffic_shifted",
-            "4",
-            traffic_pct=25.0,
-            details={"step": 1, "analysis": analysis_worse},
-        ),
-        ev("rolled_back", "2", from_version="4", reason="candidate worse than champion"),
-        registered("5", "2", 15000),
-        ev("gate_passed", "5", details=gate_ok),
-        ev("canary_started", "5", from_version="2", traffic_pct=5.0),
-        ev("aborted", "5", source="api", actor="alice", reason="manual abort"),
-        ev(
+        e.ev("canary_resumed", "4", source="api", actor="bob", reason="give it more time"),
+        e.shifted("4", 25.0, 1, ANALYSIS_WORSE),
+        e.ev("rolled_back", "2", from_version="4", reason="candidate worse than champion"),
+        e.registered("5", "2", 15000),
+        e.ev("gate_passed", "5", details=GATE_OK),
+        e.ev("canary_started", "5", from_version="2", traffic_pct=5.0),
+        e.ev("aborted", "5", source="api", actor="alice", reason="manual abort"),
+        e.ev(
             "replica_sync_failed",
             "5",
             source="replica",
@@ -160,14 +159,21 @@ def scenario_events(model: str = MODEL, other: str = OTHER) -> list[DeploymentEv
                 "error": "sha256 mismatch on layers.0.w",
             },
         ),
-        ev(
+    ]
+
+
+def _champion_moved_back(e: _Events) -> list[DeploymentEvent]:
+    """A heartbeat, the champion alias moved back to v1 in the MLflow UI (a rollback), and the
+    other model's v2."""
+    return [
+        e.ev(
             "replica_heartbeat",
             "2",
             source="replica",
             actor="r-b",
             details={"replica_id": "r-b", "champion_version": "2"},
         ),
-        ev(
+        e.ev(
             "alias_changed",
             "1",
             from_version="2",
@@ -176,22 +182,31 @@ def scenario_events(model: str = MODEL, other: str = OTHER) -> list[DeploymentEv
             reason="moved in the UI",
             details={"alias": "champion"},
         ),
-        ev(
+        e.ev(
             "rolled_back",
             "1",
             from_version="2",
             reason="champion alias moved to 1 in the MLflow UI",
         ),
-        ev(
+        e.ev(
             "version_registered",
             "2",
-            model=other,
+            model=e.other,
             from_version="1",
             source="trainer",
             details={"run_id": "o-2"},
         ),
     ]
-    events.append(promoted_v2)  # re-published with the same event_id: must be a no-op
+
+
+def scenario_events(model: str = MODEL, other: str = OTHER) -> list[DeploymentEvent]:
+    """The module docstring's story, in order (each event one minute after the previous)."""
+    e = _Events(model, other)
+    events = _bootstrap(e)
+    events += (v2 := _v2_promoted(e))
+    events += _v3_to_v5(e)
+    events += _champion_moved_back(e)
+    events.append(v2[-1])  # v2's promotion re-published with the same event_id: must be a no-op
     return events
 
 
