@@ -124,7 +124,8 @@ class Policy(ABC, torch.nn.Module):
         on_step: OnStep | None = None,
     ) -> list[Sample]:
         """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes;
-        `on_step` as in the module docstring."""
+        `on_step` as in the module docstring. A policy with its own forward implements it with
+        trainer/policy/sampling.py's loop (`prefill` and a decoding step are all it supplies)."""
 
     @abstractmethod
     def logprobs(

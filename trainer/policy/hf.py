@@ -60,16 +60,11 @@ from kernels.hf_mode import batch_invariant_mode
 from kernels.invariant import get_ops
 from kernels.logprobs import log_probs, token_logprobs
 from trainer.lora_spec import LoraSpec
-from trainer.policy.base import (
-    OnStep,
-    Policy,
-    Sample,
-    Tokenizer,
-    check_sampling_distribution,
-    check_temperature,
-)
+from trainer.policy import sampling
+from trainer.policy.base import OnStep, Policy, Sample, Tokenizer
 from trainer.policy.hf_files import TOKENIZER_FILES
 from trainer.policy.moe_lm import serving_weight
+from trainer.policy.sampling import Prefill
 
 TOKENIZER_ID_MAX = 64  # app/contracts/events.py GenerationEvent.tokenizer
 HASH_HEX = 16
@@ -284,6 +279,12 @@ class HFPolicy(Policy):
             return None
         return len(self.routers), self.routers[0].top_k, self.routers[0].num_experts
 
+    @property
+    def route_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, top_k) of the routes `generate` logs, None for a dense model."""
+        spec = self.moe_spec
+        return None if spec is None else (spec[0], spec[1])
+
     # --- the forward ----------------------------------------------------------------------------
     def _mode(self):
         return batch_invariant_mode() if self.config.kernels == "invariant" else nullcontext()
@@ -347,7 +348,8 @@ class HFPolicy(Policy):
         return {n: serving_weight(p) for n, p in self.model.named_parameters()}
 
     # --- the Policy interface -------------------------------------------------------------------
-    def _check_lengths(self, n_prompt: int, n_completion: int) -> None:
+    def check_lengths(self, n_prompt: int, n_completion: int) -> None:
+        """Raise ValueError unless the start token + prompt + completion fit `max_context`."""
         if 1 + n_prompt + n_completion > self.config.max_context:
             raise ValueError(
                 f"start token + prompt ({n_prompt}) + completion ({n_completion}) tokens exceed "
@@ -363,14 +365,13 @@ class HFPolicy(Policy):
         seed: int | None = None,
         on_step: OnStep | None = None,
     ) -> list[Sample]:
+        return sampling.generate(self, prompts, max_tokens, temperature, seed, on_step)
+
+    def prefill(self, prompts: list[list[int]]) -> Prefill:
+        """`[start] + prompt` rows, left-padded, through a fresh `DynamicCache`; positions count
+        from each row's start token. See trainer/policy/sampling.py."""
         from transformers import DynamicCache
 
-        assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
-        check_temperature(temperature)
-        for p in prompts:
-            self._check_lengths(len(p), max_tokens)
-        if not prompts:
-            return []
         tok = self.tokenizer
         b = len(prompts)
         lens = torch.tensor([1 + len(p) for p in prompts])
@@ -384,77 +385,16 @@ class HFPolicy(Policy):
             tokens[i, width - 1 - len(p) :] = torch.tensor([tok.start_id, *p], dtype=torch.int64)
             mask[i, width - 1 - len(p) :] = 1
         positions = (torch.cumsum(mask, dim=1) - 1).clamp(min=0)
-        gen = torch.Generator()
-        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
         cache = DynamicCache(config=self.model.config)
         logits, routes = self.forward_logits(tokens, mask, positions, cache)
-        l_last = logits[:, -1]
-        r_last = None if routes is None else routes[:, -1]
-        out_tok: list[list[int]] = [[] for _ in range(b)]
-        out_lp: list[list[float]] = [[] for _ in range(b)]
-        out_rt: list[list[np.ndarray]] = [[] for _ in range(b)]
-        done = torch.zeros(b, dtype=torch.bool)
-        stopped = False
-        for step in range(max_tokens):
-            logp = log_probs(l_last, temperature, self.ops)  # [B, V]
-            check_sampling_distribution(l_last, logp, temperature)
-            if temperature > 0:
-                nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
-            else:
-                nxt = logp.argmax(dim=-1)
-            lp = logp.gather(1, nxt[:, None])[:, 0]
-            appended: list[int | None] = [None] * b
-            for i in range(b):
-                if not done[i]:
-                    appended[i] = int(nxt[i])
-                    out_tok[i].append(int(nxt[i]))
-                    out_lp[i].append(float(lp[i]))
-                    if r_last is not None:
-                        out_rt[i].append(r_last[i].to(torch.int32).numpy())
-            done |= nxt == tok.eos_id
-            if on_step is not None and not on_step(step, appended):
-                stopped = True
-                break
-            if bool(done.all()) or step == max_tokens - 1:
-                break
+
+        def decode(nxt: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            nonlocal mask
             mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.int64)], dim=1)
             logits, routes = self.forward_logits(nxt[:, None], mask, (lens + step)[:, None], cache)
-            l_last = logits[:, 0]
-            r_last = None if routes is None else routes[:, 0]
-        return [
-            self._sample(out_tok[i], out_lp[i], out_rt[i], temperature, stopped, max_tokens)
-            for i in range(b)
-        ]
+            return logits[:, 0], None if routes is None else routes[:, 0]
 
-    def _sample(
-        self,
-        tokens: list[int],
-        lps: list[float],
-        routes: list[np.ndarray],
-        temperature: float,
-        stopped: bool,
-        max_tokens: int,
-    ) -> Sample:
-        spec = self.moe_spec
-        rt = None
-        if spec is not None:
-            rt = np.stack(routes).astype(np.int32) if routes else np.zeros((0, *spec[:2]), np.int32)
-        eos = bool(tokens) and tokens[-1] == self.tokenizer.eos_id
-        return Sample(
-            tokens=tokens,
-            logprobs=lps,
-            routes=rt,
-            text=self.tokenizer.decode(tokens),
-            meta={
-                "temperature": temperature,
-                "kernels": self.ops.name,
-                "finish_reason": "eos"
-                if eos
-                else "stopped"
-                if stopped and len(tokens) < max_tokens
-                else "length",
-            },
-        )
+        return Prefill(logits[:, -1], None if routes is None else routes[:, -1], decode)
 
     def completion_logits(
         self,
@@ -472,7 +412,7 @@ class HFPolicy(Policy):
         if routes is not None:
             assert len(routes) == b, f"{len(routes)} routes for {b} sequences"
         for p, comp in zip(prompt_tokens, completion_tokens):
-            self._check_lengths(len(p), len(comp))
+            self.check_lengths(len(p), len(comp))
         seqs = [[tok.start_id, *p, *comp] for p, comp in zip(prompt_tokens, completion_tokens)]
         width = max(len(s) for s in seqs)
         t_max = max(1, max(len(comp) for comp in completion_tokens))

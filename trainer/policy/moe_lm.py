@@ -32,13 +32,9 @@ from kernels.exact_matmul import mark_derived
 from kernels.invariant import COMPUTE_DTYPE, get_ops
 from kernels.logprobs import log_probs, token_logprobs
 from kernels.moe import load_balance_loss, moe_ffn, route
-from trainer.policy.base import (
-    OnStep,
-    Policy,
-    Sample,
-    check_sampling_distribution,
-    check_temperature,
-)
+from trainer.policy import sampling
+from trainer.policy.base import OnStep, Policy, Sample
+from trainer.policy.sampling import Prefill
 from trainer.policy.tokenizer import ByteTokenizer
 
 
@@ -233,12 +229,18 @@ class MoEPolicy(Policy):
         ]
 
     # --- the Policy interface -------------------------------------------------------------------
-    def _check_lengths(self, n_prompt: int, n_completion: int) -> None:
+    def check_lengths(self, n_prompt: int, n_completion: int) -> None:
+        """Raise ValueError unless bos + prompt + completion fit `max_context`."""
         if 1 + n_prompt + n_completion > self.config.max_context:
             raise ValueError(
                 f"bos + prompt ({n_prompt}) + completion ({n_completion}) tokens exceed max_context "
                 f"{self.config.max_context}; truncate the prompt from the left"
             )
+
+    @property
+    def route_shape(self) -> tuple[int, int]:
+        """(n_layers, top_k) of the routes `generate` logs."""
+        return self.config.n_layers, self.config.top_k
 
     @torch.no_grad()
     def generate(
@@ -249,12 +251,11 @@ class MoEPolicy(Policy):
         seed: int | None = None,
         on_step: OnStep | None = None,
     ) -> list[Sample]:
-        assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
-        check_temperature(temperature)
-        for p in prompts:
-            self._check_lengths(len(p), max_tokens)
-        if not prompts:
-            return []
+        return sampling.generate(self, prompts, max_tokens, temperature, seed, on_step)
+
+    def prefill(self, prompts: list[list[int]]) -> Prefill:
+        """`[bos] + prompt` rows, right-padded, through a fresh cache (`new_cache`): each row's
+        prompt at positions 0.., its completion after it; see trainer/policy/sampling.py."""
         tok = self.tokenizer
         b = len(prompts)
         lens = torch.tensor([1 + len(p) for p in prompts])
@@ -263,65 +264,16 @@ class MoEPolicy(Policy):
         for i, p in enumerate(prompts):
             tokens[i, : 1 + len(p)] = torch.tensor([tok.bos_id, *p], dtype=torch.int64)
         positions = torch.arange(width).expand(b, width)
-        gen = torch.Generator()
-        gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ())))
         cache = self.new_cache(b)
         hidden, routes = self.forward_hidden(tokens, positions, cache)
         rows = torch.arange(b)
-        h_last, r_last = hidden[rows, lens - 1], routes[rows, lens - 1]
-        out_tok = [[] for _ in range(b)]
-        out_lp = [[] for _ in range(b)]
-        out_rt = [[] for _ in range(b)]
-        done = torch.zeros(b, dtype=torch.bool)
-        stopped = False  # on_step asked to end
-        for step in range(max_tokens):
-            logits = self.lm_logits(h_last)
-            logp = log_probs(logits, temperature, self.ops)  # [B, V]
-            check_sampling_distribution(
-                logits, logp, temperature
-            )  # raises before NaN can be sampled
-            if temperature > 0:
-                nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
-            else:
-                nxt = logp.argmax(dim=-1)
-            lp = logp.gather(1, nxt[:, None])[:, 0]
-            appended: list[int | None] = [None] * b
-            for i in range(b):
-                if not done[i]:
-                    appended[i] = int(nxt[i])
-                    out_tok[i].append(int(nxt[i]))
-                    out_lp[i].append(float(lp[i]))
-                    out_rt[i].append(r_last[i].to(torch.int32).numpy())
-            done |= nxt == tok.eos_id
-            if on_step is not None and not on_step(step, appended):
-                stopped = True
-                break
-            if bool(done.all()) or step == max_tokens - 1:
-                break
-            pos = (lens + step)[:, None]
-            hidden, routes = self.forward_hidden(nxt[:, None], pos, cache)
-            h_last, r_last = hidden[:, 0], routes[:, 0]
-        shape = (0, self.n_layers, self.top_k)
-        return [
-            Sample(
-                tokens=out_tok[i],
-                logprobs=out_lp[i],
-                routes=np.stack(out_rt[i]).astype(np.int32)
-                if out_rt[i]
-                else np.zeros(shape, np.int32),
-                text=tok.decode(out_tok[i]),
-                meta={
-                    "temperature": temperature,
-                    "kernels": self.ops.name,
-                    "finish_reason": "eos"
-                    if out_tok[i] and out_tok[i][-1] == tok.eos_id
-                    else "stopped"
-                    if stopped and len(out_tok[i]) < max_tokens
-                    else "length",
-                },
-            )
-            for i in range(b)
-        ]
+
+        def decode(nxt: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden, routes = self.forward_hidden(nxt[:, None], (lens + step)[:, None], cache)
+            return self.lm_logits(hidden[:, 0]), routes[:, 0]
+
+        last = lens - 1
+        return Prefill(self.lm_logits(hidden[rows, last]), routes[rows, last], decode)
 
     def completion_logits(
         self,
@@ -339,7 +291,7 @@ class MoEPolicy(Policy):
         if routes is not None:
             assert len(routes) == b, f"{len(routes)} routes for {b} sequences"
         for p, comp in zip(prompt_tokens, completion_tokens):
-            self._check_lengths(len(p), len(comp))
+            self.check_lengths(len(p), len(comp))
         seqs = [[tok.bos_id, *p, *comp] for p, comp in zip(prompt_tokens, completion_tokens)]
         width = max(len(s) for s in seqs)
         t_max = max(1, max(len(comp) for comp in completion_tokens))
