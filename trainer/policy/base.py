@@ -73,16 +73,32 @@ class NonFiniteLogits(FloatingPointError):
 
 
 def check_sampling_distribution(
-    logits: torch.Tensor, logp: torch.Tensor, temperature: float
+    logits: torch.Tensor,
+    logp: torch.Tensor,
+    temperature: float,
+    masked: torch.Tensor | None = None,
 ) -> None:
     """Raise unless `logp` = log_softmax(logits / T) [B, V] is finite, so NaN or inf never reaches
-    the sampler (torch.multinomial raises on them, argmax silently picks garbage)."""
+    the sampler (torch.multinomial raises on them, argmax silently picks garbage).
+
+    `masked`: the logits a constraint left (trainer/policy/sampling.py `mask_logits`), -inf where a
+    token is disallowed, and `logp` = log_softmax(masked / T); the model's `logits` must still be
+    finite, `masked` finite or -inf with a finite entry in every row, and `logp` finite where
+    `masked` is."""
     if not bool(torch.isfinite(logits).all()):
         raise NonFiniteLogits(
             f"the model produced non-finite logits ({int((~torch.isfinite(logits)).sum())} of "
             f"{logits.numel()} values)"
         )
-    if not bool(torch.isfinite(logp).all()):
+    allowed = None if masked is None else torch.isfinite(masked)
+    if allowed is not None and not (
+        bool((allowed | (masked == -torch.inf)).all()) and bool(allowed.any(dim=-1).all())
+    ):
+        raise ValueError(
+            "masked logits must be finite or -inf, with at least one finite entry in every row"
+        )
+    finite = torch.isfinite(logp) if allowed is None else torch.isfinite(logp) | ~allowed
+    if not bool(finite.all()):
         raise SamplingError(
             f"temperature {temperature!r} is too small for these logits: logits / T is not finite "
             f"in float32 (largest |logit| {float(logits.abs().max()):.4g}); use 0 for greedy"

@@ -8,10 +8,16 @@ samples the same way:
 - argument checks (max_tokens >= 1, `check_temperature`, the model's `check_lengths`);
 - a `torch.Generator` seeded with `seed` (or, for None, one draw from torch's global generator,
   taken before the prefill);
-- per step: log_softmax(logits / T) with the model's kernels (T = 1 for greedy), `check_sampling_distribution`, one multinomial draw per row from exp(log-probs) (argmax
+- per step: optional `mask_logits`, log_softmax(logits / T) with the model's kernels (T = 1 for
+  greedy), `check_sampling_distribution`, one multinomial draw per row from exp(log-probs) (argmax
   for T == 0), the sampled token's log-prob under that distribution;
 - per row, until it samples eos: the token, its behaviour log-prob and its routes; `on_step`;
 - the `Sample`s, with `meta` {temperature, kernels, finish_reason: eos | stopped | length}.
+
+`mask_logits(step, logits) -> logits` is where a per-row constraint on the next token plugs in (a
+grammar mask for constrained decoding): it sees the model's logits [B, V] and returns them with
+the disallowed tokens at -inf. The log-probs, the draw and the logged behaviour log-probs all come
+from the masked distribution, the one actually sampled from.
 """
 
 from __future__ import annotations
@@ -40,6 +46,10 @@ position that produced them, or None for a model without MoE layers)."""
 DecodeStep = Callable[[torch.Tensor, int], StepOutput]
 """`decode(tokens, step) -> StepOutput`: append the tokens [B] int64 sampled at `step` (0-based)
 to every row's cache and return what predicts the token of step + 1."""
+
+MaskLogits = Callable[[int, torch.Tensor], torch.Tensor]
+"""`mask_logits(step, logits) -> logits`: the [B, V] logits of `step` with the tokens a row may not
+sample set to -inf (every other entry finite, at least one per row)."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +92,10 @@ def generate(
     temperature: float = 1.0,
     seed: int | None = None,
     on_step: OnStep | None = None,
+    mask_logits: MaskLogits | None = None,
 ) -> list[Sample]:
-    """Sample one completion per prompt (`Policy.generate`, see the module docstring)."""
+    """Sample one completion per prompt (`Policy.generate`, see the module docstring); with
+    `mask_logits`, every step samples from the masked logits."""
     assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
     check_temperature(temperature)
     for p in prompts:
@@ -101,7 +113,8 @@ def generate(
     done = torch.zeros(b, dtype=torch.bool)
     stopped = False  # on_step asked to end
     for step in range(max_tokens):
-        nxt, lp = _draw(logits, temperature, gen, model.ops)
+        masked = None if mask_logits is None else mask_logits(step, logits)
+        nxt, lp = _draw(logits, masked, temperature, gen, model.ops)
         appended: list[int | None] = [None] * b
         for i in range(b):
             if not done[i]:
@@ -124,12 +137,17 @@ def generate(
 
 
 def _draw(
-    logits: torch.Tensor, temperature: float, gen: torch.Generator, ops: Ops
+    logits: torch.Tensor,
+    masked: torch.Tensor | None,
+    temperature: float,
+    gen: torch.Generator,
+    ops: Ops,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's logits [B, V] -> (next tokens [B] int64, their log-probs [B] fp32) under
-    log_softmax(logits / T): one multinomial draw from `gen` per row, argmax for T == 0."""
-    logp = log_probs(logits, temperature, ops)  # [B, V]
-    check_sampling_distribution(logits, logp, temperature)  # before NaN can be sampled
+    """The model's logits [B, V] (and `mask_logits`' version of them, when there is a mask) ->
+    (next tokens [B] int64, their log-probs [B] fp32) under log_softmax(masked or logits / T): one
+    multinomial draw from `gen` per row, argmax for T == 0."""
+    logp = log_probs(logits if masked is None else masked, temperature, ops)  # [B, V]
+    check_sampling_distribution(logits, logp, temperature, masked)  # before NaN can be sampled
     if temperature > 0:
         nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
     else:
