@@ -248,6 +248,7 @@ def ensure_internal_topics(
                 admin.create_topics(new)
             except TopicAlreadyExistsError:
                 pass
+        created = {t.name for t in new}
         deadline = time.monotonic() + timeout_s
         while True:
             described = {
@@ -255,6 +256,7 @@ def ensure_internal_topics(
                 for t in admin.describe_topics(list(wanted))
                 if not t.get("error_code")
             }
+            _refuse_misshapen(wanted, described, created)
             missing = {name: n for name, (n, _) in wanted.items() if described.get(name, 0) < n}
             if not missing:
                 return
@@ -264,6 +266,34 @@ def ensure_internal_topics(
             time.sleep(0.5)
     finally:
         admin.close()
+
+
+class MisshapenTopic(RuntimeError):
+    """An internal topic the worker did not create exists with other partitions than it needs."""
+
+
+def _refuse_misshapen(
+    wanted: dict[str, tuple[int, dict[str, str]]], described: dict[str, int], created: set[str]
+) -> None:
+    """A topic that already existed with a partition count other than the one the worker needs
+    never gets it (Kafka does not repartition): fail at once, naming it, instead of waiting.
+    A producer or consumer that asks a broker with `auto.create.topics.enable` for a topic that
+    does not exist yet creates it with the broker's `num.partitions`."""
+    wrong = {
+        name: (described[name], n)
+        for name, (n, _) in wanted.items()
+        if name not in created and described.get(name, n) != n
+    }
+    if wrong:
+        raise MisshapenTopic(
+            "; ".join(
+                f"topic {name} has {have} partition(s), the streams worker needs {need}"
+                for name, (have, need) in sorted(wrong.items())
+            )
+            + ": it was created by something else (a client asking a broker that auto-creates "
+            "topics for it, with the broker's num.partitions); delete it, or create it with "
+            "that many partitions, and start the worker again"
+        )
 
 
 class Refetch(NamedTuple):

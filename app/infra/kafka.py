@@ -156,7 +156,10 @@ class LocalKafka:
                     "share.coordinator.state.topic.min.isr=1",
                     "min.insync.replicas=1",
                     "group.initial.rebalance.delay.ms=0",
-                    "auto.create.topics.enable=true",
+                    # topics exist only as Flywheel creates them (app/contracts/topics.py, the
+                    # streams worker's internal ones): a client asking for a missing topic waits
+                    # for it instead of creating it with num.partitions and default configs
+                    "auto.create.topics.enable=false",
                     "log.retention.hours=-1",
                     "log.cleaner.min.compaction.lag.ms=0",
                     "log.segment.bytes=67108864",

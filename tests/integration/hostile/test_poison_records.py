@@ -36,6 +36,7 @@ from tests.integration.replica.conftest import (  # noqa: F401  (fixtures)
 )
 from tests.integration.rollout.stack import wait_for
 from tests.integration.streams.conftest import (  # noqa: F401  (fixture)
+    STALL_S,
     produce,
     read_topic,
     read_until,
@@ -76,7 +77,9 @@ def produce_raw(
 ) -> None:
     from app.contracts.kafka import make_producer
 
-    prod = make_producer(settings, key_serializer=None)
+    # a topic the worker has not created yet is waited for (the broker creates no topic on
+    # request: app/infra/kafka.py), however long a loaded machine takes to start the worker
+    prod = make_producer(settings, key_serializer=None, max_block_ms=int(STALL_S * 1000))
     for key, value in records:
         prod.send(topic, key=key, value=value, partition=partition, headers=headers)
     prod.flush(30)

@@ -32,3 +32,40 @@ def test_internal_topics_and_changelogs_are_created_with_the_source_partitions(m
     finally:
         admin.close()
     ensure_internal_topics(settings, cfg)  # idempotent
+
+
+def test_the_broker_creates_no_topic_on_request_and_a_misshapen_one_fails_the_worker_at_once(
+    make_settings,
+):
+    """A producer writing to an internal topic before the worker made it waits for it (the
+    embedded broker does not auto-create topics, app/infra/kafka.py); a topic made by something
+    else with other partitions fails `ensure_internal_topics` at once, naming it."""
+    import time
+
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import KafkaTimeoutError
+
+    from app.contracts.kafka import make_producer
+    from streams.app import MisshapenTopic
+
+    settings = make_settings(create_topics=False, interactions_partitions=3)
+    ticks = f"{settings.topic_namespace}.streams-ticks"
+    prod = make_producer(settings, key_serializer=None, max_block_ms=2000)
+    try:
+        with pytest.raises(KafkaTimeoutError):
+            prod.send(ticks, value=b"early").get(timeout=10)
+    finally:
+        prod.close(timeout=5)
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    try:
+        assert ticks not in admin.list_topics(), "the broker created a topic on request"
+        admin.create_topics([NewTopic(ticks, num_partitions=1, replication_factor=1)])
+    finally:
+        admin.close()
+    start = time.monotonic()
+    with pytest.raises(
+        MisshapenTopic, match=rf"topic {ticks} has 1 partition\(s\), the streams worker needs 3"
+    ):
+        ensure_internal_topics(settings, StreamsConfig())
+    assert time.monotonic() - start < 60, "refused without waiting out the timeout"
