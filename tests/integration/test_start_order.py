@@ -32,6 +32,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -349,12 +350,82 @@ class Role:
         stop_groups([self.proc], timeout_s)
 
 
-def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
-    fresh_postgres_url: str, tmp_path: Path
-) -> None:
+@dataclass
+class _Stack:
+    """What the steps share: the ports, the settings and environment of the roles, the roles
+    (started first) and what they wait for, started later (the broker, the database's
+    forwarder, MLflow; then a controller)."""
+
+    postgres_url: str  # the real database, reached directly (not through the forwarder)
+    ports: dict[str, int]
+    settings: Settings
+    env: dict[str, str]
+    logs: Path
+    roles: list[Role]  # api, projections, streams, trainer, replica
+    broker: Any  # app.infra.kafka.LocalKafka
+    forwarder: TcpForwarder
+    mlflow: MlflowServer | None = None
+    controller: Role | None = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['api']}"
+
+    @property
+    def replica_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['replica']}"
+
+    def role(self, name: str) -> Role:
+        return next(role for role in self.roles if role.name == name)
+
+    def write_tails(self) -> None:
+        """Every role's log tail on stderr (on failure)."""
+        for role in [*self.roles, *([self.controller] if self.controller else [])]:
+            sys.stderr.write(role.tail() + "\n")
+
+    def stop(self) -> None:
+        for role in [*([self.controller] if self.controller else []), *reversed(self.roles)]:
+            role.stop()
+        if self.mlflow is not None:
+            self.mlflow.stop()
+        self.forwarder.stop()
+        self.broker.stop()
+
+
+def _role_env(
+    settings: Settings, ports: dict[str, int], data_dir: Path, ns: str, model: str, db_url: str
+) -> dict[str, str]:
+    """Every role's environment: the settings, short waits and intervals, a tiny policy."""
+    return dict(
+        os.environ,
+        COLUMNS="400",
+        PYTHONUNBUFFERED="1",  # rich wraps log lines at the console width
+        FLYWHEEL_DATA_DIR=str(data_dir),
+        FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
+        FLYWHEEL_TOPIC_NAMESPACE=ns,
+        FLYWHEEL_MODEL_NAME=model,
+        FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
+        MLFLOW_TRACKING_URI=settings.mlflow_uri,
+        FLYWHEEL_DATABASE_URL=db_url,
+        FLYWHEEL_WAIT_WINDOW="2s",
+        FLYWHEEL_STREAMS_SESSION_TIMEOUT="8s",
+        FLYWHEEL_TRAINER_POLICY=json.dumps(TINY_POLICY),
+        FLYWHEEL_TRAINER_PRETRAIN_STEPS="0",
+        FLYWHEEL_CONTROLLER_WEBHOOKS_ENABLED="false",
+        FLYWHEEL_CONTROLLER_GATE_ENABLED="false",
+        FLYWHEEL_CONTROLLER_TICK_INTERVAL="0.5s",
+        FLYWHEEL_CONTROLLER_METRICS_PORT=str(ports["controller"]),
+        FLYWHEEL_REPLICA_RETRY_INTERVAL="2s",
+        FLYWHEEL_REPLICA_HEARTBEAT_INTERVAL="5s",
+    )
+
+
+def _start_roles_first(fresh_postgres_url: str, tmp_path: Path) -> _Stack:
+    """The roles started, as processes, before anything they depend on: the broker and the
+    database's forwarder are made (not started), MLflow not yet."""
     from sqlalchemy.engine import make_url
 
-    from app.infra.kafka import LocalKafka, ensure_topics
+    from app.infra.kafka import LocalKafka
 
     ports = {
         k: free_port()
@@ -383,32 +454,7 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
         mlflow_uri=f"http://127.0.0.1:{ports['mlflow']}",
         database_url=db_url,
     )
-    env = dict(
-        os.environ,
-        COLUMNS="400",
-        PYTHONUNBUFFERED="1",  # rich wraps log lines at the console width
-        FLYWHEEL_DATA_DIR=str(data_dir),
-        FLYWHEEL_KAFKA_BOOTSTRAP=settings.kafka_bootstrap,
-        FLYWHEEL_TOPIC_NAMESPACE=ns,
-        FLYWHEEL_MODEL_NAME=model,
-        FLYWHEEL_MLFLOW_URI=settings.mlflow_uri,
-        MLFLOW_TRACKING_URI=settings.mlflow_uri,
-        FLYWHEEL_DATABASE_URL=db_url,
-        FLYWHEEL_WAIT_WINDOW="2s",
-        FLYWHEEL_STREAMS_SESSION_TIMEOUT="8s",
-        FLYWHEEL_TRAINER_POLICY=json.dumps(TINY_POLICY),
-        FLYWHEEL_TRAINER_PRETRAIN_STEPS="0",
-        FLYWHEEL_CONTROLLER_WEBHOOKS_ENABLED="false",
-        FLYWHEEL_CONTROLLER_GATE_ENABLED="false",
-        FLYWHEEL_CONTROLLER_TICK_INTERVAL="0.5s",
-        FLYWHEEL_CONTROLLER_METRICS_PORT=str(ports["controller"]),
-        FLYWHEEL_REPLICA_RETRY_INTERVAL="2s",
-        FLYWHEEL_REPLICA_HEARTBEAT_INTERVAL="5s",
-    )
-    api_url, replica_url = (
-        f"http://127.0.0.1:{ports['api']}",
-        f"http://127.0.0.1:{ports['replica']}",
-    )
+    env = _role_env(settings, ports, data_dir, ns, model, db_url)
     logs = tmp_path / "logs"
     logs.mkdir()
     roles = [
@@ -423,124 +469,159 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
             logs,
         ),
     ]
-    api, projections, streams, trainer, replica = roles
     broker = LocalKafka(
         home=tmp_path / "kafka", port=ports["kafka"], controller_port=ports["quorum"], heap="512m"
     )
     forwarder = TcpForwarder(ports["db"], (real_db.host or "127.0.0.1", real_db.port or 5432))
-    mlflow = controller = None
+    return _Stack(fresh_postgres_url, ports, settings, env, logs, roles, broker, forwarder)
+
+
+def _alone_each_role_waits(s: _Stack) -> None:
+    """Alone: each stays up and says what it waits for (in its log, /readyz, /metrics)."""
+    api, projections, streams, trainer, replica = s.roles
+    kafka_line = f"waiting for Kafka at {s.settings.kafka_bootstrap}"
+    api.wait_log("waiting for the database at", 240)
+    projections.wait_log("waiting for the database at", 240)
+    streams.wait_log(kafka_line, 240)
+    trainer.wait_log(f"waiting for the MLflow server at {s.settings.mlflow_uri}", 240)
+    replica.wait_log(kafka_line, 240)
+    r = httpx.get(f"{s.api_url}/readyz", timeout=30)
+    assert r.status_code == 503 and r.json()["failed"] == ["database", "kafka"], r.text
+    assert "migrations not applied yet" in r.json()["checks"]["database"]["detail"], r.text
+    assert any("database" in k for k in r.json()["waiting_for"]), r.text
+    r = httpx.get(f"{s.replica_url}/readyz", timeout=30)
+    assert r.status_code == 503 and any("Kafka" in k for k in r.json()["waiting_for"]), r.text
+    waiting_metric = httpx.get(f"http://127.0.0.1:{s.ports['streams']}/metrics", timeout=30).text
+    assert (
+        f'flywheel_waiting_for{{dependency="Kafka at {s.settings.kafka_bootstrap}"}} 1.0'
+        in waiting_metric
+    )
+    assert all(role.alive() for role in s.roles), "\n".join(role.tail() for role in s.roles)
+
+
+def _mlflow_first(s: _Stack, tmp_path: Path) -> None:
+    """MLflow first: the trainer goes on to wait for the broker; the others still wait."""
+    trainer = s.role("trainer")
+    s.mlflow = MlflowServer(tmp_path, s.ports["mlflow"])
+    s.mlflow.wait_ready()
+    trainer.wait_log(f"the MLflow server at {s.settings.mlflow_uri} is there", 120)
+    trainer.wait_log(f"waiting for Kafka at {s.settings.kafka_bootstrap}", 120)
+    assert all(role.alive() for role in s.roles), "\n".join(role.tail() for role in s.roles)
+
+
+def _broker_and_database_appear(s: _Stack) -> None:
+    """The broker (with the topics, as `flywheel kafka start` makes them) and the database:
+    the API becomes ready, every role waiting for them goes on."""
+    from app.infra.kafka import ensure_topics
+
+    api, projections, streams, trainer, replica = s.roles
+    s.broker.start(timeout=180)
+    ensure_topics(s.settings)
+    s.forwarder.start()
+    wait_until(
+        lambda: httpx.get(f"{s.api_url}/readyz", timeout=30).status_code == 200,
+        180,
+        "the API ready",
+    )
+    # (the API does not wait for Kafka, its producer connects lazily; projections waits for
+    # the database first, so by then the broker is up and there is no Kafka wait to log)
+    for role in (streams, trainer, replica):
+        role.wait_line(f"Kafka at {s.settings.kafka_bootstrap}", "is there", timeout_s=120)
+    projections.wait_log("projector following", 120)
+    replica.wait_log(f"waiting for a champion named in {s.settings.topic('deployments')}", 120)
+
+
+def _base_version_registered_and_projected(s: _Stack) -> dict[str, str]:
+    """The trainer registers its base version; the projector writes it down. Returns an API key
+    (made once the database is there)."""
+    trainer = s.role("trainer")
+
+    def base_registered() -> bool:
+        assert trainer.alive(), f"the trainer exited:\n{trainer.tail()}"
+        return any(
+            e["type"] == "version_registered" and e["version"] == "1"
+            for e in deployment_events(s.settings)
+        )
+
+    wait_until(base_registered, 300, "the trainer's base version", detail=lambda: trainer.tail())
+    keys = _keys(s.postgres_url)
+    wait_until(
+        lambda: _projected_types(s.postgres_url) >= {"version_registered"},
+        60,
+        "the projection",
+    )
+    return keys
+
+
+def _controller_records_what_serves(s: _Stack, keys: dict[str, str]) -> None:
+    """A controller started now records what serves; the replica serves what the log says."""
+    s.controller = Role("controller", ["controller"], s.env, s.logs)
+    wait_until(
+        lambda: httpx.get(f"{s.replica_url}/readyz", timeout=10).json().get("champion") == "1",
+        240,
+        "the replica serving v1",
+    )
+
+    def status_champion() -> str | None:
+        r = httpx.get(
+            f"{s.api_url}/v1/deployments",
+            params={"model": s.settings.model_name},
+            headers={"Authorization": f"Bearer {keys['read']}"},
+            timeout=10,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["models"][0]["champion"] if r.json()["models"] else None
+
+    wait_until(
+        lambda: status_champion() == "1", 60, "GET /v1/deployments naming the served champion"
+    )
+    s.role("replica").wait_log(f"a champion named in {s.settings.topic('deployments')} is there", 5)
+
+
+def _streams_labels_a_generation(s: _Stack) -> None:
+    """The streams worker labels the replica's generation (no feedback: closed by the window);
+    every role is still up, with no traceback in its log."""
+    done = httpx.post(
+        f"{s.replica_url}/v1/complete",
+        json={"session_id": "s-1", "prompt": "def f(", "max_tokens": 4},
+        timeout=60,
+    )
+    assert done.status_code == 200, done.text
+    request_id = done.json()["request_id"]
+    wait_until(
+        lambda: request_id in _rollout_ids(s.settings),
+        120,
+        "the rollout of the replica's generation",
+    )
+    for role in (*s.roles, s.controller):
+        assert role.alive(), role.tail()
+        assert "Traceback" not in role.text(), role.tail()
+
+
+def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
+    fresh_postgres_url: str, tmp_path: Path
+) -> None:
+    """The module docstring's roles as processes before the broker, MLflow and the database: each
+    waits, then works once they appear (every role's log tail on stderr on failure)."""
+    s = _start_roles_first(fresh_postgres_url, tmp_path)
     try:
         # 1. alone: each stays up and says what it waits for
-        kafka_line = f"waiting for Kafka at {settings.kafka_bootstrap}"
-        api.wait_log("waiting for the database at", 240)
-        projections.wait_log("waiting for the database at", 240)
-        streams.wait_log(kafka_line, 240)
-        trainer.wait_log(f"waiting for the MLflow server at {settings.mlflow_uri}", 240)
-        replica.wait_log(kafka_line, 240)
-        r = httpx.get(f"{api_url}/readyz", timeout=30)
-        assert r.status_code == 503 and r.json()["failed"] == ["database", "kafka"], r.text
-        assert "migrations not applied yet" in r.json()["checks"]["database"]["detail"], r.text
-        assert any("database" in k for k in r.json()["waiting_for"]), r.text
-        r = httpx.get(f"{replica_url}/readyz", timeout=30)
-        assert r.status_code == 503 and any("Kafka" in k for k in r.json()["waiting_for"]), r.text
-        waiting_metric = httpx.get(f"http://127.0.0.1:{ports['streams']}/metrics", timeout=30).text
-        assert (
-            f'flywheel_waiting_for{{dependency="Kafka at {settings.kafka_bootstrap}"}} 1.0'
-            in waiting_metric
-        )
-        assert all(role.alive() for role in roles), "\n".join(role.tail() for role in roles)
-
+        _alone_each_role_waits(s)
         # 2. MLflow first: the trainer goes on to wait for the broker; the others still wait
-        mlflow = MlflowServer(tmp_path, ports["mlflow"])
-        mlflow.wait_ready()
-        trainer.wait_log(f"the MLflow server at {settings.mlflow_uri} is there", 120)
-        trainer.wait_log(kafka_line, 120)
-        assert all(role.alive() for role in roles), "\n".join(role.tail() for role in roles)
-
-        # 3. the broker (with the topics, as `flywheel kafka start` makes them) and the database
-        broker.start(timeout=180)
-        ensure_topics(settings)
-        forwarder.start()
-        wait_until(
-            lambda: httpx.get(f"{api_url}/readyz", timeout=30).status_code == 200,
-            180,
-            "the API ready",
-        )
-        # (the API does not wait for Kafka, its producer connects lazily; projections waits for
-        # the database first, so by then the broker is up and there is no Kafka wait to log)
-        for role in (streams, trainer, replica):
-            role.wait_line(f"Kafka at {settings.kafka_bootstrap}", "is there", timeout_s=120)
-        projections.wait_log("projector following", 120)
-        replica.wait_log(f"waiting for a champion named in {settings.topic('deployments')}", 120)
-
-        # the trainer registers its base version; the projector writes it down
-        def base_registered() -> bool:
-            assert trainer.alive(), f"the trainer exited:\n{trainer.tail()}"
-            return any(
-                e["type"] == "version_registered" and e["version"] == "1"
-                for e in deployment_events(settings)
-            )
-
-        wait_until(
-            base_registered, 300, "the trainer's base version", detail=lambda: trainer.tail()
-        )
-        keys = _keys(fresh_postgres_url)
-        wait_until(
-            lambda: _projected_types(fresh_postgres_url) >= {"version_registered"},
-            60,
-            "the projection",
-        )
-
+        _mlflow_first(s, tmp_path)
+        # 3. the broker and the database: the roles go on, the trainer registers its base
+        # version and the projector writes it down
+        _broker_and_database_appear(s)
+        keys = _base_version_registered_and_projected(s)
         # 4. a controller started now records what serves; the replica serves what the log says
-        controller = Role("controller", ["controller"], env, logs)
-        wait_until(
-            lambda: httpx.get(f"{replica_url}/readyz", timeout=10).json().get("champion") == "1",
-            240,
-            "the replica serving v1",
-        )
-
-        def status_champion() -> str | None:
-            r = httpx.get(
-                f"{api_url}/v1/deployments",
-                params={"model": model},
-                headers={"Authorization": f"Bearer {keys['read']}"},
-                timeout=10,
-            )
-            assert r.status_code == 200, r.text
-            return r.json()["models"][0]["champion"] if r.json()["models"] else None
-
-        wait_until(
-            lambda: status_champion() == "1", 60, "GET /v1/deployments naming the served champion"
-        )
-        replica.wait_log(f"a champion named in {settings.topic('deployments')} is there", 5)
-
-        # 5. the streams worker labels the replica's generation (no feedback: closed by the window)
-        done = httpx.post(
-            f"{replica_url}/v1/complete",
-            json={"session_id": "s-1", "prompt": "def f(", "max_tokens": 4},
-            timeout=60,
-        )
-        assert done.status_code == 200, done.text
-        request_id = done.json()["request_id"]
-        wait_until(
-            lambda: request_id in _rollout_ids(settings),
-            120,
-            "the rollout of the replica's generation",
-        )
-        for role in (*roles, controller):
-            assert role.alive(), role.tail()
-            assert "Traceback" not in role.text(), role.tail()
+        _controller_records_what_serves(s, keys)
+        # 5. the streams worker labels the replica's generation
+        _streams_labels_a_generation(s)
     except BaseException:
-        for role in [*roles, *([controller] if controller else [])]:
-            sys.stderr.write(role.tail() + "\n")
+        s.write_tails()
         raise
     finally:
-        for role in [*([controller] if controller else []), *reversed(roles)]:
-            role.stop()
-        if mlflow is not None:
-            mlflow.stop()
-        forwarder.stop()
-        broker.stop()
+        s.stop()
 
 
 def _keys(db_url: str) -> dict[str, str]:
