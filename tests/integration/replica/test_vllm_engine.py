@@ -16,7 +16,9 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -98,17 +100,21 @@ def _check_versions(events: list[dict], policies: dict[str, object]) -> None:
         )
 
 
-def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
-    registered, replica_factory, mlflow_server, tmp_path, monkeypatch, vllm_python
-):
-    """The module docstring's replica on two vLLM servers. Needs over a minute: two `vllm serve`
-    processes start (about 30 s each on 2 shared cores) and one restarts after a kill."""
-    from app.replica.weights import VerificationError
-    from kernels.delta.hashing import checkpoint_sha256
+@dataclass
+class _Versions:
+    """The tiny MoE's four versions as registered (v1 anchor, v2..v4 deltas) and the trainer's HF
+    policy holding each of v1..v3, to tell which weights generated a completion."""
+
+    base: Any  # the policy built from the model directory (v1)
+    states: list[dict[str, torch.Tensor]]  # serving state dicts of v1..v4
+    reg: Registered
+    policies: dict[str, Any]  # "1".."3": the trainer's policy on that version's weights
+
+
+def _register_versions(tmp_path: Path, mlflow_server, settings) -> _Versions:
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
     from trainer.policy import build_policy
 
-    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "data"))
     model_dir = tiny_qwen2_moe_dir(
         tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"), head_dim=64
     )
@@ -117,7 +123,6 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
     states = [base.serving_state_dict()]
     for seed in (2, 3, 4):
         states.append(perturb(states[-1], seed, frac=0.3, scale=0.2))
-    settings, _ = registered
     registered_config = {**base.config_dict(), "name": "moe"}  # as the trainer records it
     reg = Registered(mlflow_server.uri, settings.model_name, registered_config, anchor_every=8)
     for st in states:
@@ -127,7 +132,11 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
         p = build_policy(dict(config))
         p.load_serving_state_dict(st)
         policies[str(i)] = p.eval()
+    return _Versions(base, states, reg, policies)
 
+
+def _start_replica_on_v1(settings, replica_factory, vllm_python: Path):
+    """v1 promoted; a replica on two vLLM servers loads it into the first."""
     publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
     srv = replica_factory(
         settings,
@@ -140,8 +149,12 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
     wait_for(lambda: status(srv)["champion"] == "1", timeout_s=START_S, what="v1 in vLLM")
     engines = status(srv)["engine"]["engines"]
     assert [e["version"] for e in engines] == ["1", None], engines
+    return srv
 
-    # --- serving: the Flywheel front over vLLM writes valid generation events ------------------
+
+def _serves_valid_generation_events(srv, settings, versions: _Versions) -> None:
+    """The Flywheel front over vLLM (a completion and a streamed OpenAI completion) writes valid
+    generation events, explained by v1's weights."""
     r = httpx.post(
         f"{srv.url}/v1/complete",
         json={"session_id": "s-1", "prompt": "def add(a, b):", "max_tokens": 12, "n": 2},
@@ -177,22 +190,28 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
     assert ids <= {e["request_id"] for e in events} and len(events) == 3, events
     for e in events:
         assert e["model_version"] == "1"
-        assert e["tokenizer"] == base.tokenizer.name
+        assert e["tokenizer"] == versions.base.tokenizer.name
         assert len(e["logprobs"]) == len(e["completion_tokens"]) > 0
         assert all(lp <= 0.0 for lp in e["logprobs"])
         assert "routes" not in e  # vLLM returns routed experts only on GPU (Model Runner V2)
-    _check_versions(events, {"1": policies["1"], "2": policies["2"]})
+    _check_versions(events, {"1": versions.policies["1"], "2": versions.policies["2"]})
 
-    # --- a candidate arrives by the delta path, loaded into the second engine ---------------------
+
+def _candidate_arrives_by_delta(srv, settings, versions: _Versions) -> None:
+    """Candidate v2 comes by the delta path and is loaded into the second engine, hash checked."""
+    from kernels.delta.hashing import checkpoint_sha256
+
     publish_deployment(settings, "canary_started", "2", from_version="1", traffic_pct=50.0)
     wait_for(lambda: status(srv)["candidate"] == "2", timeout_s=180, what="candidate v2")
     st = status(srv)
     assert st["last_sync"]["path"] == "delta", st["last_sync"]
     assert [e["version"] for e in st["engine"]["engines"]] == ["1", "2"], st["engine"]
     update = st["engine"]["engines"][1]["last_update"]
-    assert update["sha256"] == checkpoint_sha256(states[1]) and update["missing"] == []
+    assert update["sha256"] == checkpoint_sha256(versions.states[1]) and update["missing"] == []
 
-    # --- requests while v3 replaces v2 in place: all succeed and name the weights they ran on ----
+
+def _v3_replaces_v2_under_load(srv, settings, versions: _Versions) -> None:
+    """Requests while v3 replaces v2 in place: all succeed and name the weights they ran on."""
     results: list[tuple[int, str | None, str]] = []
     stop = threading.Event()
 
@@ -234,10 +253,12 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
         where=lambda e: e.get("type") == "generation" and e["session_id"].startswith("load-"),
     )
     assert len(load_events) == len(results)
-    _check_versions(load_events, policies)
+    _check_versions(load_events, versions.policies)
 
-    # --- a corrupt delta never reaches vLLM: refused, v3 keeps serving ----------------------------
-    path = reg.artifact_file(mlflow_server.root / "artifacts", "4", "delta-from-3.fwd")
+
+def _corrupt_delta_refused(srv, settings, versions: _Versions, mlflow_server) -> None:
+    """A corrupt delta never reaches vLLM: refused, v3 keeps serving."""
+    path = versions.reg.artifact_file(mlflow_server.root / "artifacts", "4", "delta-from-3.fwd")
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     path.write_bytes(bytes(raw))
@@ -256,8 +277,13 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
     assert "ChainError" in failed[0]["details"]["error"], failed[0]
     assert status(srv)["engine"]["engines"][1]["version"] == "3"
 
-    # --- weights that reach vLLM but differ from the published ones: refused after hashing inside
-    # vLLM; the engine reloads what it held (v3, verified again) -------------------------------
+
+def _mismatched_weights_refused_inside_vllm(srv, versions: _Versions) -> None:
+    """Weights that reach vLLM but differ from the published ones: refused after hashing inside
+    vLLM; the engine reloads what it held (v3, verified again)."""
+    from app.replica.weights import VerificationError
+    from kernels.delta.hashing import checkpoint_sha256
+
     engine = srv.replica.engine
     serving = srv.replica.store.snapshot()
     assert serving.candidate is None  # v4 is the desired candidate and could not be built
@@ -265,16 +291,16 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
         engine.load(
             "candidate",
             "5",
-            states[3],  # v4's weights, announced with v2's checkpoint hash
+            versions.states[3],  # v4's weights, announced with v2's checkpoint hash
             serving.champion.config,
-            checkpoint_sha256(states[1]),
+            checkpoint_sha256(versions.states[1]),
             store=srv.replica.store,
         )
     assert metric(srv, "flywheel_replica_engine_verify_failures_total") == 1
     assert metric(srv, "flywheel_replica_engine_update_seconds_count", stage="hash") >= 4
     after = status(srv)["engine"]["engines"]
     assert after[1]["version"] == "3", after
-    assert after[1]["last_update"]["sha256"] == checkpoint_sha256(states[2])
+    assert after[1]["last_update"]["sha256"] == checkpoint_sha256(versions.states[2])
     assert srv.replica.store.snapshot().champion is serving.champion
     r = httpx.post(
         f"{srv.url}/v1/complete",
@@ -283,8 +309,12 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
     )
     assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
 
-    # --- a vLLM server that dies is restarted and the version it held reloaded, verified -------
-    e0 = engine.engines[0]
+
+def _dead_server_restarted(srv, versions: _Versions) -> None:
+    """A vLLM server that dies is restarted and the version it held reloaded, verified."""
+    from kernels.delta.hashing import checkpoint_sha256
+
+    e0 = srv.replica.engine.engines[0]
     launcher = e0.server.proc.pid  # vllm_worker/flywheel_vllm_launch.py; the server is its child
     server_pid = int(subprocess.check_output(["pgrep", "-P", str(launcher)]).split()[0])
     os.kill(server_pid, signal.SIGKILL)
@@ -305,7 +335,7 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
         what="the dead server's vLLM workers gone",
     )
     assert status(srv)["engine"]["engines"][0]["last_update"]["sha256"] == checkpoint_sha256(
-        states[0]
+        versions.states[0]
     )
     r = httpx.post(
         f"{srv.url}/v1/complete",
@@ -313,6 +343,30 @@ def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
         timeout=120,
     )
     assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
+
+
+def test_vllm_replica_serves_syncs_in_place_verifies_and_never_mixes_versions(
+    registered, replica_factory, mlflow_server, tmp_path, monkeypatch, vllm_python
+):
+    """The module docstring's replica on two vLLM servers. Needs over a minute: two `vllm serve`
+    processes start (about 30 s each on 2 shared cores) and one restarts after a kill."""
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "data"))
+    settings, _ = registered
+    # 1. four versions registered as the trainer ships them; v1 served by vLLM
+    versions = _register_versions(tmp_path, mlflow_server, settings)
+    srv = _start_replica_on_v1(settings, replica_factory, vllm_python)
+    # 2. serving: the Flywheel front over vLLM writes valid generation events
+    _serves_valid_generation_events(srv, settings, versions)
+    # 3. a candidate arrives by the delta path, loaded into the second engine
+    _candidate_arrives_by_delta(srv, settings, versions)
+    # 4. requests while v3 replaces v2 in place: all succeed and name the weights they ran on
+    _v3_replaces_v2_under_load(srv, settings, versions)
+    # 5. a corrupt delta never reaches vLLM: refused, v3 keeps serving
+    _corrupt_delta_refused(srv, settings, versions, mlflow_server)
+    # 6. weights that reach vLLM but differ from the published ones: refused inside vLLM
+    _mismatched_weights_refused_inside_vllm(srv, versions)
+    # 7. a vLLM server that dies is restarted and the version it held reloaded, verified
+    _dead_server_restarted(srv, versions)
 
 
 def test_a_replica_uses_a_vllm_server_given_by_url(
