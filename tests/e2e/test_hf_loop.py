@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,21 +194,136 @@ def _delta_tag(mlflow, version: str) -> dict:
     return json.loads(mlflow.get_model_version("flywheel-policy", version).tags["delta"])
 
 
-@pytest.mark.timeout(1800)
-def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
-    """`flywheel run --model DIR --replica-engine torch --replica-engine vllm`, full fine-tuning
-    (the module docstring lists what is asserted). Needs minutes: one whole stack on the user's
-    model, two `vllm serve` processes starting on 2 shared cores, a ship interval, a gate, a
-    canary, then a restart and a refused start."""
-    from mlflow import MlflowClient
+@dataclass
+class _Run:
+    """What the checks on one running `flywheel run` share: the process and its log, its
+    environment and ports, the status API (`http`, `history`), the registry and the replicas."""
 
+    proc: subprocess.Popen
+    log: Path
+    env: dict[str, str]
+    ports: dict[str, int]
+    http: httpx.Client
+    history: Any  # _status_api's history(**params)
+    mlflow: Any  # mlflow.MlflowClient
+    replica_ids: list[str]
+
+
+def _both_replicas_serve_the_import(run: _Run, moe_dir: Path) -> None:
+    """Both replicas, one on vLLM, serve v1: the user's directory as imported."""
+    wait_for(
+        "both replicas (one on vLLM) serving v1 as champion",
+        lambda: _serving_v1(run.history, run.replica_ids),
+        600,
+        run.proc,
+        run.log,
+    )
+    _check_import(run.mlflow, moe_dir, run.history, run.http)
+    engine = httpx.get(f"http://127.0.0.1:{run.ports['replicas'] + 1}/v1/status").json()["engine"]
+    assert engine["engine"] == "vllm" and engine["engines"][0]["version"] == "1", engine
+
+
+def _a_trained_version_taken_forward(run: _Run) -> str:
+    """A version trained on feedback, gated, canaried and decided, that both replicas took
+    forward from the version they held. Returns it."""
+
+    def decided_and_synced() -> str | None:
+        version = _decided(run.history())
+        return version if version and _synced_paths(run.history, version, run.replica_ids) else None
+
+    version = wait_for(
+        "a trained version decided and synced to both replicas",
+        decided_and_synced,
+        1200,
+        run.proc,
+        run.log,
+        interval=5,
+    )
+    _check_trained_on_feedback(run.http, version)
+    # both replicas took it forward from the version they held: the built-in engine by a
+    # delta, vLLM by a delta applied in place (or it already held those weights)
+    paths = _synced_paths(run.history, version, run.replica_ids)
+    assert "delta" in paths["replica-0"], paths
+    assert "delta" in paths["replica-1"] or "held" in paths["replica-1"], paths
+    delta = _delta_tag(run.mlflow, version)
+    assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
+    return version
+
+
+def _trained_on_vllm_generations(run: _Run, moe_dir: Path) -> None:
+    """Generations: the model's tokenizer on both engines; the built-in engine's carry the MoE
+    routes, vLLM's none. The trainer learned from vLLM's: their rollouts lie in a trained
+    version's Kafka ranges (vLLM starts later, so the first versions may hold none yet)."""
     from trainer.policy.hf import HFTokenizer
 
-    root = tmp_path / "user-model"
-    moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"), head_dim=64)
-    data_dir = tmp_path / "data"
-    env, ports = _env(data_dir)
-    log = tmp_path / "run.log"
+    expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
+    bootstrap = run.env["FLYWHEEL_KAFKA_BOOTSTRAP"]
+    seen: dict[str, int] = {}
+
+    def trained_on_vllm() -> list[tuple[int, int]]:
+        gens = [
+            r
+            for _, _, r in _records(bootstrap, "flywheel.interactions")
+            if r.get("type") == "generation"
+        ]
+        assert all(g["tokenizer"] == expected_tok for g in gens)
+        routed = [g for g in gens if "route_shape" in g]
+        for g in routed:
+            t = len(g["completion_tokens"])
+            assert g["route_shape"] == [t, MOE_LAYERS, TOP_K], g["route_shape"]
+            assert len(base64.b64decode(g["routes"])) == 4 * t * MOE_LAYERS * TOP_K
+        from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
+        seen.update(vllm=len(from_vllm), torch=len(routed))
+        ranges = []
+        for mv in run.mlflow.search_model_versions("name='flywheel-policy'"):
+            if mv.tags.get("kafka_offsets"):
+                parts = json.loads(mv.tags["kafka_offsets"])["partitions"]
+                ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
+        return [
+            (p, o)
+            for p, o, r in _records(bootstrap, "flywheel.rollouts")
+            if r.get("request_id") in from_vllm
+            and any(p == rp and a <= o < b for rp, a, b in ranges)
+        ]
+
+    wait_for(
+        "a version trained on rollouts of vLLM's generations",
+        trained_on_vllm,
+        900,
+        run.proc,
+        run.log,
+        interval=10,
+    )
+    assert seen["vllm"] > 0 and seen["torch"] > 0, seen  # generations from both engines
+
+
+def _scored_and_served(run: _Run, version: str) -> None:
+    """The held-out simulation (app/simulate/evaluate.py) scores the imported and the trained
+    version; every replica serves the status API's champion."""
+
+    def scored() -> bool:
+        return all(
+            "heldout_acceptance" in run.mlflow.get_model_version("flywheel-policy", v).tags
+            for v in ("1", version)
+        )
+
+    wait_for("held-out acceptance of v1 and the trained version", scored, 300, run.proc, run.log)
+    wait_for(
+        "the replicas to serve the API's champion",
+        lambda: _replicas_agree(run.http, run.ports, len(run.replica_ids)),
+        180,
+        run.proc,
+        run.log,
+    )
+
+
+def _first_start_on_both_engines(
+    env: dict[str, str], ports: dict[str, int], moe_dir: Path, data_dir: Path, log: Path
+) -> Any:
+    """`flywheel run --model DIR` with replica-0 on the built-in engine and replica-1 on vLLM,
+    through every check above; stopped (exit 0) at the end. Returns its MlflowClient."""
+    from mlflow import MlflowClient
+
     api = f"http://127.0.0.1:{ports['api']}"
     replica_ids = ["replica-0", "replica-1"]
     engines = ("--replica-engine", "torch", "--replica-engine", "vllm")
@@ -215,102 +332,22 @@ def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
         _imported(proc, log)
         http, history = _status_api(api, data_dir)
         mlflow = MlflowClient(env["FLYWHEEL_MLFLOW_URI"])
-        wait_for(
-            "both replicas (one on vLLM) serving v1 as champion",
-            lambda: _serving_v1(history, replica_ids),
-            600,
-            proc,
-            log,
-        )
-        _check_import(mlflow, moe_dir, history, http)
-        engine = httpx.get(f"http://127.0.0.1:{ports['replicas'] + 1}/v1/status").json()["engine"]
-        assert engine["engine"] == "vllm" and engine["engines"][0]["version"] == "1", engine
-
-        def decided_and_synced() -> str | None:
-            version = _decided(history())
-            return version if version and _synced_paths(history, version, replica_ids) else None
-
-        version = wait_for(
-            "a trained version decided and synced to both replicas",
-            decided_and_synced,
-            1200,
-            proc,
-            log,
-            interval=5,
-        )
-        _check_trained_on_feedback(http, version)
-        # both replicas took it forward from the version they held: the built-in engine by a
-        # delta, vLLM by a delta applied in place (or it already held those weights)
-        paths = _synced_paths(history, version, replica_ids)
-        assert "delta" in paths["replica-0"], paths
-        assert "delta" in paths["replica-1"] or "held" in paths["replica-1"], paths
-        delta = _delta_tag(mlflow, version)
-        assert delta["anchor"] is False and delta["delta_bytes"] > 0, delta
-
-        # generations: the model's tokenizer on both engines; the built-in engine's carry the MoE
-        # routes, vLLM's none. The trainer learned from vLLM's: their rollouts lie in a trained
-        # version's Kafka ranges (vLLM starts later, so the first versions may hold none yet)
-        expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
-        bootstrap = env["FLYWHEEL_KAFKA_BOOTSTRAP"]
-        seen: dict[str, int] = {}
-
-        def trained_on_vllm() -> list[tuple[int, int]]:
-            gens = [
-                r
-                for _, _, r in _records(bootstrap, "flywheel.interactions")
-                if r.get("type") == "generation"
-            ]
-            assert all(g["tokenizer"] == expected_tok for g in gens)
-            routed = [g for g in gens if "route_shape" in g]
-            for g in routed:
-                t = len(g["completion_tokens"])
-                assert g["route_shape"] == [t, MOE_LAYERS, TOP_K], g["route_shape"]
-                assert len(base64.b64decode(g["routes"])) == 4 * t * MOE_LAYERS * TOP_K
-            from_vllm = {g["request_id"] for g in gens if "route_shape" not in g}
-            seen.update(vllm=len(from_vllm), torch=len(routed))
-            ranges = []
-            for mv in mlflow.search_model_versions("name='flywheel-policy'"):
-                if mv.tags.get("kafka_offsets"):
-                    parts = json.loads(mv.tags["kafka_offsets"])["partitions"]
-                    ranges += [(int(p), int(a), int(b)) for p, (a, b) in parts.items()]
-            return [
-                (p, o)
-                for p, o, r in _records(bootstrap, "flywheel.rollouts")
-                if r.get("request_id") in from_vllm
-                and any(p == rp and a <= o < b for rp, a, b in ranges)
-            ]
-
-        wait_for(
-            "a version trained on rollouts of vLLM's generations",
-            trained_on_vllm,
-            900,
-            proc,
-            log,
-            interval=10,
-        )
-        assert seen["vllm"] > 0 and seen["torch"] > 0, seen  # generations from both engines
-
-        # held-out simulation (app/simulate/evaluate.py) scores the imported and the trained version
-        def scored() -> bool:
-            return all(
-                "heldout_acceptance" in mlflow.get_model_version("flywheel-policy", v).tags
-                for v in ("1", version)
-            )
-
-        wait_for("held-out acceptance of v1 and the trained version", scored, 300, proc, log)
-        wait_for(
-            "the replicas to serve the API's champion",
-            lambda: _replicas_agree(http, ports, len(replica_ids)),
-            180,
-            proc,
-            log,
-        )
+        run = _Run(proc, log, env, ports, http, history, mlflow, replica_ids)
+        _both_replicas_serve_the_import(run, moe_dir)
+        version = _a_trained_version_taken_forward(run)
+        _trained_on_vllm_generations(run, moe_dir)
+        _scored_and_served(run, version)
     finally:
         rc = stop_run(proc, log=log)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
+    return mlflow
 
-    # a second start on the same registry resumes: nothing is imported again (the registry's
-    # state is what matters here, so both replicas run the built-in engine)
+
+def _second_start_resumes(
+    env: dict[str, str], ports: dict[str, int], moe_dir: Path, log: Path, mlflow
+) -> None:
+    """A second start on the same registry resumes: nothing is imported again (the registry's
+    state is what matters here, so both replicas run the built-in engine)."""
     proc = _start(env, ports, moe_dir, log)
     try:
         wait_for(
@@ -329,7 +366,11 @@ def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
         rc = stop_run(proc, log=log)
     assert rc == 0
 
-    # a registry that holds this model is refused for another one: one line, no role starts
+
+def _another_model_refused(
+    env: dict[str, str], ports: dict[str, int], root: Path, log: Path
+) -> None:
+    """A registry that holds this model is refused for another one: one line, no role starts."""
     other = tiny_llama_dir(root / "other-model", root / "tok")
     before = len(log.read_bytes())
     proc = _start(env, ports, other, log)
@@ -344,6 +385,26 @@ def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
     assert len(refusal) == 1, text[-3000:]
     assert "of another model" in refusal[0] and "other config or tokenizer files" in refusal[0]
     assert "✓ api" not in text and "✓ trainer" not in text, text[-3000:]
+
+
+@pytest.mark.timeout(1800)
+def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
+    """`flywheel run --model DIR --replica-engine torch --replica-engine vllm`, full fine-tuning
+    (the module docstring lists what is asserted). Needs minutes: one whole stack on the user's
+    model, two `vllm serve` processes starting on 2 shared cores, a ship interval, a gate, a
+    canary, then a restart and a refused start."""
+    root = tmp_path / "user-model"
+    moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"), head_dim=64)
+    data_dir = tmp_path / "data"
+    env, ports = _env(data_dir)
+    log = tmp_path / "run.log"
+    # 1. both engines: v1 imported and served, a version trained (on vLLM's generations too),
+    # gated, canaried, decided, taken forward by both replicas and scored
+    mlflow = _first_start_on_both_engines(env, ports, moe_dir, data_dir, log)
+    # 2. a second start on the same registry resumes: nothing is imported again
+    _second_start_resumes(env, ports, moe_dir, log, mlflow)
+    # 3. a registry that holds this model is refused for another one
+    _another_model_refused(env, ports, root, log)
 
 
 @pytest.mark.timeout(1800)
