@@ -96,9 +96,19 @@ def baseline(settings, n: int) -> Rate:
     """Plain kafka-python consume -> produce of the backlog."""
     import resource
 
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
     from app.contracts.kafka import make_consumer, make_producer
 
     dest = f"{settings.topic_namespace}.bench-copy"
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
+    try:  # the broker creates no topic on request (app/infra/kafka.py)
+        admin.create_topics(
+            [NewTopic(dest, num_partitions=settings.interactions_partitions, replication_factor=1)]
+        )
+    finally:
+        admin.close()
     cons = make_consumer(
         settings, settings.topic("interactions"), group_id=f"bench-{uuid.uuid4().hex[:6]}"
     )

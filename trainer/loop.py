@@ -183,11 +183,14 @@ class Trainer:
             max_poll_records=max(64, cfg.batch_size * 4),
             metadata_max_age_ms=30_000,
         )
-        self.owned: list[int] | None = None  # a rank's partitions (None: a group member)
-        positions = state["positions"]
+        # the partitions this process reads, by assignment: all of them for one process, p % size
+        # == rank for a rank (trainer/distributed.py). The consumer group only holds the committed
+        # offsets (commits with generation -1): no group join, so no rebalance. kafka-python
+        # 3.0.12's group member was seen to stall for 5-10 minutes after the rebalance that follows
+        # its first join (assigned, then never fetching; or spinning in the coordinator lookup)
+        self.owned: list[int] = owned_partitions(self._topic_partitions(), self.world)
+        positions = {int(p): int(o) for p, o in state["positions"].items() if int(p) in self.owned}
         if self.world.distributed:
-            self.owned = owned_partitions(self._topic_partitions(), self.world)
-            positions = {int(p): int(o) for p, o in positions.items() if int(p) in self.owned}
             if not self.world.is_main:  # the lineage trained so far is in rank 0's part
                 self.pending = self.pending.local_part()
             if not self.owned:
@@ -211,10 +214,8 @@ class Trainer:
         )
         if self.world.distributed:
             self.intake.seen.added = []  # new keys go to rank 0 with each save
-        self._joined = self.owned is not None  # assigned partitions need no group join
         RANKS.set(self.world.size)
-        if self.owned is not None:
-            PARTITIONS.set(len(self.owned))
+        PARTITIONS.set(len(self.owned))
         self._clean_stop = False
         self._unsaved_take = (
             False  # a batch left the buffer and is not accounted yet: close() must not save
@@ -441,9 +442,6 @@ class Trainer:
     # --- training ------------------------------------------------------------------------------------
     def poll(self) -> None:
         self.intake.poll(self.cfg.poll_timeout_ms, max_records=max(64, self.cfg.batch_size * 4))
-        self._joined = self._joined or bool(self.consumer.assignment())
-        if self.owned is None:
-            PARTITIONS.set(len(self.consumer.assignment()))
         BUFFERED.set(self.intake.buffered())
 
     def train_step(self) -> dict[str, float] | None:
@@ -841,7 +839,6 @@ class Trainer:
         With ranks, rank 0 runs the ship; its offset commit is the point where every rank
         commits its own partitions (`_commit_everywhere`); then rank 0 sends the version. A
         failure on rank 0 is sent to the others instead, so every rank stops with it."""
-        self._ensure_joined()
         intent = self.intent
         assert intent is not None, "_finish_ship needs a saved ship intent"
         serving = None
@@ -966,28 +963,6 @@ class Trainer:
             config = {**config, "model_dir": None, "files_sha256": pack(path, weights)[1]}
         return config
 
-    def _ensure_joined(self, timeout_s: float = 600.0) -> None:
-        """Commits need a group member: poll until the consumer has its partitions.
-
-        A busy broker can take minutes to finish a rebalance; waiting (with a warning every
-        30 s) is cheaper than crashing, since a restart would have to join the group anyway.
-        """
-        start = time.monotonic()
-        warned = start
-        while not self._joined:
-            now = time.monotonic()
-            assert now - start < timeout_s, (
-                f"consumer group {self.cfg.consumer_group} did not assign partitions in {timeout_s}s"
-            )
-            if now - warned > 30:
-                log.warning(
-                    "still waiting for consumer group %s to assign partitions (%.0fs)",
-                    self.cfg.consumer_group,
-                    now - start,
-                )
-                warned = now
-            self.poll()
-
     def _from_main(self, intent: ShipIntent, what: str) -> tuple[str, Any]:
         kind, value = self.world.broadcast(None)
         if kind == "failed":
@@ -1009,7 +984,6 @@ class Trainer:
             self._commit_sent = True
         else:
             self._from_main(self.intent, "register the version")  # type: ignore[arg-type]
-        assert self.owned is not None
         self.commit_offsets({p: o for p, o in positions.items() if int(p) in self.owned})
         self.world.barrier("the offset commits of a ship", self.cfg.ship_barrier_timeout_s)
 

@@ -84,7 +84,8 @@ def test_record_limits_agree_from_the_http_body_to_the_live_broker(make_settings
 
 
 def test_broker_restarts_on_same_storage_and_keeps_records(tmp_path):
-    from kafka import KafkaConsumer, KafkaProducer
+    from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+    from kafka.admin import NewTopic
 
     broker = LocalKafka(
         home=tmp_path / "kafka", port=free_port(), controller_port=free_port(), heap="384m"
@@ -94,6 +95,9 @@ def test_broker_restarts_on_same_storage_and_keeps_records(tmp_path):
         assert (broker.home / "data" / "meta.properties").exists(), (
             "storage must be formatted on first start"
         )
+        admin = KafkaAdminClient(bootstrap_servers=broker.bootstrap)
+        admin.create_topics([NewTopic("restart-check", num_partitions=1, replication_factor=1)])
+        admin.close()
         producer = KafkaProducer(bootstrap_servers=broker.bootstrap, acks="all")
         producer.send("restart-check", b"before-restart").get(timeout=30)
         producer.close()
