@@ -6,7 +6,7 @@ in its own `bash -euo pipefail`, bounded by a timeout, against a real stack buil
 - the session's real Kafka broker and MLflow server (tests/conftest.py), a fresh topic
   namespace and a fresh SQLite database (the `make run` default) per block;
 - a registered model in MLflow with versions 1-3, and a deployment log that says what the
-  README's operator examples assume: 1 was champion, then 2 (canary, promoted), and 3 is in
+  operator examples (docs/OPERATIONS.md) assume: 1 was champion, then 2 (canary, promoted), and 3 is in
   canary at 5% against champion 2; the SQL projections rebuilt from it (as `flywheel
   projections follow` keeps them under `make run`);
 - the API (`create_app` on uvicorn, `ServerThread`) on a free port;
@@ -122,10 +122,10 @@ def test_every_fence_names_its_language():
 
 
 def test_the_docs_have_runnable_blocks():
-    """The extraction itself: the README's examples are found and would run."""
-    assert any(b.file == "README.md" and "/v1/deployments/promote" in b.text for b in RUN_BLOCKS), [
-        b.id for b in RUN_BLOCKS
-    ]
+    """The extraction itself: the operator examples (docs/OPERATIONS.md) are found and would run."""
+    assert any(
+        b.file == "docs/OPERATIONS.md" and "/v1/deployments/promote" in b.text for b in RUN_BLOCKS
+    ), [b.id for b in RUN_BLOCKS]
 
 
 # --- the stack a runnable block runs against ----------------------------------------------------
@@ -300,11 +300,13 @@ def test_the_harness_fails_a_block_on_a_4xx(docs_stack: DocsStack):
 
 
 def test_the_admin_examples_reach_the_deployment_log(docs_stack: DocsStack):
-    """The README's operator block leaves its events on `<ns>.deployments` with source api."""
+    """The operator block of docs/OPERATIONS.md leaves its events on `<ns>.deployments` with source api."""
     from app.contracts.deployments import DeploymentLog
 
     [block] = [
-        b for b in RUN_BLOCKS if b.file == "README.md" and "/v1/deployments/rollback" in b.text
+        b
+        for b in RUN_BLOCKS
+        if b.file == "docs/OPERATIONS.md" and "/v1/deployments/rollback" in b.text
     ]
     proc = run_block(docs_stack, block.commands())
     assert proc.returncode == 0, proc
