@@ -122,13 +122,20 @@ class WorkerProc:
             return ""
         before = self.log_path.stat().st_size
         os.kill(self.proc.pid, signal.SIGUSR2)
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline and self.log_path.stat().st_size == before:
-            time.sleep(0.1)
-        time.sleep(0.3)  # the rest of the dump
-        with open(self.log_path, "rb") as f:
-            f.seek(before)
-            return f.read().decode(errors="replace")[-6000:]
+
+        def dumped() -> str:
+            with open(self.log_path, "rb") as f:
+                f.seek(before)
+                return f.read().decode(errors="replace")
+
+        # faulthandler writes the signalled (main) thread last: its frames end the dump
+        deadline, text = time.monotonic() + 5.0, ""
+        while time.monotonic() < deadline:
+            text = dumped()
+            if "Current thread" in text and "in <module>" in text.split("Current thread")[-1]:
+                break
+            time.sleep(0.05)
+        return text[-6000:]
 
 
 @pytest.fixture()
