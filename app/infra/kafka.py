@@ -371,11 +371,23 @@ def ensure_topics(
             for name, cfg in TOPICS.items()
             if settings.topic(name) not in existing
         ]
-        if wanted:
-            try:
-                admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000))
-            except TopicAlreadyExistsError:
-                pass
-        return [t.name for t in wanted]
+        if not wanted:
+            return []
+        # Per-topic results: another process may create one of them between the list and the
+        # create. The created topics are waited on until the broker's metadata shows them with a
+        # leader (KRaft publishes a new topic a moment after it acknowledges the create), so a
+        # caller's next list or produce already sees them.
+        response = admin.create_topics(wanted, timeout_ms=int(timeout_s * 1000), raise_errors=False)
+        created, failed = [], []
+        for topic in response["topics"]:
+            code = topic["error_code"]
+            if code == 0:
+                created.append(topic["name"])
+            elif code != TopicAlreadyExistsError.errno:
+                failed.append(f"{topic['name']}: {topic.get('error_message') or code}")
+        if failed:
+            raise RuntimeError(f"the broker refused to create topics: {'; '.join(failed)}")
+        admin.wait_for_topics(created, timeout_ms=int(timeout_s * 1000))
+        return created
     finally:
         admin.close()

@@ -43,6 +43,25 @@ def test_topics_are_created_with_configured_partitions_and_rollouts_compacted(ma
         admin.close()
 
 
+def test_two_callers_creating_the_topics_at_once_split_them_and_neither_fails(make_settings):
+    """Roles start side by side and each ensures the topics: a topic the other created in
+    between is not an error, each topic is reported created by exactly one caller, and every
+    topic is visible as soon as either call returns."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kafka import KafkaAdminClient
+
+    s = make_settings(create_topics=False)
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(lambda _: ensure_topics(s), range(2))
+    assert sorted(first + second) == sorted(s.topic(t) for t in TOPICS)
+    admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)
+    try:
+        assert {s.topic(t) for t in TOPICS} <= set(admin.list_topics())
+    finally:
+        admin.close()
+
+
 def test_record_limits_agree_from_the_http_body_to_the_live_broker(make_settings):
     """The chain of app/contracts/topics.py, read from the running broker and the configured clients."""
     from kafka import KafkaAdminClient
