@@ -56,6 +56,10 @@ def parse_duration(value: object) -> float:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
+# The embedded broker's JVM: C1 only, one compiler thread, serial GC (app/infra/kafka.py)
+KAFKA_LIGHT_JVM = "-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:+UseSerialGC"
+
+
 class Settings(FlywheelSettings):
     """Configuration shared by every role. Each field maps to `FLYWHEEL_<NAME>`."""
 
@@ -126,6 +130,13 @@ class Settings(FlywheelSettings):
         None, description="KRaft controller port of the embedded broker (default: broker port + 1)."
     )
     kafka_heap: str = Field("512m", description="JVM heap (-Xmx) of the embedded broker.")
+    kafka_jvm_opts: str = Field(
+        KAFKA_LIGHT_JVM,
+        description="JVM options of the embedded broker, a development broker: by default the "
+        "quick JIT only and the serial collector, which take half the CPU of Kafka's own G1 "
+        "options to start and serve a small load, and two thirds of it idle (bench/kafka_jvm.py). "
+        '"-XX:+UseG1GC -XX:MaxGCPauseMillis=20" gives Kafka\'s own.',
+    )
     delta_push_max_bytes: int = Field(
         4 * 1024 * 1024,
         ge=0,

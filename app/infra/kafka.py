@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -29,7 +30,7 @@ from pathlib import Path
 from app.contracts.topics import KAFKA_MESSAGE_MAX_BYTES, TOPICS, topic_partitions
 from app.infra import kafka_net
 from app.infra.procs import die_with_parent
-from app.settings import Settings
+from app.settings import KAFKA_LIGHT_JVM, Settings
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class LocalKafka:
     port: int = 9092
     controller_port: int | None = None
     heap: str = "512m"
+    jvm_opts: str = KAFKA_LIGHT_JVM
     cache_dir: Path = Path.home() / ".cache" / "flywheel"
     host: str = "127.0.0.1"
 
@@ -108,6 +110,7 @@ class LocalKafka:
             port=int(port),
             controller_port=s.kafka_controller_port,
             heap=s.kafka_heap,
+            jvm_opts=s.kafka_jvm_opts,
             cache_dir=s.kafka_cache_dir,
             host="127.0.0.1" if host in ("localhost", "127.0.0.1", "") else host,
         )
@@ -182,8 +185,7 @@ class LocalKafka:
             java,
             f"-Xmx{heap or self.heap}",
             "-Xss1m",
-            "-XX:+UseG1GC",
-            "-XX:MaxGCPauseMillis=20",
+            *shlex.split(self.jvm_opts),
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={LOG4J2}",
             f"-Dkafka.logs.dir={self.home / 'logs'}",

@@ -1,8 +1,10 @@
 """`flywheel model import DIR` against a real MLflow server (tests/conftest.py `mlflow_server`) and
 a real Kafka broker (`make_settings`: a fresh topic namespace per test).
 
-The CLI runs as a user runs it (`python -m app.cli model import`, a subprocess with FLYWHEEL_*
-variables). A tiny Qwen2-MoE directory (tests/hf_models.py, built offline) becomes v1 with
+The first test runs the CLI as a user runs it (`python -m app.cli model import`, a subprocess
+with FLYWHEEL_* variables); the others invoke the same command in-process (typer's CliRunner,
+the same variables, the settings cache cleared around each call), which spares each call the
+4-5 CPU-seconds of importing torch, transformers and mlflow again. A tiny Qwen2-MoE directory (tests/hf_models.py, built offline) becomes v1 with
 `champion` on it; a fresh cache directory filled from the version's artifacts alone
 (`Registry.policy_config`) rebuilds a policy whose serving weights equal the source's bf16 weights
 bit for bit, with the same tokenizer id; the anchor's checkpoint hash is those weights' hash; the
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -60,16 +63,21 @@ def kafka_env(make_settings):
     }
 
 
-def _import(mlflow_server, kafka_env, name: str, model_dir: Path, data_dir: Path, *flags: str):
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
+def _env(mlflow_server, kafka_env, name: str, data_dir: Path) -> dict[str, str]:
+    return {
         "FLYWHEEL_MLFLOW_URI": mlflow_server.uri,
         "FLYWHEEL_MODEL_NAME": name,
         "FLYWHEEL_DATA_DIR": str(data_dir),
         "COLUMNS": "400",
         **kafka_env[1],
     }
+
+
+def _import_process(
+    mlflow_server, kafka_env, name: str, model_dir: Path, data_dir: Path, *flags: str
+) -> subprocess.CompletedProcess:
+    """`python -m app.cli model import`, as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **_env(mlflow_server, kafka_env, name, data_dir)}
     return subprocess.run(
         [sys.executable, "-m", "app.cli", "model", "import", str(model_dir), *flags],
         env=env,
@@ -78,6 +86,33 @@ def _import(mlflow_server, kafka_env, name: str, model_dir: Path, data_dir: Path
         text=True,
         timeout=300,
     )
+
+
+@dataclass
+class _Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _import(mlflow_server, kafka_env, name: str, model_dir: Path, data_dir: Path, *flags: str):
+    """The same command in this process: exit code, stdout and stderr as `_import_process` gives
+    them. FLYWHEEL_* variables of this process are set for the call only."""
+    from typer.testing import CliRunner
+
+    from app.cli import app
+    from app.settings import get_settings
+
+    env = _env(mlflow_server, kafka_env, name, data_dir)
+    env.update({k: None for k in os.environ if k.startswith("FLYWHEEL_") and k not in env})
+    get_settings.cache_clear()
+    try:
+        out = CliRunner().invoke(app, ["model", "import", str(model_dir), *flags], env=env)
+    finally:
+        get_settings.cache_clear()
+    if out.exception is not None and not isinstance(out.exception, SystemExit):
+        raise out.exception
+    return _Done(out.exit_code, out.stdout, out.stderr)
 
 
 def _nothing_registered(mlflow_server, name: str) -> bool:
@@ -116,7 +151,7 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
 
     _, _, model_dir = dirs
     name = f"import-{uuid.uuid4().hex[:8]}"
-    out = _import(mlflow_server, kafka_env, name, model_dir, tmp_path / "importer")
+    out = _import_process(mlflow_server, kafka_env, name, model_dir, tmp_path / "importer")
     assert out.returncode == 0, out.stderr
     reg = Registry(mlflow_server.uri, name)
     assert [int(v.version) for v in reg.versions()] == [1]
