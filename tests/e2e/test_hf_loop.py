@@ -9,7 +9,7 @@ worker, trainer, controller, two replicas and the simulated editor population.
 Two stacks, one per way of training the model (each stack costs minutes, so each checks all it
 can on its way):
 
-- **Full fine-tuning on both engines** (`test_an_hf_moe_model_trains_on_both_engines_and_resumes`):
+- **Full fine-tuning on both engines** (`test_an_hf_moe_model_trains_on_both_engines`):
   replica-0 runs the built-in engine, replica-1 vLLM (`vllm serve` from deploy/vllm/ensure.sh's
   environment; the model has head_dim 64, which vLLM's CPU attention needs). Asserted through the
   registry, the status API, the replicas and the topics: v1 is DIR itself (kind `import`, its
@@ -19,8 +19,9 @@ can on its way):
   tokenizer id, the built-in engine's its MoE routes [T, 2 layers, top-2] (vLLM returns routed
   experts only on GPU); a version was trained on rollouts of vLLM's generations; the held-out
   simulation scores v1 and the trained version; every replica serves the status API's champion;
-  a second start on the same data dir resumes (nothing imported again), and a registry holding
-  another model is refused with one line.
+  the import step that `flywheel run` takes on every start resumes on a registry of the same
+  model and refuses another model with one line: tested on that step itself
+  (tests/integration/trainer/test_model_import.py), so this stack starts once.
 - **LoRA** (`test_an_hf_moe_model_trains_a_lora_adapter_through_the_whole_loop`,
   `FLYWHEEL_TRAINER_LORA` on the q/v projections and the fused experts): the first trained version
   is an adapter anchor (v1 holds full weights) and a later version ships as an adapter delta,
@@ -40,7 +41,7 @@ import httpx
 import pytest
 
 from tests.e2e.stack import stack_env, start_run, stop_run, wait_for
-from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir, train_bpe_tokenizer
+from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -317,11 +318,11 @@ def _scored_and_served(run: _Run, version: str) -> None:
     )
 
 
-def _first_start_on_both_engines(
+def _run_on_both_engines(
     env: dict[str, str], ports: dict[str, int], moe_dir: Path, data_dir: Path, log: Path
-) -> Any:
+) -> None:
     """`flywheel run --model DIR` with replica-0 on the built-in engine and replica-1 on vLLM,
-    through every check above; stopped (exit 0) at the end. Returns its MlflowClient."""
+    through every check above; stopped (exit 0) at the end."""
     from mlflow import MlflowClient
 
     api = f"http://127.0.0.1:{ports['api']}"
@@ -340,71 +341,22 @@ def _first_start_on_both_engines(
     finally:
         rc = stop_run(proc, log=log)
     assert rc == 0, log.read_text(errors="replace")[-3000:]
-    return mlflow
-
-
-def _second_start_resumes(
-    env: dict[str, str], ports: dict[str, int], moe_dir: Path, log: Path, mlflow
-) -> None:
-    """A second start on the same registry resumes: nothing is imported again (the registry's
-    state is what matters here, so both replicas run the built-in engine)."""
-    proc = _start(env, ports, moe_dir, log)
-    try:
-        wait_for(
-            "the resumed start",
-            lambda: "(resumed; flywheel-policy" in log.read_text(errors="replace"),
-            300,
-            proc,
-            log,
-        )
-        assert not [
-            mv
-            for mv in mlflow.search_model_versions("name='flywheel-policy'")
-            if mv.tags.get("kind") == "import" and mv.version != "1"
-        ]
-    finally:
-        rc = stop_run(proc, log=log)
-    assert rc == 0
-
-
-def _another_model_refused(
-    env: dict[str, str], ports: dict[str, int], root: Path, log: Path
-) -> None:
-    """A registry that holds this model is refused for another one: one line, no role starts."""
-    other = tiny_llama_dir(root / "other-model", root / "tok")
-    before = len(log.read_bytes())
-    proc = _start(env, ports, other, log)
-    try:
-        rc = proc.wait(300)
-    finally:
-        if proc.poll() is None:
-            stop_run(proc, log=log)
-    text = log.read_bytes()[before:].decode(errors="replace")
-    assert rc == 2, text[-3000:]
-    refusal = [ln for ln in text.splitlines() if "model import refused" in ln]
-    assert len(refusal) == 1, text[-3000:]
-    assert "of another model" in refusal[0] and "other config or tokenizer files" in refusal[0]
-    assert "✓ api" not in text and "✓ trainer" not in text, text[-3000:]
 
 
 @pytest.mark.timeout(1800)
-def test_an_hf_moe_model_trains_on_both_engines_and_resumes(tmp_path: Path):
+def test_an_hf_moe_model_trains_on_both_engines(tmp_path: Path):
     """`flywheel run --model DIR --replica-engine torch --replica-engine vllm`, full fine-tuning
     (the module docstring lists what is asserted). Needs minutes: one whole stack on the user's
-    model, two `vllm serve` processes starting on 2 shared cores, a ship interval, a gate, a
-    canary, then a restart and a refused start."""
+    model, two `vllm serve` processes starting on 2 shared cores, a ship interval, a gate and a
+    canary."""
     root = tmp_path / "user-model"
     moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"), head_dim=64)
     data_dir = tmp_path / "data"
     env, ports = _env(data_dir)
     log = tmp_path / "run.log"
-    # 1. both engines: v1 imported and served, a version trained (on vLLM's generations too),
-    # gated, canaried, decided, taken forward by both replicas and scored
-    mlflow = _first_start_on_both_engines(env, ports, moe_dir, data_dir, log)
-    # 2. a second start on the same registry resumes: nothing is imported again
-    _second_start_resumes(env, ports, moe_dir, log, mlflow)
-    # 3. a registry that holds this model is refused for another one
-    _another_model_refused(env, ports, root, log)
+    # v1 imported and served, a version trained (on vLLM's generations too), gated, canaried,
+    # decided, taken forward by both replicas and scored
+    _run_on_both_engines(env, ports, moe_dir, data_dir, log)
 
 
 @pytest.mark.timeout(1800)

@@ -400,3 +400,39 @@ def test_resume_keeps_the_versions_of_the_same_model_and_refuses_other_weights(
     assert "of another model" in out and "other weights" in out, out
     assert [int(v.version) for v in reg.versions()] == [1]
     assert _registered(kafka_env[0], name) == [event]
+
+
+def test_flywheel_runs_import_step_imports_then_resumes_and_refuses_another_model(
+    mlflow_server, kafka_env, dirs, tmp_path
+):
+    """`flywheel run --model DIR` runs `prepare_model` (app/run.py) before any role starts: the
+    import into an empty registry, a resume on the next start (nothing imported again), and
+    another model's directory refused with the import's one line (`flywheel run` prints it and
+    exits 2). The whole stack's end-to-end test (tests/e2e/test_hf_loop.py) starts once."""
+    from app.run import RunModelError, prepare_model
+    from tests.hf_models import tiny_llama_dir
+    from trainer.registry import Registry
+
+    root, tok, model_dir = dirs
+    name = f"import-run-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        **_env(mlflow_server, kafka_env, name, tmp_path / "data"),
+    }
+    settings = kafka_env[0].model_copy(update={"model_name": name, "mlflow_uri": mlflow_server.uri})
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    assert prepare_model(settings, model_dir, env, logs) == "imported"
+    assert prepare_model(settings, model_dir, env, logs) == "resumed"
+    reg = Registry(mlflow_server.uri, name)
+    assert [(v.version, v.tags["kind"]) for v in reg.versions()] == [("1", "import")]
+
+    other = tiny_llama_dir(tmp_path / "other-model", tok)
+    with pytest.raises(RunModelError) as refused:
+        prepare_model(settings, other, env, logs)
+    message = str(refused.value)
+    assert message.startswith("model import refused:") and "\n" not in message, message
+    assert "of another model" in message and "other config or tokenizer files" in message
+    assert f"(log: {logs / 'model-import.log'})" in message
+    assert [v.version for v in reg.versions()] == ["1"]
