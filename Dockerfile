@@ -15,6 +15,7 @@ RUN pip install -r requirements.lock
 COPY app app
 COPY streams streams
 COPY trainer trainer
+COPY policy policy
 COPY kernels kernels
 COPY migrations migrations
 COPY deploy deploy

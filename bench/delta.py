@@ -11,7 +11,7 @@ The model (`--model`) is a Hugging Face model of bench/hf_models.py (`hf-dense`,
 parameters, built from a config, trained 40 steps at lr 1e-3 and cached, loaded through Flywheel's
 HF policy; next-token NLL on the repo text; defaults: no further warm-up, batch 4 x 64 tokens, grid
 lr {1e-6*, 1e-5} x {1, 10} steps, the fast codec only, best of 1; `--tiny` builds them at hidden 64
-for smoke tests), the built-in policy (`policy`: trainer.policy.build_policy, fp32
+for smoke tests), the built-in policy (`policy`: policy.build_policy, fp32
 masters, bf16 serving weights, 1.38M parameters) or the self-contained ~0.88M-parameter
 transformer of bench/training.py (`fallback`, the default: ~0.3 s per step). Both are
 trained by next-byte NLL on Python's standard-library sources with the TRAINER'S OPTIMIZER:
@@ -87,7 +87,7 @@ def parse_args() -> argparse.Namespace:
         "--model",
         choices=["policy", "fallback", "hf-dense", "hf-moe"],
         default="fallback",
-        help="policy: the built-in policy (trainer.policy; ~1.5-5 s per training step on the shared "
+        help="policy: the built-in policy (policy; ~1.5-5 s per training step on the shared "
         "2 CPU cores); fallback: the ~0.88M-parameter transformer of bench/training.py (~0.3 s per step); "
         "hf-dense / hf-moe: the 50-150M-parameter HF models of bench/hf_models.py",
     )

@@ -35,10 +35,10 @@ from app.simulate.evaluate import scores
 from app.simulate.prompts import is_hard
 from app.simulate.prompts import prompts as prompt_pool
 from app.simulate.users import Preference, population
+from policy import Policy, build_policy
 from streams.reward import KNOWN_SPECS, RewardSpec, compute_reward
 from trainer import objective as obj
 from trainer.batch import scatter_teacher, teacher_inputs
-from trainer.policy import Policy, build_policy
 
 
 def load(config: Path, weights: Path):

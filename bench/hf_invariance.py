@@ -18,7 +18,7 @@ through Flywheel's HF policy (`build_policy({"type": "hf", ...})`):
    in the same process (the
    median of `--repeats`); ratio = default tokens/s / invariant tokens/s (target <= 1.35x).
    The mismatch (1) is measured with the default scheme; `--mismatch-int8` measures it with int8 too.
-   The built-in policy (`builtin`: trainer.policy's default config, 1.4M parameters, its own
+   The built-in policy (`builtin`: policy's default config, 1.4M parameters, its own
    invariant kernels of kernels/invariant.py, not the dispatch mode) is measured the same way,
    its invariant matmul as the exact-integer kernel (what it runs) and as the halving tree.
 3. `--profile`: torch.profiler over one invariant forward + backward per scheme: the aten ops by
@@ -191,7 +191,7 @@ def load(name: str, tiny: bool, console):
     """(policy, token stream) for `name`: an HF model of bench/hf_models.py or `builtin`."""
     import torch
 
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     if name == "builtin":
         from bench.training import load_text_bytes

@@ -177,7 +177,7 @@ class HFTrainer(Trainer):
     def _setup(self, path: Path, batch: int, seq: int, opt_state: dict | None) -> None:
         import torch
 
-        from trainer.policy import build_policy
+        from policy import build_policy
 
         self.torch = torch
         self.path = path

@@ -196,7 +196,7 @@ def build_model(kind: str, work: Path, tokenizer_dir: Path) -> Path:
 
 
 def trainer_policy(model_dir: Path, state: dict, kernels: str):
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     pol = build_policy({"type": "hf", "model_dir": str(model_dir), "kernels": kernels})
     pol.load_serving_state_dict(state)
@@ -527,7 +527,7 @@ def run_model(kind: str, args: argparse.Namespace, python: Path, work: Path, tok
     fresh one for the full reload."""
     from app.replica.engines.vllm import VLLMEngine
     from kernels.delta.hashing import checkpoint_sha256
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     model_dir = build_model(kind, work, tok_dir)
     base = build_policy({"type": "hf", "model_dir": str(model_dir), "kernels": "default"})

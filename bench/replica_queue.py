@@ -82,7 +82,7 @@ def serve_child(spec_json: str) -> None:
     from app.replica.weights import WeightCache, load_verified
     from app.settings import Settings
     from kernels.delta.hashing import checkpoint_sha256
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     spec = json.loads(spec_json)
     policy_cfg, cache_dir = spec["policy"], Path(spec["cache_dir"])

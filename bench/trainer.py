@@ -193,7 +193,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from trainer.policy import build_policy, load_policy
+    from policy import build_policy, load_policy
 
     torch.set_num_threads(args.threads)
     console = Console()

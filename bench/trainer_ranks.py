@@ -30,11 +30,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from bench.trainer import _batch
+    from policy import build_policy
     from trainer import objective as obj
     from trainer.config import TrainerConfig
     from trainer.distributed import World, allocate
     from trainer.loop import Trainer
-    from trainer.policy import build_policy
     from trainer.rollouts import Batch, Rollout
 
     world = World.from_env()

@@ -34,7 +34,7 @@ class Trainer:
         self.batch, self.seq = batch, seq
         self.gen = torch.Generator().manual_seed(1)
         if model_kind == "policy":
-            from trainer.policy import build_policy
+            from policy import build_policy
 
             # plain torch ops: training speed
             self.model = build_policy({**(policy_config or {}), "kernels": "default"})

@@ -25,7 +25,13 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-TEXT_DIRS = ("app", "trainer", "kernels", "docs")  # the training text: these folders' .py and .md
+TEXT_DIRS = (
+    "app",
+    "trainer",
+    "policy",
+    "kernels",
+    "docs",
+)  # the training text: these folders' .py and .md
 
 
 def _training_files() -> list[str]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.policy.base import Tokenizer
+from policy.base import Tokenizer
 from trainer.rollouts import Rollout
 
 

@@ -170,7 +170,7 @@ class TrainerConfig(FlywheelSettings):
     )
     lora: Annotated[dict[str, Any] | None, NoDecode] = Field(
         None,
-        description='LoRA instead of full fine-tuning (JSON, trainer/lora_spec.py): {"r": 8, "alpha": 16, "dropout": 0, "target_modules": ["q_proj", "v_proj"], "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}; only the adapter trains and a version is the base model plus the adapter. Needs a Hugging Face policy (FLYWHEEL_TRAINER_POLICY type hf, or a registry whose versions are one, e.g. after `flywheel model import`). Unset or empty = full fine-tuning.',
+        description='LoRA instead of full fine-tuning (JSON, policy/lora_spec.py): {"r": 8, "alpha": 16, "dropout": 0, "target_modules": ["q_proj", "v_proj"], "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}; only the adapter trains and a version is the base model plus the adapter. Needs a Hugging Face policy (FLYWHEEL_TRAINER_POLICY type hf, or a registry whose versions are one, e.g. after `flywheel model import`). Unset or empty = full fine-tuning.',
     )
     pretrain_steps: int = Field(
         300,
@@ -266,7 +266,7 @@ class TrainerConfig(FlywheelSettings):
     def _lora_json(cls, v: Any) -> Any:
         from pydantic import ValidationError
 
-        from trainer.lora_spec import LoraSpec
+        from policy.lora_spec import LoraSpec
 
         if isinstance(v, str):
             if not v.strip():

@@ -32,7 +32,7 @@ Rounding is elementwise, so the forward sees the same values as unsharded, and w
 `kernels="invariant"` the log-probs are bit-identical (tests/integration/trainer/test_fsdp.py).
 The all-gather's own ops are on batch_invariant_mode's exact list (`EXACT_COMM_OPS`).
 
-LoRA (trainer/policy/lora.py): the frozen bf16 base and the fp32 adapter are sharded together
+LoRA (policy/lora.py): the frozen bf16 base and the fp32 adapter are sharded together
 (FSDP reduce-scatters only the adapter's gradients); as unsharded, only the adapter is
 substituted (the base holds bf16 values already), so peft's per-forward parametrization of fused
 expert parameters (`target_parameters`) runs on the unsharded base as usual.
@@ -62,8 +62,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.policy.hf import HFPolicy
-from trainer.policy.moe_lm import serving_weight
+from policy.hf import HFPolicy
+from policy.moe_lm import serving_weight
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ def full_serving_state(policy: HFPolicy) -> dict[str, torch.Tensor] | None:
     the other ranks get None."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from trainer.policy.lora import LoraPolicy
+    from policy.lora import LoraPolicy
 
     lora = isinstance(policy, LoraPolicy)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=lora)

@@ -49,6 +49,7 @@ import torch
 
 from app.contracts.kafka import make_consumer, make_producer
 from app.settings import Settings
+from policy import Policy, build_policy
 from trainer import objective as obj
 from trainer.batch import collate, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
@@ -69,7 +70,6 @@ from trainer.metrics import (
     STEP_GAUGES,
     STEPS,
 )
-from trainer.policy import Policy, build_policy
 from trainer.registry import CHAMPION, Registry
 from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake, dedupe_key
 from trainer.ship_state import Pending, ShipIntent
@@ -311,8 +311,8 @@ class Trainer:
         return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def _with_lora_setting(self, policy: Policy, source: str, convert: bool = True) -> Policy:
-        """`policy` as FLYWHEEL_TRAINER_LORA wants it (trainer/policy/lora.py `with_lora_setting`)."""
-        from trainer.policy.lora import with_lora_setting
+        """`policy` as FLYWHEEL_TRAINER_LORA wants it (policy/lora.py `with_lora_setting`)."""
+        from policy.lora import with_lora_setting
 
         return with_lora_setting(policy, self.cfg.lora, source, convert)
 
@@ -325,7 +325,7 @@ class Trainer:
     def _saved_policy(self, config: dict[str, Any]) -> Policy:
         """The policy of the trainer state's config; a LoRA state holds the adapter only, so its
         base must be the model files the config's `files_sha256` names, here and unchanged."""
-        from trainer.policy.hf_files import HFFilesError
+        from policy.hf_files import HFFilesError
 
         try:
             return build_policy(config)
@@ -956,7 +956,7 @@ class Trainer:
         """The policy's config as the registry records it (HF: model files by hash, no directory)."""
         config = self.policy.config_dict()
         if config.get("type") == "hf" and config.get("model_dir") is not None:
-            from trainer.policy.hf_files import pack, resolve
+            from policy.hf_files import pack, resolve
 
             weights = bool(config.get("lora"))
             path = resolve(config["model_dir"], config.get("files_sha256"), weights=weights)

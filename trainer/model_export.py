@@ -7,7 +7,7 @@ users who serve it elsewhere.
 
 The version is rebuilt exactly as a replica rebuilds it (its policy config from the registry, the
 model files from the version's artifacts verified by `files_sha256`, the serving weights) and
-written by trainer/policy/lora.py `export_dir`: config, generation config, tokenizer files and
+written by policy/lora.py `export_dir`: config, generation config, tokenizer files and
 `model.safetensors`. A full version's weights are its bf16 serving weights. A LoRA version is its
 base plus `adapter/` (`adapter_config.json`, `adapter_model.safetensors`), or with `merged` the
 adapter merged into the base (peft `merge_and_unload`, fp32 weights: merging rounds once per
@@ -39,8 +39,8 @@ def export_version(
 ) -> Path:
     from mlflow.exceptions import MlflowException
 
-    from trainer.policy import build_policy
-    from trainer.policy.lora import export_dir
+    from policy import build_policy
+    from policy.lora import export_dir
     from trainer.registry import Registry
 
     out = Path(out)

@@ -138,10 +138,10 @@ def _check_weights(model_dir: Path) -> None:
 
 
 def validate(model_dir: str | Path) -> Any:
-    """The HF policy of `model_dir` (trainer/policy/hf.py) after every check of the module
+    """The HF policy of `model_dir` (policy/hf.py) after every check of the module
     docstring; ModelImportError naming the file or field otherwise."""
-    from trainer.policy import build_policy
-    from trainer.policy.hf import TOKENIZER_FILES, tokenizer_files
+    from policy import build_policy
+    from policy.hf import TOKENIZER_FILES, tokenizer_files
 
     d = Path(model_dir)
     if not d.is_dir():
@@ -185,7 +185,7 @@ def import_model(
     on it, then publish its `version_registered` (module docstring). With `resume`, versions that
     are an import of this very model are kept (AlreadyImported otherwise) and a missing event is
     published; DeploymentLogUnavailable when the deployment log cannot take the event."""
-    from trainer.policy.hf_files import materialize, pack
+    from policy.hf_files import materialize, pack
 
     d = Path(model_dir).resolve()
     policy = validate(d)

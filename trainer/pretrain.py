@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from policy import build_policy, save_policy
+from policy.base import Policy
 from trainer.corpus import iter_documents
 from trainer.metrics import PRETRAIN_LOSS, PRETRAIN_STEP, PRETRAIN_STEPS
-from trainer.policy import build_policy, save_policy
-from trainer.policy.base import Policy
 
 log = logging.getLogger(__name__)
 

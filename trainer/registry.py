@@ -5,10 +5,10 @@ pyfunc model directory logged under the trainer's run (`ships/<ship_id>/model`):
 
     model/MLmodel, python_model.pkl, code/{trainer,kernels}/   (mlflow.pyfunc format)
     model/artifacts/weights.safetensors   bf16 serving weights (Policy.serving_state_dict)
-    model/artifacts/config.json           Policy.config_dict() -> trainer.policy.build_policy
+    model/artifacts/config.json           Policy.config_dict() -> policy.build_policy
     model/artifacts/tokenizer.json        tokenizer name / vocab_size / eos_id
     model/artifacts/hf/                   HF policies only: config.json, generation_config.json and
-                                          the tokenizer files (trainer/policy/hf_files.py); the
+                                          the tokenizer files (policy/hf_files.py); the
                                           policy config records their `files_sha256`
     model/artifacts/hf_ref.json           instead of hf/ when the files carry weights (a LoRA
                                           base) that the parent version already stores: the
@@ -58,13 +58,13 @@ class PolicyPyfunc(mlflow.pyfunc.PythonModel):
     def load_context(self, context):
         from safetensors.torch import load_file
 
-        from trainer.policy import build_policy
+        from policy import build_policy
 
         cfg = json.loads(Path(context.artifacts["config"]).read_text())
         if cfg.get("type") == "hf" and "hf" in context.artifacts:
             cfg["model_dir"] = context.artifacts["hf"]  # verified against files_sha256 on build
         elif cfg.get("type") == "hf" and "hf_ref" in context.artifacts:
-            from trainer.policy.hf_files import ensure_from_artifacts
+            from policy.hf_files import ensure_from_artifacts
 
             ref = json.loads(Path(context.artifacts["hf_ref"]).read_text())
             # the files are stored with an earlier version: into the local cache, verified
@@ -198,7 +198,7 @@ class Registry:
 
         An HF model-file set that carries weights (a LoRA policy's base) and that `parent_version`
         already stores is not logged again: `artifacts/hf_ref.json` names the version source that
-        holds it (trainer/policy/hf_files.py `HF_REF`)."""
+        holds it (policy/hf_files.py `HF_REF`)."""
         from safetensors.torch import save_file
 
         prefix = f"ships/{ship_id}"
@@ -223,7 +223,7 @@ class Registry:
                 if holder is None:
                     artifacts["hf"] = str(tmp_path / "hf")
                 else:
-                    from trainer.policy.hf_files import HF_REF
+                    from policy.hf_files import HF_REF
 
                     ref = files / HF_REF
                     ref.write_text(
@@ -236,7 +236,7 @@ class Registry:
             (files / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1, sort_keys=True))
             code = [
                 str(REPO / pkg)
-                for pkg in ("trainer", "kernels")
+                for pkg in ("trainer", "policy", "kernels")
                 if (REPO / pkg / "__init__.py").exists()
             ]
             mlflow.pyfunc.save_model(
@@ -303,7 +303,7 @@ class Registry:
     ) -> str | None:
         """The model source that already stores these HF files, when they carry weights and the
         parent version's config has the same `files_sha256`; else None (log them)."""
-        from trainer.policy.hf_files import WEIGHTS_FILE, ref_source
+        from policy.hf_files import WEIGHTS_FILE, ref_source
 
         if parent_version is None or not (packed / WEIGHTS_FILE).is_file():
             return None
@@ -319,9 +319,9 @@ class Registry:
 
     def policy_config(self, version: int, cache_root: str | Path | None = None) -> dict[str, Any]:
         """`version`'s policy config, ready for `build_policy` on this machine: an HF policy's model
-        files are downloaded into `<cache_root>/<files_sha256>/` (trainer/policy/hf_files.py),
+        files are downloaded into `<cache_root>/<files_sha256>/` (policy/hf_files.py),
         verified by hash, unless that directory is already there."""
-        from trainer.policy.hf_files import ensure_from_artifacts
+        from policy.hf_files import ensure_from_artifacts
 
         mv = self.client.get_model_version(self.name, str(version))
         with tempfile.TemporaryDirectory(prefix="flywheel-dl-") as tmp:
@@ -336,9 +336,9 @@ class Registry:
 
 
 def _pack_hf_files(policy_config: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Write an HF policy's model files (trainer/policy/hf_files.py) into `out`; returns the config
+    """Write an HF policy's model files (policy/hf_files.py) into `out`; returns the config
     to register: self-contained (`files_sha256`, no machine-local `model_dir`)."""
-    from trainer.policy.hf_files import pack, resolve
+    from policy.hf_files import pack, resolve
 
     weights = bool(policy_config.get("lora"))  # a LoRA policy's base weights are model files
     src = resolve(

@@ -37,7 +37,7 @@ from app.contracts.hints import artifact_hints
 from app.contracts.pushed import PushedDelta, publish_delta
 from app.settings import Settings
 from kernels.delta.manifest import MANIFEST_FILE, Manifest
-from trainer.policy import Policy
+from policy import Policy
 from trainer.registry import CHAMPION, Registry
 from trainer.ship_state import ShipIntent
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.policy import Policy
+    from policy import Policy
     from trainer.rollouts import Rollout
 
 REFUSAL_REASONS = (

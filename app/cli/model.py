@@ -37,12 +37,12 @@ def model_import(
 ) -> None:
     """Validate MODEL_DIR and register it as version 1 of FLYWHEEL_MODEL_NAME, with champion on it;
     its `version_registered` goes on the deployment log (Kafka must answer, or nothing is registered)."""
+    from policy.hf_files import CACHE_DIR
     from trainer.model_import import (
         DeploymentLogUnavailable,
         ModelImportError,
         import_model,
     )
-    from trainer.policy.hf_files import CACHE_DIR
 
     settings = _settings()
     try:
@@ -80,8 +80,8 @@ def model_export(
     ] = False,
 ) -> None:
     """Write VERSION of FLYWHEEL_MODEL_NAME as a directory AutoModelForCausalLM.from_pretrained loads."""
+    from policy.hf_files import CACHE_DIR
     from trainer.model_export import ExportError, export_version
-    from trainer.policy.hf_files import CACHE_DIR
 
     settings = _settings()
     try:

@@ -23,6 +23,6 @@ Each module is the single home of one contract:
 - `event_producer`: the asyncio (aiokafka) producer of the ingest API and the replicas
 
 The roles (app.api, app.replica, app.controller, app.deployments, streams, trainer,
-app.simulate, app.report) import these, the policy package (trainer.policy) and `kernels/`,
+app.simulate, app.report) import these, the policy package (policy) and `kernels/`,
 never each other; `lint-imports` (contracts in pyproject.toml) enforces it.
 """

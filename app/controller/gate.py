@@ -169,7 +169,7 @@ class GateInputs:
 
     candidate_state: Mapping[str, torch.Tensor]
     parent_state: Mapping[str, torch.Tensor] | None = None
-    candidate: Any = None  # trainer.policy.base.Policy with the candidate's weights, or None
+    candidate: Any = None  # policy.base.Policy with the candidate's weights, or None
     champion: Any = None  # Policy with the champion's weights, or None
     # Policy of the model's first version (the base), or None: the edit monitors also compare
     # with it, so a hack that grows version by version with the champion is still seen

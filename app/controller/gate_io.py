@@ -4,7 +4,7 @@
     result = runner.run(version="7", champion="6")
 
 Weights: the trainer's artifacts (`<source>/artifacts/weights.safetensors` bf16 serving
-weights and `config.json` for `trainer.policy.build_policy`; trainer/registry.py). The parent
+weights and `config.json` for `policy.build_policy`; trainer/registry.py). The parent
 is the version tag `parent_version`. Held-out rollouts: the newest `n_rollouts` records of
 `<ns>.rollouts` at offsets the version did not train on (at or past the end of its
 `kafka_offsets` ranges tag), deduplicated by request_id (the topic is compacted and
@@ -47,15 +47,15 @@ def load_version(
     child and its full parent compare tensor by tensor), the version's tags)."""
     from safetensors.torch import load_file
 
-    from trainer.policy import build_policy
-    from trainer.policy.hf_files import ensure_from_artifacts
+    from policy import build_policy
+    from policy.hf_files import ensure_from_artifacts
 
     tags = dict(client.get_model_version(model, version).tags or {})
     with tempfile.TemporaryDirectory(prefix="flywheel-gate-") as tmp:
         state = load_file(_download(client, model, version, "artifacts/weights.safetensors", tmp))
         with open(_download(client, model, version, "artifacts/config.json", tmp)) as f:
             config = json.load(f)
-    ensure_from_artifacts(  # an HF version's model files (trainer/policy/hf_files.py)
+    ensure_from_artifacts(  # an HF version's model files (policy/hf_files.py)
         config, client.get_model_version(model, version).source, client.tracking_uri
     )
     policy = build_policy(config)

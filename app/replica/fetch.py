@@ -283,12 +283,12 @@ class VersionFetcher:
         return dict(cached)
 
     def _materialize_hf_files(self, version: str, config: dict[str, Any]) -> None:
-        """An HF policy's model files (`model/artifacts/hf/`, trainer/policy/hf_files.py) into the
+        """An HF policy's model files (`model/artifacts/hf/`, policy/hf_files.py) into the
         local cache, verified against the config's `files_sha256`, so build_policy finds them (a
         LoRA version's files include its base weights, downloaded once per base)."""
         import json
 
-        from trainer.policy.hf_files import (
+        from policy.hf_files import (
             HF_FILES,
             HF_REF,
             WEIGHTS_FILE,

@@ -160,7 +160,7 @@ class Replica:
         seed: int | None = None,
         on_step: Any = None,
     ) -> tuple[list[Any], float]:
-        """Runs on the generation thread: (samples, model seconds). `on_step`: trainer/policy/base.py."""
+        """Runs on the generation thread: (samples, model seconds). `on_step`: policy/base.py."""
         t0 = time.perf_counter()
         samples = lv.policy.generate(
             [prompt] * n,

@@ -138,7 +138,7 @@ class LoadedVersion:
     """One verified version, ready to generate. Immutable: a new version is a new object."""
 
     version: str
-    policy: Any  # trainer.policy.base.Policy, eval mode, loaded from `state`
+    policy: Any  # policy.base.Policy, eval mode, loaded from `state`
     state: Mapping[
         str, torch.Tensor
     ]  # the verified bf16 serving state dict (base for the next delta)
@@ -194,7 +194,7 @@ def load_verified(
     `state` is loaded into it in place, every serving tensor overwritten, then verified as above;
     a standby that fails verification must not be used again.
     """
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     if standby is not None:
         policy = standby

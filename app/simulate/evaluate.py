@@ -125,8 +125,8 @@ class HeldOutEvaluator:
         import mlflow
         from safetensors.torch import load_file
 
-        from trainer.policy import build_policy
-        from trainer.policy.hf_files import ensure_from_artifacts
+        from policy import build_policy
+        from policy.hf_files import ensure_from_artifacts
 
         mv = self.client.get_model_version(self.model_name, str(version))
         with tempfile.TemporaryDirectory(prefix="flywheel-eval-") as tmp:

@@ -170,7 +170,7 @@ def _serving_v1(history, replica_ids: list[str]) -> bool:
 def _check_import(mlflow, model_dir: Path, history, http: httpx.Client) -> None:
     """v1 is the user's directory, registered by the import, and champion (once the replicas
     serve it, the projector has folded the import's events)."""
-    from trainer.policy.hf_files import pack
+    from policy.hf_files import pack
 
     v1 = mlflow.get_model_version("flywheel-policy", "1")
     assert v1.tags["kind"] == "import", v1.tags
@@ -255,7 +255,7 @@ def _trained_on_vllm_generations(run: _Run, moe_dir: Path) -> None:
     """Generations: the model's tokenizer on both engines; the built-in engine's carry the MoE
     routes, vLLM's none. The trainer learned from vLLM's: their rollouts lie in a trained
     version's Kafka ranges (vLLM starts later, so the first versions may hold none yet)."""
-    from trainer.policy.hf import HFTokenizer
+    from policy.hf import HFTokenizer
 
     expected_tok = HFTokenizer(moe_dir, vocab_size=10**6).name
     bootstrap = run.env["FLYWHEEL_KAFKA_BOOTSTRAP"]
@@ -367,7 +367,7 @@ def test_an_hf_moe_model_trains_a_lora_adapter_through_the_whole_loop(tmp_path: 
     from mlflow import MlflowClient
     from mlflow import artifacts as mlflow_artifacts
 
-    from trainer.policy.hf import HFTokenizer
+    from policy.hf import HFTokenizer
 
     root = tmp_path / "user-model"
     moe_dir = tiny_qwen2_moe_dir(root / "my-moe", train_bpe_tokenizer(root / "tok"))

@@ -31,7 +31,7 @@ def _run(module, argv: list[str], capsys, monkeypatch) -> str:
 
 def test_built_model_is_cached_trained_and_loads_through_the_hf_policy():
     from bench.hf_models import HFTrainer, model_dir
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     path = model_dir("hf-moe", "tiny")
     for f in ("config.json", "model.safetensors", "tokenizer.json", "optimizer.pt"):

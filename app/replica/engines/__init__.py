@@ -4,7 +4,7 @@ The replica (app/replica/server.py and its routes/, openai/) is the HTTP front, 
 and the sync agent's host; an engine loads verified versions and generates with them:
 
 - `builtin` (base.py, `FLYWHEEL_REPLICA_ENGINE=torch`, the default): every version is a new
-  in-process torch policy (trainer/policy), loaded and hashed by `weights.load_verified`; a swap
+  in-process torch policy (policy), loaded and hashed by `weights.load_verified`; a swap
   publishes it and the old one stays until its requests are done.
 - `vllm` (vllm.py, `flywheel replica --engine vllm`): versions are loaded in place into `vllm serve`
   processes from the environment deploy/vllm/ensure.sh provisions (or servers given by URL),

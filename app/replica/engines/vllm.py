@@ -393,7 +393,7 @@ def completion_routes(b64: str, prompt_len: int, n_completion: int) -> Any:
     """The routes of the completion tokens from vLLM's `routed_experts` (base64 `.npy` of the
     experts chosen at every forwarded position, [prompt + completion - 1, layers, top_k]): the
     token sampled at position p was produced by the forward of position p - 1, as Flywheel's
-    events record it (trainer/policy/hf.py generate)."""
+    events record it (policy/hf.py generate)."""
     import base64
     import io
 
@@ -436,7 +436,7 @@ class VLLMPolicy:
     ) -> list[Any]:
         import numpy as np
 
-        from trainer.policy.base import Sample, check_temperature
+        from policy.base import Sample, check_temperature
 
         check_temperature(temperature)
         if self.engine.lv is None or self.engine.lv.version != self.version:
@@ -499,7 +499,7 @@ class VLLMEngines:
 
     # --- processes ------------------------------------------------------------------------------
     def _model_dir(self, config: Mapping[str, Any]) -> Path:
-        from trainer.policy.hf_files import resolve
+        from policy.hf_files import resolve
 
         return resolve(config.get("model_dir"), config.get("files_sha256"), weights=False)
 
@@ -636,7 +636,7 @@ class VLLMEngines:
     def _tokenizer(self, config: Mapping[str, Any]) -> Any:
         from transformers import AutoConfig
 
-        from trainer.policy.hf import HFTokenizer
+        from policy.hf import HFTokenizer
 
         path = self._model_dir(config)
         rows = int(getattr(AutoConfig.from_pretrained(str(path)), "vocab_size", 0) or 0)

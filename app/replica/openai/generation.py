@@ -55,7 +55,7 @@ def generation_error(exc: Exception) -> OpenAIError | None:
     refuses, events Kafka refused or did not acknowledge, an engine that cannot generate);
     None for any other failure."""
     from app.contracts.event_producer import KafkaUnavailable, RecordRejected
-    from trainer.policy.base import SamplingError
+    from policy.base import SamplingError
 
     if isinstance(exc, SamplingError):
         return bad_param("temperature", str(exc))
@@ -176,7 +176,7 @@ async def _record(replica: Replica, p: Plan, samples: list[Any], reasons: list[s
 def _trimmed(sample: Any, n_tokens: int) -> Any:
     """The sample cut to its first `n_tokens` (what the client was given: the rest came after its
     stop string or after it went away). A prefix keeps the behaviour log-probs exact."""
-    from trainer.policy.base import Sample
+    from policy.base import Sample
 
     if n_tokens == len(sample.tokens):
         return sample

@@ -203,7 +203,7 @@ def _encode(
     max_tokens: int,
 ) -> list[int]:
     """The prompt tokens: `text`, or the chat `messages` through the version's chat template."""
-    from trainer.policy.base import NoChatTemplate
+    from policy.base import NoChatTemplate
 
     if messages is not None:
         try:

@@ -191,7 +191,7 @@ async def _generate(
     request: Request,
 ) -> tuple[list[Any], float] | Response:
     """(samples, model seconds) from the generation queue, or the answer when there are none."""
-    from trainer.policy.base import SamplingError
+    from policy.base import SamplingError
 
     async def still_wanted() -> bool:
         return not await request.is_disconnected()

@@ -30,6 +30,7 @@ from mlflow import MlflowClient
 
 from app.contracts.events import encode_routes
 from app.contracts.kafka import dumps
+from policy import build_policy
 from tests.conftest import free_port
 from tests.integration.trainer.conftest import (
     TINY_POLICY,
@@ -47,7 +48,6 @@ from tests.integration.trainer.conftest import (
 )
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
-from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

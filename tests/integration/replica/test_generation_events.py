@@ -62,7 +62,7 @@ def test_n_candidates_share_a_group_and_their_events_validate_and_replay_bit_exa
     )
     assert all(p.prompt_tokens == list(b"def add(a, b):") for p in parsed)
 
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     trainer_side = build_policy(cfg)  # what the trainer does: load the version's serving weights
     trainer_side.load_serving_state_dict(state)

@@ -32,10 +32,10 @@ LORA = {
 def test_a_replica_keeps_one_base_swaps_adapters_and_refuses_a_corrupt_adapter_delta(
     registered, replica_factory, mlflow_server, tmp_path, monkeypatch
 ):
+    from policy import build_policy
+    from policy.lora import to_lora
+    from policy.lora_spec import LoraSpec
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
-    from trainer.lora_spec import LoraSpec
-    from trainer.policy import build_policy
-    from trainer.policy.lora import to_lora
 
     monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "trainer-data"))
     model_dir = tiny_qwen2_moe_dir(tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"))

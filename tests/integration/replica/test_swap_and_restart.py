@@ -84,7 +84,7 @@ def test_requests_during_a_swap_all_succeed_and_name_the_version_that_produced_t
     ids = {c["request_id"]: r["model_version"] for r in responses for c in r["completions"]}
     events = read_topic(settings, "interactions", len(ids), where=lambda e: e["request_id"] in ids)
     assert len(events) == len(ids)
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     policies = {}
     for v, st in (("1", s1), ("2", s2)):

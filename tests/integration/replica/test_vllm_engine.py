@@ -120,8 +120,8 @@ class _Versions:
 
 
 def _register_versions(tmp_path: Path, mlflow_server, settings) -> _Versions:
+    from policy import build_policy
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
-    from trainer.policy import build_policy
 
     model_dir = tiny_qwen2_moe_dir(
         tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"), head_dim=64
@@ -385,8 +385,8 @@ def test_a_replica_uses_a_vllm_server_given_by_url(
     only, and a candidate is refused with a reason instead of being half-served."""
     from app.replica.engines.vllm import VLLMServer, _free_port
     from kernels.delta.hashing import checkpoint_sha256
+    from policy import build_policy
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
-    from trainer.policy import build_policy
 
     monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "data"))
     model_dir = tiny_qwen2_moe_dir(

@@ -71,7 +71,7 @@ CHAMPION_SESSION = session_in_bucket(
 
 def tiny_policy_state(seed: int = 0) -> dict[str, Any]:
     """bf16 serving weights of a freshly initialised tiny policy."""
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     return build_policy({**TINY_POLICY, "init_seed": seed}).serving_state_dict()
 
@@ -116,7 +116,7 @@ class Versions:
     """Registers versions the way `trainer/shipping.py` ships them and announces each one."""
 
     def __init__(self, settings: Settings, anchor_every: int = 4):
-        from trainer.policy import build_policy
+        from policy import build_policy
         from trainer.registry import Registry
 
         self.settings = settings

@@ -17,7 +17,7 @@ def test_heldout_figures_become_tags_and_metrics(mlflow_server, tmp_path: Path):
     from safetensors.torch import save_file
 
     from app.simulate.evaluate import EXPERIMENT, METRICS, RUN_NAME, HeldOutEvaluator
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     client = MlflowClient(tracking_uri=mlflow_server.uri, registry_uri=mlflow_server.uri)
     model = f"heldout-{uuid.uuid4().hex[:8]}"

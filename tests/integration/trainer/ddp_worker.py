@@ -24,13 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
+from policy import build_policy
 from tests.integration.trainer.conftest import TINY_POLICY, rollout_records
 from trainer import objective as obj
 from trainer.batch import collate
 from trainer.config import TrainerConfig
 from trainer.distributed import World
 from trainer.loop import Trainer
-from trainer.policy import build_policy
 from trainer.rollouts import Batch, parse_rollout
 from trainer.validate import ModelSpec
 

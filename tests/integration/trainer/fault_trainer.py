@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import os
 
-from trainer.policy.moe_lm import MoEPolicy
-from trainer.policy.tokenizer import ByteTokenizer
+from policy.moe_lm import MoEPolicy
+from policy.tokenizer import ByteTokenizer
 
 MARK = ByteTokenizer().encode(os.environ.get("FLYWHEEL_TEST_FAULT_MARK", "#STEP-FAULT#"))
 _real_logprobs = MoEPolicy.logprobs

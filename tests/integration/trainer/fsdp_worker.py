@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from policy import build_policy
+from policy.lora import to_lora
+from policy.lora_spec import LoraSpec
 from trainer import fsdp
-from trainer.lora_spec import LoraSpec
-from trainer.policy import build_policy
-from trainer.policy.lora import to_lora
 
 LR = 1e-2
 MAX_NORM = 0.5  # below the full tiny models' gradient norm (~1.9), so clipping scales them

@@ -33,6 +33,7 @@ import pytest
 from mlflow import MlflowClient
 
 from app.contracts.kafka import dumps
+from policy import build_policy
 from tests.integration.trainer.conftest import (
     TINY_POLICY,
     TrainerProcess,
@@ -47,7 +48,6 @@ from tests.integration.trainer.conftest import (
     trainer_env_vars,
     wait_for,
 )
-from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

@@ -29,6 +29,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from policy import build_policy
 from tests.integration.trainer.conftest import (
     REPO,
     TINY_POLICY,
@@ -42,7 +43,6 @@ from tests.integration.trainer.conftest import (
     trainer_env_vars,
     wait_for,
 )
-from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 

@@ -190,7 +190,7 @@ def test_gathered_serving_state_loads_where_a_replica_loads_it(run, tmp_path):
     `from_pretrained`. LoRA: the adapter loads into a fresh LoRA policy on the same base."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     serving = run["res"]["serving"]
     if run["lora"]:

@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_a_rollout_from_a_same_named_tokenizer_with_other_files_is_refused_and_counted(
     make_settings, tmp_path
 ):
+    from policy import build_policy
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
     from trainer.dlq import DeadLetters
-    from trainer.policy import build_policy
     from trainer.rollouts import DedupeSet, RolloutIntake
     from trainer.validate import ModelSpec
 

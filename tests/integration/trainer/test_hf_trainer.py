@@ -51,8 +51,8 @@ def test_the_trainer_ships_an_hf_policy_as_a_delta_a_replica_loads(trainer_env, 
     from app.contracts.artifacts import apply_chain, fetch_manifest
     from app.replica.fetch import VersionFetcher
     from app.replica.weights import load_verified
+    from policy import build_policy
     from tests.hf_models import tiny_llama_dir, tiny_qwen2_moe_dir, train_bpe_tokenizer
-    from trainer.policy import build_policy
 
     settings, cfg_kw = trainer_env
     make_dir = tiny_qwen2_moe_dir if arch == "qwen2-moe" else tiny_llama_dir

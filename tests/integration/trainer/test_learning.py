@@ -19,10 +19,10 @@ import time
 import pytest
 from mlflow import MlflowClient
 
+from policy import build_policy
 from tests.integration.trainer.conftest import PROMPTS, TINY_POLICY, drain, produce, rollout_records
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
-from trainer.policy import build_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

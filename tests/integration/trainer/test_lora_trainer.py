@@ -38,10 +38,10 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from policy.hf_files import default_cache_root
 from tests.integration.trainer.conftest import drain, produce, rollout_records
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
-from trainer.policy.hf_files import default_cache_root
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[3]
@@ -98,9 +98,9 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
     from app.contracts.artifacts import apply_chain, fetch_manifest
     from app.replica.fetch import VersionFetcher
     from app.replica.weights import load_verified
+    from policy import build_policy
+    from policy.lora import LoraPolicy
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
-    from trainer.policy import build_policy
-    from trainer.policy.lora import LoraPolicy
 
     settings, cfg_kw = trainer_env
     monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(settings.data_dir))  # the model-files cache
@@ -342,9 +342,9 @@ def test_a_rejected_lora_version_rebases_onto_the_full_champion_with_a_fresh_ada
     the adapter alone, and its next version ships and rebuilds from the registry."""
     from app.contracts.artifacts import apply_chain
     from app.replica.fetch import VersionFetcher
+    from policy import build_policy
+    from policy.lora import LoraPolicy
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
-    from trainer.policy import build_policy
-    from trainer.policy.lora import LoraPolicy
 
     settings, cfg_kw = trainer_env
     monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(settings.data_dir))

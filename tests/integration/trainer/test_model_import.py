@@ -146,7 +146,7 @@ def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
     import mlflow
 
     from kernels.delta import hash_state_dict
-    from trainer.policy import build_policy
+    from policy import build_policy
     from trainer.registry import Registry
 
     _, _, model_dir = dirs

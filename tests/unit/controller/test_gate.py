@@ -362,8 +362,8 @@ def test_the_demos_planted_version_of_an_hf_moe_model_fails_the_weight_check(tmp
     """`flywheel run`'s planted version (trainer/shipping.plant_bad_weights: the largest matrix
     x64) on a Qwen2-MoE's serving weights fails the gate's weight check; one optimizer-sized
     nudge of every tensor, the zero-initialized q/k/v biases included, passes it."""
+    from policy import build_policy
     from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
-    from trainer.policy import build_policy
     from trainer.shipping import plant_bad_weights
 
     model = tiny_qwen2_moe_dir(tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.policy.base import Policy, Sample, Tokenizer
+from policy.base import Policy, Sample, Tokenizer
 
 
 class ByteTok(Tokenizer):

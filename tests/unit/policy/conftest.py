@@ -30,7 +30,7 @@ def tiny_config() -> dict:
 
 @pytest.fixture
 def tiny_policy():
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     torch.manual_seed(0)
     return build_policy(dict(TINY)).eval()

@@ -1,4 +1,4 @@
-"""trainer/policy/hf_files.py: an HF policy rebuilt from its non-weight files (content-addressed
+"""policy/hf_files.py: an HF policy rebuilt from its non-weight files (content-addressed
 cache directory) plus its serving weights equals the source directory's policy bit for bit, and a
 cache directory whose files do not hash to the config's `files_sha256` is refused."""
 
@@ -15,8 +15,8 @@ def _bits(sd: dict[str, torch.Tensor]) -> dict[str, bytes]:
 def test_a_policy_from_the_cache_dir_and_serving_weights_equals_the_source(
     hf_moe_dir, tmp_path, monkeypatch
 ):
-    from trainer.policy import build_policy
-    from trainer.policy.hf_files import HF_FILES, materialize, pack
+    from policy import build_policy
+    from policy.hf_files import HF_FILES, materialize, pack
 
     source = build_policy({"type": "hf", "model_dir": str(hf_moe_dir)}).eval()
     files, sha = pack(hf_moe_dir)
@@ -49,8 +49,8 @@ def test_a_policy_from_the_cache_dir_and_serving_weights_equals_the_source(
 
 
 def test_a_cache_dir_that_does_not_hash_to_files_sha256_is_refused(hf_llama_dir, tmp_path):
-    from trainer.policy import build_policy
-    from trainer.policy.hf_files import HFFilesError, materialize, pack, resolve
+    from policy import build_policy
+    from policy.hf_files import HFFilesError, materialize, pack, resolve
 
     files, sha = pack(hf_llama_dir)
     path = materialize(files, tmp_path)

@@ -1,4 +1,4 @@
-"""The HF policy (trainer/policy/hf.py) on tiny Llama / Qwen2-MoE directories built offline.
+"""The HF policy (policy/hf.py) on tiny Llama / Qwen2-MoE directories built offline.
 
 The model directories are what a user hands over: `save_pretrained` output plus a BPE tokenizer
 trained on this repo's text (tests/hf_models.py, built once per session in conftest.py).
@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from trainer.policy import build_policy
-from trainer.policy.hf import HFPolicy, tokenizer_files
+from policy import build_policy
+from policy.hf import HFPolicy, tokenizer_files
 
 PROMPTS = ["def f(x):\n    return", "import torch\n", "", "class Policy(ABC):"]
 
@@ -301,7 +301,7 @@ def test_a_serving_state_dict_of_another_architecture_is_refused(hf_moe_dir, hf_
 
 
 def test_build_policy_round_trips_through_config_and_checkpoint(hf_moe_dir, tmp_path):
-    from trainer.policy import load_policy, save_policy
+    from policy import load_policy, save_policy
 
     policy = hf_policy(hf_moe_dir)
     _perturb(policy, seed=3)

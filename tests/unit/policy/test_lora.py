@@ -1,4 +1,4 @@
-"""LoRA on Hugging Face policies (trainer/policy/lora.py): the setting, what trains, what is served,
+"""LoRA on Hugging Face policies (policy/lora.py): the setting, what trains, what is served,
 the numerics contract with a non-zero adapter, the replica's adapter swap and the export."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from trainer.lora_spec import LoraSpec
-from trainer.policy import build_policy
-from trainer.policy.lora import LoraPolicy, LoraTargetError, export_dir, to_lora
+from policy import build_policy
+from policy.lora import LoraPolicy, LoraTargetError, export_dir, to_lora
+from policy.lora_spec import LoraSpec
 
 DENSE_SPEC = LoraSpec(r=4, alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 MOE_SPEC = LoraSpec(
@@ -115,7 +115,7 @@ def test_the_trainer_setting_converts_a_full_policy_and_refuses_another_adapter(
 ):
     """trainer/loop.py applies FLYWHEEL_TRAINER_LORA with `with_lora_setting` to the policy it starts
     from (a registered version, its own state, the base) and to a rebase's champion."""
-    from trainer.policy.lora import with_lora_setting
+    from policy.lora import with_lora_setting
 
     monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path))  # to_lora's default cache
     want = MOE_SPEC.model_dump()
@@ -189,7 +189,7 @@ def test_a_fresh_adapter_is_exactly_the_base_and_only_the_adapter_trains(hf_moe_
 
 
 def test_the_base_weights_are_model_files_covered_by_files_sha256(hf_moe_dir, cache):
-    from trainer.policy.hf_files import HFFilesError
+    from policy.hf_files import HFFilesError
 
     policy = lora_policy(hf_moe_dir, MOE_SPEC, cache)
     base = policy.base_dir()

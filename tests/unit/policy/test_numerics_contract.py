@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from policy import build_policy
 from tests.unit.policy.conftest import TINY, make_prompts
-from trainer.policy import build_policy
 
 
 def _mismatch(policy, prompts, samples, replay: bool) -> tuple[float, float]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from policy import build_policy, load_policy, save_policy
+from policy.tokenizer import ByteTokenizer
 from tests.unit.policy.conftest import make_prompts
-from trainer.policy import build_policy, load_policy, save_policy
-from trainer.policy.tokenizer import ByteTokenizer
 
 
 def test_build_policy_rejects_unknown_type_and_bad_config(tiny_config):

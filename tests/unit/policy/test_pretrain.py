@@ -2,8 +2,8 @@
 
 import torch
 
+from policy import load_policy
 from trainer.corpus import documents
-from trainer.policy import load_policy
 from trainer.pretrain import _batch, lm_loss, pretrain, pretrain_to_dir
 
 TINY_PRETRAIN = {

@@ -18,7 +18,7 @@ from app.replica.config import ReplicaConfig
 from app.replica.engines.base import BuiltinEngine
 from app.replica.weights import LoadedVersion, VerificationError, WeightStore, load_verified
 from kernels.delta.hashing import hash_state_dict
-from trainer.policy import build_policy
+from policy import build_policy
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Flywheel:\n    def __init__(self"]
 

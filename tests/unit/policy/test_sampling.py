@@ -1,10 +1,10 @@
-"""trainer/policy/sampling.py: the shared sampling loop's `mask_logits` hook."""
+"""policy/sampling.py: the shared sampling loop's `mask_logits` hook."""
 
 import pytest
 import torch
 
+from policy.sampling import generate
 from tests.unit.policy.conftest import make_prompts
-from trainer.policy.sampling import generate
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

@@ -19,7 +19,7 @@ TINY = {
 
 def tiny_state(seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config, bf16 serving state dict) of a tiny policy initialised with `seed`."""
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     cfg = {**TINY, "init_seed": seed}
     return cfg, build_policy(cfg).serving_state_dict()

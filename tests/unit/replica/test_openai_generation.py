@@ -12,12 +12,12 @@ from app.replica.bodies import RequestInvalid, parse_body
 from app.replica.openai.choice_text import ChoiceText
 from app.replica.openai.errors import from_invalid
 from app.replica.openai.requests import ChatRequest, CompletionRequest, _strip_neutral
+from policy.tokenizer import ByteTokenizer
 from tests.unit.controller.unigram import UnigramPolicy
-from trainer.policy.tokenizer import ByteTokenizer
 
 
 def _tiny(tiny):
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     cfg, state = tiny(3)
     policy = build_policy(cfg)

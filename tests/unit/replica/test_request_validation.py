@@ -83,8 +83,8 @@ def test_valid_bodies_parse_including_an_empty_prompt_and_huge_in_range_values()
 
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45])
 def test_the_sampler_refuses_temperatures_whose_scaled_logits_overflow(tiny, temperature):
-    from trainer.policy import build_policy
-    from trainer.policy.base import SamplingError
+    from policy import build_policy
+    from policy.base import SamplingError
 
     cfg, _ = tiny(0)
     policy = build_policy(cfg)
@@ -94,8 +94,8 @@ def test_the_sampler_refuses_temperatures_whose_scaled_logits_overflow(tiny, tem
 
 @pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
 def test_the_sampler_refuses_non_finite_or_negative_temperatures(tiny, temperature):
-    from trainer.policy import build_policy
-    from trainer.policy.base import SamplingError
+    from policy import build_policy
+    from policy.base import SamplingError
 
     policy = build_policy(tiny(0)[0])
     with pytest.raises(SamplingError, match="finite number >= 0"):
@@ -105,8 +105,8 @@ def test_the_sampler_refuses_non_finite_or_negative_temperatures(tiny, temperatu
 def test_the_sampler_refuses_non_finite_logits_from_broken_weights(tiny):
     import torch
 
-    from trainer.policy import build_policy
-    from trainer.policy.base import NonFiniteLogits
+    from policy import build_policy
+    from policy.base import NonFiniteLogits
 
     policy = build_policy(tiny(0)[0])
     with torch.no_grad():
@@ -121,7 +121,7 @@ def test_the_smallest_allowed_temperature_samples_finite_logprobs(tiny):
     import math
 
     from app.replica.config import ReplicaConfig
-    from trainer.policy import build_policy
+    from policy import build_policy
 
     policy = build_policy(tiny(0)[0])
     (sample,) = policy.generate(

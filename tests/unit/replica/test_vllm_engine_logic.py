@@ -86,8 +86,8 @@ class RecordingEngine(VLLMEngine):
 @pytest.fixture(scope="module")
 def model_config(tmp_path_factory) -> dict:
     """An HF policy config naming a real tiny model directory (tests/hf_models.py)."""
+    from policy.hf_files import pack
     from tests.hf_models import tiny_llama_dir, train_bpe_tokenizer
-    from trainer.policy.hf_files import pack
 
     root = tmp_path_factory.mktemp("vllm-logic")
     model = tiny_llama_dir(root / "llama", train_bpe_tokenizer(root / "tok"))

@@ -21,11 +21,11 @@ from prometheus_client import REGISTRY
 
 from app.contracts.events import encode_routes
 from app.contracts.rollouts import Rollout as RolloutRecord
+from policy import build_policy
 from tests.unit.policy.conftest import TINY, make_prompts
 from trainer.batch import collate
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
-from trainer.policy import build_policy
 from trainer.rollouts import Batch, parse_rollout
 from trainer.ship_state import Pending
 from trainer.validate import ModelSpec

@@ -19,8 +19,8 @@ import pytest
 
 from app.contracts.events import encode_routes
 from app.contracts.rollouts import DlqRecord
+from policy import build_policy
 from trainer.dlq import DeadLetters, RateLimitedLog, Source, envelope
-from trainer.policy import build_policy
 from trainer.rollouts import parse_rollout
 from trainer.validate import REFUSAL_REASONS, ModelSpec, Refusal, check_rollout
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.policy.base import Policy
+from policy.base import Policy
 
 POLICY_TYPES = ("moe-byte", "hf")
 
@@ -18,15 +18,15 @@ def build_policy(config: dict[str, Any] | None = None) -> Policy:
     config = dict(config or {})
     kind = config.get("type", "moe-byte")
     if kind == "moe-byte":
-        from trainer.policy.moe_lm import MoEConfig, MoEPolicy
+        from policy.moe_lm import MoEConfig, MoEPolicy
 
         return MoEPolicy(MoEConfig(**config))
     if kind == "hf":
-        from trainer.policy.hf import HFConfig, HFPolicy
+        from policy.hf import HFConfig, HFPolicy
 
         hf = HFConfig(**config)
         if hf.lora is not None:
-            from trainer.policy.lora import LoraPolicy
+            from policy.lora import LoraPolicy
 
             return LoraPolicy(hf)
         return HFPolicy(hf)

@@ -1,7 +1,7 @@
 """The LoRA setting (`FLYWHEEL_TRAINER_LORA`, an HF policy config's `lora`): rank, alpha, dropout, targets.
 
 Torch-free, so the trainer's settings validate it before torch is imported (trainer/config.py).
-trainer/policy/lora.py turns it into a peft `LoraConfig` and checks the targets against the model.
+policy/lora.py turns it into a peft `LoraConfig` and checks the targets against the model.
 
     {"r": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"],
      "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}

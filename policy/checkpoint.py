@@ -15,7 +15,7 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from trainer.policy.base import Policy
+from policy.base import Policy
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,7 +46,7 @@ def save_policy(
 
 def load_policy(path: str | Path) -> Policy:
     """Rebuild the policy from `path/config.json` and load `path/model.safetensors`."""
-    from trainer.policy.factory import build_policy
+    from policy.factory import build_policy
 
     path = Path(path)
     cfg_file = path / CONFIG_FILE

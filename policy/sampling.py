@@ -1,4 +1,4 @@
-"""The sampling loop behind every policy's `generate` (trainer/policy/base.py has the contract).
+"""The sampling loop behind every policy's `generate` (policy/base.py has the contract).
 
 A policy supplies what depends on its model, as a `SamplingModel`: how a batch of prompts is laid
 out and prefilled into a fresh KV cache (`prefill`), and how one decoding step feeds the sampled
@@ -31,7 +31,7 @@ import torch
 
 from kernels.invariant import Ops
 from kernels.logprobs import log_probs
-from trainer.policy.base import (
+from policy.base import (
     OnStep,
     Sample,
     Tokenizer,

@@ -13,7 +13,7 @@ Reader (trainer registry load, replica fetch, gate, pyfunc):
     policy = build_policy({"type": "hf", "files_sha256": sha})   # resolves the same directory
 
 A LoRA policy's file set also carries its frozen base weights (`model.safetensors`, `pack(...,
-weights=True)`; trainer/policy/lora.py), so its `files_sha256` covers the base.
+weights=True)`; policy/lora.py), so its `files_sha256` covers the base.
 
 `resolve(model_dir, files_sha256, cache_root, weights)` is how `HFPolicy` finds its directory: `model_dir`
 when given (a user's directory, or a downloaded artifact directory), else
@@ -50,7 +50,7 @@ HF_FILES = tuple(sorted(MODEL_FILES + TOKENIZER_FILES))
 """Every file `pack` carries (those present); weights are not among them."""
 WEIGHTS_FILE = "model.safetensors"
 """The base weights a LoRA policy's file set carries (`pack(..., weights=True)`): the frozen base is
-part of the model's files, so `files_sha256` covers it (trainer/policy/lora.py)."""
+part of the model's files, so `files_sha256` covers it (policy/lora.py)."""
 CACHE_DIR = "hf-models"
 HF_REF = "hf_ref.json"
 """Written instead of `hf/` when a file set carrying weights is already stored with an earlier

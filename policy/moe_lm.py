@@ -28,14 +28,14 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+import policy.sampling as sampling
 from kernels.exact_matmul import mark_derived
 from kernels.invariant import COMPUTE_DTYPE, get_ops
 from kernels.logprobs import log_probs, token_logprobs
 from kernels.moe import load_balance_loss, moe_ffn, route
-from trainer.policy import sampling
-from trainer.policy.base import OnStep, Policy, Sample
-from trainer.policy.sampling import Prefill
-from trainer.policy.tokenizer import ByteTokenizer
+from policy.base import OnStep, Policy, Sample
+from policy.sampling import Prefill
+from policy.tokenizer import ByteTokenizer
 
 
 class MoEConfig(BaseModel):
@@ -255,7 +255,7 @@ class MoEPolicy(Policy):
 
     def prefill(self, prompts: list[list[int]]) -> Prefill:
         """`[bos] + prompt` rows, right-padded, through a fresh cache (`new_cache`): each row's
-        prompt at positions 0.., its completion after it; see trainer/policy/sampling.py."""
+        prompt at positions 0.., its completion after it; see policy/sampling.py."""
         tok = self.tokenizer
         b = len(prompts)
         lens = torch.tensor([1 + len(p) for p in prompts])

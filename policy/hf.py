@@ -3,13 +3,13 @@
     policy = build_policy({"type": "hf", "model_dir": "/models/my-qwen-moe"})
 
 The directory is what `save_pretrained` writes (config.json, *.safetensors) plus the tokenizer
-files; a registered version names it by `files_sha256` instead (trainer/policy/hf_files.py: the
+files; a registered version names it by `files_sha256` instead (policy/hf_files.py: the
 non-weight files, materialized from the registry) and its weights come from the version's serving
 weights (`load_serving_state_dict`; the model is built with `from_config` when the directory holds
 no weights). The model is loaded with `AutoModelForCausalLM` as fp32 master weights, eager attention and
 eager (per-expert loop) MoE experts.
 
-Numerics: the same contract as the built-in policy (trainer/policy/base.py, docs/NUMERICS.md).
+Numerics: the same contract as the built-in policy (policy/base.py, docs/NUMERICS.md).
 Every forward uses the bf16-rounded values of the fp32 masters (`serving_weight`, straight-through
 gradient), so a trainer holding fp32 masters and a replica holding the bf16 serving weights run the
 same forward; the model's forwards in `generate()` and `logprobs()` run inside
@@ -29,7 +29,7 @@ they receive the ids and weights from the router. Routes of completion token j a
 input position that predicted it (`len(prompt) + j`, start token = 0), as in moe_lm.py:
 int32 [T, n_moe_layers, top_k].
 
-LoRA: a config with `lora` builds trainer/policy/lora.py's `LoraPolicy` (a peft adapter on this
+LoRA: a config with `lora` builds policy/lora.py's `LoraPolicy` (a peft adapter on this
 policy's model, the base weights among the model files); everything above holds for it.
 
 Serving weights: bf16, under the names and layout `save_pretrained` writes (tied weights dropped,
@@ -56,15 +56,15 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+import policy.sampling as sampling
 from kernels.hf_mode import batch_invariant_mode
 from kernels.invariant import get_ops
 from kernels.logprobs import log_probs, token_logprobs
-from trainer.lora_spec import LoraSpec
-from trainer.policy import sampling
-from trainer.policy.base import OnStep, Policy, Sample, Tokenizer
-from trainer.policy.hf_files import TOKENIZER_FILES
-from trainer.policy.moe_lm import serving_weight
-from trainer.policy.sampling import Prefill
+from policy.base import OnStep, Policy, Sample, Tokenizer
+from policy.hf_files import TOKENIZER_FILES
+from policy.lora_spec import LoraSpec
+from policy.moe_lm import serving_weight
+from policy.sampling import Prefill
 
 TOKENIZER_ID_MAX = 64  # app/contracts/events.py GenerationEvent.tokenizer
 HASH_HEX = 16
@@ -145,12 +145,12 @@ class HFConfig(BaseModel):
     model_dir: str | None = Field(
         None,
         description="Directory with config.json, the tokenizer and (optionally) safetensors; None = "
-        "the cache directory of files_sha256 (trainer/policy/hf_files.py).",
+        "the cache directory of files_sha256 (policy/hf_files.py).",
     )
     files_sha256: str | None = Field(
         None,
         pattern=r"^[0-9a-f]{64}$",
-        description="SHA-256 of the non-weight model files (trainer/policy/hf_files.py); the "
+        description="SHA-256 of the non-weight model files (policy/hf_files.py); the "
         "directory's files must hash to it. Set in every registered version.",
     )
     name: str | None = Field(
@@ -170,7 +170,7 @@ class HFConfig(BaseModel):
     )
     lora: LoraSpec | None = Field(
         None,
-        description="A LoRA adapter on the frozen base (trainer/policy/lora.py); the model files "
+        description="A LoRA adapter on the frozen base (policy/lora.py); the model files "
         "then carry the base weights (model.safetensors, covered by files_sha256).",
     )
 
@@ -224,7 +224,7 @@ class HFPolicy(Policy):
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from trainer.policy.hf_files import resolve
+        from policy.hf_files import resolve
 
         path = resolve(config.model_dir, config.files_sha256, weights=config.lora is not None)
         if not (path / "config.json").is_file():
@@ -369,7 +369,7 @@ class HFPolicy(Policy):
 
     def prefill(self, prompts: list[list[int]]) -> Prefill:
         """`[start] + prompt` rows, left-padded, through a fresh `DynamicCache`; positions count
-        from each row's start token. See trainer/policy/sampling.py."""
+        from each row's start token. See policy/sampling.py."""
         from transformers import DynamicCache
 
         tok = self.tokenizer

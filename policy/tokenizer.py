@@ -12,7 +12,7 @@ message becomes `"<role>: <content>\n"` in order, then `"assistant: "` where the
 
 from __future__ import annotations
 
-from trainer.policy.base import Tokenizer
+from policy.base import Tokenizer
 
 
 class ByteTokenizer(Tokenizer):

@@ -5,7 +5,7 @@
     build_policy(policy.config_dict())   # any role: the same base + an adapter to load
 
 What a LoRA version is: the base model's files + the adapter. The base weights are part of the
-model's files (`model.safetensors` in the set trainer/policy/hf_files.py packs, so the config's
+model's files (`model.safetensors` in the set policy/hf_files.py packs, so the config's
 `files_sha256` covers them and every role materializes the same verified base), and the serving
 state dict is the adapter alone, so the registry's per-tensor and checkpoint SHA-256s cover the
 adapter and delta sync between LoRA versions moves adapter bytes only. `to_lora` makes the base
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from trainer.lora_spec import LoraSpec
-from trainer.policy.hf import HFConfig, HFPolicy
-from trainer.policy.moe_lm import serving_weight
+from policy.hf import HFConfig, HFPolicy
+from policy.lora_spec import LoraSpec
+from policy.moe_lm import serving_weight
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class LoraPolicy(HFPolicy):
     def train_state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's fp32 masters under the peft model's state-dict keys (`...lora_A...`,
         `...lora_B...`), no base tensor: `build_policy(config_dict())` rebuilds the base from the
-        model files its `files_sha256` names and verifies (trainer/policy/hf_files.py `resolve`)."""
+        model files its `files_sha256` names and verifies (policy/hf_files.py `resolve`)."""
         own = self.model.state_dict()
         return {key: own[key].detach().clone() for key in self._adapter_keys.values()}
 
@@ -212,7 +212,7 @@ class LoraPolicy(HFPolicy):
 
     # --- export -----------------------------------------------------------------------------------
     def base_dir(self) -> Path:
-        from trainer.policy.hf_files import resolve
+        from policy.hf_files import resolve
 
         return resolve(self.config.model_dir, self.config.files_sha256, weights=True)
 
@@ -237,10 +237,10 @@ def to_lora(policy: HFPolicy, spec: LoraSpec, cache_root: str | Path | None = No
     """A LoRA policy whose frozen base is `policy`'s bf16 serving weights, with a fresh adapter
     (peft's init: B = 0, so it starts as exactly the base) and the same tokenizer id. The base's
     files (config, tokenizer, `model.safetensors`) go into the content-addressed cache
-    (trainer/policy/hf_files.py)."""
+    (policy/hf_files.py)."""
     from safetensors.torch import save
 
-    from trainer.policy.hf_files import WEIGHTS_FILE, files_sha256, materialize, pack, resolve
+    from policy.hf_files import WEIGHTS_FILE, files_sha256, materialize, pack, resolve
 
     if isinstance(policy, LoraPolicy):
         raise ValueError("the policy is a LoRA policy already")
@@ -311,7 +311,7 @@ def export_dir(policy: HFPolicy, out: str | Path, merged: bool = False) -> Path:
     its bf16 serving weights (`merged` changes nothing)."""
     from safetensors.torch import save_file
 
-    from trainer.policy.hf_files import HF_FILES, WEIGHTS_FILE, resolve
+    from policy.hf_files import HF_FILES, WEIGHTS_FILE, resolve
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

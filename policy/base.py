@@ -81,7 +81,7 @@ def check_sampling_distribution(
     """Raise unless `logp` = log_softmax(logits / T) [B, V] is finite, so NaN or inf never reaches
     the sampler (torch.multinomial raises on them, argmax silently picks garbage).
 
-    `masked`: the logits a constraint left (trainer/policy/sampling.py `mask_logits`), -inf where a
+    `masked`: the logits a constraint left (policy/sampling.py `mask_logits`), -inf where a
     token is disallowed, and `logp` = log_softmax(masked / T); the model's `logits` must still be
     finite, `masked` finite or -inf with a finite entry in every row, and `logp` finite where
     `masked` is."""
@@ -141,7 +141,7 @@ class Policy(ABC, torch.nn.Module):
     ) -> list[Sample]:
         """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes;
         `on_step` as in the module docstring. A policy with its own forward implements it with
-        trainer/policy/sampling.py's loop (`prefill` and a decoding step are all it supplies)."""
+        policy/sampling.py's loop (`prefill` and a decoding step are all it supplies)."""
 
     @abstractmethod
     def logprobs(
