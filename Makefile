@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements.lock
 
 # Kafka's jars from Maven Central into ~/.cache/flywheel (outside the repo).
 kafka-jars: $(STAMP)
-	$(BIN)/python -c "from app.infra.kafka import ensure_jars; from app.settings import Settings; print(ensure_jars(Settings().kafka_cache_dir))"
+	$(BIN)/python -c "from app.infra.broker import ensure_jars; from app.settings import Settings; print(ensure_jars(Settings().kafka_cache_dir))"
 
 # A real PostgreSQL server from Debian's packages, started when it is not running.
 postgres:

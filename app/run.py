@@ -40,7 +40,7 @@ from app.settings import Settings
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
     from app.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -375,7 +375,7 @@ def _watch(run: _Launch, read_key: str, opts: RunOptions) -> None:
 def run_local(settings: Settings, opts: RunOptions) -> int:
     from rich.console import Console
 
-    from app.infra.kafka import LocalKafka, ensure_topics
+    from app.infra.broker import LocalKafka, ensure_topics
     from app.supervisor import Supervisor
 
     console = Console()

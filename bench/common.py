@@ -24,7 +24,7 @@ def local_services(
     prefix: str = "flywheel-bench-",
 ) -> Iterator[tuple[str, str, Path]]:
     """(Kafka bootstrap, MLflow URI, work dir): the given services, or embedded ones started here."""
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
     from app.infra.mlflow_server import start_server, stop_server, wait_healthy
     from tests.conftest import free_port
 

@@ -7,7 +7,7 @@ connections/threads, and wait for the broker's acknowledgement of every batch:
 - api: `flywheel api` in its own process (real uvicorn, migrations, auth, rate limiter,
   validation, acks=all idempotent producer); `--connections` client threads each keep one
   HTTP connection and post pre-encoded batch bodies.
-- raw: the kafka-python producer every other role uses (`app.contracts.kafka.make_producer`)
+- raw: the kafka-python producer every other role uses (`app.infra.kafka.make_producer`)
   in this process; `--connections` threads each `send()` a batch's 100 records and wait
   for their 100 acknowledgements. This is the floor the API's own work is measured against.
 
@@ -146,7 +146,7 @@ def _drive(name: str, batches: list, connections: int, work) -> Result:
 
 
 def run_raw(settings: Settings, batches: list, connections: int) -> Result:
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     producer = make_producer(settings)
     topic = settings.topic("interactions")
@@ -274,7 +274,7 @@ def main() -> None:
     from app.db.keys import create_key
     from app.db.migrate import upgrade
     from app.db.session import session_scope
-    from app.infra.kafka import LocalKafka, ensure_topics
+    from app.infra.broker import LocalKafka, ensure_topics
 
     console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="flywheel-bench-ingest-"))

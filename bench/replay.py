@@ -127,7 +127,7 @@ def day_of_events(
 
 def publish(settings: Settings, topic: str, events: list[DeploymentEvent], key: Callable) -> None:
     """Write `events` in order, batched (one flush at the end)."""
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     producer = make_producer(settings, linger_ms=20)
     try:
@@ -203,7 +203,7 @@ def broker(bootstrap: str | None) -> Iterator[str]:
     if bootstrap is not None:
         yield bootstrap
         return
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
     from tests.conftest import free_port
 
     kafka = LocalKafka(
@@ -221,7 +221,7 @@ def broker(bootstrap: str | None) -> Iterator[str]:
 
 
 def main() -> None:
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
 
     args = parse_args()
     base = Settings()

@@ -46,7 +46,7 @@ TINY = {
 @contextlib.contextmanager
 def kafka_settings(bootstrap: str | None, work: Path) -> Iterator[Any]:
     """Settings on the given Kafka broker, or on one started here (stopped on exit)."""
-    from app.infra.kafka import LocalKafka, ensure_topics
+    from app.infra.broker import LocalKafka, ensure_topics
     from app.settings import Settings
     from tests.conftest import free_port
 

@@ -93,7 +93,7 @@ def run_mode(
 ) -> dict[str, Any]:
     from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.controller.config import ControllerSettings
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
     from app.settings import Settings
     from tests.integration.rollout.stack import RolloutStack, nudged, tiny_policy_state, wait_for
 

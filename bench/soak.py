@@ -478,7 +478,7 @@ def read_back(settings, timeout_s: float = 180.0) -> tuple[set[str], set[str]]:
     """(event_ids, generation request_ids) on the interactions topic, read to its end offsets."""
     from kafka import TopicPartition
 
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     consumer = make_consumer(settings, group_id=None)
     events, generations = set(), set()
@@ -676,7 +676,7 @@ def main() -> int:
     from app.db.keys import create_key
     from app.db.migrate import upgrade
     from app.db.session import session_scope
-    from app.infra.kafka import LocalKafka, ensure_topics
+    from app.infra.broker import LocalKafka, ensure_topics
     from app.settings import Settings
     from tests.conftest import free_port
 

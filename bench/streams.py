@@ -49,7 +49,7 @@ from bench.common import REPO
 if TYPE_CHECKING:
     from kafka import KafkaProducer
 
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
     from app.settings import Settings
 
 console = Console(width=130)
@@ -99,11 +99,11 @@ def baseline(settings, n: int) -> Rate:
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
 
-    from app.contracts.kafka import make_consumer, make_producer
+    from app.infra.kafka import make_consumer, make_producer
 
     dest = f"{settings.topic_namespace}.bench-copy"
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap)
-    try:  # the broker creates no topic on request (app/infra/kafka.py)
+    try:  # the broker creates no topic on request (app/infra/broker.py)
         admin.create_topics(
             [NewTopic(dest, num_partitions=settings.interactions_partitions, replication_factor=1)]
         )
@@ -295,7 +295,7 @@ class Latency:
 
 
 def start_broker(tmp: Path) -> LocalKafka:
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
 
     broker = LocalKafka(
         home=tmp / "kafka", port=free_port(), controller_port=free_port(), heap="768m"
@@ -320,7 +320,7 @@ def bench_settings(bootstrap: str, tmp: Path, window: float) -> Settings:
 
 def produce_backlog(settings: Settings, n: int) -> KafkaProducer:
     """`n` interaction events on the interactions topic; the producer, kept open for the live phase."""
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     events = make_events(n)
     with console.status(f"producing a backlog of {n} interaction events..."):
@@ -403,7 +403,7 @@ def send_live_traffic(
 
 def label_latency(settings: Settings, gen_keys: set[bytes], window: float) -> Latency:
     """For each generation of `gen_keys`, its rollout's record time minus its window's close."""
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     cons = make_consumer(
         settings, settings.topic("interactions"), group_id=None, consumer_timeout_ms=1000

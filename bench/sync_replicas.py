@@ -294,7 +294,7 @@ def warm_broker(settings: Any, n: int, console: Any = None) -> None:
     from kafka import KafkaAdminClient, TopicPartition
     from kafka.admin import NewTopic
 
-    from app.contracts.kafka import make_consumer, make_producer
+    from app.infra.kafka import make_consumer, make_producer
 
     if n <= 0:
         return
@@ -860,7 +860,7 @@ def run_sync_bench(
     Needs a Settings with a reachable Kafka (topics created) and MLflow server.
     """
     from app.contracts.deployments import DeploymentLog
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
     from app.replica.fetch import VersionFetcher
     from trainer.registry import Registry
 
@@ -1036,7 +1036,7 @@ def local_stack(
     kafka: str | None = None, mlflow_uri: str | None = None, console: Any = None
 ) -> Iterator[Any]:
     """Settings on a Kafka broker and an MLflow server: the given ones, or ones started here."""
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
     from app.settings import Settings
     from bench.common import local_services
 

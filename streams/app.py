@@ -71,13 +71,13 @@ from faust.sensors import Monitor
 from mode.supervisors import CrashingSupervisor
 from prometheus_client import Counter, Gauge, Histogram
 
-from app.contracts.kafka import FAUST_PRODUCER_OPTIONS
 from app.contracts.topics import (
     STREAMS_INTERNAL_SPECS,
     STREAMS_METRIC_PARTIALS,
     STREAMS_TICKS,
     topic_partitions,
 )
+from app.infra.kafka import FAUST_PRODUCER_OPTIONS
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.consumer import install as install_eager_drain
@@ -226,7 +226,7 @@ def ensure_internal_topics(
     from kafka.admin import NewTopic
     from kafka.errors import TopicAlreadyExistsError
 
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
 
     ensure_topics(settings)  # also installs the bounded kafka-python wait (app/infra/kafka_net.py)
     admin = KafkaAdminClient(bootstrap_servers=settings.kafka_bootstrap.split(","))

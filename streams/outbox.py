@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
-from app.contracts.kafka import outbox_producer_options
+from app.infra.kafka import outbox_producer_options
 
 log = logging.getLogger(__name__)
 

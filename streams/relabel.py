@@ -344,7 +344,7 @@ def relabel(
 
     Raises kafka.errors.KafkaError when the broker refuses a write, RuntimeError when the topic is missing
     or the replay stops making progress (no record for `idle_timeout_s`)."""
-    from app.contracts.kafka import make_consumer, make_producer
+    from app.infra.kafka import make_consumer, make_producer
 
     started = time.time()
     topic = settings.topic("interactions")

@@ -2,7 +2,7 @@
 
 - `kafka`: a real single-node Apache Kafka 4.x (KRaft) broker, started once per test run (one
   for all xdist workers, tests/shared.py) on free ports in a temporary data dir
-  (app/infra/kafka.py, jars from Maven Central).
+  (app/infra/broker.py, jars from Maven Central).
 - `make_settings`: Settings pointing at that broker, each call with its own topic namespace
   (so tests never see each other's records) and its topics created.
 - `postgres_url`: the real PostgreSQL server that `make test` provisions
@@ -47,7 +47,7 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:  # noqa: F821
     """The run's broker: one for all xdist workers (tests/shared.py), or this session's own."""
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
     from app.infra.procs import group_alive
 
     existing = os.environ.get("FLYWHEEL_TEST_KAFKA_BOOTSTRAP")
@@ -84,7 +84,7 @@ def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:  # 
 @pytest.fixture()
 def make_settings(kafka, tmp_path: Path) -> Callable[..., Settings]:
     """Build Settings on the test broker with a fresh topic namespace; topics are created."""
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
 
     def _make(create_topics: bool = True, **overrides) -> Settings:
         values = {

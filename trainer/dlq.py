@@ -51,8 +51,8 @@ def envelope(
     include_value: bool = True,
 ) -> bytes:
     """The DLQ record (streams' `DlqRecord`) for `src`, as JSON bytes."""
-    from app.contracts.kafka import dumps
     from app.contracts.rollouts import DlqRecord
+    from app.infra.kafka import dumps
 
     errors = [dict(e) for e in errors]
     value_b64 = None

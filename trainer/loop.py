@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from app.contracts.kafka import make_consumer, make_producer
+from app.infra.kafka import make_consumer, make_producer
 from app.settings import Settings
 from policy import Policy, build_policy
 from trainer import objective as obj

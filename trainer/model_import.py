@@ -265,7 +265,7 @@ def check_deployment_log(settings: Settings) -> None:
     """DeploymentLogUnavailable unless the broker at FLYWHEEL_KAFKA_BOOTSTRAP answers within one
     dependency check's time (app/infra/wait.py CHECK_TIMEOUT_S) and `<ns>.deployments` has
     partitions."""
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
     from app.infra.wait import CHECK_TIMEOUT_S
 
     topic = settings.topic("deployments")

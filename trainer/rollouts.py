@@ -296,7 +296,7 @@ class RolloutIntake:
         intake = self
         # when this member started waiting for the group (subscribe, or a rebalance revoking its
         # partitions); the join after a crash waits for the dead predecessor's session
-        # (app/contracts/kafka.py, GROUP_SESSION_TIMEOUT_MS): logged with the assignment
+        # (app/infra/kafka.py, GROUP_SESSION_TIMEOUT_MS): logged with the assignment
         waiting_since = [time.monotonic()]
 
         class _Listener(ConsumerRebalanceListener):

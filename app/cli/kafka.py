@@ -1,4 +1,4 @@
-"""`flywheel kafka`: the embedded single-node Kafka broker (app/infra/kafka.py)."""
+"""`flywheel kafka`: the embedded single-node Kafka broker (app/infra/broker.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ kafka_app = typer.Typer(no_args_is_help=True, help="The embedded single-node Kaf
 @kafka_app.command("start")
 def kafka_start() -> None:
     """Resolve Kafka's jars (once), format storage (first start), start the broker, create the topics."""
-    from app.infra.kafka import LocalKafka, ensure_topics
+    from app.infra.broker import LocalKafka, ensure_topics
 
     s = _settings()
     broker = LocalKafka.from_settings(s)
@@ -31,7 +31,7 @@ def kafka_start() -> None:
 @kafka_app.command("topics")
 def kafka_topics() -> None:
     """Create the docs/DESIGN.md §Topics on FLYWHEEL_KAFKA_BOOTSTRAP (any cluster); idempotent."""
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
 
     s = _settings()
     created = ensure_topics(s)
@@ -41,7 +41,7 @@ def kafka_topics() -> None:
 @kafka_app.command("stop")
 def kafka_stop() -> None:
     """Stop the embedded broker (controlled shutdown)."""
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
 
     broker = LocalKafka.from_settings(_settings())
     console.print("kafka stopped" if broker.stop() else "kafka was not running")
@@ -50,7 +50,7 @@ def kafka_stop() -> None:
 @kafka_app.command("status")
 def kafka_status() -> None:
     """Exit 0 when the embedded broker runs and answers, 1 otherwise."""
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
 
     broker = LocalKafka.from_settings(_settings())
     pid = broker.pid()

@@ -19,8 +19,6 @@ Each module is the single home of one contract:
   (`CanaryConfig`) and the controller settings the API reads (`ControllerCommandSettings`)
 - `deadletter`: the dead-letter writer
 - `topics`: every topic's name and configuration
-- `kafka`: the one kafka-python producer/consumer factory and its option presets
-- `event_producer`: the asyncio (aiokafka) producer of the ingest API and the replicas
 
 The roles (app.api, app.replica, app.controller, app.deployments, streams, trainer,
 app.simulate, app.report) import these, the policy package (policy) and `kernels/`,

@@ -109,7 +109,7 @@ class DeadLetters:
     def send_envelope(self, env: dict[str, Any]) -> bool:
         from kafka.errors import KafkaError
 
-        from app.contracts.kafka import dumps, make_producer
+        from app.infra.kafka import dumps, make_producer
 
         log.error(
             "%s: dead-lettering %s[%s]@%s (%s): %s",

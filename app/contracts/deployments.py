@@ -35,7 +35,7 @@ from prometheus_client import Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.contracts.events import Timestamp
-from app.contracts.kafka import dumps, make_consumer, make_producer
+from app.infra.kafka import dumps, make_consumer, make_producer
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

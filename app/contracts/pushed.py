@@ -90,7 +90,7 @@ def publish_delta(settings: Settings, delta: PushedDelta, producer: Any = None) 
     `sha256`, or Kafka fails: replicas then download it from MLflow, as without pushing."""
     from kafka.errors import KafkaError
 
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     version, file = delta.version, delta.file
     if len(delta.data) > settings.delta_push_max_bytes:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 
 from app.contracts.deployments import PUBLISHED, DeploymentEvent, DeploymentLog
-from app.contracts.kafka import make_producer
+from app.infra.kafka import make_producer
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -2,8 +2,8 @@
 
 `Settings.topic(name)` turns a name declared here into the full topic name
 (`interactions` -> `flywheel.interactions`) and refuses any other; `ensure_topics()`
-(app/infra/kafka.py) creates exactly these topics with exactly these configurations; the
-producer and consumer factory (app/contracts/kafka.py) sizes its requests and fetches from the
+(app/infra/broker.py) creates exactly these topics with exactly these configurations; the
+producer and consumer factory (app/infra/kafka.py) sizes its requests and fetches from the
 record limits below. tests/unit/test_kafka_limits.py checks that the limits form one chain, and
 tests/integration/test_kafka_broker.py that the broker holds what is declared here.
 

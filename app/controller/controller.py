@@ -457,7 +457,7 @@ class Controller:
     def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> None:
         from kafka import TopicPartition
 
-        from app.contracts.kafka import make_consumer
+        from app.infra.kafka import make_consumer
         from app.infra.wait import Stopped, kafka_ready
 
         dep_topic, met_topic = (

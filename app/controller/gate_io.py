@@ -76,7 +76,7 @@ def newest_rollouts(settings: Settings, limit: int) -> list[tuple[int, int, dict
     offset, record), deduplicated by request_id (the newest wins), relabelled records left out."""
     from kafka import TopicPartition
 
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     if limit <= 0:
         return []

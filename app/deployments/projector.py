@@ -408,8 +408,8 @@ def follow(
     invalid_event, apply_failed). Returns when `stop` is set.
     """
     from app.contracts.deadletter import DeadLetters, error
-    from app.contracts.kafka import make_consumer
     from app.db.session import session_scope
+    from app.infra.kafka import make_consumer
     from app.infra.wait import Stopped, kafka_ready
 
     url = db_url or settings.db_url

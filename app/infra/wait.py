@@ -214,7 +214,7 @@ KAFKA_NET_LOGGERS = (
 def kafka_ready(settings: Settings, topics: list[str], stop: threading.Event | None = None) -> None:
     """Wait until the broker answers and every topic in `topics` (full names) has partitions."""
     global _kafka_waits
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     ms = int(CHECK_TIMEOUT_S * 1000)
 

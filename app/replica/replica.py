@@ -37,7 +37,7 @@ class Replica:
     def __init__(self, settings: Settings, cfg: ReplicaConfig, start_sync: bool = True):
         import torch
 
-        from app.contracts.event_producer import EventProducer
+        from app.infra.event_producer import EventProducer
 
         self.settings, self.cfg = settings, cfg
         self.id = cfg.id
@@ -213,8 +213,8 @@ class Replica:
 
     async def record(self, events: list[dict[str, Any]]) -> None:
         """Send generation events to `<ns>.interactions` and wait for Kafka's ack
-        (RecordRejected / KafkaUnavailable from app/contracts/event_producer.py otherwise)."""
-        from app.contracts.kafka import dumps
+        (RecordRejected / KafkaUnavailable from app/infra/event_producer.py otherwise)."""
+        from app.infra.kafka import dumps
 
         await self.producer.produce(self.topic, [(e["request_id"], dumps(e)) for e in events])
 

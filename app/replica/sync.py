@@ -122,7 +122,7 @@ class SyncAgent:
     def _run(self) -> None:
         from kafka import TopicPartition
 
-        from app.contracts.kafka import make_consumer
+        from app.infra.kafka import make_consumer
         from app.infra.wait import Stopped, kafka_ready
 
         topic = self.settings.topic("deployments")

@@ -81,7 +81,7 @@ def start_run(
 
 # `flywheel run`'s own bound on stopping (app/run.py `_stop`): the roles, then the infra servers,
 # each tier SIGTERM, 20 s, SIGKILL, up to 15 s to reap (app/supervisor.py `stop_all`), then the
-# embedded broker's controlled shutdown, 30 s before SIGKILL (app/infra/kafka.py `LocalKafka.stop`)
+# embedded broker's controlled shutdown, 30 s before SIGKILL (app/infra/broker.py `LocalKafka.stop`)
 RUN_STOP_BOUND_S = 2 * (20 + 15) + 30
 
 

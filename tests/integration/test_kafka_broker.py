@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from app.contracts.topics import KAFKA_MESSAGE_MAX_BYTES, KAFKA_RECORD_OVERHEAD_BYTES, TOPICS
-from app.infra.kafka import LocalKafka, ensure_topics
+from app.infra.broker import LocalKafka, ensure_topics
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -67,8 +67,8 @@ def test_record_limits_agree_from_the_http_body_to_the_live_broker(make_settings
     from kafka import KafkaAdminClient
     from kafka.admin import ConfigResource, ConfigResourceType
 
-    from app.contracts.event_producer import EventProducer
-    from app.contracts.kafka import make_consumer, make_producer
+    from app.infra.event_producer import EventProducer
+    from app.infra.kafka import make_consumer, make_producer
 
     s = make_settings()
     admin = KafkaAdminClient(bootstrap_servers=s.kafka_bootstrap)

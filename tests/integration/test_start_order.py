@@ -1,7 +1,7 @@
 """Start order: every role started before what it depends on stays up, says what it waits for,
 and does its job once the dependency appears (app/infra/wait.py, docs/SCALING.md "Start order").
 
-Real parts only. "Not up yet" is real too: a Kafka broker (app.infra.kafka.LocalKafka) started
+Real parts only. "Not up yet" is real too: a Kafka broker (app.infra.broker.LocalKafka) started
 on a chosen free port after the roles, a second `mlflow server` started later on its port, and
 the real PostgreSQL behind a TCP forwarder that starts listening later (the database is
 "unreachable" until then, exactly as a database that is still booting).
@@ -362,7 +362,7 @@ class _Stack:
     env: dict[str, str]
     logs: Path
     roles: list[Role]  # api, projections, streams, trainer, replica
-    broker: Any  # app.infra.kafka.LocalKafka
+    broker: Any  # app.infra.broker.LocalKafka
     forwarder: TcpForwarder
     mlflow: MlflowServer | None = None
     controller: Role | None = None
@@ -425,7 +425,7 @@ def _start_roles_first(fresh_postgres_url: str, tmp_path: Path) -> _Stack:
     database's forwarder are made (not started), MLflow not yet."""
     from sqlalchemy.engine import make_url
 
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
 
     ports = {
         k: free_port()
@@ -512,7 +512,7 @@ def _mlflow_first(s: _Stack, tmp_path: Path) -> None:
 def _broker_and_database_appear(s: _Stack) -> None:
     """The broker (with the topics, as `flywheel kafka start` makes them) and the database:
     the API becomes ready, every role waiting for them goes on."""
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
 
     api, projections, streams, trainer, replica = s.roles
     s.broker.start(timeout=180)
@@ -645,7 +645,7 @@ def _projected_types(db_url: str) -> set[str]:
 def _rollout_ids(settings: Settings) -> set[str]:
     from kafka import TopicPartition
 
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     consumer = make_consumer(settings, group_id=None)
     try:

@@ -11,7 +11,6 @@ import pytest
 import yaml
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
-from app.contracts.event_producer import EventProducer
 from app.contracts.events import MAX_ID_LEN
 from app.contracts.topics import (
     KAFKA_DELTAS_MAX_MESSAGE_BYTES,
@@ -20,6 +19,7 @@ from app.contracts.topics import (
     KAFKA_RECORD_OVERHEAD_BYTES,
     TOPICS,
 )
+from app.infra.event_producer import EventProducer
 from app.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,7 +71,7 @@ def test_kafka_python_producers_and_consumers_handle_the_largest_record_of_any_t
 
 
 def test_the_compose_broker_and_the_embedded_broker_use_the_same_record_limit(tmp_path):
-    from app.infra.kafka import LocalKafka
+    from app.infra.broker import LocalKafka
 
     compose = yaml.safe_load((REPO / "docker-compose.yml").read_text())
     assert (

@@ -48,10 +48,10 @@ from pydantic import TypeAdapter
 from app.api.deps import require_scope
 from app.api.metrics import BATCHES, EVENTS_ACCEPTED, EVENTS_REJECTED, PRODUCE_SECONDS
 from app.api.ratelimit import TokenBucketLimiter
-from app.contracts.event_producer import EventProducer, KafkaUnavailable, RecordRejected
 from app.contracts.events import Event, validate_batch
 from app.db.models import ApiKey
 from app.httplimits import read_capped
+from app.infra.event_producer import EventProducer, KafkaUnavailable, RecordRejected
 
 log = logging.getLogger(__name__)
 

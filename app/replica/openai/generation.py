@@ -54,7 +54,7 @@ def generation_error(exc: Exception) -> OpenAIError | None:
     """The answer to a generation that failed the expected ways (a temperature the sampler
     refuses, events Kafka refused or did not acknowledge, an engine that cannot generate);
     None for any other failure."""
-    from app.contracts.event_producer import KafkaUnavailable, RecordRejected
+    from app.infra.event_producer import KafkaUnavailable, RecordRejected
     from policy.base import SamplingError
 
     if isinstance(exc, SamplingError):

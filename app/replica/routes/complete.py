@@ -232,7 +232,7 @@ async def _generate(
 
 async def _record(replica: Replica, slot: str, events: list[dict[str, Any]]) -> Response | None:
     """Send the events and wait for Kafka's ack; the answer when that failed (None: recorded)."""
-    from app.contracts.event_producer import KafkaUnavailable, RecordRejected
+    from app.infra.event_producer import KafkaUnavailable, RecordRejected
 
     try:
         await replica.record(events)

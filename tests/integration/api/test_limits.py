@@ -25,8 +25,8 @@ import httpx
 import orjson
 import pytest
 
-from app.contracts.event_producer import EventProducer, RecordRejected
 from app.contracts.events import format_ts, parse_ts
+from app.infra.event_producer import EventProducer, RecordRejected
 from tests.integration.api.conftest import event, read_interactions
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from app.client import FeedbackClient
-from app.infra.kafka import LocalKafka
+from app.infra.broker import LocalKafka
 from tests.conftest import free_port
 from tests.integration.api.conftest import event, read_interactions
 

@@ -57,7 +57,7 @@ def _serve_api(settings):
 def _rollouts(settings, request_id: str, timeout_s: float) -> list[dict[str, Any]]:
     from kafka import TopicPartition
 
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     consumer = make_consumer(settings, group_id=None)
     try:

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from app.infra.kafka import LocalKafka
+from app.infra.broker import LocalKafka
 from tests.conftest import REPO, free_port
 from tests.integration.api.conftest import Api, api_factory, read_interactions  # noqa: F401
 

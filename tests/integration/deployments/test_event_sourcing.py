@@ -192,7 +192,7 @@ def test_follower_resumes_from_its_committed_offsets(make_settings, tmp_path: Pa
                     dlog.publish(e)
     from kafka import TopicPartition
 
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     c = make_consumer(settings, group_id="resume-test")
     committed = c.committed(TopicPartition(settings.topic("deployments"), 0))

@@ -75,10 +75,10 @@ def produce_raw(
     partition: int | None = None,
     headers: list | None = None,
 ) -> None:
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     # a topic the worker has not created yet is waited for (the broker creates no topic on
-    # request: app/infra/kafka.py), however long a loaded machine takes to start the worker
+    # request: app/infra/broker.py), however long a loaded machine takes to start the worker
     prod = make_producer(settings, key_serializer=None, max_block_ms=int(STALL_S * 1000))
     for key, value in records:
         prod.send(topic, key=key, value=value, partition=partition, headers=headers)

@@ -29,7 +29,7 @@ import pytest
 from mlflow import MlflowClient
 
 from app.contracts.events import encode_routes
-from app.contracts.kafka import dumps
+from app.infra.kafka import dumps
 from policy import build_policy
 from tests.conftest import free_port
 from tests.integration.trainer.conftest import (

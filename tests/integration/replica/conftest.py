@@ -26,7 +26,7 @@ def read_topic(
     """Every JSON record of `<ns>.<name>` from the beginning until `want` match `where`."""
     from kafka import TopicPartition
 
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     consumer = make_consumer(settings, group_id=None)
     try:

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.integration
 
 
 def push(settings, reg, version: str, data: bytes | None = None) -> None:
-    from app.contracts.kafka import make_producer
     from app.contracts.pushed import PushedDelta
+    from app.infra.kafka import make_producer
 
     ref = reg.manifests[version].delta
     blob = data if data is not None else (reg.delta_bytes[version])
@@ -114,8 +114,8 @@ def test_the_trainer_pushes_each_delta_before_announcing_it_with_the_bytes_of_it
     from kafka import TopicPartition
     from mlflow import MlflowClient
 
-    from app.contracts.kafka import make_consumer
     from app.contracts.pushed import PushedDelta
+    from app.infra.kafka import make_consumer
     from kernels.delta.manifest import Manifest
     from tests.integration.replica.conftest import ship_two_versions
 

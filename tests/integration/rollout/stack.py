@@ -210,13 +210,13 @@ class MetricsFeed:
     """Publishes `flywheel.version-metrics` buckets the way streams/ does (one record per version per bucket)."""
 
     def __init__(self, settings: Settings):
-        from app.contracts.kafka import make_producer
+        from app.infra.kafka import make_producer
 
         self.producer = make_producer(settings)
         self.topic = settings.topic("version-metrics")
 
     def bucket(self, version: str, n: int, mean: float, sd: float = 0.5) -> None:
-        from app.contracts.kafka import dumps
+        from app.infra.kafka import dumps
 
         start = time.time()
         sums = {"n": float(n), "reward_sum": n * mean, "reward_sumsq": n * (sd * sd + mean * mean)}

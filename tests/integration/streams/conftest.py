@@ -45,7 +45,7 @@ def broker_timed_settings(make_settings, **overrides):
     from kafka.admin import NewTopic
 
     from app.contracts.topics import INTERACTIONS, TOPICS, topic_partitions
-    from app.infra.kafka import ensure_topics
+    from app.infra.broker import ensure_topics
 
     settings = make_settings(create_topics=False, **overrides)
 
@@ -153,7 +153,7 @@ def start_worker(tmp_path: Path):
 
 
 def produce(settings, records: list[tuple[bytes | None, bytes]]) -> None:
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     # a loaded broker can take long to answer metadata: wait (up to STALL_S) instead of failing
     prod = make_producer(settings, key_serializer=None, max_block_ms=int(STALL_S * 1000))
@@ -176,7 +176,7 @@ def read_topic(
     distinct_keys: count distinct record keys instead of records, for topics where a restarted
     worker legitimately re-emits some records (at-least-once): the duplicates must not stop the
     read before the last distinct record arrived."""
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     cons = make_consumer(settings, topic, group_id=None, consumer_timeout_ms=200)
     out: list[Any] = []
@@ -222,7 +222,7 @@ def read_until(
     end the read before the last distinct record. Waits on progress, not on a deadline: it fails
     (`Stalled`, with the count) only when no new distinct record arrived for `stall_s`, and at once
     when a process in `alive` exits."""
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     cons = make_consumer(settings, topic, group_id=None, consumer_timeout_ms=200)
     out: list[Any] = []
@@ -268,7 +268,7 @@ def read_to_end(settings, topic: str, stall_s: float = STALL_S) -> list[Any]:
     from kafka.errors import KafkaTimeoutError
     from kafka.structs import TopicPartition
 
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
 
     cons = make_consumer(settings, group_id=None)
     try:

@@ -38,7 +38,7 @@ def test_the_broker_creates_no_topic_on_request_and_a_misshapen_one_fails_the_wo
     make_settings,
 ):
     """A producer writing to an internal topic before the worker made it waits for it (the
-    embedded broker does not auto-create topics, app/infra/kafka.py); a topic made by something
+    embedded broker does not auto-create topics, app/infra/broker.py); a topic made by something
     else with other partitions fails `ensure_internal_topics` at once, naming it."""
     import time
 
@@ -46,7 +46,7 @@ def test_the_broker_creates_no_topic_on_request_and_a_misshapen_one_fails_the_wo
     from kafka.admin import NewTopic
     from kafka.errors import KafkaTimeoutError
 
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
     from streams.app import MisshapenTopic
 
     settings = make_settings(create_topics=False, interactions_partitions=3)

@@ -125,7 +125,7 @@ def run_relabel(settings, *extra: str) -> dict:
 
 def intake_all(settings, expect: int, current_version: int):
     """A trainer intake (own group) that polls the whole rollouts topic, then takes everything once."""
-    from app.contracts.kafka import make_consumer
+    from app.infra.kafka import make_consumer
     from trainer.rollouts import DedupeSet, RolloutIntake
 
     consumer = make_consumer(settings, group_id=f"test-intake-{uuid.uuid4().hex[:8]}")
@@ -239,7 +239,7 @@ def test_relabel_gives_the_new_rewards_exactly_once_beside_the_live_worker(
     assert all((rid, "v1") in trained for rid in want)
     again = next(r for r in recs if r.key.decode().endswith("|v2"))
     produce_rollout = [(again.key, again.value)]
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     prod = make_producer(settings, key_serializer=None)
     for key, value in produce_rollout:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from app.contracts.events import encode_routes
-from app.contracts.kafka import dumps, make_consumer, make_producer
+from app.infra.kafka import dumps, make_consumer, make_producer
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_POLICY = {

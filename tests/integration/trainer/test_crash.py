@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from app.contracts.kafka import dumps
+from app.infra.kafka import dumps
 from policy import build_policy
 from tests.integration.trainer.conftest import (
     TINY_POLICY,
@@ -107,7 +107,7 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
 
     # records arriving between crashes: two re-emitted rollouts (trained before the first kill) and garbage
     produce(settings, [records[0], records[1]])
-    from app.contracts.kafka import make_producer
+    from app.infra.kafka import make_producer
 
     prod = make_producer(settings)
     prod.send(settings.topic("rollouts"), key="garbage", value=b'{"request_id": "x"}').get(30)

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 
-from app.contracts.kafka import make_consumer, make_producer
+from app.infra.kafka import make_consumer, make_producer
 from tests.integration.trainer.conftest import produce, read_dlq, refused_count, rollout_records
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

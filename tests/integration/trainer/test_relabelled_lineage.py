@@ -16,7 +16,7 @@ import time
 import pytest
 from mlflow import MlflowClient
 
-from app.contracts.kafka import dumps, make_consumer
+from app.infra.kafka import dumps, make_consumer
 from tests.integration.trainer.conftest import drain, produce, produce_raw, rollout_records
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
