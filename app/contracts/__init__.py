@@ -12,11 +12,6 @@ Each module is the single home of one contract:
 - `hints`: the artifact hints carried by `version_registered`
 - `pushed`: the pushed-delta record format of `<ns>.deltas`
 - `aliases`: the MLflow alias and tag conventions
-- `alias_reconcile`: alias moves made outside Flywheel -> `alias_changed` events (run by the API's
-  webhook receiver and the controller's poller)
-- `mlflow_webhooks`: MLflow webhook registration, delivery verification and dedupe
-- `operator`: the operator verbs over the deployment state, the canary's plan and thresholds
-  (`CanaryConfig`) and the controller settings the API reads (`ControllerCommandSettings`)
 - `deadletter`: the dead-letter writer
 - `topics`: every topic's name and configuration
 

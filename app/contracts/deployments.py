@@ -250,7 +250,7 @@ def _nul(value: Any, path: str) -> str | None:
 
 class Decision(BaseModel):
     """A deployment event before it has an id and a timestamp: what the controller, an operator
-    verb (app/contracts/operator.py) or the alias reconciliation wants to become an event.
+    verb (app/registry/operator.py) or the alias reconciliation wants to become an event.
     `to_event` adds `event_id`, `model` and `ts` and returns the event as a dict."""
 
     type: str = Field(description="A deployment event type (docs/DESIGN.md §Deployment events).")

@@ -9,10 +9,11 @@
 - `config.py`: `ControllerSettings`.
 - `controller.py`: the `flywheel controller` role loop that wires them to Kafka and MLflow.
 
-What the API serves on the controller's behalf lives in app/contracts/, below both roles: the
+What the API serves on the controller's behalf lives in app/registry/, below both roles: the
 operator verbs and `CanaryConfig` (`operator.py`), the alias reconciliation that the webhook
-receiver and the poller run (`alias_reconcile.py`), the webhooks' registration and verification
-(`mlflow_webhooks.py`), the alias conventions (`aliases.py`) and `Decision` (`deployments.py`).
+receiver and the poller run (`reconcile.py`), the webhooks' registration and verification
+(`webhooks.py`); the alias conventions (`aliases.py`) and `Decision` (`deployments.py`) are in
+app/contracts/.
 
 docs/ROLLOUT.md explains the behaviour for operators.
 """

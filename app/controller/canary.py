@@ -8,7 +8,7 @@ e.g. a gate result, an operator verb, an MLflow-UI alias move) or a `Tick` (time
 `events` are new deployment events (dicts, docs/DESIGN.md §Deployment events) already folded into `state'`;
 the controller publishes them. Nothing here touches Kafka, MLflow or a clock. The canary's
 plan and thresholds (`CanaryConfig`) and the operator verbs, which the API serves, live in
-app/contracts/operator.py.
+app/registry/operator.py.
 
 The comparison (why a confidence *sequence*): the controller looks at the data every time a
 metrics bucket arrives, for as long as a step lasts. A fixed-horizon test (e.g. Welch's
@@ -50,8 +50,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from app.contracts.deployments import Decision
-from app.contracts.operator import CanaryConfig, advance
 from app.controller.state import DeploymentState, apply_event, vkey
+from app.registry.operator import CanaryConfig, advance
 
 Verdict = Literal["worse", "better_or_equal", "inconclusive", "insufficient"]
 

@@ -4,7 +4,7 @@
     FLYWHEEL_CONTROLLER_GATE_MAX_KL=0.5    FLYWHEEL_CONTROLLER_POLL_INTERVAL=5s
 
 Each threshold is declared once, in the model that uses it: the canary's in `CanaryConfig` and
-the webhook replay window in `ControllerCommandSettings` (app/contracts/operator.py: the API's
+the webhook replay window in `ControllerCommandSettings` (app/registry/operator.py: the API's
 operator verbs and webhook receiver read them too; `ControllerSettings` inherits their fields:
 `FLYWHEEL_CONTROLLER_<FIELD>`), the offline gate's in `gate.GateConfig` (nested as `gate`:
 `FLYWHEEL_CONTROLLER_GATE_<FIELD>`). Durations accept the same forms as the main settings
@@ -17,8 +17,8 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from app.contracts.operator import ControllerCommandSettings
 from app.controller.gate import GateConfig
+from app.registry.operator import ControllerCommandSettings
 from app.settings import Duration
 
 

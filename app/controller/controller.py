@@ -36,7 +36,6 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from app.contracts.alias_reconcile import alias_lock, reconcile_once
 from app.contracts.aliases import read_snapshot, sync_aliases
 from app.contracts.deployments import Decision
 from app.controller import canary
@@ -44,6 +43,7 @@ from app.controller.config import ControllerSettings
 from app.controller.reconciler import Reconciler
 from app.controller.state import DeploymentState, apply_event
 from app.infra.wait import Waiter
+from app.registry.reconcile import alias_lock, reconcile_once
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -546,7 +546,7 @@ class Controller:
         if self.client is None:
             return None
         if self.cs.webhooks_enabled:
-            from app.contracts.mlflow_webhooks import ensure_webhook
+            from app.registry.webhooks import ensure_webhook
 
             url = (
                 self.cs.webhook_url

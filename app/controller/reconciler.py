@@ -2,7 +2,7 @@
 
     Reconciler(client, model, publish, interval_s=5.0).start()
 
-Every `interval_s` it runs the alias reconciliation (app/contracts/alias_reconcile.py
+Every `interval_s` it runs the alias reconciliation (app/registry/reconcile.py
 `reconcile_once`, `via="poll"`) that the API's webhook receiver runs on each delivery.
 """
 
@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from app.contracts.alias_reconcile import reconcile_once
+from app.registry.reconcile import reconcile_once
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Each verb is checked against the current deployment state, folded from `flywheel.deployments`
 (the source of truth, read to its end so there is no projection lag), and becomes one or
 more deployment events with source `api`, the caller's key name (or key prefix) as actor and
-the given reason (app/contracts/operator.py `operator_command`, the canary settings
+the given reason (app/registry/operator.py `operator_command`, the canary settings
 `FLYWHEEL_CONTROLLER_*`). The controller carries them out (MLflow aliases, traffic). Answers:
 202 with the published events; 409 when the verb does not apply now (e.g. promote with no
 canary running); 422 for a bad target (rollback to a version that is not one of the last N
@@ -72,7 +72,7 @@ class VerbRequest(BaseModel):
 def _carry_out(settings, verb: str, body: VerbRequest, actor: str) -> list[dict[str, Any]]:
     from app.contracts.deployment_state import replay
     from app.contracts.deployments import DeploymentEvent, DeploymentLog
-    from app.contracts.operator import get_command_settings, operator_command
+    from app.registry.operator import get_command_settings, operator_command
 
     model = body.model or settings.model_name
     with DeploymentLog(settings) as dlog:
@@ -122,7 +122,7 @@ def _verb_route(verb: str):
         # no body parameter: FastAPI would read and validate a declared body before running the auth dependency
         from kafka.errors import KafkaError
 
-        from app.contracts.operator import CommandRejected
+        from app.registry.operator import CommandRejected
 
         body = await read_verb_request(request)
         actor = key.name or f"key:{key.prefix}"

@@ -2,7 +2,7 @@
 
 Checked in this order, each before anything more is read or done:
 
-1. the delivery headers (app/contracts/mlflow_webhooks.py `check_headers`): present, a sane delivery
+1. the delivery headers (app/registry/webhooks.py `check_headers`): present, a sane delivery
    id, a finite unix-seconds timestamp inside the replay window -> 401 with the reason;
 2. the size: `Content-Length` over `webhook_max_body_bytes` -> 413 before reading; a chunked or
    lying body is read with the same cap;
@@ -13,7 +13,7 @@ Checked in this order, each before anything more is read or done:
    `duplicate` and does nothing; one being carried out right now, or a full dedupe, answers 503
    with Retry-After (MLflow retries).
 
-An alias event for our model then runs one alias reconciliation (app/contracts/alias_reconcile.py):
+An alias event for our model then runs one alias reconciliation (app/registry/reconcile.py):
 MLflow's current aliases are compared with Flywheel's acknowledged copy and each difference
 becomes an `alias_changed` event (source `mlflow-ui`) on `flywheel.deployments`, which the
 controller carries out. Using MLflow's current state rather than the payload makes out-of-order
@@ -37,14 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from app.api.deps import SettingsDep
 from app.api.jsonbody import JsonBodyError, parse_json
-from app.contracts.mlflow_webhooks import (
+from app.httplimits import read_capped
+from app.registry.webhooks import (
     DeliveryDedupe,
     Seen,
     WebhookRejected,
     check_headers,
     check_signature,
 )
-from app.httplimits import read_capped
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["hooks"])
@@ -74,7 +74,7 @@ def _resources_locked(app: FastAPI) -> dict[str, Any]:
         from mlflow import MlflowClient
 
         from app.contracts.deployments import DeploymentLog
-        from app.contracts.operator import get_command_settings
+        from app.registry.operator import get_command_settings
 
         cs = get_command_settings()
         res = {
@@ -158,7 +158,7 @@ def _payload(body: bytes, model_name: str) -> tuple[WebhookPayload, AliasData | 
 
 @router.post("/v1/hooks/mlflow", summary="MLflow webhook receiver (HMAC-signed)")
 async def mlflow_hook(request: Request, settings: SettingsDep) -> dict[str, Any]:
-    from app.contracts.operator import get_command_settings
+    from app.registry.operator import get_command_settings
 
     window = get_command_settings().webhook_window
     try:
@@ -232,7 +232,7 @@ async def _carry_out(
             "delivery_id": delivery_id,
             "reason": f"not an alias event of {settings.model_name}",
         }
-    from app.contracts.alias_reconcile import reconcile_once
+    from app.registry.reconcile import reconcile_once
 
     log.info(
         "webhook delivery %s: %s.%s %s", delivery_id, payload.entity, payload.action, payload.data

@@ -16,8 +16,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from app.contracts.aliases import read_snapshot, sync_aliases
-from app.contracts.mlflow_webhooks import ensure_webhook, sign
 from app.controller.reconciler import Reconciler
+from app.registry.webhooks import ensure_webhook, sign
 from tests.conftest import MlflowServer, free_port
 from tests.integration.controller.conftest import deployment_events, wait_for
 

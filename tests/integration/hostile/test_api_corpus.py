@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from app.contracts.mlflow_webhooks import sign
+from app.registry.webhooks import sign
 from tests.integration.hostile.apiserver import (
     connect,
     head,

@@ -80,9 +80,9 @@ def _gate(version: str, parent: str | None, failing: dict[str, tuple[float, floa
 def _make_history(settings, client, model: str, t0: datetime) -> list[dict]:
     """Drive the controller's state machine through the scenario; returns the events, oldest first."""
     from app.contracts.deployments import Decision
-    from app.contracts.operator import CanaryConfig
     from app.controller.canary import Event, Observe, transition
     from app.controller.state import DeploymentState
+    from app.registry.operator import CanaryConfig
 
     cfg = CanaryConfig(**CANARY)
     state = DeploymentState(model=model)

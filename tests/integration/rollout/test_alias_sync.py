@@ -17,10 +17,10 @@ import uuid
 
 import pytest
 
-from app.contracts.alias_reconcile import reconcile_once
 from app.contracts.deployments import Decision
 from app.controller.config import ControllerSettings
 from app.controller.controller import Controller
+from app.registry.reconcile import reconcile_once
 
 pytestmark = pytest.mark.integration
 
@@ -132,7 +132,7 @@ def test_a_reader_between_flywheel_s_tag_write_and_alias_move_reports_nothing_an
 
 class _ReadersBetweenWrites:
     """An MlflowClient after each of whose alias and tag writes another process looks at the
-    aliases, as the API's webhook receiver or a poller does (app/contracts/alias_reconcile.py):
+    aliases, as the API's webhook receiver or a poller does (app/registry/reconcile.py):
 
     - `settling`: a reader with the real settle time starts (a thread, no lock: another process);
       what it would report is kept in `settled`;
@@ -158,8 +158,8 @@ class _ReadersBetweenWrites:
     def __getattr__(self, name: str):
         import threading
 
-        from app.contracts.alias_reconcile import settled_moves
         from app.contracts.aliases import detect_moves, read_snapshot
+        from app.registry.reconcile import settled_moves
 
         attr = getattr(self._client, name)
         if name not in self.WRITES:
@@ -192,8 +192,8 @@ def test_a_promotion_produces_no_alias_changed_event(make_settings, mlflow_serve
     candidate alias already removed, which the controller does not answer. (With the tag
     removed before the alias it saw `candidate` on the new champion, which the controller
     answered with an `alias_changed` "alias restored".)"""
-    from app.contracts.alias_reconcile import settled_moves
     from app.contracts.aliases import read_snapshot
+    from app.registry.reconcile import settled_moves
 
     client, model = model_with_two_versions(mlflow_server, tmp_path, "alias-promote")
     run_id = client.get_model_version(model, "1").run_id

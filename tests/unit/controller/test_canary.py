@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.contracts.deployments import Decision, DeploymentEvent
-from app.contracts.operator import CanaryConfig, CommandRejected, operator_command
 from app.controller.canary import (
     ArmStats,
     Event,
@@ -21,6 +20,7 @@ from app.controller.canary import (
     transition,
 )
 from app.controller.state import DeploymentState, fold
+from app.registry.operator import CanaryConfig, CommandRejected, operator_command
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CFG = CanaryConfig(min_step=60, min_samples=50, step_deadline=600, margin=0.05, cs_target_n=200)

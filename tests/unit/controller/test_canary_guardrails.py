@@ -7,8 +7,8 @@ import random
 from dataclasses import replace
 from datetime import UTC, timedelta
 
-from app.contracts.operator import CanaryConfig
 from app.controller.canary import GUARDRAILS, ArmStats, Observe, analyze, transition
+from app.registry.operator import CanaryConfig
 from tests.unit.controller.test_canary import CFG, T0, arm, canary_state
 
 

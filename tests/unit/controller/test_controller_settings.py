@@ -9,9 +9,9 @@ from typer.testing import CliRunner
 
 from app.cli import app
 from app.config_reference import all_settings
-from app.contracts.operator import CanaryConfig
 from app.controller.config import ControllerSettings
 from app.controller.gate import GateConfig
+from app.registry.operator import CanaryConfig
 
 
 def _env_names() -> set[str]:

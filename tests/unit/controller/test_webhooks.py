@@ -9,7 +9,7 @@ import pytest
 from mlflow.webhooks.delivery import _generate_hmac_signature
 
 from app.contracts.aliases import AliasMove, Snapshot, detect_moves
-from app.contracts.mlflow_webhooks import (
+from app.registry.webhooks import (
     DeliveryDedupe,
     Seen,
     WebhookRejected,

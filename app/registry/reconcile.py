@@ -2,7 +2,7 @@
 
     events = reconcile_once(client, model, publish, via="poll")
 
-Compares the registered model's aliases with Flywheel's acknowledged copy (aliases.py),
+Compares the registered model's aliases with Flywheel's acknowledged copy (app/contracts/aliases.py),
 publishes one `alias_changed` event per difference (source `mlflow-ui`, from/to version,
 reason), then acknowledges them. The controller consumes those events and carries the move
 out (canary_started / promoted / aborted / restore; see app/controller/canary.py `reconcile`).
