@@ -1,4 +1,4 @@
-"""`flywheel projections`: the SQL projections of flywheel.deployments (app/deployments/projector.py)."""
+"""`flywheel projections`: the SQL projections of flywheel.deployments (app/projector/projector.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def projections_rebuild() -> None:
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
     from app.db.migrate import upgrade
-    from app.deployments.projector import rebuild
+    from app.projector.projector import rebuild
 
     s = _settings()
     s.data_dir.mkdir(parents=True, exist_ok=True)
@@ -40,8 +40,8 @@ def projections_follow() -> None:
     import threading
 
     from app.db.migrate import upgrade
-    from app.deployments.projector import follow
     from app.infra.wait import Stopped, database_ready, wait_for
+    from app.projector.projector import follow
 
     s = _settings()
     s.data_dir.mkdir(parents=True, exist_ok=True)

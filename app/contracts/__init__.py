@@ -15,7 +15,7 @@ Each module is the single home of one contract:
 - `deadletter`: the dead-letter writer
 - `topics`: every topic's name and configuration
 
-The roles (app.api, app.replica, app.controller, app.deployments, streams, trainer,
+The roles (app.api, app.replica, app.controller, app.projector, streams, trainer,
 app.simulate, app.report) import these, the policy package (policy) and `kernels/`,
 never each other; `lint-imports` (contracts in pyproject.toml) enforces it.
 """

@@ -3,7 +3,7 @@
 Every reader of `<ns>.deployments` derives its view of a model's rollout from this module: the
 controller (its state machine decides on it), the replicas (they serve its champion and
 candidate), the admin API (operator verbs act on it) and the SQL projector (it stores what the
-fold returns; app/deployments/projector.py maps the state to rows and back). So the status API
+fold returns; app/projector/projector.py maps the state to rows and back). So the status API
 and the serving fleet cannot disagree about champion, candidate, phase or a version's status.
 
     from app.contracts.deployment_state import DeploymentState, fold, replay

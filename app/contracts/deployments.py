@@ -4,7 +4,7 @@ Every deployment decision (a version registered, a gate verdict, a canary step, 
 rollback, an alias moved in the MLflow UI, a replica synced) is one `DeploymentEvent` on
 `<ns>.deployments`, keyed by model name, so all events of one model stay in order on one
 partition. The topic is the source of truth; the SQL tables are projections of it
-(app/deployments/projector.py).
+(app/projector/projector.py).
 
     from app.contracts.deployments import DeploymentEvent, DeploymentLog
 

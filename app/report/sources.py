@@ -10,7 +10,7 @@ Two places hold everything the page shows:
   directly with `MlflowClient(tracking_uri="sqlite:///...")`: nothing needs to run. For a running
   stack, `--mlflow-uri` names the server.
 - **The deployments log** `<ns>.deployments` (app/contracts/deployments.py), read from one of:
-  `db` — its SQL projection `deployment_events` (app/deployments/projector.py) in the app database
+  `db` — its SQL projection `deployment_events` (app/projector/projector.py) in the app database
   (FLYWHEEL_DATABASE_URL, default `<data_dir>/flywheel.db`); `api` — `GET /v1/deployments/history`
   of a running API with a read key; `kafka` — the topic itself, from the beginning to its end.
 

@@ -5,14 +5,14 @@ Revises: 0001
 Create Date: 2026-11-21 01:05:00
 
 - `deployment_state`: one row per model (champion, candidate, traffic split, phase, step,
-  last analysis), projected from `flywheel.deployments` by app/deployments/projector.py.
+  last analysis), projected from `flywheel.deployments` by app/projector/projector.py.
 - `replicas.model`: which registered model a replica serves (the status API groups by it).
 - Triggers that reject UPDATE and DELETE on `deployment_events` on both dialects, so the
   append-only rule holds for raw SQL too, not only for the ORM listeners in app/db/models.py.
   PostgreSQL: one plpgsql function + a BEFORE UPDATE OR DELETE row trigger (TRUNCATE does not
   fire row triggers: it is the rebuild path). SQLite: two BEFORE triggers with RAISE(ABORT);
   `flywheel projections rebuild` drops and re-creates them inside its own transaction
-  (app/deployments/projector.py `reset_projections`). Note for later migrations: a SQLite
+  (app/projector/projector.py `reset_projections`). Note for later migrations: a SQLite
   batch operation on deployment_events recreates the table and would drop these triggers;
   re-create them in that migration.
 """

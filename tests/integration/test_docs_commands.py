@@ -212,7 +212,7 @@ def docs_stack(make_settings, mlflow_server, tmp_path: Path):
 
     from app.api.main import create_app
     from app.api.server import ServerThread
-    from app.deployments.projector import rebuild
+    from app.projector.projector import rebuild
 
     model = f"docs-policy-{uuid.uuid4().hex[:8]}"
     settings = make_settings(model_name=model, mlflow_uri=mlflow_server.uri)

@@ -1,5 +1,5 @@
 """Read-only deployment status (docs/DESIGN.md §HTTP APIs, scope `read`), served from the SQL
-projections of `flywheel.deployments` (app/deployments/projector.py):
+projections of `flywheel.deployments` (app/projector/projector.py):
 
 - `GET /v1/deployments`: per model the champion, candidate, traffic split, phase, canary step,
   last analysis, replicas with the versions they serve and their heartbeat age, and the next

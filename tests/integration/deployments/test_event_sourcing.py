@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from app.contracts.deployments import DeploymentEvent, DeploymentLog
 from app.db.models import DeploymentState
-from app.deployments.projector import follow, projection_rows, rebuild
+from app.projector.projector import follow, projection_rows, rebuild
 from tests.unit.deployments.scenario import EXPECTED_STATUS, MODEL, scenario_events
 
 pytestmark = pytest.mark.integration

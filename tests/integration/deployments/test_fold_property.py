@@ -29,7 +29,7 @@ from app.api.main import create_app
 from app.contracts.deployment_state import DeploymentState, replay
 from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.db.keys import create_key
-from app.deployments.projector import apply_events
+from app.projector.projector import apply_events
 from app.settings import Settings
 
 pytestmark = pytest.mark.integration

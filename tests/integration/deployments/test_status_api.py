@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from app.api.main import create_app
 from app.contracts.deployments import LoggedEvent
 from app.db.keys import create_key
-from app.deployments.projector import apply_events
+from app.projector.projector import apply_events
 from app.settings import Settings
 from tests.unit.deployments.scenario import MODEL, OTHER, scenario_events
 

@@ -182,7 +182,7 @@ def test_projector_dead_letters_bad_records_and_keeps_projecting(
     from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.db.migrate import upgrade
     from app.db.models import DeploymentState
-    from app.deployments import projector
+    from app.projector import projector
 
     settings = make_settings(model_name=f"policy-{uuid.uuid4().hex[:8]}")
     model = settings.model_name

@@ -153,7 +153,7 @@ def history(mlflow_server, make_settings, tmp_path: Path) -> History:
 
     from app.contracts.deployments import DeploymentEvent, DeploymentLog
     from app.db.migrate import upgrade
-    from app.deployments.projector import rebuild
+    from app.projector.projector import rebuild
 
     model = f"report-policy-{uuid.uuid4().hex[:8]}"
     data_dir = tmp_path / "data"

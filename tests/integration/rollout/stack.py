@@ -12,7 +12,7 @@ Parts (all real; nothing mocked):
 - the Kafka broker and the MLflow server are given (the session fixtures, or the bench's own);
 - the API app (`app.api.main.create_app`) on a real uvicorn port: MLflow webhook receiver,
   status API, operator verbs; a SQLite app database migrated to head, with read/admin keys;
-- the projector (`app.deployments.projector.follow`) in a thread, feeding the status API;
+- the projector (`app.projector.projector.follow`) in a thread, feeding the status API;
 - the controller loop (`app.controller.controller.Controller`) in a thread, with the real
   offline gate (`GateRunner`: weights downloaded from MLflow, finite/weight-change/KL/
   regression/behaviour checks) at a reduced sample size so a gate takes seconds on a shared CPU;
@@ -294,7 +294,7 @@ class RolloutStack:
         from app.db.keys import create_key
         from app.db.migrate import upgrade
         from app.db.session import session_scope
-        from app.deployments.projector import follow
+        from app.projector.projector import follow
 
         s = self.settings
         upgrade(s.db_url)

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from app.contracts.deployments import DeploymentEvent, InvalidRecord, LoggedEvent, decode_event
 from app.controller.state import fold
 from app.db.models import DeploymentState
-from app.deployments import projector
+from app.projector import projector
 
 BASE = {"type": "promoted", "model": "m", "version": "2", "source": "controller"}
 

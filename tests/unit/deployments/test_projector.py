@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica
-from app.deployments.projector import apply_event, apply_events, projection_rows, reset_projections
+from app.projector.projector import apply_event, apply_events, projection_rows, reset_projections
 from tests.unit.deployments.scenario import EXPECTED_STATUS, MODEL, OTHER, scenario_events
 
 

@@ -7,7 +7,7 @@ from sqlalchemy.orm import Session
 
 from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.db.models import DeploymentState, ModelVersion
-from app.deployments.projector import apply_event
+from app.projector.projector import apply_event
 
 MODEL = "policy"
 

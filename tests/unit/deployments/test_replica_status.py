@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.db.models import Replica
-from app.deployments.projector import apply_event, apply_replica_status
+from app.projector.projector import apply_event, apply_replica_status
 
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 

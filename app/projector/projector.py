@@ -57,7 +57,7 @@ from app.contracts.deployments import (
 from app.contracts.replica_status import ReplicaStatusLog
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica
-from app.deployments.metrics import PROJECTED, PROJECTED_OFFSET
+from app.projector.metrics import PROJECTED, PROJECTED_OFFSET
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,10 @@
+"""The projector role: the SQL projections of the deployment log (`flywheel.deployments`).
+
+- `projector.py`: apply deployment events to the SQL projections; follow the topic; rebuild them
+  from it (`flywheel projections`).
+- `metrics.py`: its Prometheus metrics.
+
+The contract it reads (`DeploymentEvent`, the log's reader) and the one fold of the log are in
+app/contracts/ (deployments.py, deployment_state.py). See docs/DEPLOYMENTS.md for who publishes
+what and how the projections are derived.
+"""
