@@ -35,7 +35,8 @@ def main() -> None:
     from trainer.config import TrainerConfig
     from trainer.distributed import World, allocate
     from trainer.loop import Trainer
-    from trainer.rollouts import Batch, Rollout
+    from trainer.rollout_record import Rollout
+    from trainer.rollouts import Batch
 
     world = World.from_env()
     torch.manual_seed(0)

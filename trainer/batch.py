@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from policy.base import Tokenizer
-from trainer.rollouts import Rollout
+from trainer.rollout_record import Rollout
 
 
 @dataclass

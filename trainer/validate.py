@@ -1,6 +1,6 @@
 """Rollouts checked against the model being trained, before they can reach a step.
 
-The rollout schema (trainer/rollouts.py `Rollout`, after app/contracts/rollouts.py's contract) says
+The rollout schema (trainer/rollout_record.py `Rollout`, after app/contracts/rollouts.py's contract) says
 what a record looks like; this module says whether *this* model can train on it. A record
 that fails gets a `Refusal`: a reason from `REFUSAL_REASONS` (the label of
 `flywheel_trainer_rollouts_refused_total` and the `reason` of its dead-letter record) and a
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from policy import Policy
-    from trainer.rollouts import Rollout
+    from trainer.rollout_record import Rollout
 
 REFUSAL_REASONS = (
     "invalid_json",

@@ -13,7 +13,7 @@ from datetime import datetime
 from html import escape
 from typing import Any
 
-from app.report import plots
+import app.report.plots as plots
 from app.report.model import (
     CanaryStep,
     GateVerdict,

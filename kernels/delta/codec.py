@@ -26,7 +26,8 @@ from typing import Literal, TypeVar
 import torch
 from prometheus_client import Counter, Histogram
 
-from kernels.delta import fast, reference
+import kernels.delta.fast as fast
+import kernels.delta.reference as reference
 from kernels.delta.bits import SPEC_BY_NAME, DeltaFormatError, bits_to_tensor, spec_of, tensor_bits
 from kernels.delta.container import (
     STREAMS,

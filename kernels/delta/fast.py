@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from kernels.delta import entropy, reference
+import kernels.delta.entropy as entropy
+import kernels.delta.reference as reference
 from kernels.delta.bits import (
     DeltaFormatError,
     DTypeSpec,

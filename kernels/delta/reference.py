@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import zstandard
 
-from kernels.delta import entropy
+import kernels.delta.entropy as entropy
 from kernels.delta.bits import (
     DeltaFormatError,
     DTypeSpec,
