@@ -56,7 +56,7 @@ def parse_duration(value: object) -> float:
 Duration = Annotated[float, BeforeValidator(parse_duration)]
 
 
-# The embedded broker's JVM: C1 only, one compiler thread, serial GC (app/infra/kafka.py)
+# The embedded broker's JVM: C1 only, one compiler thread, serial GC (app/infra/broker.py)
 KAFKA_LIGHT_JVM = "-XX:TieredStopAtLevel=1 -XX:CICompilerCount=1 -XX:+UseSerialGC"
 
 

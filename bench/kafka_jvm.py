@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from app.infra.kafka import LocalKafka
+from app.infra.broker import LocalKafka
 from app.settings import KAFKA_LIGHT_JVM
 from tests.conftest import free_port
 
