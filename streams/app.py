@@ -715,9 +715,9 @@ class Runtime:
             out = _OUT[e.topic] = OUT.labels(e.topic)
         out.inc()
         if e.topic == "rollouts":
-            st = self.aggregator.labels.get(e.key) or {}
-            if "closed" in st:
-                LATENCY.observe(max(0.0, now - st["closed"]))
+            label = self.aggregator.label(e.key) if e.key is not None else None
+            if label is not None and label.close is not None:
+                LATENCY.observe(max(0.0, now - label.close.closed_at))
         elif e.topic == "late":
             LATE.labels(e.value["reason"]).inc()
         elif e.topic == "dlq":

@@ -183,14 +183,11 @@ class Relabeller:
                 self._dead_letter(ev.reason, ev.errors, self.topic, partition, offset, key, value)
             ]
         rid = ev["request_id"]
-        if (
-            ev["type"] == "generation"
-            and rid not in self.gen_rt
-            and (self.agg.labels.get(rid) or {}).get("gen") is None
-        ):
-            self.gen_rt[rid] = (
-                rt  # the generation that opens the label (a repeat or a conflicting one does not)
-            )
+        if ev["type"] == "generation" and rid not in self.gen_rt:
+            label = self.agg.label(rid)
+            if label is None or label.generation_id is None:
+                # the generation that opens the label (a repeat or a conflicting one does not)
+                self.gen_rt[rid] = rt
         self.partitions.add(partition)
         before = self.agg.duplicates
         out = self.agg.on_event(partition, ev, rt)
@@ -202,10 +199,10 @@ class Relabeller:
         out: list[Emit] = []
         for p in sorted(self.partitions):
             out += self._route(p, self.agg.advance(p, watermark), self.topic)
-        for rid, st in self.agg.labels.items():
-            if st["st"] == "open":
+        for rid, label in self.agg.label_items():
+            if label.status == "open":
                 self.counts.skipped[self._range_reason(rid) or "window_open"] += 1
-            elif st["st"] == "pending":
+            elif label.status == "pending":
                 self.counts.skipped["window_open"] += 1  # feedback still waiting for its generation
         return out
 
