@@ -43,6 +43,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ from app.infra.kafka import make_consumer, make_producer
 from app.settings import Settings
 from policy import Policy, build_policy
 from trainer import objective as obj
-from trainer.batch import collate, scatter_teacher, teacher_inputs
+from trainer.batch import Collated, collate, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
 from trainer.config import TrainerConfig
 from trainer.distributed import PeerFailure, World, allocate, owned_partitions
@@ -117,11 +118,49 @@ def combine_metrics(parts: list[dict[str, float] | None]) -> dict[str, float]:
     return out
 
 
-class _Forward:
-    """One rank's forward on its rollouts: what the loss terms are assembled from."""
+@dataclass(frozen=True)
+class DistillTeacher:
+    """The self-distillation teacher's view of a batch (trainer/batch.py `teacher_inputs`): the
+    policy itself, shown the tool error's feedback, scoring the completion from the error on.
+    Shapes as in `ForwardPass`."""
 
-    def __init__(self, c, logp, w, ref_lp, teacher):
-        self.c, self.logp, self.w, self.ref_lp, self.teacher = c, logp, w, ref_lp, teacher
+    logprobs: torch.Tensor  # float32 [B, T], no grad: on the distilled tokens, 0 elsewhere
+    mask: torch.Tensor  # float32 [B, T]: 1 on the distilled tokens (at/after the earliest error)
+    rollouts: int  # how many of the B rollouts have a teacher
+
+
+@dataclass(frozen=True)
+class ForwardPass:
+    """One rank's forwards on its rollouts (`Trainer._forward`): what the loss terms are assembled
+    from, no loss yet. B: the rank's rollouts in the step; T: the longest completion among them, in
+    tokens; [B, T] tensors are right-padded (`batch.mask` is 1 on real completion tokens)."""
+
+    batch: Collated  # the padded batch: behaviour log-probs and mask [B, T], rewards [B], ...
+    logprobs: torch.Tensor  # float32 [B, T], with grad: the policy's, at each rollout's temperature
+    weights: obj.ISWeights  # importance weights of `logprobs` vs the behaviour's (detached)
+    ref_logprobs: torch.Tensor | None  # float32 [B, T], no grad: the KL reference's; None: no KL
+    teacher: DistillTeacher | None  # None: distillation off, or no rollout with a teacher
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The loss of one `ForwardPass` (`Trainer._assemble`), before its backward."""
+
+    loss: torch.Tensor  # scalar, with grad: pg_loss + the KL and distillation terms that apply
+    pg_loss: torch.Tensor  # scalar, with grad: the policy-gradient term
+    metrics: dict[str, float]  # so far: kl, kl_coef, mismatch, distill_kl, distill_rollouts
+    forward: ForwardPass
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one rank tells the others before a step's loss (`Trainer.forward_backward`): advantages
+    are normalised over the global batch, and each rank's loss divided by its token counts."""
+
+    rewards: list[float]  # the rank's rollouts' rewards, in batch order
+    groups: list[str | None]  # their group ids
+    tokens: float  # completion tokens of the rank's rollouts
+    kept: float  # of those, the tokens the importance weights keep
 
 
 class Trainer:
@@ -551,7 +590,7 @@ class Trainer:
         """Forward + backward of `batch` without an optimizer step: the exception it raises, or None."""
         try:
             self.optimizer.zero_grad(set_to_none=True)
-            loss, _, _ = self._loss(batch)
+            loss = self._loss(batch).loss
             if not torch.isfinite(loss):
                 raise StepError(f"loss is {float(loss)}")
             loss.backward()
@@ -583,12 +622,15 @@ class Trainer:
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
         ASSUMED_TEMPERATURE.inc(sum(r.temperature is None for r in batch.rollouts))
 
-    def _step_metrics(self, m, loss, pg, w, c, batch, logp, grad_norm) -> None:
+    @staticmethod
+    def _step_metrics(o: Objective, batch: Batch, grad_norm: torch.Tensor) -> None:
+        """Complete `o.metrics` with the step's loss, weights, staleness and gradient norm."""
+        c, w, logp = o.forward.batch, o.forward.weights, o.forward.logprobs
         n_tok = float(c.mask.sum())
         stale = torch.tensor(batch.staleness, dtype=torch.float32)
-        m.update(
-            loss=float(loss.detach()),
-            pg_loss=float(pg.detach()),
+        o.metrics.update(
+            loss=float(o.loss.detach()),
+            pg_loss=float(o.pg_loss.detach()),
             reward_mean=float(c.rewards.mean()),
             ess=w.ess,
             clip_fraction=w.clip_fraction,
@@ -634,29 +676,27 @@ class Trainer:
             except Exception as exc:
                 err = exc
             self._agree(err, "the forward")
-            views = world.all_gather(
-                {
-                    "rewards": [] if f is None else f.c.rewards.tolist(),
-                    "groups": [] if f is None else list(f.c.group_ids),
-                    "tokens": 0.0 if f is None else float(f.c.mask.sum()),
-                    "kept": 0.0 if f is None else float(f.w.keep.sum()),
-                }
+            shares: list[RankShare] = world.all_gather(
+                RankShare([], [], 0.0, 0.0)
+                if f is None
+                else RankShare(
+                    f.batch.rewards.tolist(),
+                    list(f.batch.group_ids),
+                    float(f.batch.mask.sum()),
+                    float(f.weights.keep.sum()),
+                )
             )
-            rewards = torch.tensor([r for v in views for r in v["rewards"]], dtype=torch.float32)
-            adv = obj.advantages(
-                rewards, [g for v in views for g in v["groups"]], self.cfg.adv_scale
-            )
-            start = sum(len(v["rewards"]) for v in views[: world.rank])
-            tokens, kept = sum(v["tokens"] for v in views), sum(v["kept"] for v in views)
-            m: dict[str, float] | None = None
+            rewards = torch.tensor([r for v in shares for r in v.rewards], dtype=torch.float32)
+            adv = obj.advantages(rewards, [g for v in shares for g in v.groups], self.cfg.adv_scale)
+            start = sum(len(v.rewards) for v in shares[: world.rank])
+            tokens, kept = sum(v.tokens for v in shares), sum(v.kept for v in shares)
+            o: Objective | None = None
             try:
                 if f is not None:
-                    loss, m, (logp, pg, w, c) = self._assemble(
-                        f, adv[start : start + len(batch.rollouts)], tokens, kept
-                    )
-                    if not torch.isfinite(loss):
-                        raise StepError(f"loss is {float(loss)}")
-                    loss.backward()
+                    o = self._assemble(f, adv[start : start + len(batch.rollouts)], tokens, kept)
+                    if not torch.isfinite(o.loss):
+                        raise StepError(f"loss is {float(o.loss)}")
+                    o.loss.backward()
                 elif idle is not None:
                     idle.backward()
             except Exception as exc:
@@ -671,9 +711,9 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             if not torch.isfinite(grad_norm):  # the same summed gradient on every rank
                 raise StepError(f"gradient norm is {float(grad_norm)}")
-            if m is not None:
-                self._step_metrics(m, loss, pg, w, c, batch, logp, grad_norm)
-            metrics = combine_metrics(world.all_gather(m))
+            if o is not None:
+                self._step_metrics(o, batch, grad_norm)
+            metrics = combine_metrics(world.all_gather(None if o is None else o.metrics))
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
             raise
@@ -698,7 +738,7 @@ class Trainer:
                 idle_participation_loss(self.policy)
         return loss
 
-    def _forward(self, batch: Batch) -> _Forward:
+    def _forward(self, batch: Batch) -> ForwardPass:
         """The forwards of `batch` (policy, KL reference, self-distillation teacher), no loss yet."""
         cfg, policy = self.cfg, self.policy
         c = collate(batch.rollouts, cfg.temperature)
@@ -726,31 +766,33 @@ class Trainer:
             if t.rows:
                 with torch.no_grad():
                     t_lp = policy.logprobs(t.prompts, t.tails, None, c.temperatures[t.rows])
-                teacher = (*scatter_teacher(t_lp, t, tuple(logp.shape)), len(t.rows))
+                teacher = DistillTeacher(
+                    *scatter_teacher(t_lp, t, tuple(logp.shape)), rollouts=len(t.rows)
+                )
             elif getattr(self, "sharded", False):  # sharded ranks run the same forwards in lockstep
                 from trainer.fsdp import idle_participation_loss
 
                 with torch.no_grad():
                     idle_participation_loss(policy)
-        return _Forward(c, logp, w, ref_lp, teacher)
+        return ForwardPass(c, logp, w, ref_lp, teacher)
 
     def _assemble(
         self,
-        f: _Forward,
+        f: ForwardPass,
         adv: torch.Tensor,
         tokens: float | None = None,
         kept: float | None = None,
-    ) -> tuple[torch.Tensor, dict[str, float], tuple[Any, ...]]:
-        """The objective from a forward: (loss, metrics so far, (logp, pg, weights, collated)).
+    ) -> Objective:
+        """The objective from a forward; `adv`: float32 [B] advantages of its rollouts.
         `tokens`/`kept`: the global batch's completion and kept tokens (ranks); None = this batch's."""
-        c, logp, w = f.c, f.logp, f.w
+        c, logp, w = f.batch, f.logprobs, f.weights
         pg = obj.policy_gradient_loss(
             logp, adv, w, c.mask, total=tokens
         )  # masked sequences shrink the step (objective.py)
         loss = pg
         m: dict[str, float] = {}
-        if f.ref_lp is not None:
-            ref_lp = f.ref_lp
+        if f.ref_logprobs is not None:
+            ref_lp = f.ref_logprobs
             kl = obj.kl_k3(logp, ref_lp, w, total=kept)
             loss = loss + self.kl_ctl.coef * kl
             m["kl"], m["kl_coef"] = float(kl.detach()), self.kl_ctl.coef
@@ -765,18 +807,21 @@ class Trainer:
             ):  # rollouts generated by exactly these weights: the train/infer mismatch
                 m["mismatch"] = float(((ref_lp - c.behav).abs() * same).sum() / same.sum())
         if f.teacher is not None:
-            teacher, dmask, rows = f.teacher
-            dl, dkl = obj.distill_loss(logp, teacher, dmask, w, c.mask, total=tokens)
+            dl, dkl = obj.distill_loss(
+                logp, f.teacher.logprobs, f.teacher.mask, w, c.mask, total=tokens
+            )
             loss = loss + self.cfg.distill_coef * dl
             m["distill_kl"] = dkl
-            m["distill_rollouts"] = float(rows)
-        return loss, m, (logp, pg, w, c)
+            m["distill_rollouts"] = float(f.teacher.rollouts)
+        return Objective(loss, pg, m, f)
 
-    def _loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float], tuple[Any, ...]]:
-        """The objective on `batch` alone (no backward): (loss, metrics so far, (logp, pg, weights,
-        collated)). One process's step, and every rank's probe of a single rollout."""
+    def _loss(self, batch: Batch) -> Objective:
+        """The objective on `batch` alone (no backward). One process's step, and every rank's
+        probe of a single rollout."""
         f = self._forward(batch)
-        return self._assemble(f, obj.advantages(f.c.rewards, f.c.group_ids, self.cfg.adv_scale))
+        return self._assemble(
+            f, obj.advantages(f.batch.rewards, f.batch.group_ids, self.cfg.adv_scale)
+        )
 
     # --- shipping ------------------------------------------------------------------------------------
     def ship_due(self) -> bool:

@@ -84,7 +84,7 @@ def _scored(policy, rollouts, trainer_temperature: float):
     batch = Batch(rollouts=rollouts, staleness=[0] * len(rollouts))
     with torch.no_grad():
         f = Trainer._forward(stand_in, batch)  # type: ignore[arg-type]
-    logp, c = f.logp, f.c
+    logp, c = f.logprobs, f.batch
     policy.eval()
     return logp * c.mask, c.behav * c.mask
 
