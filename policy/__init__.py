@@ -12,6 +12,10 @@ A leaf under the roles: it imports `kernels` and no role (the trainer, the repli
 orchestration module (pyproject.toml's import contracts). The names below load on first use, so
 `policy.lora_spec` (torch-free, validated by the trainer's settings) imports no torch, and no
 submodule imports this package back.
+
+May import: kernels
+Tests: tests/unit/policy/
+Docs: docs/TRAINER.md, docs/NUMERICS.md
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ mlflow, faust, sqlalchemy) happen inside the commands, after argument parsing, s
     flywheel keys list | revoke PREFIX
     flywheel api --host 0.0.0.0 --port 8000
     flywheel report --out report.html   # one self-contained HTML page of the loop's history
+
+May import: app.api, app.config_reference, app.controller, app.db, app.infra, app.projector, app.replica, app.report, app.run, app.settings, app.simulate, policy, streams, trainer
+Tests: tests/integration/test_docs_commands.py, tests/integration/db/test_keys.py, tests/integration/test_kafka_broker.py
+Docs: docs/OPERATIONS.md, docs/CONFIGURATION.md
 """
 
 from __future__ import annotations

@@ -18,4 +18,8 @@ Each module is the single home of one contract:
 The roles (app.api, app.replica, app.controller, app.projector, streams, trainer,
 app.simulate, app.report) import these, the policy package (policy) and `kernels/`,
 never each other; `lint-imports` (contracts in pyproject.toml) enforces it.
+
+May import: app.infra, app.settings, kernels
+Tests: tests/unit/deployments/, tests/unit/test_kafka_limits.py, tests/unit/api/test_event_schema.py
+Docs: docs/DESIGN.md, docs/DEPLOYMENTS.md
 """

@@ -10,10 +10,14 @@
 - `controller.py`: the `flywheel controller` role loop that wires them to Kafka and MLflow.
 
 What the API serves on the controller's behalf lives in app/registry/, below both roles: the
-operator verbs and `CanaryConfig` (`operator.py`), the alias reconciliation that the webhook
-receiver and the poller run (`reconcile.py`), the webhooks' registration and verification
-(`webhooks.py`); the alias conventions (`aliases.py`) and `Decision` (`deployments.py`) are in
-app/contracts/.
+operator verbs and `CanaryConfig` (`app/registry/operator.py`), the alias reconciliation that the
+webhook receiver and the poller run (`app/registry/reconcile.py`), the webhooks' registration and
+verification (`app/registry/webhooks.py`); the alias conventions
+(`app/contracts/aliases.py`) and `Decision` (`app/contracts/deployments.py`) are contracts.
 
 docs/ROLLOUT.md explains the behaviour for operators.
+
+May import: app.contracts, app.edits, app.infra, app.registry, app.settings, policy
+Tests: tests/unit/controller/, tests/integration/controller/, tests/integration/rollout/
+Docs: docs/ROLLOUT.md
 """

@@ -8,4 +8,8 @@
 - `mlflow_server`: the embedded MLflow tracking and registry server
 - `procs`: stopping a child process and everything it started
 - `wait`: waiting for a dependency, the same way in every role
+
+May import: app.contracts, app.db, app.settings
+Tests: tests/integration/test_kafka_broker.py, tests/unit/test_kafka_net.py, tests/unit/infra/
+Docs: docs/OPERATIONS.md
 """

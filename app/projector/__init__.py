@@ -7,4 +7,8 @@
 The contract it reads (`DeploymentEvent`, the log's reader) and the one fold of the log are in
 app/contracts/ (deployments.py, deployment_state.py). See docs/DEPLOYMENTS.md for who publishes
 what and how the projections are derived.
+
+May import: app.contracts, app.db, app.infra, app.settings
+Tests: tests/unit/deployments/, tests/integration/deployments/
+Docs: docs/DEPLOYMENTS.md
 """

@@ -14,4 +14,8 @@ and each runs it in its own process:
 A shared lower layer: it imports the contracts and the other lower layers, never a role
 (pyproject.toml's import contracts). The deployment events these produce are carried out by the
 controller; docs/ROLLOUT.md explains the behaviour for operators.
+
+May import: app.contracts, app.settings
+Tests: tests/unit/controller/test_webhooks.py, tests/integration/rollout/test_alias_sync.py, tests/integration/controller/test_mlflow_control_surface.py
+Docs: docs/MLFLOW_UI.md, docs/ROLLOUT.md
 """

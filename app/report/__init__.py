@@ -20,6 +20,10 @@ Modules:
 - `plots.py`    the figures (matplotlib, Agg) as SVG data URIs.
 - `page.py`     the HTML page.
 - `screenshot.py` a headless Chromium that renders a report and saves a PNG (docs/report.png).
+
+May import: app.contracts, app.db, app.settings
+Tests: tests/unit/report/, tests/integration/report/
+Docs: docs/REPORT.md
 """
 
 from __future__ import annotations
