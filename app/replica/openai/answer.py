@@ -72,11 +72,13 @@ def _token_text(tok: Any, tokens: list[int], j: int) -> str:
 
 
 def _completion_logprobs(tok: Any, s: Any) -> dict[str, Any]:
-    """OpenAI's completions `logprobs` object for the sampled tokens (no alternatives)."""
+    """OpenAI's completions `logprobs` object for the sampled tokens: `logprobs: 0` asks for no
+    alternatives, so each token's `top_logprobs` entry is empty (OpenAI's schema types the field
+    as a list of token -> log-prob maps, never null)."""
     return {
         "tokens": [_token_text(tok, s.tokens, j) for j in range(len(s.tokens))],
         "token_logprobs": [float(x) for x in s.logprobs],
-        "top_logprobs": None,
+        "top_logprobs": [{} for _ in s.tokens],
         "text_offset": [len(tok.decode(s.tokens[:j])) for j in range(len(s.tokens))],
     }
 
