@@ -19,8 +19,6 @@ Run: PYTHONPATH=$PWD .venv/bin/python -m pytest tests/integration/trainer/test_h
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from mlflow import MlflowClient
@@ -58,7 +56,10 @@ def test_the_trainer_ships_an_hf_policy_as_a_delta_a_replica_loads(trainer_env, 
     make_dir = tiny_qwen2_moe_dir if arch == "qwen2-moe" else tiny_llama_dir
     model_dir = make_dir(tmp_path / arch, train_bpe_tokenizer(tmp_path / "tok"))
     policy_cfg = {"type": "hf", "model_dir": str(model_dir)}
-    cfg_kw = dict(cfg_kw, policy=policy_cfg, pretrain_steps=300)
+    # every step a full batch of 4 (the 8 rollouts are on the topic before the first poll): with
+    # the fixture's 0.5 s wait a loaded machine stepped on one rollout at a time, whose advantage
+    # is 0, and no weight moved (fresh-clone run 8)
+    cfg_kw = dict(cfg_kw, policy=policy_cfg, pretrain_steps=300, max_wait_s=60.0)
     trainer = Trainer(settings, TrainerConfig(**cfg_kw))
     client = MlflowClient(settings.mlflow_uri)
     fetcher = VersionFetcher(settings)
@@ -76,7 +77,9 @@ def test_the_trainer_ships_an_hf_policy_as_a_delta_a_replica_loads(trainer_env, 
         champion = build_policy(trainer.policy.config_dict())
         champion.load_serving_state_dict(v1_state)
         champion.eval()
-        rewards = itertools.cycle([1.0, -1.0])  # each group of two: one better, one worse
+        # each group of two: one better, one worse; no two rewards alike, so any batch of them
+        # (a step's groups may be split across partitions) has a non-zero advantage
+        rewards = iter([1.0, -1.0, 0.75, -0.75, 0.5, -0.5, 0.25, -0.25])
         records = rollout_records(champion, 1, 8, lambda _text: next(rewards), group_size=2)
         for r in records:
             if champion.moe_spec is None:  # dense: no routes
