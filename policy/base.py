@@ -123,6 +123,12 @@ class Sample:
     routes: np.ndarray | None = None  # int32 [len(tokens), n_layers, top_k]
     text: str = ""  # decoded completion
     meta: dict[str, Any] = field(default_factory=dict)
+    # with `generate(top_logprobs=k)`: per token, the k most likely (token id, log-prob) of the
+    # distribution it was sampled from, most likely first (ties: lower id first)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+MAX_TOP_LOGPROBS = 20  # the most alternatives per token `generate` gives (OpenAI's chat limit)
 
 
 class Policy(ABC, torch.nn.Module):
@@ -138,10 +144,12 @@ class Policy(ABC, torch.nn.Module):
         temperature: float = 1.0,
         seed: int | None = None,
         on_step: OnStep | None = None,
+        top_logprobs: int = 0,
     ) -> list[Sample]:
         """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes;
-        `on_step` as in the module docstring. A policy with its own forward implements it with
-        policy/sampling.py's loop (`prefill` and a decoding step are all it supplies)."""
+        `on_step` as in the module docstring; `top_logprobs` (0..MAX_TOP_LOGPROBS) alternatives
+        per token in each Sample's `top_logprobs`. A policy with its own forward implements it
+        with policy/sampling.py's loop (`prefill` and a decoding step are all it supplies)."""
 
     @abstractmethod
     def logprobs(

@@ -364,8 +364,11 @@ class HFPolicy(Policy):
         temperature: float = 1.0,
         seed: int | None = None,
         on_step: OnStep | None = None,
+        top_logprobs: int = 0,
     ) -> list[Sample]:
-        return sampling.generate(self, prompts, max_tokens, temperature, seed, on_step)
+        return sampling.generate(
+            self, prompts, max_tokens, temperature, seed, on_step, top_logprobs=top_logprobs
+        )
 
     def prefill(self, prompts: list[list[int]]) -> Prefill:
         """`[start] + prompt` rows, left-padded, through a fresh `DynamicCache`; positions count

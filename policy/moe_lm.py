@@ -250,8 +250,11 @@ class MoEPolicy(Policy):
         temperature: float = 1.0,
         seed: int | None = None,
         on_step: OnStep | None = None,
+        top_logprobs: int = 0,
     ) -> list[Sample]:
-        return sampling.generate(self, prompts, max_tokens, temperature, seed, on_step)
+        return sampling.generate(
+            self, prompts, max_tokens, temperature, seed, on_step, top_logprobs=top_logprobs
+        )
 
     def prefill(self, prompts: list[list[int]]) -> Prefill:
         """`[bos] + prompt` rows, right-padded, through a fresh cache (`new_cache`): each row's

@@ -11,7 +11,8 @@ samples the same way:
 - per step: optional `mask_logits`, log_softmax(logits / T) with the model's kernels (T = 1 for
   greedy), `check_sampling_distribution`, one multinomial draw per row from exp(log-probs) (argmax
   for T == 0), the sampled token's log-prob under that distribution;
-- per row, until it samples eos: the token, its behaviour log-prob and its routes; `on_step`;
+- per row, until it samples eos: the token, its behaviour log-prob and its routes (and, with
+  `top_logprobs=k`, the k most likely tokens of that step's distribution); `on_step`;
 - the `Sample`s, with `meta` {temperature, kernels, finish_reason: eos | stopped | length}.
 
 `mask_logits(step, logits) -> logits` is where a per-row constraint on the next token plugs in (a
@@ -32,6 +33,7 @@ import torch
 from kernels.invariant import Ops
 from kernels.logprobs import log_probs
 from policy.base import (
+    MAX_TOP_LOGPROBS,
     OnStep,
     Sample,
     Tokenizer,
@@ -93,10 +95,14 @@ def generate(
     seed: int | None = None,
     on_step: OnStep | None = None,
     mask_logits: MaskLogits | None = None,
+    top_logprobs: int = 0,
 ) -> list[Sample]:
     """Sample one completion per prompt (`Policy.generate`, see the module docstring); with
-    `mask_logits`, every step samples from the masked logits."""
+    `mask_logits`, every step samples from the masked logits; with `top_logprobs` = k > 0, each
+    Sample lists per token the k most likely (id, log-prob) of the distribution it was drawn
+    from (masked tokens, at -inf, come last)."""
     assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
+    assert 0 <= top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs {top_logprobs} not in 0..20"
     check_temperature(temperature)
     for p in prompts:
         model.check_lengths(len(p), max_tokens)
@@ -110,11 +116,13 @@ def generate(
     out_tok: list[list[int]] = [[] for _ in range(b)]
     out_lp: list[list[float]] = [[] for _ in range(b)]
     out_rt: list[list[np.ndarray]] = [[] for _ in range(b)]
+    out_top: list[list[list[tuple[int, float]]]] = [[] for _ in range(b)]
     done = torch.zeros(b, dtype=torch.bool)
     stopped = False  # on_step asked to end
     for step in range(max_tokens):
         masked = None if mask_logits is None else mask_logits(step, logits)
-        nxt, lp = _draw(logits, masked, temperature, gen, model.ops)
+        nxt, lp, logp = _draw(logits, masked, temperature, gen, model.ops)
+        top = _top(logp, top_logprobs) if top_logprobs else None
         appended: list[int | None] = [None] * b
         for i in range(b):
             if not done[i]:
@@ -123,6 +131,8 @@ def generate(
                 out_lp[i].append(float(lp[i]))
                 if routes is not None:
                     out_rt[i].append(routes[i].to(torch.int32).numpy())
+                if top is not None:
+                    out_top[i].append(top[i])
         done |= nxt == model.tokenizer.eos_id
         if on_step is not None and not on_step(step, appended):
             stopped = True
@@ -130,10 +140,14 @@ def generate(
         if bool(done.all()) or step == max_tokens - 1:
             break
         logits, routes = pre.decode(nxt, step)
-    return [
+    samples = [
         _sample(model, out_tok[i], out_lp[i], out_rt[i], temperature, stopped, max_tokens)
         for i in range(b)
     ]
+    if top_logprobs:
+        for sample, top in zip(samples, out_top):
+            sample.top_logprobs = top
+    return samples
 
 
 def _draw(
@@ -142,17 +156,29 @@ def _draw(
     temperature: float,
     gen: torch.Generator,
     ops: Ops,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's logits [B, V] (and `mask_logits`' version of them, when there is a mask) ->
-    (next tokens [B] int64, their log-probs [B] fp32) under log_softmax(masked or logits / T): one
-    multinomial draw from `gen` per row, argmax for T == 0."""
+    (next tokens [B] int64, their log-probs [B] fp32, the log-probs [B, V] they were drawn from)
+    under log_softmax(masked or logits / T): one multinomial draw from `gen` per row, argmax for
+    T == 0."""
     logp = log_probs(logits if masked is None else masked, temperature, ops)  # [B, V]
     check_sampling_distribution(logits, logp, temperature, masked)  # before NaN can be sampled
     if temperature > 0:
         nxt = torch.multinomial(torch.exp(logp), 1, generator=gen)[:, 0]
     else:
         nxt = logp.argmax(dim=-1)
-    return nxt, logp.gather(1, nxt[:, None])[:, 0]
+    return nxt, logp.gather(1, nxt[:, None])[:, 0], logp
+
+
+def _top(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    """Per row of log-probs [B, V], the k most likely (token id, log-prob), most likely first and
+    ties broken by the lower id (torch.topk leaves ties in no set order)."""
+    vals, ids = torch.topk(logp, min(k + 8, logp.shape[-1]), dim=-1)  # a margin for ties at k
+    out = []
+    for row_vals, row_ids in zip(vals.tolist(), ids.tolist()):
+        pairs = sorted(zip(row_ids, row_vals), key=lambda p: (-p[1], p[0]))
+        out.append([(int(i), float(v)) for i, v in pairs[:k]])
+    return out
 
 
 def _sample(

@@ -159,15 +159,19 @@ class Replica:
         temperature: float,
         seed: int | None = None,
         on_step: Any = None,
+        top_logprobs: int = 0,
     ) -> tuple[list[Any], float]:
-        """Runs on the generation thread: (samples, model seconds). `on_step`: policy/base.py."""
+        """Runs on the generation thread: (samples, model seconds). `on_step`, `top_logprobs`:
+        policy/base.py `Policy.generate`."""
         t0 = time.perf_counter()
+        kwargs = {"top_logprobs": top_logprobs} if top_logprobs else {}
         samples = lv.policy.generate(
             [prompt] * n,
             max_tokens=max_tokens,
             temperature=temperature,
             seed=secrets.randbits(62) if seed is None else seed,
             on_step=on_step,
+            **kwargs,
         )
         return samples, time.perf_counter() - t0
 

@@ -298,8 +298,10 @@ class VLLMEngine:
         temperature: float,
         seed: int | None,
         on_step: Callable[[int, list[int | None]], bool] | None,
+        top_logprobs: int = 0,
     ) -> Generated:
-        """Tokens, log-probs, vLLM finish reasons and (with `return_routes`) routes per prompt.
+        """Tokens, log-probs, vLLM finish reasons, (with `return_routes`) routes and (with
+        `top_logprobs` = k) the k most likely alternatives per token, per prompt.
 
         Streamed, so `on_step` sees each token as vLLM produces it, except with `return_routes`:
         vLLM puts routed experts only in a whole (non-streamed) response, and `on_step` then sees
@@ -313,13 +315,15 @@ class VLLMEngine:
             "n": len(prompts) if same else 1,
             "max_tokens": max_tokens,
             "temperature": temperature,
-            "logprobs": 0,
+            "logprobs": top_logprobs,
             "return_token_ids": True,
             "skip_special_tokens": False,
             "stream": not self.return_routes,
         }
         if seed is not None:
             body["seed"] = int(seed) % (2**63)
+        if top_logprobs:
+            body["return_tokens_as_token_ids"] = True  # alternatives keyed "token_id:<id>"
         out = Generated(len(prompts))
 
         def take(choices: list[dict[str, Any]]) -> bool:
@@ -335,9 +339,16 @@ class VLLMEngine:
                 if ch.get("routed_experts"):
                     prompt = prompts[0] if same else prompts[i]
                     out.routes[i] = completion_routes(ch["routed_experts"], len(prompt), len(ids))
-                for t, lp in zip(ids, got):
+                tops = (ch.get("logprobs") or {}).get("top_logprobs") or []
+                if top_logprobs and len(tops) != len(ids):
+                    raise EngineUnavailable(
+                        f"{self.url} returned {len(ids)} tokens with {len(tops)} top log-probs"
+                    )
+                for j, (t, lp) in enumerate(zip(ids, got)):
                     out.tokens[i].append(int(t))
                     out.logprobs[i].append(float(lp))
+                    if top_logprobs:
+                        out.top[i].append(alternatives(tops[j], top_logprobs))
                     if on_step is not None:
                         row: list[int | None] = [None] * out.n
                         row[i] = int(t)
@@ -385,8 +396,23 @@ class Generated:
         self.logprobs: list[list[float]] = [[] for _ in range(n)]
         self.reasons: list[str | None] = [None] * n
         self.routes: list[Any] = [None] * n  # int32 [T, MoE layers, top_k] with return_routes
+        self.top: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
         self.stopped = False
         self.steps = 0
+
+
+def alternatives(step: dict[str, float] | None, k: int) -> list[tuple[int, float]]:
+    """The k most likely (token id, log-prob) of one position from vLLM's `top_logprobs` map
+    (`return_tokens_as_token_ids`: keys "token_id:<id>"; it holds the k alternatives and the
+    sampled token), most likely first, ties by the lower id, as policy/sampling.py gives them."""
+    if not step:
+        raise EngineUnavailable("vLLM returned a position without its top log-probs")
+    pairs = []
+    for key, lp in step.items():
+        if not key.startswith("token_id:"):
+            raise EngineUnavailable(f"vLLM keyed a top log-prob {key[:50]!r}, not token_id:<id>")
+        pairs.append((int(key.removeprefix("token_id:")), float(lp)))
+    return sorted(pairs, key=lambda p: (-p[1], p[0]))[:k]
 
 
 def completion_routes(b64: str, prompt_len: int, n_completion: int) -> Any:
@@ -433,6 +459,7 @@ class VLLMPolicy:
         temperature: float = 1.0,
         seed: int | None = None,
         on_step: Callable[[int, list[int | None]], bool] | None = None,
+        top_logprobs: int = 0,
     ) -> list[Any]:
         import numpy as np
 
@@ -452,11 +479,13 @@ class VLLMPolicy:
             temperature=temperature,
             seed=seed,
             on_step=on_step,
+            top_logprobs=top_logprobs,
         )
         stopped = got.stopped
         eos = self.tokenizer.eos_id
         out = []
-        for toks, lp, reason, routes in zip(got.tokens, got.logprobs, got.reasons, got.routes):
+        rows = zip(got.tokens, got.logprobs, got.reasons, got.routes, got.top)
+        for toks, lp, reason, routes, top in rows:
             finish = (
                 "eos"
                 if toks and toks[-1] == eos
@@ -476,6 +505,9 @@ class VLLMPolicy:
                         "finish_reason": finish,
                         "engine_finish_reason": reason,
                     },
+                    top_logprobs=[[(i, float(np.float32(v))) for i, v in t] for t in top]
+                    if top_logprobs
+                    else None,
                 )
             )
         return out

@@ -1,9 +1,12 @@
 """The non-streamed answer of the OpenAI-compatible routes: a `text_completion` or
 `chat.completion` object, after Kafka acknowledged the generation events.
 
-- **Log-probs.** The behaviour log-prob of each sampled token: completions `logprobs: 0`, chat
-  `logprobs: true` (with `top_logprobs` absent or 0). Alternatives (`logprobs` > 0,
-  `top_logprobs` > 0) and log-probs in streams are refused with 400 (plan.py).
+- **Log-probs.** The behaviour log-prob of each sampled token (completions `logprobs`, chat
+  `logprobs: true`), and the k most likely alternatives at each position of the distribution it
+  was sampled from (completions `logprobs: k`, as OpenAI also with the sampled token, so up to
+  k + 1 entries; chat `top_logprobs: k`). A log-prob of -inf (a token a constraint ruled out) is
+  written -9999.0, as OpenAI and vLLM write it, since JSON has no infinity. Log-probs in streams
+  are refused with 400 (plan.py).
 - A client that disconnects before its turn in the generation queue gets nothing generated or
   logged (499); once generating, a non-streamed request runs to the end, like /v1/complete.
 """
@@ -71,24 +74,40 @@ def _token_text(tok: Any, tokens: list[int], j: int) -> str:
     return tok.decode(tokens[j : j + 1])
 
 
+def _finite(lp: float) -> float:
+    return max(float(lp), -9999.0)
+
+
 def _completion_logprobs(tok: Any, s: Any) -> dict[str, Any]:
-    """OpenAI's completions `logprobs` object for the sampled tokens: `logprobs: 0` asks for no
-    alternatives, so each token's `top_logprobs` entry is empty (OpenAI's schema types the field
-    as a list of token -> log-prob maps, never null)."""
+    """OpenAI's completions `logprobs` object: per token its text and log-prob, and a map of the
+    alternatives asked for (text -> log-prob) with the sampled token in it too; `logprobs: 0`
+    asks for none, so each map holds the sampled token alone (OpenAI's schema types the field as
+    a list of maps, never null). Two ids with one text keep the likelier."""
+    tops = s.top_logprobs or [[] for _ in s.tokens]
+    top_maps = []
+    for t, lp, top in zip(s.tokens, s.logprobs, tops):
+        entries: dict[str, float] = {}
+        for i, v in [*top, (t, lp)]:
+            entries.setdefault(tok.decode([i]), _finite(v))
+        top_maps.append(entries)
     return {
         "tokens": [_token_text(tok, s.tokens, j) for j in range(len(s.tokens))],
-        "token_logprobs": [float(x) for x in s.logprobs],
-        "top_logprobs": [{} for _ in s.tokens],
+        "token_logprobs": [_finite(x) for x in s.logprobs],
+        "top_logprobs": top_maps,
         "text_offset": [len(tok.decode(s.tokens[:j])) for j in range(len(s.tokens))],
     }
 
 
 def _chat_logprobs(tok: Any, s: Any) -> dict[str, Any]:
-    """OpenAI's chat `logprobs` object for the sampled tokens (no alternatives)."""
+    """OpenAI's chat `logprobs` object: per token its text, log-prob and bytes, and the
+    alternatives asked for (`top_logprobs`), most likely first."""
+
+    def entry(text: str, lp: float) -> dict[str, Any]:
+        return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode())}
+
+    tops = s.top_logprobs or [[] for _ in s.tokens]
     content = []
-    for j, lp in enumerate(s.logprobs):
-        text = _token_text(tok, s.tokens, j)
-        content.append(
-            {"token": text, "logprob": float(lp), "bytes": list(text.encode()), "top_logprobs": []}
-        )
+    for j, (lp, top) in enumerate(zip(s.logprobs, tops)):
+        alternatives = [entry(tok.decode([i]), v) for i, v in top]
+        content.append({**entry(_token_text(tok, s.tokens, j), lp), "top_logprobs": alternatives})
     return {"content": content, "refusal": None}

@@ -130,6 +130,7 @@ async def generate(
         p.temperature,
         p.seed,
         _on_step_for(choices, cancelled, push),
+        p.top_logprobs,
         still_wanted=still_wanted,
     )
     m.GENERATION_SECONDS.labels(replica.id).observe(gen_s)
@@ -181,12 +182,14 @@ def _trimmed(sample: Any, n_tokens: int) -> Any:
     if n_tokens == len(sample.tokens):
         return sample
     routes = None if sample.routes is None else sample.routes[:n_tokens]
+    top = None if sample.top_logprobs is None else sample.top_logprobs[:n_tokens]
     return Sample(
         tokens=sample.tokens[:n_tokens],
         logprobs=sample.logprobs[:n_tokens],
         routes=routes,
         text=sample.text,
         meta=sample.meta,
+        top_logprobs=top,
     )
 
 

@@ -15,8 +15,10 @@ its prompt encoded, before any model work.
   most `max_stop_chars` each (choice_text.py). Without `max_tokens` (or chat's
   `max_completion_tokens`) a completion gets `default_max_tokens` (at most `max_tokens`, and at
   most half the model's context).
-- **Log-probs** of the sampled tokens only: alternatives (completions `logprobs` > 0, chat
-  `top_logprobs` > 0) and log-probs in streams are refused with 400.
+- **Log-probs** of the sampled tokens (completions `logprobs` >= 0, chat `logprobs: true`), with
+  the most likely alternatives at each position when asked (completions `logprobs` up to 5, chat
+  `top_logprobs` up to 20), all from the distribution the token was sampled from. Log-probs in
+  streams are refused with 400 (the generation events carry them).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Plan:
     seed: int | None
     stops: list[str]
     logprobs: bool
+    top_logprobs: int  # alternatives per token (0: the sampled tokens' log-probs only)
     stream: bool
     include_usage: bool
     model: str
@@ -145,29 +148,20 @@ def stops_of(cfg: ReplicaConfig, stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _logprobs_and_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[bool, int | None]:
-    """Whether the sampled tokens' log-probs are asked for, and the asked-for max_tokens."""
+def _logprobs_and_max_tokens(
+    req: CompletionRequest | ChatRequest,
+) -> tuple[bool, int, int | None]:
+    """Whether the sampled tokens' log-probs are asked for, how many alternatives per token, and
+    the asked-for max_tokens."""
     if req.stream_options is not None and not req.stream:
         raise bad_param("stream_options", "stream_options is only allowed when stream is true")
     if isinstance(req, CompletionRequest):
-        if req.logprobs:
-            raise bad_param(
-                "logprobs",
-                "only the sampled tokens' log-probs are served (logprobs: 0); "
-                "top alternatives are not",
-            )
-        logprobs = req.logprobs is not None
+        logprobs, top = req.logprobs is not None, req.logprobs or 0
         max_tokens = req.max_tokens
     else:
-        if req.top_logprobs:
-            raise bad_param(
-                "top_logprobs",
-                "only the sampled tokens' log-probs are served (logprobs: true); "
-                "top alternatives are not",
-            )
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_param("top_logprobs", "top_logprobs needs logprobs: true")
-        logprobs = bool(req.logprobs)
+        logprobs, top = bool(req.logprobs), req.top_logprobs or 0
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise bad_param(
                 "max_completion_tokens", "send max_tokens or max_completion_tokens, not both"
@@ -179,7 +173,7 @@ def _logprobs_and_max_tokens(req: CompletionRequest | ChatRequest) -> tuple[bool
             "log-probs are not served in streams (the generation events carry them); "
             "drop logprobs or stream",
         )
-    return logprobs, max_tokens
+    return logprobs, top, max_tokens
 
 
 def _pick_version(replica: Replica, session_id: str) -> tuple[str, LoadedVersion]:
@@ -227,7 +221,7 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
     req = parse_request(await request.body(), model_cls)
     model = check_model(replica, req.model)
     session_id = session_of(request, req.user)
-    logprobs, max_tokens = _logprobs_and_max_tokens(req)
+    logprobs, top_logprobs, max_tokens = _logprobs_and_max_tokens(req)
     stops = stops_of(cfg, req.stop)
     n = req.n if req.n is not None else 1
     temperature = req.temperature if req.temperature is not None else 1.0
@@ -264,6 +258,7 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
         seed=req.seed,
         stops=stops,
         logprobs=logprobs,
+        top_logprobs=top_logprobs,
         stream=bool(req.stream),
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         model=model,

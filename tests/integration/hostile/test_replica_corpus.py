@@ -219,7 +219,7 @@ OPENAI_CORPUS: list[tuple[str, str, bytes, str | None]] = [
     ("top_p NaN", "completions", b'{"prompt": "x", "user": "s", "top_p": NaN}', "top_p"),
     ("top_p 0.5", "completions", b'{"prompt": "x", "user": "s", "top_p": 0.5}', "top_p"),
     ("logprobs true", "completions", b'{"prompt": "x", "user": "s", "logprobs": true}', "logprobs"),
-    ("logprobs 5", "completions", b'{"prompt": "x", "user": "s", "logprobs": 5}', "logprobs"),
+    ("logprobs 6", "completions", b'{"prompt": "x", "user": "s", "logprobs": 6}', "logprobs"),
     ("stream a string", "completions", b'{"prompt": "x", "user": "s", "stream": "yes"}', "stream"),
     ("seed negative", "completions", b'{"prompt": "x", "user": "s", "seed": -1}', "seed"),
     (
@@ -277,9 +277,15 @@ OPENAI_CORPUS: list[tuple[str, str, bytes, str | None]] = [
         "tools",
     ),
     (
-        "top_logprobs",
+        "top_logprobs over 20",
         "chat",
-        b'{"messages": [{"role": "user", "content": "x"}], "user": "s", "logprobs": true, "top_logprobs": 3}',
+        b'{"messages": [{"role": "user", "content": "x"}], "user": "s", "logprobs": true, "top_logprobs": 21}',
+        "top_logprobs",
+    ),
+    (
+        "top_logprobs without logprobs",
+        "chat",
+        b'{"messages": [{"role": "user", "content": "x"}], "user": "s", "top_logprobs": 3}',
         "top_logprobs",
     ),
     (

@@ -207,7 +207,7 @@ def test_refusals_are_openai_errors_naming_the_parameter(srv):
         ({"best_of": 2}, "best_of"),
         ({"echo": True}, "echo"),
         ({"presence_penalty": 0.3}, "presence_penalty"),
-        ({"logprobs": 3}, "logprobs"),
+        ({"logprobs": 6}, "logprobs"),  # at most 5 alternatives, as OpenAI
         ({"n": 9}, "n"),
         ({"max_tokens": 257}, "max_tokens"),
         ({"max_tokens": 64}, "max_tokens"),  # over the model's context
@@ -260,13 +260,13 @@ def _gate_generation(srv) -> threading.Event:
     replica = srv.replica
     real = type(replica)._generate.__get__(replica)
 
-    def gated(lv, prompt, n, max_tokens, temperature, seed=None, on_step=None):
+    def gated(lv, prompt, n, max_tokens, temperature, seed=None, on_step=None, top_logprobs=0):
         def step(i, tokens):
             if i == 0:
                 assert gate.wait(60), "the test never released the generation"
             return on_step(i, tokens)
 
-        return real(lv, prompt, n, max_tokens, temperature, seed, step)
+        return real(lv, prompt, n, max_tokens, temperature, seed, step, top_logprobs)
 
     replica._generate = gated
     return gate

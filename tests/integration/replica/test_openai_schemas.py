@@ -5,6 +5,7 @@ replica (uvicorn, real HTTP), validated against OpenAI's published schemas
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import pytest
@@ -164,3 +165,43 @@ def test_a_refused_key_conforms(http):
     )
     assert r.status_code == 401, r.text
     check("ErrorResponse", r.json())
+
+
+def test_top_logprobs_conform_and_rank_the_distribution_sampled_from(http):
+    """Completions `logprobs: 3` map the 3 most likely tokens and the sampled one; chat
+    `top_logprobs: 5` lists 5, most likely first; the sampled token's log-prob is the same in
+    both places; asking for alternatives changes nothing that is sampled."""
+    common = {"model": http.model, "max_tokens": 6, "seed": 11, "user": "schemas-top"}
+    plain = http.post("/v1/completions", json={**common, "prompt": "def f(", "logprobs": 0})
+    rich = http.post("/v1/completions", json={**common, "prompt": "def f(", "logprobs": 3})
+    assert plain.status_code == rich.status_code == 200, rich.text
+    check("CreateCompletionResponse", rich.json())
+    p, r = plain.json()["choices"][0], rich.json()["choices"][0]
+    assert (
+        p["text"] == r["text"]
+        and p["logprobs"]["token_logprobs"] == r["logprobs"]["token_logprobs"]
+    )
+    lp = r["logprobs"]
+    for token, token_lp, top, alone in zip(
+        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], p["logprobs"]["top_logprobs"]
+    ):
+        assert alone == {token: token_lp}  # logprobs 0: the sampled token alone
+        # keyed by text, as OpenAI keys them: byte tokens of a partial UTF-8 character all read
+        # as U+FFFD and share one key (the likelier one's log-prob)
+        assert len(top) <= 4 and top[token] >= token_lp
+        if token != "\ufffd":
+            assert top[token] == token_lp
+        assert len(top) >= 3 or "\ufffd" in top, top
+        assert sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
+
+    messages = [{"role": "user", "content": "def f("}]
+    chat = http.post(
+        "/v1/chat/completions",
+        json={**common, "messages": messages, "logprobs": True, "top_logprobs": 5},
+    )
+    assert chat.status_code == 200, chat.text
+    check("CreateChatCompletionResponse", chat.json())
+    for item in chat.json()["choices"][0]["logprobs"]["content"]:
+        alts = [a["logprob"] for a in item["top_logprobs"]]
+        assert len(alts) == 5 and alts == sorted(alts, reverse=True)
+        assert item["logprob"] <= alts[0]

@@ -73,7 +73,7 @@ class RecordingEngine(VLLMEngine):
             "write_s": 0.0,
         }
 
-    def generate(self, prompts, *, max_tokens, temperature, seed, on_step):
+    def generate(self, prompts, *, max_tokens, temperature, seed, on_step, top_logprobs=0):
         from app.replica.engines.vllm import Generated
 
         self.prompts = prompts
@@ -392,3 +392,18 @@ def test_completion_routes_take_the_positions_that_produced_the_completion_token
     assert np.array_equal(got, arr[prompt_len - 1 :].astype(np.int32))
     with pytest.raises(EngineUnavailable, match="forwarded positions expected"):
         completion_routes(b64, prompt_len, n_completion + 1)
+
+
+def test_vllms_top_logprobs_become_the_k_most_likely_ids_as_the_builtin_engine_gives_them():
+    """vLLM's map of one position (the k alternatives and the sampled token, keyed
+    `token_id:<id>` with `return_tokens_as_token_ids`) -> k (id, log-prob), most likely first,
+    ties by the lower id; a position without the map or with a text key is the engine's fault."""
+    from app.replica.engines.base import EngineUnavailable
+    from app.replica.engines.vllm import alternatives
+
+    step = {"token_id:7": -0.5, "token_id:3": -1.25, "token_id:2": -1.25, "token_id:9": -3.0}
+    assert alternatives(step, 3) == [(7, -0.5), (2, -1.25), (3, -1.25)]
+    assert alternatives(step, 5) == [(7, -0.5), (2, -1.25), (3, -1.25), (9, -3.0)]
+    for bad in (None, {}, {"hello": -1.0}):
+        with pytest.raises(EngineUnavailable):
+            alternatives(bad, 2)
