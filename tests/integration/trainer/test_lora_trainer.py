@@ -107,7 +107,9 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
     model_dir = tiny_qwen2_moe_dir(tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"))
     _import(settings, model_dir)
     monkeypatch.setenv("FLYWHEEL_TRAINER_LORA", __import__("json").dumps(LORA))
-    cfg_kw = {k: v for k, v in cfg_kw.items() if k != "policy"}
+    # full batches of 4 (each round's rollouts are on the topic before its first poll): a loaded
+    # machine with the fixture's 0.5 s wait steps on single rollouts, whose advantage is 0
+    cfg_kw = {k: v for k, v in cfg_kw.items() if k != "policy"} | {"max_wait_s": 60.0}
     cfg = TrainerConfig(**cfg_kw)  # FLYWHEEL_TRAINER_LORA from the environment, as a user sets it
     assert cfg.lora is not None and cfg.policy == {}
     client = MlflowClient(settings.mlflow_uri)
@@ -124,7 +126,9 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
         champion = build_policy(trainer.registry.policy_config(1))
         champion.load_serving_state_dict(v1_state)
         champion.eval()
-        rewards = itertools.cycle([1.0, -1.0])
+        # each group: one better, one worse; no two alike in a round, so every batch of them has
+        # a non-zero advantage
+        rewards = itertools.cycle([1.0, -1.0, 0.75, -0.75, 0.5, -0.5, 0.25, -0.25])
         records = rollout_records(champion, 1, 8, lambda _t: next(rewards), group_size=2)
         for r in records:
             r["tokenizer"] = champion.tokenizer.name
