@@ -44,7 +44,7 @@ from tests.integration.trainer.conftest import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.integration, pytest.mark.ranks, pytest.mark.timeout(1200)]
 
 # --max-restarts: every run here survives a rank's death (on a loaded machine gloo's first
 # connection can fail too; a restart redoes the same deterministic work)

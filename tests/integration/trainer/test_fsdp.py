@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.ranks, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("fsdp_worker.py")

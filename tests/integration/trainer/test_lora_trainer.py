@@ -53,6 +53,13 @@ LORA = {
 }
 
 
+# one better and one worse rollout per group, none alike: any batch of them has a non-zero
+# advantage; and steps wait for full batches (on a loaded machine the fixture's 0.5 s wait
+# stepped on single rollouts, whose advantage is 0, and moved no weight)
+DISTINCT_REWARDS = (1.0, -1.0, 0.75, -0.75, 0.5, -0.5, 0.25, -0.25)
+FULL_BATCHES = 60.0  # max_wait_s
+
+
 def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     diff = sorted(set(a) ^ set(b))
     for k in sorted(set(a) & set(b)):
@@ -107,9 +114,7 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
     model_dir = tiny_qwen2_moe_dir(tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"))
     _import(settings, model_dir)
     monkeypatch.setenv("FLYWHEEL_TRAINER_LORA", __import__("json").dumps(LORA))
-    # full batches of 4 (each round's rollouts are on the topic before its first poll): a loaded
-    # machine with the fixture's 0.5 s wait steps on single rollouts, whose advantage is 0
-    cfg_kw = {k: v for k, v in cfg_kw.items() if k != "policy"} | {"max_wait_s": 60.0}
+    cfg_kw = {k: v for k, v in cfg_kw.items() if k != "policy"} | {"max_wait_s": FULL_BATCHES}
     cfg = TrainerConfig(**cfg_kw)  # FLYWHEEL_TRAINER_LORA from the environment, as a user sets it
     assert cfg.lora is not None and cfg.policy == {}
     client = MlflowClient(settings.mlflow_uri)
@@ -126,9 +131,7 @@ def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
         champion = build_policy(trainer.registry.policy_config(1))
         champion.load_serving_state_dict(v1_state)
         champion.eval()
-        # each group: one better, one worse; no two alike in a round, so every batch of them has
-        # a non-zero advantage
-        rewards = itertools.cycle([1.0, -1.0, 0.75, -0.75, 0.5, -0.5, 0.25, -0.25])
+        rewards = itertools.cycle(DISTINCT_REWARDS)
         records = rollout_records(champion, 1, 8, lambda _t: next(rewards), group_size=2)
         for r in records:
             r["tokenizer"] = champion.tokenizer.name
