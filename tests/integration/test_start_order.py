@@ -602,7 +602,9 @@ def test_roles_started_before_the_broker_mlflow_and_database_wait_then_work(
     fresh_postgres_url: str, tmp_path: Path
 ) -> None:
     """The module docstring's roles as processes before the broker, MLflow and the database: each
-    waits, then works once they appear (every role's log tail on stderr on failure)."""
+    waits, then works once they appear (every role's log tail on stderr on failure). Needs over a
+    minute: every role is its own process importing its stack, and the broker, MLflow and the
+    database start after them."""
     s = _start_roles_first(fresh_postgres_url, tmp_path)
     try:
         # 1. alone: each stays up and says what it waits for

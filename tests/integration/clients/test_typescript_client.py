@@ -128,6 +128,9 @@ class ControlPlane:
 
 
 def test_typescript_client_against_the_real_api_and_broker(api_factory, own_broker):
+    """The TypeScript client's own tests (`npm test` in clients/typescript) against two real
+    APIs on this test's own broker, which the test stops and starts under them. Needs about a
+    minute: a broker of its own, two APIs, and node compiling and running the client's tests."""
     if not (PACKAGE / "node_modules" / "typescript").is_dir():
         pytest.fail(
             f"{PACKAGE / 'node_modules'} is missing: run `make node` "

@@ -317,6 +317,10 @@ def assert_api_serves(api: Api, state: DeploymentState) -> None:
 
 
 def test_the_status_api_serves_the_folds_state(api: Api) -> None:
+    """For 150 random deployment logs, the status API serves what the one fold of the log says.
+    Needs up to a minute on PostgreSQL: each example projects its log through the database and
+    reads it back over HTTP."""
+
     @settings(
         max_examples=150,
         deadline=None,

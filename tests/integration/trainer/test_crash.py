@@ -138,6 +138,9 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
 def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_counts_after_sigkill(
     trainer_env, tmp_path
 ):
+    """A step that raises is logged and skipped, the trainer keeps running, and after a SIGKILL
+    the restarted trainer counts no rollout it did not train on. Needs about a minute: two
+    trainer processes in a row, each importing torch and MLflow."""
     settings, cfg = trainer_env
     cfg.update(checkpoint_every=1, batch_size=4, max_wait_s=1.0)
     client = MlflowClient(settings.mlflow_uri)

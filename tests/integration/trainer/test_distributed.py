@@ -63,6 +63,9 @@ def _run(argv: list[str], log: Path) -> None:
 
 
 def test_two_rank_step_is_the_one_process_step(tmp_path):
+    """One optimizer step on 8 rollouts, in one process and on two gloo ranks (4 + 4, and 8 + 0:
+    an idle rank), ends with the same weights. Needs about a minute on 2 shared cores: five
+    worker processes, each importing torch, two of them pairs joining gloo."""
     _run(
         [sys.executable, WORKER, "--out", str(tmp_path / "one"), "--split", "8"],
         tmp_path / "one.log",
@@ -298,7 +301,8 @@ def test_hf_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path, mode):
     replicated with DDP (a LoRA adapter): the ranks train the champion's rollouts (mismatch
     exactly 0: the ranks' forward is the replica's), rank 0 ships v2 (FSDP: the gathered bf16
     weights as a delta; LoRA: the adapter), and v2 from the registry loads verified in a
-    replica and generates; a restart resumes the saved state."""
+    replica and generates; a restart resumes the saved state. Needs over a minute on 2 shared
+    cores: two gloo ranks start twice, each importing torch and transformers."""
     from app.contracts.artifacts import apply_chain, fetch_manifest
     from app.replica.fetch import VersionFetcher
     from app.replica.weights import load_verified

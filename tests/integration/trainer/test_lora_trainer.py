@@ -102,6 +102,7 @@ def _mismatches(client, run_id: str) -> list[float]:
 def test_the_trainer_trains_and_ships_a_lora_adapter_on_an_imported_model(
     trainer_env, tmp_path, monkeypatch
 ):
+    """Steps below. Needs about a minute: an import, two rounds of training, two ships."""
     from app.contracts.artifacts import apply_chain, fetch_manifest
     from app.replica.fetch import VersionFetcher
     from app.replica.weights import load_verified

@@ -143,6 +143,10 @@ def _bits(sd: dict[str, torch.Tensor]) -> dict[str, bytes]:
 def test_import_registers_v1_as_champion_and_the_artifacts_rebuild_the_model(
     mlflow_server, kafka_env, dirs, tmp_path, monkeypatch
 ):
+    """The import as a user runs it (a subprocess), then v1 rebuilt from the registry's artifacts
+    alone three ways (the registry, a replica's fetcher, the gate). Needs about a minute on a
+    loaded machine: the subprocess imports torch, transformers and mlflow, and the model is
+    built four times."""
     import mlflow
 
     from kernels.delta import hash_state_dict
@@ -408,7 +412,9 @@ def test_flywheel_runs_import_step_imports_then_resumes_and_refuses_another_mode
     """`flywheel run --model DIR` runs `prepare_model` (app/run.py) before any role starts: the
     import into an empty registry, a resume on the next start (nothing imported again), and
     another model's directory refused with the import's one line (`flywheel run` prints it and
-    exits 2). The whole stack's end-to-end test (tests/e2e/test_hf_loop.py) starts once."""
+    exits 2, starting no role: run here as a user starts it). The whole stack's end-to-end test
+    (tests/e2e/test_hf_loop.py) starts once. Needs about a minute on a loaded machine: four
+    processes import torch, transformers and mlflow, and `flywheel run` starts its own broker."""
     from app.run import RunModelError, prepare_model
     from tests.hf_models import tiny_llama_dir
     from trainer.registry import Registry
@@ -435,4 +441,26 @@ def test_flywheel_runs_import_step_imports_then_resumes_and_refuses_another_mode
     assert message.startswith("model import refused:") and "\n" not in message, message
     assert "of another model" in message and "other config or tokenizer files" in message
     assert f"(log: {logs / 'model-import.log'})" in message
+    assert [v.version for v in reg.versions()] == ["1"]
+
+    # `flywheel run --model OTHER` on that registry, as a user starts it: its own broker, this
+    # session's MLflow server; the refusal is one line, exit 2, and no role starts
+    from tests.e2e.stack import stack_env
+
+    run_env, ports = stack_env(tmp_path / "run-data", FLYWHEEL_MODEL_NAME=name)
+    run_env["FLYWHEEL_MLFLOW_URI"] = mlflow_server.uri
+    out = subprocess.run(
+        [sys.executable, "-m", "app.cli", "run", "--model", str(other), "--no-live"]
+        + ["--replica-base-port", str(ports["replicas"])],
+        env=run_env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    refusal = [ln for ln in text.splitlines() if "model import refused" in ln]
+    assert len(refusal) == 1 and "of another model" in refusal[0], text[-3000:]
+    assert "✓ api" not in text and "✓ trainer" not in text, text[-3000:]
     assert [v.version for v in reg.versions()] == ["1"]
