@@ -23,7 +23,7 @@ from the masked distribution, the one actually sampled from.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,15 +170,17 @@ def _draw(
     return nxt, logp.gather(1, nxt[:, None])[:, 0], logp
 
 
+def most_likely(pairs: Iterable[tuple[int, float]], k: int) -> list[tuple[int, float]]:
+    """The k most likely of (token id, log-prob) pairs, most likely first, ties broken by the
+    lower id: the order `Sample.top_logprobs` has on every engine."""
+    return sorted(((int(i), float(v)) for i, v in pairs), key=lambda p: (-p[1], p[0]))[:k]
+
+
 def _top(logp: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
-    """Per row of log-probs [B, V], the k most likely (token id, log-prob), most likely first and
-    ties broken by the lower id (torch.topk leaves ties in no set order)."""
-    vals, ids = torch.topk(logp, min(k + 8, logp.shape[-1]), dim=-1)  # a margin for ties at k
-    out = []
-    for row_vals, row_ids in zip(vals.tolist(), ids.tolist()):
-        pairs = sorted(zip(row_ids, row_vals), key=lambda p: (-p[1], p[0]))
-        out.append([(int(i), float(v)) for i, v in pairs[:k]])
-    return out
+    """Per row of log-probs [B, V], its `most_likely` k (torch.topk leaves ties in no set order:
+    a margin of candidates past k lets the tie-break see them)."""
+    vals, ids = torch.topk(logp, min(k + 8, logp.shape[-1]), dim=-1)
+    return [most_likely(zip(i, v), k) for i, v in zip(ids.tolist(), vals.tolist())]
 
 
 def _sample(

@@ -404,15 +404,15 @@ class Generated:
 def alternatives(step: dict[str, float] | None, k: int) -> list[tuple[int, float]]:
     """The k most likely (token id, log-prob) of one position from vLLM's `top_logprobs` map
     (`return_tokens_as_token_ids`: keys "token_id:<id>"; it holds the k alternatives and the
-    sampled token), most likely first, ties by the lower id, as policy/sampling.py gives them."""
+    sampled token), in policy/sampling.py's `most_likely` order, as the built-in engine gives them."""
+    from policy.sampling import most_likely
+
     if not step:
         raise EngineUnavailable("vLLM returned a position without its top log-probs")
-    pairs = []
-    for key, lp in step.items():
-        if not key.startswith("token_id:"):
-            raise EngineUnavailable(f"vLLM keyed a top log-prob {key[:50]!r}, not token_id:<id>")
-        pairs.append((int(key.removeprefix("token_id:")), float(lp)))
-    return sorted(pairs, key=lambda p: (-p[1], p[0]))[:k]
+    bad = [key for key in step if not key.startswith("token_id:")]
+    if bad:
+        raise EngineUnavailable(f"vLLM keyed a top log-prob {bad[0][:50]!r}, not token_id:<id>")
+    return most_likely(((int(key[9:]), lp) for key, lp in step.items()), k)
 
 
 def completion_routes(b64: str, prompt_len: int, n_completion: int) -> Any:

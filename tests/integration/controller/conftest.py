@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.waiting import poll
 
 
 @dataclass
@@ -89,13 +90,7 @@ def api_server() -> Iterator[Callable[..., ApiServer]]:
 
 
 def wait_for(pred: Callable[[], object], timeout: float, what: str, every: float = 0.2) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    return poll(pred, timeout, what, every)
 
 
 def deployment_events(settings) -> list[dict]:

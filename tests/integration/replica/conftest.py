@@ -14,6 +14,7 @@ import pytest
 from app.replica.config import ReplicaConfig
 from app.settings import Settings
 from tests.unit.replica.conftest import TINY, tiny_state
+from tests.waiting import poll
 
 
 def read_topic(
@@ -280,13 +281,7 @@ def ship_two_versions(make_settings, mlflow_server, tmp_path: Path) -> Settings:
 
 
 def wait_for(pred: Callable[[], Any], timeout_s: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    return poll(pred, timeout_s, what)
 
 
 @pytest.fixture()

@@ -38,6 +38,7 @@ from typing import Any
 import httpx
 
 from app.settings import Settings
+from tests.waiting import poll
 
 # d_model 16: gates, syncs and /v1/complete stay cheap; context 256 leaves room for the gate's
 # sampled completions (48 tokens) after the regression prompts.
@@ -246,14 +247,7 @@ class MetricsFeed:
 
 
 def wait_for(pred: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    return poll(pred, timeout, what, every)
 
 
 @dataclass
