@@ -56,10 +56,18 @@ class Tokenizer(ABC):
     def has_chat_template(self) -> bool:
         return False
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """The prompt text for chat `messages` (`[{"role", "content"}]`, roles already validated),
-        ending where the assistant's reply begins. Same name and role as Hugging Face tokenizers'
-        `apply_chat_template(..., tokenize=False, add_generation_prompt=True)`."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The prompt text for chat `messages`, ending where the assistant's reply begins. Same name
+        and role as Hugging Face tokenizers' `apply_chat_template(..., tokenize=False,
+        add_generation_prompt=True)`.
+
+        `messages` are OpenAI's, already validated: `{"role", "content"}` with `content` a string
+        (None for an assistant message that only calls tools), an assistant's `tool_calls`
+        (`[{"id", "type": "function", "function": {"name", "arguments"}}]`, `arguments` the JSON
+        text it was sent as) and a tool message's `tool_call_id`. `tools`: OpenAI function tools,
+        rendered in the template's own tool format (policy/tool_format.py reads the calls)."""
         raise NoChatTemplate(f"the tokenizer {self.name} has no chat template")
 
 

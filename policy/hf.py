@@ -130,10 +130,28 @@ class HFTokenizer(Tokenizer):
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The model's own chat template, with the tools. An assistant's call `arguments` go to the
+        template as the object they encode (Hugging Face templates, like vLLM's front, expect a
+        mapping: Qwen2.5's writes `arguments | tojson`)."""
         if not self.has_chat_template:
-            return super().apply_chat_template(messages)
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return super().apply_chat_template(messages, tools)
+        msgs = [_template_message(m) for m in messages]
+        return self.hf.apply_chat_template(
+            msgs, tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
+
+
+def _template_message(m: dict[str, Any]) -> dict[str, Any]:
+    if not m.get("tool_calls"):
+        return m
+    calls = [
+        {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+        for c in m["tool_calls"]
+    ]
+    return {**m, "tool_calls": calls}
 
 
 class HFConfig(BaseModel):

@@ -4,13 +4,34 @@ Text round-trips exactly (`decode(encode(s)) == s`); decoding drops special ids 
 invalid UTF-8 (a completion can stop mid-character) with U+FFFD.
 
 Chat template (`apply_chat_template`, used by the replica's `POST /v1/chat/completions`): each
-message becomes `"<role>: <content>\n"` in order, then `"assistant: "` where the reply begins:
+message becomes `"<role>: <content>\\n"` in order, then `"assistant: "` where the reply begins:
 
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    -> "system: Be brief.\nuser: hi\nassistant: "
+    -> "system: Be brief.\\nuser: hi\\nassistant: "
+
+Tools (the `hermes` format, policy/tool_format.py): each tool offered is one line
+`"tools: <the OpenAI tool object as JSON>\\n"` before the messages; the model calls one by writing
+`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (several calls one per line), then
+eos. In the history an assistant message renders its content and then its calls, one per line, in
+that format (`arguments` as the JSON text the client sent back); a tool result is
+`"tool: <content>\\n"`:
+
+    tools: {"type": "function", "function": {"name": "read_file", ...}}
+    user: open app.py
+    assistant: <tool_call>
+    {"name": "read_file", "arguments": {"path": "app.py"}}
+    </tool_call>
+    tool: print("hi")
+    assistant: (the reply begins here)
+
+An assistant message that only calls tools renders exactly what the model generated for it
+(without its eos), so the next turn's prompt extends the previous prompt and completion.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 from policy.base import Tokenizer
 
@@ -21,6 +42,7 @@ class ByteTokenizer(Tokenizer):
     eos_id = 257
     pad_id = 258
     vocab_size = 259
+    tool_format_name = "hermes"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -32,5 +54,21 @@ class ByteTokenizer(Tokenizer):
     def has_chat_template(self) -> bool:
         return True
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        from policy.tool_format import HermesFormat
+
+        fmt = HermesFormat()
+        head = "".join(f"tools: {json.dumps(t, ensure_ascii=False)}\n" for t in tools or [])
+        lines = []
+        for m in messages:
+            body = m.get("content") or ""
+            calls = [
+                fmt.render_call(c["function"]["name"], c["function"]["arguments"])
+                for c in m.get("tool_calls") or []
+            ]
+            if calls:
+                body = "\n".join([body, *calls] if body else calls)
+            lines.append(f"{m['role']}: {body}\n")
+        return head + "".join(lines) + "assistant: "

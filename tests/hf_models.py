@@ -25,6 +25,8 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+# Qwen2.5's own template (tests/data/chat_templates/README.md): tools and Hermes `<tool_call>` calls
+QWEN25_TEMPLATE = (REPO / "tests" / "data" / "chat_templates" / "qwen2.5.jinja").read_text()
 TEXT_DIRS = (
     "app",
     "trainer",
@@ -45,8 +47,11 @@ def _training_files() -> list[str]:
     return files
 
 
-def train_bpe_tokenizer(out_dir: str | Path, vocab_size: int = 300) -> Path:
-    """Train a byte-level BPE tokenizer on the repo's text and save it as a `PreTrainedTokenizerFast`."""
+def train_bpe_tokenizer(
+    out_dir: str | Path, vocab_size: int = 300, chat_template: str = CHAT_TEMPLATE
+) -> Path:
+    """Train a byte-level BPE tokenizer on the repo's text and save it as a `PreTrainedTokenizerFast`
+    with `chat_template` (QWEN25_TEMPLATE: tools and `<tool_call>` calls, as Qwen2.5 renders them)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -64,7 +69,7 @@ def train_bpe_tokenizer(out_dir: str | Path, vocab_size: int = 300) -> Path:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(str(out))
     return out
 

@@ -41,6 +41,8 @@ MAX_TEMPERATURE = 100.0  # the replicas' upper bound (app/replica/bodies.py, ope
 
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN)]
 NonNegInt = Annotated[int, Field(ge=0)]
+MAX_TOOL_CALLS = 1024  # calls (or invalid calls) one generation event records
+MAX_TOOL_TEXT = 262144  # characters of one call's arguments or invalid text
 LogProb = Annotated[float, Field(le=0.0)]
 
 
@@ -113,6 +115,26 @@ class _Envelope(BaseModel):
     model_version: str | None = None
 
 
+class ToolCallRecord(BaseModel):
+    """A call the model made, as the replica returned it (docs/AGENTS.md)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    id: Id
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=MAX_TOOL_TEXT)  # JSON text of an object
+    arguments_valid: bool  # they validate against the function's schema
+    arguments_error: str | None = Field(None, max_length=2000)
+
+
+class InvalidToolCall(BaseModel):
+    """Text in the model's tool-call format that is not a valid call: returned as content,
+    never repaired."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    text: str = Field(max_length=MAX_TOOL_TEXT)
+    error: str = Field(max_length=2000)
+
+
 class Generation(_Envelope):
     type: Literal["generation"]
     model_version: str = Field(min_length=1)  # required for generations
@@ -132,8 +154,17 @@ class Generation(_Envelope):
     tokenizer: str = Field(min_length=1, max_length=64)
     # why the completion ended: "stop" (eos or a stop sequence), "length" (max_tokens), or
     # "cancelled" (the client went away mid-stream; completion_tokens is what was generated)
-    finish_reason: Literal["stop", "length", "cancelled"] | None = None
+    finish_reason: Literal["stop", "length", "cancelled", "tool_calls"] | None = None
     stream: bool | None = None  # whether the completion was streamed to the client
+    # chat turns (docs/AGENTS.md): the assistant messages before this one in the request's history
+    turn: NonNegInt | None = None
+    tool_choice: Literal["none", "auto", "required", "function"] | None = None  # with tools
+    tools_digest: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")  # sha256 of the tools
+    # sampled under a grammar constraint (required / named tool_choice): `logprobs` are those of
+    # the masked distribution, which the trainer does not score (docs/NUMERICS.md)
+    constrained: bool | None = None
+    tool_calls: list[ToolCallRecord] | None = Field(None, max_length=MAX_TOOL_CALLS)
+    invalid_tool_calls: list[InvalidToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)
 
     @field_validator("logprobs")
     @classmethod

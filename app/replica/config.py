@@ -89,6 +89,15 @@ class ReplicaConfig(FlywheelSettings):
     max_stop_chars: int = Field(
         256, ge=1, description="Longest `stop` string accepted (characters)."
     )
+    max_tools: int = Field(
+        64, ge=0, description="Most `tools` in a chat request (docs/AGENTS.md); 0 refuses tools."
+    )
+    max_tools_bytes: int = Field(
+        65536,
+        ge=1,
+        description="Largest `tools` list, as JSON bytes: bounds the schemas checked and the call "
+        "grammar compiled for a required or named `tool_choice`.",
+    )
     max_open_streams: int = Field(
         64,
         ge=1,

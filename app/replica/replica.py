@@ -160,11 +160,15 @@ class Replica:
         seed: int | None = None,
         on_step: Any = None,
         top_logprobs: int = 0,
+        constraint: Any = None,
     ) -> tuple[list[Any], float]:
-        """Runs on the generation thread: (samples, model seconds). `on_step`, `top_logprobs`:
-        policy/base.py `Policy.generate`."""
+        """Runs on the generation thread: (samples, model seconds). `on_step`, `top_logprobs`,
+        `constraint` (a compiled grammar, started per generation): policy/base.py
+        `Policy.generate`."""
         t0 = time.perf_counter()
-        kwargs = {"top_logprobs": top_logprobs} if top_logprobs else {}
+        kwargs: dict[str, Any] = {"top_logprobs": top_logprobs} if top_logprobs else {}
+        if constraint is not None:
+            kwargs["constraint"] = constraint.start(n)
         samples = lv.policy.generate(
             [prompt] * n,
             max_tokens=max_tokens,
@@ -188,8 +192,10 @@ class Replica:
         latency_ms: float,
         finish_reason: str,
         stream: bool,
+        extra: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The `generation` event of one completion, checked against the ingest contract."""
+        """The `generation` event of one completion, checked against the ingest contract; `extra`:
+        a chat turn's fields (turn, tools, calls: app/replica/openai/generation.py)."""
         from app.contracts.events import encode_routes, parse_event
 
         event: dict[str, Any] = {
@@ -212,6 +218,7 @@ class Replica:
             event["routes"], event["route_shape"] = encode_routes(sample.routes)
         if group_id is not None:
             event["group_id"] = group_id
+        event.update(extra or {})
         parse_event(event)  # the replica's own output must satisfy the ingest contract
         return event  # (route_shape is a tuple here, a JSON array on the wire)
 

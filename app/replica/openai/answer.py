@@ -7,6 +7,9 @@
   k + 1 entries; chat `top_logprobs: k`). A log-prob of -inf (a token a constraint ruled out) is
   written -9999.0, as OpenAI and vLLM write it, since JSON has no infinity. Log-probs in streams
   are refused with 400 (plan.py).
+- **Tool calls** (chat with tools, `tool_choice` not `none`): `message.tool_calls` with the calls
+  the model made, `content` the text outside them (null when there is none), and
+  `finish_reason: "tool_calls"` when the completion ended after its calls (calls.py).
 - A client that disconnects before its turn in the generation queue gets nothing generated or
   logged (499); once generating, a non-streamed request runs to the end, like /v1/complete.
 """
@@ -56,10 +59,14 @@ async def answer(request: Request, replica: Replica, p: Plan) -> Response:
 
 def _choices(p: Plan, out: Outcome) -> list[dict[str, Any]]:
     choices = []
-    for i, (c, s, reason) in enumerate(zip(out.choices, out.samples, out.reasons)):
+    for i, (c, s, reason, cc) in enumerate(zip(out.choices, out.samples, out.reasons, out.calls)):
         choice: dict[str, Any] = {"index": i}
         if p.endpoint == "chat":
             choice["message"] = {"role": "assistant", "content": c.text, "refusal": None}
+            if cc is not None:
+                choice["message"]["content"] = cc.content or (None if cc.calls else "")
+                if cc.calls:
+                    choice["message"]["tool_calls"] = [call.message() for call in cc.calls]
             choice["logprobs"] = _chat_logprobs(c.tok, s) if p.logprobs else None
         else:
             choice["text"] = c.text

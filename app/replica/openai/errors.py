@@ -77,16 +77,21 @@ def unavailable(message: str, code: str, retry_after_s: int, outcome: str) -> Op
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_ROLE_TAGS = {"system", "developer", "user", "assistant", "tool"}  # the messages' discriminator
 
 
 def _param_path(loc: list[Any]) -> str:
     """["messages", 0, "content"] -> "messages.[0].content" (how OpenAI names nested parameters);
-    pydantic's union-member tags (`str`, `list[function-after[...]]`) are not parameters."""
-    parts = [
-        f"[{x}]" if isinstance(x, int) else str(x)
-        for x in loc
-        if isinstance(x, int) or ("[" not in str(x) and str(x) not in _UNION_TAGS)
-    ]
+    pydantic's union-member tags (`str`, `list[function-after[...]]`, a message's role after its
+    index) are not parameters."""
+    parts = []
+    for j, x in enumerate(loc):
+        if isinstance(x, int):
+            parts.append(f"[{x}]")
+        elif j > 0 and isinstance(loc[j - 1], int) and x in _ROLE_TAGS:
+            continue
+        elif "[" not in str(x) and str(x) not in _UNION_TAGS:
+            parts.append(str(x))
     return ".".join(parts)
 
 
@@ -96,6 +101,8 @@ def from_invalid(exc: RequestInvalid) -> OpenAIError:
     loc = list(err["loc"][1:])  # drop "body"
     if not loc:
         return bad_param(None, f"the request body is not a valid JSON object: {err['msg']}")
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        loc.append("role" if loc and loc[0] == "messages" else "type")  # the union's discriminator
     param = _param_path(loc)
     if err["type"] == "extra_forbidden":
         return bad_param(

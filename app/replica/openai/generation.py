@@ -24,12 +24,13 @@ from fastapi import Request
 from app.replica import metrics as m
 from app.replica.admission import QueueFull
 from app.replica.engines.base import EngineUnavailable
+from app.replica.openai.calls import ChoiceCalls, Piece
 from app.replica.openai.choice_text import ChoiceText
 from app.replica.openai.errors import OpenAIError, bad_param, unavailable
 from app.replica.openai.plan import Plan
 from app.replica.replica import Replica
 
-Push = Callable[[list[tuple[int, str]]], None]  # (choice index, text) deltas, in order
+Push = Callable[[list[tuple[int, Piece]]], None]  # (choice index, content text or call), in order
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Outcome:
     choices: list[ChoiceText]
     reasons: list[str]
     samples: list[Any]
+    calls: list[ChoiceCalls | None]  # per choice, when the request's tools are read as calls
 
 
 def admit(replica: Replica, p: Plan) -> Any:
@@ -80,19 +82,29 @@ def generation_error(exc: Exception) -> OpenAIError | None:
     return None
 
 
+def _pieces(calls: ChoiceCalls | None, text: str) -> list[Piece]:
+    """A choice's newly decided text as what it adds to the message."""
+    if calls is None:
+        return [text] if text else []
+    return calls.feed(text)
+
+
 def _on_step_for(
-    choices: list[ChoiceText], cancelled: threading.Event, push: Push | None
+    choices: list[ChoiceText],
+    calls: list[ChoiceCalls | None],
+    cancelled: threading.Event,
+    push: Push | None,
 ) -> Callable[[int, list[int | None]], bool]:
-    """The per-step callback (generation thread): stop strings, deltas to the stream, cancel."""
+    """The per-step callback (generation thread): stop strings, calls, deltas to the stream,
+    cancel."""
 
     def on_step(_step: int, tokens: list[int | None]) -> bool:
-        deltas = []
+        deltas: list[tuple[int, Piece]] = []
         for i, t in enumerate(tokens):
             c = choices[i]
             if t is None or c.ended is not None:
                 continue
-            if delta := c.add(t):
-                deltas.append((i, delta))
+            deltas.extend((i, piece) for piece in _pieces(calls[i], c.add(t)))
         if push is not None and deltas:
             push(deltas)
         return not cancelled.is_set() and any(c.ended is None for c in choices)
@@ -113,6 +125,8 @@ async def generate(
     KafkaUnavailable."""
     tok = p.lv.policy.tokenizer
     choices = [ChoiceText(tok, p.stops, p.max_tokens) for _ in range(p.n)]
+    reads = p.tools is not None and p.tools.reads_calls
+    calls = [ChoiceCalls(p.tools) if reads else None for _ in range(p.n)]
 
     async def still_wanted() -> bool:  # checked when the request's turn comes
         if request is not None and await request.is_disconnected():
@@ -129,24 +143,47 @@ async def generate(
         p.max_tokens,
         p.temperature,
         p.seed,
-        _on_step_for(choices, cancelled, push),
+        _on_step_for(choices, calls, cancelled, push),
         p.top_logprobs,
+        None if p.tools is None else p.tools.constraint,
         still_wanted=still_wanted,
     )
     m.GENERATION_SECONDS.labels(replica.id).observe(gen_s)
     reasons = []
-    for c in choices:
-        if c.ended is None:
-            tail = c.finish()
-            if tail and push is not None:
-                push([(choices.index(c), tail)])
-        reasons.append(c.ended or ("cancelled" if cancelled.is_set() else "length"))
+    for i, (c, cc) in enumerate(zip(choices, calls)):
+        tail = c.finish() if c.ended is None else ""
+        pieces = _pieces(cc, tail) if cc is None else cc.finish(tail)
+        if pieces and push is not None:
+            push([(i, piece) for piece in pieces])
+        reason = c.ended or ("cancelled" if cancelled.is_set() else "length")
+        reasons.append("tool_calls" if reason == "stop" and cc is not None and cc.calls else reason)
     trimmed = [_trimmed(s, len(c.tokens)) for s, c in zip(samples, choices)]
-    await _record(replica, p, trimmed, reasons)
-    return Outcome(choices, reasons, trimmed)
+    await _record(replica, p, trimmed, reasons, calls)
+    return Outcome(choices, reasons, trimmed, calls)
 
 
-async def _record(replica: Replica, p: Plan, samples: list[Any], reasons: list[str]) -> None:
+def _tool_fields(p: Plan, calls: ChoiceCalls | None) -> dict[str, Any]:
+    """What a chat generation event records of the turn and its tool calls."""
+    if p.tools is None:
+        return {}
+    t = p.tools
+    fields: dict[str, Any] = {"turn": t.turn}
+    if t.tools:
+        fields.update(
+            tool_choice=t.choice, tools_digest=t.digest, constrained=t.constraint is not None
+        )
+    if calls is not None:
+        fields.update(calls.event_fields())
+    return fields
+
+
+async def _record(
+    replica: Replica,
+    p: Plan,
+    samples: list[Any],
+    reasons: list[str],
+    calls: list[ChoiceCalls | None],
+) -> None:
     """One generation event per choice that generated something, acknowledged by Kafka."""
     latency_ms = (time.perf_counter() - p.t_start) * 1000.0
     group_id = None if p.n == 1 else p.top_id
@@ -162,8 +199,9 @@ async def _record(replica: Replica, p: Plan, samples: list[Any], reasons: list[s
             latency_ms=latency_ms,
             finish_reason=reason,
             stream=p.stream,
+            extra=_tool_fields(p, cc),
         )
-        for rid, s, reason in zip(p.ids, samples, reasons)
+        for rid, s, reason, cc in zip(p.ids, samples, reasons, calls)
         if s.tokens  # a cancelled stream that generated nothing has nothing to record
     ]
     if events:

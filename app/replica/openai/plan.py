@@ -19,6 +19,8 @@ its prompt encoded, before any model work.
   the most likely alternatives at each position when asked (completions `logprobs` up to 5, chat
   `top_logprobs` up to 20), all from the distribution the token was sampled from. Log-probs in
   streams are refused with 400 (the generation events carry them).
+- **Tools** (chat): `tools`, `tool_choice`, `parallel_tool_calls` and the history's calls and
+  tool results are checked in tools.py; the prompt is the model's chat template with the tools.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from app.replica.openai.requests import (
     check_session_id,
     parse_request,
 )
+from app.replica.openai.tools import ToolPlan, plan_tools, render_messages
 from app.replica.replica import Replica
 from app.replica.routing import pick_slot
 from app.replica.weights import LoadedVersion
@@ -70,6 +73,7 @@ class Plan:
     top_id: str = ""
     created: int = 0
     lease: Any = None  # the request's hold on lv (weights.Leases), released when it is done
+    tools: ToolPlan | None = None  # chat: what the request asks of tool calling
 
     def __post_init__(self) -> None:
         self.top_id = uuid.uuid4().hex
@@ -195,17 +199,27 @@ def _encode(
     text: str | None,
     messages: list[dict] | None,
     max_tokens: int,
+    tools: ToolPlan | None = None,
 ) -> list[int]:
-    """The prompt tokens: `text`, or the chat `messages` through the version's chat template."""
+    """The prompt tokens: `text`, or the chat `messages` (and tools) through the version's chat
+    template."""
     from policy.base import NoChatTemplate
 
     if messages is not None:
         try:
-            text = lv.policy.tokenizer.apply_chat_template(messages)
+            text = lv.policy.tokenizer.apply_chat_template(
+                messages, (tools.tools or None) if tools is not None else None
+            )
         except NoChatTemplate as exc:
             raise bad_param(
                 "messages", f"{exc}: this model serves POST /v1/completions only"
             ) from None
+        except Exception as exc:  # the model's own template refused them (jinja's raise_exception)
+            from jinja2 import TemplateError
+
+            if not isinstance(exc, TemplateError):
+                raise
+            raise bad_param("messages", f"the model's chat template refused them: {exc}") from None
     try:
         return replica.encode_prompt(lv, text, max_tokens)
     except ValueError as exc:
@@ -229,8 +243,8 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
     if max_tokens is None:
         max_tokens = min(cfg.default_max_tokens, cfg.max_tokens)
     if isinstance(req, ChatRequest):
-        messages = [msg.model_dump() for msg in req.messages]
-        prompt_chars = sum(len(msg["content"]) for msg in messages)
+        messages = render_messages(req)
+        prompt_chars = sum(len(msg["content"] or "") for msg in messages)
     else:
         messages, prompt_chars = None, len(req.prompt)
     refused = limit_error(
@@ -246,12 +260,15 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
     if (too_long := context_error(lv, max_tokens)) is not None:
         raise bad_param("max_tokens", too_long)
     text = req.prompt if isinstance(req, CompletionRequest) else None
+    tools = None
+    if isinstance(req, ChatRequest):
+        tools = await plan_tools(req, cfg, lv.policy.tokenizer)
     return Plan(
         endpoint=endpoint,
         session_id=session_id,
         lv=lv,
         slot=slot,
-        prompt=_encode(replica, lv, text, messages, max_tokens),
+        prompt=_encode(replica, lv, text, messages, max_tokens, tools),
         n=n,
         max_tokens=max_tokens,
         temperature=temperature,
@@ -263,4 +280,5 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         model=model,
         t_start=t_start,
+        tools=tools,
     )

@@ -3,11 +3,16 @@
 huge numbers and lone surrogates reach the validators; unknown parameters are refused).
 
 Parameters OpenAI defines that this replica cannot honour (`top_p` != 1, penalties, `logit_bias`,
-`best_of` > 1, `echo`, `suffix`, `tools`, `functions`, `response_format` other than text) are
+`best_of` > 1, `echo`, `suffix`, `functions`, `response_format` other than text) are
 accepted with their neutral values, which clients send by default, and refused with 400
 `unsupported_parameter` saying why otherwise: `top_p` must be 1 because the trainer scores every
 completion under the full softmax at its temperature, so the logged behaviour log-probs have to
 be exactly those.
+
+Chat messages are OpenAI's: `system`/`developer`, `user`, `assistant` (with `tool_calls`) and
+`tool` (with `tool_call_id`), content as a string or text parts; function `tools`, `tool_choice`
+and `parallel_tool_calls` are parsed here and checked against each other and the history in
+tools.py.
 """
 
 from __future__ import annotations
@@ -49,11 +54,11 @@ _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((1,), "best_of > 1 is not served; ask for n completions and rank them yourself"),
     "echo": ((False,), "echo is not served"),
     "suffix": (("",), "suffix (fill-in-the-middle) is not served by this model"),
-    "tools": (([],), "this model does not call tools"),
-    "tool_choice": (("none",), "this model does not call tools"),
-    "parallel_tool_calls": ((False,), "this model does not call tools"),
-    "functions": (([],), "this model does not call functions"),
-    "function_call": (("none",), "this model does not call functions"),
+    "functions": (([],), "the deprecated `functions` are not served: send `tools`"),
+    "function_call": (
+        ("none",),
+        "the deprecated `function_call` is not served: send `tool_choice`",
+    ),
     "response_format": (({"type": "text"},), "only text responses are served"),
 }
 
@@ -114,10 +119,89 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=5, strict=True)
 
 
-class Message(BaseModel):
+class TextPart(BaseModel):
+    """A text content part (the only kind this replica serves)."""
+
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    type: Literal["text"]
+    text: Text
+
+
+Content = Text | list[TextPart]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text | None = None
+
+
+class SystemMessage(_Msg):
+    role: Literal["system", "developer"]
+    content: Content
+
+
+class UserMessage(_Msg):
+    role: Literal["user"]
+    content: Content
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+    arguments: Text  # JSON text; tools.py checks it parses to an object
+
+
+class ToolCall(BaseModel):
+    """A call in an assistant message of the history, as the replica returned it."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_ID_LEN)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(_Msg):
+    role: Literal["assistant"]
+    content: Content | None = None
+    refusal: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ToolMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: Annotated[str, Field(strict=True, min_length=1, max_length=MAX_ID_LEN)]
+
+
+Message = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[str, Field(strict=True, pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema (checked in tools.py)
+    strict: bool | None = Field(None, strict=True)
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatRequest(_Common):
@@ -127,6 +211,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=20, strict=True)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
 
 
 def parse_request(

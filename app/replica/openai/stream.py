@@ -2,7 +2,9 @@
 read them.
 
 `data: {chunk}\\n\\n` per generated token (chunk object `text_completion`, or
-`chat.completion.chunk` whose first chunk per choice carries the role), then one chunk per choice
+`chat.completion.chunk` whose first chunk per choice carries the role; with tools, each call the
+moment its block closes as OpenAI's tool-call deltas: one with its index, id, type and name and
+empty arguments, then its arguments), then one chunk per choice
 with its `finish_reason`, a usage chunk when `stream_options.include_usage`, and
 `data: [DONE]\\n\\n`. Text that may be the start of a stop string, or of a character whose bytes
 have not all been generated, is held back until it is decided (choice_text.py). If Kafka does not
@@ -31,6 +33,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from app.replica import metrics as m
 from app.replica.admission import ClientGone
+from app.replica.openai.calls import Call
 from app.replica.openai.errors import OpenAIError, unavailable
 from app.replica.openai.generation import Outcome, admit, generate, generation_error, usage
 from app.replica.openai.plan import Plan
@@ -141,8 +144,12 @@ class _Stream:
         while True:
             kind, item = await self.q.get()
             if kind == "deltas":
-                for i, text in item:
-                    yield _chunk(p, [_piece(p, i, text, None)])
+                for i, piece in item:
+                    if isinstance(piece, str):
+                        yield _chunk(p, [_piece(p, i, piece, None)])
+                    else:
+                        for delta in _call_deltas(piece):
+                            yield _chunk(p, [_piece(p, i, None, None, calls=[delta])])
             elif kind == "error":
                 self.done = True
                 yield b"data: " + json.dumps(item.body()).encode() + b"\n\n"
@@ -179,7 +186,21 @@ def _chunk(
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def _piece(p: Plan, i: int, text: str | None, reason: str | None, first: bool = False) -> dict:
+def _call_deltas(call: Call) -> list[dict[str, Any]]:
+    """OpenAI's tool-call deltas of one call: index, id, type and name first, then the arguments."""
+    head = {"index": call.index, "id": call.id, "type": "function"}
+    head["function"] = {"name": call.name, "arguments": ""}
+    return [head, {"index": call.index, "function": {"arguments": call.arguments}}]
+
+
+def _piece(
+    p: Plan,
+    i: int,
+    text: str | None,
+    reason: str | None,
+    first: bool = False,
+    calls: list[dict[str, Any]] | None = None,
+) -> dict:
     c: dict[str, Any] = {"index": i}
     if p.endpoint == "chat":
         delta: dict[str, Any] = {}
@@ -187,6 +208,8 @@ def _piece(p: Plan, i: int, text: str | None, reason: str | None, first: bool = 
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if calls is not None:
+            delta["tool_calls"] = calls
         c["delta"] = delta
     else:
         c["text"] = text or ""

@@ -227,14 +227,14 @@ def test_refusals_are_openai_errors_naming_the_parameter(srv):
             model=name,
             messages=[{"role": "user", "content": "x"}],
             user="s",
-            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}],
         )
-    assert exc.value.param == "tools"
+    assert exc.value.param == "tools.[0].function.parameters"
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
-            model=name, messages=[{"role": "tool", "content": "x"}], user="s"
+            model=name, messages=[{"role": "tool", "content": "x", "tool_call_id": "c"}], user="s"
         )
-    assert exc.value.param == "messages.[0].role"
+    assert exc.value.param == "messages.[0].tool_call_id"
     with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(**{**base, "model": "gpt-4o"})
     assert exc.value.code == "model_not_found" and exc.value.param == "model"
@@ -260,13 +260,13 @@ def _gate_generation(srv) -> threading.Event:
     replica = srv.replica
     real = type(replica)._generate.__get__(replica)
 
-    def gated(lv, prompt, n, max_tokens, temperature, seed=None, on_step=None, top_logprobs=0):
+    def gated(lv, prompt, n, max_tokens, temperature, seed=None, on_step=None, *rest):
         def step(i, tokens):
             if i == 0:
                 assert gate.wait(60), "the test never released the generation"
             return on_step(i, tokens)
 
-        return real(lv, prompt, n, max_tokens, temperature, seed, step, top_logprobs)
+        return real(lv, prompt, n, max_tokens, temperature, seed, step, *rest)
 
     replica._generate = gated
     return gate

@@ -123,7 +123,17 @@ def test_the_byte_tokenizer_chat_template():
         (b'{"prompt": "x", "frobnicate": 1}', CompletionRequest, "frobnicate"),
         (b'{"prompt": ["x", "y"]}', CompletionRequest, "prompt"),
         (b'{"max_tokens": 3}', CompletionRequest, "prompt"),
-        (b'{"messages": [{"role": "tool", "content": "x"}]}', ChatRequest, "messages.[0].role"),
+        (
+            b'{"messages": [{"role": "tool", "content": "x"}]}',
+            ChatRequest,
+            "messages.[0].tool_call_id",
+        ),
+        (b'{"messages": [{"role": "robot", "content": "x"}]}', ChatRequest, "messages.[0].role"),
+        (
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+            ChatRequest,
+            "messages.[0].content",
+        ),
         (b'{"messages": [{"role": "user", "content": 5}]}', ChatRequest, "messages.[0].content"),
         (b'{"messages": []}', ChatRequest, "messages"),
         (
@@ -153,7 +163,7 @@ def test_invalid_bodies_become_openai_errors_naming_the_parameter(raw, model, pa
         ({"logit_bias": {"1": 5}}, "logit_bias"),
         ({"best_of": 2}, "best_of"),
         ({"echo": True}, "echo"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
     ],
 )
 def test_unsupported_parameters_are_refused_unless_neutral(obj, param):
@@ -163,4 +173,4 @@ def test_unsupported_parameters_are_refused_unless_neutral(obj, param):
         _strip_neutral({"prompt": "x", **obj})
     assert exc.value.param == param and exc.value.status == 400
     neutral = {"top_p": 1, "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": False}
-    assert _strip_neutral({"prompt": "x", **neutral, "tools": None}) == {"prompt": "x"}
+    assert _strip_neutral({"prompt": "x", **neutral, "functions": None}) == {"prompt": "x"}
