@@ -551,6 +551,7 @@ class Aggregator:
             "tokenizer": gen.get("tokenizer"),
             "temperature": gen.get("temperature"),
             "finish_reason": gen.get("finish_reason"),
+            "constrained": gen.get("constrained"),
         }
         bucket = math.floor(label.deadline / self.bucket_s) * self.bucket_s
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)

@@ -46,6 +46,7 @@ class Rollout(BaseModel):
         None  # the generation's tokenizer (checked against the model's when present)
     )
     temperature: float | None = None  # the generation's sampling temperature
+    constrained: bool | None = None  # sampled under a grammar mask (trainer/validate.py refuses it)
     relabel_run: str | None = None  # set by `flywheel streams relabel` (exempt from max_staleness)
 
     @field_validator("model_version", mode="before")

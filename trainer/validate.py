@@ -17,6 +17,7 @@ message that names the field and the model's limit.
 | `invalid_reward` | the reward is NaN, infinite or larger in magnitude than `max_abs_reward` |
 | `invalid_temperature` | the sampling temperature is NaN, infinite or negative |
 | `route_mismatch` | (route replay on) routes for a model without MoE layers, a route_shape whose layers/top_k differ from the model's, or an expert id outside [0, n_experts) |
+| `constrained` | the completion was sampled under a grammar constraint (a required or named `tool_choice`): its behaviour log-probs are of the masked distribution, which the trainer's unmasked scoring does not reproduce, so its importance ratios would be off by the mask's log-mass (docs/NUMERICS.md) |
 | `step_failed` | the optimizer step raised on this rollout (trainer/loop.py isolates it) |
 
 Routes absent while replay is on are accepted: the rollout trains with the current router's
@@ -43,6 +44,7 @@ REFUSAL_REASONS = (
     "invalid_reward",
     "invalid_temperature",
     "route_mismatch",
+    "constrained",
     "step_failed",
 )
 
@@ -90,10 +92,30 @@ class ModelSpec:
 
 def check_rollout(r: Rollout, spec: ModelSpec) -> Refusal | None:
     """The first reason `spec`'s model cannot train on `r`, or None."""
-    for check in (_tokenizer, _vocab, _length, _logprobs, _reward, _temperature, _routes):
+    for check in (
+        _constrained,
+        _tokenizer,
+        _vocab,
+        _length,
+        _logprobs,
+        _reward,
+        _temperature,
+        _routes,
+    ):
         refusal = check(r, spec)
         if refusal is not None:
             return refusal
+    return None
+
+
+def _constrained(r: Rollout, spec: ModelSpec) -> Refusal | None:
+    if r.constrained:
+        return Refusal(
+            "constrained",
+            "sampled under a grammar constraint: its behaviour log-probs are of the masked "
+            "distribution, which the trainer does not score",
+            "constrained",
+        )
     return None
 
 

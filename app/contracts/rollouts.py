@@ -98,10 +98,17 @@ class Rollout(BaseModel):
         description="the generation's sampling temperature: the trainer recomputes the "
         "log-probs at it (None in records written before the field: the trainer's setting)",
     )
-    finish_reason: Literal["stop", "length", "cancelled"] | None = Field(
+    finish_reason: Literal["stop", "length", "cancelled", "tool_calls"] | None = Field(
         None,
         description="the generation's finish_reason: 'cancelled' when the client left a stream "
-        "mid-way (the completion is what was generated; None when the replica did not say)",
+        "mid-way (the completion is what was generated; None when the replica did not say), "
+        "'tool_calls' when a chat completion ended after its tool calls",
+    )
+    constrained: bool | None = Field(
+        None,
+        description="sampled under a grammar constraint (a required or named tool_choice): the "
+        "behaviour log-probs are of the masked distribution, so the trainer refuses it "
+        "(`constrained`) and the gate's off-policy estimate leaves it out (docs/NUMERICS.md)",
     )
     relabel_run: str | None = Field(
         None,

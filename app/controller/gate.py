@@ -317,7 +317,9 @@ def _ope_check(
     cand_samples: list[list[int]] | None,
     model: ope.TextRewardModel | None,
 ) -> tuple[list[Check], dict]:
-    rolls = [r for r in inp.rollouts if r.get("completion_tokens")]
+    # a constrained rollout's behaviour log-probs are of a masked distribution the candidate's
+    # unmasked scoring cannot be weighed against (docs/NUMERICS.md)
+    rolls = [r for r in inp.rollouts if r.get("completion_tokens") and not r.get("constrained")]
     if not rolls:
         return [Check("ope_reward", "skipped", detail="no held-out logged rollouts")], {}
     if inp.candidate is None:

@@ -15,6 +15,9 @@ Every metric carries `replica_id`, so several replicas in one process (tests, be
 | `flywheel_replica_request_seconds` | replica_id | request latency (generation + Kafka ack) |
 | `flywheel_replica_generation_seconds` | replica_id | model time of one request |
 | `flywheel_replica_tokens_total` | replica_id, version, kind | prompt / completion tokens |
+| `flywheel_replica_tool_calls_total` | replica_id, outcome | calls read from chat completions: `valid`, `invalid_arguments` (returned, but their arguments fail the function's schema), `malformed` (not a call: returned as content) |
+| `flywheel_replica_constrained_total` | replica_id, choice | chat completions sampled under a tool-call grammar, by `tool_choice` (`required`, `function`) |
+| `flywheel_replica_grammar_compile_seconds` | replica_id, cache | time to get a compiled tool-call grammar: `hit` (cached) or `miss` (compiled) |
 | `flywheel_replica_serving_version` | replica_id, slot | version number served per slot (-1: none) |
 | `flywheel_replica_traffic_pct` | replica_id | candidate's share of sessions |
 | `flywheel_replica_sync_seconds` | replica_id, path | target seen -> swapped, by path (delta, anchor, cache, promote) |
@@ -153,4 +156,21 @@ ENGINE_RESTARTS = Counter(
     "flywheel_replica_engine_restarts_total",
     "vLLM servers that exited and were restarted by their replica.",
     ["replica_id"],
+)
+
+TOOL_CALLS = Counter(
+    "flywheel_replica_tool_calls_total",
+    "Tool calls read from chat completions by outcome (valid, invalid_arguments, malformed).",
+    ["replica_id", "outcome"],
+)
+CONSTRAINED = Counter(
+    "flywheel_replica_constrained_total",
+    "Chat completions sampled under a tool-call grammar, by tool_choice.",
+    ["replica_id", "choice"],
+)
+GRAMMAR_COMPILE_SECONDS = Histogram(
+    "flywheel_replica_grammar_compile_seconds",
+    "Time to get a compiled tool-call grammar, by cache hit or miss.",
+    ["replica_id", "cache"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
 )

@@ -210,6 +210,20 @@ async def _record(
         m.TOKENS.labels(replica.id, p.lv.version, "completion").inc(
             sum(len(e["completion_tokens"]) for e in events)
         )
+    _count_calls(replica.id, p, calls)
+
+
+def _count_calls(replica_id: str, p: Plan, calls: list[ChoiceCalls | None]) -> None:
+    if p.tools is not None and p.tools.constraint is not None:
+        m.CONSTRAINED.labels(replica_id, p.tools.choice).inc(p.n)
+    for cc in calls:
+        if cc is None:
+            continue
+        for call in cc.calls:
+            outcome = "valid" if call.arguments_error is None else "invalid_arguments"
+            m.TOOL_CALLS.labels(replica_id, outcome).inc()
+        if cc.invalid:
+            m.TOOL_CALLS.labels(replica_id, "malformed").inc(len(cc.invalid))
 
 
 def _trimmed(sample: Any, n_tokens: int) -> Any:

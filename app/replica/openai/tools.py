@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,20 +196,28 @@ async def plan_tools(req: ChatRequest, cfg: ReplicaConfig, tokenizer: Any) -> To
 
 
 def _compile(plan: ToolPlan, cfg: ReplicaConfig, tokenizer: Any) -> Any:
-    from policy.constrain import GrammarError, GrammarLimits, compile_grammar
+    """The call grammar compiled for the model's tokenizer (cached by policy/constrain.py); a
+    GrammarError (`tools[i].function.parameters: why`) is a 400 naming that parameter."""
+    import time
 
-    chosen = (
-        plan.tools
-        if plan.function is None
-        else [t for t in plan.tools if t["function"]["name"] == plan.function]
-    )
+    from app.replica import metrics as m
+    from policy.constrain import GrammarError, GrammarLimits, cache_stats, compile_grammar
+
+    t0, misses = time.perf_counter(), cache_stats()["misses"]
     try:
-        grammar = plan.fmt.grammar(chosen, plan.function, plan.parallel)
-        return compile_grammar(tokenizer, grammar, GrammarLimits())
+        grammar = plan.fmt.grammar(plan.tools, plan.function, plan.parallel)
+        compiled = compile_grammar(tokenizer, grammar, GrammarLimits())
     except GrammarError as exc:
+        where, sep, why = str(exc).partition(": ")
+        param = (
+            re.sub(r"\[(\d+)\]", r".[\1]", where) if sep and where.startswith("tools") else "tools"
+        )
         raise bad_param(
-            "tools", f"the tools cannot be enforced by constrained decoding: {exc}"
+            param, f"constrained decoding cannot enforce the tools: {why if sep else exc}"
         ) from None
+    cache = "miss" if cache_stats()["misses"] > misses else "hit"
+    m.GRAMMAR_COMPILE_SECONDS.labels(cfg.id, cache).observe(time.perf_counter() - t0)
+    return compiled
 
 
 def argument_error(plan: ToolPlan, name: str, arguments: str) -> str | None:

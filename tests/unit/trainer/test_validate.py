@@ -119,6 +119,7 @@ ROUTES_NEG_EXPERT = encode_routes(np.array([[[0]], [[-1]], [[1]]], dtype=np.int3
     "overrides, reason, words",
     [
         ({"tokenizer": "gpt2"}, "tokenizer_mismatch", "'gpt2' is not the model's 'byte-v1'"),
+        ({"constrained": True}, "constrained", "sampled under a grammar constraint"),
         ({"completion_tokens": [40, 259, 41]}, "token_out_of_vocab", "completion_tokens[1] = 259"),
         ({"prompt_tokens": [100, 2**40]}, "token_out_of_vocab", "prompt_tokens[1]"),
         (LONG, "sequence_too_long", "= 65 exceed the model's context 64"),
