@@ -1,6 +1,7 @@
 """The policy package, shared by the trainer and the replicas: the policy interface (base.Policy),
 the built-in byte-level MoE policy, Hugging Face causal LMs (dense, MoE, LoRA), their tokenizers,
-checkpoints and model files. `build_policy` picks one by name.
+checkpoints and model files, and the grammar mask of constrained decoding (tool calls:
+`constrain.py`). `build_policy` picks one by name.
 
 from policy import build_policy, save_policy, load_policy
 policy = build_policy({"type": "moe-byte", "d_model": 64})   # None -> the default built-in

@@ -153,11 +153,18 @@ class Policy(ABC, torch.nn.Module):
         seed: int | None = None,
         on_step: OnStep | None = None,
         top_logprobs: int = 0,
+        constraint: Any = None,
     ) -> list[Sample]:
         """Sample one completion per prompt with a KV cache, logging behaviour log-probs and routes;
         `on_step` as in the module docstring; `top_logprobs` (0..MAX_TOP_LOGPROBS) alternatives
         per token in each Sample's `top_logprobs`. A policy with its own forward implements it
-        with policy/sampling.py's loop (`prefill` and a decoding step are all it supplies)."""
+        with policy/sampling.py's loop (`prefill` and a decoding step are all it supplies).
+
+        `constraint`: a grammar's per-row state for constrained decoding (policy/constrain.py
+        `Constraint`, started with one row per prompt): every step samples from the model's
+        distribution masked to the tokens the grammar allows. That masked distribution is the one
+        sampled from, so the behaviour log-probs and `top_logprobs` are of it, not of the model's
+        unmasked softmax (docs/NUMERICS.md §Constrained decoding)."""
 
     @abstractmethod
     def logprobs(

@@ -251,9 +251,17 @@ class MoEPolicy(Policy):
         seed: int | None = None,
         on_step: OnStep | None = None,
         top_logprobs: int = 0,
+        constraint: Any = None,
     ) -> list[Sample]:
         return sampling.generate(
-            self, prompts, max_tokens, temperature, seed, on_step, top_logprobs=top_logprobs
+            self,
+            prompts,
+            max_tokens,
+            temperature,
+            seed,
+            on_step,
+            top_logprobs=top_logprobs,
+            constraint=constraint,
         )
 
     def prefill(self, prompts: list[list[int]]) -> Prefill:

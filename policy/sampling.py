@@ -8,17 +8,21 @@ samples the same way:
 - argument checks (max_tokens >= 1, `check_temperature`, the model's `check_lengths`);
 - a `torch.Generator` seeded with `seed` (or, for None, one draw from torch's global generator,
   taken before the prefill);
-- per step: optional `mask_logits`, log_softmax(logits / T) with the model's kernels (T = 1 for
+- per step: optional `mask_logits` (or `constraint.mask_logits`), log_softmax(logits / T) with the model's kernels (T = 1 for
   greedy), `check_sampling_distribution`, one multinomial draw per row from exp(log-probs) (argmax
   for T == 0), the sampled token's log-prob under that distribution;
 - per row, until it samples eos: the token, its behaviour log-prob and its routes (and, with
-  `top_logprobs=k`, the k most likely tokens of that step's distribution); `on_step`;
+  `top_logprobs=k`, the k most likely tokens of that step's distribution); `constraint.accept`;
+  `on_step`;
 - the `Sample`s, with `meta` {temperature, kernels, finish_reason: eos | stopped | length}.
 
-`mask_logits(step, logits) -> logits` is where a per-row constraint on the next token plugs in (a
-grammar mask for constrained decoding): it sees the model's logits [B, V] and returns them with
-the disallowed tokens at -inf. The log-probs, the draw and the logged behaviour log-probs all come
-from the masked distribution, the one actually sampled from.
+`mask_logits(step, logits) -> logits` is where a per-row constraint on the next token plugs in: it
+sees the model's logits [B, V] and returns them with the disallowed tokens at -inf. The log-probs,
+the draw and the logged behaviour log-probs all come from the masked distribution, the one
+actually sampled from. A `constraint` (a grammar's per-row state, policy/constrain.py
+`Constraint`) is that hook with memory: its `mask_logits` masks each step, and its
+`accept(step, tokens)` sees the tokens each row appended (None for an ended row) right after the
+step, before `on_step`, so the next mask follows them. One or the other, not both.
 """
 
 from __future__ import annotations
@@ -52,6 +56,15 @@ to every row's cache and return what predicts the token of step + 1."""
 MaskLogits = Callable[[int, torch.Tensor], torch.Tensor]
 """`mask_logits(step, logits) -> logits`: the [B, V] logits of `step` with the tokens a row may not
 sample set to -inf (every other entry finite, at least one per row)."""
+
+
+class StepConstraint(Protocol):
+    """A constraint with per-row state (policy/constrain.py `Constraint`): `mask_logits` as above,
+    then `accept(step, tokens)` with the token each row appended at `step` (None: it had ended)."""
+
+    def mask_logits(self, step: int, logits: torch.Tensor) -> torch.Tensor: ...
+
+    def accept(self, step: int, tokens: list[int | None]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -96,12 +109,17 @@ def generate(
     on_step: OnStep | None = None,
     mask_logits: MaskLogits | None = None,
     top_logprobs: int = 0,
+    constraint: StepConstraint | None = None,
 ) -> list[Sample]:
     """Sample one completion per prompt (`Policy.generate`, see the module docstring); with
-    `mask_logits`, every step samples from the masked logits; with `top_logprobs` = k > 0, each
-    Sample lists per token the k most likely (id, log-prob) of the distribution it was drawn
-    from (masked tokens, at -inf, come last)."""
+    `mask_logits` or a `constraint`, every step samples from the masked logits; with
+    `top_logprobs` = k > 0, each Sample lists per token the k most likely (id, log-prob) of the
+    distribution it was drawn from (masked tokens, at -inf, come last)."""
     assert max_tokens >= 1, f"max_tokens must be >= 1, got {max_tokens}"
+    if constraint is not None:
+        if mask_logits is not None:
+            raise ValueError("generate takes mask_logits or a constraint, not both")
+        mask_logits = constraint.mask_logits
     assert 0 <= top_logprobs <= MAX_TOP_LOGPROBS, f"top_logprobs {top_logprobs} not in 0..20"
     check_temperature(temperature)
     for p in prompts:
@@ -134,6 +152,8 @@ def generate(
                 if top is not None:
                     out_top[i].append(top[i])
         done |= nxt == model.tokenizer.eos_id
+        if constraint is not None:
+            constraint.accept(step, appended)
         if on_step is not None and not on_step(step, appended):
             stopped = True
             break
