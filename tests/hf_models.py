@@ -108,6 +108,7 @@ def tiny_llama_dir(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     head_dim: int = 16,
+    max_positions: int = 256,
 ) -> Path:
     """A dense Llama (2 layers, 4 heads of `head_dim`: hidden 64 by default, 256 with the head_dim
     64 vLLM's CPU attention needs) with random weights, saved with its tokenizer
@@ -120,7 +121,7 @@ def tiny_llama_dir(
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=4,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tie_word_embeddings,
         **_special_ids(tokenizer_dir),
     )

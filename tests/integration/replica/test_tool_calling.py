@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.integration.replica.conftest import metric, read_topic
+from tests.integration.replica.conftest import TINY, metric, read_topic
 from tests.openai_schemas import check
 
 pytestmark = pytest.mark.integration
@@ -31,7 +31,7 @@ TOOLS: list[dict[str, Any]] = [
             "description": "Read a file of the repository.",
             "parameters": {
                 "type": "object",
-                "properties": {"path": {"type": "string", "maxLength": 40}},
+                "properties": {"path": {"type": "string", "maxLength": 12}},
                 "required": ["path"],
                 "additionalProperties": False,
             },
@@ -45,9 +45,9 @@ TOOLS: list[dict[str, Any]] = [
             "parameters": {
                 "type": "object",
                 "properties": {
-                    "path": {"type": "string", "maxLength": 40},
-                    "old": {"type": "string", "maxLength": 40},
-                    "new": {"type": "string", "maxLength": 40},
+                    "path": {"type": "string", "maxLength": 12},
+                    "old": {"type": "string", "maxLength": 12},
+                    "new": {"type": "string", "maxLength": 12},
                     "count": {"type": "integer", "minimum": 1, "maximum": 9},
                 },
                 "required": ["path", "old", "new"],
@@ -68,8 +68,29 @@ def _client(srv) -> httpx.Client:
 
 
 @pytest.fixture()
-def srv(seeded_replica):
-    return seeded_replica(id="replica-tools", api_key=KEY, max_tools=8, max_tools_bytes=4096)
+def srv(replica_factory, make_settings, tmp_path):
+    """A replica (no sync agent) serving a tiny untrained built-in policy, version 1, whose
+    context (1024 bytes) holds the tools, a call and a tool result."""
+    from app.replica.weights import WeightCache, load_verified
+    from kernels.delta.hashing import checkpoint_sha256
+    from policy import build_policy
+
+    cfg = {**TINY, "max_context": 1024, "init_seed": 1}
+    state = build_policy(cfg).serving_state_dict()
+    cache = WeightCache(tmp_path / "tools-cache")
+    cache.put(load_verified("1", state, cfg, checkpoint_sha256(state)))
+    cache.set_serving(cache.restore())
+    return replica_factory(
+        make_settings(),
+        start_sync=False,
+        cache_dir=tmp_path / "tools-cache",
+        id="replica-tools",
+        api_key=KEY,
+        max_tools=8,
+        max_tools_bytes=4096,
+        max_tokens=600,
+        max_n=2,
+    )
 
 
 @pytest.fixture()
@@ -79,7 +100,7 @@ def http(srv):
 
 
 def chat(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    body = {"model": http.model, "messages": USER, "user": "tools-1", "max_tokens": 200, **body}
+    body = {"model": http.model, "messages": USER, "user": "tools-1", "max_tokens": 600, **body}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     check("CreateChatCompletionResponse", r.json())
@@ -119,7 +140,7 @@ def test_a_named_tool_choice_calls_exactly_that_function(http):
 
 
 def _stream(http: httpx.Client, **body: Any) -> list[dict[str, Any]]:
-    body = {"model": http.model, "messages": USER, "user": "tools-1", "max_tokens": 200, **body}
+    body = {"model": http.model, "messages": USER, "user": "tools-1", "max_tokens": 600, **body}
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
         resp.read()
     assert resp.status_code == 200, resp.text
@@ -159,7 +180,14 @@ def test_a_streamed_call_arrives_as_openai_deltas_and_equals_the_answer(http):
 def test_the_generation_events_record_the_turns_calls_and_constraint(srv, http):
     """Turn 0 calls a tool; turn 1 sends its result back: both events name the session, their
     turn, the tools' digest, the tool choice and the calls; the result is in turn 1's prompt."""
-    first = chat(http, tools=TOOLS, tool_choice="required", seed=3, user="tools-session")
+    first = chat(
+        http,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        seed=3,
+        user="tools-session",
+    )
     call = first["choices"][0]["message"]["tool_calls"][0]
     history = [
         *USER,
@@ -168,7 +196,7 @@ def test_the_generation_events_record_the_turns_calls_and_constraint(srv, http):
     ]
     second = chat(http, tools=TOOLS, messages=history, seed=3, user="tools-session")
     ids = {first["id"], second["id"]}
-    events = read_topic(srv.settings, "interactions", lambda e: e.get("request_id") in ids, want=2)
+    events = read_topic(srv.settings, "interactions", 2, where=lambda e: e.get("request_id") in ids)
     by_id = {e["request_id"]: e for e in events}
     e0, e1 = by_id[first["id"]], by_id[second["id"]]
     assert (e0["turn"], e1["turn"]) == (0, 1)
@@ -196,7 +224,9 @@ def test_auto_on_an_untrained_model_answers_with_text_and_records_no_constraint(
     assert choice["finish_reason"] in ("stop", "length")
     assert isinstance(choice["message"]["content"], str)
     assert "tool_calls" not in choice["message"]
-    [event] = read_topic(srv.settings, "interactions", lambda e: e.get("request_id") == body["id"])
+    [event] = read_topic(
+        srv.settings, "interactions", 1, where=lambda e: e.get("request_id") == body["id"]
+    )
     assert (event["tool_choice"], event["constrained"], event["tool_calls"]) == ("auto", False, [])
 
 
@@ -344,7 +374,7 @@ def test_a_hugging_face_model_calls_tools_in_its_own_template_format(hf_replica)
         ]
         second = chat(http, tools=TOOLS, messages=history, seed=3, user="hf-tools")
     [event] = read_topic(
-        srv.settings, "interactions", lambda e: e.get("request_id") == second["id"]
+        srv.settings, "interactions", 1, where=lambda e: e.get("request_id") == second["id"]
     )
     tok = srv.replica.store.snapshot().champion.policy.tokenizer
     prompt = tok.decode(event["prompt_tokens"])
@@ -364,7 +394,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Any]:
     for name, template in (("qwen2.5", QWEN25_TEMPLATE), ("plain", None)):
         kw = {} if template is None else {"chat_template": template}
         tok = train_bpe_tokenizer(root / f"tok-{name}", **kw)
-        out[name] = tiny_llama_dir(root / f"llama-{name}", tok)
+        out[name] = tiny_llama_dir(root / f"llama-{name}", tok, max_positions=2048)
     return out
 
 
@@ -377,7 +407,7 @@ def hf_replica(replica_factory, make_settings, tmp_path, hf_dirs):
     from policy import build_policy
 
     def _start(which: str):
-        cfg = {"type": "hf", "model_dir": str(hf_dirs[which]), "max_context": 256}
+        cfg = {"type": "hf", "model_dir": str(hf_dirs[which]), "max_context": 2048}
         state = build_policy(cfg).serving_state_dict()
         cache = WeightCache(tmp_path / f"hf-{which}")
         cache.put(load_verified("1", state, cfg, checkpoint_sha256(state)))
@@ -388,6 +418,8 @@ def hf_replica(replica_factory, make_settings, tmp_path, hf_dirs):
             cache_dir=tmp_path / f"hf-{which}",
             id=f"replica-hf-{which}",
             api_key=KEY,
+            max_tokens=600,
+            max_n=2,
         )
 
     return _start
