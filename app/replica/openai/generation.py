@@ -58,9 +58,12 @@ def generation_error(exc: Exception) -> OpenAIError | None:
     None for any other failure."""
     from app.infra.event_producer import KafkaUnavailable, RecordRejected
     from policy.base import SamplingError
+    from policy.constrain import ConstraintError
 
     if isinstance(exc, SamplingError):
         return bad_param("temperature", str(exc))
+    if isinstance(exc, ConstraintError):  # the tools' grammar hit a parser limit mid-generation
+        return bad_param("tools", f"constrained decoding could not go on: {exc}")
     if isinstance(exc, RecordRejected):
         return bad_param(
             "max_tokens",
