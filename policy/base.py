@@ -164,7 +164,7 @@ class Policy(ABC, torch.nn.Module):
         `Constraint`, started with one row per prompt): every step samples from the model's
         distribution masked to the tokens the grammar allows. That masked distribution is the one
         sampled from, so the behaviour log-probs and `top_logprobs` are of it, not of the model's
-        unmasked softmax (docs/NUMERICS.md §Constrained decoding)."""
+        unmasked softmax (docs/NUMERICS.md, "Constrained decoding")."""
 
     @abstractmethod
     def logprobs(

@@ -18,7 +18,7 @@ text); `CompiledGrammar.start(n)` copies its pristine matcher per row into a `Co
 -inf, `accept` advances each row's matcher by the token it sampled.
 
 Why the mask is the sampling distribution: the log-probs logged as behaviour are those of the
-masked softmax, the one sampled from (docs/NUMERICS.md §Constrained decoding has what that means
+masked softmax, the one sampled from (docs/NUMERICS.md, "Constrained decoding", has what that means
 for a trainer scoring the unmasked model).
 
     grammar = tool_call_grammar(tools, choice=None, parallel=False)   # GrammarError on a bad schema
@@ -281,6 +281,9 @@ class CompiledGrammar:
 
 
 _EXECUTOR: list[Any] = []  # llguidance.LLExecutor, built on first use
+# vocabularies from this size get their rows' masks on llguidance's thread pool; below it a plain
+# loop is faster (byte-v1, 8 rows: 0.03 ms a step in a loop, 0.11 ms through the pool)
+PARALLEL_VOCAB = 32768
 
 
 class Constraint:
@@ -294,7 +297,8 @@ class Constraint:
         self._matchers = matchers
         self._ended = [False] * len(matchers)  # sampled eos (or given None): only eos from now
         width = (compiled.ll_tokenizer.vocab_size + 31) // 32
-        self._bits = np.zeros((len(matchers), width), dtype=np.int32)
+        self._bits = np.zeros((len(matchers), width), dtype=np.uint32)
+        self._base = self._bits.ctypes.data  # llguidance writes the masks here
         self._step = 0  # the step mask_logits expects next
 
     def mask_logits(self, step: int, logits: torch.Tensor) -> torch.Tensor:
@@ -303,26 +307,28 @@ class Constraint:
         b, v = logits.shape
         assert b == len(self._matchers), f"{b} rows of logits, {len(self._matchers)} matchers"
         assert step == self._step, f"mask_logits(step={step}) where step {self._step} is next"
+        bits = self._bits  # one bit per llguidance token id, little-endian words
+        bits[:] = 0
         live = [(m, i) for i, m in enumerate(self._matchers) if not self._ended[i]]
-        if live:
+        if len(live) > 1 and self._n_tokens >= PARALLEL_VOCAB:
             if not _EXECUTOR:
                 _EXECUTOR.append(llguidance.LLExecutor())
-            self._bits[:] = 0
-            _EXECUTOR[0].unsafe_compute_mask_ptr(
-                live, self._bits.ctypes.data, self._bits.shape[1] * 4, len(self._matchers)
-            )
-        allowed = np.unpackbits(self._bits.view(np.uint8), axis=1, bitorder="little")
-        keep = torch.zeros((b, v), dtype=torch.bool)
-        n = min(v, self._n_tokens, allowed.shape[1])
-        keep[:, :n] = torch.from_numpy(allowed[:, :n].astype(bool))
-        for i, m in enumerate(self._matchers):
-            if self._ended[i]:
-                keep[i] = False
-                keep[i, self._eos] = True
-            elif m.is_error():
+            _EXECUTOR[0].unsafe_compute_mask_ptr(live, self._base, bits.shape[1] * 4, b)
+        else:
+            for m, i in live:
+                m.unsafe_compute_mask_ptr(self._base + i * bits.strides[0], bits.shape[1] * 4)
+        for m, i in live:
+            if m.is_error():
                 raise ConstraintError(f"row {i} at step {step}: {m.get_error()}")
-            elif not bool(keep[i].any()):
-                raise ConstraintError(f"row {i} at step {step}: the grammar allows no token")
+        for i in (i for i, ended in enumerate(self._ended) if ended):
+            bits[i, self._eos >> 5] = 1 << (self._eos & 31)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
+        n = min(v, self._n_tokens)
+        keep = torch.zeros((b, v), dtype=torch.bool)
+        keep[:, :n] = torch.from_numpy(allowed[:, :n].view(np.bool_))
+        empty = (~keep.any(dim=1)).nonzero().flatten().tolist()
+        if empty:
+            raise ConstraintError(f"row {empty[0]} at step {step}: the grammar allows no token")
         return logits.masked_fill(~keep, -torch.inf)
 
     def accept(self, step: int, tokens: list[int | None]) -> None:

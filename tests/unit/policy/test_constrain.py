@@ -275,3 +275,20 @@ def test_a_grammar_over_the_size_limit_is_refused_before_compiling(builtin_polic
     small = tool_call_grammar(TOOLS, None, False)
     with pytest.raises(GrammarError, match="over the limit of 100"):
         compile_grammar(builtin_policy.tokenizer, small, GrammarLimits(max_grammar_bytes=100))
+
+
+def test_masks_from_llguidances_thread_pool_equal_the_row_loops(builtin_policy, monkeypatch):
+    """Large vocabularies compute their rows' masks on llguidance's pool (PARALLEL_VOCAB): forced
+    on for byte-v1 here, the generation is the same bit for bit."""
+    import policy.constrain as constrain
+
+    compiled = compile_grammar(builtin_policy.tokenizer, tool_call_grammar(TOOLS, None, True))
+    prompts = prompts_for(builtin_policy, 3)
+
+    def run():
+        out = builtin_policy.generate(prompts, 200, 1.0, seed=3, constraint=compiled.start(3))
+        return [(s.tokens, s.logprobs) for s in out]
+
+    looped = run()
+    monkeypatch.setattr(constrain, "PARALLEL_VOCAB", 0)
+    assert run() == looped
