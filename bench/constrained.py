@@ -108,7 +108,7 @@ class Timed:
 
 
 def run_once(policy: Any, prompts: list[list[int]], tokens: int, seed: int, compiled: Any) -> dict:
-    """One generate call, plain (`compiled` None) or constrained: wall s, steps, live tokens, mask s."""
+    """One generate call, plain (`compiled` None) or constrained: wall s, steps, tokens, mask s."""
     steps = [0]
 
     def count(step: int, _tokens: list[int | None]) -> bool:

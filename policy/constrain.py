@@ -55,8 +55,9 @@ class GrammarError(ValueError):
 
 
 class ConstraintError(RuntimeError):
-    """A row's matcher failed mid-generation (a parser limit hit while computing a mask, or a token
-    the mask did not allow): the generation cannot go on constrained, and is never unmasked."""
+    """A row's matcher failed mid-generation (a parser limit hit computing a mask or taking a
+    token, or a token the mask did not allow): the generation cannot go on constrained, and is
+    never unmasked."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ def tool_call_grammar(
         call + _lark_str(close_tag),
     ]
     for i in picked:
-        head = json.dumps({"name": names[i]}, separators=(",", ":"))[:-1] + ',"arguments":'
+        head = json.dumps({"name": names[i]}, separators=(",", ":"), ensure_ascii=False)[:-1]
+        head += ',"arguments":'
         lines.append(f'tool_{i}: {_lark_str(head)} args_{i} "}}"')
         lines.append(f"args_{i}: %json {json.dumps(_arguments_schema(i, tools[i]))}")
     return "\n".join(lines) + "\n"
@@ -236,6 +238,7 @@ def cache_stats() -> dict[str, int]:
 
 
 def clear_cache() -> None:
+    """Drop every compiled grammar and zero the counters (a benchmark's cold compile)."""
     with _LOCK:
         _CACHE.clear()
         _STATS.update(hits=0, misses=0)
@@ -255,6 +258,12 @@ def _explain(grammar: str, error: str) -> str:
         if rule:
             return f"tools[{rule.group(1)}].function.parameters: {reason}"
     return f"tools: the tool-call grammar does not compile: {reason}"
+
+
+def _matcher_error(matcher: Any) -> str:
+    """A failed matcher's error on one line (without llguidance's non-verbose marker)."""
+    text = matcher.get_error().replace("<non-verbose/>", "")
+    return " ".join(x.strip() for x in text.split("\n") if x.strip())
 
 
 def _n_tokens(tokenizer: Any) -> int:
@@ -319,7 +328,7 @@ class Constraint:
                 m.unsafe_compute_mask_ptr(self._base + i * bits.strides[0], bits.shape[1] * 4)
         for m, i in live:
             if m.is_error():
-                raise ConstraintError(f"row {i} at step {step}: {m.get_error()}")
+                raise ConstraintError(f"row {i} at step {step}: {_matcher_error(m)}")
         for i in (i for i, ended in enumerate(self._ended) if ended):
             bits[i, self._eos >> 5] = 1 << (self._eos & 31)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")
@@ -332,7 +341,7 @@ class Constraint:
         return logits.masked_fill(~keep, -torch.inf)
 
     def accept(self, step: int, tokens: list[int | None]) -> None:
-        """Advance each row's matcher by the token it sampled at `step` (None: the row had ended)."""
+        """Advance each row's matcher by the token it sampled at `step` (None: it had ended)."""
         assert step == self._step, f"accept(step={step}) after mask_logits of step {self._step}"
         assert len(tokens) == len(self._matchers), (
             f"{len(tokens)} tokens, {len(self._matchers)} rows"
@@ -343,7 +352,7 @@ class Constraint:
                 continue
             if not m.consume_token(int(t)):
                 raise ConstraintError(
-                    f"row {i} at step {step}: token {t} refused by the grammar: {m.get_error()}"
+                    f"row {i} at step {step}: the matcher failed on token {t}: {_matcher_error(m)}"
                 )
             self._ended[i] = int(t) == self._eos
         self._step += 1

@@ -8,9 +8,10 @@ samples the same way:
 - argument checks (max_tokens >= 1, `check_temperature`, the model's `check_lengths`);
 - a `torch.Generator` seeded with `seed` (or, for None, one draw from torch's global generator,
   taken before the prefill);
-- per step: optional `mask_logits` (or `constraint.mask_logits`), log_softmax(logits / T) with the model's kernels (T = 1 for
-  greedy), `check_sampling_distribution`, one multinomial draw per row from exp(log-probs) (argmax
-  for T == 0), the sampled token's log-prob under that distribution;
+- per step: optional `mask_logits` (or `constraint.mask_logits`), log_softmax(logits / T) with
+  the model's kernels (T = 1 for greedy), `check_sampling_distribution`, one multinomial draw per
+  row from exp(log-probs) (argmax for T == 0), the sampled token's log-prob under that
+  distribution;
 - per row, until it samples eos: the token, its behaviour log-prob and its routes (and, with
   `top_logprobs=k`, the k most likely tokens of that step's distribution); `constraint.accept`;
   `on_step`;

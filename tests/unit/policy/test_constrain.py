@@ -203,7 +203,7 @@ def test_ids_past_the_tokenizer_and_ended_rows_are_masked(builtin_policy):
     out = constraint.mask_logits(1, logits)
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [ord("t")]
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [tok.eos_id]
-    with pytest.raises(ConstraintError, match="row 0 at step 1: token 120 refused"):
+    with pytest.raises(ConstraintError, match="row 0 at step 1: the matcher failed on token 120"):
         constraint.accept(1, [ord("x"), None])
 
 
@@ -292,3 +292,29 @@ def test_masks_from_llguidances_thread_pool_equal_the_row_loops(builtin_policy, 
     looped = run()
     monkeypatch.setattr(constrain, "PARALLEL_VOCAB", 0)
     assert run() == looped
+
+
+def test_a_call_with_no_free_choice_is_forced_byte_for_byte_with_the_name_unescaped(
+    builtin_policy,
+):
+    """No arguments allowed and one function: every token is forced, the name in raw UTF-8 (as a
+    chat template's tojson writes it), each forced token's behaviour log-prob 0."""
+    empty = {"type": "object", "properties": {}, "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "météo", "parameters": empty}}]
+    compiled = compile_grammar(builtin_policy.tokenizer, tool_call_grammar(tools, "météo", False))
+    (s,) = builtin_policy.generate(
+        prompts_for(builtin_policy, 1), 80, 1.0, seed=0, constraint=compiled.start(1)
+    )
+    assert s.text == '<tool_call>\n{"name":"météo","arguments":{}}\n</tool_call>', repr(s.text)
+    assert s.tokens[-1] == builtin_policy.tokenizer.eos_id and s.logprobs == [0.0] * len(s.tokens)
+
+
+def test_a_parser_limit_hit_mid_generation_raises_instead_of_unmasking(builtin_policy):
+    """llguidance's per-step item budget (GrammarLimits.step_max_items) set below what the
+    arguments need: the matcher fails, and so does the generation, naming the row and step."""
+    g = tool_call_grammar(TOOLS, "add", False)
+    compiled = compile_grammar(builtin_policy.tokenizer, g, GrammarLimits(step_max_items=5))
+    with pytest.raises(ConstraintError, match=r"^row 0 at step \d+: .*Too many items \(limit 5"):
+        builtin_policy.generate(
+            prompts_for(builtin_policy, 1), 80, seed=0, constraint=compiled.start(1)
+        )
