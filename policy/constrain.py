@@ -4,14 +4,16 @@ What: when a chat request says `tool_choice: "required"` or names a function, th
 be a tool call whose arguments validate against the function's JSON schema, even from a model
 never trained to call tools. The format is Hermes / Qwen2.5's:
 
-    <tool_call>\\n{"name":"NAME","arguments":{...}}\\n</tool_call>      (then the model's eos)
+    <tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>      (then the model's eos)
 
 with one or more calls separated by "\\n" when parallel calls are allowed.
 
 How: `tool_call_grammar` writes an llguidance Lark grammar (text: the vLLM engine hands the same
 text to vLLM's structured outputs, which run the same llguidance version, pinned in pyproject.toml)
 in which each function's `parameters` schema is its own `%json` root (so its `$ref`s resolve as
-written) with whitespace fixed: compact JSON only, so an untrained model cannot spin on spaces.
+written) with whitespace fixed: one space after each `,` and `:` and nowhere else, as Python's
+`json.dumps` and the chat templates' `tojson` write JSON (so the call reads back, and renders in
+the next turn's history, exactly as generated), and an untrained model cannot spin on spaces.
 `compile_grammar` compiles it for a tokenizer once (an LRU cache keyed by the tokenizer and the
 text); `CompiledGrammar.start(n)` copies its pristine matcher per row into a `Constraint`, which
 `policy/sampling.py` calls each step: `mask_logits` sets the tokens the grammar does not allow to
@@ -41,8 +43,8 @@ import numpy as np
 import torch
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU), over all tokenizers
-# x-guidance options of every arguments schema: compact JSON, no whitespace anywhere
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+# x-guidance options of every arguments schema: json.dumps' separators, no other whitespace
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _ARGS_RULE = re.compile(r"args_(\d+): %json ")
 _ERROR_AT = re.compile(r"^at (\d+)\(\d+\): ")
 _EXCERPT = re.compile(r"\n *\d+ \|")
@@ -106,8 +108,8 @@ def tool_call_grammar(
 ) -> str:
     """The Lark grammar of one tool call (`parallel`: one or more, separated by "\\n") to any of
     `tools` (OpenAI function tools; `choice` None, tool_choice "required") or to the function named
-    `choice`. Each call is `open_tag` + `{"name":NAME,"arguments":ARGS}` + `close_tag`, ARGS
-    compact JSON valid under that function's `parameters` (absent: an object of any properties).
+    `choice`. Each call is `open_tag` + `{"name": NAME, "arguments": ARGS}` + `close_tag`, ARGS
+    JSON in `JSON_OPTIONS`' layout valid under that function's `parameters` (absent: an object of any properties).
     Rule `args_<i>` is tools[i]'s schema, one line each, so a compile error names the tool."""
     if not isinstance(tools, list) or not tools:
         raise GrammarError("tools: a tool call needs at least one function tool")
@@ -124,8 +126,8 @@ def tool_call_grammar(
         call + _lark_str(close_tag),
     ]
     for i in picked:
-        head = json.dumps({"name": names[i]}, separators=(",", ":"), ensure_ascii=False)[:-1]
-        head += ',"arguments":'
+        head = json.dumps({"name": names[i]}, ensure_ascii=False)[:-1]
+        head += ', "arguments": '
         lines.append(f'tool_{i}: {_lark_str(head)} args_{i} "}}"')
         lines.append(f"args_{i}: %json {json.dumps(_arguments_schema(i, tools[i]))}")
     return "\n".join(lines) + "\n"
@@ -142,7 +144,7 @@ def _function_name(i: int, tool: Any) -> str:
 
 
 def _arguments_schema(i: int, tool: dict) -> dict:
-    """tools[i]'s parameters schema with the compact-JSON options at its root."""
+    """tools[i]'s parameters schema with the layout options at its root."""
     params = tool["function"].get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}}

@@ -70,12 +70,12 @@ def _client(srv) -> httpx.Client:
 @pytest.fixture()
 def srv(replica_factory, make_settings, tmp_path):
     """A replica (no sync agent) serving a tiny untrained built-in policy, version 1, whose
-    context (1024 bytes) holds the tools, a call and a tool result."""
+    context (2048 bytes) holds the tools, a call and a tool result."""
     from app.replica.weights import WeightCache, load_verified
     from kernels.delta.hashing import checkpoint_sha256
     from policy import build_policy
 
-    cfg = {**TINY, "max_context": 1024, "init_seed": 1}
+    cfg = {**TINY, "max_context": 2048, "init_seed": 1}
     state = build_policy(cfg).serving_state_dict()
     cache = WeightCache(tmp_path / "tools-cache")
     cache.put(load_verified("1", state, cfg, checkpoint_sha256(state)))
@@ -125,8 +125,13 @@ def test_required_makes_an_untrained_model_call_a_listed_tool_with_valid_argumen
             http, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel, seed=seed
         )
         choice = body["choices"][0]
-        assert choice["finish_reason"] == "tool_calls", choice
         calls = assert_valid_calls(choice["message"], set(SCHEMAS))
+        if parallel and choice["finish_reason"] == "length":
+            # an untrained model may go on calling until max_tokens: the calls it completed are
+            # returned, the one it had not closed stays content
+            assert choice["message"]["content"].startswith("<tool_call>")
+            continue
+        assert choice["finish_reason"] == "tool_calls", choice
         assert parallel or len(calls) == 1
         assert choice["message"]["content"] is None
 
@@ -155,7 +160,7 @@ def _stream(http: httpx.Client, **body: Any) -> list[dict[str, Any]]:
 def test_a_streamed_call_arrives_as_openai_deltas_and_equals_the_answer(http):
     """The same seed streamed and not: the deltas (index, id, type and name first, then the
     arguments) add up to the same calls as the JSON answer."""
-    args = {"tools": TOOLS, "tool_choice": "required", "seed": 7}
+    args = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "seed": 7}
     whole = chat(http, **args)["choices"][0]
     chunks = _stream(http, **args)
     calls: dict[int, dict[str, Any]] = {}
@@ -212,6 +217,10 @@ def test_the_generation_events_record_the_turns_calls_and_constraint(srv, http):
         call["function"]["arguments"],
         True,
     )
+    # the call sent back renders exactly what was generated: turn 1's prompt extends turn 0's
+    # prompt and completion (its eos aside), as the next issue's session ledger needs
+    done = e0["prompt_tokens"] + e0["completion_tokens"][:-1]
+    assert e1["prompt_tokens"][: len(done)] == done
     prompt = bytes(t for t in e1["prompt_tokens"] if t < 256).decode()
     assert "tool: RESULT-OF-THE-TOOL\n" in prompt and '"name": "read_file"' in prompt
     assert metric(srv, "flywheel_replica_tool_calls_total", outcome="valid") >= 1

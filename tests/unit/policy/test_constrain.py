@@ -210,11 +210,12 @@ def test_ids_past_the_tokenizer_and_ended_rows_are_masked(builtin_policy):
 # ------------------------------------------------------------------ grammars and the cache
 
 
-def test_the_grammar_is_compact_json_with_name_then_arguments():
+def test_the_grammar_writes_json_as_json_dumps_does_with_name_then_arguments():
     g = tool_call_grammar(TOOLS, "get_weather", False)
     assert g.startswith("start: call\n") and "args_0: %json" in g and "args_1" not in g
     assert '"whitespace_flexible": false' in g
-    assert 'tool_0: "{\\"name\\":\\"get_weather\\",\\"arguments\\":" args_0 "}"' in g
+    assert 'tool_0: "{\\"name\\": \\"get_weather\\", \\"arguments\\": " args_0 "}"' in g
+    assert '"item_separator": ", "' in g and '"key_separator": ": "' in g
     assert tool_call_grammar(TOOLS, None, True).startswith('start: call ("\\n" call)*\n')
 
 
@@ -305,7 +306,7 @@ def test_a_call_with_no_free_choice_is_forced_byte_for_byte_with_the_name_unesca
     (s,) = builtin_policy.generate(
         prompts_for(builtin_policy, 1), 80, 1.0, seed=0, constraint=compiled.start(1)
     )
-    assert s.text == '<tool_call>\n{"name":"météo","arguments":{}}\n</tool_call>', repr(s.text)
+    assert s.text == '<tool_call>\n{"name": "météo", "arguments": {}}\n</tool_call>', repr(s.text)
     assert s.tokens[-1] == builtin_policy.tokenizer.eos_id and s.logprobs == [0.0] * len(s.tokens)
 
 

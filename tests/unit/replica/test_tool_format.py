@@ -110,3 +110,11 @@ def test_the_builtin_template_renders_tools_calls_and_results_and_a_call_as_gene
         "read_file",
         '{"path": "a.py"}',
     )
+
+
+def test_arguments_are_returned_as_the_model_wrote_them():
+    body = '{"arguments": {"a": "\\u00e9", "b":[1,2]}, "name": "read_file", "x": 1}'
+    content, calls, _ = read(f"<tool_call>\n{body}\n</tool_call>", 1000)
+    assert calls[0].arguments == '{"a": "\\u00e9", "b":[1,2]}'
+    dup = '{"name": "read_file", "arguments": {"a": 1}, "arguments": {"b": 2}}'
+    assert read(f"<tool_call>{dup}</tool_call>", 1000)[1][0].arguments == '{"b": 2}'
