@@ -98,6 +98,19 @@ class ReplicaConfig(FlywheelSettings):
         description="Largest `tools` list, as JSON bytes: bounds the schemas checked and the call "
         "grammar compiled for a required or named `tool_choice`.",
     )
+    grammar_compile_fuel: int = Field(
+        1_000_000,
+        ge=1000,
+        description="llguidance lexer fuel to compile one tool-call grammar (about 50k per ms): "
+        "bounds the compile time a required or named `tool_choice` may cost; over it is a 400 on "
+        "`tools`. The default is llguidance's own, which the vLLM engine compiles with.",
+    )
+    grammar_step_fuel: int = Field(
+        200_000,
+        ge=1000,
+        description="llguidance lexer fuel of one token's grammar mask (about 14k per ms): bounds "
+        "the time constrained decoding adds per token; a generation over it is a 400 on `tools`.",
+    )
     max_open_streams: int = Field(
         64,
         ge=1,

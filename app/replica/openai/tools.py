@@ -206,7 +206,10 @@ def _compile(plan: ToolPlan, cfg: ReplicaConfig, tokenizer: Any) -> Any:
     t0, misses = time.perf_counter(), cache_stats()["misses"]
     try:
         grammar = plan.fmt.grammar(plan.tools, plan.function, plan.parallel)
-        compiled = compile_grammar(tokenizer, grammar, GrammarLimits())
+        limits = GrammarLimits(
+            initial_lexer_fuel=cfg.grammar_compile_fuel, step_lexer_fuel=cfg.grammar_step_fuel
+        )
+        compiled = compile_grammar(tokenizer, grammar, limits)
     except GrammarError as exc:
         where, sep, why = str(exc).partition(": ")
         param = (

@@ -68,29 +68,30 @@ def _client(srv) -> httpx.Client:
 
 
 @pytest.fixture()
-def srv(replica_factory, make_settings, tmp_path):
-    """A replica (no sync agent) serving a tiny untrained built-in policy, version 1, whose
-    context (2048 bytes) holds the tools, a call and a tool result."""
+def builtin_replica(replica_factory, make_settings, tmp_path):
+    """Start a replica (no sync agent) serving a tiny untrained built-in policy, version 1, whose
+    context (2048 bytes) holds the tools, a call and a tool result; keyword arguments are
+    ReplicaConfig fields."""
     from app.replica.weights import WeightCache, load_verified
     from kernels.delta.hashing import checkpoint_sha256
     from policy import build_policy
 
-    cfg = {**TINY, "max_context": 2048, "init_seed": 1}
-    state = build_policy(cfg).serving_state_dict()
-    cache = WeightCache(tmp_path / "tools-cache")
-    cache.put(load_verified("1", state, cfg, checkpoint_sha256(state)))
-    cache.set_serving(cache.restore())
-    return replica_factory(
-        make_settings(),
-        start_sync=False,
-        cache_dir=tmp_path / "tools-cache",
-        id="replica-tools",
-        api_key=KEY,
-        max_tools=8,
-        max_tools_bytes=4096,
-        max_tokens=600,
-        max_n=2,
-    )
+    def _start(**config: Any):
+        cfg = {**TINY, "max_context": 2048, "init_seed": 1}
+        state = build_policy(cfg).serving_state_dict()
+        cache_dir = tmp_path / f"tools-cache-{config.get('id', 'replica-tools')}"
+        cache = WeightCache(cache_dir)
+        cache.put(load_verified("1", state, cfg, checkpoint_sha256(state)))
+        cache.set_serving(cache.restore())
+        config = {"id": "replica-tools", "api_key": KEY, "max_tokens": 600, "max_n": 2, **config}
+        return replica_factory(make_settings(), start_sync=False, cache_dir=cache_dir, **config)
+
+    return _start
+
+
+@pytest.fixture()
+def srv(builtin_replica):
+    return builtin_replica(max_tools=8, max_tools_bytes=4096)
 
 
 @pytest.fixture()
@@ -349,6 +350,21 @@ def test_a_bad_tool_request_is_a_400_naming_the_parameter(http, why, extra, para
     assert r.status_code == 400, (why, r.status_code, r.text)
     check("ErrorResponse", r.json())
     assert r.json()["error"]["param"] == param, (why, r.json())
+
+
+def test_a_grammar_over_the_compile_bound_is_a_400_not_a_pinned_cpu(builtin_replica):
+    srv = builtin_replica(id="replica-tools-fuel", grammar_compile_fuel=1000)
+    with _client(srv) as http:
+        hex_id = {"type": "string", "pattern": "^([a-f0-9]{8}-){20}[a-f0-9]{12}$"}
+        params = {"type": "object", "properties": {"id": hex_id}, "required": ["id"]}
+        tools = [{"type": "function", "function": {"name": "lookup", "parameters": params}}]
+        body = {"model": http.model, "messages": USER, "user": "s", "tools": tools}
+        r = http.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
+        assert r.status_code == 400, r.text
+        check("ErrorResponse", r.json())
+        assert r.json()["error"]["param"].startswith("tools"), r.json()
+        assert "constrained decoding cannot enforce the tools" in r.json()["error"]["message"]
+        chat(http, tools=TOOLS, max_tokens=8)  # auto needs no grammar
 
 
 def test_a_model_without_a_tool_format_refuses_tools(hf_replica):
