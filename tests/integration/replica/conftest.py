@@ -76,12 +76,13 @@ def replica_factory(make_settings, tmp_path) -> Iterator[Callable[..., Any]]:
 @pytest.fixture()
 def seeded_replica(replica_factory, make_settings, tmp_path) -> Callable[..., Any]:
     """Start a replica (no sync agent) that serves tiny version 7 from its verified cache at once;
-    keyword arguments are ReplicaConfig fields."""
+    keyword arguments are ReplicaConfig fields. `max_context` (a power of two) widens the tiny
+    model's context of 64 tokens, e.g. for prompts that carry tool definitions and results."""
     from app.replica.weights import WeightCache, load_verified
     from kernels.delta.hashing import checkpoint_sha256
 
-    def _start(**cfg: Any):
-        model_cfg, state = tiny_state(7)
+    def _start(max_context: int | None = None, **cfg: Any):
+        model_cfg, state = tiny_state(7, max_context)
         cache_dir = tmp_path / f"seeded-{cfg.get('id', 'replica-1')}"
         cache = WeightCache(cache_dir)
         cache.put(load_verified("7", state, model_cfg, checkpoint_sha256(state)))

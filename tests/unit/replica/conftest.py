@@ -17,11 +17,14 @@ TINY = {
 }
 
 
-def tiny_state(seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, bf16 serving state dict) of a tiny policy initialised with `seed`."""
+def tiny_state(
+    seed: int = 0, max_context: int | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, bf16 serving state dict) of a tiny policy initialised with `seed` (its context
+    `max_context` tokens instead of TINY's 64 when given)."""
     from policy import build_policy
 
-    cfg = {**TINY, "init_seed": seed}
+    cfg = {**TINY, "init_seed": seed, **({"max_context": max_context} if max_context else {})}
     return cfg, build_policy(cfg).serving_state_dict()
 
 
