@@ -88,3 +88,86 @@ test("an unsupported parameter is a BadRequestError naming it", async () => {
     (err) => err instanceof OpenAI.BadRequestError && err.param === "top_p",
   );
 });
+
+// Tool calling. The tiny untrained model calls a tool only when the request makes it: a named
+// tool_choice or "required" is enforced by constrained decoding, so the arguments validate.
+const FILES = { "notes.txt": "the answer is 42\n", "todo.txt": "water the plants\n" };
+const tools = [
+  {
+    type: "function",
+    function: {
+      name: "read_file",
+      description: "Read one of the user's files",
+      parameters: {
+        type: "object",
+        properties: { name: { type: "string", enum: Object.keys(FILES) } },
+        required: ["name"],
+        additionalProperties: false,
+      },
+    },
+  },
+];
+const ask = { role: "user", content: "What is the answer in my notes?" };
+
+function checkArguments(text) {
+  const args = JSON.parse(text);
+  assert.deepEqual(Object.keys(args), ["name"]);
+  assert.ok(Object.hasOwn(FILES, args.name), text);
+  return args;
+}
+
+test("a named tool call, then its result in the next turn", async () => {
+  const first = await client.chat.completions.create({
+    model, messages: [ask], tools, tool_choice: { type: "function", function: { name: "read_file" } },
+    max_tokens: 160, user: "node-tools-1",
+  });
+  const choice = first.choices[0];
+  assert.equal(choice.finish_reason, "tool_calls");
+  assert.equal(choice.message.tool_calls.length, 1);
+  const call = choice.message.tool_calls[0];
+  assert.equal(call.type, "function");
+  assert.equal(call.function.name, "read_file");
+  const args = checkArguments(call.function.arguments);
+  results.tool_named = { id: first.id, call_id: call.id, arguments: call.function.arguments };
+
+  const second = await client.chat.completions.create({
+    model,
+    messages: [
+      ask,
+      choice.message, // the assistant message as returned, tool_calls and all
+      { role: "tool", tool_call_id: call.id, content: FILES[args.name] },
+    ],
+    tools, max_tokens: 16, user: "node-tools-1",
+  });
+  assert.equal(second.choices[0].message.role, "assistant");
+  assert.ok(["stop", "length", "tool_calls"].includes(second.choices[0].finish_reason));
+  results.tool_result = { id: second.id, file: args.name };
+});
+
+test("a required tool call, streamed through the SDK's stream helper", async () => {
+  const stream = client.chat.completions.stream({
+    model, messages: [ask], tools, tool_choice: "required", parallel_tool_calls: false,
+    max_tokens: 160, user: "node-tools-2", stream_options: { include_usage: true },
+  });
+  const done = [];
+  let deltas = "";
+  stream.on("tool_calls.function.arguments.delta", (e) => { deltas += e.arguments_delta; });
+  stream.on("tool_calls.function.arguments.done", (e) => done.push(e));
+  const final = await stream.finalChatCompletion();
+  const choice = final.choices[0];
+  assert.equal(choice.finish_reason, "tool_calls");
+  assert.equal(choice.message.tool_calls.length, 1);
+  const call = choice.message.tool_calls[0];
+  assert.equal(call.function.name, "read_file");
+  checkArguments(call.function.arguments);
+  assert.ok(call.id.startsWith("call_"), call.id);
+  assert.equal(done.length, 1);
+  assert.equal(done[0].name, "read_file");
+  assert.equal(done[0].arguments, call.function.arguments);
+  assert.equal(deltas, call.function.arguments);
+  assert.ok(final.usage && final.usage.completion_tokens >= 1);
+  results.tool_stream = {
+    id: final.id, call_id: call.id, arguments: call.function.arguments,
+    completion_tokens: final.usage.completion_tokens,
+  };
+});
