@@ -182,7 +182,7 @@ def _lc_tool(files: Path, calls: list[dict[str, Any]]):
 def _schema(lc_tool) -> dict[str, Any]:
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
-    return convert_to_openai_tool(lc_tool)["function"]["parameters"]
+    return convert_to_openai_tool(lc_tool, strict=True)["function"]["parameters"]
 
 
 def _chat(srv, session: str, **kw: Any):
@@ -208,7 +208,9 @@ def test_langchain_binds_a_named_tool_and_takes_its_result_back(srv, files):
     chat = _chat(srv, session)
     history = [HumanMessage("What is the answer in my notes?")]
 
-    ai = chat.bind_tools([read_file], tool_choice="read_file").invoke(history)
+    # strict: the schema gets additionalProperties false. Without it the grammar lets the untrained
+    # model add keys of its own to the arguments, and it writes them until max_tokens.
+    ai = chat.bind_tools([read_file], tool_choice="read_file", strict=True).invoke(history)
     assert isinstance(ai, AIMessage) and len(ai.tool_calls) == 1, ai
     call = ai.tool_calls[0]
     assert call["name"] == "read_file" and call["id"]
@@ -219,7 +221,9 @@ def test_langchain_binds_a_named_tool_and_takes_its_result_back(srv, files):
     tool_message = read_file.invoke(call)  # a ToolCall in: a ToolMessage out, id and all
     assert calls == [call["args"]] and tool_message.tool_call_id == call["id"]
     history += [ai, tool_message]
-    answer = chat.bind_tools([read_file]).invoke(history)  # auto: the untrained model writes text
+    answer = chat.bind_tools([read_file], strict=True).invoke(
+        history
+    )  # auto: the untrained model writes text
     assert isinstance(answer, AIMessage) and answer.response_metadata["finish_reason"] in (
         "stop",
         "length",
@@ -239,7 +243,7 @@ def test_langchain_streams_a_tool_call(srv, files):
     session, calls = f"langchain-stream-{uuid.uuid4().hex[:8]}", []
     read_file = _lc_tool(files, calls)
     bound = _chat(srv, session, stream_usage=True).bind_tools(
-        [read_file], tool_choice="required", parallel_tool_calls=False
+        [read_file], tool_choice="required", parallel_tool_calls=False, strict=True
     )
     chunks = list(bound.stream([HumanMessage("Read my todo list.")]))
     assert len(chunks) > 2 and all(isinstance(c, AIMessageChunk) for c in chunks)
