@@ -42,6 +42,7 @@ import llguidance
 import numpy as np
 import torch
 
+MAX_PARALLEL_CALLS = 8  # calls one constrained completion may make with parallel_tool_calls
 CACHE_SIZE = 256  # compiled grammars kept (LRU), over all tokenizers
 # x-guidance options of every arguments schema: json.dumps' separators, no other whitespace
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -105,12 +106,17 @@ def tool_call_grammar(
     *,
     open_tag: str = "<tool_call>\n",
     close_tag: str = "\n</tool_call>",
+    max_calls: int = MAX_PARALLEL_CALLS,
 ) -> str:
-    """The Lark grammar of one tool call (`parallel`: one or more, separated by "\\n") to any of
-    `tools` (OpenAI function tools; `choice` None, tool_choice "required") or to the function named
-    `choice`. Each call is `open_tag` + `{"name": NAME, "arguments": ARGS}` + `close_tag`, ARGS
-    JSON in `JSON_OPTIONS`' layout valid under that function's `parameters` (absent: an object of any properties).
-    Rule `args_<i>` is tools[i]'s schema, one line each, so a compile error names the tool."""
+    """The Lark grammar of one tool call (`parallel`: one to `max_calls`, separated by "\\n") to
+    any of `tools` (OpenAI function tools; `choice` None, tool_choice "required") or to the function
+    named `choice`. Each call is `open_tag` + `{"name": NAME, "arguments": ARGS}` + `close_tag`,
+    ARGS JSON in `JSON_OPTIONS`' layout valid under that function's `parameters` (absent: an object
+    with no properties), where an object schema that does not say `additionalProperties` allows
+    none: the arguments still validate against the schema as written, and the model cannot pad
+    them with keys no function reads (OpenAI's strict mode asks for the same). Rule `args_<i>` is
+    tools[i]'s schema, one line each, so a compile error names the tool."""
+    assert max_calls >= 1, f"max_calls must be >= 1, got {max_calls}"
     if not isinstance(tools, list) or not tools:
         raise GrammarError("tools: a tool call needs at least one function tool")
     names = [_function_name(i, t) for i, t in enumerate(tools)]
@@ -122,7 +128,7 @@ def tool_call_grammar(
         raise GrammarError(f"tool_choice.function.name: no function {choice!r} in tools")
     call = f"call: {_lark_str(open_tag)} ({' | '.join(f'tool_{i}' for i in picked)}) "
     lines = [
-        'start: call ("\\n" call)*' if parallel else "start: call",
+        f'start: call ("\\n" call){{0,{max_calls - 1}}}' if parallel else "start: call",
         call + _lark_str(close_tag),
     ]
     for i in picked:
@@ -150,7 +156,20 @@ def _arguments_schema(i: int, tool: dict) -> dict:
         params = {"type": "object", "properties": {}}
     if not isinstance(params, dict):
         raise GrammarError(f"tools[{i}].function.parameters: must be a JSON Schema object")
-    return {**params, "x-guidance": dict(JSON_OPTIONS)}
+    return {**_closed(params), "x-guidance": dict(JSON_OPTIONS)}
+
+
+def _closed(node: Any) -> Any:
+    """`node` with `additionalProperties: false` on every object schema that does not say."""
+    if isinstance(node, list):
+        return [_closed(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    is_object = node.get("type") == "object" or "properties" in node
+    if is_object and "additionalProperties" not in node and "patternProperties" not in node:
+        out["additionalProperties"] = False
+    return out
 
 
 def _lark_str(s: str) -> str:

@@ -86,9 +86,11 @@ class ToolFormat(ABC):
         """A reader for one completion of a request offering the functions `tool_names`."""
 
     @abstractmethod
-    def grammar(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+    def grammar(
+        self, tools: list[dict[str, Any]], choice: str | None, parallel: bool, max_calls: int
+    ) -> str:
         """The constrained-decoding grammar of a call to one of `tools` (`choice`: that function
-        only), one or, with `parallel`, several (policy/constrain.py compiles it)."""
+        only), one or, with `parallel`, up to `max_calls` (policy/constrain.py compiles it)."""
 
     @abstractmethod
     def render_call(self, name: str, arguments: str) -> str:
@@ -103,7 +105,9 @@ class HermesFormat(ToolFormat):
     def reader(self, tool_names: Iterable[str]) -> ToolReader:
         return _HermesReader(self, frozenset(tool_names))
 
-    def grammar(self, tools: list[dict[str, Any]], choice: str | None, parallel: bool) -> str:
+    def grammar(
+        self, tools: list[dict[str, Any]], choice: str | None, parallel: bool, max_calls: int
+    ) -> str:
         from policy.constrain import tool_call_grammar
 
         return tool_call_grammar(
@@ -112,6 +116,7 @@ class HermesFormat(ToolFormat):
             parallel,
             open_tag=self.open_tag + "\n",
             close_tag="\n" + self.close_tag,
+            max_calls=max_calls,
         )
 
     def render_call(self, name: str, arguments: str) -> str:

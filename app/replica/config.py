@@ -98,6 +98,12 @@ class ReplicaConfig(FlywheelSettings):
         description="Largest `tools` list, as JSON bytes: bounds the schemas checked and the call "
         "grammar compiled for a required or named `tool_choice`.",
     )
+    max_parallel_tool_calls: int = Field(
+        8,
+        ge=1,
+        description="Most calls one completion may make under `tool_choice: required` with "
+        "`parallel_tool_calls` (the constraint's grammar stops there).",
+    )
     grammar_compile_fuel: int = Field(
         1_000_000,
         ge=1000,

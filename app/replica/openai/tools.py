@@ -205,7 +205,9 @@ def _compile(plan: ToolPlan, cfg: ReplicaConfig, tokenizer: Any) -> Any:
 
     t0, misses = time.perf_counter(), cache_stats()["misses"]
     try:
-        grammar = plan.fmt.grammar(plan.tools, plan.function, plan.parallel)
+        grammar = plan.fmt.grammar(
+            plan.tools, plan.function, plan.parallel, cfg.max_parallel_tool_calls
+        )
         limits = GrammarLimits(
             initial_lexer_fuel=cfg.grammar_compile_fuel, step_lexer_fuel=cfg.grammar_step_fuel
         )

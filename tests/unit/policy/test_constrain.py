@@ -216,7 +216,26 @@ def test_the_grammar_writes_json_as_json_dumps_does_with_name_then_arguments():
     assert '"whitespace_flexible": false' in g
     assert 'tool_0: "{\\"name\\": \\"get_weather\\", \\"arguments\\": " args_0 "}"' in g
     assert '"item_separator": ", "' in g and '"key_separator": ": "' in g
-    assert tool_call_grammar(TOOLS, None, True).startswith('start: call ("\\n" call)*\n')
+    assert tool_call_grammar(TOOLS, None, True).startswith('start: call ("\\n" call){0,7}\n')
+    assert tool_call_grammar(TOOLS, None, True, max_calls=3).startswith(
+        'start: call ("\\n" call){0,2}\n'
+    )
+
+
+def test_object_schemas_that_do_not_say_allow_no_other_properties():
+    """An untrained model cannot pad arguments with keys no function reads; what it writes still
+    validates against the schema as the client wrote it."""
+    params = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}},
+        "$defs": {"open": {"type": "object", "additionalProperties": True}},
+    }
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    line = next(ln for ln in tool_call_grammar(tools, None, False).splitlines() if "%json" in ln)
+    schema = json.loads(line.split("%json ", 1)[1])
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["a"]["additionalProperties"] is False
+    assert schema["$defs"]["open"]["additionalProperties"] is True  # said: kept
 
 
 def test_a_repeated_grammar_hits_the_cache_and_is_not_recompiled(builtin_policy):
