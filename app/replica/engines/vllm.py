@@ -121,6 +121,10 @@ def server_args(model_dir: Path, port: int, max_model_len: int, extra: list[str]
         "--generation-config",
         "vllm",  # no sampling defaults from the model directory's generation_config.json
         "--enforce-eager",
+        # structured outputs (constrained tool calls) by llguidance, the library and version the
+        # built-in engine masks with, so both run the same Lark grammar (`%json` needs it)
+        "--structured-outputs-config.backend",
+        "guidance",
         *extra,
     ]
 
@@ -299,9 +303,12 @@ class VLLMEngine:
         seed: int | None,
         on_step: Callable[[int, list[int | None]], bool] | None,
         top_logprobs: int = 0,
+        grammar: str | None = None,
     ) -> Generated:
         """Tokens, log-probs, vLLM finish reasons, (with `return_routes`) routes and (with
-        `top_logprobs` = k) the k most likely alternatives per token, per prompt.
+        `top_logprobs` = k) the k most likely alternatives per token, per prompt; with `grammar`
+        (llguidance Lark text) every completion is constrained to it by vLLM's structured outputs,
+        and a grammar vLLM refuses raises GrammarRefused with vLLM's reason.
 
         Streamed, so `on_step` sees each token as vLLM produces it, except with `return_routes`:
         vLLM puts routed experts only in a whole (non-streamed) response, and `on_step` then sees
@@ -324,6 +331,8 @@ class VLLMEngine:
             body["seed"] = int(seed) % (2**63)
         if top_logprobs:
             body["return_tokens_as_token_ids"] = True  # alternatives keyed "token_id:<id>"
+        if grammar is not None:
+            body["structured_outputs"] = {"grammar": grammar}
         out = Generated(len(prompts))
 
         def take(choices: list[dict[str, Any]]) -> bool:
@@ -366,25 +375,47 @@ class VLLMEngine:
                 if self.return_routes:
                     r = c.post("/v1/completions", json=body)
                     if r.status_code != 200:
-                        raise EngineUnavailable(
-                            f"{self.url} /v1/completions: {r.status_code} {r.text[:500]}"
-                        )
+                        raise self._refusal(r.status_code, _error_of(r), grammar)
                     take(r.json()["choices"])
                     return out
                 with c.stream("POST", "/v1/completions", json=body) as r:
                     if r.status_code != 200:
                         r.read()
-                        raise EngineUnavailable(
-                            f"{self.url} /v1/completions: {r.status_code} {r.text[:500]}"
-                        )
+                        raise self._refusal(r.status_code, _error_of(r), grammar)
                     for line in r.iter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
-                        if not take(json.loads(line[6:]).get("choices", [])):
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:  # vLLM's stream failed after its 200 (module doc)
+                            err = chunk["error"] if isinstance(chunk["error"], dict) else {}
+                            raise self._refusal(
+                                int(err.get("code") or 500), str(err.get("message")), grammar
+                            )
+                        if not take(chunk.get("choices", [])):
                             break  # closing the stream aborts the request in vLLM
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"{self.url}: {type(exc).__name__}: {exc}") from exc
         return out
+
+    def _refusal(self, code: int, why: str, grammar: str | None) -> EngineUnavailable:
+        """What a failed /v1/completions raises (an HTTP status other than 200, or the error
+        object vLLM puts in a stream it already answered 200: its input validation runs after a
+        streamed response started): GrammarRefused for a constrained request vLLM refused as
+        invalid (400: its structured-outputs validation, e.g. a grammar llguidance does not
+        compile), with vLLM's message; EngineUnavailable with the message otherwise."""
+        if grammar is not None and code == 400:
+            return GrammarRefused(
+                f"{self.url} refused the tool-call grammar (structured outputs): {why[:500]}"
+            )
+        return EngineUnavailable(f"{self.url} /v1/completions: {code} {why[:500]}")
+
+
+class GrammarRefused(EngineUnavailable):
+    """vLLM refused a constrained request's grammar (its reason in the message): the front answers
+    it as an engine that cannot generate (503 engine_unavailable, with the reason), never a hang or
+    a bare 500. The front compiled the same text with the same llguidance version and limits first
+    (policy/constrain.py), so this means a server configured otherwise (another structured-outputs
+    backend, another tokenizer), not a bad request."""
 
 
 class Generated:
@@ -399,6 +430,14 @@ class Generated:
         self.top: list[list[list[tuple[int, float]]]] = [[] for _ in range(n)]
         self.stopped = False
         self.steps = 0
+
+
+def _error_of(r: Any) -> str:
+    """The message of vLLM's error response (OpenAI's {"error": {"message": ...}}), else its text."""
+    try:
+        return str(r.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(r.text)
 
 
 def alternatives(step: dict[str, float] | None, k: int) -> list[tuple[int, float]]:
@@ -434,6 +473,22 @@ def completion_routes(b64: str, prompt_len: int, n_completion: int) -> Any:
     return np.ascontiguousarray(arr[prompt_len - 1 : need].astype(np.int32))
 
 
+def replay(constraint: Any, rows: list[list[int]], url: str) -> None:
+    """Advance `constraint` (one matcher per row) by the tokens vLLM generated under its grammar,
+    step by step (a row that ended: None); a token its grammar refuses (eos before the call is
+    complete included) raises EngineUnavailable naming the row and step."""
+    from policy.constrain import ConstraintError
+
+    for step in range(max((len(r) for r in rows), default=0)):
+        try:
+            constraint.accept(step, [r[step] if step < len(r) else None for r in rows])
+        except ConstraintError as exc:
+            raise EngineUnavailable(
+                f"{url} generated outside the tool-call grammar ({exc}); is it running with "
+                f"--structured-outputs-config.backend guidance (server_args())?"
+            ) from exc
+
+
 class VLLMPolicy:
     """The `LoadedVersion.policy` of a version held by a vLLM engine (what the front calls)."""
 
@@ -460,7 +515,13 @@ class VLLMPolicy:
         seed: int | None = None,
         on_step: Callable[[int, list[int | None]], bool] | None = None,
         top_logprobs: int = 0,
+        constraint: Any = None,
     ) -> list[Any]:
+        """policy/base.py `Policy.generate` on vLLM. `constraint` (policy/constrain.py
+        `Constraint`): its grammar text goes to vLLM's structured outputs, which masks the logits;
+        the completions are then replayed through the constraint's own matchers, so a completion
+        the front's grammar refuses (a server that masked otherwise) raises EngineUnavailable
+        instead of reaching the client as a call."""
         import numpy as np
 
         from policy.base import Sample, check_temperature
@@ -480,7 +541,10 @@ class VLLMPolicy:
             seed=seed,
             on_step=on_step,
             top_logprobs=top_logprobs,
+            grammar=None if constraint is None else constraint.grammar,
         )
+        if constraint is not None:
+            replay(constraint, got.tokens, self.engine.url)
         stopped = got.stopped
         eos = self.tokenizer.eos_id
         out = []

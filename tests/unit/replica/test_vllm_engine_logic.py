@@ -12,8 +12,10 @@ pool on real vLLM servers. The model directory, its tokenizer, the hashes and th
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,6 +50,7 @@ class RecordingEngine(VLLMEngine):
         self.missing: list[str] = []
         self.script: tuple = ([], [], [], False)  # tokens, log-probs, finish reasons, stopped
         self.prompts: list[list[int]] = []
+        self.grammar: str | None = None
 
     def update(self, state, transfer_dir):
         self.calls.append(
@@ -73,10 +76,13 @@ class RecordingEngine(VLLMEngine):
             "write_s": 0.0,
         }
 
-    def generate(self, prompts, *, max_tokens, temperature, seed, on_step, top_logprobs=0):
+    def generate(
+        self, prompts, *, max_tokens, temperature, seed, on_step, top_logprobs=0, grammar=None
+    ):
         from app.replica.engines.vllm import Generated
 
         self.prompts = prompts
+        self.grammar = grammar
         out = Generated(len(prompts))
         tokens, logprobs, reasons, out.stopped = self.script
         out.tokens, out.logprobs, out.reasons = list(tokens), list(logprobs), list(reasons)
@@ -407,3 +413,118 @@ def test_vllms_top_logprobs_become_the_k_most_likely_ids_as_the_builtin_engine_g
     for bad in (None, {}, {"hello": -1.0}):
         with pytest.raises(EngineUnavailable):
             alternatives(bad, 2)
+
+
+# --- constrained decoding (tool calls) -------------------------------------------------------------
+def _call_grammar() -> str:
+    from policy.constrain import tool_call_grammar
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}},
+                    "required": ["path"],
+                },
+            },
+        }
+    ]
+    return tool_call_grammar(tools, None, False)
+
+
+def test_a_constrained_generation_sends_the_grammar_and_replays_vllms_tokens_through_it(
+    tmp_path, model_config
+):
+    """The constraint's grammar text goes to vLLM (structured outputs); the tokens that come back
+    advance the constraint's own matchers: a valid call passes, a token the grammar refuses (here
+    eos before the call is complete) is the engine's fault, never a call handed to the client."""
+    from policy.constrain import compile_grammar
+
+    p = Pool(tmp_path, model_config)
+    lv = p.held(p.engines[0], "1")
+    tok, e = lv.policy.tokenizer, p.engines[0]
+    compiled = compile_grammar(tok, _call_grammar())
+    call = tok.encode('<tool_call>\n{"name":"read_file","arguments":{"path":"a.py"}}\n</tool_call>')
+    e.script = ([[*call, tok.eos_id]], [[-0.5] * (len(call) + 1)], ["stop"], False)
+    [out] = lv.policy.generate([[1, 2]], max_tokens=200, constraint=compiled.start(1))
+    assert e.grammar == compiled.grammar and out.meta["finish_reason"] == "eos"
+    e.script = ([call[:5] + [tok.eos_id]], [[-0.5] * 6], ["stop"], False)
+    with pytest.raises(EngineUnavailable, match="outside the tool-call grammar"):
+        lv.policy.generate([[1, 2]], max_tokens=200, constraint=compiled.start(1))
+    lv.policy.generate([[1, 2]], max_tokens=4)
+    assert e.grammar is None  # no constraint, no grammar
+
+
+def test_the_servers_run_structured_outputs_by_llguidance():
+    from app.replica.engines.vllm import server_args
+
+    args = server_args(Path("/m"), 8000, 256, [])
+    at = args.index("--structured-outputs-config.backend")
+    assert args[at + 1] == "guidance"
+
+
+def _engine_answering(monkeypatch, handler) -> VLLMEngine:
+    """A VLLMEngine whose HTTP client is answered by `handler` (httpx.MockTransport)."""
+    import httpx
+
+    e = VLLMEngine(0, "http://vllm.test")
+    monkeypatch.setattr(
+        e,
+        "_client",
+        lambda timeout=600.0: httpx.Client(
+            base_url=e.url, transport=httpx.MockTransport(handler), timeout=timeout
+        ),
+    )
+    return e
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + (
+        b"data: [DONE]\n\n"
+    )
+
+
+def test_the_grammar_travels_as_structured_outputs_and_a_refusal_says_why(monkeypatch):
+    """vLLM validates a streamed request after answering 200 and puts its error in the stream: a
+    400 there (or as the status) on a constrained request is GrammarRefused with vLLM's reason;
+    an error chunk on any request is the engine's failure, never an empty completion."""
+    import httpx
+
+    from app.replica.engines.vllm import GrammarRefused
+
+    sent: list[dict] = []
+    reply: dict = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(reply["status"], content=reply["body"])
+
+    e = _engine_answering(monkeypatch, handler)
+    gen = {"max_tokens": 8, "temperature": 1.0, "seed": 1, "on_step": None}
+    ok = {"index": 0, "token_ids": [7], "logprobs": {"token_logprobs": [-0.25]}}
+    reply.update(status=200, body=_sse({"choices": [{**ok, "finish_reason": "stop"}]}))
+    got = e.generate([[0, 1]], grammar='start: "x"\n', **gen)
+    assert got.tokens == [[7]] and got.logprobs == [[-0.25]]
+    assert sent[-1]["structured_outputs"] == {"grammar": 'start: "x"\n'}
+    e.generate([[0, 1]], **gen)
+    assert "structured_outputs" not in sent[-1]
+
+    why = 'Grammar error: at 1(8): unknown name: "foo"'
+    refusal = {"error": {"message": why, "type": "BadRequestError", "param": None, "code": 400}}
+    reply.update(status=200, body=_sse(refusal))
+    with pytest.raises(GrammarRefused, match="unknown name"):
+        e.generate([[0, 1]], grammar="start: foo\n", **gen)
+    reply.update(status=400, body=json.dumps(refusal).encode())
+    with pytest.raises(GrammarRefused, match="unknown name"):
+        e.generate([[0, 1]], grammar="start: foo\n", **gen)
+    with pytest.raises(EngineUnavailable, match="400") as info:
+        e.generate([[0, 1]], **gen)  # not constrained: not a grammar refusal
+    assert not isinstance(info.value, GrammarRefused)
+    broken = {"error": {"message": "Internal server error", "type": "x", "code": 500}}
+    reply.update(status=200, body=_sse({"choices": [ok]}, broken))
+    with pytest.raises(EngineUnavailable, match="500 Internal server error") as info:
+        e.generate([[0, 1]], grammar="start: foo\n", **gen)
+    assert not isinstance(info.value, GrammarRefused)
