@@ -11,8 +11,10 @@ log-probs are explained by the version it names better than by any other version
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -35,6 +37,7 @@ from tests.integration.replica.conftest import (
 )
 
 pytestmark = pytest.mark.integration
+log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[3]
 START_S = 900  # two vLLM servers starting on 2 shared cores
 
@@ -382,16 +385,18 @@ def test_a_replica_uses_a_vllm_server_given_by_url(
 ):
     """FLYWHEEL_REPLICA_VLLM_URLS: a server the operator started (with `server_args()` and the
     worker extension) is used as it is; one URL is one engine, so the replica serves the champion
-    only, and a candidate is refused with a reason instead of being half-served."""
+    only, and a candidate is refused with a reason instead of being half-served. The same server
+    serves top log-probs and tool calls (constrained by vLLM's structured outputs) as the
+    built-in engine does on the same weights."""
     from app.replica.engines.vllm import VLLMServer, _free_port
     from kernels.delta.hashing import checkpoint_sha256
     from policy import build_policy
-    from tests.hf_models import tiny_qwen2_moe_dir, train_bpe_tokenizer
+    from tests.hf_models import QWEN25_TEMPLATE, tiny_llama_dir, train_bpe_tokenizer
 
     monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "data"))
-    model_dir = tiny_qwen2_moe_dir(
-        tmp_path / "moe", train_bpe_tokenizer(tmp_path / "tok"), head_dim=64
-    )
+    # a dense Llama whose context (2048) holds the tools Qwen2.5's template renders (~1100 tokens)
+    tok = train_bpe_tokenizer(tmp_path / "tok", chat_template=QWEN25_TEMPLATE)
+    model_dir = tiny_llama_dir(tmp_path / "llama", tok, head_dim=64, max_positions=2048)
     base = build_policy({"type": "hf", "model_dir": str(model_dir)})
     states = [base.serving_state_dict()]
     states.append(perturb(states[0], 7, frac=0.3, scale=0.2))
@@ -405,7 +410,7 @@ def test_a_replica_uses_a_vllm_server_given_by_url(
         vllm_python,
         model_dir,
         port=_free_port(),
-        max_model_len=256,
+        max_model_len=2048,
         log_path=tmp_path / "operator-vllm.log",
         kv_cache_gib=1,
         extra=[],
@@ -414,7 +419,13 @@ def test_a_replica_uses_a_vllm_server_given_by_url(
         server.wait_ready(START_S)
         publish_deployment(settings, "promoted", "1", traffic_pct=100.0)
         srv = replica_factory(
-            settings, id="replica-url", engine="vllm", vllm_urls=[server.url], retry_interval=0.5
+            settings,
+            id="replica-url",
+            engine="vllm",
+            vllm_urls=[server.url],
+            retry_interval=0.5,
+            max_tokens=600,
+            max_n=2,
         )
         wait_for(lambda: status(srv)["champion"] == "1", timeout_s=START_S, what="v1 via URL")
         engines = status(srv)["engine"]["engines"]
@@ -429,6 +440,10 @@ def test_a_replica_uses_a_vllm_server_given_by_url(
         )
         assert r.status_code == 200 and r.json()["model_version"] == "1", r.text
         _top_logprobs_as_the_builtin_engine(srv, states[0], base.config_dict())
+        builtin = _builtin_replica(
+            replica_factory, settings, states[0], base.config_dict(), tmp_path
+        )
+        _tool_calls_as_on_the_builtin_engine(srv, builtin)
         publish_deployment(settings, "canary_started", "2", from_version="1", traffic_pct=50.0)
         failed = wait_for(
             lambda: read_topic(
@@ -491,3 +506,234 @@ def _top_logprobs_as_the_builtin_engine(srv, state: dict, config: dict) -> None:
     shared = first.keys() & got.keys()
     assert len(shared) >= 2, (first, got)  # near-ties may swap the third
     assert all(abs(first[t] - got[t]) < 0.05 for t in shared), (first, got)
+
+
+def _builtin_replica(replica_factory, settings, state: dict, config: dict, tmp_path: Path):
+    """A replica on the built-in torch engine (no sync agent) serving the same weights as v1 from
+    its verified cache, in the same namespace: the other side of the parity checks."""
+    from app.replica.weights import WeightCache, load_verified
+    from kernels.delta.hashing import checkpoint_sha256
+
+    cache = WeightCache(tmp_path / "builtin-cache")
+    cache.put(load_verified("1", state, config, checkpoint_sha256(state)))
+    cache.set_serving(cache.restore())
+    return replica_factory(
+        settings,
+        start_sync=False,
+        cache_dir=tmp_path / "builtin-cache",
+        id="replica-builtin",
+        max_tokens=600,
+        max_n=2,
+    )
+
+
+def _tool_calls_as_on_the_builtin_engine(srv, builtin) -> None:
+    """Tool calling on the vLLM engine, through the same front, checked as
+    tests/integration/replica/test_tool_calling.py checks the built-in engine: `required` and a
+    named function yield calls whose arguments validate (answers and stream chunks checked
+    against OpenAI's schemas, finish_reason tool_calls); the events record the turn, the
+    constraint and the calls, a second turn carries the tool's result; the behaviour log-probs
+    are those of the masked distribution (0.0 wherever the grammar allows one token); greedy, both
+    engines make the same call (or part where a near-tie lets bf16 and fp32 pick differently); a
+    grammar vLLM refuses is an error with vLLM's reason. Logs constrained vs free latency."""
+    from tests.integration.replica import test_tool_calling as tc
+
+    with httpx.Client(base_url=srv.url, timeout=300) as http:
+        http.model = srv.settings.model_name
+        # required (one call, and parallel) and a named function, sampled: valid calls
+        for seed, parallel in ((0, False), (1, True)):
+            body = tc.chat(
+                http,
+                tools=tc.TOOLS,
+                tool_choice="required",
+                parallel_tool_calls=parallel,
+                seed=seed,
+            )
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "tool_calls", choice
+            calls = tc.assert_valid_calls(choice["message"], set(tc.SCHEMAS))
+            assert parallel or len(calls) == 1
+        named = {"type": "function", "function": {"name": "apply_edit"}}
+        body = tc.chat(http, tools=tc.TOOLS, tool_choice=named, seed=4, n=2, temperature=1.5)
+        for choice in body["choices"]:
+            assert len(tc.assert_valid_calls(choice["message"], {"apply_edit"})) == 1
+        # streamed: OpenAI's tool-call deltas add up to the same calls as the JSON answer
+        tc.test_a_streamed_call_arrives_as_openai_deltas_and_equals_the_answer(http)
+        # two turns; the events
+        first, second = _two_turns(http, "vllm-tools")
+    e0, e1 = _turn_events(srv, first, second)
+    _masked_logprobs(srv, e0)
+    assert "<tool_response>\nVLLM-TOOL-RESULT\n</tool_response>" in _prompt_text(srv, e1)
+    _same_greedy_call(srv, builtin)
+    _grammar_refusal_is_an_error_with_vllms_reason(srv)
+    _constrained_vs_free_latency(srv)
+
+
+def _two_turns(http: httpx.Client, user: str) -> tuple[dict, dict]:
+    from tests.integration.replica import test_tool_calling as tc
+
+    first = tc.chat(
+        http, tools=tc.TOOLS, tool_choice="required", parallel_tool_calls=False, seed=3, user=user
+    )
+    [call] = first["choices"][0]["message"]["tool_calls"]
+    history = [
+        *tc.USER,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "VLLM-TOOL-RESULT"},
+    ]
+    second = tc.chat(http, tools=tc.TOOLS, messages=history, seed=3, user=user, max_tokens=8)
+    return first, second
+
+
+def _turn_events(srv, first: dict, second: dict) -> tuple[dict, dict]:
+    ids = {first["id"], second["id"]}
+    events = read_topic(srv.settings, "interactions", 2, where=lambda e: e.get("request_id") in ids)
+    by_id = {e["request_id"]: e for e in events}
+    e0, e1 = by_id[first["id"]], by_id[second["id"]]
+    assert (e0["turn"], e1["turn"]) == (0, 1) and e0["session_id"] == e1["session_id"]
+    assert (e0["tool_choice"], e0["constrained"]) == ("required", True)
+    assert (e1["tool_choice"], e1["constrained"]) == ("auto", False)
+    assert e0["finish_reason"] == "tool_calls" and e0["model_version"] == "1"
+    call = first["choices"][0]["message"]["tool_calls"][0]
+    rec = e0["tool_calls"][0]
+    assert (rec["id"], rec["name"], rec["arguments"], rec["arguments_valid"]) == (
+        call["id"],
+        call["function"]["name"],
+        call["function"]["arguments"],
+        True,
+    )
+    assert metric(srv, "flywheel_replica_constrained_total", choice="required") >= 1
+    return e0, e1
+
+
+def _prompt_text(srv, event: dict) -> str:
+    return srv.replica.store.snapshot().champion.policy.tokenizer.decode(event["prompt_tokens"])
+
+
+def _masked_logprobs(srv, event: dict) -> None:
+    """vLLM applies the grammar's bitmask to the logits before its sampler computes
+    processed_logprobs (app/replica/engines/vllm.py docstring): where the grammar allows one
+    token the logged log-prob is exactly 0 (an untrained model's unmasked one is near -log V),
+    and where it allows several, at most 0. The event's tokens replay through the grammar."""
+    from policy.constrain import compile_grammar, tool_call_grammar
+    from tests.integration.replica.test_tool_calling import TOOLS
+
+    tok = srv.replica.store.snapshot().champion.policy.tokenizer
+    c = compile_grammar(tok, tool_call_grammar(TOOLS, None, False)).start(1)
+    forced = 0
+    for step, (t, lp) in enumerate(zip(event["completion_tokens"], event["logprobs"])):
+        allowed = int(torch.isfinite(c.mask_logits(step, torch.zeros(1, tok.vocab_size))).sum())
+        if allowed == 1:
+            forced += 1
+            assert lp == 0.0, (step, t, lp)
+        assert lp <= 0.0
+        c.accept(step, [t])
+    assert event["completion_tokens"][-1] == tok.eos_id and forced >= 10, forced
+
+
+def _same_greedy_call(srv, builtin) -> None:
+    """The same greedy request on both engines: the same prompt tokens, and the same call; where
+    the completions part, the built-in engine's own log-probs of the two tokens it could have
+    taken are a near-tie (vLLM computes in bf16, the built-in engine in fp32 on the same bf16
+    weights: docs/NUMERICS.md), so neither engine's choice is wrong."""
+    from policy import build_policy
+    from tests.integration.replica import test_tool_calling as tc
+
+    got = {}
+    for name, s in (("vllm", srv), ("builtin", builtin)):
+        with httpx.Client(base_url=s.url, timeout=300) as http:
+            http.model = s.settings.model_name
+            for choice in ("required", {"type": "function", "function": {"name": "apply_edit"}}):
+                body = tc.chat(
+                    http,
+                    tools=tc.TOOLS,
+                    tool_choice=choice,
+                    parallel_tool_calls=False,
+                    temperature=0,
+                    user=f"greedy-{name}",
+                )
+                tc.assert_valid_calls(body["choices"][0]["message"], set(tc.SCHEMAS))
+                got[name, str(choice)] = body
+    ids = {b["id"]: k for k, b in got.items()}
+    events = read_topic(srv.settings, "interactions", 4, where=lambda e: e.get("request_id") in ids)
+    ev = {ids[e["request_id"]]: e for e in events}
+    ref = None
+    for key in {k[1] for k in got}:
+        v, b = ev["vllm", key], ev["builtin", key]
+        assert v["prompt_tokens"] == b["prompt_tokens"]
+        calls = [[(c["name"], c["arguments"]) for c in e["tool_calls"]] for e in (v, b)]
+        log.info("greedy %s: vllm %s, builtin %s", key, calls[0], calls[1])
+        if calls[0] == calls[1]:
+            assert v["completion_tokens"] == b["completion_tokens"]
+            continue
+        vt, bt = v["completion_tokens"], b["completion_tokens"]
+        at = next(i for i, (x, y) in enumerate(zip(vt, bt)) if x != y)
+        if ref is None:
+            cfg = srv.replica.store.snapshot().champion.config
+            ref = build_policy(dict(cfg))
+            ref.load_serving_state_dict(srv.replica.store.snapshot().champion.state)
+            ref.eval()
+        with torch.no_grad():
+            lps = [
+                float(ref.logprobs([b["prompt_tokens"]], [bt[:at] + [t]], None, 1.0)[0, at])
+                for t in (bt[at], vt[at])
+            ]
+        log.info("greedy %s: the engines part at token %d: builtin log-probs %s", key, at, lps)
+        assert -1e-4 <= lps[0] - lps[1] < 0.05, (key, at, lps, calls)
+
+
+def _grammar_refusal_is_an_error_with_vllms_reason(srv) -> None:
+    """A grammar vLLM refuses (the front compiles every grammar it sends first, so only a server
+    configured otherwise gets here) is GrammarRefused with vLLM's reason, at once."""
+    from app.replica.engines.vllm import GrammarRefused
+
+    class Refused:
+        grammar = 'start: %json {"type": 5}\n'
+
+    pol = srv.replica.store.snapshot().champion.policy
+    t0 = time.perf_counter()
+    with pytest.raises(GrammarRefused, match="type must be a string"):
+        pol.generate([[1, 2, 3]], max_tokens=8, temperature=1.0, constraint=Refused())
+    assert time.perf_counter() - t0 < 30
+
+
+def _constrained_vs_free_latency(srv, rounds: int = 5) -> None:
+    """vLLM's first-token and total latency of the same chat prompt (tools rendered, prefix-cached
+    after the first) constrained to a call and free, alternating; logged, not asserted."""
+    from policy.constrain import tool_call_grammar
+    from tests.integration.replica.test_tool_calling import TOOLS, USER
+
+    lv = srv.replica.store.snapshot().champion
+    tok, engine = lv.policy.tokenizer, lv.policy.engine
+    text = tok.hf.apply_chat_template(USER, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    prompt = [tok.start_id, *tok.encode(text)]
+    grammar = tool_call_grammar(TOOLS, None, False)
+    rows = {"constrained": [], "free": []}
+    for k in range(rounds):
+        for kind, g in (("constrained", grammar), ("free", None)):
+            first: list[float] = []
+            t0 = time.perf_counter()
+
+            def on_step(_s, _r, first=first, t0=t0):
+                if not first:
+                    first.append(time.perf_counter() - t0)
+                return True
+
+            got = engine.generate(
+                [prompt], max_tokens=120, temperature=1.0, seed=k, on_step=on_step, grammar=g
+            )
+            total = time.perf_counter() - t0
+            rows[kind].append((first[0], total, len(got.tokens[0])))
+    for kind, r in rows.items():
+        log.info(
+            "vllm %s (prompt %d tokens): first token %s s (median %.3f), total %s s (median "
+            "%.3f), tokens %s, %.1f ms per token after the first (median)",
+            kind,
+            len(prompt),
+            [round(x[0], 3) for x in r],
+            statistics.median(x[0] for x in r),
+            [round(x[1], 3) for x in r],
+            statistics.median(x[1] for x in r),
+            [x[2] for x in r],
+            1000 * statistics.median((x[1] - x[0]) / max(1, x[2] - 1) for x in r),
+        )
