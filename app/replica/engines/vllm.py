@@ -31,7 +31,29 @@ trainer sees it) to `/v1/completions` with `return_token_ids` and `logprobs: 0`,
 front's per-token callback (stop strings, streamed deltas, cancel) works as with the built-in
 engine. Behaviour log-probs are vLLM's `processed_logprobs` (after temperature), in float32. vLLM
 returns routed experts only with Model Runner V2, which needs Triton (GPU): on CPU, MoE events carry
-no routes and the trainer routes itself (docs/NUMERICS.md).
+no routes and the trainer routes itself (docs/NUMERICS.md). A stream vLLM answered 200 can still
+fail (its input validation runs inside the stream): its error object raises, with vLLM's message.
+
+**Tool calls (constrained decoding).** With `tool_choice: "required"` or a named function the front
+compiles the call grammar (policy/constrain.py) and `VLLMPolicy.generate(constraint=)` sends the
+same Lark text as `structured_outputs: {"grammar": ...}` on the completions request; the servers run
+`--structured-outputs-config.backend guidance` (vLLM 0.32 takes no per-request backend), i.e.
+llguidance 1.7.6 with its default parser limits, the version and limits the front compiles with, so
+both engines enforce the same grammar. The completion's tokens are then replayed through the
+constraint's own matchers: a token the front's grammar refuses raises EngineUnavailable. A grammar
+vLLM refuses (400 from its structured-outputs validation, as the status or inside the stream)
+raises GrammarRefused (an EngineUnavailable: 503 with vLLM's reason) at once; the front compiles
+every grammar first, so only a server configured otherwise gets there.
+
+Behaviour log-probs under a constraint are those of the masked distribution, as on the built-in
+engine: vLLM 0.32 applies the grammar bitmask to the logits in place before sampling
+(vllm/v1/worker/gpu_model_runner.py:4333-4340 `sample_tokens`: `apply_grammar_bitmask(...,
+logits)` then `self._sample(logits, ...)`; the CPU runner inherits it; Model Runner V2 likewise,
+vllm/v1/worker/gpu/model_runner.py:1620-1627), and the sampler computes `processed_logprobs` from
+those logits (vllm/v1/sample/sampler.py:97-103, greedy 272-273, random after temperature via
+vllm/v1/sample/ops/topk_topp_sampler.py:278-279). Measured (tests/integration/replica/
+test_vllm_engine.py): every position the grammar forces logs 0.0, and a greedy call equals the
+built-in engine's token for token on the same weights.
 """
 
 from __future__ import annotations
