@@ -38,8 +38,9 @@ fail (its input validation runs inside the stream): its error object raises, wit
 compiles the call grammar (policy/constrain.py) and `VLLMPolicy.generate(constraint=)` sends the
 same Lark text as `structured_outputs: {"grammar": ...}` on the completions request; the servers run
 `--structured-outputs-config.backend guidance` (vLLM 0.32 takes no per-request backend), i.e.
-llguidance 1.7.6 with its default parser limits, the version and limits the front compiles with, so
-both engines enforce the same grammar. The completion's tokens are then replayed through the
+llguidance 1.7.6 with its default parser limits: the version the front compiles with, and its
+limits while FLYWHEEL_REPLICA_GRAMMAR_COMPILE_FUEL / _STEP_FUEL keep their defaults (those bound the
+front's compile only), so both engines enforce the same grammar. The completion's tokens are then replayed through the
 constraint's own matchers: a token the front's grammar refuses raises EngineUnavailable. A grammar
 vLLM refuses (400 from its structured-outputs validation, as the status or inside the stream)
 raises GrammarRefused (an EngineUnavailable: 503 with vLLM's reason) at once; the front compiles

@@ -699,7 +699,9 @@ def _grammar_refusal_is_an_error_with_vllms_reason(srv) -> None:
 
 def _constrained_vs_free_latency(srv, rounds: int = 5) -> None:
     """vLLM's first-token and total latency of the same chat prompt (tools rendered, prefix-cached
-    after the first) constrained to a call and free, alternating; logged, not asserted."""
+    after the first) constrained to a call and free, alternating; logged, not asserted. The first
+    token is timed when its streamed chunk is read: vLLM's stream coalesces steps into one chunk
+    when the client reads slower than it decodes, so on a fast tiny model it can be late."""
     from policy.constrain import tool_call_grammar
     from tests.integration.replica.test_tool_calling import TOOLS, USER
 
@@ -726,8 +728,8 @@ def _constrained_vs_free_latency(srv, rounds: int = 5) -> None:
             rows[kind].append((first[0], total, len(got.tokens[0])))
     for kind, r in rows.items():
         log.info(
-            "vllm %s (prompt %d tokens): first token %s s (median %.3f), total %s s (median "
-            "%.3f), tokens %s, %.1f ms per token after the first (median)",
+            "vllm %s (prompt %d tokens): first streamed chunk %s s (median %.3f), total %s s "
+            "(median %.3f), tokens %s, median %.1f ms per token (total / tokens)",
             kind,
             len(prompt),
             [round(x[0], 3) for x in r],
@@ -735,5 +737,5 @@ def _constrained_vs_free_latency(srv, rounds: int = 5) -> None:
             [round(x[1], 3) for x in r],
             statistics.median(x[1] for x in r),
             [x[2] for x in r],
-            1000 * statistics.median((x[1] - x[0]) / max(1, x[2] - 1) for x in r),
+            1000 * statistics.median(x[1] / max(1, x[2]) for x in r),
         )

@@ -447,7 +447,9 @@ def test_a_constrained_generation_sends_the_grammar_and_replays_vllms_tokens_thr
     lv = p.held(p.engines[0], "1")
     tok, e = lv.policy.tokenizer, p.engines[0]
     compiled = compile_grammar(tok, _call_grammar())
-    call = tok.encode('<tool_call>\n{"name":"read_file","arguments":{"path":"a.py"}}\n</tool_call>')
+    call = tok.encode(
+        '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>'
+    )
     e.script = ([[*call, tok.eos_id]], [[-0.5] * (len(call) + 1)], ["stop"], False)
     [out] = lv.policy.generate([[1, 2]], max_tokens=200, constraint=compiled.start(1))
     assert e.grammar == compiled.grammar and out.meta["finish_reason"] == "eos"
