@@ -27,6 +27,10 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
+class ContextOverflow(ValueError):
+    """A prompt that must not be cut (a chat with tools) is longer than the context allows."""
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
@@ -130,8 +134,11 @@ class Replica:
         )
 
     @staticmethod
-    def encode_prompt(lv: LoadedVersion, text: str, max_tokens: int) -> list[int]:
-        """The prompt tokens the model will see (the end of the prompt when it is longer than the context).
+    def encode_prompt(
+        lv: LoadedVersion, text: str, max_tokens: int, truncate: bool = True
+    ) -> list[int]:
+        """The prompt tokens the model will see (the end of the prompt when it is longer than the
+        context; with `truncate` False, a ContextOverflow instead).
 
         Raises ValueError when the version's tokenizer cannot encode the prompt."""
         tok = lv.policy.tokenizer
@@ -145,6 +152,11 @@ class Replica:
                 f"the tokenizer {tok.name} produced ids outside its vocabulary: {bad[:5]}"
             )
         ctx = int(lv.config.get("max_context") or 0)
+        if ctx and not truncate and len(prompt) > ctx - 1 - max_tokens:
+            raise ContextOverflow(
+                f"the prompt is {len(prompt)} tokens; with max_tokens {max_tokens} the model's "
+                f"context of {ctx} (bos included) holds at most {max(0, ctx - 1 - max_tokens)}"
+            )
         if ctx:
             keep = ctx - 1 - max_tokens
             prompt = prompt[-keep:] if keep > 0 else []

@@ -220,8 +220,19 @@ def _encode(
             if not isinstance(exc, TemplateError):
                 raise
             raise bad_param("messages", f"the model's chat template refused them: {exc}") from None
+    from app.replica.replica import ContextOverflow
+
+    # a chat with tools is never cut: keeping its end would drop the tool definitions
+    whole = tools is not None and bool(tools.tools)
     try:
-        return replica.encode_prompt(lv, text, max_tokens)
+        return replica.encode_prompt(lv, text, max_tokens, truncate=not whole)
+    except ContextOverflow as exc:
+        raise bad_param(
+            "messages",
+            f"{exc}: a chat with tools is not cut (its tool definitions would be lost); send "
+            "fewer or shorter messages, or ask for fewer max_tokens",
+            "context_length_exceeded",
+        ) from None
     except ValueError as exc:
         raise bad_param("messages" if messages is not None else "prompt", str(exc)) from None
 

@@ -355,16 +355,27 @@ def test_a_bad_tool_request_is_a_400_naming_the_parameter(http, why, extra, para
 def test_a_grammar_over_the_compile_bound_is_a_400_not_a_pinned_cpu(builtin_replica):
     srv = builtin_replica(id="replica-tools-fuel", grammar_compile_fuel=1000)
     with _client(srv) as http:
-        hex_id = {"type": "string", "pattern": "^([a-f0-9]{8}-){20}[a-f0-9]{12}$"}
-        params = {"type": "object", "properties": {"id": hex_id}, "required": ["id"]}
+        ids = {"type": "string", "enum": [f"value-{i}" for i in range(200)]}
+        params = {"type": "object", "properties": {"id": ids}, "required": ["id"]}
         tools = [{"type": "function", "function": {"name": "lookup", "parameters": params}}]
         body = {"model": http.model, "messages": USER, "user": "s", "tools": tools}
         r = http.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
         assert r.status_code == 400, r.text
         check("ErrorResponse", r.json())
-        assert r.json()["error"]["param"].startswith("tools"), r.json()
+        assert r.json()["error"]["param"] == "tools.[0].function.parameters", r.json()
         assert "constrained decoding cannot enforce the tools" in r.json()["error"]["message"]
         chat(http, tools=TOOLS, max_tokens=8)  # auto needs no grammar
+
+
+def test_a_chat_with_tools_that_does_not_fit_the_context_is_refused_not_cut(http):
+    long = [{"role": "user", "content": "x" * 1900}]
+    body = {"model": http.model, "messages": long, "user": "s", "max_tokens": 100}
+    r = http.post("/v1/chat/completions", json={**body, "tools": TOOLS})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("messages", "context_length_exceeded"), err
+    assert "tool definitions would be lost" in err["message"]
+    assert http.post("/v1/chat/completions", json=body).status_code == 200  # no tools: its end
 
 
 def test_a_model_without_a_tool_format_refuses_tools(hf_replica):

@@ -444,6 +444,7 @@ def test_a_replica_uses_a_vllm_server_given_by_url(
             replica_factory, settings, states[0], base.config_dict(), tmp_path
         )
         _tool_calls_as_on_the_builtin_engine(srv, builtin)
+        _agent_frameworks_on_vllm(srv, tmp_path)
         publish_deployment(settings, "canary_started", "2", from_version="1", traffic_pct=50.0)
         failed = wait_for(
             lambda: read_topic(
@@ -739,3 +740,20 @@ def _constrained_vs_free_latency(srv, rounds: int = 5) -> None:
             [x[2] for x in r],
             1000 * statistics.median(x[1] / max(1, x[2]) for x in r),
         )
+
+
+def _agent_frameworks_on_vllm(srv, tmp_path: Path) -> None:
+    """The OpenAI Agents SDK and LangChain, unmodified, run their tool-calling agents on the vLLM
+    engine as on the built-in one (tests/integration/clients/test_agent_frameworks.py)."""
+    from tests.integration.clients.test_agent_frameworks import (
+        FILES,
+        run_agents_sdk,
+        run_langchain,
+    )
+
+    files = tmp_path / "agent-files"
+    files.mkdir()
+    for name, text in FILES.items():
+        (files / name).write_text(text)
+    run_agents_sdk(srv, files)
+    run_langchain(srv, files)
