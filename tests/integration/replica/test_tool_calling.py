@@ -183,34 +183,33 @@ def test_a_streamed_call_arrives_as_openai_deltas_and_equals_the_answer(http):
     assert got == want
 
 
-def test_the_generation_events_record_the_turns_calls_and_constraint(srv, http):
-    """Turn 0 calls a tool; turn 1 sends its result back: both events name the session, their
-    turn, the tools' digest, the tool choice and the calls; the result is in turn 1's prompt."""
+def two_turns(http: httpx.Client, user: str, result: str, **second: Any) -> tuple[dict, dict]:
+    """Turn 0 calls a tool (required, one call); turn 1 sends `result` back as its tool message."""
     first = chat(
-        http,
-        tools=TOOLS,
-        tool_choice="required",
-        parallel_tool_calls=False,
-        seed=3,
-        user="tools-session",
+        http, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, seed=3, user=user
     )
-    call = first["choices"][0]["message"]["tool_calls"][0]
+    [call] = first["choices"][0]["message"]["tool_calls"]
     history = [
         *USER,
         {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call["id"], "content": "RESULT-OF-THE-TOOL"},
+        {"role": "tool", "tool_call_id": call["id"], "content": result},
     ]
-    second = chat(http, tools=TOOLS, messages=history, seed=3, user="tools-session")
+    return first, chat(http, tools=TOOLS, messages=history, seed=3, user=user, **second)
+
+
+def turn_events(srv, first: dict, second: dict) -> tuple[dict, dict]:
+    """The two turns' generation events, checked: the session, the turns, the tools' digest, the
+    tool choice, the constraint and the call as the client got it."""
     ids = {first["id"], second["id"]}
     events = read_topic(srv.settings, "interactions", 2, where=lambda e: e.get("request_id") in ids)
     by_id = {e["request_id"]: e for e in events}
     e0, e1 = by_id[first["id"]], by_id[second["id"]]
-    assert (e0["turn"], e1["turn"]) == (0, 1)
-    assert e0["session_id"] == e1["session_id"] == "tools-session"
+    assert (e0["turn"], e1["turn"]) == (0, 1) and e0["session_id"] == e1["session_id"]
     assert e0["tools_digest"] == e1["tools_digest"] and len(e0["tools_digest"]) == 64
     assert (e0["tool_choice"], e0["constrained"]) == ("required", True)
     assert (e1["tool_choice"], e1["constrained"]) == ("auto", False)
     assert e0["finish_reason"] == "tool_calls"
+    call = first["choices"][0]["message"]["tool_calls"][0]
     rec = e0["tool_calls"][0]
     assert (rec["id"], rec["name"], rec["arguments"], rec["arguments_valid"]) == (
         call["id"],
@@ -218,6 +217,15 @@ def test_the_generation_events_record_the_turns_calls_and_constraint(srv, http):
         call["function"]["arguments"],
         True,
     )
+    return e0, e1
+
+
+def test_the_generation_events_record_the_turns_calls_and_constraint(srv, http):
+    """Turn 0 calls a tool; turn 1 sends its result back: both events name the session, their
+    turn, the tools' digest, the tool choice and the calls; the result is in turn 1's prompt."""
+    first, second = two_turns(http, "tools-session", "RESULT-OF-THE-TOOL")
+    e0, e1 = turn_events(srv, first, second)
+    assert e0["session_id"] == "tools-session"
     # the call sent back renders exactly what was generated: turn 1's prompt extends turn 0's
     # prompt and completion (its eos aside), as the next issue's session ledger needs
     done = e0["prompt_tokens"] + e0["completion_tokens"][:-1]

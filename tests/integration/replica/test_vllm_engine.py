@@ -561,50 +561,15 @@ def _tool_calls_as_on_the_builtin_engine(srv, builtin) -> None:
         # streamed: OpenAI's tool-call deltas add up to the same calls as the JSON answer
         tc.test_a_streamed_call_arrives_as_openai_deltas_and_equals_the_answer(http)
         # two turns; the events
-        first, second = _two_turns(http, "vllm-tools")
-    e0, e1 = _turn_events(srv, first, second)
+        first, second = tc.two_turns(http, "vllm-tools", "VLLM-TOOL-RESULT", max_tokens=8)
+    e0, e1 = tc.turn_events(srv, first, second)
+    assert e0["model_version"] == "1"
+    assert metric(srv, "flywheel_replica_constrained_total", choice="required") >= 1
     _masked_logprobs(srv, e0)
     assert "<tool_response>\nVLLM-TOOL-RESULT\n</tool_response>" in _prompt_text(srv, e1)
     _same_greedy_call(srv, builtin)
     _grammar_refusal_is_an_error_with_vllms_reason(srv)
     _constrained_vs_free_latency(srv)
-
-
-def _two_turns(http: httpx.Client, user: str) -> tuple[dict, dict]:
-    from tests.integration.replica import test_tool_calling as tc
-
-    first = tc.chat(
-        http, tools=tc.TOOLS, tool_choice="required", parallel_tool_calls=False, seed=3, user=user
-    )
-    [call] = first["choices"][0]["message"]["tool_calls"]
-    history = [
-        *tc.USER,
-        {"role": "assistant", "content": None, "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": call["id"], "content": "VLLM-TOOL-RESULT"},
-    ]
-    second = tc.chat(http, tools=tc.TOOLS, messages=history, seed=3, user=user, max_tokens=8)
-    return first, second
-
-
-def _turn_events(srv, first: dict, second: dict) -> tuple[dict, dict]:
-    ids = {first["id"], second["id"]}
-    events = read_topic(srv.settings, "interactions", 2, where=lambda e: e.get("request_id") in ids)
-    by_id = {e["request_id"]: e for e in events}
-    e0, e1 = by_id[first["id"]], by_id[second["id"]]
-    assert (e0["turn"], e1["turn"]) == (0, 1) and e0["session_id"] == e1["session_id"]
-    assert (e0["tool_choice"], e0["constrained"]) == ("required", True)
-    assert (e1["tool_choice"], e1["constrained"]) == ("auto", False)
-    assert e0["finish_reason"] == "tool_calls" and e0["model_version"] == "1"
-    call = first["choices"][0]["message"]["tool_calls"][0]
-    rec = e0["tool_calls"][0]
-    assert (rec["id"], rec["name"], rec["arguments"], rec["arguments_valid"]) == (
-        call["id"],
-        call["function"]["name"],
-        call["function"]["arguments"],
-        True,
-    )
-    assert metric(srv, "flywheel_replica_constrained_total", choice="required") >= 1
-    return e0, e1
 
 
 def _prompt_text(srv, event: dict) -> str:
