@@ -70,7 +70,8 @@ def lineage_tags(intent: ShipIntent, topic: str) -> dict[str, str]:
         "kafka_offsets": json.dumps(
             {"topic": topic, "partitions": {str(k): v for k, v in sorted(intent.ranges.items())}}
         ),
-        "reward_spec": ",".join(p.reward_specs) or "none",
+        # sorted: the same specs read the same whichever a batch met first
+        "reward_spec": ",".join(sorted(p.reward_specs)) or "none",
         # rollouts trained per reward spec (relabelled ones under their new spec); "{}" from a pending
         # saved by a trainer that did not count them
         "reward_specs": json.dumps(p.reward_spec_counts, sort_keys=True),

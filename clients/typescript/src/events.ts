@@ -48,10 +48,32 @@ export interface GenerationEvent extends Envelope {
   route_shape?: [number, number, number];
   group_id?: string;
   latency_ms?: number;
-  /** Why the completion ended; "cancelled": the client went away mid-stream. */
-  finish_reason?: "stop" | "length" | "cancelled";
+  /** Why the completion ended; "cancelled": the client went away mid-stream; "tool_calls": a chat
+   * completion that ended after its tool calls. */
+  finish_reason?: "stop" | "length" | "cancelled" | "tool_calls";
   /** Whether the completion was streamed to the client. */
   stream?: boolean;
+  /** Chat turns (docs/AGENTS.md): the assistant messages in the request's history. */
+  turn?: number;
+  tool_choice?: "none" | "auto" | "required" | "function";
+  /** sha256 hex of the tools' canonical JSON. */
+  tools_digest?: string;
+  /** Sampled under the tool-call grammar: `logprobs` are of the masked distribution. */
+  constrained?: boolean;
+  tool_calls?: ToolCallRecord[];
+  /** Text in the model's call format that is not a call (returned as content, never repaired). */
+  invalid_tool_calls?: { text: string; error: string }[];
+}
+
+/** A call the model made, as the replica returned it. */
+export interface ToolCallRecord {
+  id: string;
+  name: string;
+  /** The JSON text of the arguments, as the model wrote it. */
+  arguments: string;
+  /** Whether the arguments validate against the function's schema. */
+  arguments_valid: boolean;
+  arguments_error?: string;
 }
 
 export interface AcceptEvent extends Envelope {
@@ -104,7 +126,10 @@ export type EventType = FeedbackEvent["type"];
 
 /** One field of an event as JSON Schema says it (the subset the ingest schema uses). */
 export interface FieldSchema {
-  readonly type: "string" | "integer" | "number" | "boolean" | "array";
+  readonly type: "string" | "integer" | "number" | "boolean" | "array" | "object";
+  readonly pattern?: string;
+  readonly properties?: { readonly [name: string]: FieldSchema };
+  readonly required?: readonly string[];
   readonly enum?: readonly (string | number)[];
   readonly format?: string;
   readonly minimum?: number;
@@ -134,6 +159,27 @@ const ENVELOPE_FIELDS = {
 const ENVELOPE_REQUIRED = ["event_id", "request_id", "session_id", "ts", "type"] as const;
 const NON_NEGATIVE_INT = { type: "integer", minimum: 0 } as const;
 const MAX_TEXT = 4096;
+const MAX_TOOL_CALLS = 1024;
+const MAX_TOOL_TEXT = 262144;
+const TOOL_CALL_RECORD = {
+  type: "object",
+  properties: {
+    id: ID,
+    name: { type: "string", minLength: 1, maxLength: 64 },
+    arguments: { type: "string", maxLength: MAX_TOOL_TEXT },
+    arguments_valid: { type: "boolean" },
+    arguments_error: { type: "string", maxLength: 2000 },
+  },
+  required: ["id", "name", "arguments", "arguments_valid"],
+} as const;
+const INVALID_TOOL_CALL = {
+  type: "object",
+  properties: {
+    text: { type: "string", maxLength: MAX_TOOL_TEXT },
+    error: { type: "string", maxLength: 2000 },
+  },
+  required: ["text", "error"],
+} as const;
 
 /** Every event type of the ingest schema, field by field (checked against the API's OpenAPI document). */
 export const EVENT_SCHEMAS = {
@@ -151,8 +197,14 @@ export const EVENT_SCHEMAS = {
       group_id: ID,
       latency_ms: { type: "number", minimum: 0 },
       tokenizer: { type: "string", minLength: 1, maxLength: 64 },
-      finish_reason: { type: "string", enum: ["stop", "length", "cancelled"] },
+      finish_reason: { type: "string", enum: ["stop", "length", "cancelled", "tool_calls"] },
       stream: { type: "boolean" },
+      turn: NON_NEGATIVE_INT,
+      tool_choice: { type: "string", enum: ["none", "auto", "required", "function"] },
+      tools_digest: { type: "string", pattern: "^[0-9a-f]{64}$" },
+      constrained: { type: "boolean" },
+      tool_calls: { type: "array", items: TOOL_CALL_RECORD, maxItems: MAX_TOOL_CALLS },
+      invalid_tool_calls: { type: "array", items: INVALID_TOOL_CALL, maxItems: MAX_TOOL_CALLS },
     },
     required: [
       ...ENVELOPE_REQUIRED,

@@ -109,6 +109,7 @@ describe("against the real API and Kafka", () => {
     const resp = await fetch(`${MAIN.url}/openapi.json`);
     assert.equal(resp.status, 200);
     const doc = (await resp.json()) as OpenApi;
+    COMPONENTS = doc.components.schemas as { [name: string]: JsonSchema };
     const items = doc.paths["/v1/events"]?.post?.requestBody?.content?.["application/json"]?.schema?.properties
       ?.events?.items;
     assert.ok(items?.discriminator, "POST /v1/events publishes no event schema (app/api/routes/events.py)");
@@ -396,7 +397,10 @@ interface OpenApi {
   };
 }
 
-const KEPT = ["format", "minimum", "maximum", "exclusiveMinimum", "minLength", "maxLength", "minItems", "maxItems"] as const;
+const KEPT = ["format", "pattern", "minimum", "maximum", "exclusiveMinimum", "minLength", "maxLength", "minItems", "maxItems"] as const;
+
+/** The document's `components.schemas`, for the `$ref`s of nested objects (set per test). */
+let COMPONENTS: { [name: string]: JsonSchema } = {};
 
 /** A property of the API's schema in EVENT_SCHEMAS's shape: `X | null` is X (the client leaves such fields out), `const` is a one-value enum, a tuple of one item type is an array of it. */
 function normalise(p: JsonSchema, where: string): FieldSchema {
@@ -405,7 +409,20 @@ function normalise(p: JsonSchema, where: string): FieldSchema {
     assert.equal(nonNull.length, 1, `${where}: a union the client does not model`);
     return normalise(nonNull[0] as JsonSchema, where);
   }
+  if (typeof p.$ref === "string") {
+    const target = COMPONENTS[p.$ref.slice("#/components/schemas/".length)];
+    assert.ok(target, `${where}: $ref ${p.$ref} is not in the document`);
+    return normalise(target, where);
+  }
   const out: Record<string, unknown> = { type: p.type };
+  if (p.type === "object") {
+    const props = (p.properties ?? {}) as { [name: string]: JsonSchema };
+    assert.equal(p.additionalProperties, false, `${where}: unknown fields must be refused`);
+    out.properties = Object.fromEntries(
+      Object.entries(props).map(([name, s]) => [name, normalise(s, `${where}.${name}`)]),
+    );
+    out.required = p.required;
+  }
   if (p.const !== undefined) {
     out.enum = [p.const];
   }

@@ -256,7 +256,7 @@ OPENAI_CORPUS: list[tuple[str, str, bytes, str | None]] = [
         "message role tool",
         "chat",
         b'{"messages": [{"role": "tool", "content": "x"}], "user": "s"}',
-        "messages.[0].role",
+        "messages.[0].tool_call_id",
     ),
     (
         "message content parts",
@@ -274,7 +274,7 @@ OPENAI_CORPUS: list[tuple[str, str, bytes, str | None]] = [
         "tools",
         "chat",
         b'{"messages": [{"role": "user", "content": "x"}], "user": "s", "tools": [{}]}',
-        "tools",
+        "tools.[0].type",
     ),
     (
         "top_logprobs over 20",
