@@ -64,6 +64,24 @@ class ToolErrorEntry(BaseModel):
     token_index: int
 
 
+class TurnSpan(BaseModel):
+    """One model call of a multi-turn record (a session's segment): the tokens it sampled are
+    `completion_tokens[start:end]`, all with `loss_mask` 1; its behaviour log-probs are `logprobs`
+    at the same positions, sampled by `model_version` at `temperature`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=128)
+    model_version: str = Field(min_length=1)
+    temperature: float | None = Field(None, ge=0.0)
+    start: int = Field(ge=0)
+    end: int = Field(ge=1)
+    finish_reason: Literal["stop", "length", "cancelled", "tool_calls"] | None = None
+    constrained: bool | None = None
+    components: Components | None = None
+    generated_at: str | None = None
+
+
 class Rollout(BaseModel):
     """A reward-labelled generation (docs/DESIGN.md §Rollout record)."""
 
@@ -115,6 +133,18 @@ class Rollout(BaseModel):
         max_length=64,
         description="id of the `flywheel streams relabel` run that wrote "
         "this record (key '<request_id>|<reward_spec>'); None for the live worker's rollouts",
+    )
+    turns: list[TurnSpan] | None = Field(
+        None,
+        description="a multi-turn record (a session's segment): its model calls in order, each "
+        "with the span of completion_tokens it sampled; None for a one-call record, whose "
+        "completion is all sampled by model_version at temperature",
+    )
+    loss_mask: list[Literal[0, 1]] | None = Field(
+        None,
+        description="per completion token: 1 where the model sampled it (the turns' spans), 0 "
+        "for what it did not (tool results, user messages, template tokens between turns), whose "
+        "logprobs are 0.0 placeholders; None: every completion token was sampled",
     )
 
 
