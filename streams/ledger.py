@@ -1,0 +1,384 @@
+"""The session ledger: a session's labelled turns -> segments -> one rollout per segment (pure).
+
+Agent sessions are many chat calls, each labelled on its own by the join (streams/labels.py).
+`Ledger` takes those rollout records (each with the generation's `turn` and `tools_digest`
+beside), groups each session's turns into segments of turns that extend one another
+(streams/segments.py: the extension rule and the record a segment makes) and emits one rollout
+per segment. Like `Aggregator` it is plain logic: no Faust, no Kafka. Time is passed in (`now`
+on every call: a record timestamp, or a tick's time) and is the only clock, so a replay gives
+the same output, `detected_at` of late records included. No worker runs it.
+
+Per session, turns are applied in order of `turn` (then `generated_at`, then request_id):
+
+- a record without `turn` (`/v1/completions`, `/v1/complete`) is a one-turn segment at once
+  (`not_a_chat_turn`), its record unchanged; it touches no session state, so a redelivered one
+  is emitted again, identically (the rollouts topic is keyed and compacted by request_id);
+- a repeated request_id is ignored (`duplicates`);
+- a turn after the session ended (`end_session`) goes to `late` (`session_ended`); a turn at or
+  below one already applied goes to `late`: `after_close` when the segment that holds its place
+  has closed, `superseded` when the open one went past it (another choice of the same turn,
+  or a turn the idle window gave up waiting for);
+- a turn further on than the next one expected (or a session's first turn above 0) waits,
+  up to `idle_s` after it arrived, for the turns before it; then the waiting turns are applied
+  in order with the gap (a missing turn's tokens end up in a later prompt, so in the context,
+  masked out);
+- an applied turn extends the open segment or closes it and opens a new one; the reason is
+  counted (`opened.<reason>`, `closed.<reason>`) and given on the emitted record (`Emit`).
+
+A segment closes when a turn breaks it (`history_rewritten`, `tools_changed`,
+`version_tokenizer_changed`), after `idle_s` without a turn of its session (`idle`), on
+`end_session` (`end`), at `max_turns` turns (`max_turns`), when the next turn would take it past
+`max_tokens` tokens or it reached them (`max_tokens`), or when its session is the least
+recently active of more than `max_open_sessions` open ones (`open_sessions`). The segment after
+a close by idle or a bound opens with that reason; nothing is lost across a close.
+
+Two clients sharing one session id interleave two histories: each one's turn breaks the
+other's segment (`history_rewritten`), and turns of the same number supersede each other, so
+the collision shows as many one-turn segments and `superseded` late records.
+
+State, per session id, one JSON value in `sessions` (a changelogged table in a worker), read
+and written through `Session.from_stored`/`to_stored` on every change; the heaps and the set of
+open sessions are derived from it (rebuilt at construction), so a ledger built on a restored
+table continues exactly where the last write left it. Counters (`counts`) are not state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from streams.segments import Segment, as_rollout, extension, segment_record
+
+CloseReason = Literal[
+    "history_rewritten",
+    "tools_changed",
+    "version_tokenizer_changed",
+    "idle",
+    "end",
+    "max_turns",
+    "max_tokens",
+    "open_sessions",
+    "not_a_chat_turn",
+]
+OpenReason = Literal["session_start"] | CloseReason
+LateReason = Literal["after_close", "superseded", "session_ended"]
+
+
+class LedgerConfig(BaseModel):
+    """Settings of the ledger."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    idle_s: float = Field(
+        300.0,
+        gt=0,
+        description="A segment closes this long after its session's last turn; "
+        "a turn that came early waits this long for the turns before it.",
+    )
+    retention_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a session without an open segment is remembered "
+        "after its last turn or its end (duplicates dropped, late turns routed).",
+    )
+    max_turns: int = Field(64, ge=1, description="Turns per segment.")
+    max_tokens: int = Field(
+        32768, ge=1, description="Prompt and completion tokens per segment (the model's context)."
+    )
+    max_open_sessions: int = Field(
+        10_000, ge=1, description="Sessions with an open segment or waiting turns, per ledger."
+    )
+    eos_ids: dict[str, list[int]] = Field(
+        default_factory=lambda: {"byte-v1": [257]},
+        description="End-of-sequence ids per tokenizer name: a completion's final one of these "
+        "may be missing from the next turn's prompt (the streams role loads no tokenizer).",
+    )
+
+    @model_validator(mode="after")
+    def _retention_covers_idle(self) -> LedgerConfig:
+        assert self.retention_s >= self.idle_s, (
+            f"retention_s {self.retention_s} must cover idle_s {self.idle_s}"
+        )
+        return self
+
+
+@dataclass(frozen=True)
+class Emit:
+    """One output: `topic` rollouts | late. A rollout says why its segment opened and closed."""
+
+    topic: str
+    key: str
+    value: dict[str, Any]
+    opened_by: str | None = None  # OpenReason
+    closed_by: str | None = None  # CloseReason
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A turn waiting for the turns before it (stored `{"at", "rec"}`)."""
+
+    arrived_at: float  # "at"
+    record: dict[str, Any]  # "rec": the input record
+
+    @property
+    def order(self) -> tuple[int, str, str]:
+        r = self.record
+        return r["turn"], r["generated_at"], r["request_id"]
+
+
+@dataclass(slots=True)
+class Session:
+    """The ledger state of one session id (stored with the short keys named beside each field).
+
+    A value: each change builds the next one with `dataclasses.replace`."""
+
+    seen: tuple[str, ...]  # "seen": request_ids of its chat turns (dedupe), in arrival order
+    applied: int | None  # "ap": the highest turn applied (None: none yet)
+    last_at: float  # "at": when its last accepted turn arrived (or it was created)
+    segment: Segment | None = None  # "seg": the open segment
+    waiting: tuple[Waiting, ...] = ()  # "w": turns waiting for earlier ones, in order
+    last_close: CloseReason | None = None  # "lc": why its last segment closed
+    ended_at: float | None = None  # "end": when `end_session` ended it
+
+    @property
+    def open(self) -> bool:
+        """Counts against `max_open_sessions`: an open segment or waiting turns."""
+        return self.segment is not None or bool(self.waiting)
+
+    def due(self, cfg: LedgerConfig) -> float:
+        """When time next acts on it: flush waiting turns, close idle, or forget it."""
+        if self.waiting:
+            return self.waiting[0].arrived_at + cfg.idle_s
+        if self.segment is not None:
+            return self.last_at + cfg.idle_s
+        return (self.ended_at if self.ended_at is not None else self.last_at) + cfg.retention_s
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, Any]) -> Session:
+        seg = stored.get("seg")
+        return cls(
+            tuple(stored["seen"]),
+            stored["ap"],
+            stored["at"],
+            Segment.from_stored(seg) if seg is not None else None,
+            tuple(Waiting(w["at"], w["rec"]) for w in stored.get("w", ())),
+            stored.get("lc"),
+            stored.get("end"),
+        )
+
+    def to_stored(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"seen": list(self.seen), "ap": self.applied, "at": self.last_at}
+        if self.segment is not None:
+            out["seg"] = self.segment.to_stored()
+        if self.waiting:
+            out["w"] = [{"at": w.arrived_at, "rec": w.record} for w in self.waiting]
+        if self.last_close is not None:
+            out["lc"] = self.last_close
+        if self.ended_at is not None:
+            out["end"] = self.ended_at
+        return out
+
+
+def iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=UTC).isoformat().replace("+00:00", "Z")
+
+
+class Ledger:
+    """Session segmentation over the `sessions` mapping. Not thread-safe: one agent drives it."""
+
+    def __init__(self, cfg: LedgerConfig, sessions: MutableMapping[str, dict]):
+        self.cfg, self.sessions = cfg, sessions
+        self.counts: Counter[str] = Counter()
+        self._wm = -math.inf
+        self._due: list[tuple[float, str]] = []  # (due, session id); stale entries skipped
+        self._lru: list[tuple[float, str]] = []  # (last_at, session id) of open sessions
+        self._open: set[str] = set()
+        for sid, stored in list(sessions.items()):
+            self._index(sid, Session.from_stored(stored))
+
+    # --- state ---------------------------------------------------------------------------------
+    def session(self, sid: str) -> Session | None:
+        stored = self.sessions.get(sid)
+        return Session.from_stored(stored) if stored else None
+
+    def _index(self, sid: str, sess: Session) -> None:
+        heapq.heappush(self._due, (sess.due(self.cfg), sid))
+        if sess.open:
+            self._open.add(sid)
+            heapq.heappush(self._lru, (sess.last_at, sid))
+        else:
+            self._open.discard(sid)
+
+    def _put(self, sid: str, sess: Session) -> None:
+        self.sessions[sid] = sess.to_stored()
+        self._index(sid, sess)
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._open)
+
+    # --- inputs --------------------------------------------------------------------------------
+    def on_rollout(self, rec: dict[str, Any], now: float) -> list[Emit]:
+        """Apply one labelled turn (a rollout record with `turn` and `tools_digest` beside)."""
+        out = self.advance(now)
+        if rec.get("turn") is None:
+            self.counts["opened.not_a_chat_turn"] += 1
+            self.counts["closed.not_a_chat_turn"] += 1
+            rollout = as_rollout(rec)
+            out.append(
+                Emit(
+                    "rollouts", rollout["request_id"], rollout, "not_a_chat_turn", "not_a_chat_turn"
+                )
+            )
+            return out
+        sid, rid = rec["session_id"], rec["request_id"]
+        sess = self.session(sid) or Session((), None, now)
+        if rid in sess.seen:
+            self.counts["duplicates"] += 1
+            return out
+        sess = replace(sess, seen=(*sess.seen, rid))
+        late = self._late_reason(sess, rec["turn"])
+        if late is not None:
+            self._put(sid, sess)
+            out.append(self._late(late, rec, now))
+            return out
+        sess = self._accept(sess, rec, now, out)
+        self._put(sid, sess)
+        out += self._evict(keep=sid, now=now)
+        return out
+
+    def end_session(self, sid: str, now: float) -> list[Emit]:
+        """The client ended session `sid`: its waiting turns are applied, its segment closes
+        (`end`), and later turns of it go to late (`session_ended`) until `retention_s` passes."""
+        out = self.advance(now)
+        sess = self.session(sid) or Session((), None, now)
+        if sess.ended_at is None:
+            sess = self._close(self._flush(sess, now, out), "end", out)
+            self._put(sid, replace(sess, ended_at=now))
+        return out
+
+    def advance(self, now: float) -> list[Emit]:
+        """Move time to `now` (never back) and act on every session due by then."""
+        if now <= self._wm:
+            return []
+        self._wm = now
+        out: list[Emit] = []
+        while self._due and self._due[0][0] <= now:
+            due, sid = heapq.heappop(self._due)
+            sess = self.session(sid)
+            if sess is None or sess.due(self.cfg) != due:
+                continue  # stale entry: the session moved on
+            if sess.open:
+                sess = self._flush(sess, now, out)
+                if sess.segment is not None and sess.last_at + self.cfg.idle_s <= now:
+                    sess = self._close(sess, "idle", out)
+                self._put(sid, sess)
+            else:
+                del self.sessions[sid]
+                self._open.discard(sid)
+        return out
+
+    # --- turns ---------------------------------------------------------------------------------
+    def _late_reason(self, sess: Session, turn: int) -> LateReason | None:
+        if sess.ended_at is not None:
+            return "session_ended"
+        if sess.applied is None or turn > sess.applied:
+            return None
+        seg = sess.segment
+        return "superseded" if seg is not None and turn >= seg.parts[0].turn else "after_close"
+
+    def _accept(self, sess: Session, rec: dict[str, Any], now: float, out: list[Emit]) -> Session:
+        """Apply `rec` (and the waiting turns it lets through) or make it wait."""
+        turn = rec["turn"]
+        sess = replace(sess, last_at=now)
+        expected = 0 if sess.applied is None else sess.applied + 1
+        if turn > expected:
+            waiting = tuple(sorted((*sess.waiting, Waiting(now, rec)), key=lambda w: w.order))
+            sess = replace(sess, waiting=waiting)
+            return self._flush(sess, now, out) if len(waiting) > self.cfg.max_turns else sess
+        sess = self._apply(sess, rec, out)
+        while sess.waiting and sess.waiting[0].record["turn"] <= sess.applied + 1:
+            sess = self._apply_waiting(sess, now, out)
+        return sess
+
+    def _flush(self, sess: Session, now: float, out: list[Emit]) -> Session:
+        """Apply every waiting turn in order, gaps and all."""
+        while sess.waiting:
+            sess = self._apply_waiting(sess, now, out)
+        return sess
+
+    def _apply_waiting(self, sess: Session, now: float, out: list[Emit]) -> Session:
+        first, rest = sess.waiting[0], sess.waiting[1:]
+        sess = replace(sess, waiting=rest)
+        late = self._late_reason(sess, first.record["turn"])
+        if late is not None:  # a second turn of the number just applied
+            out.append(self._late(late, first.record, now))
+            return sess
+        return self._apply(sess, first.record, out)
+
+    def _apply(self, sess: Session, rec: dict[str, Any], out: list[Emit]) -> Session:
+        """Extend the open segment with `rec`, or close it and open one with `rec`."""
+        cfg, seg = self.cfg, sess.segment
+        if seg is None:
+            seg = Segment.start(rec, sess.last_close or "session_start")
+            self.counts[f"opened.{seg.opened_by}"] += 1
+        else:
+            eos = cfg.eos_ids.get(rec.get("tokenizer") or "", [])
+            broken, drop_eos = extension(seg, rec, eos, cfg.max_tokens)
+            if broken is not None:
+                sess = self._close(sess, broken, out)
+                seg = Segment.start(rec, broken)
+                self.counts[f"opened.{broken}"] += 1
+            else:
+                self.counts["eos_dropped"] += int(drop_eos)
+                seg = seg.extended(rec, drop_eos)
+        sess = replace(sess, applied=rec["turn"], segment=seg)
+        if len(seg.parts) >= cfg.max_turns:
+            return self._close(sess, "max_turns", out)
+        if seg.length >= cfg.max_tokens:
+            return self._close(sess, "max_tokens", out)
+        return sess
+
+    def _close(self, sess: Session, reason: CloseReason, out: list[Emit]) -> Session:
+        """`sess` with its open segment (if any) closed for `reason` and its record emitted."""
+        seg = sess.segment
+        if seg is None:
+            return sess
+        self.counts[f"closed.{reason}"] += 1
+        record = segment_record(seg)
+        out.append(Emit("rollouts", record["request_id"], record, seg.opened_by, reason))
+        return replace(sess, segment=None, last_close=reason)
+
+    def _evict(self, keep: str, now: float) -> list[Emit]:
+        """Close the least recently active sessions while more than `max_open_sessions` are open."""
+        out: list[Emit] = []
+        kept: list[tuple[float, str]] = []
+        while len(self._open) > self.cfg.max_open_sessions and self._lru:
+            last_at, sid = heapq.heappop(self._lru)
+            sess = self.session(sid)
+            if sess is None or not sess.open or sess.last_at != last_at:
+                continue  # stale entry: the session moved on
+            if sid == keep:
+                kept.append((last_at, sid))
+                continue
+            sess = self._close(self._flush(sess, now, out), "open_sessions", out)
+            self._put(sid, sess)
+        for entry in kept:
+            heapq.heappush(self._lru, entry)
+        return out
+
+    def _late(self, reason: LateReason, rec: dict[str, Any], now: float) -> Emit:
+        self.counts[f"late.{reason}"] += 1
+        rid = rec["request_id"]
+        return Emit(
+            "late",
+            rid,
+            {"reason": reason, "request_id": rid, "event": rec, "detected_at": iso(now)},
+        )

@@ -1,0 +1,319 @@
+"""A segment of a session: labelled chat turns that extend one another, and the rollout it makes (pure).
+
+The session ledger (streams/ledger.py) decides which turns go together; this module is the
+token arithmetic of one segment, on the rollout records the label join writes (one per
+generation, `streams/labels.py`), each with the generation's `turn` and `tools_digest` beside.
+
+Extension. A turn extends the segment when its `prompt_tokens` start with the segment's
+context (the first turn's prompt and everything assembled since: the previous turn's prompt
+and completion, token for token), or with that context less its last token when that token is
+the previous completion's final eos (a chat template that does not render eos in the history):
+that eos then leaves the trajectory, since nothing after it was conditioned on it. Tokens are
+compared, never re-tokenized. Anything else is a break with a reason (`break_reason`).
+
+The record of a segment (`segment_record`):
+
+    prompt_tokens      the first turn's prompt
+    completion_tokens  turn 0's sampled tokens, then each later turn's prompt tokens beyond the
+                       context (tool results, user messages, template tokens), then its sampled ones
+    loss_mask          1 exactly on sampled tokens; logprobs are the behaviour log-probs there, 0.0
+                       elsewhere
+    turns              one span per turn (request_id, model_version, temperature, finish_reason,
+                       constrained, components, generated_at, [start, end) of its sampled tokens)
+
+A one-turn segment's record is its input record exactly (less `turn` and `tools_digest`,
+which the Rollout contract does not carry): no `turns`, no `loss_mask`, so today's consumers
+read it as they always have. The multi-turn record: request_id, session_id, group_id and
+generated_at of the first turn; model_version, finish_reason and reward_spec of the last;
+temperature where the turns agree, else None; routes None (per-turn routes are not
+assembled); constrained True when any turn was (the trainer refuses such records whole);
+labelled_at the latest; tool_errors re-indexed to completion positions (each turn's
+token_index plus its span's start).
+
+Credit assignment (`segment_reward`), provisional until a reward spec version defines it:
+the reward is the sum of the turns' own rewards (a turn's decision, rating and follow-up where
+feedback named that turn, and its tool-error penalty where its call failed), and `components`
+the per-name sums (None where no turn has that component; None when no turn got feedback).
+A one-turn segment keeps its reward unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+BreakReason = Literal[
+    "history_rewritten", "tools_changed", "version_tokenizer_changed", "max_tokens"
+]
+LEDGER_KEYS = ("turn", "tools_digest")  # input keys beside the rollout's; not in the record
+COMPONENT_NAMES = ("decision", "persistence", "rating", "followup", "tool_errors")
+
+
+def as_rollout(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """The rollout of an input record: the record less the ledger's own keys."""
+    return {k: v for k, v in rec.items() if k not in LEDGER_KEYS}
+
+
+@dataclass(slots=True)
+class TurnPart:
+    """One turn of an open segment (stored with the short keys named beside each field)."""
+
+    turn: int  # "t": the generation's turn
+    request_id: str  # "rid"
+    model_version: str  # "v"
+    temperature: float | None  # "temp"
+    finish_reason: str | None  # "fin"
+    constrained: bool | None  # "con"
+    components: dict[str, float | None] | None  # "comp"
+    generated_at: str  # "gen"
+    labelled_at: str  # "lab"
+    reward: float  # "r"
+    reward_spec: str  # "spec"
+    tool_errors: list[
+        dict[str, Any]
+    ]  # "err": as labelled (token_index into this turn's completion)
+    start: int  # "s": its sampled tokens are completion_tokens[start:end]
+    end: int  # "e"
+
+    @classmethod
+    def of(cls, rec: Mapping[str, Any], start: int) -> TurnPart:
+        """The part of input record `rec` whose sampled tokens start at completion position `start`."""
+        n = len(rec["completion_tokens"])
+        return cls(
+            rec["turn"],
+            rec["request_id"],
+            rec["model_version"],
+            rec.get("temperature"),
+            rec.get("finish_reason"),
+            rec.get("constrained"),
+            rec.get("components"),
+            rec["generated_at"],
+            rec["labelled_at"],
+            float(rec["reward"]),
+            rec["reward_spec"],
+            list(rec.get("tool_errors") or []),
+            start,
+            start + n,
+        )
+
+    def span(self) -> dict[str, Any]:
+        """Its `TurnSpan` (app/contracts/rollouts.py) as JSON."""
+        return {
+            "request_id": self.request_id,
+            "model_version": self.model_version,
+            "temperature": self.temperature,
+            "start": self.start,
+            "end": self.end,
+            "finish_reason": self.finish_reason,
+            "constrained": self.constrained,
+            "components": self.components,
+            "generated_at": self.generated_at,
+        }
+
+    _KEYS = (
+        "t",
+        "rid",
+        "v",
+        "temp",
+        "fin",
+        "con",
+        "comp",
+        "gen",
+        "lab",
+        "r",
+        "spec",
+        "err",
+        "s",
+        "e",
+    )
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, Any]) -> TurnPart:
+        return cls(*(stored[k] for k in cls._KEYS))
+
+    def to_stored(self) -> dict[str, Any]:
+        values = (
+            self.turn,
+            self.request_id,
+            self.model_version,
+            self.temperature,
+            self.finish_reason,
+            self.constrained,
+            self.components,
+            self.generated_at,
+            self.labelled_at,
+            self.reward,
+            self.reward_spec,
+            self.tool_errors,
+            self.start,
+            self.end,
+        )
+        return dict(zip(self._KEYS, values, strict=True))
+
+
+@dataclass(slots=True)
+class Segment:
+    """The open segment of a session: its first record and what was assembled after its prompt.
+
+    A value: extending builds the next segment (`extended`), so a stored form that was read is
+    never changed under its table."""
+
+    first: dict[str, Any]  # "first": the first turn's rollout (as_rollout), kept whole
+    completion: list[int]  # "c": the assembled completion_tokens
+    logprobs: list[float]  # "lp"
+    mask: list[int]  # "m": the loss mask (1 on sampled tokens)
+    parts: list[TurnPart]  # "parts": the turns, in order
+    tools_digest: str | None  # "tools": the tools the turns were offered
+    opened_by: str  # "by": why it opened (streams/ledger.py, OpenReason)
+
+    @classmethod
+    def start(cls, rec: Mapping[str, Any], opened_by: str) -> Segment:
+        first = as_rollout(rec)
+        n = len(first["completion_tokens"])
+        return cls(
+            first,
+            list(first["completion_tokens"]),
+            list(first["logprobs"]),
+            [1] * n,
+            [TurnPart.of(rec, 0)],
+            rec.get("tools_digest"),
+            opened_by,
+        )
+
+    @property
+    def length(self) -> int:
+        """Tokens of the record it makes (prompt and completion)."""
+        return len(self.first["prompt_tokens"]) + len(self.completion)
+
+    @property
+    def last_turn(self) -> int:
+        return self.parts[-1].turn
+
+    def context(self) -> list[int]:
+        """What the next turn's prompt must start with: the last turn's prompt and completion."""
+        return [*self.first["prompt_tokens"], *self.completion]
+
+    def extended(self, rec: Mapping[str, Any], drop_eos: bool) -> Segment:
+        """This segment with turn `rec` appended (after `extension` said it extends it)."""
+        completion, logprobs, mask = self.completion, self.logprobs, self.mask
+        parts = list(self.parts)
+        if drop_eos:
+            completion, logprobs, mask = completion[:-1], logprobs[:-1], mask[:-1]
+            last = parts[-1]
+            parts[-1] = replace(last, end=last.end - 1)
+        between = rec["prompt_tokens"][len(self.first["prompt_tokens"]) + len(completion) :]
+        sampled = rec["completion_tokens"]
+        start = len(completion) + len(between)
+        parts.append(TurnPart.of(rec, start))
+        return Segment(
+            self.first,
+            [*completion, *between, *sampled],
+            [*logprobs, *([0.0] * len(between)), *rec["logprobs"]],
+            [*mask, *([0] * len(between)), *([1] * len(sampled))],
+            parts,
+            self.tools_digest,
+            self.opened_by,
+        )
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, Any]) -> Segment:
+        return cls(
+            stored["first"],
+            stored["c"],
+            stored["lp"],
+            stored["m"],
+            [TurnPart.from_stored(p) for p in stored["parts"]],
+            stored["tools"],
+            stored["by"],
+        )
+
+    def to_stored(self) -> dict[str, Any]:
+        return {
+            "first": self.first,
+            "c": self.completion,
+            "lp": self.logprobs,
+            "m": self.mask,
+            "parts": [p.to_stored() for p in self.parts],
+            "tools": self.tools_digest,
+            "by": self.opened_by,
+        }
+
+
+def extension(
+    seg: Segment, rec: Mapping[str, Any], eos_ids: Sequence[int], max_tokens: int
+) -> tuple[BreakReason | None, bool]:
+    """(why `rec` cannot extend `seg`, or None; whether it extends it without the final eos)."""
+    if rec.get("tokenizer") != seg.first.get("tokenizer"):
+        return "version_tokenizer_changed", False
+    if rec.get("tools_digest") != seg.tools_digest:
+        return "tools_changed", False
+    ctx, prompt = seg.context(), rec["prompt_tokens"]
+    if prompt[: len(ctx)] == ctx:
+        drop = False
+    elif _ends_in_eos(seg, eos_ids) and prompt[: len(ctx) - 1] == ctx[:-1]:
+        drop = True
+    else:
+        return "history_rewritten", False
+    if len(prompt) + len(rec["completion_tokens"]) > max_tokens:
+        return "max_tokens", False
+    return None, drop
+
+
+def _ends_in_eos(seg: Segment, eos_ids: Sequence[int]) -> bool:
+    last = seg.parts[-1]
+    return last.end > last.start and seg.completion[-1] in eos_ids
+
+
+def segment_reward(parts: Sequence[TurnPart]) -> float:
+    """Provisional credit assignment: the sum of the turns' rewards (module docstring)."""
+    return sum((p.reward for p in parts), 0.0)
+
+
+def segment_components(parts: Sequence[TurnPart]) -> dict[str, float | None] | None:
+    """Per-name sums of the turns' components (None where no turn has it; None without feedback)."""
+    given = [p.components for p in parts if p.components is not None]
+    if not given:
+        return None
+    out: dict[str, float | None] = {}
+    for name in COMPONENT_NAMES:
+        values = [c[name] for c in given if c.get(name) is not None]
+        out[name] = sum(values, 0.0) if values else None
+    return out
+
+
+def segment_record(seg: Segment) -> dict[str, Any]:
+    """The rollout of a segment (module docstring): its first record when it has one turn."""
+    if len(seg.parts) == 1:
+        return dict(seg.first)
+    first, parts = seg.first, seg.parts
+    temperatures = {p.temperature for p in parts}
+    constrained = [p.constrained for p in parts if p.constrained is not None]
+    return {
+        "request_id": first["request_id"],
+        "session_id": first["session_id"],
+        "group_id": first.get("group_id"),
+        "model_version": parts[-1].model_version,
+        "prompt_tokens": first["prompt_tokens"],
+        "completion_tokens": seg.completion,
+        "logprobs": seg.logprobs,
+        "routes": None,
+        "route_shape": None,
+        "reward": segment_reward(parts),
+        "components": segment_components(parts),
+        "tool_errors": [
+            {**e, "token_index": p.start + int(e["token_index"])}
+            for p in parts
+            for e in p.tool_errors
+        ],
+        "reward_spec": parts[-1].reward_spec,
+        "generated_at": parts[0].generated_at,
+        "labelled_at": max(p.labelled_at for p in parts),
+        "closed_by": "window",
+        "tokenizer": first.get("tokenizer"),
+        "temperature": temperatures.pop() if len(temperatures) == 1 else None,
+        "finish_reason": parts[-1].finish_reason,
+        "constrained": any(constrained) if constrained else None,
+        "turns": [p.span() for p in parts],
+        "loss_mask": seg.mask,
+    }
