@@ -103,9 +103,11 @@ class LedgerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _retention_covers_idle(self) -> LedgerConfig:
-        assert self.retention_s >= self.idle_s, (
-            f"retention_s {self.retention_s} must cover idle_s {self.idle_s}"
-        )
+        if self.retention_s < self.idle_s:
+            raise ValueError(
+                f"retention_s {self.retention_s} is shorter than idle_s {self.idle_s}: a closed "
+                "segment's session must be remembered at least as long as a segment waits"
+            )
         return self
 
 

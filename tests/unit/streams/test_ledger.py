@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -316,6 +317,11 @@ def test_a_session_state_round_trips_through_its_stored_form():
     stored = ledger.sessions["s1"]
     sess = Session.from_stored(orjson.loads(orjson.dumps(stored)))
     assert sess.to_stored() == stored and sess.waiting and sess.segment is not None, stored
+
+
+def test_a_retention_shorter_than_the_idle_window_is_refused():
+    with pytest.raises(ValueError, match="retention_s 10.0 is shorter than idle_s 60.0"):
+        LedgerConfig(idle_s=60, retention_s=10)
 
 
 def _request_ids(out: list[Emit]) -> list[str]:
