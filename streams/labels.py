@@ -553,6 +553,9 @@ class Aggregator:
             "finish_reason": gen.get("finish_reason"),
             "constrained": gen.get("constrained"),
         }
+        for key in ("turn", "tools_digest"):  # chat turns: what the session ledger segments by
+            if gen.get(key) is not None:
+                rollout[key] = gen[key]
         bucket = math.floor(label.deadline / self.bucket_s) * self.bucket_s
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)
         del self.generations[rid]  # from here on nothing raises: the label is closed

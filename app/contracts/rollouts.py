@@ -134,6 +134,17 @@ class Rollout(BaseModel):
         description="id of the `flywheel streams relabel` run that wrote "
         "this record (key '<request_id>|<reward_spec>'); None for the live worker's rollouts",
     )
+    turn: int | None = Field(
+        None,
+        ge=0,
+        description="a chat generation's turn (assistant messages in its history); absent "
+        "for other generations (streams/ledger.py segments sessions by it)",
+    )
+    tools_digest: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the tools the chat generation was offered; absent without tools",
+    )
     turns: list[TurnSpan] | None = Field(
         None,
         description="a multi-turn record (a session's segment): its model calls in order, each "
