@@ -3,7 +3,10 @@
 `collate` turns a list of rollouts into prompts/completions/routes lists (what
 Policy.logprobs takes) plus right-padded [B, T] float32 tensors: behaviour log-probs, the
 token mask, rewards, and each rollout's sampling temperature [B] (the rollout's own; a record
-without one, written before the field existed, gets the trainer's FLYWHEEL_TRAINER_TEMPERATURE). `teacher_inputs` builds, for rollouts with tool_error feedback, the
+without one, written before the field existed, gets the trainer's FLYWHEEL_TRAINER_TEMPERATURE).
+The token mask is 1 on the tokens trained on: every completion token of a one-call record; a
+multi-turn record's `train_mask()` (what its turns sampled; docs/TRAINER.md "Multi-turn
+records"), whose mask-0 positions read as padding (behaviour log-prob 0.0, no routes replayed). `teacher_inputs` builds, for rollouts with tool_error feedback, the
 teacher's context: prompt + completion[:k] + the error message and hint (as text), then the
 student's own tokens completion[k:], where k is the earliest error's token_index. A rollout whose
 tail completion[k:] fills the whole context has no room for the feedback and gets no teacher.
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 
 from policy.base import Tokenizer
-from trainer.rollout_record import Rollout
+from trainer.rollout_record import Rollout, version_number
 
 
 @dataclass
@@ -31,6 +34,9 @@ class Collated:
     group_ids: list[str | None]
     versions: list[int | None]
     temperatures: torch.Tensor  # float32 [B]: what each rollout was sampled at
+    # int64 [B, T]: the model version that sampled each token (its turn's), -1 where unknown
+    token_versions: torch.Tensor
+    masked: bool  # some rollout trains on part of its completion only (a loss mask)
 
 
 def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collated:
@@ -42,23 +48,46 @@ def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collat
     behav = torch.zeros((b, t_max), dtype=torch.float32)
     mask = torch.zeros((b, t_max), dtype=torch.float32)
     for i, r in enumerate(rollouts):
-        n = len(r.completion_tokens)
+        n, trained = len(r.completion_tokens), r.train_mask()
         behav[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
         mask[i, :n] = 1.0
+        if trained is not None:  # the placeholders at mask-0 positions are ignored: 0.0
+            mask[i, :n] = torch.tensor(trained, dtype=torch.float32)
+            behav[i] = torch.where(mask[i] > 0, behav[i], 0.0)
     return Collated(
         prompts=[list(r.prompt_tokens) for r in rollouts],
         completions=[list(r.completion_tokens) for r in rollouts],
-        routes=[r.routes_array() for r in rollouts],
+        routes=[None if r.turns is not None else r.routes_array() for r in rollouts],
         behav=behav,
         mask=mask,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=[r.group_id for r in rollouts],
         versions=[r.version_number() for r in rollouts],
         temperatures=torch.tensor(
-            [default_temperature if r.temperature is None else r.temperature for r in rollouts],
+            [_or(r.scoring_temperature(), default_temperature) for r in rollouts],
             dtype=torch.float32,
         ),
+        token_versions=token_versions(rollouts, t_max),
+        masked=any(r.train_mask() is not None for r in rollouts),
     )
+
+
+def _or(x: float | None, default: float) -> float:
+    return default if x is None else x
+
+
+def token_versions(rollouts: list[Rollout], t_max: int) -> torch.Tensor:
+    """int64 [B, t_max]: the version that sampled each completion token (a one-call record's
+    `model_version`; a multi-turn record's turn's), -1 where unknown (not a number, not
+    sampled, padding)."""
+    out = torch.full((len(rollouts), t_max), -1, dtype=torch.int64)
+    for i, r in enumerate(rollouts):
+        spans = [(0, len(r.completion_tokens), r.version_number())]
+        if r.turns is not None:
+            spans = [(t.start, t.end, version_number(t.model_version)) for t in r.turns]
+        for start, end, v in spans:
+            out[i, start:end] = -1 if v is None else v
+    return out
 
 
 def feedback_text(message: str, hint: str | None) -> str:

@@ -42,6 +42,11 @@ ASSUMED_TEMPERATURE = Counter(
     "Rollouts trained on without a recorded sampling temperature (records written before the "
     "field): scored at FLYWHEEL_TRAINER_TEMPERATURE instead of their replica's temperature.",
 )
+STALE_TURN_TOKENS = Counter(
+    "flywheel_trainer_stale_turn_tokens_total",
+    "Sampled tokens of multi-turn records left untrained because their turn's model_version was "
+    'stale (the record trained on its fresh turns; docs/TRAINER.md "Multi-turn records").',
+)
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
 SHIP_WAITING = Gauge(
     "flywheel_trainer_ship_waiting",

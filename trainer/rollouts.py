@@ -29,6 +29,10 @@ Exactly-once bookkeeping (see docs/TRAINER.md):
   relabelled rollout (`relabel_run` set) is old by construction and is exempt: the objective's
   importance weights and sequence mask (trainer/objective.py) bound what it can move, as they
   do for every rollout. One whose version is not a number is still skipped as `stale`.
+  A multi-turn record (`turns`) is judged turn by turn, each by its own `model_version` under
+  the same rule: a stale turn's tokens get loss mask 0 (they stay as context, counted in
+  `Batch.stale_turn_tokens`), the record trains on its fresh turns, and its staleness is that
+  of its oldest fresh turn; with no fresh turn left it is skipped as `stale`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from pydantic import ValidationError
 
 from trainer.dlq import DeadLetters, RateLimitedLog, Source
 from trainer.metrics import REFUSED
-from trainer.rollout_record import Rollout
+from trainer.rollout_record import Rollout, version_number
 from trainer.validate import ModelSpec, Refusal, check_rollout
 
 log = logging.getLogger(__name__)
@@ -162,6 +166,7 @@ class Batch:
     )  # partition -> first offset processed
     staleness: list[int] = field(default_factory=list)  # versions behind, per fresh rollout
     sources: dict[DedupeKey, Source] = field(default_factory=dict)  # dedupe_key -> original record
+    stale_turn_tokens: int = 0  # sampled tokens of stale turns of multi-turn records, untrained
 
     def only(self, keep: list[int]) -> Batch:
         """The same batch restricted to the rollouts at indices `keep` (skip counts and offsets unchanged)."""
@@ -171,6 +176,7 @@ class Batch:
             first_offsets=self.first_offsets,
             staleness=[self.staleness[i] for i in keep],
             sources=self.sources,
+            stale_turn_tokens=self.stale_turn_tokens,
         )
 
 
@@ -317,24 +323,49 @@ class RolloutIntake:
             if not self._buffered_ids[key]:
                 del self._buffered_ids[key]
             self.seen.add(key)
-            behind = self._staleness(e.rollout, current_version, champion)
-            if behind is None:
+            judged = self._fresh_part(e.rollout, current_version, champion)
+            if judged is None:
                 batch.skipped["stale"] += 1
                 continue
-            batch.rollouts.append(e.rollout)
+            rollout, behind, stale_tokens = judged
+            batch.rollouts.append(rollout)
             batch.staleness.append(behind)
+            batch.stale_turn_tokens += stale_tokens
             if e.source is not None:
                 batch.sources[key] = e.source
         return batch
 
-    def _staleness(self, r: Rollout, current: int | None, champion: int | None) -> int | None:
-        """Versions `r` lags the last shipped version; None when it is stale (module docstring)."""
-        v = r.version_number()
+    def _fresh_part(
+        self, r: Rollout, current: int | None, champion: int | None
+    ) -> tuple[Rollout, int, int] | None:
+        """(what of `r` trains, its staleness, the sampled tokens of stale turns left untrained),
+        or None when nothing of it is fresh (module docstring)."""
+        if r.turns is None:
+            behind = self._staleness(r, current, champion)
+            return None if behind is None else (r, behind, 0)
+        lags = [self._staleness(r, current, champion, t.model_version) for t in r.turns]
+        fresh = [b for b in lags if b is not None]
+        if not fresh:
+            return None
+        stale = [k for k, b in enumerate(lags) if b is None]
+        if not stale:
+            return r, max(fresh), 0
+        trimmed = r.without_turns(stale)
+        dropped = sum(r.train_mask()) - sum(trimmed.train_mask())  # type: ignore[arg-type]
+        return trimmed, max(fresh), dropped
+
+    def _staleness(
+        self, r: Rollout, current: int | None, champion: int | None, version: str | None = None
+    ) -> int | None:
+        """Versions `r` (or its turn sampled by `version`) lags the last shipped version; None
+        when it is stale (module docstring)."""
+        version = r.model_version if version is None else version
+        v = version_number(version)
         if v is None:
             log.warning(
                 "rollout %s has non-numeric model_version %r; counted as stale",
                 r.request_id,
-                r.model_version,
+                version,
             )
             return None
         behind = max(0, (current or v) - v)

@@ -9,19 +9,21 @@ message that names the field and the model's limit.
 | reason | refused when |
 |---|---|
 | `invalid_json` | the value is not JSON (bytes, a tombstone, deep nesting the parser refuses) |
-| `invalid_rollout` | the JSON is not a rollout record (schema, lengths, routes bytes vs route_shape) |
+| `invalid_rollout` | the JSON is not a rollout record (schema, lengths, routes bytes vs route_shape; a multi-turn record's `turns` and `loss_mask`: trainer/rollout_record.py) |
 | `tokenizer_mismatch` | the record names a tokenizer other than the model's (`Tokenizer.name`: `byte-v1`, or an HF tokenizer's `<name>@<hash of its files>`, so the same name with other files is refused) |
 | `token_out_of_vocab` | a prompt or completion token id >= the model's vocabulary size |
 | `sequence_too_long` | bos + prompt + completion tokens > the model's context |
-| `invalid_logprobs` | a behaviour log-prob is NaN, infinite or > 0 |
+| `invalid_logprobs` | a behaviour log-prob of a trained token (`loss_mask` 1) is NaN, infinite or > 0 (the placeholders at mask-0 positions are ignored) |
 | `invalid_reward` | the reward is NaN, infinite or larger in magnitude than `max_abs_reward` |
 | `invalid_temperature` | the sampling temperature is NaN, infinite or negative |
+| `mixed_temperature` | a multi-turn record whose turns were sampled at different temperatures (a turn without one counts as the record's): the policy scores a record at one temperature, so the other turns' ratios would be off (docs/TRAINER.md "Multi-turn records") |
 | `route_mismatch` | (route replay on) routes for a model without MoE layers, a route_shape whose layers/top_k differ from the model's, or an expert id outside [0, n_experts) |
-| `constrained` | the completion was sampled under a grammar constraint (a required or named `tool_choice`): its behaviour log-probs are of the masked distribution, which the trainer's unmasked scoring does not reproduce, so its importance ratios would be off by the mask's log-mass (docs/NUMERICS.md) |
+| `constrained` | the completion (or a turn of a multi-turn record) was sampled under a grammar constraint (a required or named `tool_choice`): its behaviour log-probs are of the masked distribution, which the trainer's unmasked scoring does not reproduce, so its importance ratios would be off by the mask's log-mass (docs/NUMERICS.md) |
 | `step_failed` | the optimizer step raised on this rollout (trainer/loop.py isolates it) |
 
 Routes absent while replay is on are accepted: the rollout trains with the current router's
-choices (not bit-exact, but trainable).
+choices (not bit-exact, but trainable). A record with `turns` is routed by the current router
+too: its routes are not checked and not replayed (docs/TRAINER.md "Multi-turn records").
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ REFUSAL_REASONS = (
     "invalid_logprobs",
     "invalid_reward",
     "invalid_temperature",
+    "mixed_temperature",
     "route_mismatch",
     "constrained",
     "step_failed",
@@ -109,7 +112,7 @@ def check_rollout(r: Rollout, spec: ModelSpec) -> Refusal | None:
 
 
 def _constrained(r: Rollout, spec: ModelSpec) -> Refusal | None:
-    if r.constrained:
+    if r.constrained or any(t.constrained for t in r.turns or []):
         return Refusal(
             "constrained",
             "sampled under a grammar constraint: its behaviour log-probs are of the masked "
@@ -157,8 +160,9 @@ def _length(r: Rollout, spec: ModelSpec) -> Refusal | None:
 
 
 def _logprobs(r: Rollout, spec: ModelSpec) -> Refusal | None:
-    for i, x in enumerate(r.logprobs):
-        if not math.isfinite(x) or x > 0:
+    trained = r.train_mask() or [1] * len(r.logprobs)
+    for i, (x, m) in enumerate(zip(r.logprobs, trained, strict=True)):
+        if m and (not math.isfinite(x) or x > 0):
             return Refusal(
                 "invalid_logprobs",
                 f"logprobs[{i}] = {x!r}: log-probs must be finite and <= 0",
@@ -178,17 +182,24 @@ def _reward(r: Rollout, spec: ModelSpec) -> Refusal | None:
 
 
 def _temperature(r: Rollout, spec: ModelSpec) -> Refusal | None:
-    t = r.temperature
-    if t is not None and (not math.isfinite(t) or t < 0):
+    for t in {r.temperature} | r.turn_temperatures():
+        if t is not None and (not math.isfinite(t) or t < 0):
+            return Refusal(
+                "invalid_temperature", f"temperature {t!r} must be finite and >= 0", "temperature"
+            )
+    if len(r.turn_temperatures()) > 1:
         return Refusal(
-            "invalid_temperature", f"temperature {t!r} must be finite and >= 0", "temperature"
+            "mixed_temperature",
+            f"turns sampled at temperatures {sorted(r.turn_temperatures(), key=str)}: the trainer "
+            "scores a record at one temperature",
+            "turns",
         )
     return None
 
 
 def _routes(r: Rollout, spec: ModelSpec) -> Refusal | None:
-    if not spec.replay_routes or r.route_shape is None:
-        return None
+    if not spec.replay_routes or r.route_shape is None or r.turns is not None:
+        return None  # a multi-turn record's routes are not replayed
     if spec.moe is None:
         return Refusal("route_mismatch", "routes given for a model without MoE layers", "routes")
     layers, top_k, n_experts = spec.moe
