@@ -60,6 +60,7 @@ from trainer.dlq import DeadLetters, RateLimitedLog
 from trainer.metrics import (
     ASSUMED_TEMPERATURE,
     BUFFERED,
+    CONSTRAINED_TURN_TOKENS,
     LAST_VERSION,
     PARTITIONS,
     RANKS,
@@ -102,6 +103,7 @@ _SUMMED = (
     "distill_rollouts",
     "multi_turn_rollouts",
     "stale_turn_tokens",
+    "constrained_turn_tokens",
 )
 _BY_ROLLOUTS = ("reward_mean", "ess", "clip_fraction", "masked_fraction", "staleness_mean")
 
@@ -639,6 +641,7 @@ class Trainer:
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
         ASSUMED_TEMPERATURE.inc(sum(r.scoring_temperature() is None for r in batch.rollouts))
         STALE_TURN_TOKENS.inc(batch.stale_turn_tokens)
+        CONSTRAINED_TURN_TOKENS.inc(batch.constrained_turn_tokens)
 
     @staticmethod
     def _step_metrics(o: Objective, batch: Batch, grad_norm: torch.Tensor) -> None:
@@ -665,6 +668,7 @@ class Trainer:
             o.metrics.update(
                 multi_turn_rollouts=float(multi_turn),
                 stale_turn_tokens=float(batch.stale_turn_tokens),
+                constrained_turn_tokens=float(batch.constrained_turn_tokens),
             )
 
     def _agree(self, err: BaseException | None, phase: str) -> None:

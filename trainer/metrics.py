@@ -47,6 +47,11 @@ STALE_TURN_TOKENS = Counter(
     "Sampled tokens of multi-turn records left untrained because their turn's model_version was "
     'stale (the record trained on its fresh turns; docs/TRAINER.md "Multi-turn records").',
 )
+CONSTRAINED_TURN_TOKENS = Counter(
+    "flywheel_trainer_constrained_turn_tokens_total",
+    "Sampled tokens of multi-turn records left untrained because their turn was sampled under a "
+    "grammar constraint (the record trained on its other turns).",
+)
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
 SHIP_WAITING = Gauge(
     "flywheel_trainer_ship_waiting",

@@ -167,6 +167,7 @@ class Batch:
     staleness: list[int] = field(default_factory=list)  # versions behind, per fresh rollout
     sources: dict[DedupeKey, Source] = field(default_factory=dict)  # dedupe_key -> original record
     stale_turn_tokens: int = 0  # sampled tokens of stale turns of multi-turn records, untrained
+    constrained_turn_tokens: int = 0  # sampled tokens of constrained turns, untrained
 
     def only(self, keep: list[int]) -> Batch:
         """The same batch restricted to the rollouts at indices `keep` (skip counts and offsets unchanged)."""
@@ -177,6 +178,7 @@ class Batch:
             staleness=[self.staleness[i] for i in keep],
             sources=self.sources,
             stale_turn_tokens=self.stale_turn_tokens,
+            constrained_turn_tokens=self.constrained_turn_tokens,
         )
 
 
@@ -327,32 +329,38 @@ class RolloutIntake:
             if judged is None:
                 batch.skipped["stale"] += 1
                 continue
-            rollout, behind, stale_tokens = judged
+            rollout, behind, stale_tokens, constrained_tokens = judged
             batch.rollouts.append(rollout)
             batch.staleness.append(behind)
             batch.stale_turn_tokens += stale_tokens
+            batch.constrained_turn_tokens += constrained_tokens
             if e.source is not None:
                 batch.sources[key] = e.source
         return batch
 
     def _fresh_part(
         self, r: Rollout, current: int | None, champion: int | None
-    ) -> tuple[Rollout, int, int] | None:
-        """(what of `r` trains, its staleness, the sampled tokens of stale turns left untrained),
-        or None when nothing of it is fresh (module docstring)."""
+    ) -> tuple[Rollout, int, int, int] | None:
+        """(what of `r` trains, its staleness, the sampled tokens of stale turns and of
+        constrained turns left untrained), or None when nothing of it is fresh (module
+        docstring). Constrained turns (trainer/validate.py) stay as context, untrained."""
         if r.turns is None:
             behind = self._staleness(r, current, champion)
-            return None if behind is None else (r, behind, 0)
+            return None if behind is None else (r, behind, 0, 0)
         lags = [self._staleness(r, current, champion, t.model_version) for t in r.turns]
-        fresh = [b for b in lags if b is not None]
+        free = [k for k, t in enumerate(r.turns) if not t.constrained]
+        fresh = [lags[k] for k in free if lags[k] is not None]
         if not fresh:
             return None
-        stale = [k for k, b in enumerate(lags) if b is None]
-        if not stale:
-            return r, max(fresh), 0
-        trimmed = r.without_turns(stale)
-        dropped = sum(r.train_mask()) - sum(trimmed.train_mask())  # type: ignore[arg-type]
-        return trimmed, max(fresh), dropped
+        stale = [k for k in free if lags[k] is None]
+        held = [k for k, t in enumerate(r.turns) if t.constrained]
+        if not stale and not held:
+            return r, max(fresh), 0, 0
+        n = sum(r.train_mask())  # type: ignore[arg-type]
+        without_stale = r.without_turns(stale)
+        trimmed = without_stale.without_turns(held)
+        n_fresh = sum(without_stale.train_mask())  # type: ignore[arg-type]
+        return trimmed, max(fresh), n - n_fresh, n_fresh - sum(trimmed.train_mask())  # type: ignore[arg-type]
 
     def _staleness(
         self, r: Rollout, current: int | None, champion: int | None, version: str | None = None

@@ -112,7 +112,11 @@ def check_rollout(r: Rollout, spec: ModelSpec) -> Refusal | None:
 
 
 def _constrained(r: Rollout, spec: ModelSpec) -> Refusal | None:
-    if r.constrained or any(t.constrained for t in r.turns or []):
+    """A one-call record sampled under a grammar, or a multi-turn one whose every turn was; a
+    multi-turn record with other turns trains on those (its constrained turns masked at intake,
+    trainer/rollouts.py)."""
+    every = r.constrained if r.turns is None else all(t.constrained for t in r.turns)
+    if every:
         return Refusal(
             "constrained",
             "sampled under a grammar constraint: its behaviour log-probs are of the masked "

@@ -307,7 +307,7 @@ def refusal_of(rec: dict, spec: ModelSpec):
         ({"temperature": 1.0}, "invalid_rollout", "turns", "turns[0].temperature 0.8 is not the record's temperature 1.0"),
         ({"temperature": None, "turns": turns((0, 2), (4, 6), temps=(0.8, 1.0))}, "mixed_temperature", "turns", "temperatures [0.8, 1.0]"),
         ({"temperature": None, "turns": turns((0, 2), (4, 6), temps=(0.8, None))}, "mixed_temperature", "turns", "temperatures [0.8, None]"),
-        ({"turns": [dict(turns((0, 2), (4, 6))[0], constrained=True), turns((0, 2), (4, 6))[1]]}, "constrained", "constrained", "grammar constraint"),
+        ({"turns": [dict(t, constrained=True) for t in turns((0, 2), (4, 6))]}, "constrained", "constrained", "grammar constraint"),
         ({"logprobs": [-0.1, 0.5, 0.0, 0.0, -0.3, -0.4]}, "invalid_logprobs", "logprobs.1", "logprobs[1] = 0.5"),
     ],
 )  # fmt: skip
@@ -385,6 +385,20 @@ def test_a_record_whose_turns_are_all_fresh_is_unchanged_and_lags_by_its_oldest_
     batch = taken(spec, [record()], current=4)
     assert batch.rollouts[0].loss_mask == [1, 1, 0, 0, 1, 1] and batch.staleness == [1]
     assert batch.stale_turn_tokens == 0
+
+
+def test_a_constrained_turn_is_masked_and_the_record_trains_on_its_other_turns(spec):
+    """Turn 0 was sampled under a tool-call grammar (its log-probs are of the masked
+    distribution): it stays as context, untrained and counted; turn 1 trains."""
+    rec = record(turns=[dict(turns((0, 2), (4, 6))[0], constrained=True), turns((0, 2), (4, 6))[1]])
+    assert refusal_of(rec, spec) is None
+    batch = taken(spec, [rec], current=4)
+    [r] = batch.rollouts
+    assert r.loss_mask == [0, 0, 0, 0, 1, 1] and batch.constrained_turn_tokens == 2
+    assert batch.stale_turn_tokens == 0 and batch.staleness == [0]
+    # and a stale free turn beside it: nothing fresh and free is left
+    batch = taken(spec, [dict(rec, request_id="r2")], current=6)
+    assert batch.rollouts == [] and batch.skipped["stale"] == 1
 
 
 def test_a_record_with_no_fresh_turn_is_skipped_as_stale(spec):
