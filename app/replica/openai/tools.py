@@ -49,7 +49,9 @@ class ToolPlan:
     constraint: Any = None  # policy.constrain.CompiledGrammar for required / named
     digest: str | None = None  # sha256 of the tools' canonical JSON
     turn: int = 0
-    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters
+    # name -> its parameters' checked jsonschema validator, built once per request (calls are
+    # validated on the generation thread, as they are read)
+    validators: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reads_calls(self) -> bool:
@@ -107,7 +109,11 @@ def _check_arguments(text: str, param: str) -> None:
         raise bad_param(param, "the arguments must be a JSON object")
 
 
-def _check_tools(req: ChatRequest, cfg: ReplicaConfig) -> list[dict[str, Any]]:
+def _check_tools(
+    req: ChatRequest, cfg: ReplicaConfig
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The tools as dicts (absent parameters: an empty object schema) and a checked validator of
+    each function's parameters, by name."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     if len(tools) > cfg.max_tools:
         raise bad_param("tools", f"{len(tools)} tools offered; at most {cfg.max_tools} are served")
@@ -117,26 +123,28 @@ def _check_tools(req: ChatRequest, cfg: ReplicaConfig) -> list[dict[str, Any]]:
             "tools",
             f"the tools are {size} bytes of JSON; at most {cfg.max_tools_bytes} are served",
         )
-    seen: set[str] = set()
+    checked: dict[str, Any] = {}
     for i, tool in enumerate(tools):
         fn = tool["function"]
-        if fn["name"] in seen:
+        if fn["name"] in checked:
             raise bad_param(
                 f"tools.[{i}].function.name", f"function {fn['name']!r} is offered twice"
             )
-        seen.add(fn["name"])
         fn.setdefault("parameters", {"type": "object", "properties": {}})
-        _check_schema(fn["parameters"], f"tools.[{i}].function.parameters")
-    return tools
+        checked[fn["name"]] = _validator(fn["parameters"], f"tools.[{i}].function.parameters")
+    return tools, checked
 
 
-def _check_schema(schema: dict[str, Any], param: str) -> None:
+def _validator(schema: dict[str, Any], param: str) -> Any:
+    """A jsonschema validator of `schema`, once it is checked to be a valid object schema."""
     from jsonschema import Draft202012Validator, SchemaError, validators
 
     if schema.get("type", "object") != "object":
         raise bad_param(param, "a function's parameters must be a JSON Schema of type object")
     try:
-        validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
+        cls = validators.validator_for(schema, default=Draft202012Validator)
+        cls.check_schema(schema)
+        return cls(schema)
     except SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "(root)"
         raise bad_param(param, f"not a valid JSON Schema at {where}: {exc.message}") from None
@@ -174,7 +182,7 @@ async def plan_tools(req: ChatRequest, cfg: ReplicaConfig, tokenizer: Any) -> To
     turn = sum(1 for m in req.messages if m.role == "assistant")
     if req.tools is None and req.tool_choice not in (None, "none", "auto"):
         raise bad_param("tool_choice", "tool_choice names a tool but no tools are offered")
-    tools = _check_tools(req, cfg)
+    tools, checked = _check_tools(req, cfg)
     names = [t["function"]["name"] for t in tools]
     choice, function = _choice(req, names)
     plan = ToolPlan(tools=tools, choice=choice, function=function, turn=turn)
@@ -189,7 +197,7 @@ async def plan_tools(req: ChatRequest, cfg: ReplicaConfig, tokenizer: Any) -> To
             "template (docs/AGENTS.md lists the supported formats)",
         )
     plan.digest = digest_of(tools)
-    plan.schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    plan.validators = checked
     if choice in ("required", "function"):
         plan.constraint = await asyncio.to_thread(_compile, plan, cfg, tokenizer)
     return plan
@@ -227,13 +235,10 @@ def _compile(plan: ToolPlan, cfg: ReplicaConfig, tokenizer: Any) -> Any:
 
 def argument_error(plan: ToolPlan, name: str, arguments: str) -> str | None:
     """Why a call's arguments do not validate against its function's schema (None: they do)."""
-    from jsonschema import Draft202012Validator, validators
-
-    schema = plan.schemas.get(name)
-    if schema is None:
+    validator = plan.validators.get(name)
+    if validator is None:
         return f"unknown function {name!r}"
-    cls = validators.validator_for(schema, default=Draft202012Validator)
-    err = next(iter(cls(schema).iter_errors(json.loads(arguments))), None)
+    err = next(iter(validator.iter_errors(json.loads(arguments))), None)
     if err is None:
         return None
     where = "/".join(str(p) for p in err.absolute_path) or "(root)"

@@ -17,7 +17,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.integration.replica.conftest import TINY, metric, read_topic
+from tests.integration.replica.conftest import metric, read_topic
 from tests.openai_schemas import check
 
 pytestmark = pytest.mark.integration
@@ -68,23 +68,13 @@ def _client(srv) -> httpx.Client:
 
 
 @pytest.fixture()
-def builtin_replica(replica_factory, make_settings, tmp_path):
-    """Start a replica (no sync agent) serving a tiny untrained built-in policy, version 1, whose
-    context (2048 bytes) holds the tools, a call and a tool result; keyword arguments are
-    ReplicaConfig fields."""
-    from app.replica.weights import WeightCache, load_verified
-    from kernels.delta.hashing import checkpoint_sha256
-    from policy import build_policy
+def builtin_replica(seeded_replica):
+    """Start a replica serving the tiny untrained built-in policy with a context (2048 bytes) that
+    holds the tools, a call and a tool result; keyword arguments are ReplicaConfig fields."""
 
     def _start(**config: Any):
-        cfg = {**TINY, "max_context": 2048, "init_seed": 1}
-        state = build_policy(cfg).serving_state_dict()
-        cache_dir = tmp_path / f"tools-cache-{config.get('id', 'replica-tools')}"
-        cache = WeightCache(cache_dir)
-        cache.put(load_verified("1", state, cfg, checkpoint_sha256(state)))
-        cache.set_serving(cache.restore())
         config = {"id": "replica-tools", "api_key": KEY, "max_tokens": 600, "max_n": 2, **config}
-        return replica_factory(make_settings(), start_sync=False, cache_dir=cache_dir, **config)
+        return seeded_replica(max_context=2048, **config)
 
     return _start
 

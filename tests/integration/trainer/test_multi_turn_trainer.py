@@ -16,6 +16,7 @@ import pytest
 from mlflow import MlflowClient
 
 from tests.integration.trainer.conftest import drain, produce, rollout_records
+from tests.unit.trainer.test_validate import record as base_record
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 
@@ -31,30 +32,23 @@ def session_record(policy, version: int) -> dict:
     [s1] = policy.generate([prompt + s0.tokens + TOOL], max_tokens=8, temperature=1.0, seed=4)
     a, b = len(s0.tokens), len(s0.tokens) + len(TOOL)
     span = {"model_version": str(version), "temperature": 1.0}
-    return {
-        "request_id": f"session-{uuid.uuid4().hex[:8]}",
-        "session_id": "s-agent",
-        "group_id": None,
-        "model_version": str(version),
-        "prompt_tokens": prompt,
-        "completion_tokens": s0.tokens + TOOL + s1.tokens,
-        "logprobs": s0.logprobs + [0.0] * len(TOOL) + s1.logprobs,
-        "routes": None,
-        "route_shape": None,
-        "reward": 1.0,
-        "components": None,
-        "tool_errors": [],
-        "reward_spec": "v1",
-        "generated_at": "2026-01-01T00:00:00Z",
-        "labelled_at": "2026-01-01T00:15:00Z",
-        "closed_by": "window",
-        "temperature": 1.0,
-        "turns": [
+    return base_record(
+        request_id=f"session-{uuid.uuid4().hex[:8]}",
+        session_id="s-agent",
+        model_version=str(version),
+        prompt_tokens=prompt,
+        completion_tokens=s0.tokens + TOOL + s1.tokens,
+        logprobs=s0.logprobs + [0.0] * len(TOOL) + s1.logprobs,
+        routes=None,
+        route_shape=None,
+        reward=1.0,
+        temperature=1.0,
+        turns=[
             dict(span, request_id="call-0", start=0, end=a),
             dict(span, request_id="call-1", start=b, end=b + len(s1.tokens)),
         ],
-        "loss_mask": [1] * a + [0] * len(TOOL) + [1] * len(s1.tokens),
-    }
+        loss_mask=[1] * a + [0] * len(TOOL) + [1] * len(s1.tokens),
+    )
 
 
 def test_a_multi_turn_record_trains_once_and_is_counted_in_the_lineage(trainer_env):

@@ -24,6 +24,8 @@ import torch
 from app.contracts.events import encode_routes
 from policy import build_policy
 from tests.unit.policy.conftest import TINY, make_prompts
+from tests.unit.trainer.test_validate import TINY as VALIDATE_TINY
+from tests.unit.trainer.test_validate import record as validate_record
 from trainer import objective as obj
 from trainer.batch import collate
 from trainer.config import TrainerConfig
@@ -53,23 +55,16 @@ def ref_policy():
 
 
 def _base(request_id: str, prompt: list[int], reward: float) -> dict:
-    return {
-        "request_id": request_id,
-        "session_id": "s",
-        "group_id": None,
-        "prompt_tokens": prompt,
-        "routes": None,
-        "route_shape": None,
-        "reward": reward,
-        "components": None,
-        "tool_errors": [],
-        "reward_spec": "v1",
-        "generated_at": "2026-01-01T00:00:00Z",
-        "labelled_at": "2026-01-01T00:15:00Z",
-        "closed_by": "window",
-        "tokenizer": "byte-v1",
-        "temperature": T,
-    }
+    """test_validate's record without routes, for `prompt`, at temperature T."""
+    return validate_record(
+        request_id=request_id,
+        session_id="s",
+        prompt_tokens=prompt,
+        routes=None,
+        route_shape=None,
+        reward=reward,
+        temperature=T,
+    )
 
 
 def session(policy, i: int, reward: float, versions=("3", "4")) -> dict:
@@ -273,15 +268,7 @@ def turns(*spans, temps=(T, T), versions=("3", "4")) -> list[dict]:
     ]
 
 
-SPEC = {
-    "d_model": 32,
-    "n_layers": 1,
-    "n_heads": 2,
-    "d_ff": 32,
-    "n_experts": 2,
-    "top_k": 1,
-    "max_context": 64,
-}
+SPEC = VALIDATE_TINY  # vocabulary 259, context 64, 1 layer, top-1 of 2 experts
 
 
 @pytest.fixture(scope="module")
