@@ -236,12 +236,28 @@ class Followup(_Envelope):
     sentiment: float = Field(ge=-1.0, le=1.0)
 
 
+class SessionOutcome(_Envelope):
+    """How an agent session ended (docs/AGENTS.md "Sessions"): one per session. `request_id` names
+    the session's last generation; the session ends once that turn is in (streams/ledger.py)."""
+
+    type: Literal["session_outcome"]
+    outcome: Literal["success", "failure", "abandoned"]
+
+
 Event = Annotated[
-    Generation | Accept | Reject | EditPersistence | Rating | ToolError | Followup,
+    Generation
+    | Accept
+    | Reject
+    | EditPersistence
+    | Rating
+    | ToolError
+    | Followup
+    | SessionOutcome,
     Field(discriminator="type"),
 ]
 FEEDBACK_TYPES = ("accept", "reject", "edit_persistence", "rating", "tool_error", "followup")
-EVENT_TYPES = ("generation",) + FEEDBACK_TYPES
+SESSION_TYPES = ("session_outcome",)
+EVENT_TYPES = ("generation",) + FEEDBACK_TYPES + SESSION_TYPES
 
 _adapter: TypeAdapter[Event] = TypeAdapter(Event)
 

@@ -6,7 +6,10 @@
   This schema is stable: add optional fields only.
 - `LateRecord` on `flywheel.late` (key request_id): the original event and a reason
   (`orphan`: its generation never arrived within the wait window; `after_close`: it
-  arrived after the label closed).
+  arrived after the label closed). The session ledger adds `after_close` for a turn whose
+  segment closed, `superseded` for a turn another choice of the same number replaced,
+  `session_ended` for a turn after its session's end, `outcome_repeated` for a second outcome
+  of one session (docs/STREAMS.md "Session ledger").
 - `DlqRecord` on `flywheel.dlq` (no key): the original record value as base64 with the
   reason, the errors and the consumer that dead-lettered it (every role writes this envelope).
 - `VersionMetrics` on `flywheel.version-metrics` (key model_version): additive sums per
@@ -80,6 +83,9 @@ class TurnSpan(BaseModel):
     constrained: bool | None = None
     components: Components | None = None
     generated_at: str | None = None
+    reward: float | None = Field(
+        None, description="this call's own reward under reward_spec (its feedback only; 0.0 without)"
+    )
 
 
 class Rollout(BaseModel):
@@ -157,12 +163,31 @@ class Rollout(BaseModel):
         "for what it did not (tool results, user messages, template tokens between turns), whose "
         "logprobs are 0.0 placeholders; None: every completion token was sampled",
     )
+    outcome: Literal["success", "failure", "abandoned"] | None = Field(
+        None,
+        description="the session's outcome (a `session_outcome` event) when it reached this "
+        "segment; None without one",
+    )
+    outcome_reward: float | None = Field(
+        None,
+        description="the outcome's share of `reward` under reward_spec (None without an outcome)",
+    )
+    segment_opened_by: str | None = Field(
+        None,
+        description="a session segment's record: why it opened (session_start, or the reason the "
+        "segment before it closed; docs/AGENTS.md)",
+    )
+    segment_closed_by: str | None = Field(
+        None,
+        description="a session segment's record: why it closed (end, idle, history_rewritten, "
+        "tools_changed, version_tokenizer_changed, max_turns, max_tokens, open_sessions)",
+    )
 
 
 class LateRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reason: Literal["orphan", "after_close"]
+    reason: Literal["orphan", "after_close", "superseded", "session_ended", "outcome_repeated"]
     request_id: str
     event: dict[str, Any]
     detected_at: str

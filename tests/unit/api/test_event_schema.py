@@ -44,6 +44,7 @@ VALID = {
         "token_index": 2,
     },
     "followup": {**ENVELOPE, "type": "followup", "sentiment": -0.5},
+    "session_outcome": {**ENVELOPE, "type": "session_outcome", "outcome": "success"},
 }
 
 
