@@ -6,7 +6,8 @@ beside), groups each session's turns into segments of turns that extend one anot
 (streams/segments.py: the extension rule and the record a segment makes) and emits one rollout
 per segment. Like `Aggregator` it is plain logic: no Faust, no Kafka. Time is passed in (`now`
 on every call: a record timestamp, or a tick's time) and is the only clock, so a replay gives
-the same output, `detected_at` of late records included. No worker runs it.
+the same output, `detected_at` of late records included. The streams worker runs it in its
+`assemble` agent (streams/app.py); `flywheel streams relabel` runs it over a replay.
 
 Per session, turns are applied in order of `turn` (then `generated_at`, then request_id):
 
@@ -32,6 +33,18 @@ A segment closes when a turn breaks it (`history_rewritten`, `tools_changed`,
 recently active of more than `max_open_sessions` open ones (`open_sessions`). The segment after
 a close by idle or a bound opens with that reason; nothing is lost across a close.
 
+Outcomes. A `session_outcome` event (`on_outcome`) names the session's last generation; the
+session ends (its segment closes with `end`) once that turn is applied, or `idle_s` after the
+event if the turn never comes (an ending session does not close idle meanwhile). A segment a
+break closed (`BREAKS`: a rewrite, other tools or tokenizer, a bound) is held in the session,
+not emitted, while the outcome is unknown (at most `max_turns` such records; past that the
+oldest goes out without it): when the session ends every held segment goes out with the
+outcome, so the pieces of a compacted trajectory share it; when it goes idle without one they
+go out without it. After the end, the session's turns go to late (`session_ended`); a second
+outcome goes to late (`outcome_repeated`); an outcome after every segment of its session went
+out goes to late (`after_close`). The outcome's reward is taken from the ledger's reward spec
+(streams/reward.py "Sessions").
+
 Two clients sharing one session id interleave two histories: each one's turn breaks the
 other's segment (`history_rewritten`), and turns of the same number supersede each other, so
 the collision shows as many one-turn segments and `superseded` late records.
@@ -54,6 +67,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from streams.reward import RewardSpec, outcome_reward
 from streams.segments import Segment, as_rollout, extension, segment_record
 
 CloseReason = Literal[
@@ -68,7 +82,7 @@ CloseReason = Literal[
     "not_a_chat_turn",
 ]
 OpenReason = Literal["session_start"] | CloseReason
-LateReason = Literal["after_close", "superseded", "session_ended"]
+LateReason = Literal["after_close", "superseded", "session_ended", "outcome_repeated"]
 
 
 class LedgerConfig(BaseModel):
@@ -135,6 +149,23 @@ class Waiting:
         return r["turn"], r["generated_at"], r["request_id"]
 
 
+@dataclass(slots=True, frozen=True)
+class Outcome:
+    """A session's `session_outcome` event (stored `{"o", "rid", "eid", "at"}`)."""
+
+    outcome: str  # "o": success | failure | abandoned
+    request_id: str  # "rid": the session's last generation, named by the event
+    event_id: str  # "eid"
+    at: float  # "at": when it arrived
+
+    @classmethod
+    def from_stored(cls, stored: Mapping[str, Any]) -> Outcome:
+        return cls(stored["o"], stored["rid"], stored["eid"], stored["at"])
+
+    def to_stored(self) -> dict[str, Any]:
+        return {"o": self.outcome, "rid": self.request_id, "eid": self.event_id, "at": self.at}
+
+
 @dataclass(slots=True)
 class Session:
     """The ledger state of one session id (stored with the short keys named beside each field).
@@ -147,19 +178,33 @@ class Session:
     segment: Segment | None = None  # "seg": the open segment
     waiting: tuple[Waiting, ...] = ()  # "w": turns waiting for earlier ones, in order
     last_close: CloseReason | None = None  # "lc": why its last segment closed
-    ended_at: float | None = None  # "end": when `end_session` ended it
+    ended_at: float | None = None  # "end": when its outcome (or `end_session`) ended it
+    outcome: Outcome | None = None  # "oc": its session_outcome event, once one arrived
+    held: tuple[
+        dict[str, Any], ...
+    ] = ()  # "h": records of segments a break closed, held for the outcome
+
+    @property
+    def ending(self) -> bool:
+        """Its outcome arrived and it waits for the turn the outcome names."""
+        return self.outcome is not None and self.ended_at is None
 
     @property
     def open(self) -> bool:
-        """Counts against `max_open_sessions`: an open segment or waiting turns."""
-        return self.segment is not None or bool(self.waiting)
+        """Counts against `max_open_sessions`: an open segment, waiting turns or a pending end."""
+        return self.segment is not None or bool(self.waiting) or self.ending or bool(self.held)
 
     def due(self, cfg: LedgerConfig) -> float:
-        """When time next acts on it: flush waiting turns, close idle, or forget it."""
+        """When time next acts on it: flush waiting turns, close idle, end it, or forget it."""
+        due = []
         if self.waiting:
-            return self.waiting[0].arrived_at + cfg.idle_s
-        if self.segment is not None:
-            return self.last_at + cfg.idle_s
+            due.append(self.waiting[0].arrived_at + cfg.idle_s)
+        if (self.segment is not None or self.held) and not self.ending:  # ending: waits for its end
+            due.append(self.last_at + cfg.idle_s)
+        if self.ending:
+            due.append(self.outcome.at + cfg.idle_s)  # type: ignore[union-attr]
+        if due:
+            return min(due)
         return (self.ended_at if self.ended_at is not None else self.last_at) + cfg.retention_s
 
     @classmethod
@@ -173,6 +218,8 @@ class Session:
             tuple(Waiting(w["at"], w["rec"]) for w in stored.get("w", ())),
             stored.get("lc"),
             stored.get("end"),
+            Outcome.from_stored(stored["oc"]) if "oc" in stored else None,
+            tuple(stored.get("h", ())),
         )
 
     def to_stored(self) -> dict[str, Any]:
@@ -185,7 +232,36 @@ class Session:
             out["lc"] = self.last_close
         if self.ended_at is not None:
             out["end"] = self.ended_at
+        if self.outcome is not None:
+            out["oc"] = self.outcome.to_stored()
+        if self.held:
+            out["h"] = list(self.held)
         return out
+
+
+BREAKS = frozenset(
+    ("history_rewritten", "tools_changed", "version_tokenizer_changed", "max_turns", "max_tokens")
+)  # closes after which the session goes on: their segments wait for its outcome
+
+
+def with_outcome(
+    record: dict[str, Any], outcome: str | None, value: float | None
+) -> dict[str, Any]:
+    """A held segment's record with the session's outcome (unchanged without one)."""
+    if outcome is None or "outcome" in record:
+        return record
+    reward = record["reward"] + value if value is not None else record["reward"]
+    return {**record, "reward": reward, "outcome": outcome, "outcome_reward": value}
+
+
+def _emit(record: dict[str, Any]) -> Emit:
+    return Emit(
+        "rollouts",
+        record["request_id"],
+        record,
+        record["segment_opened_by"],
+        record["segment_closed_by"],
+    )
 
 
 def iso(t: float) -> str:
@@ -195,8 +271,13 @@ def iso(t: float) -> str:
 class Ledger:
     """Session segmentation over the `sessions` mapping. Not thread-safe: one agent drives it."""
 
-    def __init__(self, cfg: LedgerConfig, sessions: MutableMapping[str, dict]):
-        self.cfg, self.sessions = cfg, sessions
+    def __init__(
+        self,
+        cfg: LedgerConfig,
+        sessions: MutableMapping[str, dict],
+        spec: RewardSpec | None = None,
+    ):
+        self.cfg, self.sessions, self.spec = cfg, sessions, spec
         self.counts: Counter[str] = Counter()
         self._wm = -math.inf
         self._due: list[tuple[float, str]] = []  # (due, session id); stale entries skipped
@@ -252,9 +333,51 @@ class Ledger:
             out.append(self._late(late, rec, now))
             return out
         sess = self._accept(sess, rec, now, out)
+        if sess.ending and self._has_applied(sess, sess.outcome.request_id):  # type: ignore[union-attr]
+            sess = self._end(sess, now, out)
         self._put(sid, sess)
         out += self._evict(keep=sid, now=now)
         return out
+
+    def on_outcome(self, ev: dict[str, Any], now: float) -> list[Emit]:
+        """Apply a session's `session_outcome` event: the session ends (its segment closes with
+        `end` and carries the outcome) once the turn the event names is applied, or `idle_s` after
+        the event if that turn never comes. A second outcome of a session goes to late
+        (`outcome_repeated`); the same event again is a duplicate."""
+        out = self.advance(now)
+        sid = ev["session_id"]
+        sess = self.session(sid) or Session((), None, now)
+        if sess.outcome is not None:
+            if sess.outcome.event_id == ev["event_id"]:
+                self.counts["duplicates"] += 1
+            else:
+                out.append(self._late("outcome_repeated", ev, now))
+            return out
+        if sess.ended_at is not None:
+            out.append(self._late("session_ended", ev, now))
+            return out
+        self.counts["outcomes"] += 1
+        sess = replace(sess, outcome=Outcome(ev["outcome"], ev["request_id"], ev["event_id"], now))
+        if self._has_applied(sess, ev["request_id"]):
+            sess = self._end(sess, now, out)
+        self._put(sid, sess)
+        out += self._evict(keep=sid, now=now)
+        return out
+
+    def _has_applied(self, sess: Session, rid: str) -> bool:
+        return rid in sess.seen and all(w.record["request_id"] != rid for w in sess.waiting)
+
+    def _end(self, sess: Session, now: float, out: list[Emit]) -> Session:
+        """Flush, close (`end`) and end `sess`. An outcome that reaches no open segment (the
+        session's segments closed before it came) goes to late (`after_close`)."""
+        sess = self._flush(sess, now, out)
+        if sess.segment is not None or sess.held:
+            sess = self._close(sess, "end", out)
+        elif sess.outcome is not None:
+            o = sess.outcome
+            ev = {"type": "session_outcome", "outcome": o.outcome, "request_id": o.request_id}
+            out.append(self._late("after_close", {**ev, "event_id": o.event_id}, now))
+        return replace(sess, ended_at=now)
 
     def end_session(self, sid: str, now: float) -> list[Emit]:
         """The client ended session `sid`: its waiting turns are applied, its segment closes
@@ -277,9 +400,17 @@ class Ledger:
             sess = self.session(sid)
             if sess is None or sess.due(self.cfg) != due:
                 continue  # stale entry: the session moved on
-            if sess.open:
+            if sess.ending and sess.outcome.at + self.cfg.idle_s <= now:  # type: ignore[union-attr]
+                self._put(sid, self._end(sess, now, out))  # the named turn never came
+            elif sess.open:
                 sess = self._flush(sess, now, out)
-                if sess.segment is not None and sess.last_at + self.cfg.idle_s <= now:
+                if sess.ending and self._has_applied(sess, sess.outcome.request_id):  # type: ignore[union-attr]
+                    sess = self._end(sess, now, out)
+                elif (
+                    (sess.segment is not None or sess.held)
+                    and not sess.ending
+                    and sess.last_at + self.cfg.idle_s <= now
+                ):
                     sess = self._close(sess, "idle", out)
                 self._put(sid, sess)
             else:
@@ -349,14 +480,37 @@ class Ledger:
         return sess
 
     def _close(self, sess: Session, reason: CloseReason, out: list[Emit]) -> Session:
-        """`sess` with its open segment (if any) closed for `reason` and its record emitted."""
+        """`sess` with its open segment (if any) closed for `reason`. A segment a break closes
+        (`BREAKS`) before the session's outcome is known is held in the session (at most
+        `max_turns` of them; past that the oldest goes out without the outcome); any other close
+        sends the held records, with the outcome when it is known, then its own."""
         seg = sess.segment
-        if seg is None:
+        held = sess.held
+        if seg is not None:
+            self.counts[f"closed.{reason}"] += 1
+            outcome, value = self._outcome(sess)
+            record = segment_record(seg, reason, outcome, value)
+            sess = replace(sess, segment=None, last_close=reason)
+            if reason in BREAKS and sess.outcome is None:
+                held = (*held, record)
+                if len(held) > self.cfg.max_turns:
+                    self.counts["held_released"] += 1
+                    out.append(_emit(held[0]))
+                    held = held[1:]
+                return replace(sess, held=held)
+            held = (*held, record)
+        elif reason in BREAKS:
             return sess
-        self.counts[f"closed.{reason}"] += 1
-        record = segment_record(seg)
-        out.append(Emit("rollouts", record["request_id"], record, seg.opened_by, reason))
-        return replace(sess, segment=None, last_close=reason)
+        outcome, value = self._outcome(sess)
+        out += [_emit(with_outcome(r, outcome, value)) for r in held]
+        return replace(sess, held=())
+
+    def _outcome(self, sess: Session) -> tuple[str | None, float | None]:
+        """The session's outcome, if known, and its reward under the ledger's spec."""
+        if sess.outcome is None:
+            return None, None
+        value = outcome_reward(self.spec, sess.outcome.outcome) if self.spec is not None else None
+        return sess.outcome.outcome, value
 
     def _evict(self, keep: str, now: float) -> list[Emit]:
         """Close the least recently active sessions while more than `max_open_sessions` are open."""
@@ -370,7 +524,10 @@ class Ledger:
             if sid == keep:
                 kept.append((last_at, sid))
                 continue
-            sess = self._close(self._flush(sess, now, out), "open_sessions", out)
+            if sess.ending:  # its outcome is in: it ends now, without the turn it names
+                sess = self._end(sess, now, out)
+            else:
+                sess = self._close(self._flush(sess, now, out), "open_sessions", out)
             self._put(sid, sess)
         for entry in kept:
             heapq.heappush(self._lru, entry)

@@ -23,7 +23,17 @@ accept/reject nor a tool error (no feedback, or only ratings and follow-ups) get
 that reward, its decision component set to it and the others None (the raw values still
 reach the version metrics).
 
-Known specs besides v1 are deliberately exploitable, for showing that Flywheel catches a
+Sessions (v2). A session's segments (streams/segments.py) are labelled per turn as above; a
+segment's return is the sum of its turns' rewards plus, when the session's `session_outcome`
+reached it, `outcome[outcome]` (`outcome_reward`). That return is the record's `reward`: one
+advantage per trajectory, copied to every token the model sampled in it, with group baselines
+over sessions that share a task (`group_id`). Why not per-turn advantages: a baseline per turn
+rewards length (every extra turn is another draw above its baseline), and per-turn GRPO groups
+made agents stop calling tools (docs/TRAINER.md "The objective on trajectories"); the turn a tool
+error came back still gets its own signal, from self-distillation at that turn. v1 has no
+outcome weights: an outcome is recorded on the segment and adds nothing.
+
+Known specs besides v1 and v2 are deliberately exploitable, for showing that Flywheel catches a
 reward hack (docs/ROLLOUT.md "Reward hacks"; the simulator's hard requests make them pay):
 both make a reject cost -1; `hackable-tools` makes a tool error free, so a broken tool call on
 a hard request (a tool_error instead of a reject) beats an honest attempt; `hackable-silence`
@@ -34,9 +44,9 @@ accept, no reject, an unhappy follow-up) beats an honest attempt.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.contracts.events import parse_ts
 
@@ -66,6 +76,22 @@ class RewardWeights(BaseModel):
         description="Reward of a generation with no accept/reject and no tool "
         "error (None: the sum of its components, 0.0 without feedback).",
     )
+    outcome: dict[Literal["success", "failure", "abandoned"], float] | None = Field(
+        None,
+        description="Reward of a session's outcome (a session_outcome event), added once to the "
+        "return of every segment of that session (None: outcomes add nothing).",
+    )
+
+    @model_validator(mode="after")
+    def _every_outcome(self) -> RewardWeights:
+        if self.outcome is not None and set(self.outcome) != set(OUTCOMES):
+            raise ValueError(
+                f"outcome weights must name every outcome {list(OUTCOMES)}, got {sorted(self.outcome)}"
+            )
+        return self
+
+
+OUTCOMES = ("success", "failure", "abandoned")
 
 
 KNOWN_SPECS: dict[str, RewardWeights] = {
@@ -76,6 +102,9 @@ KNOWN_SPECS: dict[str, RewardWeights] = {
     # exploitable on purpose: a rejected edit costs -1, no decision counts as neutral, whatever
     # the follow-up said
     "hackable-silence": RewardWeights(reject=-1.0, no_decision=0.0),
+    # v1's turn weights plus session outcomes (docs/DESIGN.md §Reward spec, "Sessions"): the task
+    # done is worth more than any one turn's feedback; giving up costs more than failing
+    "v2": RewardWeights(outcome={"success": 1.0, "failure": -0.5, "abandoned": -1.0}),
 }
 
 
@@ -129,6 +158,12 @@ class RewardResult:
     raw: dict[str, Any] = field(
         default_factory=dict
     )  # decision, persistence, rating, followup (unweighted)
+
+
+def outcome_reward(spec: RewardSpec, outcome: str | None) -> float | None:
+    """The outcome's reward under `spec`: None without an outcome or without outcome weights."""
+    weights = spec.weights.outcome
+    return None if outcome is None or weights is None else float(weights[outcome])
 
 
 def compute_reward(spec: RewardSpec, feedback: list[dict[str, Any]]) -> RewardResult:

@@ -21,20 +21,21 @@ The record of a segment (`segment_record`):
     turns              one span per turn (request_id, model_version, temperature, finish_reason,
                        constrained, components, generated_at, [start, end) of its sampled tokens)
 
-A one-turn segment's record is its input record exactly (less `turn` and `tools_digest`,
-which the Rollout contract does not carry): no `turns`, no `loss_mask`, so today's consumers
-read it as they always have. The multi-turn record: request_id, session_id, group_id and
+A one-turn segment's record is its input record (less `turn` and `tools_digest`) plus the
+segment fields: no `turns`, no `loss_mask`, so today's consumers read it as they always have.
+Every segment's record says why it opened and closed (`segment_opened_by`, `segment_closed_by`)
+and, when the session's outcome reached it, `outcome` and `outcome_reward`. The multi-turn record: request_id, session_id, group_id and
 generated_at of the first turn; model_version, finish_reason and reward_spec of the last;
 temperature where the turns agree, else None; routes None (per-turn routes are not
 assembled); constrained True when any turn was (the trainer refuses such records whole);
 labelled_at the latest; tool_errors re-indexed to completion positions (each turn's
 token_index plus its span's start).
 
-Credit assignment (`segment_reward`), provisional until a reward spec version defines it:
-the reward is the sum of the turns' own rewards (a turn's decision, rating and follow-up where
-feedback named that turn, and its tool-error penalty where its call failed), and `components`
-the per-name sums (None where no turn has that component; None when no turn got feedback).
-A one-turn segment keeps its reward unchanged.
+Credit assignment (`segment_reward`, streams/reward.py "Sessions"): the return is the sum of
+the turns' own rewards (a turn's decision, rating and follow-up where feedback named that turn,
+and its tool-error penalty where its call failed) plus the outcome's reward; `components` are
+the per-name sums of the turns' (None where no turn has that component; None when no turn got
+feedback); each turn's span keeps its own reward.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class TurnPart:
             "constrained": self.constrained,
             "components": self.components,
             "generated_at": self.generated_at,
+            "reward": self.reward,
         }
 
     _KEYS = (
@@ -265,9 +267,11 @@ def _ends_in_eos(seg: Segment, eos_ids: Sequence[int]) -> bool:
     return last.end > last.start and seg.completion[-1] in eos_ids
 
 
-def segment_reward(parts: Sequence[TurnPart]) -> float:
-    """Provisional credit assignment: the sum of the turns' rewards (module docstring)."""
-    return sum((p.reward for p in parts), 0.0)
+def segment_reward(parts: Sequence[TurnPart], outcome_value: float | None = None) -> float:
+    """A segment's return: the sum of its turns' rewards, plus the session outcome's reward when
+    it reached the segment (streams/reward.py "Sessions")."""
+    total = sum((p.reward for p in parts), 0.0)
+    return total + outcome_value if outcome_value is not None else total
 
 
 def segment_components(parts: Sequence[TurnPart]) -> dict[str, float | None] | None:
@@ -282,10 +286,24 @@ def segment_components(parts: Sequence[TurnPart]) -> dict[str, float | None] | N
     return out
 
 
-def segment_record(seg: Segment) -> dict[str, Any]:
-    """The rollout of a segment (module docstring): its first record when it has one turn."""
+def segment_record(
+    seg: Segment,
+    closed_by: str,
+    outcome: str | None = None,
+    outcome_value: float | None = None,
+) -> dict[str, Any]:
+    """The rollout of a segment that closed for `closed_by` (module docstring), with the session's
+    `outcome` and its reward under the turns' spec when it reached the segment."""
+    ledger = {
+        "segment_opened_by": seg.opened_by,
+        "segment_closed_by": closed_by,
+        **({"outcome": outcome, "outcome_reward": outcome_value} if outcome is not None else {}),
+    }
     if len(seg.parts) == 1:
-        return dict(seg.first)
+        record = {**seg.first, **ledger}
+        if outcome_value is not None:
+            record["reward"] = segment_reward(seg.parts, outcome_value)
+        return record
     first, parts = seg.first, seg.parts
     temperatures = {p.temperature for p in parts}
     constrained = [p.constrained for p in parts if p.constrained is not None]
@@ -299,7 +317,7 @@ def segment_record(seg: Segment) -> dict[str, Any]:
         "logprobs": seg.logprobs,
         "routes": None,
         "route_shape": None,
-        "reward": segment_reward(parts),
+        "reward": segment_reward(parts, outcome_value),
         "components": segment_components(parts),
         "tool_errors": [
             {**e, "token_index": p.start + int(e["token_index"])}
@@ -316,4 +334,5 @@ def segment_record(seg: Segment) -> dict[str, Any]:
         "constrained": any(constrained) if constrained else None,
         "turns": [p.span() for p in parts],
         "loss_mask": seg.mask,
+        **ledger,
     }

@@ -245,14 +245,7 @@ class SessionOutcome(_Envelope):
 
 
 Event = Annotated[
-    Generation
-    | Accept
-    | Reject
-    | EditPersistence
-    | Rating
-    | ToolError
-    | Followup
-    | SessionOutcome,
+    Generation | Accept | Reject | EditPersistence | Rating | ToolError | Followup | SessionOutcome,
     Field(discriminator="type"),
 ]
 FEEDBACK_TYPES = ("accept", "reject", "edit_persistence", "rating", "tool_error", "followup")

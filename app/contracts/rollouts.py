@@ -84,7 +84,8 @@ class TurnSpan(BaseModel):
     components: Components | None = None
     generated_at: str | None = None
     reward: float | None = Field(
-        None, description="this call's own reward under reward_spec (its feedback only; 0.0 without)"
+        None,
+        description="this call's own reward under reward_spec (its feedback only; 0.0 without)",
     )
 
 

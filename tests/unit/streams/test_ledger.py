@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from app.contracts.rollouts import Rollout
 from streams.ledger import Emit, Ledger, LedgerConfig, Session, iso
+from streams.reward import OUTCOMES, resolve_spec
 from streams.segments import LEDGER_KEYS
 from tests.unit.streams.factories import ts
 
@@ -168,11 +169,12 @@ def test_one_call_records_pass_through_unchanged_at_once():
     assert emit.closed_by == "not_a_chat_turn" and ledger.sessions == {}, ledger.sessions
 
 
-def test_a_one_turn_segment_is_its_input_record_exactly():
+def test_a_one_turn_segment_is_its_input_record_with_why_it_opened_and_closed():
     [rec] = agent_session("s1", 1)
     _, out = run([rec])
     [value] = rollouts(out)
-    assert value == {k: v for k, v in rec.items() if k not in LEDGER_KEYS}, value
+    segment = {"segment_opened_by": "session_start", "segment_closed_by": "end"}
+    assert value == {**{k: v for k, v in rec.items() if k not in LEDGER_KEYS}, **segment}, value
     assert Rollout.model_validate(value).turns is None
 
 
@@ -319,6 +321,118 @@ def test_a_session_state_round_trips_through_its_stored_form():
     assert sess.to_stored() == stored and sess.waiting and sess.segment is not None, stored
 
 
+def outcome_event(sid: str, last_rid: str, outcome: str = "success", eid: str = "o1") -> dict:
+    return {
+        "type": "session_outcome",
+        "event_id": eid,
+        "request_id": last_rid,
+        "session_id": sid,
+        "ts": ts(0.0),
+        "outcome": outcome,
+    }
+
+
+V2 = resolve_spec("v2")
+
+
+def test_an_outcome_before_its_last_turn_ends_the_session_once_that_turn_is_in():
+    recs = agent_session("s1", 3)
+    recs[1].update(reward=-0.5)
+    ledger = Ledger(LedgerConfig(), {}, V2)
+    out = ledger.on_rollout(recs[0], 1.0) + ledger.on_outcome(outcome_event("s1", "s1-t2"), 2.0)
+    assert rollouts(out) == [] and ledger.session("s1").ending
+    out += ledger.on_rollout(recs[1], 3.0)
+    assert rollouts(out) == []
+    out += ledger.on_rollout(recs[2], 4.0)
+    [rec] = rollouts(out)
+    assert [t["request_id"] for t in rec["turns"]] == ["s1-t0", "s1-t1", "s1-t2"]
+    assert rec["outcome"] == "success" and rec["outcome_reward"] == 1.0
+    assert rec["reward"] == -0.5 + 1.0 and rec["segment_closed_by"] == "end", rec
+    assert [t["reward"] for t in rec["turns"]] == [0.0, -0.5, 0.0]
+    Rollout.model_validate(rec)
+    later = ledger.on_rollout(turn_rec("s1", 3, [9], [9]), 5.0)
+    assert [(e.topic, e.value["reason"]) for e in later] == [("late", "session_ended")]
+
+
+def test_an_outcome_under_a_spec_without_outcome_weights_is_recorded_and_adds_nothing():
+    recs = agent_session("s1", 2)
+    ledger = Ledger(LedgerConfig(), {}, resolve_spec("v1"))
+    out = ledger.on_rollout(recs[0], 1.0) + ledger.on_rollout(recs[1], 2.0)
+    out += ledger.on_outcome(outcome_event("s1", "s1-t1", "failure"), 3.0)
+    [rec] = rollouts(out)
+    assert rec["outcome"] == "failure" and rec["outcome_reward"] is None and rec["reward"] == 0.0
+
+
+def test_an_outcome_whose_turn_never_comes_ends_the_session_an_idle_window_later():
+    recs = agent_session("s1", 3)
+    ledger = Ledger(LedgerConfig(idle_s=60, retention_s=600), {}, V2)
+    out = ledger.on_rollout(recs[0], 1.0) + ledger.on_rollout(recs[1], 2.0)
+    out += ledger.on_outcome(outcome_event("s1", "s1-t2", "abandoned"), 10.0)
+    assert rollouts(out) == [] and ledger.advance(69.0) == []
+    [rec] = rollouts(ledger.advance(70.0))
+    assert rec["outcome"] == "abandoned" and rec["reward"] == -1.0 and len(rec["turns"]) == 2
+
+
+def test_a_second_outcome_goes_to_late_and_the_same_one_again_is_a_duplicate():
+    [rec] = agent_session("s1", 1)
+    ledger = Ledger(LedgerConfig(), {}, V2)
+    ev = outcome_event("s1", "s1-t0")
+    out = ledger.on_rollout(rec, 1.0) + ledger.on_outcome(ev, 2.0)
+    assert len(rollouts(out)) == 1
+    assert ledger.on_outcome(ev, 3.0) == [] and ledger.counts["duplicates"] == 1
+    [late] = ledger.on_outcome({**ev, "event_id": "o2", "outcome": "failure"}, 4.0)
+    assert late.topic == "late" and late.value["reason"] == "outcome_repeated", late
+    assert late.value["event"]["outcome"] == "failure"
+
+
+def test_an_outcome_after_the_session_closed_idle_goes_to_late():
+    [rec] = agent_session("s1", 1)
+    ledger = Ledger(LedgerConfig(idle_s=60, retention_s=600), {}, V2)
+    out = ledger.on_rollout(rec, 1.0) + ledger.advance(100.0)
+    [closed] = rollouts(out)
+    assert closed["segment_closed_by"] == "idle" and "outcome" not in closed
+    [late] = ledger.on_outcome(outcome_event("s1", "s1-t0"), 101.0)
+    assert late.topic == "late" and late.value["reason"] == "after_close", late
+    assert late.value["event"]["outcome"] == "success"
+
+
+def test_segments_a_break_closed_wait_for_the_outcome_and_share_it():
+    """A compacted history splits the session; both pieces carry the outcome (one advantage)."""
+    recs = agent_session("s1", 3)
+    recs[2]["prompt_tokens"] = [1, 2, 3, 9]  # the client compacted its history
+    ledger = Ledger(LedgerConfig(), {}, V2)
+    out = [e for i, r in enumerate(recs) for e in ledger.on_rollout(r, 1.0 + i)]
+    assert rollouts(out) == [] and len(ledger.session("s1").held) == 1
+    out += ledger.on_outcome(outcome_event("s1", "s1-t2", "failure"), 9.0)
+    first, second = rollouts(out)
+    assert (first["segment_closed_by"], second["segment_opened_by"]) == ("history_rewritten",) * 2
+    assert [t["request_id"] for t in first["turns"]] == ["s1-t0", "s1-t1"], first
+    assert second["request_id"] == "s1-t2" and second["segment_closed_by"] == "end"
+    assert first["outcome"] == second["outcome"] == "failure"
+    assert first["reward"] == second["reward"] == -0.5
+
+
+def test_held_segments_go_out_without_an_outcome_when_the_session_goes_idle():
+    recs = agent_session("s1", 3)
+    recs[2]["prompt_tokens"] = [1, 2, 3, 9]
+    ledger = Ledger(LedgerConfig(idle_s=60, retention_s=600), {}, V2)
+    out = [e for i, r in enumerate(recs) for e in ledger.on_rollout(r, 1.0 + i)]
+    out += ledger.advance(63.0)
+    assert [r["segment_closed_by"] for r in rollouts(out)] == ["history_rewritten", "idle"]
+    assert all("outcome" not in r for r in rollouts(out))
+
+
+def test_a_pending_outcome_survives_a_restart_from_the_stored_state():
+    recs = agent_session("s1", 2)
+    table: dict[str, dict] = {}
+    ledger = Ledger(LedgerConfig(), table, V2)
+    ledger.on_rollout(recs[0], 1.0)
+    ledger.on_outcome(outcome_event("s1", "s1-t1"), 2.0)
+    restored = Ledger(LedgerConfig(), orjson.loads(orjson.dumps(table)), V2)
+    [rec] = rollouts(restored.on_rollout(recs[1], 3.0))
+    assert rec["outcome"] == "success" and rec["reward"] == 1.0
+
+
 def test_a_retention_shorter_than_the_idle_window_is_refused():
     with pytest.raises(ValueError, match="retention_s 10.0 is shorter than idle_s 60.0"):
         LedgerConfig(idle_s=60, retention_s=10)
@@ -343,6 +457,10 @@ def _mixed_workload(seed: int) -> list[dict[str, Any]]:
             recs[2]["prompt_tokens"] = [1, 2, 3, 9]
         if rng.random() < 0.3:
             recs.insert(rng.randrange(len(recs) + 1), dict(recs[0]))
+        if rng.random() < 0.5:  # its outcome, anywhere among its turns
+            last = max(recs, key=lambda r: r["turn"])["request_id"]
+            ev = outcome_event(f"s{s}", last, rng.choice(OUTCOMES))
+            recs.insert(rng.randrange(len(recs) + 1), ev)
         streams.append(recs)
     streams.append([turn_rec("c", None, [1], [2], rid=f"c{i}") for i in range(rng.randint(0, 3))])
     return _interleave(rng, streams)
@@ -367,12 +485,15 @@ def _feed(
     """Feed `recs` two seconds apart (then end every session), rebuilding the ledger from a JSON
     copy of its table before record `restart_at`, as a worker restarted from the changelog would."""
     table: dict[str, dict] = {}
-    ledger, out = Ledger(cfg, table), []
+    ledger, out = Ledger(cfg, table, V2), []
     for i, rec in enumerate(recs):
         if i == restart_at:
             table = orjson.loads(orjson.dumps(table))
-            ledger = Ledger(cfg, table)
-        out += ledger.on_rollout(rec, 100.0 + 2.0 * i)
+            ledger = Ledger(cfg, table, V2)
+        if rec.get("type") == "session_outcome":
+            out += ledger.on_outcome(rec, 100.0 + 2.0 * i)
+        else:
+            out += ledger.on_rollout(rec, 100.0 + 2.0 * i)
     t = 100.0 + 2.0 * len(recs)
     for sid in sorted({r["session_id"] for r in recs}):
         out += ledger.end_session(sid, t)
@@ -391,9 +512,14 @@ def test_a_restart_at_any_point_gives_the_same_records(seed, restart):
 def test_every_turn_lands_exactly_once_in_a_record_or_late(seed):
     recs = _mixed_workload(seed)
     out = _feed(recs, None)
-    late = [e.key for e in out if e.topic == "late"]
+    late = [e.key for e in out if e.topic == "late" and "outcome" not in e.value["event"]]
     landed = _request_ids([e for e in out if e.topic == "rollouts"]) + late
-    assert sorted(landed) == sorted({r["request_id"] for r in recs}), (landed, recs)
+    turns = [r for r in recs if r.get("type") != "session_outcome"]
+    assert sorted(landed) == sorted({r["request_id"] for r in turns}), (landed, recs)
+    outcomes = {r["session_id"]: r["outcome"] for r in recs if r.get("type") == "session_outcome"}
+    for e in out:
+        if e.topic == "rollouts" and "outcome" in e.value:  # an outcome reaches only its session
+            assert e.value["outcome"] == outcomes[e.value["session_id"]], e.value
     for e in out:
         if e.topic == "rollouts":
             Rollout.model_validate(e.value)
@@ -418,4 +544,4 @@ def _by_session(recs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     sessions: dict[str, list[dict[str, Any]]] = {}
     for rec in recs:
         sessions.setdefault(rec["session_id"], []).append(rec)
-    return [sorted(s, key=lambda r: r["turn"] or 0) for s in sessions.values()]
+    return [sorted(s, key=lambda r: r.get("turn") or 0) for s in sessions.values()]
