@@ -275,6 +275,11 @@ class FeedbackClient:
     def followup(self, request_id: str, session_id: str, sentiment: float, **common: Any) -> str:
         return self._event("followup", request_id, session_id, common, sentiment=sentiment)
 
+    def session_outcome(self, request_id: str, session_id: str, outcome: str, **common: Any) -> str:
+        """How agent session `session_id` ended: `success`, `failure` or `abandoned`. `request_id`
+        names its last generation (docs/AGENTS.md "Sessions")."""
+        return self._event("session_outcome", request_id, session_id, common, outcome=outcome)
+
     # --- flushing -------------------------------------------------------------------------------------
     @property
     def pending(self) -> int:

@@ -75,6 +75,7 @@ from app.contracts.topics import (
     STREAMS_INTERNAL_SPECS,
     STREAMS_METRIC_PARTIALS,
     STREAMS_TICKS,
+    STREAMS_TURNS,
     topic_partitions,
 )
 from app.infra.kafka import FAUST_PRODUCER_OPTIONS
@@ -112,6 +113,10 @@ _EVENTS_OK, _EVENTS_DLQ = (
     EVENTS_IN.labels("dlq"),
 )  # bound once: labels() costs a lock per call
 _OUT: dict[str, Any] = {}
+_SESSIONS_OFF = {
+    "field": "type",
+    "message": "session_outcome events need the session ledger (FLYWHEEL_STREAMS_SESSIONS=true)",
+}
 RESUME_CORRECTIONS = Counter(
     "flywheel_streams_resume_corrections_total",
     "Assignments where the group's committed offset differed from the state's progress "
@@ -157,7 +162,9 @@ TABLES = (
     "generations",
     "buckets",
     "metric-buckets",
-)  # the Faust tables build_app declares
+    "sessions",
+    "session-progress",
+)  # the Faust tables build_app declares (the last two: streams/session_stage.py)
 
 
 def dlq_envelope(
@@ -457,6 +464,35 @@ class Runtime:
                 exc,
             )
 
+    # --- rebalances ----------------------------------------------------------------------------
+    def revoked(self, revoked: Any) -> None:
+        """Partitions of the input were revoked: until the rebalance completes, their records are
+        stale, and their derived state goes (their next owner rebuilds it from the tables)."""
+        gone = {tp.partition for tp in revoked if tp.topic == self.interactions}
+        self.owned = (self.owned or set()) - gone
+        self.gauge_assigned()
+        for p in gone:
+            self.forget_partition(p)
+            self.last_processed.pop(p, None)
+            self.resumed.discard(p)
+            self.refetching.pop(p, None)
+        self.deferred_tombstones = [r for r in self.deferred_tombstones if r[2] not in gone]
+
+    async def assigned(self) -> None:
+        """A rebalance completed: own the input's partitions assigned now and resume them from the
+        state (sent after table recovery, before Faust seeks to committed offsets)."""
+        self.owned = {
+            tp.partition for tp in self.app.consumer.assignment() if tp.topic == self.interactions
+        }
+        await self.resume_from_state()
+        self.gauge_assigned()
+
+    def forget_partition(self, p: int) -> None:
+        self.aggregator.forget_partition(p)
+
+    def gauge_assigned(self) -> None:
+        ASSIGNED.set(len(self.owned or ()))
+
     # --- one batch of records ---------------------------------------------------------------
     async def on_batch(self, events: list[Any]) -> None:
         """Join a batch of interaction/tick records, then emit outputs and state in the at-least-once order."""
@@ -491,8 +527,15 @@ class Runtime:
         now = time.time()
         for e in out:
             self.count(e, now)
-        # 2a. labels and generations (deletions of generations wait one batch: a generation may only
-        #     go once the changelog holds its closed label); 2b. buckets with the input progress
+        await self.persist()
+        self.records_done += len(events)
+        BATCH.observe(len(events))
+        self.gauges()
+
+    async def persist(self) -> None:
+        """2. The state of the batch, after its outputs: (2a) labels and generations (deletions of
+        generations wait one batch: a generation may only go once the changelog holds its closed
+        label), then (2b) buckets, with the input progress."""
         drained = {name: view.drain() for name, view in self.views.items()}
         gens = drained["generations"]
         tombstones = [r for r in gens if r[1] is None]
@@ -500,8 +543,8 @@ class Runtime:
         await self._send_changelogs(drained, ("labels", "generations"))
         self.deferred_tombstones = tombstones
         await self._send_changelogs(drained, ("buckets",))
-        self.records_done += len(events)
-        BATCH.observe(len(events))
+
+    def gauges(self) -> None:
         OPEN.set(self.aggregator.open_labels)
 
     async def _send_changelogs(self, drained: dict[str, list], names: tuple[str, ...]) -> None:
@@ -566,6 +609,10 @@ class Runtime:
         if isinstance(obj, Refused):
             return [self._dlq(msg, key, value, obj.reason, obj.errors)]
         _EVENTS_OK.inc()
+        if obj["type"] == "session_outcome":  # not joined: the session ledger applies it
+            if self.cfg.sessions:
+                return [Emit("turns", obj["session_id"], obj)]
+            return [self._dlq(msg, key, value, "sessions_disabled", [_SESSIONS_OFF])]
         rt = msg.timestamp if msg.timestamp else time.time()
         try:
             out = self.aggregator.on_event(p, obj, rt)
@@ -578,6 +625,13 @@ class Runtime:
             else self._resolve(p, e)
             for e in out
         ]
+
+    def _route(self, e: Emit) -> Emit:
+        """A labelled chat turn goes to the session ledger (`<ns>.streams-turns`, keyed by its
+        session), not to the rollouts topic; everything else as it is."""
+        if e.topic == "rollouts" and self.cfg.sessions and e.value.get("turn") is not None:
+            return Emit("turns", e.value["session_id"], e.value)
+        return e
 
     def _dlq(
         self, msg: Any, key: bytes | None, value: bytes | None, reason: str, errors: list
@@ -594,7 +648,7 @@ class Runtime:
         """An aggregator output as sent: a DLQ entry about a stored event (a label that failed to
         close; `e.key` its request_id) gets the envelope of the event as it was on the topic."""
         if e.topic != "dlq":
-            return e
+            return self._route(e)
         return Emit(
             "dlq",
             None,
@@ -623,9 +677,11 @@ class Runtime:
         )  # set from the state's progress on assignment
         if processed < hw:
             return []  # records below the tick's end offset are still unprocessed: record time rules
-        out = self.aggregator.on_tick(
-            p, now - self.cfg.skew_margin
-        )  # a label that fails to close is a DLQ entry
+        return self.advance(p, now - self.cfg.skew_margin)
+
+    def advance(self, p: int, now: float) -> list[Emit]:
+        """Move partition `p`'s time to `now` (a caught-up tick): labels whose window passed close."""
+        out = self.aggregator.on_tick(p, now)  # a label that fails to close is a DLQ entry
         WATERMARK_LAG.set(
             max(0.0, time.time() - min(self.aggregator.watermark(q) for q in self.aggregator._wm))
         )
@@ -752,6 +808,8 @@ class LeanMonitor(Monitor):
 
 def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtime]:
     """A Faust app for `settings` (one per process; tests build their own)."""
+    from streams.session_stage import SessionStage  # it builds on Runtime, defined here
+
     n = settings.interactions_partitions
     ns = settings.topic_namespace
     app = faust.App(
@@ -790,6 +848,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         "version-metrics": app.topic(settings.topic("version-metrics"), **raw),
         "partials": app.topic(partials_name, partitions=n, **raw),
         "ticks": app.topic(ticks, partitions=n, **raw),
+        "turns": app.topic(f"{ns}.{STREAMS_TURNS}", partitions=n, **raw),
     }
     table = {"partitions": n, "key_type": str, "value_type": None, "default": None}
     labels = app.Table("labels", help="request_id -> label state", **table)
@@ -837,34 +896,37 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         async for event in stream.events():
             await rt.send(rt.on_partial(event.message, event.value))
 
+    sessions = SessionStage.build(app, settings, cfg, spec, rt.outbox)
+
+    @app.agent(
+        sessions.source, name="assemble", concurrency=1, supervisor_strategy=CrashingSupervisor
+    )
+    async def assemble(stream):
+        async for events in stream.take_events(cfg.batch_max_events, within=cfg.batch_within):
+            await sessions.on_batch(events)
+
     @app.timer(cfg.tick_interval)
     async def tick() -> None:
-        await rt.retry_refetches()
-        await rt.send_ticks()
+        for stage in (rt, sessions):
+            await stage.retry_refetches()
+            await stage.send_ticks()
 
     @app.on_partitions_revoked.connect
     async def on_revoked(sender: Any, revoked: Any, **kwargs: Any) -> None:
-        gone = {tp.partition for tp in revoked if tp.topic == interactions}
-        rt.owned = (
-            rt.owned or set()
-        ) - gone  # until the rebalance completes, records of these are stale
-        ASSIGNED.set(len(rt.owned))
-        for p in gone:
-            agg.forget_partition(p)
-            rt.last_processed.pop(p, None)
-            rt.resumed.discard(p)
-            rt.refetching.pop(p, None)
-        rt.deferred_tombstones = [r for r in rt.deferred_tombstones if r[2] not in gone]
+        for stage in (rt, sessions):
+            stage.revoked(revoked)
 
     @app.on_rebalance_complete.connect
     async def on_rebalance_complete(sender: Any, **kwargs: Any) -> None:
-        rt.owned = {tp.partition for tp in app.consumer.assignment() if tp.topic == interactions}
-        await (
-            rt.resume_from_state()
-        )  # sent after table recovery, before Faust seeks to committed offsets
-        ASSIGNED.set(len(rt.owned))
+        for stage in (rt, sessions):
+            await stage.assigned()
 
-    app.flywheel_agents = {"aggregate": aggregate, "merge_metrics": merge_metrics}  # type: ignore[attr-defined]
+    app.flywheel_agents = {  # type: ignore[attr-defined]
+        "aggregate": aggregate,
+        "merge_metrics": merge_metrics,
+        "assemble": assemble,
+    }
+    app.flywheel_sessions = sessions  # type: ignore[attr-defined]
     log.info(
         "streams app %s: %d partitions, window %.3gs, spec %s",
         app.conf.id,

@@ -15,6 +15,7 @@ from pydantic_settings import SettingsConfigDict
 
 from app.settings import Duration
 from app.settings_base import FlywheelSettings
+from streams.ledger import LedgerConfig
 from streams.reward import RewardSpec, RewardWeights, resolve_spec
 
 
@@ -29,7 +30,7 @@ class StreamsConfig(FlywheelSettings):
         "v1",
         min_length=1,
         max_length=64,
-        description="Reward spec version recorded in every rollout (known: v1; hackable-tools and hackable-silence are exploitable on purpose, for reward-hack runs: docs/ROLLOUT.md).",
+        description="Reward spec version recorded in every rollout (known: v1, sessions-v1 (v1 plus session outcomes); hackable-tools and hackable-silence are exploitable on purpose, for reward-hack runs: docs/ROLLOUT.md).",
     )
     reward_weights: RewardWeights | None = Field(
         None,
@@ -103,9 +104,39 @@ class StreamsConfig(FlywheelSettings):
         description="Port of the Prometheus endpoint; 0 disables it (trainer 9102, controller 9103).",
     )
 
+    sessions: bool = Field(
+        True,
+        description="Assemble agent sessions (chat turns with a turn number) into one rollout per "
+        "segment (streams/ledger.py); false: each chat turn is its own rollout.",
+    )
+    session_idle: Duration = Field(
+        300.0,
+        description="A session's open segment closes this long after its last turn; a turn that "
+        "came early waits this long for the turns before it; an outcome waits this long for the "
+        "turn it names.",
+    )
+    session_retention: Duration = Field(
+        3600.0,
+        description="How long a closed or ended session is remembered (duplicate turns dropped, "
+        "late turns and outcomes routed to <ns>.late). At least session_idle.",
+    )
+    session_max_turns: int = Field(64, ge=1, description="Turns per segment.")
+    session_max_tokens: int = Field(
+        32768,
+        ge=1,
+        description="Tokens (prompt and completion) per segment: the model's context.",
+    )
+    max_open_sessions: int = Field(
+        10_000,
+        ge=1,
+        description="Sessions with an open segment per turns partition; past it the least "
+        "recently active closes (open_sessions).",
+    )
+
     @model_validator(mode="after")
     def _check_spec(self) -> StreamsConfig:
         self.spec()  # raises ValueError with what to do
+        self.ledger()
         if self.metrics_bucket <= 0:
             raise ValueError("FLYWHEEL_STREAMS_METRICS_BUCKET must be > 0, e.g. '60s'")
         if self.batch_within <= 0:
@@ -116,6 +147,16 @@ class StreamsConfig(FlywheelSettings):
 
     def spec(self) -> RewardSpec:
         return resolve_spec(self.reward_spec, self.reward_weights)
+
+    def ledger(self) -> LedgerConfig:
+        """The session ledger's settings (raises ValueError naming what is wrong)."""
+        return LedgerConfig(
+            idle_s=self.session_idle,
+            retention_s=self.session_retention,
+            max_turns=self.session_max_turns,
+            max_tokens=self.session_max_tokens,
+            max_open_sessions=self.max_open_sessions,
+        )
 
     def retention(self, wait_window: float) -> float:
         r = self.closed_retention if self.closed_retention is not None else wait_window

@@ -15,10 +15,12 @@ Per session, turns are applied in order of `turn` (then `generated_at`, then req
   (`not_a_chat_turn`), its record unchanged; it touches no session state, so a redelivered one
   is emitted again, identically (the rollouts topic is keyed and compacted by request_id);
 - a repeated request_id is ignored (`duplicates`);
-- a turn after the session ended (`end_session`) goes to `late` (`session_ended`); a turn at or
-  below one already applied goes to `late`: `after_close` when the segment that holds its place
-  has closed, `superseded` when the open one went past it (another choice of the same turn,
-  or a turn the idle window gave up waiting for);
+- a turn after the session ended goes to `late` (`session_ended`); a turn at or below one
+  already applied goes to `late` (`after_close` when the segment that holds its place has
+  closed, `superseded` when the open one went past it: another choice of the same turn, or a
+  turn the idle window gave up waiting for) unless it was generated after every applied turn:
+  then it is a later call on a shorter history (a client that compacted or dropped messages
+  numbers its turns from what it kept) and is applied, breaking the segment;
 - a turn further on than the next one expected (or a session's first turn above 0) waits,
   up to `idle_s` after it arrived, for the turns before it; then the waiting turns are applied
   in order with the gap (a missing turn's tokens end up in a later prompt, so in the context,
@@ -180,9 +182,8 @@ class Session:
     last_close: CloseReason | None = None  # "lc": why its last segment closed
     ended_at: float | None = None  # "end": when its outcome (or `end_session`) ended it
     outcome: Outcome | None = None  # "oc": its session_outcome event, once one arrived
-    held: tuple[
-        dict[str, Any], ...
-    ] = ()  # "h": records of segments a break closed, held for the outcome
+    held: tuple[dict[str, Any], ...] = ()  # "h": segments' records held for the outcome
+    last_generated: str | None = None  # "ag": the latest generated_at of its applied turns
 
     @property
     def ending(self) -> bool:
@@ -220,6 +221,7 @@ class Session:
             stored.get("end"),
             Outcome.from_stored(stored["oc"]) if "oc" in stored else None,
             tuple(stored.get("h", ())),
+            stored.get("ag"),
         )
 
     def to_stored(self) -> dict[str, Any]:
@@ -236,6 +238,8 @@ class Session:
             out["oc"] = self.outcome.to_stored()
         if self.held:
             out["h"] = list(self.held)
+        if self.last_generated is not None:
+            out["ag"] = self.last_generated
         return out
 
 
@@ -327,12 +331,11 @@ class Ledger:
             self.counts["duplicates"] += 1
             return out
         sess = replace(sess, seen=(*sess.seen, rid))
-        late = self._late_reason(sess, rec["turn"])
+        late = self._late_reason(sess, rec)
         if late is not None:
-            self._put(sid, sess)
             out.append(self._late(late, rec, now))
-            return out
-        sess = self._accept(sess, rec, now, out)
+        else:
+            sess = self._accept(sess, rec, now, out)
         if sess.ending and self._has_applied(sess, sess.outcome.request_id):  # type: ignore[union-attr]
             sess = self._end(sess, now, out)
         self._put(sid, sess)
@@ -419,11 +422,14 @@ class Ledger:
         return out
 
     # --- turns ---------------------------------------------------------------------------------
-    def _late_reason(self, sess: Session, turn: int) -> LateReason | None:
+    def _late_reason(self, sess: Session, rec: dict[str, Any]) -> LateReason | None:
+        turn = rec["turn"]
         if sess.ended_at is not None:
             return "session_ended"
         if sess.applied is None or turn > sess.applied:
             return None
+        if sess.last_generated is not None and rec["generated_at"] > sess.last_generated:
+            return None  # a later call on a shorter history (compacted): it breaks the segment
         seg = sess.segment
         return "superseded" if seg is not None and turn >= seg.parts[0].turn else "after_close"
 
@@ -450,7 +456,7 @@ class Ledger:
     def _apply_waiting(self, sess: Session, now: float, out: list[Emit]) -> Session:
         first, rest = sess.waiting[0], sess.waiting[1:]
         sess = replace(sess, waiting=rest)
-        late = self._late_reason(sess, first.record["turn"])
+        late = self._late_reason(sess, first.record)
         if late is not None:  # a second turn of the number just applied
             out.append(self._late(late, first.record, now))
             return sess
@@ -472,7 +478,8 @@ class Ledger:
             else:
                 self.counts["eos_dropped"] += int(drop_eos)
                 seg = seg.extended(rec, drop_eos)
-        sess = replace(sess, applied=rec["turn"], segment=seg)
+        last = max(sess.last_generated or "", rec["generated_at"])
+        sess = replace(sess, applied=rec["turn"], segment=seg, last_generated=last)
         if len(seg.parts) >= cfg.max_turns:
             return self._close(sess, "max_turns", out)
         if seg.length >= cfg.max_tokens:

@@ -28,6 +28,18 @@ duplicates (events already seen); dead-lettered records by reason; skipped by re
     window_open           a generation whose window was still open when the run started
     orphan_feedback       a feedback event whose generation is not in the replayed range (late: orphan)
     feedback_after_close  a feedback event after its label's window (late: after_close)
+    session_open          a session whose segment was still open at the end (the live worker emits it)
+    turn_<reason>         a chat turn the session ledger sent to late (superseded, after_close,
+                          session_ended)
+    outcome_<reason>      a session_outcome the ledger sent to late (repeated, after_close,
+                          session_ended)
+
+Sessions. With `FLYWHEEL_STREAMS_SESSIONS` on (the default), labelled chat turns and
+`session_outcome` events go through the live worker's session ledger (streams/ledger.py, in
+memory, on record time; the watermark at the end closes idle sessions), so a session's
+relabelled segments are the live ones under the new spec: each turn's reward and the outcome's
+are recomputed, the tokens and mask are the same. A segment is written when a turn got feedback
+or the session an outcome (`no_feedback` otherwise).
 
     counts = relabel(settings, StreamsConfig(), RelabelOptions(spec, since=datetime(...)))
 """
@@ -50,6 +62,8 @@ import orjson
 from app.settings import Settings
 from streams.config import StreamsConfig
 from streams.labels import Aggregator, Emit, Refused, decode_interaction
+from streams.ledger import Emit as LedgerEmit
+from streams.ledger import Ledger, LedgerConfig
 from streams.reward import RewardSpec
 
 log = logging.getLogger(__name__)
@@ -64,6 +78,13 @@ SKIP_REASONS = (
     "window_open",
     "orphan_feedback",
     "feedback_after_close",
+    "session_open",
+    "turn_superseded",
+    "turn_after_close",
+    "turn_session_ended",
+    "outcome_repeated",
+    "outcome_after_close",
+    "outcome_session_ended",
 )
 _LATE = {"orphan": "orphan_feedback", "after_close": "feedback_after_close"}
 SETTLE_EVERY = 10_000  # records sent between waits for the broker's acknowledgements
@@ -148,6 +169,7 @@ class Relabeller:
         topic: str,
         empty_max_tokens: int = 1,
         clock: Callable[[], float] = time.time,
+        sessions: LedgerConfig | None = None,
     ):
         self.spec, self.since_s, self.until_s, self.run_id, self.topic = (
             spec,
@@ -172,6 +194,8 @@ class Relabeller:
         ] = {}  # request_id -> record time of its generation, until its label closes
         self.partitions: set[int] = set()
         self.counts = RelabelCounts()
+        # the live worker's session ledger, in memory (None: chat turns are rollouts of their own)
+        self.ledger = Ledger(sessions, {}, spec) if sessions is not None else None
 
     def feed(
         self, partition: int, offset: int, key: bytes | None, value: bytes | None, rt: float
@@ -183,6 +207,11 @@ class Relabeller:
                 self._dead_letter(ev.reason, ev.errors, self.topic, partition, offset, key, value)
             ]
         rid = ev["request_id"]
+        if ev["type"] == "session_outcome":
+            if self.ledger is None:
+                return []  # the live worker dead-letters it (sessions_disabled); nothing to relabel
+            self.partitions.add(partition)
+            return self._from_ledger(self.ledger.on_outcome(ev, rt))
         if ev["type"] == "generation" and rid not in self.gen_rt:
             label = self.agg.label(rid)
             if label is None or label.generation_id is None:
@@ -192,13 +221,16 @@ class Relabeller:
         before = self.agg.duplicates
         out = self.agg.on_event(partition, ev, rt)
         self.counts.duplicates += self.agg.duplicates - before
-        return self._route(partition, out, self.topic, (offset, key, value))
+        return self._route(partition, out, self.topic, rt, (offset, key, value))
 
     def finish(self, watermark: float) -> list[Emit]:
         """Close every label whose window ended by `watermark`; count the ones still open as skipped."""
         out: list[Emit] = []
         for p in sorted(self.partitions):
-            out += self._route(p, self.agg.advance(p, watermark), self.topic)
+            out += self._route(p, self.agg.advance(p, watermark), self.topic, watermark)
+        if self.ledger is not None:
+            out += self._from_ledger(self.ledger.advance(watermark))
+            self.counts.skipped["session_open"] += self.ledger.open_sessions
         for rid, label in self.agg.label_items():
             if label.status == "open":
                 self.counts.skipped[self._range_reason(rid) or "window_open"] += 1
@@ -221,15 +253,20 @@ class Relabeller:
         partition: int,
         out: list[Emit],
         topic: str,
+        now: float,
         record: tuple[int, bytes | None, bytes | None] | None = None,
     ) -> list[Emit]:
-        """Aggregator outputs as this command writes them (`record`: the record being fed, if any)."""
+        """Aggregator outputs as this command writes them (`record`: the record being fed, if any;
+        `now`: its record time, or the watermark). A chat turn in range goes to the ledger."""
         routed = []
         for e in out:
             if e.topic == "rollouts":
                 rid = e.value["request_id"]
                 reason = self._range_reason(rid)
                 self.gen_rt.pop(rid, None)
+                if reason is None and self.ledger is not None and e.value.get("turn") is not None:
+                    routed += self._from_ledger(self.ledger.on_rollout(e.value, now))
+                    continue
                 if reason is None and e.value["components"] is None:
                     reason = "no_feedback"
                 if reason is not None:
@@ -268,6 +305,23 @@ class Relabeller:
                     )
                 )
             # partials: version metrics are the live worker's (under the live spec); none are written
+        return routed
+
+    def _from_ledger(self, out: list[LedgerEmit]) -> list[Emit]:
+        """Ledger outputs as this command writes them: a segment with feedback or an outcome,
+        relabelled; late turns and outcomes counted as skipped."""
+        routed = []
+        for e in out:
+            if e.topic == "late":
+                kind = "outcome" if e.value["event"].get("type") == "session_outcome" else "turn"
+                reason = e.value["reason"]
+                self.counts.skipped[reason if reason.startswith(kind) else f"{kind}_{reason}"] += 1
+            elif e.value["components"] is None and e.value.get("outcome") is None:
+                self.counts.skipped["no_feedback"] += 1
+            else:
+                self.counts.labelled += 1
+                key = relabel_key(e.value["request_id"], self.spec.version)
+                routed.append(Emit("rollouts", key, dict(e.value, relabel_run=self.run_id)))
         return routed
 
     def _dead_letter(
@@ -356,6 +410,7 @@ def relabel(
         run_id=opts.run_id,
         topic=topic,
         empty_max_tokens=cfg.empty_completion_max_tokens,
+        sessions=cfg.ledger() if cfg.sessions else None,
     )
     consumer = make_consumer(
         settings, group_id=None, consumer_timeout_ms=1000

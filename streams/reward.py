@@ -23,7 +23,7 @@ accept/reject nor a tool error (no feedback, or only ratings and follow-ups) get
 that reward, its decision component set to it and the others None (the raw values still
 reach the version metrics).
 
-Sessions (v2). A session's segments (streams/segments.py) are labelled per turn as above; a
+Sessions (sessions-v1). A session's segments (streams/segments.py) are labelled per turn as above; a
 segment's return is the sum of its turns' rewards plus, when the session's `session_outcome`
 reached it, `outcome[outcome]` (`outcome_reward`). That return is the record's `reward`: one
 advantage per trajectory, copied to every token the model sampled in it, with group baselines
@@ -33,7 +33,7 @@ made agents stop calling tools (docs/TRAINER.md "The objective on trajectories")
 error came back still gets its own signal, from self-distillation at that turn. v1 has no
 outcome weights: an outcome is recorded on the segment and adds nothing.
 
-Known specs besides v1 and v2 are deliberately exploitable, for showing that Flywheel catches a
+Known specs besides v1 and sessions-v1 are deliberately exploitable, for showing that Flywheel catches a
 reward hack (docs/ROLLOUT.md "Reward hacks"; the simulator's hard requests make them pay):
 both make a reject cost -1; `hackable-tools` makes a tool error free, so a broken tool call on
 a hard request (a tool_error instead of a reject) beats an honest attempt; `hackable-silence`
@@ -104,7 +104,7 @@ KNOWN_SPECS: dict[str, RewardWeights] = {
     "hackable-silence": RewardWeights(reject=-1.0, no_decision=0.0),
     # v1's turn weights plus session outcomes (docs/DESIGN.md §Reward spec, "Sessions"): the task
     # done is worth more than any one turn's feedback; giving up costs more than failing
-    "v2": RewardWeights(outcome={"success": 1.0, "failure": -0.5, "abandoned": -1.0}),
+    "sessions-v1": RewardWeights(outcome={"success": 1.0, "failure": -0.5, "abandoned": -1.0}),
 }
 
 

@@ -42,6 +42,8 @@ DELTAS = "deltas"
 REPLICA_STATUS = "replica-status"
 STREAMS_TICKS = "streams-ticks"
 STREAMS_METRIC_PARTIALS = "streams-metric-partials"
+STREAMS_TURNS = "streams-turns"
+STREAMS_LEDGER_TICKS = "streams-ledger-ticks"
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,23 @@ STREAMS_INTERNAL_SPECS: tuple[Topic, ...] = (
         STREAMS_METRIC_PARTIALS,
         key="model version",
         config={"retention.ms": str(7 * 86400_000)},
+        partitions_setting="interactions_partitions",
+    ),
+    # labelled chat turns and session outcomes, re-keyed by session for the session ledger
+    Topic(
+        STREAMS_TURNS,
+        key="session_id",
+        config={
+            "retention.ms": str(7 * 86400_000),
+            "max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES),
+        },
+        partitions_setting="interactions_partitions",
+    ),
+    # one tick per turns partition, so sessions close on quiet partitions
+    Topic(
+        STREAMS_LEDGER_TICKS,
+        key="none",
+        config={"retention.ms": str(3600_000)},
         partitions_setting="interactions_partitions",
     ),
 )

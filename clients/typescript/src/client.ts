@@ -31,6 +31,8 @@ import {
   acceptEvent,
   editPersistenceEvent,
   followupEvent,
+  sessionOutcomeEvent,
+  type SessionOutcomeEvent,
   ratingEvent,
   rejectEvent,
   toolErrorEvent,
@@ -147,6 +149,11 @@ export class FeedbackClient {
 
   followup(ref: SessionRef & { sentiment: number }): string {
     return this.send(followupEvent(ref));
+  }
+
+  /** How agent session `ref.sessionId` ended; `ref.requestId` is its last generation. */
+  sessionOutcome(ref: SessionRef & { outcome: SessionOutcomeEvent["outcome"] }): string {
+    return this.send(sessionOutcomeEvent(ref));
   }
 
   /** Queue an already-built event (see the builders); returns its event_id. Never throws. */

@@ -111,6 +111,12 @@ export interface FollowupEvent extends Envelope {
   sentiment: number;
 }
 
+/** How an agent session ended; `request_id` names its last generation (one per session). */
+export interface SessionOutcomeEvent extends Envelope {
+  type: "session_outcome";
+  outcome: "success" | "failure" | "abandoned";
+}
+
 export type FeedbackEvent =
   | GenerationEvent
   | AcceptEvent
@@ -118,7 +124,8 @@ export type FeedbackEvent =
   | EditPersistenceEvent
   | RatingEvent
   | ToolErrorEvent
-  | FollowupEvent;
+  | FollowupEvent
+  | SessionOutcomeEvent;
 
 export type EventType = FeedbackEvent["type"];
 
@@ -259,6 +266,14 @@ export const EVENT_SCHEMAS = {
     },
     required: [...ENVELOPE_REQUIRED, "sentiment"],
   },
+  session_outcome: {
+    fields: {
+      ...ENVELOPE_FIELDS,
+      type: { type: "string", enum: ["session_outcome"] },
+      outcome: { type: "string", enum: ["success", "failure", "abandoned"] },
+    },
+    required: [...ENVELOPE_REQUIRED, "outcome"],
+  },
 } as const satisfies { readonly [T in EventType]: EventSchema };
 
 export const EVENT_TYPES = Object.keys(EVENT_SCHEMAS) as EventType[];
@@ -352,4 +367,10 @@ export function toolErrorEvent(
 
 export function followupEvent(ref: SessionRef & { sentiment: number }): FollowupEvent {
   return { ...envelope(ref), type: "followup", sentiment: ref.sentiment };
+}
+
+export function sessionOutcomeEvent(
+  ref: SessionRef & { outcome: SessionOutcomeEvent["outcome"] },
+): SessionOutcomeEvent {
+  return { ...envelope(ref), type: "session_outcome", outcome: ref.outcome };
 }

@@ -162,6 +162,7 @@ describe("against the real API and Kafka", () => {
       client.rating({ ...ref, value: -1 }),
       client.toolError({ ...ref, message: 'naïve "quote" \\ back\nslash — ✓ 𝄞', hint: "check x", tokenIndex: 0 }),
       client.followup({ ...ref, sentiment: 0.25 }),
+      client.sessionOutcome({ ...ref, outcome: "abandoned" }),
     ];
     await client.flush();
     assert.deepEqual(errors, []);

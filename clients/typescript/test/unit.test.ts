@@ -19,6 +19,7 @@ import {
   backoffDelayMs,
   editPersistenceEvent,
   followupEvent,
+  sessionOutcomeEvent,
   generationEvent,
   ratingEvent,
   rejectEvent,
@@ -29,6 +30,7 @@ import {
   type EventType,
   type FeedbackEvent,
   type FollowupEvent,
+  type SessionOutcomeEvent,
   type GenerationEvent,
   type RatingEvent,
   type RejectEvent,
@@ -51,6 +53,7 @@ const typesAgree: {
   rating: [true, true] satisfies Agrees<RatingEvent, "rating">,
   tool_error: [true, true] satisfies Agrees<ToolErrorEvent, "tool_error">,
   followup: [true, true] satisfies Agrees<FollowupEvent, "followup">,
+  session_outcome: [true, true] satisfies Agrees<SessionOutcomeEvent, "session_outcome">,
 };
 
 const REF = { requestId: "req-1", sessionId: "sess-1" };
@@ -94,6 +97,7 @@ describe("builders", () => {
       ratingEvent({ ...REF, value: -1 }),
       toolErrorEvent({ ...REF, message: "boom", tokenIndex: 0 }),
       followupEvent({ ...REF, sentiment: 0.25 }),
+      sessionOutcomeEvent({ ...REF, outcome: "success" }),
     ];
     assert.deepEqual(built.map((e) => e.type).sort(), [...EVENT_TYPES].sort());
     assert.equal(Object.keys(typesAgree).length, EVENT_TYPES.length);

@@ -332,7 +332,7 @@ def outcome_event(sid: str, last_rid: str, outcome: str = "success", eid: str = 
     }
 
 
-V2 = resolve_spec("v2")
+V2 = resolve_spec("sessions-v1")
 
 
 def test_an_outcome_before_its_last_turn_ends_the_session_once_that_turn_is_in():
@@ -410,6 +410,20 @@ def test_segments_a_break_closed_wait_for_the_outcome_and_share_it():
     assert second["request_id"] == "s1-t2" and second["segment_closed_by"] == "end"
     assert first["outcome"] == second["outcome"] == "failure"
     assert first["reward"] == second["reward"] == -0.5
+
+
+def test_a_later_turn_numbered_lower_after_compaction_breaks_the_segment_not_late():
+    """A client that drops messages numbers its next turn from what it kept: turn 1 again, but
+    generated after turn 2. It is a new segment, not another choice of turn 1."""
+    recs = agent_session("s1", 3)
+    compacted = turn_rec("s1", 1, [1, 2, 3, 9], [7, 8, EOS], rid="s1-c", generated_at=ts(99.0))
+    ledger = Ledger(LedgerConfig(), {}, V2)
+    out = [e for i, r in enumerate([*recs, compacted]) for e in ledger.on_rollout(r, 1.0 + i)]
+    out += ledger.on_outcome(outcome_event("s1", "s1-c"), 9.0)
+    assert [e.topic for e in out] == ["rollouts", "rollouts"], out
+    first, second = rollouts(out)
+    assert len(first["turns"]) == 3 and first["segment_closed_by"] == "history_rewritten"
+    assert second["request_id"] == "s1-c" and second["segment_closed_by"] == "end"
 
 
 def test_held_segments_go_out_without_an_outcome_when_the_session_goes_idle():

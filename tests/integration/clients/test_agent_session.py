@@ -1,0 +1,259 @@
+"""An agent session's whole round trip on the real parts (docs/AGENTS.md "Sessions"): chat turns
+with tools from a replica through the official `openai` package, a tool result between them,
+feedback on one turn and the session's outcome through `FeedbackClient` to the ingest API, and
+the one rollout the real streams worker's session ledger writes for the session.
+
+Real uvicorn servers for the replica and the API, the session's Kafka broker, and
+`python -m streams.worker` as its own process; nothing is mocked. The replica serves tiny
+version 7 (context 2,048) from its verified cache. The first two turns name their tool
+(constrained decoding), so the calls are well-formed whatever the untrained model prefers; the
+last turn answers freely."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import openai
+import pytest
+
+from app.client import FeedbackClient
+from app.contracts.rollouts import Rollout
+from tests.integration.streams.conftest import WorkerProc, streams_env
+
+pytestmark = pytest.mark.integration
+
+WINDOW_S = 3.0
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file of the repository.",
+            "parameters": {
+                "type": "object",
+                "properties": {"path": {"type": "string", "maxLength": 12}},
+                "required": ["path"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_tests",
+            "description": "Run the test suite.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    },
+]
+CHOICES = [  # per turn: the first two call a tool, the last answers
+    {"type": "function", "function": {"name": "read_file"}},
+    {"type": "function", "function": {"name": "run_tests"}},
+    "none",
+]
+
+
+def _serve_replica(settings, tmp_path):
+    from app.api.server import ServerThread
+    from app.replica.config import ReplicaConfig
+    from app.replica.server import create_app
+    from app.replica.weights import WeightCache, load_verified
+    from kernels.delta.hashing import checkpoint_sha256
+    from tests.unit.replica.conftest import tiny_state
+
+    model_cfg, state = tiny_state(7, max_context=2048)
+    cache = WeightCache(tmp_path / "replica-cache")
+    cache.put(load_verified("7", state, model_cfg, checkpoint_sha256(state)))
+    cache.set_serving(cache.restore())
+    cfg = ReplicaConfig(id="replica-agent", cache_dir=tmp_path / "replica-cache")
+    return ServerThread(create_app(settings, cfg, start_sync=False)).start()
+
+
+def _serve_api(settings):
+    from app.api.main import create_app
+    from app.api.server import ServerThread
+    from app.db.keys import create_key
+    from app.db.migrate import upgrade
+    from app.db.session import session_scope
+
+    upgrade(settings.db_url)
+    with session_scope(settings.db_url) as session:
+        key, _ = create_key(session, ["ingest"], name="agent")
+    return ServerThread(create_app(settings)).start(), key
+
+
+def _agent(client: openai.OpenAI, model: str, session: str, rewrite: bool) -> list[str]:
+    """Three turns of a coding agent; returns the request ids. `rewrite`: before the last turn the
+    client drops the first tool exchange from its history (as a context compactor would)."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You fix bugs."},
+        {"role": "user", "content": "Fix add in calc.py"},
+    ]
+    ids = []
+    for turn, choice in enumerate(CHOICES):
+        if rewrite and turn == 2:
+            messages = [*messages[:2], *messages[4:]]
+        answer = client.chat.completions.create(
+            model=model,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=24,
+            temperature=0.9,
+            user=session,
+        )
+        ids.append(answer.id)
+        msg = answer.choices[0].message
+        messages.append(msg.model_dump(exclude_none=True))
+        for call in msg.tool_calls or []:
+            result = "def add(a, b):\n    return a - b" if turn == 0 else "1 failed"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return ids
+
+
+def _read(settings, topic: str, want, until, timeout_s: float) -> list[dict[str, Any]]:
+    """The values of `topic` (from the beginning) that `want` accepts, once `until` holds of them."""
+    from kafka import TopicPartition
+
+    from app.infra.kafka import make_consumer
+
+    consumer = make_consumer(settings, group_id=None)
+    try:
+        name = settings.topic(topic)
+        tps = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name))]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not until(out):
+            for records in consumer.poll(timeout_ms=500).values():
+                out += [v for v in (json.loads(x.value) for x in records) if want(v)]
+        return out
+    finally:
+        consumer.close()
+
+
+def _relabel(settings, session: str) -> dict[str, Any]:
+    """`flywheel streams relabel`'s core over the interactions so far, under a stricter spec; the
+    relabelled record of `session`'s last segment."""
+    from datetime import UTC, datetime, timedelta
+
+    from streams.config import StreamsConfig
+    from streams.relabel import RelabelOptions, relabel
+    from streams.reward import RewardSpec, RewardWeights
+
+    weights = RewardWeights(
+        rating=1.0,
+        tool_error=-2.0,
+        tool_error_floor=-4.0,
+        outcome={"success": 2.5, "failure": -2.0, "abandoned": -3.0},
+    )
+    spec = RewardSpec(version="sessions-strict", weights=weights)
+    since = datetime.now(UTC) - timedelta(hours=1)
+    counts = relabel(
+        settings.model_copy(update={"wait_window": WINDOW_S}),
+        StreamsConfig(session_idle=120.0),
+        RelabelOptions(spec, since=since),
+    )
+    assert counts.labelled >= 1, counts.as_dict()
+    [got] = _read(
+        settings,
+        "rollouts",
+        lambda v: v["session_id"] == session and v.get("relabel_run") is not None,
+        lambda out: len(out) >= 1,
+        timeout_s=30.0,
+    )
+    return got
+
+
+def test_an_agent_session_becomes_one_trajectory_and_a_rewritten_history_two(
+    make_settings, tmp_path
+):
+    settings = make_settings()
+    worker = WorkerProc(
+        streams_env(
+            settings,
+            FLYWHEEL_WAIT_WINDOW=str(WINDOW_S),
+            FLYWHEEL_STREAMS_REWARD_SPEC="sessions-v1",
+            FLYWHEEL_STREAMS_SESSION_IDLE="120s",
+        ),
+        tmp_path / "worker.log",
+    )
+    replica = _serve_replica(settings, tmp_path)
+    api, ingest_key = _serve_api(settings)
+    try:
+        client = openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=2)
+        ids = _agent(client, settings.model_name, "agent-1", rewrite=False)
+        rewritten = _agent(client, settings.model_name, "agent-2", rewrite=True)
+        with FeedbackClient(api.url, ingest_key, flush_interval_s=0) as fc:
+            # the read_file call failed on the user's machine; the user rated the answer down
+            fc.tool_error(ids[0], "agent-1", message="FileNotFoundError: calc.py", token_index=0)
+            fc.rating(ids[2], "agent-1", value=-1, model_version="7")
+            fc.session_outcome(ids[2], "agent-1", outcome="success")
+            fc.session_outcome(rewritten[2], "agent-2", outcome="failure")
+        got = _read(
+            settings,
+            "rollouts",
+            lambda v: v["session_id"] in ("agent-1", "agent-2"),
+            lambda out: (
+                {(v["session_id"], v["segment_closed_by"]) for v in out}
+                >= {("agent-1", "end"), ("agent-2", "end")}
+            ),
+            timeout_s=180.0,
+        )
+        generations = {
+            g["request_id"]: g
+            for g in _read(
+                settings,
+                "interactions",
+                lambda v: v["type"] == "generation" and v["request_id"] in ids + rewritten,
+                lambda out: len(out) >= 6,
+                timeout_s=30.0,
+            )
+        }
+    finally:
+        api.stop()
+        replica.stop()
+        worker.kill()
+
+    log = worker.tail()
+    [one] = [r for r in got if r["session_id"] == "agent-1"]
+    Rollout.model_validate(one)
+    assert [t["request_id"] for t in one["turns"]] == ids, (one["turns"], log)
+    assert (one["segment_opened_by"], one["segment_closed_by"]) == ("session_start", "end")
+    # every turn's sampled tokens, in order, exactly where the mask is 1 (a final eos the
+    # template leaves out of the next prompt leaves the trajectory); nothing else is masked in
+    completion, mask = one["completion_tokens"], one["loss_mask"]
+    sampled = []
+    for span, rid in zip(one["turns"], ids, strict=True):
+        tokens = generations[rid]["completion_tokens"]
+        assert completion[span["start"] : span["end"]] == tokens[: span["end"] - span["start"]]
+        assert span["end"] - span["start"] >= len(tokens) - 1
+        sampled += list(range(span["start"], span["end"]))
+    assert [i for i, m in enumerate(mask) if m] == sampled
+    # the whole trajectory is the last turn's prompt and completion, token for token
+    last = generations[ids[2]]
+    assert one["prompt_tokens"] + completion == last["prompt_tokens"] + last["completion_tokens"]
+    # feedback reached the turn it named; the outcome the whole record (sessions-v1: success +1)
+    rewards = [t["reward"] for t in one["turns"]]
+    assert rewards == [-0.5, 0.0, -0.5], rewards
+    assert one["outcome"] == "success" and one["outcome_reward"] == 1.0
+    assert one["reward"] == pytest.approx(sum(rewards) + 1.0)
+    assert one["tool_errors"][0]["token_index"] == one["turns"][0]["start"]
+
+    # the same interactions relabelled under another spec: the new rewards, exactly
+    relabelled = _relabel(settings, "agent-1")
+    assert [t["request_id"] for t in relabelled["turns"]] == ids
+    assert relabelled["completion_tokens"] == completion and relabelled["loss_mask"] == mask
+    rewards = [t["reward"] for t in relabelled["turns"]]  # tool error -2, rating 1.0 x -1
+    assert rewards == [-2.0, 0.0, -1.0] and relabelled["outcome_reward"] == 2.5, relabelled
+    assert relabelled["reward"] == -2.0 + 0.0 + -1.0 + 2.5
+    assert relabelled["reward_spec"] == "sessions-strict" and relabelled["relabel_run"]
+
+    two = sorted((r for r in got if r["session_id"] == "agent-2"), key=lambda r: r["generated_at"])
+    assert [r["segment_closed_by"] for r in two] == ["history_rewritten", "end"], (two, log)
+    assert two[1]["segment_opened_by"] == "history_rewritten"
+    assert [t["request_id"] for t in two[0]["turns"]] == rewritten[:2]
+    assert two[1]["request_id"] == rewritten[2] and "turns" not in two[1]
+    assert {r["outcome"] for r in two} == {"failure"}  # both pieces share the session's outcome
