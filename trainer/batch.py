@@ -6,10 +6,15 @@ token mask, rewards, and each rollout's sampling temperature [B] (the rollout's 
 without one, written before the field existed, gets the trainer's FLYWHEEL_TRAINER_TEMPERATURE).
 The token mask is 1 on the tokens trained on: every completion token of a one-call record; a
 multi-turn record's `train_mask()` (what its turns sampled; docs/TRAINER.md "Multi-turn
-records"), whose mask-0 positions read as padding (behaviour log-prob 0.0, no routes replayed). `teacher_inputs` builds, for rollouts with tool_error feedback, the
-teacher's context: prompt + completion[:k] + the error message and hint (as text), then the
-student's own tokens completion[k:], where k is the earliest error's token_index. A rollout whose
-tail completion[k:] fills the whole context has no room for the feedback and gets no teacher.
+records"), whose mask-0 positions read as padding (behaviour log-prob 0.0, no routes replayed).
+
+`teacher_inputs` builds, for rollouts with tool_error feedback, the self-distillation teacher's
+rows: the context prompt + completion[:k] + the error message and hint (as text), then the
+student's own tokens completion[k:end]. One call: k is the earliest error's token_index and end
+the completion's end. A multi-turn record: one row per trained turn a tool error came back to, k
+its earliest error in that turn's span and end the span's end, so the teacher scores only what
+that call sampled from the error on (`distill_spans`). A row whose span fills the whole context
+has no room for the feedback and gets no teacher.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import numpy as np
 import torch
 
 from policy.base import Tokenizer
-from trainer.rollout_record import Rollout, version_number
+from trainer.rollout_record import Rollout, ToolErrorInfo, version_number
 
 
 @dataclass
@@ -100,45 +105,71 @@ def feedback_text(message: str, hint: str | None) -> str:
 
 @dataclass
 class TeacherInputs:
-    rows: list[int]  # batch rows that have a tool error
-    starts: list[int]  # k per row: first distilled completion token
+    """One teacher row per distilled span; a multi-turn record may have several (one per turn a
+    tool error came back to), so `rows` may repeat a batch row, with disjoint spans."""
+
+    rows: list[int]  # batch row of each teacher row
+    starts: list[int]  # k per teacher row: its first distilled completion token
     prompts: list[list[int]]  # prompt + completion[:k] + feedback (left-truncated to fit)
-    tails: list[list[int]]  # completion[k:]
+    tails: list[list[int]]  # the distilled span completion[k:end]
+
+
+def distill_spans(r: Rollout) -> list[tuple[int, int, list[ToolErrorInfo]]]:
+    """(k, end, the errors at k) per span to distil: from a tool error's position to the end of
+    what the model sampled in that call.
+
+    One call: from the earliest error to the end of the completion. A multi-turn record (`turns`;
+    its tool errors are at completion positions, the ledger's span start + index): per turn whose
+    span holds an error and is trained on (not masked as stale or constrained), from its earliest
+    error to the end of that turn's span; an error on a token no turn sampled (a tool result, past
+    the end) has nothing of its call after it and is not distilled."""
+    n = len(r.completion_tokens)
+    if r.turns is None:
+        errors = [e for e in r.tool_errors if e.token_index < n]
+        if not errors:
+            return []
+        k = min(e.token_index for e in errors)
+        return [(k, n, [e for e in errors if e.token_index == k])]
+    trained = r.train_mask() or [1] * n
+    out = []
+    for t in r.turns:
+        errors = [e for e in r.tool_errors if t.start <= e.token_index < t.end]
+        if not errors or not trained[t.start]:  # a turn's span is trained whole or not at all
+            continue
+        k = min(e.token_index for e in errors)
+        out.append((k, t.end, [e for e in errors if e.token_index == k]))
+    return out
 
 
 def teacher_inputs(
     rollouts: list[Rollout], tokenizer: Tokenizer, max_context: int | None
 ) -> TeacherInputs:
+    """The teacher's rows of `rollouts` (`distill_spans`): each sees its errors' feedback at k and
+    scores the span completion[k:end]. A span that fills the whole context has no room for the
+    feedback and gets no teacher."""
     out = TeacherInputs([], [], [], [])
     for i, r in enumerate(rollouts):
-        errors = [e for e in r.tool_errors if e.token_index < len(r.completion_tokens)]
-        if not errors:
-            continue
-        first = min(errors, key=lambda e: e.token_index)
-        k = first.token_index
-        feedback = tokenizer.encode(
-            "".join(feedback_text(e.message, e.hint) for e in errors if e.token_index == k)
-        )
-        ctx = list(r.prompt_tokens) + list(r.completion_tokens[:k]) + feedback
-        tail = list(r.completion_tokens[k:])
-        if max_context is not None:
-            room = max_context - 1 - len(tail)  # 1 for bos
-            if (
-                room <= 0
-            ):  # the tail fills the context: no room for the feedback, so no teacher for this row
-                continue
-            ctx = ctx[-room:]
-        out.rows.append(i)
-        out.starts.append(k)
-        out.prompts.append(ctx)
-        out.tails.append(tail)
+        for k, end, errors in distill_spans(r):
+            feedback = tokenizer.encode("".join(feedback_text(e.message, e.hint) for e in errors))
+            ctx = list(r.prompt_tokens) + list(r.completion_tokens[:k]) + feedback
+            tail = list(r.completion_tokens[k:end])
+            if max_context is not None:
+                room = max_context - 1 - len(tail)  # 1 for bos
+                if room <= 0:  # no room for the feedback: no teacher for this span
+                    continue
+                ctx = ctx[-room:]
+            out.rows.append(i)
+            out.starts.append(k)
+            out.prompts.append(ctx)
+            out.tails.append(tail)
     return out
 
 
 def scatter_teacher(
     teacher_lp: torch.Tensor, t: TeacherInputs, shape: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Teacher log-probs [n_rows, T_tail] -> ([B, T] aligned with the student, distill mask [B, T])."""
+    """Teacher log-probs [n_teacher_rows, T_tail] -> ([B, T] aligned with the student, distill
+    mask [B, T]: 1 on every teacher row's span)."""
     full = torch.zeros(shape, dtype=torch.float32)
     dmask = torch.zeros(shape, dtype=torch.float32)
     for j, (row, k, tail) in enumerate(zip(t.rows, t.starts, t.tails)):

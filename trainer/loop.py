@@ -144,8 +144,9 @@ class DistillTeacher:
     Shapes as in `ForwardPass`."""
 
     logprobs: torch.Tensor  # float32 [B, T], no grad: on the distilled tokens, 0 elsewhere
-    mask: torch.Tensor  # float32 [B, T]: 1 on the distilled tokens (at/after the earliest error)
-    rollouts: int  # how many of the B rollouts have a teacher
+    # float32 [B, T]: 1 on the distilled tokens (from a tool error to the end of its call's span)
+    mask: torch.Tensor
+    rollouts: int  # how many of the B rollouts have a teacher (a row may have several spans)
 
 
 @dataclass(frozen=True)
@@ -797,7 +798,7 @@ class Trainer:
                 with torch.no_grad():
                     t_lp = policy.logprobs(t.prompts, t.tails, None, c.temperatures[t.rows])
                 teacher = DistillTeacher(
-                    *scatter_teacher(t_lp, t, tuple(logp.shape)), rollouts=len(t.rows)
+                    *scatter_teacher(t_lp, t, tuple(logp.shape)), rollouts=len(set(t.rows))
                 )
             elif getattr(self, "sharded", False):  # sharded ranks run the same forwards in lockstep
                 from trainer.fsdp import idle_participation_loss

@@ -109,9 +109,9 @@ def parse(policy, records: list[dict]):
     return [rollout for rollout, _ in parsed]
 
 
-def stand_in(policy, ref_policy=None, ref_version=None):
+def stand_in(policy, ref_policy=None, ref_version=None, distill_coef=0.0):
     """What `Trainer._loss` reads: config, policy, the KL reference and its controller."""
-    cfg = TrainerConfig(temperature=1.0, distill_coef=0.0)
+    cfg = TrainerConfig(temperature=1.0, distill_coef=distill_coef)
     t = SimpleNamespace(
         cfg=cfg,
         policy=policy,

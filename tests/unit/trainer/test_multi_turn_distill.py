@@ -1,0 +1,144 @@
+"""Self-distillation on a multi-turn record: the teacher sees a tool error at the turn it came back
+to, and only what that turn sampled from the error on is distilled; never the tool results or
+user tokens after it, never another turn.
+
+The records are real two-turn sessions of a tiny policy (tests/unit/trainer/test_multi_turn.py
+`session`), with tool errors at completion positions as the session ledger re-indexes them (the
+turn's span start + the index in its call). The objective runs on test_multi_turn's stand-in.
+
+    .venv/bin/pytest tests/unit/trainer/test_multi_turn_distill.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policy import build_policy
+from tests.unit.policy.conftest import TINY
+from tests.unit.trainer.test_multi_turn import one_call, parse, session, stand_in
+from trainer.batch import distill_spans, feedback_text, teacher_inputs
+from trainer.loop import Trainer
+from trainer.rollouts import Batch
+
+ERR = {"message": "NameError: name 'y' is not defined", "hint": "define y first"}
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    return build_policy(dict(TINY)).eval()
+
+
+def with_errors(policy, i: int, at: list[tuple[int, int]]) -> dict:
+    """Session `i` with a tool error at each (turn, index in that turn's call), re-indexed to
+    completion positions as the ledger writes them; turn -1 names the tool result's first token."""
+    rec = session(policy, i, 1.0)
+    spans = [(t["start"], t["end"]) for t in rec["turns"]]
+    errors = []
+    for turn, index in at:
+        pos = spans[0][1] if turn == -1 else spans[turn][0] + index
+        errors.append(dict(ERR, token_index=pos))
+    return dict(rec, tool_errors=errors)
+
+
+def forward(policy, rollouts):
+    t = stand_in(policy, distill_coef=0.1)
+    with torch.no_grad():
+        f = Trainer._forward(t, Batch(rollouts=rollouts, staleness=[0] * len(rollouts)))  # type: ignore[arg-type]
+    policy.eval()
+    return t, f
+
+
+def test_the_teacher_sees_the_error_at_its_turn_and_scores_that_turn_from_it_only(policy):
+    rec = with_errors(policy, 0, [(0, 1)])
+    [r] = parse(policy, [rec])
+    t0, t1 = r.turns
+    assert t0.end >= 2 and t1.end > t1.start, r.turns  # the session sampled something to distil
+    k = t0.start + 1
+    t = teacher_inputs([r], policy.tokenizer, policy.config_dict()["max_context"])
+    feedback = policy.tokenizer.encode(feedback_text(ERR["message"], ERR["hint"]))
+    assert t.rows == [0] and t.starts == [k]
+    assert t.prompts == [r.prompt_tokens + r.completion_tokens[:k] + feedback]
+    assert t.tails == [r.completion_tokens[k : t0.end]], "the span ends with its turn"
+
+    _, f = forward(policy, [r])
+    expect = torch.zeros(len(r.completion_tokens))
+    expect[k : t0.end] = 1.0
+    assert f.teacher.mask[0].tolist() == expect.tolist(), "only turn 0 from the error on"
+    # the teacher's log-probs there are the policy's given the feedback at the error
+    alone = policy.logprobs(t.prompts, t.tails, None, torch.tensor([r.temperature]))[0]
+    assert torch.equal(f.teacher.logprobs[0, k : t0.end], alone.to(torch.float32))
+    assert float(f.teacher.logprobs[0, t0.end :].abs().sum()) == 0.0
+    assert f.teacher.rollouts == 1
+
+
+def test_the_distillation_term_is_summed_over_that_span_alone(policy):
+    """The loss with distillation minus the loss without is coef x the surrogate written out
+    over the error's span, divided by the batch's trained tokens."""
+    [r] = parse(policy, [with_errors(policy, 1, [(0, 0)])])
+    t0 = r.turns[0]
+    t = stand_in(policy, distill_coef=0.5)
+    batch = Batch(rollouts=[r], staleness=[0])
+    o = Trainer._loss(t, batch)  # type: ignore[arg-type]
+    base = Trainer._loss(stand_in(policy), batch)  # type: ignore[arg-type]
+    policy.eval()
+    logp, w, teacher = o.forward.logprobs, o.forward.weights, o.forward.teacher
+    span = slice(t0.start, t0.end)
+    surrogate = (
+        w.weights[0, span] * (logp[0, span].detach() - teacher.logprobs[0, span]) * logp[0, span]
+    ).sum() / sum(r.loss_mask)
+    assert float((o.loss - base.loss).detach()) == pytest.approx(
+        0.5 * float(surrogate), rel=1e-5, abs=1e-7
+    )
+    gap = (logp[0, span] - teacher.logprobs[0, span]).detach()
+    assert o.metrics["distill_kl"] == pytest.approx(float(gap.mean()), rel=1e-5)
+
+
+def test_each_turn_a_tool_error_came_back_to_gets_its_own_span(policy):
+    rec = with_errors(policy, 2, [(0, 1), (1, 1), (1, 0), (-1, 0)])
+    [r] = parse(policy, [rec])
+    t0, t1 = r.turns
+    assert distill_spans(r) == [
+        (t0.start + 1, t0.end, [r.tool_errors[0]]),
+        (t1.start, t1.end, [r.tool_errors[2]]),  # the turn's earliest error
+    ], "an error on a tool-result token is not distilled"
+    _, f = forward(policy, [r])
+    mask = f.teacher.mask[0]
+    assert mask[t0.start + 1 : t0.end].eq(1).all() and mask[t1.start : t1.end].eq(1).all()
+    assert float(mask[: t0.start + 1].sum() + mask[t0.end : t1.start].sum()) == 0.0, (
+        "never the tool result between the turns"
+    )
+    assert f.teacher.rollouts == 1
+
+
+def test_a_stale_turn_is_not_distilled(policy):
+    [r] = parse(policy, [with_errors(policy, 3, [(0, 0), (1, 0)])])
+    t1 = r.turns[1]
+    stale_first = r.without_turns([0])  # as the intake masks a stale turn
+    assert distill_spans(stale_first) == [(t1.start, t1.end, [stale_first.tool_errors[1]])]
+    only_first = r.without_turns([1])
+    assert [k for k, _, _ in distill_spans(only_first)] == [r.turns[0].start]
+    assert distill_spans(r.without_turns([0, 1])) == []
+
+
+def test_a_one_call_record_is_distilled_from_its_earliest_error_to_its_end_as_before(policy):
+    rec = one_call(policy, 0, 1.0)
+    n = len(rec["completion_tokens"])
+    errors = [dict(ERR, token_index=3), dict(ERR, message="second", token_index=1)]
+    [r] = parse(policy, [dict(rec, tool_errors=[*errors, dict(ERR, token_index=n)])])
+    [(k, end, at)] = distill_spans(r)
+    assert (k, end, [e.message for e in at]) == (1, n, ["second"])
+    t = teacher_inputs([r], policy.tokenizer, None)
+    assert t.tails == [r.completion_tokens[1:]] and t.starts == [1]
+
+
+def test_no_tool_result_token_is_ever_distilled_in_a_mixed_batch(policy):
+    records = [with_errors(policy, 4 + i, [(0, 0), (1, 0)]) for i in range(3)]
+    rollouts = parse(policy, records)
+    _, f = forward(policy, rollouts)
+    for i, r in enumerate(rollouts):
+        n = len(r.completion_tokens)
+        untrained = torch.tensor([1 - m for m in r.loss_mask], dtype=torch.float32)
+        assert float((f.teacher.mask[i, :n] * untrained).sum()) == 0.0
+        assert float(f.teacher.mask[i, :n].sum()) == sum(r.loss_mask), "both whole turns"
