@@ -639,6 +639,8 @@ class Trainer:
                 p.reward_specs.append(r.reward_spec)
             p.reward_spec_counts[r.reward_spec] = p.reward_spec_counts.get(r.reward_spec, 0) + 1
         p.relabelled += sum(1 for r in batch.rollouts if r.relabel_run is not None)
+        p.add_sessions([r.session_id for r in batch.rollouts if r.turns is not None])
+        p.turns += sum(r.trained_turns() for r in batch.rollouts)
         ROLLOUTS.labels("trained").inc(len(batch.rollouts))
         ASSUMED_TEMPERATURE.inc(sum(r.scoring_temperature() is None for r in batch.rollouts))
         STALE_TURN_TOKENS.inc(batch.stale_turn_tokens)

@@ -230,6 +230,14 @@ class Rollout(BaseModel):
             return spans_mask(self.turns, len(self.completion_tokens))
         return None
 
+    def trained_turns(self) -> int:
+        """Model calls this record trains on: 1 for a one-call record; a multi-turn record's turns
+        whose span is trained (not masked as stale or constrained at intake)."""
+        if self.turns is None:
+            return 1
+        trained = self.train_mask() or [1] * len(self.completion_tokens)
+        return sum(1 for t in self.turns if any(trained[t.start : t.end]))
+
     def turn_temperatures(self) -> set[float | None]:
         """The temperatures the turns were sampled at (a turn without one: the record's)."""
         return {

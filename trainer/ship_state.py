@@ -4,8 +4,8 @@ carrying out (`ShipIntent`).
 Both are saved in the trainer's checkpoint (trainer/checkpoint.py) as plain dicts, since the
 checkpoint is loaded with `torch.load(weights_only=True)`: `to_dict()` writes them, `from_dict()`
 reads them back. `from_dict` accepts the dicts of every earlier trainer: keys added since
-(`reward_spec_counts`, `relabelled`, `rebased_on`) take their empty values, and partition keys are
-ints whatever they were saved as.
+(`reward_spec_counts`, `relabelled`, `rebased_on`, `session_ids`, `turns`) take their empty
+values, and partition keys are ints whatever they were saved as.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ class Pending:
     # rollouts trained per reward spec (relabelled ones under their new spec)
     reward_spec_counts: dict[str, int] = field(default_factory=dict)
     relabelled: int = 0
+    # distinct session_id of the multi-turn records (`turns`) trained on, in first-trained order
+    session_ids: list[str] = field(default_factory=list)
+    # model calls trained on: a one-call record's 1, a multi-turn record's turns with trained tokens
+    turns: int = 0
     # the champion version the trainer continued from after a rejection (trainer/loop.py)
     rebased_on: int | None = None
 
@@ -52,6 +56,8 @@ class Pending:
             "reward_specs": list(self.reward_specs),
             "reward_spec_counts": dict(self.reward_spec_counts),
             "relabelled": self.relabelled,
+            "session_ids": list(self.session_ids),
+            "turns": self.turns,
         }
         if self.rebased_on is not None:
             d["rebased_on"] = self.rebased_on
@@ -60,7 +66,8 @@ class Pending:
     @classmethod
     def merge(cls, parts: list[Pending]) -> Pending:
         """The lineage of a distributed trainer's ranks as one (trainer/distributed.py): what each
-        rank trained (rollouts, ids, skips, offsets, rewards, specs) is added up in rank order;
+        rank trained (rollouts, ids, skips, offsets, rewards, specs, turns) is added up in rank
+        order, and its sessions joined (a session's segments may be on two ranks' partitions);
         what every rank holds identically (steps, step metrics, `rebased_on`) is rank 0's."""
         first = parts[0]
         out = cls(
@@ -82,7 +89,17 @@ class Pending:
             for k, v in p.reward_spec_counts.items():
                 out.reward_spec_counts[k] = out.reward_spec_counts.get(k, 0) + v
             out.relabelled += p.relabelled
+            out.add_sessions(p.session_ids)
+            out.turns += p.turns
         return out
+
+    def add_sessions(self, session_ids: list[str]) -> None:
+        """Count these sessions as trained on (each once, however many of its segments)."""
+        known = set(self.session_ids)
+        for sid in session_ids:
+            if sid not in known:
+                known.add(sid)
+                self.session_ids.append(sid)
 
     def local_part(self) -> Pending:
         """What a rank other than 0 keeps of a restored (merged) lineage: the fields every rank
@@ -104,6 +121,8 @@ class Pending:
             reward_specs=list(d.get("reward_specs", [])),
             reward_spec_counts=dict(d.get("reward_spec_counts", {})),
             relabelled=int(d.get("relabelled", 0)),
+            session_ids=[str(x) for x in d.get("session_ids", [])],
+            turns=int(d.get("turns", 0)),
             rebased_on=None if d.get("rebased_on") is None else int(d["rebased_on"]),
         )
 

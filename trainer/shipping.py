@@ -76,6 +76,10 @@ def lineage_tags(intent: ShipIntent, topic: str) -> dict[str, str]:
         # saved by a trainer that did not count them
         "reward_specs": json.dumps(p.reward_spec_counts, sort_keys=True),
         "rollouts_relabelled": str(p.relabelled),
+        # distinct sessions of the multi-turn records trained on; model calls trained on (a
+        # one-call record's 1, a multi-turn record's trained turns)
+        "sessions_trained": str(len(p.session_ids)),
+        "turns_trained": str(p.turns),
         "train_metrics": json.dumps(summary, sort_keys=True),
         "trainer_step": str(intent.step),
         "rollout_status": "registered",
@@ -349,6 +353,8 @@ def _publish_event(
             "reward_spec": reward_spec_detail(tags["reward_spec"]),
             "reward_specs": json.loads(tags["reward_specs"]),
             "rollouts_relabelled": int(tags["rollouts_relabelled"]),
+            "sessions_trained": int(tags["sessions_trained"]),
+            "turns_trained": int(tags["turns_trained"]),
             "kafka_offsets": json.loads(tags["kafka_offsets"]),
             "train_metrics": json.loads(tags["train_metrics"]),
             # where replicas fetch it without asking MLflow (optional; app/contracts/hints.py)

@@ -48,6 +48,8 @@ def test_pending_merge_adds_what_ranks_trained_and_keeps_what_they_share():
         steps=3,
         reward_specs=["v1"],
         reward_spec_counts={"v1": 2},
+        session_ids=["s1", "s2"],
+        turns=5,
         rebased_on=4,
     )
     a.skipped["duplicate"] = 1
@@ -61,6 +63,8 @@ def test_pending_merge_adds_what_ranks_trained_and_keeps_what_they_share():
         reward_specs=["v2"],
         reward_spec_counts={"v2": 1},
         relabelled=1,
+        session_ids=["s2", "s3"],  # s2's segments were on both ranks' partitions
+        turns=2,
         rebased_on=4,
     )
     b.skipped["invalid"] = 2
@@ -70,10 +74,12 @@ def test_pending_merge_adds_what_ranks_trained_and_keeps_what_they_share():
     assert m.skipped["duplicate"] == 1 and m.skipped["invalid"] == 2
     assert m.reward_specs == ["v1", "v2"] and m.reward_spec_counts == {"v1": 2, "v2": 1}
     assert m.relabelled == 1
+    assert m.session_ids == ["s1", "s2", "s3"] and m.turns == 7, "a session counts once"
     assert m.steps == 3 and m.metric_sums == {"loss": 0.4} and m.rebased_on == 4
     # a restored merged lineage counts once: the other ranks keep only the shared fields
     rest = m.local_part()
     assert rest.rollouts == 0 and rest.request_ids == [] and rest.steps == 3
+    assert rest.session_ids == [] and rest.turns == 0
     again = Pending.merge([m, rest])
     assert again.to_dict() == m.to_dict()
 

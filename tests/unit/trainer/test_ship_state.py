@@ -56,6 +56,7 @@ def test_a_checkpoint_with_the_old_dict_form_loads_into_the_typed_state(tmp_path
     assert (
         pending.reward_spec_counts == {} and pending.relabelled == 0 and pending.rebased_on is None
     )
+    assert pending.session_ids == [] and pending.turns == 0
     assert pending.skipped == {**dict.fromkeys(SKIP_REASONS, 0), "duplicate": 2, "invalid": 1}
     intent = ShipIntent.from_dict(state["intent"])
     assert (intent.ship_id, intent.kind, intent.parent_version, intent.step) == (
@@ -79,6 +80,8 @@ def test_the_typed_state_saves_as_plain_dicts_and_reads_back_equal(tmp_path):
     pending.reward_spec_counts["v1"] = 7
     pending.relabelled = 1
     pending.rebased_on = 2
+    pending.session_ids = ["s1", "s2"]
+    pending.turns = 9
     intent = ShipIntent("s1", "base", None, {}, {}, Pending(), 0)
     # weights_only loading (trainer/checkpoint.py) accepts only plain containers: no dataclasses
     save_state(tmp_path, {"pending": pending.to_dict(), "intent": intent.to_dict()})
