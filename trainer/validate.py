@@ -12,7 +12,7 @@ message that names the field and the model's limit.
 | `invalid_rollout` | the JSON is not a rollout record (schema, lengths, routes bytes vs route_shape; a multi-turn record's `turns` and `loss_mask`: trainer/rollout_record.py) |
 | `tokenizer_mismatch` | the record names a tokenizer other than the model's (`Tokenizer.name`: `byte-v1`, or an HF tokenizer's `<name>@<hash of its files>`, so the same name with other files is refused) |
 | `token_out_of_vocab` | a prompt or completion token id >= the model's vocabulary size |
-| `sequence_too_long` | bos + prompt + completion tokens > the model's context |
+| `sequence_too_long` | bos + prompt + completion tokens > the model's context (a multi-turn record too: refused whole, not split, `_length`) |
 | `invalid_logprobs` | a behaviour log-prob of a trained token (`loss_mask` 1) is NaN, infinite or > 0 (the placeholders at mask-0 positions are ignored) |
 | `invalid_reward` | the reward is NaN, infinite or larger in magnitude than `max_abs_reward` |
 | `invalid_temperature` | the sampling temperature is NaN, infinite or negative |
@@ -150,17 +150,32 @@ def _vocab(r: Rollout, spec: ModelSpec) -> Refusal | None:
 
 
 def _length(r: Rollout, spec: ModelSpec) -> Refusal | None:
+    """bos + prompt + completion must fit the context. A multi-turn record that does not is
+    refused whole, never split into rows that fit: every turn was sampled with all the tokens
+    before it in context (the ledger joins turns only on an exact token prefix), so a row that
+    drops its oldest tokens scores the turn given a context it was not sampled in, and its
+    importance ratios would compare two different conditionals (docs/TRAINER.md "The objective on
+    trajectories")."""
     if spec.max_context is None:
         return None
-    n = spec.reserved_tokens + len(r.prompt_tokens) + len(r.completion_tokens)
-    if n > spec.max_context:
-        return Refusal(
-            "sequence_too_long",
-            f"{spec.reserved_tokens} + {len(r.prompt_tokens)} prompt + "
-            f"{len(r.completion_tokens)} completion tokens = {n} exceed the model's context {spec.max_context}",
-            "completion_tokens",
+    reserved, n_prompt = spec.reserved_tokens, len(r.prompt_tokens)
+    n = reserved + n_prompt + len(r.completion_tokens)
+    if n <= spec.max_context:
+        return None
+    message = (
+        f"{reserved} + {n_prompt} prompt + {len(r.completion_tokens)} completion tokens = {n} "
+        f"exceed the model's context {spec.max_context}"
+    )
+    over = [
+        k for k, t in enumerate(r.turns or []) if reserved + n_prompt + t.end > spec.max_context
+    ]
+    if over:
+        end = reserved + n_prompt + r.turns[over[0]].end  # type: ignore[index]
+        message += (
+            f"; turns[{over[0]}] ends at token {end}: a multi-turn record is not split (a row "
+            "that fits would drop context its turns were sampled with)"
         )
-    return None
+    return Refusal("sequence_too_long", message, "completion_tokens")
 
 
 def _logprobs(r: Rollout, spec: ModelSpec) -> Refusal | None:

@@ -1,5 +1,7 @@
 """A multi-turn record (a session's segment: `turns` + `loss_mask`) through the real trainer: trained
-exactly once beside one-call records, on its sampled tokens only, and counted in the lineage.
+exactly once beside one-call records, on its sampled tokens only, and counted in the lineage
+(`sessions_trained`, `turns_trained`); one longer than the model's context is refused whole and
+dead-lettered (`sequence_too_long`).
 
 Real broker and MLflow server, a tiny real policy (tests/integration/trainer/conftest.py). The
 session is two generations of the trainer's own policy around a tool result, written as the
@@ -15,7 +17,7 @@ import uuid
 import pytest
 from mlflow import MlflowClient
 
-from tests.integration.trainer.conftest import drain, produce, rollout_records
+from tests.integration.trainer.conftest import drain, produce, read_dlq, rollout_records
 from tests.unit.trainer.test_validate import record as base_record
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
@@ -57,10 +59,20 @@ def test_a_multi_turn_record_trains_once_and_is_counted_in_the_lineage(trainer_e
     try:
         one_call = rollout_records(trainer.policy, 1, 3, lambda text: float(len(text) % 2))
         session = session_record(trainer.policy, 1)
-        produce(settings, [*one_call, session, session])
-        drain(trainer, 5)
+        context = trainer.policy.config_dict()["max_context"]
+        too_long = dict(  # the same session with more history than the model's context holds
+            session,
+            request_id="session-too-long",
+            prompt_tokens=[32] * (context - len(session["completion_tokens"])),
+        )
+        produce(settings, [*one_call, session, session, too_long])
+        drain(trainer, 6)
         p = trainer.pending
         assert p.rollouts == 4 and p.skipped["duplicate"] == 1 and p.steps >= 1, p
+        assert p.skipped["invalid"] == 1 and "session-too-long" not in p.request_ids, p
+        [letter] = read_dlq(settings, 1)
+        assert letter["reason"] == "sequence_too_long", letter
+        assert "turns[1]" in letter["errors"][0]["message"], letter
         assert p.request_ids.count(session["request_id"]) == 1, p.request_ids
         trained = sum(len(r["completion_tokens"]) for r in one_call) + sum(session["loss_mask"])
         assert p.metric_sums["batch_tokens"] == trained, (p.metric_sums, trained)
@@ -72,6 +84,8 @@ def test_a_multi_turn_record_trains_once_and_is_counted_in_the_lineage(trainer_e
             .tags
         )
         assert tags["rollouts_consumed"] == "4", tags
+        # one session; 3 one-call records + the session's 2 turns
+        assert (tags["sessions_trained"], tags["turns_trained"]) == ("1", "5"), tags
         metrics = json.loads(tags["train_metrics"])
         # the lineage's step metrics are means per step
         assert metrics["batch_tokens"] == pytest.approx(trained / p.steps), (metrics, trained)
