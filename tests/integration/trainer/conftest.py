@@ -23,6 +23,7 @@ import pytest
 
 from app.contracts.events import encode_routes
 from app.infra.kafka import dumps, make_consumer, make_producer
+from tests.waiting import poll
 
 REPO = Path(__file__).resolve().parents[3]
 TINY_POLICY = {
@@ -99,6 +100,46 @@ def rollout_records(
                 "closed_by": "window",
             }
         )
+    return out
+
+
+TOOL_RESULT = list(b"\ntool: 42\n")  # what the tool answered between two calls: context
+
+
+def session_records(
+    policy, version: int, n: int, *, seed: int = 0, prefix: str = "", max_tokens: int = 6
+) -> list[dict[str, Any]]:
+    """`n` two-call agent sessions sampled from `policy`, each one multi-turn rollout record
+    assembled by the session ledger (streams/ledger.py) from the label join's two turn records
+    (tests/unit/streams/test_ledger.py `turn_rec`): turn 0 from a prompt of PROMPTS, the tool's
+    result, turn 1 from all of that (the first completion's eos left out of the history, as the
+    built-in template renders it). The record's request_id is its first call's."""
+    from streams.ledger import Ledger, LedgerConfig
+    from tests.unit.streams.test_ledger import turn_rec
+
+    tok, ledger, out = policy.tokenizer, Ledger(LedgerConfig(), {}), []
+    for i in range(n):
+        sid = f"{prefix}session-{i}-{uuid.uuid4().hex[:6]}"
+        prompt = tok.encode(PROMPTS[i % len(PROMPTS)])
+        [s0] = policy.generate([prompt], max_tokens=max_tokens, temperature=1.0, seed=seed + 2 * i)
+        history = s0.tokens[:-1] if s0.tokens[-1] == tok.eos_id else s0.tokens
+        p1 = [*prompt, *history, *TOOL_RESULT]
+        [s1] = policy.generate([p1], max_tokens=max_tokens, temperature=1.0, seed=seed + 2 * i + 1)
+        for rec in (
+            turn_rec(sid, 0, prompt, s0.tokens, logprobs=s0.logprobs, model_version=str(version)),
+            turn_rec(
+                sid,
+                1,
+                p1,
+                s1.tokens,
+                logprobs=s1.logprobs,
+                model_version=str(version),
+                reward=i % 2,
+            ),
+        ):
+            out += [e.value for e in ledger.on_rollout(rec, now=0.0) if e.topic == "rollouts"]
+        out += [e.value for e in ledger.end_session(sid, now=1.0) if e.topic == "rollouts"]
+    assert len(out) == n and all(len(r["turns"]) == 2 for r in out), out
     return out
 
 
@@ -244,20 +285,23 @@ def trainer_env_vars(settings, cfg: dict[str, Any]) -> dict[str, str]:
 def wait_for(
     cond, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
 ):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """`cond()`'s first truthy value (tests/waiting.py `poll`); fails at once, with the log's
+    tail, when the trainer process `proc` exits first, and with the tail on a timeout."""
+
+    def ready():
         value = cond()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
+        if not value and proc is not None and proc.poll() is not None:
             raise AssertionError(
                 f"trainer exited {proc.returncode} while waiting for {what}:\n{log.read_text()[-4000:]}"
             )
-        time.sleep(0.5)
-    raise AssertionError(
-        f"timed out after {timeout}s waiting for {what}"
-        + (f":\n{log.read_text()[-4000:]}" if log else "")
-    )
+        return value
+
+    try:
+        return poll(ready, timeout, what, every=0.2)
+    except AssertionError as exc:
+        if log is None or "trainer exited" in str(exc):
+            raise
+        raise AssertionError(f"{exc}:\n{log.read_text()[-4000:]}") from None
 
 
 def model_versions(client, name: str) -> list:

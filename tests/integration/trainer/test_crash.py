@@ -9,7 +9,11 @@ The test hook FLYWHEEL_TRAINER_PAUSE_AT stops the process at a precise point and
 3. after_register: version created, offsets NOT yet committed (checked);
 4. a clean run finishes the pending ship, trains the rest, ships, and is stopped with SIGTERM.
 
-A second test gives the trainer a rollout its forward raises on (a fault injected by the test
+A second test does the same to multi-turn records (sessions assembled by the session ledger)
+beside one-call ones, killed after an optimizer step: each trajectory is trained exactly once, and
+the versions' `sessions_trained` and `turns_trained` add up to the sessions and calls produced.
+
+A third test gives the trainer a rollout its forward raises on (a fault injected by the test
 launcher tests/integration/trainer/fault_trainer.py) and out-of-vocabulary garbage: the
 trainer keeps running, dead-letters them, is SIGKILLed right after and restarted; no version
 counts as trained a rollout no optimizer step consumed.
@@ -45,6 +49,7 @@ from tests.integration.trainer.conftest import (
     produce_raw,
     read_dlq,
     rollout_records,
+    session_records,
     trainer_env_vars,
     wait_for,
 )
@@ -133,6 +138,54 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     skipped = check_lineage(client, final, [r["request_id"] for r in records], ends, tmp_path)
     assert sum(int(mv.tags["rollouts_consumed"]) for mv in final) == 24
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0
+
+
+def test_sigkill_while_training_on_trajectories_trains_each_once(trainer_env, tmp_path):
+    """8 two-call sessions (one multi-turn record each) among 8 one-call rollouts, batches of 4;
+    SIGKILL after optimizer step 3 (saved at step 2), a session re-delivered, a clean restart
+    ships. Two trainer processes: about 30 s."""
+    settings, cfg = trainer_env
+    cfg.update(checkpoint_every=2, batch_size=4, max_wait_s=1.0)
+    marker = Path(cfg["state_dir"]) / "paused-at"
+    client = MlflowClient(settings.mlflow_uri)
+    log = tmp_path / "trainer.log"
+
+    def start(ship_interval: float, pause_at: str | None) -> TrainerProcess:
+        env = trainer_env_vars(settings.model_copy(update={"ship_interval": ship_interval}), cfg)
+        if pause_at:
+            env["FLYWHEEL_TRAINER_PAUSE_AT"] = pause_at
+        return TrainerProcess(env, log)
+
+    policy = build_policy(TINY_POLICY)  # the base v1 of the empty registry
+    sessions = session_records(policy, 1, 8, seed=5)
+    one_call = rollout_records(policy, 1, 8, lambda text: float("\n" in text), seed=9)
+    records = [r for pair in zip(sessions, one_call) for r in pair]  # interleaved
+    produce(settings, records)
+
+    p = start(3600, "after_optimizer_step:3")
+    wait_for(marker.exists, 300, "pause after step 3", p.proc, log)
+    p.kill9()
+    assert [mv.version for mv in model_versions(client, settings.model_name)] == ["1"]
+
+    produce(settings, [sessions[0]])  # a trajectory trained before the kill, delivered again
+    p = start(2, None)
+    ends = end_offsets(settings)
+    wait_for(
+        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
+        300,
+        "all offsets committed",
+        p.proc,
+        log,
+    )
+    assert p.terminate() == 0, log.read_text()[-3000:]
+
+    final = model_versions(client, settings.model_name)
+    skipped = check_lineage(client, final, [r["request_id"] for r in records], ends, tmp_path)
+    assert skipped["duplicate"] == 1 and skipped["invalid"] == 0 and skipped["stale"] == 0
+    trained = final[1:]
+    assert sum(int(mv.tags["rollouts_consumed"]) for mv in trained) == 16
+    assert sum(int(mv.tags["sessions_trained"]) for mv in trained) == 8, "each session once"
+    assert sum(int(mv.tags["turns_trained"]) for mv in trained) == 8 * 2 + 8
 
 
 def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_counts_after_sigkill(
