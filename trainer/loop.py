@@ -140,8 +140,8 @@ def combine_metrics(parts: list[dict[str, float] | None]) -> dict[str, float]:
 @dataclass(frozen=True)
 class DistillTeacher:
     """The self-distillation teacher's view of a batch (trainer/batch.py `teacher_inputs`): the
-    policy itself, shown the tool error's feedback, scoring the completion from the error on.
-    Shapes as in `ForwardPass`."""
+    policy itself, shown the tool error's feedback, scoring what the call sampled from the error on
+    (a one-call record's completion; a multi-turn record's turn). Shapes as in `ForwardPass`."""
 
     logprobs: torch.Tensor  # float32 [B, T], no grad: on the distilled tokens, 0 elsewhere
     # float32 [B, T]: 1 on the distilled tokens (from a tool error to the end of its call's span)

@@ -32,8 +32,8 @@ Terms (all choices stated here are also in docs/TRAINER.md):
   so the exact per-token KL over the vocabulary is not available.)
 - Partial batches: a step on fewer than `batch_size` rollouts runs at the learning rate times
   their share of `batch_size` (`partial_batch_lr_scale`, the linear scaling rule).
-- Self-distillation on tool_error feedback: for the tokens at and after the error position
-  (mask `distill_mask`), the teacher is the same weights without grad, with the error
+- Self-distillation on tool_error feedback: for the tokens at and after the error position,
+  within the call that made it (mask `distill_mask`, trainer/batch.py `distill_spans`), the teacher is the same weights without grad, with the error
   message and hint in its context. The per-token reverse KL KL(pi_student || pi_teacher) is
   estimated on the student's own tokens; its score-function gradient is
   E[(logp_s - logp_t) * grad logp_s], so the loss is
@@ -249,7 +249,8 @@ def distill_loss(
 ) -> tuple[torch.Tensor, float]:
     """Self-distillation surrogate and the k1 reverse-KL estimate on the distilled tokens.
 
-    distill_mask: {0,1} float32 [B, T], 1 on completion tokens at/after a tool error.
+    distill_mask: {0,1} float32 [B, T], 1 on the distilled tokens: from a tool error to the end of
+    its call's sampled tokens (trainer/batch.py `distill_spans`).
     mask: the batch's completion-token mask [B, T]: the surrogate is summed over the distilled
     kept tokens and divided by ALL completion tokens of the batch, the policy-gradient term's
     denominator, so a distilled token weighs what a policy-gradient token weighs. (Divided by
