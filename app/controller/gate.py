@@ -311,6 +311,22 @@ def reward_check(
     )
 
 
+def log_weights(candidate: Any, rolls: Sequence[dict[str, Any]]) -> np.ndarray:
+    """Per rollout, log(candidate / behaviour) of its completion: the sum over the tokens the model
+    sampled. A multi-turn record's tokens between turns (tool results, user messages; `loss_mask`
+    0, behaviour log-prob 0.0) were not sampled by any policy and weigh nothing; each sampled
+    token is weighed against its own turn's behaviour log-prob, whichever version sampled it."""
+    prompts = [list(r["prompt_tokens"]) for r in rolls]
+    comps = [list(r["completion_tokens"]) for r in rolls]
+    lp = _logprobs(candidate, prompts, comps)
+    new = []
+    for i, (r, c) in enumerate(zip(rolls, comps, strict=True)):
+        row = lp[i, : len(c)].tolist()
+        mask = r.get("loss_mask")
+        new.append(row if mask is None else [x if m else 0.0 for x, m in zip(row, mask)])
+    return ope.sequence_log_weights(new, [r["logprobs"] for r in rolls])
+
+
 def _ope_check(
     inp: GateInputs,
     cfg: GateConfig,
@@ -324,11 +340,8 @@ def _ope_check(
         return [Check("ope_reward", "skipped", detail="no held-out logged rollouts")], {}
     if inp.candidate is None:
         return [Check("ope_reward", "skipped", detail="candidate policy not loaded")], {}
-    prompts = [list(r["prompt_tokens"]) for r in rolls]
     comps = [list(r["completion_tokens"]) for r in rolls]
-    lp = _logprobs(inp.candidate, prompts, comps)
-    new = [lp[i, : len(c)].tolist() for i, c in enumerate(comps)]
-    log_w = ope.sequence_log_weights(new, [r["logprobs"] for r in rolls])
+    log_w = log_weights(inp.candidate, rolls)
     rewards = np.array([float(r["reward"]) for r in rolls], dtype=np.float64)
     if not np.all(np.isfinite(log_w)):
         return [

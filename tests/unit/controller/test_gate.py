@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from app.controller import ope
-from app.controller.gate import GateConfig, GateInputs, run_gate
+from app.controller.gate import GateConfig, GateInputs, log_weights, run_gate
 from app.controller.monitors import behaviour_checks, kl_check, regression_check, weight_sanity
 from tests.unit.controller.unigram import UnigramPolicy, favouring
 
@@ -172,6 +172,21 @@ def logged_rollouts(behaviour: UnigramPolicy, n: int, reward_of) -> list[dict]:
 
 
 CFG = GateConfig(n_boot=100, sample_prompts=8, max_tokens=8, min_ess=5)
+
+
+def test_a_trajectory_is_weighed_on_the_tokens_the_model_sampled_only():
+    """Tool results between turns (loss_mask 0, behaviour 0.0) weigh nothing in the estimate."""
+    cand = favouring([97], 3.0)
+    prompt, completion = [65], [97, 120, 121, 98, 97]  # turn, tool result (2 tokens), turn
+    mask, behaviour = [1, 0, 0, 1, 1], [-0.5, 0.0, 0.0, -1.0, -0.25]
+    record = {"prompt_tokens": prompt, "completion_tokens": completion, "logprobs": behaviour}
+    new = cand.logprobs([prompt], [completion], routes=None, temperature=1.0)[0].tolist()
+    want = sum(n - b for n, b, m in zip(new, behaviour, mask) if m)
+    [got] = log_weights(cand, [{**record, "loss_mask": mask}])
+    assert got == pytest.approx(want, abs=1e-9)
+    [unmasked] = log_weights(cand, [record])  # a one-call record: every token counts
+    assert unmasked == pytest.approx(sum(n - b for n, b in zip(new, behaviour)), abs=1e-9)
+    assert abs(unmasked - got) > 1.0  # the tool result's tokens would have moved it
 
 
 def reward_a(tokens):  # reward: share of tokens that are 'a'
