@@ -280,6 +280,26 @@ def test_a_second_choice_of_an_applied_turn_is_superseded():
     assert out[0].value["reason"] == "superseded"
 
 
+def test_two_clients_sharing_a_session_id_break_each_other_and_lose_no_turn():
+    """A collision: each client's turn rewrites the other's history. Every turn still lands once
+    (in a record), and the breaks say why."""
+    a = agent_session("shared", 3)
+    b = [
+        {**r, "request_id": f"b{k}", "prompt_tokens": [4, *r["prompt_tokens"]]}
+        for k, r in enumerate(agent_session("shared", 3))
+    ]
+    interleaved = []
+    for k in range(3):  # A's turn k, then B's, each generated after the one before
+        interleaved += [
+            {**a[k], "generated_at": ts(20.0 * k)},
+            {**b[k], "generated_at": ts(20.0 * k + 10)},
+        ]
+    _, out = run(interleaved)
+    assert [e.topic for e in out] == ["rollouts"] * 6, out
+    assert sorted(_request_ids(out)) == sorted(r["request_id"] for r in interleaved)
+    assert [e.closed_by for e in out] == ["history_rewritten"] * 5 + ["end"]
+
+
 def test_turns_out_of_order_are_assembled_in_order():
     recs = agent_session("s1", 4)
     _, in_order = run(recs)

@@ -412,3 +412,24 @@ def test_stale_turn_tokens_are_counted_in_the_step_metrics(policy):
     o, _ = loss_and_grads(stand_in(policy), rollouts)
     Trainer._step_metrics(o, batch, torch.tensor(1.0))
     assert o.metrics["stale_turn_tokens"] == 7.0 and o.metrics["multi_turn_rollouts"] == 2.0
+
+
+def test_sessions_sharing_a_task_are_centred_on_their_group_and_every_sampled_token_shares_it(
+    policy,
+):
+    """Group baselines on trajectories: two sessions of one task (group_id) are centred on each
+    other, apart from the others; the one advantage covers every token the model sampled."""
+    task = [
+        dict(session(policy, i, reward), group_id="task-1")
+        for i, reward in enumerate((1.5, -0.5))
+    ]
+    others = [session(policy, 2, 0.25), one_call(policy, 3, 1.0)]
+    rollouts = parse(policy, [*task, *others])
+    c = collate(rollouts, policy)
+    adv = obj.advantages(c.rewards, c.group_ids, scale="none")
+    assert c.group_ids[:2] == ["task-1", "task-1"]
+    assert adv[:2].tolist() == pytest.approx([1.0, -1.0])  # centred on the task's mean 0.5
+    assert adv[2:].tolist() == pytest.approx([-0.375, 0.375])  # the rest on each other's mean
+    # the policy-gradient weight of each sampled token of a session is its one advantage
+    rows = c.mask[:2] > 0
+    assert int(rows[0].sum()) == sum(task[0]["loss_mask"])
