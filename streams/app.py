@@ -1,4 +1,6 @@
-"""The Faust app of `flywheel streams`: one agent joins interactions into reward-labelled rollouts.
+"""The Faust app of `flywheel streams`: one agent joins interactions into reward-labelled rollouts;
+a second (`assemble`, streams/session_stage.py) assembles agent sessions' chat turns into one
+rollout per segment.
 
 Topology (N = partitions of `<ns>.interactions`):
 
@@ -8,6 +10,9 @@ Topology (N = partitions of `<ns>.interactions`):
       (internal, N)         buckets (changelogs)           └─▶ <ns>.streams-metric-partials (key model_version)
                                                                    │
     <ns>.streams-metric-partials ─▶ merge_metrics (table: metric_buckets) ─▶ <ns>.version-metrics
+
+A labelled chat turn (a rollout with `turn`) and a `session_outcome` event go to
+`<ns>.streams-turns` (key session_id) instead, for the session stage (its docstring).
 
 Why ticks go through a topic: Faust tables may only be changed inside a stream event (the
 changelog partition is the event's partition), and a single consumer of both topics keeps

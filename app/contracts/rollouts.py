@@ -201,7 +201,7 @@ class DlqRecord(BaseModel):
 
     reason: str = Field(
         description="streams: invalid_json | invalid_event | key_mismatch | conflicting_generation | "
-        "processing_failed | label_close_failed | invalid_tick | invalid_partial; "
+        "processing_failed | label_close_failed | invalid_tick | invalid_partial | sessions_disabled; "
         "other consumers: docs/DEPLOYMENTS.md"
     )
     errors: list[dict[str, Any]]
