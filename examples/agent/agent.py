@@ -17,8 +17,10 @@ the ingest API:
 - `tool_error` on the completion whose call failed (an edit whose text is not in the file, an
   unknown file or tool, arguments that are not JSON, a call cut off by max_tokens), with the
   error as the message; the call is the completion's only content, so `token_index` is 0;
-- at the end the agent runs the tests itself: `accept` on every completion of the run when they
-  pass, `reject` on every one when they do not.
+- at the end the agent runs the tests itself and sends the session's outcome (`session_outcome`,
+  naming its last completion): `success` when they pass, `failure` when they do not after it
+  called `finish`, `abandoned` when it ran out of turns first. The streams worker makes the
+  session's turns one trajectory, and the outcome its return (docs/AGENTS.md "Sessions").
 
     python examples/agent/agent.py --replica http://127.0.0.1:8100 --api http://127.0.0.1:8000
 
@@ -240,10 +242,9 @@ def run_agent(
             out.finished = True
             break
     out.tests = ws.run_tests()
-    if feedback is not None:
-        send = feedback.accept if out.tests.passed else feedback.reject
-        for request_id in dict.fromkeys(s.request_id for s in out.steps):
-            out.feedback.append(send(request_id, session_id))
+    if feedback is not None and out.steps:
+        outcome = "success" if out.tests.passed else "failure" if out.finished else "abandoned"
+        out.feedback.append(feedback.session_outcome(out.steps[-1].request_id, session_id, outcome))
         feedback.flush()
     return out
 

@@ -5,7 +5,7 @@ tools and their outputs); under `tool_choice: "required"` constrained decoding m
 call with arguments that validate, so the tools really run on the copy of the sample repository,
 though the model will not fix its bug. What is asserted is the mechanics: each call's effect on
 the copy, the original left alone, the agent's own test run, and every piece of feedback (a
-`tool_error` per failed call, a `reject` per completion since the tests still fail) on Kafka next
+`tool_error` per failed call, the session's outcome since the tests still fail) on Kafka next
 to the replica's generation events.
 """
 
@@ -114,14 +114,15 @@ def test_the_agent_runs_its_tools_and_reports_feedback(seeded_replica, api_facto
     assert sorted(e["turn"] for e in generations) == list(range(len(request_ids)))
 
     errors = [s for s in out.steps if s.error]
-    want = len(request_ids) + len(errors)
+    want = 1 + len(errors)
     assert len(out.feedback) == want
     feedback = read_topic(
         api.settings, "interactions", want, where=lambda e: e.get("session_id") == out.session_id
     )
     assert sorted(e["event_id"] for e in feedback) == sorted(out.feedback)
-    rejects = [e["request_id"] for e in feedback if e["type"] == "reject"]
-    assert sorted(rejects) == sorted(request_ids)
+    [outcome] = [e for e in feedback if e["type"] == "session_outcome"]
+    assert outcome["request_id"] == request_ids[-1]
+    assert outcome["outcome"] == ("failure" if out.finished else "abandoned"), outcome
     tool_errors = sorted(
         (e["request_id"], e["message"], e["token_index"])
         for e in feedback
@@ -131,13 +132,12 @@ def test_the_agent_runs_its_tools_and_reports_feedback(seeded_replica, api_facto
 
     assert [(s.tool, s.error is not None) for s in cut.steps] == [(None, True), (None, True)]
     cut_feedback = read_topic(
-        api.settings, "interactions", 4, where=lambda e: e.get("session_id") == cut.session_id
+        api.settings, "interactions", 3, where=lambda e: e.get("session_id") == cut.session_id
     )
-    assert sorted(e["type"] for e in cut_feedback) == [
-        "reject",
-        "reject",
-        "tool_error",
-        "tool_error",
+    assert sorted((e["type"], e.get("outcome")) for e in cut_feedback) == [
+        ("session_outcome", "abandoned"),
+        ("tool_error", None),
+        ("tool_error", None),
     ]
     assert all(
         e["message"].startswith("the completion ended (max_tokens)")
