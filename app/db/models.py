@@ -7,6 +7,8 @@
 - `ModelVersion`: one row per registered model version: lineage, gate results, status.
 - `Replica`: inference replicas with the versions they serve and their last heartbeat.
 - `DeploymentState`: one row per model: champion, candidate, traffic split, phase, step.
+- `SessionSegment`, `SessionTurn`: the sessions projection of `<ns>.rollouts` (migration 0003):
+  one row per rollout record (a session's segment) and one per model call in it.
 
 Schema changes go through Alembic (`migrations/`); `flywheel db upgrade` applies them.
 """
@@ -21,6 +23,7 @@ from sqlalchemy import (
     BigInteger,
     DateTime,
     Float,
+    ForeignKey,
     Index,
     Integer,
     String,
@@ -153,3 +156,57 @@ class DeploymentState(Base):
     last_registered_at: Mapped[datetime | None] = mapped_column(default=None)
     last_event_id: Mapped[str | None] = mapped_column(String(64))
     updated_at: Mapped[datetime] = mapped_column()
+
+
+class SessionSegment(Base):
+    """One rollout record of `<ns>.rollouts` (a session's segment, or a one-call record), keyed by
+    its Kafka key: `request_id`, or `<request_id>|<spec>` for a relabelled record (migration 0003).
+
+    Written once per key by app/projector/sessions.py (a redelivered record changes nothing);
+    `kafka_partition`/`kafka_offset` locate the record on `<ns>.rollouts`, which the trainer's
+    lineage (`details.kafka_offsets` of `version_registered`) names in ranges.
+    """
+
+    __tablename__ = "session_segments"
+    __table_args__ = (Index("ix_session_segments_session", "session_id", "generated_at"),)
+
+    record_key: Mapped[str] = mapped_column(String(256), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128))
+    request_id: Mapped[str] = mapped_column(String(128))  # the first turn's
+    relabel_run: Mapped[str | None] = mapped_column(String(64))
+    reward_spec: Mapped[str] = mapped_column(String(64))
+    model_version: Mapped[str] = mapped_column(String(32))  # the last turn's
+    opened_by: Mapped[str | None] = mapped_column(String(32))
+    closed_by: Mapped[str | None] = mapped_column(String(32))
+    turn_count: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    sampled_tokens: Mapped[int] = mapped_column(Integer)  # loss_mask ones (all without a mask)
+    reward: Mapped[float] = mapped_column(Float)
+    components: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    outcome: Mapped[str | None] = mapped_column(String(16))  # success | failure | abandoned
+    outcome_reward: Mapped[float | None] = mapped_column(Float)
+    generated_at: Mapped[datetime] = mapped_column()
+    labelled_at: Mapped[datetime] = mapped_column()
+    kafka_partition: Mapped[int] = mapped_column(Integer)
+    kafka_offset: Mapped[int] = mapped_column(BigInteger)
+
+
+class SessionTurn(Base):
+    """One model call of a segment (a `TurnSpan`; the record itself for a one-call record)."""
+
+    __tablename__ = "session_turns"
+    __table_args__ = (Index("ix_session_turns_version", "model_version", "session_id"),)
+
+    record_key: Mapped[str] = mapped_column(
+        String(256), ForeignKey("session_segments.record_key"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)  # 0 = the segment's first
+    session_id: Mapped[str] = mapped_column(String(128))
+    request_id: Mapped[str] = mapped_column(String(128))
+    model_version: Mapped[str] = mapped_column(String(32))
+    reward: Mapped[float | None] = mapped_column(Float)  # its own reward (None: not given)
+    components: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    sampled_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    generated_at: Mapped[datetime | None] = mapped_column(default=None)

@@ -15,3 +15,8 @@ PROJECTED_OFFSET = Gauge(
     "Last Kafka offset the projector applied.",
     ["partition"],
 )
+SESSION_RECORDS = Counter(
+    "flywheel_session_records_projected_total",
+    "Records of <ns>.rollouts applied to the sessions projection.",
+    ["result"],
+)

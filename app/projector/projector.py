@@ -1,6 +1,6 @@
-"""SQL projections of `<ns>.deployments`: apply, follow, rebuild.
+"""SQL projections of `<ns>.deployments` (and of `<ns>.rollouts`' sessions): apply, follow, rebuild.
 
-The topic is the source of truth; four tables are pure functions of it (PROJECTION_TABLES):
+The topic is the source of truth; four tables are pure functions of it:
 `deployment_events` (append-only copy), `model_versions` (status, lineage, gate, online metrics
 per version), `deployment_state` (per model: champion, candidate, traffic, phase, step, last
 analysis) and `replicas` (what each replica serves, its last heartbeat). Every value written
@@ -16,7 +16,9 @@ The rules are the one fold's (app/contracts/deployment_state.py): an event is fo
 state loaded from the rows, and the rows are written from the state the fold returns. Replica
 heartbeats come from their own compacted topic, `<ns>.replica-status`
 (app/contracts/replica_status.py), into `replicas` only; `follow` consumes both topics and
-`rebuild` replays both.
+`rebuild` replays both. The sessions projection of `<ns>.rollouts` (app/projector/sessions.py:
+`session_segments`, `session_turns`) is followed by the same consumer and rebuilt by the same
+rebuild, each record in its own savepoint like an event.
 
 Rebuild and the append-only guard: PostgreSQL's guard is a row trigger on UPDATE/DELETE, which
 TRUNCATE does not fire, so the reset is `TRUNCATE ... RESTART IDENTITY`. SQLite has no
@@ -56,13 +58,27 @@ from app.contracts.deployments import (
 )
 from app.contracts.replica_status import ReplicaStatusLog
 from app.db.models import DeploymentEvent as EventRow
-from app.db.models import DeploymentState, ModelVersion, Replica
-from app.projector.metrics import PROJECTED, PROJECTED_OFFSET
+from app.db.models import DeploymentState, ModelVersion, Replica, SessionSegment, SessionTurn
+from app.projector.metrics import PROJECTED, PROJECTED_OFFSET, SESSION_RECORDS
+from app.projector.sessions import (
+    SESSION_TABLES,
+    LoggedRollout,
+    apply_rollout,
+    logged_rollout,
+    read_rollouts,
+    reset_sessions,
+)
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
-PROJECTION_TABLES = ("deployment_events", "model_versions", "deployment_state", "replicas")
+PROJECTION_TABLES = (
+    "deployment_events",
+    "model_versions",
+    "deployment_state",
+    "replicas",
+    *SESSION_TABLES,
+)
 PROJECTOR_GROUP = "flywheel-projector"
 
 
@@ -312,6 +328,28 @@ def apply_or_skip(
         return False, exc
 
 
+def apply_rollout_or_skip(session: Session, logged: LoggedRollout) -> tuple[bool, Exception | None]:
+    """`apply_or_skip` for a record of `<ns>.rollouts` (the sessions projection)."""
+    try:
+        with session.begin_nested():
+            applied = apply_rollout(session, logged)
+        SESSION_RECORDS.labels("applied" if applied else "duplicate").inc()
+        return applied, None
+    except TRANSIENT_DB_ERRORS:
+        raise
+    except Exception as exc:
+        SESSION_RECORDS.labels("failed").inc()
+        log.error(
+            "rollouts[%d]@%d (%s) cannot be projected, skipped: %s: %s",
+            logged.partition,
+            logged.offset,
+            logged.key,
+            type(exc).__name__,
+            exc,
+        )
+        return False, exc
+
+
 # --- rebuild ----------------------------------------------------------------------------------
 def reset_projections(session: Session) -> None:
     """Empty every projection table inside the session's transaction (see module docstring)."""
@@ -319,11 +357,8 @@ def reset_projections(session: Session) -> None:
     if dialect == "postgresql":
         session.execute(sa.text(f"TRUNCATE {', '.join(PROJECTION_TABLES)} RESTART IDENTITY"))
     elif dialect == "sqlite":
-        for table in (
-            "replicas",
-            "deployment_state",
-            "model_versions",
-        ):  # the first write opens the transaction
+        reset_sessions(session)  # the first write opens the transaction
+        for table in ("replicas", "deployment_state", "model_versions"):
             session.execute(sa.text(f"DELETE FROM {table}"))
         triggers = session.execute(
             sa.text(
@@ -346,6 +381,8 @@ class RebuildReport:
     duplicates: int
     seconds: float
     status_read: int = 0  # heartbeats read from `<ns>.replica-status`
+    rollouts_read: int = 0  # records read from `<ns>.rollouts`
+    rollouts_applied: int = 0  # of them, projected into the sessions tables (new keys)
 
 
 def rebuild(
@@ -373,8 +410,19 @@ def rebuild(
         for logged in ReplicaStatusLog(settings).read(until_end=True):
             status_read += 1
             apply_or_skip(session, logged, status=True)
+        rollouts_read = rollouts_applied = 0
+        for _, got in read_rollouts(settings):
+            rollouts_read += 1
+            if isinstance(got, LoggedRollout):
+                rollouts_applied += apply_rollout_or_skip(session, got)[0]
     report = RebuildReport(
-        read, applied, read - applied, time.monotonic() - started, status_read=status_read
+        read,
+        applied,
+        read - applied,
+        time.monotonic() - started,
+        status_read=status_read,
+        rollouts_read=rollouts_read,
+        rollouts_applied=rollouts_applied,
     )
     log.info(
         "rebuilt projections in %s from %s: %d events, %d applied, %d duplicates, %.2fs",
@@ -405,28 +453,30 @@ def follow(
     is away rewinds to the batch's first offsets and retries after `retry_backoff_s`. A record
     that is not a valid event, or an event the projections cannot take (`apply_or_skip`), is
     skipped and dead-lettered to `<ns>.dlq` once the batch committed (reasons invalid_json,
-    invalid_event, apply_failed). Returns when `stop` is set.
+    invalid_event, apply_failed). Records of `<ns>.rollouts` go to the sessions projection the
+    same way (a record that is not a rollout: invalid_json, invalid_rollout). Returns when `stop`
+    is set.
     """
-    from app.contracts.deadletter import DeadLetters, error
+    from app.contracts.deadletter import DeadLetters
     from app.db.session import session_scope
     from app.infra.kafka import make_consumer
     from app.infra.wait import Stopped, kafka_ready
 
     url = db_url or settings.db_url
     stop = stop or threading.Event()
-    topic, status_topic = settings.topic("deployments"), settings.topic("replica-status")
+    topics = [settings.topic(t) for t in ("deployments", "replica-status", "rollouts")]
     # subscribe only once the broker answers and the topic's partitions are known: a group member
     # that joins before the metadata exists gets no partitions until its next metadata refresh
     try:
-        kafka_ready(settings, [topic, status_topic], stop)
+        kafka_ready(settings, topics, stop)
     except Stopped:
         return
     consumer = make_consumer(settings, group_id=group_id, metadata_max_age_ms=30_000)
-    for name in (topic, status_topic):  # this consumer's metadata, before it joins the group
+    for name in topics:  # this consumer's metadata, before it joins the group
         consumer.partitions_for_topic(name)
-    consumer.subscribe([topic, status_topic])
+    consumer.subscribe(topics)
     dead = DeadLetters(settings, consumer="projector")
-    log.info("projector following %s and %s into %s (group %s)", topic, status_topic, url, group_id)
+    log.info("projector following %s into %s (group %s)", ", ".join(topics), url, group_id)
     try:
         while not stop.is_set():
             batch = consumer.poll(timeout_ms=int(poll_timeout_s * 1000))
@@ -439,25 +489,9 @@ def follow(
                 with session_scope(url) as session:
                     for records in batch.values():
                         for rec in records:
-                            try:
-                                logged = LoggedEvent(
-                                    rec.partition, rec.offset, decode_event(rec.value)
-                                )
-                            except InvalidRecord as exc:
-                                INVALID_EVENTS.inc()
-                                bad.append((rec, exc.reason, exc.errors))
-                                continue
-                            _, failed = apply_or_skip(
-                                session, logged, status=rec.topic == status_topic
-                            )
-                            if failed is not None:
-                                bad.append(
-                                    (
-                                        rec,
-                                        "apply_failed",
-                                        error("(apply)", f"{type(failed).__name__}: {failed}"),
-                                    )
-                                )
+                            refused = _apply_record(session, rec, topics)
+                            if refused is not None:
+                                bad.append((rec, *refused))
             except sa.exc.SQLAlchemyError as exc:
                 log.warning(
                     "projector: database error, retrying the batch in %.1fs: %s",
@@ -476,10 +510,35 @@ def follow(
         dead.close()
 
 
+def _apply_record(
+    session: Session, rec: Any, topics: list[str]
+) -> tuple[str, list[dict[str, str]]] | None:
+    """Apply one record `follow` consumed (of `topics`: deployments, replica-status, rollouts);
+    (reason, errors) of its dead letter when it cannot be applied, else None."""
+    from app.contracts.deadletter import error
+
+    if rec.topic == topics[2]:
+        got = logged_rollout(rec)
+        if isinstance(got, InvalidRecord):
+            SESSION_RECORDS.labels("invalid").inc()
+            return got.reason, got.errors
+        _, failed = apply_rollout_or_skip(session, got)
+    else:
+        try:
+            logged = LoggedEvent(rec.partition, rec.offset, decode_event(rec.value))
+        except InvalidRecord as exc:
+            INVALID_EVENTS.inc()
+            return exc.reason, exc.errors
+        _, failed = apply_or_skip(session, logged, status=rec.topic == topics[1])
+    if failed is not None:
+        return "apply_failed", error("(apply)", f"{type(failed).__name__}: {failed}")
+    return None
+
+
 def projection_rows(session: Session) -> dict[str, list[dict[str, Any]]]:
     """Every row of every projection table, in primary-key order (used to compare databases)."""
     out: dict[str, list[dict[str, Any]]] = {}
-    for model in (EventRow, ModelVersion, DeploymentState, Replica):
+    for model in (EventRow, ModelVersion, DeploymentState, Replica, SessionSegment, SessionTurn):
         table = model.__table__
         rows = (
             session.execute(sa.select(table).order_by(*table.primary_key.columns)).mappings().all()

@@ -145,3 +145,36 @@ def test_models_and_migrations_agree(db_url: str) -> None:
         )
     finally:
         engine.dispose()
+
+
+def test_0003_adds_the_sessions_tables_and_a_downgrade_to_0002_keeps_the_rest(db_url: str) -> None:
+    upgrade(db_url, "0002")
+    engine = sa.create_engine(db_url)
+    try:
+        assert "session_segments" not in sa.inspect(engine).get_table_names()
+        upgrade(db_url, "0003")
+        insp = sa.inspect(engine)
+        assert {"session_segments", "session_turns"} <= set(insp.get_table_names())
+        fks = insp.get_foreign_keys("session_turns")
+        assert [(f["referred_table"], f["constrained_columns"]) for f in fks] == [
+            ("session_segments", ["record_key"])
+        ], fks
+        with engine.begin() as conn:  # a turn without its segment is refused on both dialects
+            if engine.dialect.name == "sqlite":
+                conn.execute(sa.text("PRAGMA foreign_keys=ON"))
+            with pytest.raises(sa.exc.IntegrityError):
+                conn.execute(
+                    sa.text(
+                        "insert into session_turns (record_key, position, session_id, request_id, "
+                        "model_version, sampled_tokens) values ('nope', 0, 's', 'r', '1', 3)"
+                    )
+                )
+        downgrade(db_url, "0002")
+        insp = sa.inspect(engine)
+        tables = set(insp.get_table_names())
+        assert not {"session_segments", "session_turns"} & tables, tables
+        assert {"deployment_state", "deployment_events"} <= tables
+        assert _triggers(engine), "downgrade to 0002 must leave the append-only guard in place"
+        assert current_revision(db_url) == "0002"
+    finally:
+        engine.dispose()
