@@ -171,6 +171,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(
         status_routes.router
     )  # GET /v1/deployments, /v1/deployments/history, /v1/models/{version}
+    from app.api.routes import sessions as session_routes
+
+    app.include_router(session_routes.router)  # GET /v1/sessions/{session_id}
     from app.api.routes import admin, hooks
 
     app.include_router(admin.router)  # POST /v1/deployments/{promote,abort,rollback,pause,resume}

@@ -160,6 +160,14 @@ class LineagePublic(BaseModel):
     rollouts_relabelled: int | None = Field(
         description="How many of them came from `flywheel streams relabel`."
     )
+    sessions_trained: int | None = Field(
+        description="Agent sessions among the rollouts trained on (the trainer's "
+        "`sessions_trained`); null for versions registered without the count."
+    )
+    turns_trained: int | None = Field(
+        description="Model calls (turns) in the rollouts trained on (`turns_trained`); null "
+        "for versions registered without the count."
+    )
     details: dict[str, Any] = Field(
         description="Everything else the trainer recorded (Kafka offset ranges, hashes, ...)."
     )
@@ -399,6 +407,8 @@ def model_version(
             reward_spec=mv.reward_spec,
             reward_specs=_spec_counts((mv.lineage or {}).get("reward_specs")),
             rollouts_relabelled=_int_or_none((mv.lineage or {}).get("rollouts_relabelled")),
+            sessions_trained=_int_or_none((mv.lineage or {}).get("sessions_trained")),
+            turns_trained=_int_or_none((mv.lineage or {}).get("turns_trained")),
             details=mv.lineage or {},
         ),
         gate=mv.gate or {},
