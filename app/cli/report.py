@@ -47,10 +47,15 @@ def report(
         str | None, typer.Option(help="Registered model (default FLYWHEEL_MODEL_NAME).")
     ] = None,
     markdown: Annotated[
-        bool, typer.Option("--markdown", help="Also print the per-version table as Markdown.")
+        bool,
+        typer.Option(
+            "--markdown",
+            help="Also print the per-version table (held-out, gate, canary, sessions served: "
+            "turns per session, outcome shares) as Markdown.",
+        ),
     ] = False,
 ) -> None:
-    """One self-contained HTML page: held-out acceptance, training curves, gate, canary, promotions and rollbacks."""
+    """One self-contained HTML page: held-out acceptance, training curves, gate, canary, promotions and rollbacks, sessions per version."""
     import os
 
     from app.report import (
@@ -75,8 +80,10 @@ def report(
         _say(f"report: {exc}", style="red")
         raise typer.Exit(2) from None
     path = write_report(build_report(data), out or s.data_dir / "report.html")
+    sessions = "sessions not read" if data.sessions is None else f"{len(data.sessions)} sessions"
     console.print(
-        f"report of {data.model}: {len(data.versions)} versions, {len(data.events)} deployment events"
+        f"report of {data.model}: {len(data.versions)} versions, {len(data.events)} deployment "
+        f"events, {sessions}"
     )
     if markdown:
         from app.report.model import markdown_table, version_rows

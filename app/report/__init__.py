@@ -8,7 +8,8 @@
 The page shows held-out acceptance per version (with its confidence interval when the version
 carries one), reward and KL over the trainer's optimizer steps, gate decisions per version with
 the failing checks, canary steps with their confidence bounds, promotions and rollbacks on a
-timeline, and a per-version table. Plots are matplotlib SVGs embedded as `data:` URIs; the page
+timeline, and a per-version table (with the sessions each version served: turns per session,
+outcome shares). Plots are matplotlib SVGs embedded as `data:` URIs; the page
 has no script, loads nothing from the network (a Content-Security-Policy forbids it) and opens
 from a file.
 
@@ -16,7 +17,8 @@ Modules:
 - `model.py`    what the page is made of (ReportData) and the pure folds over it (per-version rows,
                 canary steps, timeline); no I/O.
 - `sources.py`  where the data comes from: a data dir (MLflow's SQLite store and the projection
-                database, read directly) or a running stack (MLflow server, API, Kafka topic).
+                database, read directly) or a running stack (MLflow server, API, Kafka topic);
+                the sessions each version served from the sessions projection.
 - `plots.py`    the figures (matplotlib, Agg) as SVG data URIs.
 - `page.py`     the HTML page.
 - `screenshot.py` a headless Chromium that renders a report and saves a PNG (docs/report.png).

@@ -1,8 +1,9 @@
 """What a report is made of, and the pure folds that turn it into the page's rows and series.
 
 `ReportData` is everything read from the sources (app/report/sources.py): the registry's
-versions and their tags, the trainer's per-step metrics, the held-out metrics per version and
-the deployment events (docs/DESIGN.md §Deployment events, oldest first, `ts` an aware datetime). The functions
+versions and their tags, the trainer's per-step metrics, the held-out metrics per version,
+the deployment events (docs/DESIGN.md §Deployment events, oldest first, `ts` an aware datetime)
+and the sessions the versions served (the sessions projection of `<ns>.rollouts`). The functions
 below read nothing else, so the page is a function of the data (tests/unit/report).
 
 Conventions of the log that the folds rely on (app/controller/canary.py):
@@ -37,6 +38,16 @@ class VersionInfo:
     created: datetime | None = None
 
 
+@dataclass(frozen=True)
+class SessionInfo:
+    """One session as the sessions projection has it (its live segments; relabelled copies aside)."""
+
+    session_id: str
+    turns: int  # model calls
+    outcome: str | None  # success | failure | abandoned; None without an outcome yet
+    versions: frozenset[str]  # the versions that served its turns
+
+
 @dataclass
 class ReportData:
     model: str  # registered model name
@@ -54,6 +65,7 @@ class ReportData:
     sources: dict[str, str] = field(
         default_factory=dict
     )  # what was read ("MLflow" -> uri, ...), shown in the footer
+    sessions: list[SessionInfo] | None = None  # None: the sessions projection was not read
 
 
 def vkey(version: str | None) -> int:
@@ -314,6 +326,39 @@ def rollout(events: list[dict[str, Any]]) -> Rollout:
     return r
 
 
+# --- sessions per version -------------------------------------------------------------------------
+OUTCOMES = ("success", "failure", "abandoned")
+
+
+@dataclass(frozen=True)
+class SessionStats:
+    """The sessions one version served (any of their turns): how long they ran and how they ended.
+    A session two versions served counts for both."""
+
+    sessions: int
+    turns_mean: float  # turns per session, the session's every turn counted
+    with_outcome: int  # sessions that reached an outcome
+    shares: dict[str, float] | None  # outcome -> share of `with_outcome`; None when it is 0
+
+
+def session_stats(sessions: list[SessionInfo]) -> dict[str, SessionStats]:
+    """Per version, the stats of the sessions it served; a version that served none is absent."""
+    served: dict[str, list[SessionInfo]] = {}
+    for s in sessions:
+        for v in s.versions:
+            served.setdefault(v, []).append(s)
+    out = {}
+    for v, group in served.items():
+        ended = [s.outcome for s in group if s.outcome is not None]
+        out[v] = SessionStats(
+            sessions=len(group),
+            turns_mean=sum(s.turns for s in group) / len(group),
+            with_outcome=len(ended),
+            shares={o: ended.count(o) / len(ended) for o in OUTCOMES} if ended else None,
+        )
+    return out
+
+
 # --- the per-version table ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class VersionRow:
@@ -328,11 +373,13 @@ class VersionRow:
     served: bool  # served as champion at some point (promoted, or the champion alias recorded / moved to it)
     champion_now: bool
     reward_spec: str | None
+    sessions: SessionStats | None = None  # None: it served no session (or sessions were not read)
 
 
 def version_rows(data: ReportData) -> list[VersionRow]:
     """One row per version known to the registry or the log, oldest first."""
     held, gates, r = heldout_by_version(data), gate_by_version(data), rollout(data.events)
+    served = session_stats(data.sessions or [])
     tags = {vi.version: vi.tags for vi in data.versions}
     champion_now = r.champion_spans[-1][2] if r.champion_spans else None
     rows = []
@@ -358,6 +405,7 @@ def version_rows(data: ReportData) -> list[VersionRow]:
                 v in r.served,
                 v == champion_now,
                 None if spec in (None, "", "none") else spec,
+                served.get(v),
             )
         )
     return rows
@@ -373,12 +421,31 @@ def ship_steps(data: ReportData) -> dict[str, int]:
     return out
 
 
+def session_cells(stats: SessionStats | None) -> list[str]:
+    """sessions, turns/session, outcomes, then each outcome's share: blanks (not zeros) for a
+    version without sessions, and blank shares for sessions without an outcome yet."""
+    if stats is None:
+        return [""] * (3 + len(OUTCOMES))
+    shares = ["" if stats.shares is None else f"{stats.shares[o]:.0%}" for o in OUTCOMES]
+    return [str(stats.sessions), f"{stats.turns_mean:.1f}", str(stats.with_outcome), *shares]
+
+
+SESSION_HEADS = ("sessions", "turns/session", "outcomes", *OUTCOMES)
+
+
 def markdown_table(rows: list[VersionRow]) -> str:
     """The per-version table as Markdown (`flywheel report --markdown`): what a note or README quotes."""
-    out = [
-        "| version | kind | held-out acceptance | 95% CI | gate | failing checks | canary |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    heads = (
+        "version",
+        "kind",
+        "held-out acceptance",
+        "95% CI",
+        "gate",
+        "failing checks",
+        "canary",
+        *SESSION_HEADS,
+    )
+    out = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in rows:
         h = r.heldout
         acc = f"{h.acceptance:.3f}" if h else ""
@@ -395,5 +462,6 @@ def markdown_table(rows: list[VersionRow]) -> str:
             for c in (r.gate.failing if r.gate else [])
         )
         canary = r.canary or ("champion" if r.served else "")
-        out.append(f"| {r.version} | {r.kind} | {acc} | {ci} | {gate} | {failing} | {canary} |")
+        cells = [r.version, r.kind, acc, ci, gate, failing, canary, *session_cells(r.sessions)]
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

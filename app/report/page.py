@@ -15,6 +15,7 @@ from typing import Any
 
 import app.report.plots as plots
 from app.report.model import (
+    OUTCOMES,
     CanaryStep,
     GateVerdict,
     ReportData,
@@ -245,8 +246,28 @@ def _badge(row: VersionRow) -> str:
     return " ".join(parts) or "—"
 
 
+def _session_cells(row: VersionRow) -> str:
+    """Sessions the version served, their mean turns and how they ended: dashes (not zeros)
+    for a version that served none, and for outcome shares before any session reached one."""
+    st = row.sessions
+    if st is None:
+        return '<td class="num">—</td>' * 3
+    ended = (
+        "—"
+        if st.shares is None
+        else " · ".join(f"{st.shares[o]:.0%}" for o in OUTCOMES) + f" (of {st.with_outcome})"
+    )
+    return (
+        f'<td class="num">{st.sessions}</td><td class="num">{st.turns_mean:.1f}</td>'
+        f'<td class="num">{ended}</td>'
+    )
+
+
 def _versions_section(rows: list[VersionRow]) -> str:
-    lead = "Every version the registry or the deployments log knows, newest first."
+    lead = (
+        "Every version the registry or the deployments log knows, newest first; the sessions "
+        "columns count the agent sessions whose turns it served (the sessions projection)."
+    )
     if not rows:
         return _section(
             "versions",
@@ -267,6 +288,9 @@ def _versions_section(rows: list[VersionRow]) -> str:
             "failing check(s)",
             "canary",
             "promoted / rolled back",
+            "sessions served",
+            "turns / session",
+            "outcomes: success · failure · abandoned",
         )
     )
     body = []
@@ -298,7 +322,7 @@ def _versions_section(rows: list[VersionRow]) -> str:
             f'<tr data-version="{escape(row.version)}"><td>v{escape(row.version)}</td><td>{escape(row.kind)}</td>'
             f"<td>{'v' + escape(row.parent) if row.parent else '—'}</td><td>{escape(row.reward_spec or '—')}</td>"
             f'<td class="num">{held}</td><td>{gate}</td><td class="fail">{failing or "—"}</td>'
-            f"<td>{escape(row.canary or '—')}</td><td>{_badge(row)}</td></tr>"
+            f"<td>{escape(row.canary or '—')}</td><td>{_badge(row)}</td>{_session_cells(row)}</tr>"
         )
     return _section("versions", "Versions", lead, f"<table><tr>{head}</tr>{''.join(body)}</table>")
 

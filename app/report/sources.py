@@ -14,6 +14,12 @@ Two places hold everything the page shows:
   (FLYWHEEL_DATABASE_URL, default `<data_dir>/flywheel.db`); `api` — `GET /v1/deployments/history`
   of a running API with a read key; `kafka` — the topic itself, from the beginning to its end.
 
+- **The sessions projection** of `<ns>.rollouts` (`session_segments`, `session_turns`,
+  app/projector/sessions.py) in the same app database: the sessions each version served, for
+  turns per session and outcome shares. Read with the `db` source (its tables missing there is
+  `SourceMissing`); with `api` or `kafka`, read from FLYWHEEL_DATABASE_URL when that database
+  has them, else left out (the page's session columns are blank, the footer says why).
+
 A source that is not there raises `SourceMissing` naming it and saying how to get it; the CLI
 turns that into exit 2. A source that is there but empty (no versions, no runs, no events yet)
 is not an error: the page says so per section.
@@ -27,7 +33,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from app.report.model import HELDOUT, HELDOUT_CI, TRAINER_METRICS, ReportData, VersionInfo
+from app.report.model import (
+    HELDOUT,
+    HELDOUT_CI,
+    TRAINER_METRICS,
+    ReportData,
+    SessionInfo,
+    VersionInfo,
+)
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -150,6 +163,7 @@ def load_report_data(src: ReportSources) -> ReportData:
         src.events
     ]
     data.events = loader(src)  # in log order (projection seq / topic offset)
+    data.sessions, data.sources["sessions"] = _sessions_from_db(src)
     log.info(
         "report of %s: %d versions, %d trainer steps, %d deployment events",
         src.model,
@@ -205,6 +219,69 @@ def _run_metrics(
                 points = client.get_metric_history(run.info.run_id, key)
                 out.setdefault(key, []).extend((int(m.step), float(m.value)) for m in points)
     return {k: sorted(v) for k, v in out.items()}
+
+
+# --- sessions -----------------------------------------------------------------------------------
+def _sessions_from_db(src: ReportSources) -> tuple[list[SessionInfo] | None, str]:
+    """The sessions of the projection (live segments; relabelled copies aside) and what was read.
+
+    With `events=db` the tables must be there (SourceMissing otherwise); with another source the
+    app database is optional: (None, why) when it or its tables are not there."""
+    import sqlalchemy as sa
+
+    from app.db.models import SessionSegment as Seg
+    from app.db.models import SessionTurn as Turn
+
+    url, required = src.settings.db_url, src.events == "db"
+    where = f"projection session_segments, session_turns in {_safe_url(url)}"
+    engine_url = sa.engine.make_url(url)
+    if (
+        engine_url.get_backend_name() == "sqlite"
+        and engine_url.database not in (None, "", ":memory:")
+        and not Path(engine_url.database).is_file()
+    ):
+        assert not required, "the deployment events' loader checks the file first"
+        return None, f"not read: no app database at {engine_url.database}"
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            if not sa.inspect(conn).has_table(Seg.__tablename__):
+                if required:
+                    raise SourceMissing(
+                        f"the app database {_safe_url(url)} has no {Seg.__tablename__} table: "
+                        "run `flywheel db upgrade` and `flywheel projections rebuild`"
+                    )
+                return None, f"not read: {_safe_url(url)} has no {Seg.__tablename__} table"
+            live = Seg.relabel_run.is_(None)
+            counts = conn.execute(
+                sa.select(Turn.session_id, Turn.model_version, sa.func.count())
+                .join(Seg, Seg.record_key == Turn.record_key)
+                .where(live)
+                .group_by(Turn.session_id, Turn.model_version)
+            ).all()
+            outcomes = conn.execute(
+                sa.select(Seg.session_id, Seg.outcome)
+                .where(live, Seg.outcome.is_not(None))
+                .order_by(Seg.generated_at, Seg.request_id)
+            ).all()
+    except sa.exc.OperationalError as exc:
+        if required:
+            raise SourceMissing(
+                f"cannot read the app database {_safe_url(url)}: {exc.orig}"
+            ) from None
+        return None, f"not read: {_safe_url(url)}: {exc.orig}"
+    finally:
+        engine.dispose()
+    turns: dict[str, int] = {}
+    versions: dict[str, set[str]] = {}
+    for sid, version, n in counts:
+        turns[sid] = turns.get(sid, 0) + n
+        versions.setdefault(sid, set()).add(version)
+    outcome = dict(outcomes)  # in segment order: the last one a session reached wins
+    sessions = [
+        SessionInfo(sid, turns[sid], outcome.get(sid), frozenset(versions[sid])) for sid in turns
+    ]
+    return sessions, where
 
 
 # --- deployment events --------------------------------------------------------------------------

@@ -5,7 +5,8 @@ The history is made by the code that makes it in production: the controller's pu
 (`app.controller.canary.transition`) turns registrations, gate verdicts (`GateResult.decision`,
 tags from `GateResult.tags`) and observed canary windows into deployment events, which go to
 `<ns>.deployments` through `DeploymentLog` and into the data dir's SQLite projection through
-`projector.rebuild`. MLflow holds versions tagged as the trainer tags them, a `flywheel-trainer`
+`projector.rebuild`, with the sessions of agent sessions' rollout records on `<ns>.rollouts` (the
+sessions projection). MLflow holds versions tagged as the trainer tags them, a `flywheel-trainer`
 run with per-step metrics and a `flywheel-heldout` run with acceptance per version. Nothing is
 mocked. The data dir's `mlflow/` is the MLflow server's own store, read directly as SQLite.
 
@@ -146,6 +147,33 @@ def _make_history(settings, client, model: str, t0: datetime) -> list[dict]:
     return events
 
 
+def _publish_sessions(settings) -> None:
+    """Agent sessions' records on `<ns>.rollouts`: v1 served a (3 turns, success) and b's first
+    segment; v2 b's second (4 turns in all, failure), c (one call, no outcome yet) and d (2
+    turns, abandoned); a relabelled copy of a that must not count twice; v3 to v5 served none."""
+    import json
+
+    from app.infra.kafka import make_producer
+    from tests.unit.deployments.rollout_records import kafka_key, one_call, segment
+
+    a = segment("a", ["a0", "a1", "a2"], ["1"] * 3, [0.5, 0.0, 0.25], "success", 1.0)
+    records = [
+        a,
+        {**a, "reward_spec": "hackable-tools", "relabel_run": "run-1", "reward": 2.0},
+        segment("b", ["b0", "b1"], ["1", "1"], [0.0, 0.0], closed_by="version_tokenizer_changed"),
+        segment("b", ["b2", "b3"], ["2", "2"], [0.0, 0.0], "failure", -1.0, at=60.0),
+        one_call("c0", "c", version="2"),
+        segment("d", ["d0", "d1"], ["2", "2"], [0.25, 0.0], "abandoned", 0.0),
+    ]
+    producer = make_producer(settings, profile="immediate")
+    try:
+        for rec in records:
+            topic = settings.topic("rollouts")
+            producer.send(topic, key=kafka_key(rec), value=json.dumps(rec).encode()).get(10)
+    finally:
+        producer.close()
+
+
 @pytest.fixture()
 def history(mlflow_server, make_settings, tmp_path: Path) -> History:
     from mlflow import MlflowClient
@@ -223,9 +251,11 @@ def history(mlflow_server, make_settings, tmp_path: Path) -> History:
     with DeploymentLog(settings) as dlog:
         for ev in events:
             dlog.publish(DeploymentEvent.model_validate(ev))
+    _publish_sessions(settings)
     upgrade(settings.db_url)
     report = rebuild(settings)
     assert report.events_applied == len(events), f"projected {report} of {len(events)} events"
+    assert report.rollouts_applied == 6, report
     return History(settings, data_dir, model, events)
 
 
@@ -282,7 +312,7 @@ def test_report_of_a_data_dir_shows_every_decision_and_renders_cleanly(
     from app.report.screenshot import render
 
     out = tmp_path / "report.html"
-    done = run_report(history, "--out", str(out))
+    done = run_report(history, "--out", str(out), "--markdown")
     assert done.returncode == 0, f"flywheel report failed ({done.returncode}):\n{done.stderr}"
     assert done.stdout.strip().splitlines()[-1] == str(out.resolve()), done.stdout
     html = out.read_text()
@@ -302,22 +332,35 @@ def test_report_of_a_data_dir_shows_every_decision_and_renders_cleanly(
     assert versions["1"][:6] == ["v1", "base", "—", "v1", "0.356 [0.321, 0.391]", "passed"], (
         versions["1"]
     )
-    assert versions["2"][4:] == [
+    assert versions["2"][4:9] == [
         "0.412 [0.380, 0.444]",
         "passed",
         "—",
         "promoted",
         "champion promoted",
     ], versions["2"]
-    assert versions["3"][4:] == ["0.298", "failed", "kl_to_champion", "—", "—"], versions["3"]
-    assert versions["4"][4:] == [
+    assert versions["3"][4:9] == ["0.298", "failed", "kl_to_champion", "—", "—"], versions["3"]
+    assert versions["4"][4:9] == [
         "0.377 [0.340, 0.414]",
         "passed",
         "—",
         "rolled back",
         "rolled back",
     ], versions["4"]
-    assert versions["5"][1:] == ["trained", "v2", "v1", "—", "—", "—", "—", "—"], versions["5"]
+    assert versions["5"][1:9] == ["trained", "v2", "v1", "—", "—", "—", "—", "—"], versions["5"]
+    # sessions served per version, from the sessions projection; blanks where a version served none
+    assert versions["1"][9:] == ["2", "3.5", "50% · 50% · 0% (of 2)"], versions["1"]
+    assert versions["2"][9:] == ["3", "2.3", "0% · 50% · 50% (of 2)"], versions["2"]
+    assert all(versions[v][9:] == ["—"] * 3 for v in ("3", "4", "5")), versions
+    markdown = {
+        line.split(" | ")[0].strip("| "): [c.strip() for c in line.strip("|").split("|")]
+        for line in done.stdout.splitlines()
+        if re.match(r"\| \d+ \|", line)
+    }
+    assert markdown["1"][7:] == ["2", "3.5", "2", "50%", "50%", "0%"], markdown["1"]
+    assert markdown["2"][7:] == ["3", "2.3", "2", "0%", "50%", "50%"], markdown["2"]
+    assert markdown["5"][7:] == [""] * 6, "a version without sessions: blanks, not zeros"
+    assert "4 sessions" in done.stderr, done.stderr  # the summary line (rich, on stderr)
 
     # the gate: v3 failed on exactly kl_to_champion, with its value and why
     gate = rows(html, "gate")
@@ -408,8 +451,12 @@ def test_report_of_a_running_stack_reads_mlflow_and_the_topic_or_the_api(
             assert done.returncode == 0, (way, done.stderr)
             page = out.read_text()
             assert source in page and mlflow_server.uri in page, way
-            for sid in ("versions", "gate"):
-                assert rows(page, sid) == rows(expected, sid), (way, sid)
+            assert rows(page, "gate") == rows(expected, "gate"), way
+            # the sessions projection is the app database's: not there for this data dir
+            got, want = rows(page, "versions"), rows(expected, "versions")
+            assert {v: r[:9] for v, r in got.items()} == {v: r[:9] for v, r in want.items()}, way
+            assert all(r[9:] == ["—"] * 3 for r in got.values()) and want["1"][9] == "2", way
+            assert "not read: no app database" in page, way
             assert canary_rows(page) == canary_rows(expected), way
             assert (
                 section(page, "timeline").count("<li")

@@ -307,5 +307,68 @@ def test_markdown_table_names_the_failing_check_and_the_interval():
         ),
     ]
     lines = markdown_table(rows).splitlines()
-    assert lines[2] == "| 1 | base | 0.356 | [0.310, 0.400] | passed |  | champion |"
-    assert lines[3] == "| 2 | trained | 0.300 |  | failed | reward_vs_champion -0.149 |  |"
+    blank = "  |" * 6  # no sessions: blank cells, not zeros
+    assert lines[2] == "| 1 | base | 0.356 | [0.310, 0.400] | passed |  | champion |" + blank
+    assert lines[3] == "| 2 | trained | 0.300 |  | failed | reward_vs_champion -0.149 |  |" + blank
+
+
+def _sessions() -> list:
+    from app.report.model import SessionInfo
+
+    return [
+        SessionInfo("a", 3, "success", frozenset({"1"})),
+        SessionInfo("b", 4, "failure", frozenset({"1", "2"})),  # promoted mid-session: both count
+        SessionInfo("c", 1, None, frozenset({"2"})),
+        SessionInfo("d", 2, "abandoned", frozenset({"2"})),
+        SessionInfo("e", 5, None, frozenset({"3"})),
+    ]
+
+
+def test_sessions_per_version_count_every_session_it_served_and_share_the_outcomes_reached():
+    from app.report.model import session_stats
+
+    stats = session_stats(_sessions())
+    assert set(stats) == {"1", "2", "3"}, "a version that served no session has no stats"
+    v1, v2, v3 = stats["1"], stats["2"], stats["3"]
+    assert (v1.sessions, v1.turns_mean, v1.with_outcome) == (2, 3.5, 2)
+    assert v1.shares == {"success": 0.5, "failure": 0.5, "abandoned": 0.0}
+    assert (v2.sessions, round(v2.turns_mean, 4), v2.with_outcome) == (3, 2.3333, 2)
+    assert v2.shares == {"success": 0.0, "failure": 0.5, "abandoned": 0.5}
+    assert (v3.sessions, v3.with_outcome, v3.shares) == (1, 0, None), (
+        "no outcome yet: no shares, not zero shares"
+    )
+
+
+def test_the_markdown_table_shows_sessions_per_version_and_blanks_without_them():
+    from app.report.model import markdown_table
+
+    data = ReportData(
+        "m",
+        T0,
+        versions=[VersionInfo(v, {"kind": "trained"}) for v in ("1", "2", "3", "4")],
+        sessions=_sessions(),
+    )
+    lines = markdown_table(version_rows(data)).splitlines()
+    assert lines[0].endswith(
+        "| sessions | turns/session | outcomes | success | failure | abandoned |"
+    ), lines[0]
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[7:] for line in lines[2:]}
+    assert cells["1"] == ["2", "3.5", "2", "50%", "50%", "0% |"], cells["1"]
+    assert cells["2"] == ["3", "2.3", "2", "0%", "50%", "50% |"], cells["2"]
+    assert cells["3"] == ["1", "5.0", "0", "", "", " |"], cells["3"]
+    assert lines[5].endswith("|  |  |  |  |  |  |"), "v4 served no session: blanks, not zeros"
+
+
+def test_the_page_shows_sessions_per_version_and_dashes_without_them():
+    data = ReportData(
+        "m",
+        T0,
+        versions=[VersionInfo(v, {"kind": "trained"}) for v in ("1", "4")],
+        sessions=_sessions(),
+    )
+    html = build_report(data)
+    assert (
+        '<td class="num">2</td><td class="num">3.5</td><td class="num">50% · 50% · 0% (of 2)</td>'
+        in html
+    )
+    assert '<td class="num">—</td>' * 3 + "</tr>" in html, "v4 served no session"
