@@ -1,4 +1,5 @@
-"""`flywheel projections`: the SQL projections of flywheel.deployments (app/projector/projector.py)."""
+"""`flywheel projections`: the SQL projections of flywheel.deployments and, for the sessions
+tables, flywheel.rollouts (app/projector/projector.py, app/projector/sessions.py)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import typer
 
 from app.cli.common import _settings, console
 
-projections_app = typer.Typer(no_args_is_help=True, help="SQL projections of flywheel.deployments.")
+projections_app = typer.Typer(
+    no_args_is_help=True,
+    help="SQL projections of flywheel.deployments (and of flywheel.rollouts: sessions).",
+)
 
 
 @projections_app.command("rebuild")
 def projections_rebuild() -> None:
-    """Replay flywheel.deployments from the beginning into emptied projection tables (one transaction)."""
+    """Replay flywheel.deployments (and flywheel.rollouts, for the sessions tables) from the beginning
+    into emptied projection tables (one transaction)."""
     from rich.progress import Progress, SpinnerColumn, TextColumn
 
     from app.db.migrate import upgrade
@@ -27,13 +32,16 @@ def projections_rebuild() -> None:
         report = rebuild(s, progress=lambda n: bar.update(task, description=f"replayed {n} events"))
     console.print(
         f"rebuilt projections in {s.db_url} from {s.topic('deployments')}: {report.events_read} events read, "
-        f"{report.events_applied} applied, {report.duplicates} duplicates, {report.seconds:.2f}s"
+        f"{report.events_applied} applied, {report.duplicates} duplicates; "
+        f"{report.rollouts_read} rollouts read, {report.rollouts_applied} projected as session "
+        f"segments; {report.seconds:.2f}s"
     )
 
 
 @projections_app.command("follow")
 def projections_follow() -> None:
-    """Keep the projections up to date: consume flywheel.deployments (group flywheel-projector).
+    """Keep the projections up to date: consume flywheel.deployments and flywheel.rollouts (group
+    flywheel-projector).
 
     Waits for the database, then the broker and the topic, whatever starts first."""
     import signal

@@ -420,8 +420,7 @@ def test_sessions_sharing_a_task_are_centred_on_their_group_and_every_sampled_to
     """Group baselines on trajectories: two sessions of one task (group_id) are centred on each
     other, apart from the others; the one advantage covers every token the model sampled."""
     task = [
-        dict(session(policy, i, reward), group_id="task-1")
-        for i, reward in enumerate((1.5, -0.5))
+        dict(session(policy, i, reward), group_id="task-1") for i, reward in enumerate((1.5, -0.5))
     ]
     others = [session(policy, 2, 0.25), one_call(policy, 3, 1.0)]
     rollouts = parse(policy, [*task, *others])
