@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 from app.cli import app as cli
 from app.contracts.rollouts import DlqRecord, Rollout
 from streams.labels import Aggregator
-from streams.relabel import Relabeller, RelabelOptions, relabel_key
+from streams.ledger import LedgerConfig
+from streams.relabel import SKIP_REASONS, Relabeller, RelabelOptions, relabel_key
 from streams.reward import RewardWeights, compute_reward, resolve_spec
 from tests.unit.streams.factories import feedback as fb
 from tests.unit.streams.factories import generation as gen
@@ -77,15 +78,48 @@ def test_each_generation_with_feedback_gets_one_rollout_under_the_new_spec_keyed
         "written": 0,
         "duplicates": 1,
         "dead_lettered": {},
-        "skipped": {
-            "no_feedback": 0,
-            "before_since": 0,
-            "after_until": 0,
-            "window_open": 0,
-            "orphan_feedback": 0,
-            "feedback_after_close": 0,
-        },
+        "skipped": dict.fromkeys(SKIP_REASONS, 0),
     }
+
+
+def test_a_session_is_relabelled_as_one_segment_and_an_open_one_is_left_to_the_live_worker():
+    """With the ledger (the live worker's default), a session's turns and outcome become one
+    relabelled segment; a session still open at the end is counted, not written."""
+    c = Relabeller(
+        resolve_spec("sessions-v1"),
+        W,
+        1e9,
+        60.0,
+        since_s=0.0,
+        until_s=None,
+        run_id="run-1",
+        topic="ns.interactions",
+        clock=lambda: 1.8e9,
+        sessions=LedgerConfig(idle_s=300.0, retention_s=600.0),
+    )
+    events = []
+    for sid in ("done", "open"):
+        prompt = [1, 2, 3]
+        for k in range(2):
+            completion = [10 + k, 11 + k]
+            events.append(
+                gen(f"{sid}{k}", t=k, session_id=sid, prompt_tokens=prompt,
+                    completion_tokens=completion, logprobs=[-0.5, -0.5], turn=k)
+            )  # fmt: skip
+            prompt = [*prompt, *completion, 7]
+    events.append(fb("done1", "r", "rating", session_id="done"))
+    outcome = {**fb("done1", "o", "rating", session_id="done"), "type": "session_outcome"}
+    del outcome["value"]
+    events.append({**outcome, "outcome": "failure"})
+    out = []
+    for i, ev in enumerate(events):
+        out += c.feed(0, i, *rec(ev), 100.0 + i)
+    out += c.finish(150.0)  # windows closed; the open session's idle time not yet passed
+    [e] = out
+    assert e.key == "done0|sessions-v1" and e.value["relabel_run"] == "run-1"
+    assert [t["request_id"] for t in e.value["turns"]] == ["done0", "done1"]
+    assert e.value["reward"] == 0.5 - 0.5 and e.value["outcome_reward"] == -0.5
+    assert c.counts.skipped["session_open"] == 1 and c.counts.labelled == 1
 
 
 def test_randomised_log_gives_the_live_joins_relabelled():
