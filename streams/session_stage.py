@@ -14,7 +14,7 @@ sends each labelled chat turn (a rollout with `turn`) and each `session_outcome`
 outputs (sent and delivered before the state that reflects them). One-call generations
 (no `turn`) go straight to `<ns>.rollouts` as before.
 
-The stage is the aggregate stage's machinery (streams/app.py `Runtime`) on another input:
+The stage is the aggregate stage's machinery (streams/runtime.py `Runtime`) on another input:
 batches (`take_events`), ticks through its own internal topic (only for caught-up
 partitions), the state's own input progress (a `session-progress` key per partition, written
 after every other state change of a batch), `resume_from_state` on every assignment, the
@@ -43,11 +43,11 @@ from prometheus_client import Counter, Gauge
 
 from app.contracts.topics import STREAMS_LEDGER_TICKS, STREAMS_TURNS
 from app.settings import Settings
-from streams.app import OUT, Runtime, _failure
 from streams.config import StreamsConfig
 from streams.ledger import Emit, Ledger, LedgerConfig
 from streams.outbox import Outbox
 from streams.reward import RewardSpec
+from streams.runtime import OUT, Runtime, _failure
 from streams.state import BatchedTable
 
 SEGMENTS = Counter(

@@ -172,7 +172,7 @@ def test_the_state_carries_its_input_progress_and_a_generation_goes_only_after_i
     each input partition (last, so a state that has the progress has everything before it); the
     deletion of a closed label's generation waits for the next batch. A restarted worker resumes at
     progress + 1 (resume_from_state, covered on the broker by tests/integration/streams)."""
-    from streams.app import progress_key
+    from streams.runtime import progress_key
 
     async def scenario():
         app, rt, outbox = _setup(batch_max_events=1000, batch_within=0.3)
@@ -252,7 +252,7 @@ def test_records_of_a_revoked_partition_or_an_earlier_assignment_are_dropped_not
     The agent must not fold them into the state (the partition's derived state is forgotten, its
     progress would jump past records fetched again): they are dropped, counted, and re-fetched by
     whoever owns the partition from its progress. Records of the current assignment still count."""
-    from streams.app import STALE, progress_key
+    from streams.runtime import STALE, progress_key
 
     async def scenario():
         app, rt, outbox = _setup()
@@ -288,7 +288,7 @@ def test_progress_only_advances_over_records_folded_in_order_and_a_gap_is_fetche
     `last + 1` is dropped and the partition sought back to `last + 1`; stale later records keep
     being dropped until it arrives; re-deliveries at or below the progress are dropped; a record
     fetched again after the seek at the same offset proves the log has nothing in between."""
-    from streams.app import GAPS, progress_key
+    from streams.runtime import GAPS, progress_key
 
     async def scenario():
         app, rt, outbox = _setup()
@@ -345,7 +345,7 @@ def test_a_partition_waiting_behind_a_gap_is_sought_again_by_the_timer_without_n
     no later record of the partition arrives either, nothing in `in_order` would seek again: the
     tick timer does, `refetch_retry_s` after the last seek, until the record arrives; a revoked
     partition is let go (its next owner resumes from the progress)."""
-    from streams.app import GAPS
+    from streams.runtime import GAPS
 
     async def scenario():
         app, rt, outbox = _setup()
