@@ -26,10 +26,23 @@ segment fields: no `turns`, no `loss_mask`, so today's consumers read it as they
 Every segment's record says why it opened and closed (`segment_opened_by`, `segment_closed_by`)
 and, when the session's outcome reached it, `outcome` and `outcome_reward`. The multi-turn record: request_id, session_id, group_id and
 generated_at of the first turn; model_version, finish_reason and reward_spec of the last;
-temperature where the turns agree, else None; routes None (per-turn routes are not
-assembled); constrained True when any turn was (the trainer refuses such records whole);
-labelled_at the latest; tool_errors re-indexed to completion positions (each turn's
-token_index plus its span's start).
+temperature where the turns agree, else None; constrained True when any turn was (the trainer
+masks such turns); labelled_at the latest; tool_errors re-indexed to completion positions (each
+turn's token_index plus its span's start); routes as below.
+
+Routes (`segment_routes`). An MoE model's turn logs `routes`, base64 little-endian int32
+[n_completion, layers, top_k]: row j the experts at the position that predicted its sampled token
+j. The multi-turn record's `routes` cover its whole `completion_tokens` ([len, layers, top_k]):
+each turn's rows at its span (a dropped final eos drops its row too: a span keeps its first
+`end - start` rows), and rows of zeros for the tokens between the turns (loss_mask 0), which no
+call sampled, so no route was logged for them (they were prefilled; the trainer does not replay
+them, docs/TRAINER.md "The objective on trajectories"). The record has routes only when every turn
+logged them with the same (layers, top_k); otherwise `routes` and `route_shape` are None and the
+trainer routes the whole record with its current router: one array has one (layers, top_k), and a
+turn without routes (a dense model's, a replica that logs none) has no rows to put in its span,
+which zeros would pass off as logged experts. Stored state: turn 0's routes are the first record's
+(kept whole), each later turn's are its part's, as logged (base64, never decoded into lists), so
+the value every turn rewrites holds each turn's routes once; the record's are assembled at close.
 
 Credit assignment (`segment_reward`, streams/reward.py "Sessions"): the return is the sum of
 the turns' own rewards (a turn's decision, rating and follow-up where feedback named that turn,
@@ -40,6 +53,7 @@ feedback); each turn's span keeps its own reward.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -76,11 +90,18 @@ class TurnPart:
     ]  # "err": as labelled (token_index into this turn's completion)
     start: int  # "s": its sampled tokens are completion_tokens[start:end]
     end: int  # "e"
+    # "ro": the routes it logged (base64 int32 [n, layers, top_k], n its completion's length before
+    # an eos drop), as logged; None for turn 0 (its routes are the segment's first record's) and
+    # for a turn that logged none. Stored only when set.
+    routes: str | None = None
+    route_shape: list[int] | None = None  # "rs": [n, layers, top_k] with `routes`
 
     @classmethod
-    def of(cls, rec: Mapping[str, Any], start: int) -> TurnPart:
-        """The part of input record `rec` whose sampled tokens start at completion position `start`."""
+    def of(cls, rec: Mapping[str, Any], start: int, keep_routes: bool = True) -> TurnPart:
+        """The part of input record `rec` whose sampled tokens start at completion position `start`
+        (with its routes unless `keep_routes` is False: turn 0, whose routes the segment keeps)."""
         n = len(rec["completion_tokens"])
+        routes = rec.get("routes") if keep_routes else None
         return cls(
             rec["turn"],
             rec["request_id"],
@@ -96,6 +117,8 @@ class TurnPart:
             list(rec.get("tool_errors") or []),
             start,
             start + n,
+            routes,
+            rec.get("route_shape") if routes is not None else None,
         )
 
     def span(self) -> dict[str, Any]:
@@ -132,7 +155,8 @@ class TurnPart:
 
     @classmethod
     def from_stored(cls, stored: Mapping[str, Any]) -> TurnPart:
-        return cls(*(stored[k] for k in cls._KEYS))
+        """(A part stored before routes were kept has no "ro": it logged none, as far as it says.)"""
+        return cls(*(stored[k] for k in cls._KEYS), stored.get("ro"), stored.get("rs"))
 
     def to_stored(self) -> dict[str, Any]:
         values = (
@@ -151,7 +175,10 @@ class TurnPart:
             self.start,
             self.end,
         )
-        return dict(zip(self._KEYS, values, strict=True))
+        out = dict(zip(self._KEYS, values, strict=True))
+        if self.routes is not None:
+            out["ro"], out["rs"] = self.routes, self.route_shape
+        return out
 
 
 @dataclass(slots=True)
@@ -178,7 +205,7 @@ class Segment:
             list(first["completion_tokens"]),
             list(first["logprobs"]),
             [1] * n,
-            [TurnPart.of(rec, 0)],
+            [TurnPart.of(rec, 0, keep_routes=False)],
             rec.get("tools_digest"),
             opened_by,
         )
@@ -191,6 +218,14 @@ class Segment:
     @property
     def last_turn(self) -> int:
         return self.parts[-1].turn
+
+    def turn_routes(self, k: int) -> tuple[str, list[int]] | None:
+        """(routes, route_shape) that turn `k` logged, as logged; None when it logged none."""
+        if k == 0:
+            routes, shape = self.first.get("routes"), self.first.get("route_shape")
+        else:
+            routes, shape = self.parts[k].routes, self.parts[k].route_shape
+        return None if routes is None or shape is None else (routes, list(shape))
 
     def context(self) -> list[int]:
         """What the next turn's prompt must start with: the last turn's prompt and completion."""
@@ -286,6 +321,29 @@ def segment_components(parts: Sequence[TurnPart]) -> dict[str, float | None] | N
     return out
 
 
+def segment_routes(seg: Segment) -> tuple[str, list[int]] | tuple[None, None]:
+    """(routes, route_shape) of a multi-turn segment's record (module docstring, "Routes"): each
+    turn's logged rows at its span, zeros between; (None, None) unless every turn logged routes
+    with the same (layers, top_k)."""
+    logged = [seg.turn_routes(k) for k in range(len(seg.parts))]
+    if any(r is None for r in logged):
+        return None, None
+    per_token = {tuple(shape[1:]) for _, shape in logged}  # type: ignore[misc]
+    if len(per_token) != 1:
+        return None, None
+    layers, top_k = per_token.pop()
+    row = 4 * layers * top_k  # bytes of one token's int32 [layers, top_k]
+    out = bytearray(row * len(seg.completion))  # zeros: the rows no turn sampled
+    for k, (part, (routes, shape)) in enumerate(zip(seg.parts, logged)):  # type: ignore[misc]
+        raw, n = base64.b64decode(routes), part.end - part.start
+        assert len(raw) == row * shape[0] and n <= shape[0], (
+            f"turn {part.turn} (part {k}) logged {len(raw)} route bytes, route_shape {shape}, "
+            f"for a span of {n} tokens"
+        )
+        out[row * part.start : row * part.end] = raw[: row * n]  # an eos dropped: its row too
+    return base64.b64encode(bytes(out)).decode(), [len(seg.completion), layers, top_k]
+
+
 def segment_record(
     seg: Segment,
     closed_by: str,
@@ -306,6 +364,7 @@ def segment_record(
         return record
     first, parts = seg.first, seg.parts
     temperatures = {p.temperature for p in parts}
+    routes, route_shape = segment_routes(seg)
     constrained = [p.constrained for p in parts if p.constrained is not None]
     return {
         "request_id": first["request_id"],
@@ -315,8 +374,8 @@ def segment_record(
         "prompt_tokens": first["prompt_tokens"],
         "completion_tokens": seg.completion,
         "logprobs": seg.logprobs,
-        "routes": None,
-        "route_shape": None,
+        "routes": routes,
+        "route_shape": route_shape,
         "reward": segment_reward(parts, outcome_value),
         "components": segment_components(parts),
         "tool_errors": [
