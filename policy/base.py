@@ -11,7 +11,10 @@ Conventions
 - Log-probs are float32 log-probabilities of the sampled token under the sampling
   distribution softmax(logits / T); for T == 0 (greedy) they are taken at T = 1.
 - Routes are int32 arrays of shape [T_completion, n_layers, top_k]: the expert ids each
-  completion token was routed to in each MoE layer (None for dense policies).
+  completion token was routed to in each MoE layer (None for dense policies). Given to
+  `logprobs()`, a row whose every id is `UNROUTED` (-1) is not replayed: that token's position is
+  routed by the current router (a trajectory's tokens the model did not sample, which were
+  prefilled, not routed at sampling; trainer/batch.py). `replayed_rows` says which rows are.
 - The serving state dict is bf16 for floating tensors; `load_serving_state_dict` loads one.
 - `generate(..., on_step=fn)` calls `fn(step, tokens)` on the calling thread after every sampling
   step, `tokens[i]` being the token row i just appended (None for a row that had already ended);
@@ -35,6 +38,16 @@ import torch
 
 OnStep = Callable[[int, list[int | None]], bool]
 """`on_step(step, tokens) -> keep_going`: see the module docstring."""
+
+
+UNROUTED = -1
+"""The expert id of a routes row that is not replayed (module docstring, Conventions)."""
+
+
+def replayed_rows(routes: np.ndarray) -> np.ndarray:
+    """bool [T]: the rows of routes [T, n_layers, top_k] that are replayed, those not all
+    `UNROUTED` (a row partly UNROUTED is replayed, and refused as an id outside the experts)."""
+    return ~(np.asarray(routes) == UNROUTED).all(axis=(1, 2))
 
 
 class NoChatTemplate(ValueError):
@@ -180,7 +193,8 @@ class Policy(ABC, torch.nn.Module):
 
         Returns float32 [B, T_max] (right-padded with 0.0 past each completion's length).
         When `routes[i]` is given, MoE layers use those expert ids for completion i's tokens
-        (the gate weights are still computed by the current router, so it keeps its gradient).
+        (the gate weights are still computed by the current router, so it keeps its gradient),
+        except at its `UNROUTED` rows, which the router routes (`replayed_rows`).
         """
 
     @abstractmethod

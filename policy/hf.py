@@ -60,7 +60,7 @@ import policy.sampling as sampling
 from kernels.hf_mode import batch_invariant_mode
 from kernels.invariant import get_ops
 from kernels.logprobs import log_probs, token_logprobs
-from policy.base import OnStep, Policy, Sample, Tokenizer
+from policy.base import OnStep, Policy, Sample, Tokenizer, replayed_rows
 from policy.hf_files import TOKENIZER_FILES
 from policy.lora_spec import LoraSpec
 from policy.moe_lm import serving_weight
@@ -469,7 +469,7 @@ class HFPolicy(Policy):
                     f"routes[{i}] has shape {r.shape}, expected {(n, spec[0], spec[1])}"
                 )
                 replay_ids[i, len(p) : len(p) + n] = torch.from_numpy(r.astype(np.int64))
-                replay_mask[i, len(p) : len(p) + n] = True
+                replay_mask[i, len(p) : len(p) + n] = torch.from_numpy(replayed_rows(r))
         positions = torch.arange(width).expand(b, width)
         logits, _ = self.forward_logits(tokens, mask, positions, None, replay_ids, replay_mask)
         return logits[torch.arange(b)[:, None], pred_pos], targets, valid

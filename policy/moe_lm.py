@@ -33,7 +33,7 @@ from kernels.exact_matmul import mark_derived
 from kernels.invariant import COMPUTE_DTYPE, get_ops
 from kernels.logprobs import log_probs, token_logprobs
 from kernels.moe import load_balance_loss, moe_ffn, route
-from policy.base import OnStep, Policy, Sample
+from policy.base import OnStep, Policy, Sample, replayed_rows
 from policy.sampling import Prefill
 from policy.tokenizer import ByteTokenizer
 
@@ -327,7 +327,7 @@ class MoEPolicy(Policy):
                     f"routes[{i}] has shape {r.shape}, expected {(n, c.n_layers, c.top_k)}"
                 )
                 replay_ids[i, len(p) : len(p) + n] = torch.from_numpy(r.astype(np.int64))
-                replay_mask[i, len(p) : len(p) + n] = True
+                replay_mask[i, len(p) : len(p) + n] = torch.from_numpy(replayed_rows(r))
         positions = torch.arange(width).expand(b, width)
         hidden, _ = self.forward_hidden(tokens, positions, None, replay_ids, replay_mask)
         h = hidden[torch.arange(b)[:, None], pred_pos]  # [B, T_max, D]

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from policy import build_policy
+from policy.base import UNROUTED
 from policy.hf import HFPolicy, tokenizer_files
 
 PROMPTS = ["def f(x):\n    return", "import torch\n", "", "class Policy(ABC):"]
@@ -146,6 +147,26 @@ def test_replaying_captured_routes_reproduces_the_unreplayed_logits_and_other_ro
     assert bool((changed > 0).all()), (
         f"forced routes left {int((changed == 0).sum())} rows unchanged"
     )
+
+
+def test_unrouted_rows_are_routed_by_the_routers(hf_moe_dir):
+    """Only the rows that are not UNROUTED are replayed: all UNROUTED is no replay; forced ids on
+    rows 1.. leave token 0 (its position precedes every replayed one) as without replay."""
+    policy = hf_policy(hf_moe_dir)
+    prompts = encoded(policy)
+    samples = policy.generate(prompts, max_tokens=4, temperature=1.0, seed=3)
+    comps = [s.tokens for s in samples]
+    forced = [(s.routes + 1) % 4 for s in samples]  # every slot off the router's own choice
+    for r in forced:
+        r[0] = UNROUTED
+    with torch.no_grad():
+        plain = policy.logprobs(prompts, comps)
+        unrouted = policy.logprobs(prompts, comps, [np.full_like(r, UNROUTED) for r in forced])
+        mixed = policy.logprobs(prompts, comps, forced)
+    assert torch.equal(unrouted, plain)
+    assert torch.equal(mixed[:, 0], plain[:, 0])
+    long = [i for i, c in enumerate(comps) if len(c) > 1]
+    assert long and not torch.equal(mixed[long, 1:], plain[long, 1:])
 
 
 def test_replay_keeps_the_routers_gradient(hf_moe_dir):

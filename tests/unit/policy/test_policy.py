@@ -7,6 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from policy import build_policy, load_policy, save_policy
+from policy.base import UNROUTED, replayed_rows
 from policy.tokenizer import ByteTokenizer
 from tests.unit.policy.conftest import make_prompts
 
@@ -89,6 +90,29 @@ def test_logprobs_are_right_padded_and_differentiable_through_replayed_routes(ti
     for blk in tiny_policy.blocks:
         assert blk.router.grad is not None and blk.router.grad.abs().sum() > 0
     assert tiny_policy.tok_emb.grad.abs().sum() > 0
+
+
+def test_unrouted_rows_are_routed_by_the_router_and_the_others_replayed(tiny_policy):
+    """Routes rows of UNROUTED (-1) are not replayed: all of them is no replay at all; rows 2..4
+    forced off the router's choice and the rest UNROUTED change the log-probs from token 2 on and
+    leave tokens 0 and 1 (whose positions precede every replayed one) as without replay."""
+    prompts = make_prompts(2, seed=5)
+    samples = tiny_policy.generate(prompts, max_tokens=8, seed=2)
+    comps = [s.tokens for s in samples]
+    assert min(map(len, comps)) >= 5, comps
+    forced = [(s.routes + 1) % 4 for s in samples]  # top-2 of 4: every slot on another expert
+    partly = [np.full_like(r, UNROUTED) for r in forced]
+    for r, p in zip(forced, partly):
+        p[2:5] = r[2:5]
+    with torch.no_grad():
+        plain = tiny_policy.logprobs(prompts, comps)
+        unrouted = tiny_policy.logprobs(prompts, comps, [np.full_like(r, UNROUTED) for r in forced])
+        mixed = tiny_policy.logprobs(prompts, comps, partly)
+    assert torch.equal(unrouted, plain)
+    assert torch.equal(mixed[:, :2], plain[:, :2])
+    assert bool((mixed[:, 2:5] != plain[:, 2:5]).all()), (mixed - plain)[:, 2:5]
+    n = len(partly[0])
+    assert replayed_rows(partly[0]).tolist() == [False] * 2 + [True] * 3 + [False] * (n - 5)
 
 
 def test_logprobs_validate_route_shapes_and_context_length(tiny_policy):
