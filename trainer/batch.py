@@ -6,7 +6,9 @@ token mask, rewards, and each rollout's sampling temperature [B] (the rollout's 
 without one, written before the field existed, gets the trainer's FLYWHEEL_TRAINER_TEMPERATURE).
 The token mask is 1 on the tokens trained on: every completion token of a one-call record; a
 multi-turn record's `train_mask()` (what its turns sampled; docs/TRAINER.md "Multi-turn
-records"), whose mask-0 positions read as padding (behaviour log-prob 0.0, no routes replayed).
+records"), whose mask-0 positions read as padding (behaviour log-prob 0.0). Routes
+(`replay_routes`): a one-call record's are replayed on every token; a multi-turn record's only on
+its trained tokens, the rest `UNROUTED` (routed by the current router, as its prompt is).
 
 `teacher_inputs` builds, for rollouts with tool_error feedback, the self-distillation teacher's
 rows: the context prompt + completion[:k] + the error message and hint (as text), then the
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from policy.base import Tokenizer
+from policy.base import UNROUTED, Tokenizer
 from trainer.rollout_record import Rollout, ToolErrorInfo, version_number
 
 
@@ -62,7 +64,7 @@ def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collat
     return Collated(
         prompts=[list(r.prompt_tokens) for r in rollouts],
         completions=[list(r.completion_tokens) for r in rollouts],
-        routes=[None if r.turns is not None else r.routes_array() for r in rollouts],
+        routes=[replay_routes(r) for r in rollouts],
         behav=behav,
         mask=mask,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
@@ -75,6 +77,22 @@ def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collat
         token_versions=token_versions(rollouts, t_max),
         masked=any(r.train_mask() is not None for r in rollouts),
     )
+
+
+def replay_routes(r: Rollout) -> np.ndarray | None:
+    """int32 [T, layers, top_k], the routes `Policy.logprobs` replays for `r` (None: none logged).
+
+    A one-call record's as logged. A multi-turn record's at its trained tokens (`train_mask()` 1:
+    what a fresh, unconstrained turn sampled, each row the experts its turn's replica routed it
+    to) and `UNROUTED` elsewhere: the tokens between the turns were prefilled by the next call,
+    not sampled, so no route was logged for them (their rows are zeros, streams/segments.py) and
+    the current router routes them, as it does the prompt; a stale or constrained turn is
+    context, routed the same way."""
+    ids = r.routes_array()
+    if ids is None or r.turns is None:
+        return ids
+    ids[np.asarray(r.train_mask(), dtype=bool) == 0] = UNROUTED
+    return ids
 
 
 def _or(x: float | None, default: float) -> float:

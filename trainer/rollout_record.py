@@ -10,7 +10,9 @@ field: `loss_mask` has one value per completion token and at least one 1; `turns
 its spans lie in the completion, in order, without overlap; with both, `loss_mask` is 1 exactly
 on the union of the spans; `model_version` is the newest turn's; a top-level `temperature` is
 every turn's that names one. The log-probs at mask-0 positions are placeholders the trainer
-ignores (not checked, and read as 0.0).
+ignores (not checked, and read as 0.0). Its `routes`, when given, are checked as a one-call
+record's: `route_shape` [len(completion_tokens), layers, top_k], the whole completion (the session
+ledger writes zeros between the turns, which the trainer does not replay, trainer/batch.py).
 """
 
 from __future__ import annotations
@@ -195,8 +197,11 @@ class Rollout(BaseModel):
                 or self.route_shape[0] != len(self.completion_tokens)
                 or min(self.route_shape) < 0
             ):
+                whole = " (a multi-turn record's routes cover its whole completion)"
                 raise ValueError(
-                    f"route_shape {self.route_shape} must be [len(completion_tokens), layers, top_k]"
+                    f"route_shape {self.route_shape} must be [len(completion_tokens), layers, top_k] "
+                    f"with len(completion_tokens) = {len(self.completion_tokens)}"
+                    + (whole if self.turns is not None else "")
                 )
             try:
                 n = len(base64.b64decode(self.routes, validate=True))  # type: ignore[arg-type]

@@ -22,8 +22,10 @@ message that names the field and the model's limit.
 | `step_failed` | the optimizer step raised on this rollout (trainer/loop.py isolates it) |
 
 Routes absent while replay is on are accepted: the rollout trains with the current router's
-choices (not bit-exact, but trainable). A record with `turns` is routed by the current router
-too: its routes are not checked and not replayed (docs/TRAINER.md "Multi-turn records").
+choices (not bit-exact, but trainable). A record with `turns` has its routes checked as a
+one-call record's (they cover its whole completion, zeros between the turns) and replayed on its
+trained tokens only (trainer/batch.py `replay_routes`; docs/TRAINER.md "The objective on
+trajectories").
 """
 
 from __future__ import annotations
@@ -217,8 +219,8 @@ def _temperature(r: Rollout, spec: ModelSpec) -> Refusal | None:
 
 
 def _routes(r: Rollout, spec: ModelSpec) -> Refusal | None:
-    if not spec.replay_routes or r.route_shape is None or r.turns is not None:
-        return None  # a multi-turn record's routes are not replayed
+    if not spec.replay_routes or r.route_shape is None:
+        return None
     if spec.moe is None:
         return Refusal("route_mismatch", "routes given for a model without MoE layers", "routes")
     layers, top_k, n_experts = spec.moe

@@ -232,7 +232,7 @@ def test_a_loss_mask_of_all_ones_without_turns_trains_bit_identically(policy, re
 def test_a_batch_mixing_one_call_and_multi_turn_records_trains_each_on_its_own_tokens(policy):
     rollouts = parse(policy, [one_call(policy, 0, 1.0), session(policy, 0, 0.0)])
     c = collate(rollouts)
-    assert c.masked and c.routes[0] is not None and c.routes[1] is None  # turns: not replayed
+    assert c.masked and c.routes[0] is not None and c.routes[1] is None  # the session logged none
     n0 = len(rollouts[0].completion_tokens)
     assert float(c.mask[0].sum()) == n0 and float(c.mask[1].sum()) == sum(rollouts[1].loss_mask)
     r = rollouts[1]
@@ -271,6 +271,12 @@ def turns(*spans, temps=(T, T), versions=("3", "4")) -> list[dict]:
 SPEC = VALIDATE_TINY  # vocabulary 259, context 64, 1 layer, top-1 of 2 experts
 
 
+def routes_of(rows: list[list[int]]) -> dict:
+    """`routes` and `route_shape` overrides: one [layers, top_k] row of expert ids per token."""
+    routes, shape = encode_routes(torch.tensor(rows, dtype=torch.int32)[:, None].numpy())
+    return {"routes": routes, "route_shape": list(shape)}
+
+
 @pytest.fixture(scope="module")
 def spec() -> ModelSpec:
     return ModelSpec.of(build_policy(SPEC), replay_routes=True, max_abs_reward=1e6)
@@ -296,6 +302,9 @@ def refusal_of(rec: dict, spec: ModelSpec):
         ({"temperature": None, "turns": turns((0, 2), (4, 6), temps=(0.8, None))}, "mixed_temperature", "turns", "temperatures [0.8, None]"),
         ({"turns": [dict(t, constrained=True) for t in turns((0, 2), (4, 6))]}, "constrained", "constrained", "grammar constraint"),
         ({"logprobs": [-0.1, 0.5, 0.0, 0.0, -0.3, -0.4]}, "invalid_logprobs", "logprobs.1", "logprobs[1] = 0.5"),
+        (routes_of([[0]] * 5), "invalid_rollout", "(record)", "route_shape [5, 1, 1] must be [len(completion_tokens), layers, top_k] with len(completion_tokens) = 6 (a multi-turn record's routes cover its whole completion)"),
+        (routes_of([[0, 1]] * 6), "route_mismatch", "route_shape", "route_shape [6, 1, 2] needs [6, 1, 1]"),
+        (routes_of([[0]] * 4 + [[2]] * 2), "route_mismatch", "routes", "expert id 2, outside the model's [0, 2)"),
     ],
 )  # fmt: skip
 def test_a_broken_multi_turn_record_is_refused_naming_the_field(
@@ -315,7 +324,7 @@ def test_a_broken_multi_turn_record_is_refused_naming_the_field(
         {"turns": None},  # a mask alone: one call's version and temperature
         {"temperature": None},  # scored at the turns' one temperature
         {"turns": turns((0, 2), (4, 6), temps=(None, None))},  # the turns take the record's
-        {"routes": encode_routes(torch.zeros((6, 5, 3), dtype=torch.int32).numpy())[0], "route_shape": [6, 5, 3]},
+        routes_of([[0]] * 6),  # the model's [n, layers, top_k], zeros between the turns
     ],
 )  # fmt: skip
 def test_a_well_formed_multi_turn_record_is_accepted(spec, overrides):
