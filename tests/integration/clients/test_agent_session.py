@@ -83,7 +83,7 @@ def _serve_api(settings):
     return ServerThread(create_app(settings)).start(), key
 
 
-def _agent(client: openai.OpenAI, model: str, session: str, rewrite: bool) -> list[str]:
+def _agent(client: openai.OpenAI, model: str, session: str, rewrite: bool, seed: int) -> list[str]:
     """Three turns of a coding agent; returns the request ids. `rewrite`: before the last turn the
     client drops the first tool exchange from its history (as a context compactor would)."""
     messages: list[dict[str, Any]] = [
@@ -99,9 +99,10 @@ def _agent(client: openai.OpenAI, model: str, session: str, rewrite: bool) -> li
             messages=messages,
             tools=TOOLS,
             tool_choice=choice,
-            max_tokens=24,
+            max_tokens=96,  # room for a whole call, so the tool results are real
             temperature=0.9,
             user=session,
+            seed=seed + turn,
         )
         ids.append(answer.id)
         msg = answer.choices[0].message
@@ -184,8 +185,8 @@ def test_an_agent_session_becomes_one_trajectory_and_a_rewritten_history_two(
     api, ingest_key = _serve_api(settings)
     try:
         client = openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=2)
-        ids = _agent(client, settings.model_name, "agent-1", rewrite=False)
-        rewritten = _agent(client, settings.model_name, "agent-2", rewrite=True)
+        ids = _agent(client, settings.model_name, "agent-1", rewrite=False, seed=100)
+        rewritten = _agent(client, settings.model_name, "agent-2", rewrite=True, seed=200)
         with FeedbackClient(api.url, ingest_key, flush_interval_s=0) as fc:
             # the read_file call failed on the user's machine; the user rated the answer down
             fc.tool_error(ids[0], "agent-1", message="FileNotFoundError: calc.py", token_index=0)
@@ -196,9 +197,11 @@ def test_an_agent_session_becomes_one_trajectory_and_a_rewritten_history_two(
             settings,
             "rollouts",
             lambda v: v["session_id"] in ("agent-1", "agent-2"),
+            # every record of both sessions: a session's pieces go out in one batch, but on the
+            # partitions of their own keys, so the end record may be read before the others
             lambda out: (
-                {(v["session_id"], v["segment_closed_by"]) for v in out}
-                >= {("agent-1", "end"), ("agent-2", "end")}
+                sorted((v["session_id"], v["segment_closed_by"]) for v in out)
+                == [("agent-1", "end"), ("agent-2", "end"), ("agent-2", "history_rewritten")]
             ),
             timeout_s=180.0,
         )
@@ -218,6 +221,8 @@ def test_an_agent_session_becomes_one_trajectory_and_a_rewritten_history_two(
         worker.kill()
 
     log = worker.tail()
+    pieces = [(r["session_id"], r["segment_opened_by"], r["segment_closed_by"]) for r in got]
+    assert len(pieces) == 3, (pieces, log)
     [one] = [r for r in got if r["session_id"] == "agent-1"]
     Rollout.model_validate(one)
     assert [t["request_id"] for t in one["turns"]] == ids, (one["turns"], log)
