@@ -553,7 +553,8 @@ class Trainer:
         """One optimizer step on `batch`; on an exception, isolate and dead-letter the culprits.
 
         Leaves in `batch.rollouts` exactly the rollouts a step consumed (none if no step ran) and
-        counts the others in `batch.skipped["failed"]`. Returns the step metrics or None.
+        counts the others in `batch.skipped["failed"]` (their offsets in `batch.skipped_offsets`).
+        Returns the step metrics or None.
         """
         try:
             return self.forward_backward(batch)
@@ -601,7 +602,10 @@ class Trainer:
                 self.intake.refuse(
                     src, refusal, exception="".join(traceback.format_exception_only(err)).strip()
                 )
-        batch.skipped["failed"] += len(culprits)
+                batch.skip("failed", src.partition, src.offset)
+            else:  # counted, but its offset is unknown: so are the lineage's skipped offsets
+                batch.skipped["failed"] += 1
+                self.pending.add_skipped_offsets(None)
         trained = batch.only(keep)
         batch.rollouts, batch.staleness = trained.rollouts, trained.staleness
         return metrics
@@ -631,6 +635,7 @@ class Trainer:
             p.skipped[reason] = p.skipped.get(reason, 0) + batch.skipped[reason]
             if batch.skipped[reason]:
                 ROLLOUTS.labels(reason).inc(batch.skipped[reason])
+        p.add_skipped_offsets(batch.skipped_offsets)
         p.rollouts += len(batch.rollouts)
         p.request_ids.extend(r.request_id for r in batch.rollouts)
         p.reward_sum += sum(r.reward for r in batch.rollouts)

@@ -161,6 +161,8 @@ class Batch:
 
     rollouts: list[Rollout] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    # partition -> offsets of the skipped ones (every reason; the loop adds `failed`'s)
+    skipped_offsets: dict[int, list[int]] = field(default_factory=dict)
     first_offsets: dict[int, int] = field(
         default_factory=dict
     )  # partition -> first offset processed
@@ -169,11 +171,17 @@ class Batch:
     stale_turn_tokens: int = 0  # sampled tokens of stale turns of multi-turn records, untrained
     constrained_turn_tokens: int = 0  # sampled tokens of constrained turns, untrained
 
+    def skip(self, reason: str, partition: int, offset: int) -> None:
+        """Count the record at (partition, offset) as read and not trained on, for `reason`."""
+        self.skipped[reason] += 1
+        self.skipped_offsets.setdefault(partition, []).append(offset)
+
     def only(self, keep: list[int]) -> Batch:
-        """The same batch restricted to the rollouts at indices `keep` (skip counts and offsets unchanged)."""
+        """The same batch restricted to the rollouts at indices `keep` (skips and offsets unchanged)."""
         return Batch(
             rollouts=[self.rollouts[i] for i in keep],
             skipped=self.skipped,
+            skipped_offsets=self.skipped_offsets,
             first_offsets=self.first_offsets,
             staleness=[self.staleness[i] for i in keep],
             sources=self.sources,
@@ -318,7 +326,7 @@ class RolloutIntake:
             batch.first_offsets.setdefault(e.partition, e.offset)
             self.positions[e.partition] = e.offset + 1
             if e.rollout is None:
-                batch.skipped[e.reason] += 1
+                batch.skip(e.reason, e.partition, e.offset)
                 continue
             key = dedupe_key(e.rollout)
             self._buffered_ids[key] -= 1
@@ -327,7 +335,7 @@ class RolloutIntake:
             self.seen.add(key)
             judged = self._fresh_part(e.rollout, current_version, champion)
             if judged is None:
-                batch.skipped["stale"] += 1
+                batch.skip("stale", e.partition, e.offset)
                 continue
             rollout, behind, stale_tokens, constrained_tokens = judged
             batch.rollouts.append(rollout)

@@ -5,17 +5,28 @@ Both are saved in the trainer's checkpoint (trainer/checkpoint.py) as plain dict
 checkpoint is loaded with `torch.load(weights_only=True)`: `to_dict()` writes them, `from_dict()`
 reads them back. `from_dict` accepts the dicts of every earlier trainer: keys added since
 (`reward_spec_counts`, `relabelled`, `rebased_on`, `session_ids`, `turns`) take their empty
-values, and partition keys are ints whatever they were saved as.
+values, and partition keys are ints whatever they were saved as. `skipped_offsets` is the
+exception: a lineage saved without it that skipped something has it unknown (None, saved as
+such), not empty.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from trainer.rollouts import SKIP_REASONS
 
+log = logging.getLogger(__name__)
+
 ShipKind = Literal["base", "trained"]
+
+# The most skipped offsets one version's lineage lists (`Pending.skipped_offsets`): past it they
+# are dropped as unknown, and the version's `version_registered` has no `skipped_offsets` (a
+# reader then knows only which version read a record, not whether it trained on it). 10,000
+# offsets are at most ~120 KB of event, well under the deployments topic's record limit.
+MAX_SKIPPED_OFFSETS = 10_000
 
 
 def _skipped() -> dict[str, int]:
@@ -43,6 +54,10 @@ class Pending:
     turns: int = 0
     # the champion version the trainer continued from after a rejection (trainer/loop.py)
     rebased_on: int | None = None
+    # partition -> offsets of `<ns>.rollouts` read but not trained on (every reason in `skipped`),
+    # in the order processed; None: unknown (saved by a trainer that did not list them, or more
+    # than MAX_SKIPPED_OFFSETS)
+    skipped_offsets: dict[int, list[int]] | None = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -61,14 +76,37 @@ class Pending:
         }
         if self.rebased_on is not None:
             d["rebased_on"] = self.rebased_on
+        d["skipped_offsets"] = (  # None (unknown) saved as such: a missing key is an old lineage
+            None
+            if self.skipped_offsets is None
+            else {p: list(o) for p, o in self.skipped_offsets.items()}
+        )
         return d
+
+    def add_skipped_offsets(self, offsets: dict[int, list[int]] | None) -> None:
+        """List these offsets as read but not trained on; None (unknown) or more than
+        MAX_SKIPPED_OFFSETS in all makes the whole list unknown until the next ship."""
+        if self.skipped_offsets is None:
+            return
+        n = sum(map(len, self.skipped_offsets.values()))
+        if offsets is None or n + sum(map(len, offsets.values())) > MAX_SKIPPED_OFFSETS:
+            log.info(
+                "skipped offsets not listed for the next version (%s)",
+                "some unknown" if offsets is None else f"more than {MAX_SKIPPED_OFFSETS}",
+            )
+            self.skipped_offsets = None
+            return
+        for part, offs in offsets.items():
+            if offs:
+                self.skipped_offsets.setdefault(part, []).extend(offs)
 
     @classmethod
     def merge(cls, parts: list[Pending]) -> Pending:
         """The lineage of a distributed trainer's ranks as one (trainer/distributed.py): what each
         rank trained (rollouts, ids, skips, offsets, rewards, specs, turns) is added up in rank
-        order, and its sessions joined (a session's segments may be on two ranks' partitions);
-        what every rank holds identically (steps, step metrics, `rebased_on`) is rank 0's."""
+        order (the skipped offsets unknown if any rank's are), and its sessions joined (a
+        session's segments may be on two ranks' partitions); what every rank holds identically
+        (steps, step metrics, `rebased_on`) is rank 0's."""
         first = parts[0]
         out = cls(
             steps=first.steps,
@@ -91,6 +129,7 @@ class Pending:
             out.relabelled += p.relabelled
             out.add_sessions(p.session_ids)
             out.turns += p.turns
+            out.add_skipped_offsets(p.skipped_offsets)
         return out
 
     def add_sessions(self, session_ids: list[str]) -> None:
@@ -110,10 +149,16 @@ class Pending:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Pending:
+        skipped = {**_skipped(), **d.get("skipped", {})}
+        offsets: dict[int, list[int]] | None = None
+        if d.get("skipped_offsets") is not None:
+            offsets = {int(k): [int(x) for x in v] for k, v in d["skipped_offsets"].items()}
+        elif "skipped_offsets" not in d:  # saved before they were listed: none only if no skip
+            offsets = None if any(skipped.values()) else {}
         return cls(
             rollouts=int(d.get("rollouts", 0)),
             request_ids=list(d.get("request_ids", [])),
-            skipped={**_skipped(), **d.get("skipped", {})},
+            skipped=skipped,
             first_offsets={int(k): int(v) for k, v in d.get("first_offsets", {}).items()},
             reward_sum=float(d.get("reward_sum", 0.0)),
             metric_sums=dict(d.get("metric_sums", {})),
@@ -124,6 +169,7 @@ class Pending:
             session_ids=[str(x) for x in d.get("session_ids", [])],
             turns=int(d.get("turns", 0)),
             rebased_on=None if d.get("rebased_on") is None else int(d["rebased_on"]),
+            skipped_offsets=offsets,
         )
 
 

@@ -52,6 +52,34 @@ def reward_spec_detail(specs: str) -> str | None:
     return specs if specs != "none" and len(specs) <= 16 else None
 
 
+def skipped_offsets_detail(intent: ShipIntent) -> dict[str, list[int]] | None:
+    """The `skipped_offsets` of a `version_registered` event, `{"<partition>": [offset, ...]}`
+    (ascending; partitions with none left out): the offsets of the version's `kafka_offsets`
+    ranges it read and did not train on, so a reader knows every other offset there trained
+    (app/api/routes/sessions.py `trained_by`). None, and the key is left out, when they are not
+    known for certain: a lineage saved without them, more than MAX_SKIPPED_OFFSETS
+    (trainer/ship_state.py), or a list that does not account for every offset of the ranges
+    (trained + listed != the ranges' size, or listed != the skip counts): never a wrong list.
+    Not an MLflow tag: it may be far longer than a tag value can be."""
+    p = intent.pending
+    if p.skipped_offsets is None:
+        return None
+    listed = sum(map(len, p.skipped_offsets.values()))
+    size = sum(max(0, end - first) for first, end in intent.ranges.values())
+    if listed != sum(p.skipped.values()) or p.rollouts + listed != size:
+        log.warning(
+            "ship %s: %d skipped offsets listed for %d skips, %d trained of ranges of %d offsets;"
+            " skipped_offsets left out of the lineage",
+            intent.ship_id,
+            listed,
+            sum(p.skipped.values()),
+            p.rollouts,
+            size,
+        )
+        return None
+    return {str(k): sorted(v) for k, v in sorted(p.skipped_offsets.items()) if v}
+
+
 def lineage_tags(intent: ShipIntent, topic: str) -> dict[str, str]:
     p = intent.pending
     steps = max(1, p.steps)
@@ -337,6 +365,7 @@ def _publish_event(
         if ok and d.get("delta_file")
         else None,
     )
+    skipped = skipped_offsets_detail(intent)
     event = DeploymentEvent(
         event_id=f"vr-{intent.ship_id}",
         type="version_registered",
@@ -356,6 +385,8 @@ def _publish_event(
             "sessions_trained": int(tags["sessions_trained"]),
             "turns_trained": int(tags["turns_trained"]),
             "kafka_offsets": json.loads(tags["kafka_offsets"]),
+            # the offsets of those ranges it read and did not train on, when known for certain
+            **({"skipped_offsets": skipped} if skipped is not None else {}),
             "train_metrics": json.loads(tags["train_metrics"]),
             # where replicas fetch it without asking MLflow (optional; app/contracts/hints.py)
             "artifacts": hints,
