@@ -155,23 +155,22 @@ def drain(trainer, expected: int, max_polls: int = 400) -> None:
     )
 
 
-def produce(settings, records: list[dict[str, Any]]) -> None:
-    producer = make_producer(settings)
-    try:
-        for r in records:
-            producer.send(settings.topic("rollouts"), key=r["request_id"], value=dumps(r))
-        producer.flush(30)
-    finally:
-        producer.close(5)
+def produce(settings, records: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """The records on `<ns>.rollouts` keyed by request_id; their (partition, offset), in order."""
+    return produce_raw(settings, [(r["request_id"], dumps(r)) for r in records])
 
 
-def produce_raw(settings, records: list[tuple[str | None, bytes | None]]) -> None:
-    """(key, value) records as they are, bytes that are not JSON and tombstones included."""
+def produce_raw(settings, records: list[tuple[str | None, bytes | None]]) -> list[tuple[int, int]]:
+    """(key, value) records as they are, bytes that are not JSON and tombstones included; their
+    (partition, offset), in order."""
     producer = make_producer(settings)
     try:
-        for key, value in records:
+        sent = [
             producer.send(settings.topic("rollouts"), key=key, value=value)
+            for key, value in records
+        ]
         producer.flush(30)
+        return [(m.partition, m.offset) for m in (f.get(timeout=30) for f in sent)]
     finally:
         producer.close(5)
 
@@ -202,6 +201,34 @@ def read_dlq(
     finally:
         cons.close()
     return out
+
+
+def registered_event(settings, version: str, timeout: float = 60.0) -> dict[str, Any]:
+    """The `version_registered` event of `version` on the deployments topic, as JSON."""
+    cons = make_consumer(
+        settings, settings.topic("deployments"), group_id=None, consumer_timeout_ms=500
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            for rec in cons:
+                ev = json.loads(rec.value)
+                if ev["type"] == "version_registered" and ev["version"] == version:
+                    return ev
+    finally:
+        cons.close()
+    raise AssertionError(f"no version_registered event for v{version} in {timeout}s")
+
+
+def listed_skipped_offsets(settings, versions: list) -> list[tuple[int, int]]:
+    """The (partition, offset) pairs the `version_registered` events of `versions` list as
+    `skipped_offsets`, sorted (a pair listed twice stays twice); each event must list them."""
+    out = []
+    for mv in versions:
+        details = registered_event(settings, mv.version)["details"]
+        assert "skipped_offsets" in details, f"v{mv.version}: {details}"
+        out += [(int(p), o) for p, offs in details["skipped_offsets"].items() for o in offs]
+    return sorted(out)
 
 
 def refused_count(reason: str) -> float:

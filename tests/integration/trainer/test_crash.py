@@ -44,6 +44,7 @@ from tests.integration.trainer.conftest import (
     check_lineage,
     committed_offsets,
     end_offsets,
+    listed_skipped_offsets,
     model_versions,
     produce,
     produce_raw,
@@ -111,11 +112,14 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     )
 
     # records arriving between crashes: two re-emitted rollouts (trained before the first kill) and garbage
-    produce(settings, [records[0], records[1]])
+    untrained = produce(settings, [records[0], records[1]])
     from app.infra.kafka import make_producer
 
     prod = make_producer(settings)
-    prod.send(settings.topic("rollouts"), key="garbage", value=b'{"request_id": "x"}').get(30)
+    meta = prod.send(settings.topic("rollouts"), key="garbage", value=b'{"request_id": "x"}').get(
+        30
+    )
+    untrained.append((meta.partition, meta.offset))
     prod.close(5)
 
     # 4. a clean run: finishes ship 2 (commit), trains the rest, ships again
@@ -138,6 +142,8 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     skipped = check_lineage(client, final, [r["request_id"] for r in records], ends, tmp_path)
     assert sum(int(mv.tags["rollouts_consumed"]) for mv in final) == 24
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0
+    # the finished crashed ship and the next list exactly the three skipped records' offsets
+    assert listed_skipped_offsets(settings, final) == sorted(untrained)
 
 
 def test_sigkill_while_training_on_trajectories_trains_each_once(trainer_env, tmp_path):
@@ -293,6 +299,9 @@ def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_coun
         for d in letters
         if d["reason"] == "step_failed"
     )
+    # the versions' events list exactly the offsets of the two records no step trained on, once
+    listed = listed_skipped_offsets(settings, versions)
+    assert listed == sorted({(d["partition"], d["offset"]) for d in letters}), letters
 
 
 def test_an_exception_escaping_a_step_is_not_saved_as_trained_by_the_shutdown(

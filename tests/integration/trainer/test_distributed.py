@@ -36,6 +36,7 @@ from tests.integration.trainer.conftest import (
     check_lineage,
     committed_offsets,
     end_offsets,
+    listed_skipped_offsets,
     model_versions,
     produce,
     produce_raw,
@@ -227,8 +228,8 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
     # fresh rollouts, duplicates of trained ones and garbage arrive between runs
     newest = int(versions()[-1].version)  # labelled with it, so they are not stale
     extra = rollout_records(policy, newest, 8, lambda t: float("(" in t), seed=5, prefix="x-")
-    produce(settings, extra + [records[0], records[1]])
-    produce_raw(settings, [("garbage", b'{"request_id": "x"}')])
+    *_, dup0, dup1 = produce(settings, extra + [records[0], records[1]])
+    untrained = [dup0, dup1, *produce_raw(settings, [("garbage", b'{"request_id": "x"}')])]
 
     # 3. rank 0 killed after registering a version, before any rank committed its offsets
     before = versions()
@@ -266,6 +267,8 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
     produced = [r["request_id"] for r in records + extra]
     skipped = check_lineage(client, final, produced, ends, tmp_path)
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0, skipped
+    # the ranks' skipped offsets, merged into the versions' events: exactly those three records'
+    assert listed_skipped_offsets(settings, final) == sorted(untrained)
 
 
 def test_flywheel_trainer_nproc_starts_the_ranks_with_torchrun(trainer_env, tmp_path):

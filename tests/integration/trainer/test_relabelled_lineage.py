@@ -4,40 +4,29 @@ Real broker and MLflow server, a tiny real policy (tests/integration/trainer/con
 live v1 rollouts and their relabelled v2 copies (what `flywheel streams relabel` writes: same
 request_id, key '<request_id>|v2', `relabel_run` set, another reward) go to `<ns>.rollouts`
 with a repeated v2; the shipped version's tags and its `version_registered` event carry the
-counts per spec.
+counts per spec, and the event lists the repeat's offset as skipped.
 Run: .venv/bin/pytest tests/integration/trainer/test_relabelled_lineage.py -q
 """
 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 from mlflow import MlflowClient
 
-from app.infra.kafka import dumps, make_consumer
-from tests.integration.trainer.conftest import drain, produce, produce_raw, rollout_records
+from app.infra.kafka import dumps
+from tests.integration.trainer.conftest import (
+    drain,
+    produce,
+    produce_raw,
+    registered_event,
+    rollout_records,
+)
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-def registered_event(settings, version: str, timeout: float = 60.0) -> dict:
-    cons = make_consumer(
-        settings, settings.topic("deployments"), group_id=None, consumer_timeout_ms=500
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            for rec in cons:
-                ev = json.loads(rec.value)
-                if ev["type"] == "version_registered" and ev["version"] == version:
-                    return ev
-    finally:
-        cons.close()
-    raise AssertionError(f"no version_registered event for v{version} in {timeout}s")
 
 
 def test_relabelled_rollouts_are_trained_once_and_counted_per_spec_in_the_lineage(trainer_env):
@@ -49,7 +38,7 @@ def test_relabelled_rollouts_are_trained_once_and_counted_per_spec_in_the_lineag
             dict(r, reward_spec="v2", reward=-r["reward"], relabel_run="run-test") for r in live
         ]
         produce(settings, live)
-        produce_raw(
+        *_, (dup_part, dup_offset) = produce_raw(
             settings, [(f"{r['request_id']}|v2", dumps(r)) for r in relabelled + relabelled[:1]]
         )
         drain(trainer, 17)
@@ -74,5 +63,7 @@ def test_relabelled_rollouts_are_trained_once_and_counted_per_spec_in_the_lineag
             details["rollouts_relabelled"],
             details["reward_spec"],
         ) == ({"v1": 8, "v2": 8}, 8, "v1,v2")
+        # the repeated relabelled copy is the one offset of its ranges the version did not train on
+        assert details["skipped_offsets"] == {str(dup_part): [dup_offset]}
     finally:
         trainer.close()

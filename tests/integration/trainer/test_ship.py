@@ -17,6 +17,8 @@ from tests.integration.trainer.conftest import (
     drain,
     end_offsets,
     produce,
+    produce_raw,
+    registered_event,
     rollout_records,
 )
 from trainer.config import TrainerConfig
@@ -56,9 +58,11 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
             tool_error_every=3,
         )
         dup = dict(records[0])  # the streams worker re-emitted one rollout: trained once
-        produce(settings, records + [dup])
-        drain(trainer, 11)
+        *_, dup_at = produce(settings, records + [dup])
+        [bad_at] = produce_raw(settings, [("bad", b"not a rollout")])  # refused: invalid
+        drain(trainer, 12)
         assert trainer.pending.rollouts == 10 and trainer.pending.skipped["duplicate"] == 1
+        assert trainer.pending.skipped["invalid"] == 1
         assert committed_offsets(settings, cfg_kw["consumer_group"]) == {
             0: None,
             1: None,
@@ -79,9 +83,14 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         assert json.loads(tags["rollouts_skipped"]) == {
             "duplicate": 1,
             "failed": 0,
-            "invalid": 0,
+            "invalid": 1,
             "stale": 0,
         }
+        # the event lists the two offsets it read and did not train on; every other one trained
+        assert registered_event(settings, "2")["details"]["skipped_offsets"] == skipped_at(
+            [dup_at, bad_at]
+        )
+        assert "skipped_offsets" not in tags, "an event detail, not a tag"
         offsets = json.loads(tags["kafka_offsets"])
         ends = end_offsets(settings)
         assert offsets["topic"] == settings.topic("rollouts")
@@ -135,12 +144,25 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
         # once v2 is champion (read at the next ship), v1's rollouts are stale, and v2's are not
         client.set_registered_model_alias(settings.model_name, "champion", "2")
         assert trainer.maybe_ship(force=True) == 3 and trainer.champion == 2
+        assert registered_event(settings, "3")["details"]["skipped_offsets"] == {}
         from_v2 = rollout_records(trainer.policy, 2, 1, lambda _: 0.5, prefix="from-champion-v2-")
-        produce(settings, [dict(records[2], request_id="late-from-old-v1")] + from_v2)
+        stale_at, _ = produce(settings, [dict(records[2], request_id="late-from-old-v1")] + from_v2)
         drain(trainer, 2)
         assert trainer.pending.skipped["stale"] == 1 and trainer.pending.rollouts == 1
+        assert trainer.maybe_ship(force=True) == 4
+        assert registered_event(settings, "4")["details"]["skipped_offsets"] == skipped_at(
+            [stale_at]
+        )
     finally:
         trainer.close()
+
+
+def skipped_at(offsets: list[tuple[int, int]]) -> dict[str, list[int]]:
+    """(partition, offset) pairs as a `version_registered` event's `skipped_offsets`."""
+    out: dict[str, list[int]] = {}
+    for part, offset in sorted(offsets):
+        out.setdefault(str(part), []).append(offset)
+    return out
 
 
 def test_a_due_ship_waits_for_min_rollouts_and_ships_at_the_step_that_reaches_them(trainer_env):
