@@ -20,6 +20,7 @@ import pytest
 
 from app.client import FeedbackClient
 from app.contracts.rollouts import Rollout
+from tests.integration.clients.servers import serve_api, serve_replica
 from tests.integration.streams.conftest import WorkerProc, streams_env
 
 pytestmark = pytest.mark.integration
@@ -52,35 +53,6 @@ CHOICES = [  # per turn: the first two call a tool, the last answers
     {"type": "function", "function": {"name": "run_tests"}},
     "none",
 ]
-
-
-def _serve_replica(settings, tmp_path):
-    from app.api.server import ServerThread
-    from app.replica.config import ReplicaConfig
-    from app.replica.server import create_app
-    from app.replica.weights import WeightCache, load_verified
-    from kernels.delta.hashing import checkpoint_sha256
-    from tests.unit.replica.conftest import tiny_state
-
-    model_cfg, state = tiny_state(7, max_context=2048)
-    cache = WeightCache(tmp_path / "replica-cache")
-    cache.put(load_verified("7", state, model_cfg, checkpoint_sha256(state)))
-    cache.set_serving(cache.restore())
-    cfg = ReplicaConfig(id="replica-agent", cache_dir=tmp_path / "replica-cache")
-    return ServerThread(create_app(settings, cfg, start_sync=False)).start()
-
-
-def _serve_api(settings):
-    from app.api.main import create_app
-    from app.api.server import ServerThread
-    from app.db.keys import create_key
-    from app.db.migrate import upgrade
-    from app.db.session import session_scope
-
-    upgrade(settings.db_url)
-    with session_scope(settings.db_url) as session:
-        key, _ = create_key(session, ["ingest"], name="agent")
-    return ServerThread(create_app(settings)).start(), key
 
 
 def _agent(client: openai.OpenAI, model: str, session: str, rewrite: bool, seed: int) -> list[str]:
@@ -181,8 +153,8 @@ def test_an_agent_session_becomes_one_trajectory_and_a_rewritten_history_two(
         ),
         tmp_path / "worker.log",
     )
-    replica = _serve_replica(settings, tmp_path)
-    api, ingest_key = _serve_api(settings)
+    replica = serve_replica(settings, tmp_path, "replica-agent", max_context=2048)
+    api, ingest_key = serve_api(settings, "agent")
     try:
         client = openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=2)
         ids = _agent(client, settings.model_name, "agent-1", rewrite=False, seed=100)

@@ -17,41 +17,13 @@ import openai
 import pytest
 
 from app.client import FeedbackClient
+from tests.integration.clients.servers import serve_api, serve_replica
 from tests.integration.streams.conftest import WorkerProc, streams_env
 
 pytestmark = pytest.mark.integration
 
 SESSION = "editor-session-1"
 WINDOW_S = 8.0  # the wait window: long enough for the feedback below on a loaded machine
-
-
-def _serve_replica(settings, tmp_path):
-    from app.api.server import ServerThread
-    from app.replica.config import ReplicaConfig
-    from app.replica.server import create_app
-    from app.replica.weights import WeightCache, load_verified
-    from kernels.delta.hashing import checkpoint_sha256
-    from tests.unit.replica.conftest import tiny_state
-
-    model_cfg, state = tiny_state(7)
-    cache = WeightCache(tmp_path / "replica-cache")
-    cache.put(load_verified("7", state, model_cfg, checkpoint_sha256(state)))
-    cache.set_serving(cache.restore())
-    cfg = ReplicaConfig(id="replica-editor", cache_dir=tmp_path / "replica-cache")
-    return ServerThread(create_app(settings, cfg, start_sync=False)).start()
-
-
-def _serve_api(settings):
-    from app.api.main import create_app
-    from app.api.server import ServerThread
-    from app.db.keys import create_key
-    from app.db.migrate import upgrade
-    from app.db.session import session_scope
-
-    upgrade(settings.db_url)
-    with session_scope(settings.db_url) as session:
-        key, _ = create_key(session, ["ingest"], name="editor")
-    return ServerThread(create_app(settings)).start(), key
 
 
 def _rollouts(settings, request_id: str, timeout_s: float) -> list[dict[str, Any]]:
@@ -81,8 +53,8 @@ def test_a_streamed_completion_and_its_feedback_become_one_rollout(make_settings
     worker = WorkerProc(
         streams_env(settings, FLYWHEEL_WAIT_WINDOW=str(WINDOW_S)), tmp_path / "worker.log"
     )
-    replica = _serve_replica(settings, tmp_path)
-    api, ingest_key = _serve_api(settings)
+    replica = serve_replica(settings, tmp_path, "replica-editor")
+    api, ingest_key = serve_api(settings, "editor")
     try:
         # 1. The editor asks for a completion, streamed, with its session as `user`.
         client = openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=2)
