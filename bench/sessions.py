@@ -194,6 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--live-seconds", type=float, help="live phase length (default 15, quick 6)")
     ap.add_argument("--live-rate", type=float, default=20.0, help="live: sessions started per s")
     ap.add_argument("--turn-gap", type=float, default=0.2, help="live: seconds between turns")
+    ap.add_argument("--profile", metavar="FILE", help="cProfile the worker's event loop into FILE")
     args = ap.parse_args(argv)
     args.sessions = args.sessions or (300 if args.quick else 5000)
     args.live_seconds = args.live_seconds or (6.0 if args.quick else 15.0)
@@ -346,7 +347,9 @@ def live(run: Run, w: Workload, rate: float, gap: float) -> tuple[Latency, Laten
     return Latency.of(call_latencies(run, w, times)), Latency.of(session_latencies(run, w, times))
 
 
-def start_worker(stack: Any, idle: float, log: Path) -> tuple[subprocess.Popen, int]:
+def start_worker(
+    stack: Any, idle: float, log: Path, profile: str | None = None
+) -> tuple[subprocess.Popen, int]:
     """`python -m streams.worker` on the stack, sessions ending by their outcome; waits for /metrics."""
     import httpx
 
@@ -357,6 +360,8 @@ def start_worker(stack: Any, idle: float, log: Path) -> tuple[subprocess.Popen, 
         "FLYWHEEL_STREAMS_SESSION_IDLE": f"{idle:g}",
         "FLYWHEEL_STREAMS_SESSION_RETENTION": f"{max(3600.0, idle):g}",
     }
+    if profile:  # streams/worker.py writes it at exit
+        env["FLYWHEEL_STREAMS_PROFILE"] = str(Path(profile).resolve())
     proc = subprocess.Popen(
         [sys.executable, "-m", "streams.worker"],
         cwd=REPO,
@@ -458,7 +463,7 @@ def main(argv: list[str] | None = None) -> dict:
             work = build_workload("b", args.sessions, args.turns, seed=2)
             n_live = max(1, int(args.live_rate * args.live_seconds))
             livew = build_workload("live", n_live, args.turns, seed=3)
-        worker, port = start_worker(stack, args.idle, tmp / "worker.log")
+        worker, port = start_worker(stack, args.idle, tmp / "worker.log", args.profile)
         run = Run(stack.settings, args.window, port, worker, tmp / "worker.log")
         run.prod = make_producer(stack.settings, key_serializer=None)
         run.cons = make_consumer(stack.settings, stack.settings.topic("rollouts"), group_id=None)
