@@ -22,7 +22,7 @@ Every session must come out as exactly one record of T turns closed by `end` wit
 outcome; the bench fails otherwise. It also prints the worker's own counters
 (flywheel_streams_segments_total, flywheel_streams_ledger_events_total) and its log's errors.
 
-    .venv/bin/python -m bench.sessions              # 5000 sessions x 8 turns; ~3 min on 2 cores
+    .venv/bin/python -m bench.sessions              # 5000 sessions x 8 turns; ~75 s on 2 cores
     .venv/bin/python -m bench.sessions --quick      # 300 x 8, 6 s live
     .venv/bin/python -m bench.sessions --bootstrap 127.0.0.1:9092 --sessions 4000 --turns 16
 """
