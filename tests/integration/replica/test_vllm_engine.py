@@ -504,8 +504,10 @@ def _top_logprobs_as_the_builtin_engine(srv, state: dict, config: dict) -> None:
     (want,) = ref.generate([ref.tokenizer.encode(prompt)], 1, 1.0, seed=0, top_logprobs=3)
     first = {ref.tokenizer.decode([i]): v for i, v in want.top_logprobs[0]}
     got = lp["top_logprobs"][0]
-    shared = first.keys() & got.keys()
-    assert len(shared) >= 2, (first, got)  # near-ties may swap the third
+    # OpenAI's shape keys alternatives by text: byte tokens that are not UTF-8 on their own all
+    # read U+FFFD, so that key names no one token on either side and is not compared
+    shared = (first.keys() & got.keys()) - {"\ufffd"}
+    assert len(shared) >= 1, (first, got)  # near-ties may swap the others
     assert all(abs(first[t] - got[t]) < 0.05 for t in shared), (first, got)
 
 
