@@ -70,6 +70,7 @@ from faust.sensors import Monitor
 from mode.supervisors import CrashingSupervisor
 
 from app.contracts.topics import (
+    KAFKA_DERIVED_MAX_MESSAGE_BYTES,
     STREAMS_INTERNAL_SPECS,
     STREAMS_METRIC_PARTIALS,
     STREAMS_TICKS,
@@ -116,8 +117,13 @@ def internal_topics(
         f"{ns}.{t.name}": (topic_partitions(settings, t.name), dict(t.config))
         for t in STREAMS_INTERNAL_SPECS
     }
+    # a table value can be as large as a record it derives from (a generation, a session's segment)
+    changelog = {
+        "cleanup.policy": "compact",
+        "max.message.bytes": str(KAFKA_DERIVED_MAX_MESSAGE_BYTES),
+    }
     for table in TABLES:
-        topics[f"{app_id(settings, cfg)}-{table}-changelog"] = (n, {"cleanup.policy": "compact"})
+        topics[f"{app_id(settings, cfg)}-{table}-changelog"] = (n, dict(changelog))
     return topics
 
 

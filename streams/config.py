@@ -126,6 +126,12 @@ class StreamsConfig(FlywheelSettings):
         ge=1,
         description="Tokens (prompt and completion) per segment: the model's context.",
     )
+    session_max_bytes: int = Field(
+        3 << 20,
+        description="An upper bound of a segment's record and stored state in bytes (below the "
+        "4 MiB record limit of <ns>.rollouts and the sessions changelog); a turn that would pass "
+        "it closes the segment (max_bytes).",
+    )
     max_open_sessions: int = Field(
         10_000,
         ge=1,
@@ -155,6 +161,7 @@ class StreamsConfig(FlywheelSettings):
             retention_s=self.session_retention,
             max_turns=self.session_max_turns,
             max_tokens=self.session_max_tokens,
+            max_bytes=self.session_max_bytes,
             max_open_sessions=self.max_open_sessions,
         )
 

@@ -31,7 +31,8 @@ Per session, turns are applied in order of `turn` (then `generated_at`, then req
 A segment closes when a turn breaks it (`history_rewritten`, `tools_changed`,
 `version_tokenizer_changed`), after `idle_s` without a turn of its session (`idle`), on
 `end_session` (`end`), at `max_turns` turns (`max_turns`), when the next turn would take it past
-`max_tokens` tokens or it reached them (`max_tokens`), or when its session is the least
+`max_tokens` tokens or it reached them (`max_tokens`), when the next turn would take its record
+past `max_bytes` (`max_bytes`: `segments.record_bytes`, an upper bound), or when its session is the least
 recently active of more than `max_open_sessions` open ones (`open_sessions`). The segment after
 a close by idle or a bound opens with that reason; nothing is lost across a close.
 
@@ -69,8 +70,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.contracts.topics import KAFKA_DERIVED_MAX_MESSAGE_BYTES
 from streams.reward import RewardSpec, outcome_reward
-from streams.segments import Segment, as_rollout, extension, segment_record
+from streams.segments import Segment, as_rollout, extension, record_size, segment_record
 
 CloseReason = Literal[
     "history_rewritten",
@@ -80,6 +82,7 @@ CloseReason = Literal[
     "end",
     "max_turns",
     "max_tokens",
+    "max_bytes",
     "open_sessions",
     "not_a_chat_turn",
 ]
@@ -107,6 +110,14 @@ class LedgerConfig(BaseModel):
     max_turns: int = Field(64, ge=1, description="Turns per segment.")
     max_tokens: int = Field(
         32768, ge=1, description="Prompt and completion tokens per segment (the model's context)."
+    )
+    max_bytes: int = Field(
+        3 << 20,
+        ge=64 << 10,
+        le=KAFKA_DERIVED_MAX_MESSAGE_BYTES - (64 << 10),
+        description="An upper bound of a segment's record (and stored state) in bytes: a turn "
+        "that would take it past this closes it (max_bytes); below the rollouts topic's and the "
+        "sessions changelog's record limit.",
     )
     max_open_sessions: int = Field(
         10_000, ge=1, description="Sessions with an open segment or waiting turns, per ledger."
@@ -244,8 +255,22 @@ class Session:
 
 
 BREAKS = frozenset(
-    ("history_rewritten", "tools_changed", "version_tokenizer_changed", "max_turns", "max_tokens")
+    (
+        "history_rewritten",
+        "tools_changed",
+        "version_tokenizer_changed",
+        "max_turns",
+        "max_tokens",
+        "max_bytes",
+    )
 )  # closes after which the session goes on: their segments wait for its outcome
+
+
+def state_bytes(sess: Session) -> int:
+    """An upper bound of `sess`'s stored JSON (streams/segments.py `record_size`)."""
+    n = 512 + sum(len(rid) + 4 for rid in sess.seen)
+    n += sum(record_size(w.record) for w in sess.waiting) + sum(map(record_size, sess.held))
+    return n + (sess.segment.size if sess.segment is not None else 0)
 
 
 def with_outcome(
@@ -330,7 +355,8 @@ class Ledger:
         if rid in sess.seen:
             self.counts["duplicates"] += 1
             return out
-        sess = replace(sess, seen=(*sess.seen, rid))
+        # the most recent request_ids only: an older one again is judged by its turn (late)
+        sess = replace(sess, seen=(*sess.seen, rid)[-4 * self.cfg.max_turns :])
         late = self._late_reason(sess, rec)
         if late is not None:
             out.append(self._late(late, rec, now))
@@ -338,9 +364,31 @@ class Ledger:
             sess = self._accept(sess, rec, now, out)
         if sess.ending and self._has_applied(sess, sess.outcome.request_id):  # type: ignore[union-attr]
             sess = self._end(sess, now, out)
-        self._put(sid, sess)
+        self._put(sid, self._shed(sess, now, out))
         out += self._evict(keep=sid, now=now)
         return out
+
+    def _shed(self, sess: Session, now: float, out: list[Emit]) -> Session:
+        """`sess` within `max_bytes` of stored state: past it, its waiting turns are applied (gaps
+        and all), then its held records go out without the outcome, oldest first
+        (`held_released`), then its open segment closes (`max_bytes`)."""
+        cap = self.cfg.max_bytes
+        if state_bytes(sess) <= cap:
+            return sess
+        if sess.waiting:
+            self.counts["shed.waiting"] += 1
+            sess = self._flush(sess, now, out)
+        while sess.held and state_bytes(sess) > cap:
+            self.counts["held_released"] += 1
+            out.append(_emit(sess.held[0]))
+            sess = replace(sess, held=sess.held[1:])
+        if sess.segment is not None and state_bytes(sess) > cap:
+            sess = self._close(sess, "max_bytes", out)
+            while sess.held:  # a max_bytes close holds its record: it cannot stay either
+                self.counts["held_released"] += 1
+                out.append(_emit(sess.held[0]))
+                sess = replace(sess, held=sess.held[1:])
+        return sess
 
     def on_outcome(self, ev: dict[str, Any], now: float) -> list[Emit]:
         """Apply a session's `session_outcome` event: the session ends (its segment closes with
@@ -470,7 +518,7 @@ class Ledger:
             self.counts[f"opened.{seg.opened_by}"] += 1
         else:
             eos = cfg.eos_ids.get(rec.get("tokenizer") or "", [])
-            broken, drop_eos = extension(seg, rec, eos, cfg.max_tokens)
+            broken, drop_eos = extension(seg, rec, eos, cfg.max_tokens, cfg.max_bytes)
             if broken is not None:
                 sess = self._close(sess, broken, out)
                 seg = Segment.start(rec, broken)

@@ -58,8 +58,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import orjson
+
 BreakReason = Literal[
-    "history_rewritten", "tools_changed", "version_tokenizer_changed", "max_tokens"
+    "history_rewritten", "tools_changed", "version_tokenizer_changed", "max_tokens", "max_bytes"
 ]
 LEDGER_KEYS = ("turn", "tools_digest")  # input keys beside the rollout's; not in the record
 COMPONENT_NAMES = ("decision", "persistence", "rating", "followup", "tool_errors")
@@ -216,6 +218,21 @@ class Segment:
         return len(self.first["prompt_tokens"]) + len(self.completion)
 
     @property
+    def row_bytes(self) -> int:
+        """Logged route bytes per completion token (int32 ids, base64): 0 without routes."""
+        return _row_bytes(self.first.get("route_shape"))
+
+    @property
+    def size(self) -> int:
+        """An upper bound of its stored JSON, and of its record's (`record_bytes`; the turns'
+        logged routes and tool errors as they are)."""
+        first = len(self.first["prompt_tokens"])
+        size = record_bytes(first, len(self.completion), len(self.parts), self.row_bytes)
+        # the stored state also keeps the first turn's own completion in `first`
+        size += (COMPLETION_TOKEN_BYTES + self.row_bytes) * len(self.first["completion_tokens"])
+        return size + sum(len(orjson.dumps(p.tool_errors)) for p in self.parts)
+
+    @property
     def last_turn(self) -> int:
         return self.parts[-1].turn
 
@@ -277,8 +294,48 @@ class Segment:
         }
 
 
+# Upper bounds of a record's JSON per token, for `record_bytes`: a prompt token is an id and a
+# comma (ids below 10^7); a completion token adds its log-prob (orjson's shortest float repr,
+# sign and exponent included) and its mask digit; each turn's span and the fixed fields are below
+# the per-turn and per-record constants.
+PROMPT_TOKEN_BYTES, COMPLETION_TOKEN_BYTES = 8, 8 + 25 + 2
+TURN_BYTES, RECORD_BYTES = 1024, 4096
+
+
+def record_bytes(prompt: int, completion: int, turns: int, row_bytes: int) -> int:
+    """An upper bound of the JSON size of a segment's record (and of its stored state, which
+    holds the same tokens): `prompt` and `completion` tokens, `turns` turns, `row_bytes` of
+    routes per completion token."""
+    return (
+        RECORD_BYTES
+        + PROMPT_TOKEN_BYTES * prompt
+        + (COMPLETION_TOKEN_BYTES + row_bytes) * completion
+        + TURN_BYTES * turns
+    )
+
+
+def _row_bytes(shape: Sequence[int] | None) -> int:
+    return 0 if not shape else (4 * shape[1] * shape[2] * 4 + 2) // 3
+
+
+def record_size(rec: Mapping[str, Any]) -> int:
+    """An upper bound of the JSON size of a rollout record (an input turn or a segment's record)."""
+    turns = len(rec.get("turns") or ()) or 1
+    size = record_bytes(
+        len(rec["prompt_tokens"]),
+        len(rec["completion_tokens"]),
+        turns,
+        _row_bytes(rec.get("route_shape")),
+    )
+    return size + len(orjson.dumps(rec.get("tool_errors") or []))
+
+
 def extension(
-    seg: Segment, rec: Mapping[str, Any], eos_ids: Sequence[int], max_tokens: int
+    seg: Segment,
+    rec: Mapping[str, Any],
+    eos_ids: Sequence[int],
+    max_tokens: int,
+    max_bytes: int | None = None,
 ) -> tuple[BreakReason | None, bool]:
     """(why `rec` cannot extend `seg`, or None; whether it extends it without the final eos)."""
     if rec.get("tokenizer") != seg.first.get("tokenizer"):
@@ -292,8 +349,13 @@ def extension(
         drop = True
     else:
         return "history_rewritten", False
-    if len(prompt) + len(rec["completion_tokens"]) > max_tokens:
+    total = len(prompt) + len(rec["completion_tokens"])
+    if total > max_tokens:
         return "max_tokens", False
+    first = len(seg.first["prompt_tokens"])
+    size = record_bytes(first, total - first, len(seg.parts) + 1, seg.row_bytes)
+    if max_bytes is not None and size > max_bytes:
+        return "max_bytes", False
     return None, drop
 
 

@@ -181,7 +181,7 @@ class Rollout(BaseModel):
     segment_closed_by: str | None = Field(
         None,
         description="a session segment's record: why it closed (end, idle, history_rewritten, "
-        "tools_changed, version_tokenizer_changed, max_turns, max_tokens, open_sessions)",
+        "tools_changed, version_tokenizer_changed, max_turns, max_tokens, max_bytes, open_sessions)",
     )
 
 

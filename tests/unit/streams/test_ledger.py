@@ -3,6 +3,7 @@ late and duplicate turns, and state that survives a restart."""
 
 from __future__ import annotations
 
+import base64
 import random
 from typing import Any
 
@@ -240,6 +241,33 @@ def test_the_token_bound_closes_before_a_turn_that_would_pass_it():
     ], out
     assert _request_ids(out) == [r["request_id"] for r in recs]
     assert ledger.counts["closed.max_tokens"] == 3 and ledger.open_sessions == 0
+
+
+def test_the_byte_bound_closes_a_segment_before_its_record_or_state_would_pass_it():
+    """Long turns with long log-probs and routes: no record and no stored session goes past
+    max_bytes (the bound is an upper bound of the JSON), and no turn is lost."""
+    cap = 64 << 10
+    routes = base64.b64encode(bytes(4 * 2 * 2 * 300)).decode()  # 300 tokens, 2 layers, top 2
+    prompt, recs = [1, 2, 3], []
+    for k in range(12):
+        completion = [1000 + (k * 300 + i) % 9000 for i in range(300)]
+        recs.append(turn_rec("s1", k, prompt, completion, routes=routes, route_shape=[300, 2, 2],
+                             logprobs=[-1.2345678901234567e-05 - i for i in range(300)]))  # fmt: skip
+        prompt = [*prompt, *completion, 7, 8]
+    for order in (recs, recs[::-1]):  # in order (held segments), and every turn early (waiting)
+        table: dict[str, dict] = {}
+        ledger = Ledger(LedgerConfig(max_bytes=cap, max_tokens=10**6), table)
+        out = []
+        for i, rec in enumerate(order):
+            out += ledger.on_rollout(rec, 1.0 + i)
+            assert len(orjson.dumps(table["s1"])) <= cap
+        out += ledger.end_session("s1", 100.0)
+        closes = [e.closed_by for e in out if e.topic == "rollouts"]
+        assert "max_bytes" in closes, closes
+        assert all(len(orjson.dumps(e.value)) <= cap for e in out)
+        landed = _request_ids([e for e in out if e.topic == "rollouts"])
+        landed += [e.key for e in out if e.topic == "late"]
+        assert sorted(landed) == sorted(r["request_id"] for r in recs)
 
 
 def test_the_least_recently_active_session_closes_past_the_open_session_bound():
