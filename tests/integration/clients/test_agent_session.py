@@ -25,7 +25,7 @@ from tests.integration.streams.conftest import WorkerProc, streams_env
 
 pytestmark = pytest.mark.integration
 
-WINDOW_S = 3.0
+WINDOW_S = 8.0  # each turn's feedback is sent as soon as the turn is done, well inside it
 TOOLS = [
     {
         "type": "function",
@@ -55,9 +55,12 @@ CHOICES = [  # per turn: the first two call a tool, the last answers
 ]
 
 
-def _agent(client: openai.OpenAI, model: str, session: str, rewrite: bool, seed: int) -> list[str]:
+def _agent(
+    client: openai.OpenAI, model: str, session: str, rewrite: bool, seed: int, after_turn=None
+) -> list[str]:
     """Three turns of a coding agent; returns the request ids. `rewrite`: before the last turn the
-    client drops the first tool exchange from its history (as a context compactor would)."""
+    client drops the first tool exchange from its history (as a context compactor would).
+    `after_turn(turn, request_id)` runs as each turn is done (its feedback, as a client sends it)."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You fix bugs."},
         {"role": "user", "content": "Fix add in calc.py"},
@@ -77,6 +80,8 @@ def _agent(client: openai.OpenAI, model: str, session: str, rewrite: bool, seed:
             seed=seed + turn,
         )
         ids.append(answer.id)
+        if after_turn is not None:
+            after_turn(turn, answer.id)
         msg = answer.choices[0].message
         messages.append(msg.model_dump(exclude_none=True))
         for call in msg.tool_calls or []:
@@ -157,12 +162,20 @@ def test_an_agent_session_becomes_one_trajectory_and_a_rewritten_history_two(
     api, ingest_key = serve_api(settings, "agent")
     try:
         client = openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=2)
-        ids = _agent(client, settings.model_name, "agent-1", rewrite=False, seed=100)
-        rewritten = _agent(client, settings.model_name, "agent-2", rewrite=True, seed=200)
         with FeedbackClient(api.url, ingest_key, flush_interval_s=0) as fc:
-            # the read_file call failed on the user's machine; the user rated the answer down
-            fc.tool_error(ids[0], "agent-1", message="FileNotFoundError: calc.py", token_index=0)
-            fc.rating(ids[2], "agent-1", value=-1, model_version="7")
+
+            def feedback(turn: int, request_id: str) -> None:
+                # the read_file call failed on the user's machine; the user rated the answer down
+                if turn == 0:
+                    fc.tool_error(request_id, "agent-1", message="FileNotFoundError", token_index=0)
+                elif turn == 2:
+                    fc.rating(request_id, "agent-1", value=-1, model_version="7")
+                fc.flush()
+
+            ids = _agent(
+                client, settings.model_name, "agent-1", False, seed=100, after_turn=feedback
+            )
+            rewritten = _agent(client, settings.model_name, "agent-2", rewrite=True, seed=200)
             fc.session_outcome(ids[2], "agent-1", outcome="success")
             fc.session_outcome(rewritten[2], "agent-2", outcome="failure")
         got = _read(
