@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -196,6 +197,12 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+# Set by a stop signal. The handler also raises KeyboardInterrupt, but Python swallows one raised
+# where exceptions are ignored (seen: inside logging's at-fork hook while the supervisor started a
+# role, "Exception ignored in: <function _releaseLock>"): start-up and the status loop check this.
+STOP = threading.Event()
+
+
 def _stop_on_signals() -> None:
     """SIGTERM (a process manager, `timeout`, `docker stop`) and SIGHUP stop the stack as Ctrl-C does:
     the roles run in their own sessions, so a run killed without its cleanup would orphan them.
@@ -204,6 +211,7 @@ def _stop_on_signals() -> None:
     import signal
 
     def _interrupt(signum: int, frame: object) -> None:
+        STOP.set()  # kept: a KeyboardInterrupt raised inside a fork hook or a __del__ is swallowed
         raise KeyboardInterrupt(f"signal {signum}")
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -231,6 +239,8 @@ class _Launch:
 
     def ok(self, text: str) -> None:
         self.console.print(f"[green]✓[/green] {text}")
+        if STOP.is_set():  # a stop signal came while this part started
+            raise KeyboardInterrupt("stop requested")
 
 
 def _role_env(
@@ -369,7 +379,7 @@ def _watch(run: _Launch, read_key: str, opts: RunOptions) -> None:
         trainer_metrics_url=trainer_metrics_url(run.sup.base_env),
     )
     deadline = None if opts.duration_s is None else time.monotonic() + opts.duration_s
-    view.run(live=opts.live, until=deadline)
+    view.run(live=opts.live, until=deadline, stop=STOP)
 
 
 def run_local(settings: Settings, opts: RunOptions) -> int:

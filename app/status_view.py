@@ -24,6 +24,7 @@ events other than the replicas' own; on a resumed run the first read says only t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -405,23 +406,30 @@ class StatusView:
             self._said_seq = max(e["seq"] for e in fresh)
         return lines
 
-    def run(self, live: bool = True, until: float | None = None) -> None:
-        """Refresh every `interval_s` until `until` (time.monotonic()); the live view, or log
-        lines with `live=False` or when stdout is no terminal (a Live view writes to a pipe or a
-        file only its last frame, when it stops)."""
+    def run(
+        self, live: bool = True, until: float | None = None, stop: threading.Event | None = None
+    ) -> None:
+        """Refresh every `interval_s` until `until` (time.monotonic()) or `stop` is set; the live
+        view, or log lines with `live=False` or when stdout is no terminal (a Live view writes to
+        a pipe or a file only its last frame, when it stops)."""
+        stop = stop or threading.Event()
+
+        def going() -> bool:
+            return not stop.is_set() and (until is None or time.monotonic() < until)
+
         if not live or not Console().is_terminal:
-            while until is None or time.monotonic() < until:
+            while going():
                 for line in self.sup.poll() + self.new_lines(self.fetch()):
                     print(f"{time.strftime('%H:%M:%S')} {line}", flush=True)
-                self._sleep(until)
+                self._sleep(until, stop)
             return
         with Live(self.render(), refresh_per_second=1, screen=False) as view:
-            while until is None or time.monotonic() < until:
+            while going():
                 self.messages.extend(self.sup.poll())
                 view.update(self.render())
-                self._sleep(until)
+                self._sleep(until, stop)
 
-    def _sleep(self, until: float | None) -> None:
+    def _sleep(self, until: float | None, stop: threading.Event) -> None:
         left = self.interval_s if until is None else min(self.interval_s, until - time.monotonic())
         if left > 0:
-            time.sleep(left)
+            stop.wait(left)
