@@ -221,7 +221,8 @@ def _both_replicas_serve_the_import(run: _Run, moe_dir: Path) -> None:
     )
     _check_import(run.mlflow, moe_dir, run.history, run.http)
     engine = httpx.get(f"http://127.0.0.1:{run.ports['replicas'] + 1}/v1/status").json()["engine"]
-    assert engine["engine"] == "vllm" and engine["engines"][0]["version"] == "1", engine
+    # v1 served is what the history above showed; by now the loop may have taken it further
+    assert engine["engine"] == "vllm" and int(engine["engines"][0]["version"]) >= 1, engine
 
 
 def _a_trained_version_taken_forward(run: _Run) -> str:
