@@ -11,8 +11,6 @@ last turn answers freely."""
 
 from __future__ import annotations
 
-import json
-import time
 from typing import Any
 
 import openai
@@ -21,33 +19,13 @@ import pytest
 from app.client import FeedbackClient
 from app.contracts.rollouts import Rollout
 from tests.integration.clients.servers import serve_api, serve_replica
+from tests.integration.replica.conftest import read_topic
+from tests.integration.replica.test_tool_calling import TOOLS
 from tests.integration.streams.conftest import WorkerProc, streams_env
 
 pytestmark = pytest.mark.integration
 
 WINDOW_S = 8.0  # each turn's feedback is sent as soon as the turn is done, well inside it
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Read a file of the repository.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string", "maxLength": 12}},
-                "required": ["path"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "run_tests",
-            "description": "Run the test suite.",
-            "parameters": {"type": "object", "properties": {}},
-        },
-    },
-]
 CHOICES = [  # per turn: the first two call a tool, the last answers
     {"type": "function", "function": {"name": "read_file"}},
     {"type": "function", "function": {"name": "run_tests"}},
@@ -90,28 +68,6 @@ def _agent(
     return ids
 
 
-def _read(settings, topic: str, want, until, timeout_s: float) -> list[dict[str, Any]]:
-    """The values of `topic` (from the beginning) that `want` accepts, once `until` holds of them."""
-    from kafka import TopicPartition
-
-    from app.infra.kafka import make_consumer
-
-    consumer = make_consumer(settings, group_id=None)
-    try:
-        name = settings.topic(topic)
-        tps = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name))]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        out: list[dict[str, Any]] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not until(out):
-            for records in consumer.poll(timeout_ms=500).values():
-                out += [v for v in (json.loads(x.value) for x in records) if want(v)]
-        return out
-    finally:
-        consumer.close()
-
-
 def _relabel(settings, session: str) -> dict[str, Any]:
     """`flywheel streams relabel`'s core over the interactions so far, under a stricter spec; the
     relabelled record of `session`'s last segment."""
@@ -135,12 +91,11 @@ def _relabel(settings, session: str) -> dict[str, Any]:
         RelabelOptions(spec, since=since),
     )
     assert counts.labelled >= 1, counts.as_dict()
-    [got] = _read(
+    [got] = read_topic(
         settings,
         "rollouts",
-        lambda v: v["session_id"] == session and v.get("relabel_run") is not None,
-        lambda out: len(out) >= 1,
-        timeout_s=30.0,
+        1,
+        where=lambda v: v["session_id"] == session and v.get("relabel_run") is not None,
     )
     return got
 
@@ -178,26 +133,23 @@ def test_an_agent_session_becomes_one_trajectory_and_a_rewritten_history_two(
             rewritten = _agent(client, settings.model_name, "agent-2", rewrite=True, seed=200)
             fc.session_outcome(ids[2], "agent-1", outcome="success")
             fc.session_outcome(rewritten[2], "agent-2", outcome="failure")
-        got = _read(
+        # every record of both sessions (three: one, and two for the rewritten history): a
+        # session's pieces go out in one batch, but on the partitions of their own keys, so its
+        # end record may be read before the others
+        got = read_topic(
             settings,
             "rollouts",
-            lambda v: v["session_id"] in ("agent-1", "agent-2"),
-            # every record of both sessions: a session's pieces go out in one batch, but on the
-            # partitions of their own keys, so the end record may be read before the others
-            lambda out: (
-                sorted((v["session_id"], v["segment_closed_by"]) for v in out)
-                == [("agent-1", "end"), ("agent-2", "end"), ("agent-2", "history_rewritten")]
-            ),
+            3,
             timeout_s=180.0,
+            where=lambda v: v["session_id"] in ("agent-1", "agent-2"),
         )
         generations = {
             g["request_id"]: g
-            for g in _read(
+            for g in read_topic(
                 settings,
                 "interactions",
-                lambda v: v["type"] == "generation" and v["request_id"] in ids + rewritten,
-                lambda out: len(out) >= 6,
-                timeout_s=30.0,
+                6,
+                where=lambda v: v["type"] == "generation" and v["request_id"] in ids + rewritten,
             )
         }
     finally:
