@@ -83,7 +83,7 @@ from streams.config import StreamsConfig
 from streams.consumer import install as install_eager_drain
 from streams.labels import Aggregator, MetricsMerger
 from streams.outbox import KafkaOutbox
-from streams.runtime import Runtime
+from streams.runtime import RAW, Runtime, table_options
 from streams.session_stage import SessionStage
 from streams.state import BatchedTable
 
@@ -254,23 +254,17 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         install_eager_drain(app)  # before app.topic(): that creates the transport
     interactions, ticks = settings.topic("interactions"), f"{ns}.{STREAMS_TICKS}"
     partials_name = f"{ns}.{STREAMS_METRIC_PARTIALS}"
-    raw = {
-        "key_type": bytes,
-        "value_type": bytes,
-        "key_serializer": "raw",
-        "value_serializer": "raw",
-    }
-    source = app.topic(interactions, ticks, partitions=n, **raw)
+    source = app.topic(interactions, ticks, partitions=n, **RAW)
     topics = {
-        "rollouts": app.topic(settings.topic("rollouts"), **raw),
-        "late": app.topic(settings.topic("late"), **raw),
-        "dlq": app.topic(settings.topic("dlq"), **raw),
-        "version-metrics": app.topic(settings.topic("version-metrics"), **raw),
-        "partials": app.topic(partials_name, partitions=n, **raw),
-        "ticks": app.topic(ticks, partitions=n, **raw),
-        "turns": app.topic(f"{ns}.{STREAMS_TURNS}", partitions=n, **raw),
+        "rollouts": app.topic(settings.topic("rollouts"), **RAW),
+        "late": app.topic(settings.topic("late"), **RAW),
+        "dlq": app.topic(settings.topic("dlq"), **RAW),
+        "version-metrics": app.topic(settings.topic("version-metrics"), **RAW),
+        "partials": app.topic(partials_name, partitions=n, **RAW),
+        "ticks": app.topic(ticks, partitions=n, **RAW),
+        "turns": app.topic(f"{ns}.{STREAMS_TURNS}", partitions=n, **RAW),
     }
-    table = {"partitions": n, "key_type": str, "value_type": None, "default": None}
+    table = table_options(n)
     labels = app.Table("labels", help="request_id -> label state", **table)
     generations = app.Table(
         "generations", help="request_id -> generation event until its label closes", **table
@@ -316,7 +310,7 @@ def build_app(settings: Settings, cfg: StreamsConfig) -> tuple[faust.App, Runtim
         async for event in stream.events():
             await rt.send(rt.on_partial(event.message, event.value))
 
-    sessions = SessionStage.build(app, settings, cfg, spec, rt.outbox)
+    sessions = SessionStage.build(app, settings, cfg, spec, rt.outbox, topics)
 
     @app.agent(
         sessions.source, name="assemble", concurrency=1, supervisor_strategy=CrashingSupervisor

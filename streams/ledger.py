@@ -371,23 +371,25 @@ class Ledger:
     def _shed(self, sess: Session, now: float, out: list[Emit]) -> Session:
         """`sess` within `max_bytes` of stored state: past it, its waiting turns are applied (gaps
         and all), then its held records go out without the outcome, oldest first
-        (`held_released`), then its open segment closes (`max_bytes`)."""
+        (`held_released`), then its open segment closes (`max_bytes`) and held records go out
+        again until it fits."""
         cap = self.cfg.max_bytes
         if state_bytes(sess) <= cap:
             return sess
         if sess.waiting:
             self.counts["shed.waiting"] += 1
             sess = self._flush(sess, now, out)
+        sess = self._release_held(sess, cap, out)
+        if sess.segment is not None and state_bytes(sess) > cap:
+            sess = self._release_held(self._close(sess, "max_bytes", out), cap, out)
+        return sess
+
+    def _release_held(self, sess: Session, cap: int, out: list[Emit]) -> Session:
+        """`sess` less its oldest held records, sent without the outcome, until it is within `cap`."""
         while sess.held and state_bytes(sess) > cap:
             self.counts["held_released"] += 1
             out.append(_emit(sess.held[0]))
             sess = replace(sess, held=sess.held[1:])
-        if sess.segment is not None and state_bytes(sess) > cap:
-            sess = self._close(sess, "max_bytes", out)
-            while sess.held:  # a max_bytes close holds its record: it cannot stay either
-                self.counts["held_released"] += 1
-                out.append(_emit(sess.held[0]))
-                sess = replace(sess, held=sess.held[1:])
         return sess
 
     def on_outcome(self, ev: dict[str, Any], now: float) -> list[Emit]:

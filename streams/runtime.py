@@ -9,7 +9,6 @@ The aggregate agent runs it on `<ns>.interactions` (the label join); the session
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import math
@@ -21,9 +20,10 @@ import faust
 import orjson
 from prometheus_client import Counter, Gauge, Histogram
 
+from app.contracts.deadletter import envelope
 from app.settings import Settings
 from streams.config import StreamsConfig
-from streams.labels import Aggregator, Emit, MetricsMerger, Refused, decode_interaction, iso_now
+from streams.labels import Aggregator, Emit, MetricsMerger, Refused, decode_interaction
 from streams.outbox import Outbox
 from streams.state import BatchedTable
 
@@ -98,6 +98,15 @@ CHANGELOG = Counter(
 )
 
 
+# Faust topic options of every topic the agents read or write: records as bytes (the agents
+# decode and encode them themselves), and of every table: JSON values under string keys
+RAW = {"key_type": bytes, "value_type": bytes, "key_serializer": "raw", "value_serializer": "raw"}
+
+
+def table_options(partitions: int) -> dict[str, Any]:
+    return {"partitions": partitions, "key_type": str, "value_type": None, "default": None}
+
+
 def dlq_envelope(
     reason: str,
     errors: list,
@@ -107,18 +116,8 @@ def dlq_envelope(
     key: bytes | None,
     value: bytes | None,
 ) -> dict[str, Any]:
-    """A `<ns>.dlq` record (app.contracts.rollouts.DlqRecord; the same envelope as app/contracts/deadletter.py)."""
-    return {
-        "reason": reason,
-        "errors": errors,
-        "consumer": "streams",
-        "topic": topic,
-        "partition": partition,
-        "offset": offset,
-        "key_b64": base64.b64encode(key).decode() if key is not None else None,
-        "value_b64": base64.b64encode(value).decode() if value is not None else None,
-        "detected_at": iso_now(time.time),
-    }
+    """A `<ns>.dlq` record of the streams worker (app/contracts/deadletter.py's envelope)."""
+    return envelope("streams", reason, errors, topic, partition, offset, key, value)
 
 
 def _failure(field: str, exc: BaseException) -> dict[str, str]:

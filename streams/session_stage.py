@@ -47,7 +47,7 @@ from streams.config import StreamsConfig
 from streams.ledger import Emit, Ledger, LedgerConfig
 from streams.outbox import Outbox
 from streams.reward import RewardSpec
-from streams.runtime import OUT, Runtime, _failure
+from streams.runtime import OUT, RAW, Runtime, _failure, table_options
 from streams.state import BatchedTable
 
 SEGMENTS = Counter(
@@ -112,26 +112,19 @@ class SessionStage(Runtime):
         cfg: StreamsConfig,
         spec: RewardSpec,
         outbox: Outbox,
+        outputs: dict[str, Any],
     ) -> SessionStage:
+        """The stage on `app`, writing to the aggregate stage's `outputs` topics (rollouts, late,
+        dlq) through the same `outbox`."""
         n, ns = settings.interactions_partitions, settings.topic_namespace
         turns, ticks = f"{ns}.{STREAMS_TURNS}", f"{ns}.{STREAMS_LEDGER_TICKS}"
-        raw = {
-            "key_type": bytes,
-            "value_type": bytes,
-            "key_serializer": "raw",
-            "value_serializer": "raw",
-        }
-        table = {"partitions": n, "key_type": str, "value_type": None, "default": None}
+        table = table_options(n)
         sessions = app.Table("sessions", help="'<partition>|<session id>' -> ledger state", **table)
         progress = app.Table(
             "session-progress", help="'offset|<partition>' -> last turns offset reflected", **table
         )
-        topics = {
-            "rollouts": app.topic(settings.topic("rollouts"), **raw),
-            "late": app.topic(settings.topic("late"), **raw),
-            "dlq": app.topic(settings.topic("dlq"), **raw),
-            "ticks": app.topic(ticks, partitions=n, **raw),
-        }
+        topics = {name: outputs[name] for name in ("rollouts", "late", "dlq")}
+        topics["ticks"] = app.topic(ticks, partitions=n, **RAW)
         stage = cls(
             settings,
             cfg,
@@ -146,7 +139,7 @@ class SessionStage(Runtime):
             ledger_cfg=cfg.ledger(),
             spec=spec,
         )
-        stage.source = app.topic(turns, ticks, partitions=n, **raw)
+        stage.source = app.topic(turns, ticks, partitions=n, **RAW)
         return stage
 
     def ledger(self, p: int) -> Ledger:
