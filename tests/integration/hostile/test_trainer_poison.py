@@ -35,16 +35,14 @@ from tests.conftest import free_port
 from tests.integration.trainer.conftest import (
     TINY_POLICY,
     TrainerProcess,
-    committed_offsets,
     drain,
-    end_offsets,
     produce_raw,
     read_dlq,
     refused_count,
     rollout_records,
     trainer_env,  # noqa: F401 (a fixture)
     trainer_env_vars,
-    wait_for,
+    wait_all_committed,
 )
 from trainer.config import TrainerConfig
 from trainer.loop import Trainer
@@ -178,13 +176,8 @@ def test_the_trainer_process_keeps_running_and_exports_the_refusals(trainer_env,
     env = trainer_env_vars(settings.model_copy(update={"ship_interval": 2}), cfg)
     p = TrainerProcess(env, log)
     try:
-        ends = end_offsets(settings)
-        wait_for(
-            lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
-            300,
-            "offsets committed past the bad records",
-            p.proc,
-            log,
+        wait_all_committed(
+            settings, cfg, p.proc, log, 300, "offsets committed past the bad records"
         )
         assert p.proc.poll() is None, "the trainer role is still running"
         text = httpx.get(f"http://127.0.0.1:{cfg['metrics_port']}/metrics", timeout=10).text

@@ -331,6 +331,23 @@ def wait_for(
         raise AssertionError(f"{exc}:\n{log.read_text()[-4000:]}") from None
 
 
+def wait_all_committed(
+    settings,
+    cfg: dict,
+    proc: subprocess.Popen,
+    log: Path,
+    timeout: float = 300,
+    what: str = "all offsets committed",
+) -> dict[int, int]:
+    """The rollouts topic's end offsets now, once the trainer's group committed every one of them
+    (`wait_for`: fails at once if `proc` exits first)."""
+    ends = end_offsets(settings)
+    wait_for(
+        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends, timeout, what, proc, log
+    )
+    return ends
+
+
 def model_versions(client, name: str) -> list:
     """Every version of registered model `name`, oldest first."""
     return sorted(client.search_model_versions(f"name='{name}'"), key=lambda mv: int(mv.version))

@@ -43,7 +43,6 @@ from tests.integration.trainer.conftest import (
     TrainerProcess,
     check_lineage,
     committed_offsets,
-    end_offsets,
     listed_skipped_offsets,
     model_versions,
     produce,
@@ -52,10 +51,25 @@ from tests.integration.trainer.conftest import (
     rollout_records,
     session_records,
     trainer_env_vars,
+    wait_all_committed,
     wait_for,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+
+def _starter(settings, cfg: dict, log: Path, marker: Path):
+    """`start(ship_interval, pause_at)`: a trainer process with that ship interval, paused at
+    `pause_at` (FLYWHEEL_TRAINER_PAUSE_AT, which writes `marker`; a stale marker is removed)."""
+
+    def start(ship_interval: float, pause_at: str | None) -> TrainerProcess:
+        marker.unlink(missing_ok=True)
+        env = trainer_env_vars(settings.model_copy(update={"ship_interval": ship_interval}), cfg)
+        if pause_at:
+            env["FLYWHEEL_TRAINER_PAUSE_AT"] = pause_at
+        return TrainerProcess(env, log)
+
+    return start
 
 
 def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice(
@@ -71,12 +85,7 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     client = MlflowClient(settings.mlflow_uri)
     log = tmp_path / "trainer.log"
 
-    def start(ship_interval: float, pause_at: str | None) -> TrainerProcess:
-        marker.unlink(missing_ok=True)
-        env = trainer_env_vars(settings.model_copy(update={"ship_interval": ship_interval}), cfg)
-        if pause_at:
-            env["FLYWHEEL_TRAINER_PAUSE_AT"] = pause_at
-        return TrainerProcess(env, log)
+    start = _starter(settings, cfg, log, marker)
 
     def versions():
         return model_versions(client, settings.model_name)
@@ -124,14 +133,7 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
 
     # 4. a clean run: finishes ship 2 (commit), trains the rest, ships again
     p = start(2, None)
-    ends = end_offsets(settings)
-    wait_for(
-        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
-        300,
-        "all offsets committed",
-        p.proc,
-        log,
-    )
+    ends = wait_all_committed(settings, cfg, p.proc, log)
     assert p.terminate() == 0, log.read_text()[-3000:]
 
     final = versions()
@@ -156,11 +158,7 @@ def test_sigkill_while_training_on_trajectories_trains_each_once(trainer_env, tm
     client = MlflowClient(settings.mlflow_uri)
     log = tmp_path / "trainer.log"
 
-    def start(ship_interval: float, pause_at: str | None) -> TrainerProcess:
-        env = trainer_env_vars(settings.model_copy(update={"ship_interval": ship_interval}), cfg)
-        if pause_at:
-            env["FLYWHEEL_TRAINER_PAUSE_AT"] = pause_at
-        return TrainerProcess(env, log)
+    start = _starter(settings, cfg, log, marker)
 
     policy = build_policy(TINY_POLICY)  # the base v1 of the empty registry
     sessions = session_records(policy, 1, 8, seed=5)
@@ -175,14 +173,7 @@ def test_sigkill_while_training_on_trajectories_trains_each_once(trainer_env, tm
 
     produce(settings, [sessions[0]])  # a trajectory trained before the kill, delivered again
     p = start(2, None)
-    ends = end_offsets(settings)
-    wait_for(
-        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
-        300,
-        "all offsets committed",
-        p.proc,
-        log,
-    )
+    ends = wait_all_committed(settings, cfg, p.proc, log)
     assert p.terminate() == 0, log.read_text()[-3000:]
 
     final = model_versions(client, settings.model_name)
@@ -251,14 +242,7 @@ def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_coun
     # 2. restart (the culprit may be re-read and raise again), more rollouts, ship, SIGTERM
     produce(settings, good[6:])
     p = start(2)
-    ends = end_offsets(settings)
-    wait_for(
-        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
-        300,
-        "all offsets committed",
-        p.proc,
-        log,
-    )
+    wait_all_committed(settings, cfg, p.proc, log)
     assert p.terminate() == 0, log.read_text()[-3000:]
 
     versions = sorted(

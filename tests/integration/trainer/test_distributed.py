@@ -35,13 +35,13 @@ from tests.integration.trainer.conftest import (
     TINY_POLICY,
     check_lineage,
     committed_offsets,
-    end_offsets,
     listed_skipped_offsets,
     model_versions,
     produce,
     produce_raw,
     rollout_records,
     trainer_env_vars,
+    wait_all_committed,
     wait_for,
 )
 
@@ -214,13 +214,8 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
     assert "rank=0" in marker.read_text()
     assert [mv.version for mv in versions()] == ["1"], "nothing registered before the pause"
     os.kill(_other_rank_pid(p, marker), signal.SIGKILL)
-    ends = end_offsets(settings)
-    wait_for(
-        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
-        600,
-        "the restarted ranks ship and commit everything",
-        p.proc,
-        log,
+    ends = wait_all_committed(
+        settings, cfg, p.proc, log, 600, "the restarted ranks ship and commit everything"
     )
     _stop(p, log)
     assert len(versions()) >= 2
@@ -242,13 +237,8 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
         "no rank commits before the version is registered and rank 0 says so"
     )
     assert "rank=0" in _kill_paused(marker)
-    ends = end_offsets(settings)
-    wait_for(
-        lambda: committed_offsets(settings, cfg["consumer_group"]) == ends,
-        600,
-        "every offset committed by the restarted ranks",
-        p.proc,
-        log,
+    ends = wait_all_committed(
+        settings, cfg, p.proc, log, 600, "every offset committed by the restarted ranks"
     )
     _stop(p, log)
     text = log.read_text()
