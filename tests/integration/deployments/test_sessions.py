@@ -20,7 +20,7 @@ from app.infra.kafka import make_consumer, make_producer
 from app.projector.projector import follow, rebuild
 from app.projector.sessions import session_rows
 from tests.integration.streams.conftest import read_topic
-from tests.unit.deployments.rollout_records import kafka_key, one_call, segment
+from tests.unit.deployments.rollout_records import compacted_session, kafka_key, one_call
 from tests.waiting import poll
 
 pytestmark = pytest.mark.integration
@@ -29,24 +29,7 @@ GROUP = "sessions-test"
 
 
 def _records() -> list[dict]:
-    agent = segment(
-        "agent-1",
-        ["a0", "a1", "a2"],
-        ["2", "2", "3"],
-        [0.5, 0.0, 0.25],
-        closed_by="history_rewritten",
-    )
-    second = segment(
-        "agent-1",
-        ["a3", "a4"],
-        ["3", "3"],
-        [0.0, 0.75],
-        outcome="success",
-        outcome_reward=1.0,
-        opened_by="history_rewritten",
-        at=100.0,
-    )
-    relabelled = {**agent, "reward_spec": "hackable-tools", "relabel_run": "run-9", "reward": 3.0}
+    agent, second, relabelled = compacted_session()
     return [
         agent,
         second,

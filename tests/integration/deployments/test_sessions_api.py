@@ -12,7 +12,7 @@ from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.projector.projector import apply_events
 from app.projector.sessions import apply_rollout
 from tests.integration.deployments.test_status_api import StatusApi, api  # noqa: F401  (fixture)
-from tests.unit.deployments.rollout_records import logged, one_call, segment
+from tests.unit.deployments.rollout_records import compacted_session, logged, one_call
 from tests.unit.deployments.scenario import MODEL
 
 pytestmark = pytest.mark.integration
@@ -49,18 +49,7 @@ def _registered(api: StatusApi, version: str, consumed: int, **lineage) -> Deplo
 def test_a_session_shows_its_segments_in_order_with_turns_versions_rewards_and_outcome(
     api: StatusApi,
 ) -> None:
-    first = segment("agent-1", ["a0", "a1", "a2"], ["2", "2", "3"], [0.5, 0.0, 0.25])
-    second = segment(
-        "agent-1",
-        ["a3", "a4"],
-        ["3", "3"],
-        [0.0, 0.75],
-        outcome="success",
-        outcome_reward=1.0,
-        opened_by="history_rewritten",
-        at=100.0,
-    )
-    relabelled = {**first, "reward_spec": "hackable-tools", "relabel_run": "run-9", "reward": 3.0}
+    first, second, relabelled = compacted_session()
     other = one_call("c0", "editor-1", at=50.0)
     # projected out of order: the answer orders by the segments' first generation
     _project(api, [(second, 0, 4), (relabelled, 1, 7), (other, 2, 1), (first, 0, 2)])

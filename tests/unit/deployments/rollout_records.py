@@ -116,6 +116,29 @@ def segment(
     return rec
 
 
+def compacted_session(
+    sid: str = "agent-1",
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """An agent session whose client rewrote its history: its first segment (three turns, by
+    versions 2, 2 and 3), its second (two turns, the `success` outcome), and the first relabelled
+    under `hackable-tools`."""
+    first = segment(
+        sid, ["a0", "a1", "a2"], ["2", "2", "3"], [0.5, 0.0, 0.25], closed_by="history_rewritten"
+    )
+    second = segment(
+        sid,
+        ["a3", "a4"],
+        ["3", "3"],
+        [0.0, 0.75],
+        outcome="success",
+        outcome_reward=1.0,
+        opened_by="history_rewritten",
+        at=100.0,
+    )
+    relabelled = {**first, "reward_spec": "hackable-tools", "relabel_run": "run-9", "reward": 3.0}
+    return first, second, relabelled
+
+
 def logged(rec: dict[str, Any], partition: int = 0, offset: int = 0) -> LoggedRollout:
     return LoggedRollout(partition, offset, Rollout.model_validate(rec))
 
