@@ -307,46 +307,41 @@ def apply_or_skip(
     take (an error that is not the database being away) is rolled back alone and returned as the
     failure, so the others still apply. `follow` and `rebuild` both skip such an event, so a
     rebuild reproduces what `follow` wrote."""
-    try:
-        with session.begin_nested():
-            if status:
-                return apply_replica_status(session, logged.event), None
-            return apply_event(session, logged), None
-    except TRANSIENT_DB_ERRORS:
-        raise
-    except Exception as exc:
-        PROJECTED.labels("failed").inc()
-        log.error(
-            "deployments[%d]@%d (%s %s) cannot be projected, skipped: %s: %s",
-            logged.partition,
-            logged.offset,
-            logged.event.type,
-            logged.event.event_id,
-            type(exc).__name__,
-            exc,
-        )
-        return False, exc
+    ev = logged.event
+    return _in_savepoint(
+        session,
+        lambda: apply_replica_status(session, ev) if status else apply_event(session, logged),
+        PROJECTED.labels("failed"),
+        f"deployments[{logged.partition}]@{logged.offset} ({ev.type} {ev.event_id})",
+    )
 
 
 def apply_rollout_or_skip(session: Session, logged: LoggedRollout) -> tuple[bool, Exception | None]:
     """`apply_or_skip` for a record of `<ns>.rollouts` (the sessions projection)."""
+    applied, failure = _in_savepoint(
+        session,
+        lambda: apply_rollout(session, logged),
+        SESSION_RECORDS.labels("failed"),
+        f"rollouts[{logged.partition}]@{logged.offset} ({logged.key})",
+    )
+    if failure is None:
+        SESSION_RECORDS.labels("applied" if applied else "duplicate").inc()
+    return applied, failure
+
+
+def _in_savepoint(
+    session: Session, apply: Callable[[], bool], failed: Any, what: str
+) -> tuple[bool, Exception | None]:
+    """(applied, failure) of `apply()` inside a savepoint: an error other than the database
+    being away rolls back that record alone, counts in `failed` and is returned."""
     try:
         with session.begin_nested():
-            applied = apply_rollout(session, logged)
-        SESSION_RECORDS.labels("applied" if applied else "duplicate").inc()
-        return applied, None
+            return apply(), None
     except TRANSIENT_DB_ERRORS:
         raise
     except Exception as exc:
-        SESSION_RECORDS.labels("failed").inc()
-        log.error(
-            "rollouts[%d]@%d (%s) cannot be projected, skipped: %s: %s",
-            logged.partition,
-            logged.offset,
-            logged.key,
-            type(exc).__name__,
-            exc,
-        )
+        failed.inc()
+        log.error("%s cannot be projected, skipped: %s: %s", what, type(exc).__name__, exc)
         return False, exc
 
 
