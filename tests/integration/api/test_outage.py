@@ -24,7 +24,12 @@ from tests.integration.api.conftest import event, read_interactions
 pytestmark = pytest.mark.integration
 
 PRODUCE_TIMEOUT_S = 2.0
-SLACK_S = 3.0  # scheduling slack on a shared CI machine, on top of the contract's bound
+# What the tests tell apart is a bounded answer from a hang, which runs into the client's 60 s
+# timeout. The server's wait is exactly kafka_produce_timeout (the 503's detail names it); the
+# slack on top is the 2-core CI machine under the suite's load (fresh-clone CI once took 5.3 s
+# for a 2 s bound), not latency the contract allows.
+SLACK_S = 10.0
+CLIENT_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +69,14 @@ def _post_until(api, body, status: int, timeout_s: float = 60.0) -> httpx.Respon
 
 def _assert_503_within_bound(api, events) -> None:
     start = time.monotonic()
-    resp = api.post_events({"events": events}, timeout=60)
+    resp = api.post_events({"events": events}, timeout=CLIENT_TIMEOUT_S)
     elapsed = time.monotonic() - start
     assert resp.status_code == 503, (
         f"expected 503 while Kafka is down, got {resp.status_code}: {resp.text}"
     )
     assert int(resp.headers["retry-after"]) >= 1
+    detail = resp.json()["detail"]
+    assert f"within {PRODUCE_TIMEOUT_S:g}s" in detail or "Kafka is unavailable" in detail, detail
     assert elapsed <= PRODUCE_TIMEOUT_S + SLACK_S, (
         f"503 took {elapsed:.2f}s; the bound is {PRODUCE_TIMEOUT_S}s"
     )
@@ -77,7 +84,7 @@ def _assert_503_within_bound(api, events) -> None:
 
 def _assert_not_ready_because_of_kafka(api) -> None:
     start = time.monotonic()
-    ready = httpx.get(f"{api.url}/readyz", timeout=60)
+    ready = httpx.get(f"{api.url}/readyz", timeout=CLIENT_TIMEOUT_S)
     assert time.monotonic() - start <= 2.0 + SLACK_S, "readyz must answer within its own bound"
     assert ready.status_code == 503, ready.text
     body = ready.json()
