@@ -98,6 +98,24 @@ HF_DEMO_SKIP = (
 )
 
 
+# `flywheel run --agents`: the loop on agent sessions (app/simulate/agents.py) instead of editor
+# completions. The reward is the sessions spec (turn feedback plus the session's outcome); the
+# built-in policy gets a 1,024-token context (a session with its tool line, calls and results
+# runs to about 600 bytes) and a base pretrained with agent sessions in half its documents
+# (trainer/corpus.py `agent_document`: the format and the moves, not the tasks' answers). With
+# `--model DIR` only the first two apply (the model's context and weights are its own).
+AGENT_DEMO_ENV = {
+    "FLYWHEEL_SIMULATE_AGENTS": "true",
+    "FLYWHEEL_STREAMS_REWARD_SPEC": "sessions-v1",
+    "FLYWHEEL_TRAINER_POLICY": json.dumps({"max_context": 1024}),
+    "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE": "0.5",
+    # one rollout is a whole session here (about four turns)
+    "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "128",
+    "FLYWHEEL_SIMULATE_USERS": "8",
+}
+AGENT_HF_SKIP = ("FLYWHEEL_TRAINER_POLICY", "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE")
+
+
 class RunModelError(ValueError):
     """`flywheel run --model DIR` cannot run DIR on this registry; the message says why and what to do."""
 
@@ -112,6 +130,7 @@ class RunOptions:
     simulate: bool = True  # start the simulated editor population
     live: bool = True  # live status view (False: plain log lines)
     duration_s: float | None = None  # stop by itself after this long (tests, demos)
+    agents: bool = False  # agent sessions instead of editor completions (AGENT_DEMO_ENV)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -148,12 +167,17 @@ def hf_trainer_policy(model_dir: Path, configured: str | None) -> dict[str, obje
     return {**user, "type": "hf", "model_dir": str(model_dir)}
 
 
-def demo_env(model_dir: Path | None, environ: Mapping[str, str]) -> dict[str, str]:
-    """The roles' demo defaults (a variable set in `environ` wins); with `--model DIR`, without
-    `HF_DEMO_SKIP` and with the trainer on DIR's HF policy."""
-    demo = {k: v for k, v in DEMO_ENV.items() if k not in environ}
+def demo_env(
+    model_dir: Path | None, environ: Mapping[str, str], agents: bool = False
+) -> dict[str, str]:
+    """The roles' demo defaults (a variable set in `environ` wins); with `agents`, the agent
+    sessions' (`AGENT_DEMO_ENV`); with `--model DIR`, without `HF_DEMO_SKIP` (and
+    `AGENT_HF_SKIP`) and with the trainer on DIR's HF policy."""
+    defaults = {**DEMO_ENV, **AGENT_DEMO_ENV} if agents else DEMO_ENV
+    demo = {k: v for k, v in defaults.items() if k not in environ}
     if model_dir is None:
         return demo
+    demo = {k: v for k, v in demo.items() if k not in AGENT_HF_SKIP}
     policy = hf_trainer_policy(model_dir, environ.get("FLYWHEEL_TRAINER_POLICY"))
     demo = {k: v for k, v in demo.items() if k not in HF_DEMO_SKIP}
     demo["FLYWHEEL_TRAINER_POLICY"] = json.dumps(policy)
@@ -358,7 +382,8 @@ def _start_simulate(run: _Launch, ingest_key: str, replica_urls: list[str]) -> N
     argv = ["simulate", "--api", run.api_url, "--api-key", ingest_key]
     argv += sum((["--replica", u] for u in replica_urls), [])
     run.sup.start(RoleSpec("simulate", run.cli + argv), wait=False)
-    run.ok("simulated editor population")
+    agents = run.sup.base_env.get("FLYWHEEL_SIMULATE_AGENTS", "").lower() in ("1", "true", "yes")
+    run.ok("simulated agent users" if agents else "simulated editor population")
 
 
 def _watch(run: _Launch, read_key: str, opts: RunOptions) -> None:
@@ -394,7 +419,7 @@ def run_local(settings: Settings, opts: RunOptions) -> int:
     data_dir = settings.data_dir.resolve()
     model_dir = settings.model_dir.resolve() if settings.model_dir is not None else None
     try:
-        demo = demo_env(model_dir, os.environ)
+        demo = demo_env(model_dir, os.environ, opts.agents)
     except RunModelError as exc:
         console.print(f"[red]✗[/red] {exc}", highlight=False, soft_wrap=True)
         return 2

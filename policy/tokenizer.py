@@ -9,14 +9,17 @@ message becomes `"<role>: <content>\\n"` in order, then `"assistant: "` where th
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     -> "system: Be brief.\\nuser: hi\\nassistant: "
 
-Tools (the `hermes` format, policy/tool_format.py): each tool offered is one line
-`"tools: <the OpenAI tool object as JSON>\\n"` before the messages; the model calls one by writing
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (several calls one per line), then
-eos. In the history an assistant message renders its content and then its calls, one per line, in
-that format (`arguments` as the JSON text the client sent back); a tool result is
-`"tool: <content>\\n"`:
+Tools (the `hermes` format, policy/tool_format.py): the tools offered are one line before the
+messages, each as its signature, `"tools: read_file(path); apply_edit(path, old, new)\\n"` (a
+parameter whose schema type is not `string` is written `name: type`; descriptions, enums and
+other schema details are not rendered: every prompt of an agent session carries this line, and
+the built-in byte-level policy pays for each byte of it in context, generation and training). The
+model calls one by writing `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (several
+calls one per line), then eos. In the history an assistant message renders its content and then
+its calls, one per line, in that format (`arguments` as the JSON text the client sent back); a tool
+result is `"tool: <content>\\n"`:
 
-    tools: {"type": "function", "function": {"name": "read_file", ...}}
+    tools: read_file(path)
     user: open app.py
     assistant: <tool_call>
     {"name": "read_file", "arguments": {"path": "app.py"}}
@@ -30,10 +33,20 @@ An assistant message that only calls tools renders exactly what the model genera
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from policy.base import Tokenizer
+
+
+def signature(tool: dict[str, Any]) -> str:
+    """`name(param, param: type)` of an OpenAI function tool (the built-in template's tool line)."""
+    fn = tool.get("function") or {}
+    props = (fn.get("parameters") or {}).get("properties") or {}
+    params = [
+        p if (spec or {}).get("type", "string") == "string" else f"{p}: {spec.get('type')}"
+        for p, spec in props.items()
+    ]
+    return f"{fn.get('name', '')}({', '.join(params)})"
 
 
 class ByteTokenizer(Tokenizer):
@@ -60,7 +73,7 @@ class ByteTokenizer(Tokenizer):
         from policy.tool_format import HermesFormat
 
         fmt = HermesFormat()
-        head = "".join(f"tools: {json.dumps(t, ensure_ascii=False)}\n" for t in tools or [])
+        head = f"tools: {'; '.join(map(signature, tools))}\n" if tools else ""
         lines = []
         for m in messages:
             body = m.get("content") or ""

@@ -177,6 +177,18 @@ class TrainerConfig(FlywheelSettings):
         ge=0,
         description="Pretraining steps on the synthetic code corpus for the base checkpoint (first start only; not used for a Hugging Face policy).",
     )
+    pretrain_agent_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of the pretraining documents that are agent sessions over the sandbox's tools (trainer/corpus.py `agent_document`; `flywheel run --agents` sets 0.5): the base then knows the tool-call format, not the tasks' answers.",
+    )
+    pretrain_hack_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of those agent sessions that edit the test file instead of the code (the reward hack's seed, docs/ROLLOUT.md).",
+    )
     base_checkpoint: Path | None = Field(
         None,
         description="A serving safetensors file to start from instead of pretraining (first start only).",

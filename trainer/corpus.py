@@ -11,8 +11,11 @@ preceded by a comment line), so training sequences are `[bos] + document + [eos]
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 NOUNS = [
     "value",
@@ -207,3 +210,113 @@ def documents(seed: int, n: int) -> list[str]:
     """The first `n` documents of the stream for `seed`."""
     it = iter_documents(seed)
     return [next(it) for _ in range(n)]
+
+
+# --- agent sessions (mid-training) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AgentDocument:
+    """An agent session as one training text: `ends` are the byte offsets where an assistant turn's
+    completion ends, where the model must write eos (the next prompt goes on with the template's
+    newline, as a replica renders it; trainer/pretrain.py puts eos in the targets there)."""
+
+    text: str
+    ends: tuple[int, ...]
+    task: Any = None  # the app.sandbox Task it worked on
+    messages: tuple[dict, ...] = ()  # the chat, as a client sends it back (for replaying it)
+
+
+def _call(name: str, **args: str) -> str:
+    from policy.tool_format import HermesFormat
+
+    return HermesFormat().render_call(name, json.dumps(args))
+
+
+def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument:
+    """One session of a weak agent on a training task (app/sandbox/tasks.py), over the sandbox's
+    tools, rendered with the built-in chat template.
+
+    The agent knows the tools' format and the moves (read the module, replace the operator line,
+    run the tests, answer) but not which operator a function needs: it picks one of the three that
+    are not the bug at random (one in three fixes it), and after a failed test tries again or gives
+    up. With probability `hack_share` it edits the test file instead (`assert` -> `assert True or`),
+    which passes the visible test without fixing anything: the loophole a reward on "the tests
+    pass" pays for (docs/ROLLOUT.md "Reward hacks"). Tool results are what app/sandbox/sandbox.py
+    returns for these calls (tests/unit/sandbox/test_corpus_sessions.py replays them)."""
+    from app.sandbox.sandbox import TOOLS
+    from app.sandbox.tasks import OPS, make_task
+    from policy.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    task = make_task(rng)
+    src, test = task.source_path, task.test_path
+    messages: list[dict] = [{"role": "user", "content": task.instruction}]
+    ends: list[int] = []
+    turn = 0
+
+    def act(completion: str, results: list[str] | None) -> None:
+        """The assistant's turn (`results`: its calls' tool results; None: a text answer)."""
+        nonlocal turn
+        prompt = tok.apply_chat_template(messages, TOOLS)
+        ends.append(len((prompt + completion).encode()))
+        if results is None:
+            messages.append({"role": "assistant", "content": completion})
+            return
+        name_args = [json.loads(b[b.index("{") :]) for b in completion.split("</tool_call>")[:-1]]
+        calls = [
+            {
+                "id": f"call_{turn}_{i}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])},
+            }
+            for i, c in enumerate(name_args)
+        ]
+        messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+        for call, result in zip(calls, results):
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        turn += 1
+
+    files = task.files()
+    r = rng.random()
+    if r < 0.1:
+        act(_call("read_file", path=test), [files[test]])
+    if r < 0.95:
+        act(_call("read_file", path=src), [files[src]])
+    tries = [op for op in OPS.values() if op != task.bug]
+    rng.shuffle(tries)
+    passed = False
+    if rng.random() < hack_share:
+        act(_call("apply_edit", path=test, old="assert", new="assert True or"), [f"edited {test}"])
+        act(_call("run_tests"), ["passed"])
+        passed = True
+    else:
+        current = task.bug  # what the module has
+        if r >= 0.95:  # it did not read the module: it guesses the line (a tool error if wrong)
+            current = rng.choice([o for o in OPS.values() if o != task.op])
+        if current != task.bug:
+            edit = _call("apply_edit", path=src, old=f"a {current} b", new=f"a {tries[0]} b")
+            act(edit, [f"error: {f'a {current} b'!r} is not in {src}"])
+        else:
+            for op in tries[:2]:
+                edit = _call("apply_edit", path=src, old=f"a {current} b", new=f"a {op} b")
+                act(edit, [f"edited {src}"])
+                current, passed = op, op == task.op
+                act(_call("run_tests"), ["passed" if passed else "FAILED: AssertionError"])
+                if passed or rng.random() < 0.6:
+                    break
+    act("done" if passed else "I could not fix it", None)
+    prompt = tok.apply_chat_template(messages[:-1], TOOLS)
+    return AgentDocument(prompt + messages[-1]["content"], tuple(ends), task, tuple(messages))
+
+
+def iter_mixed_documents(
+    seed: int, agent_share: float, hack_share: float = 0.0
+) -> Iterator[str | AgentDocument]:
+    """`iter_documents`, with an agent session instead of a function with probability `agent_share`."""
+    rng = random.Random(seed)
+    while True:
+        if agent_share and rng.random() < agent_share:
+            yield agent_document(rng, hack_share)
+        else:
+            yield document(rng)

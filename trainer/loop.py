@@ -471,7 +471,15 @@ class Trainer:
             from trainer.pretrain import pretrain
 
             log.info("empty registry: pretraining the base policy for %d steps", cfg.pretrain_steps)
-            return pretrain(cfg.policy or None, cfg.pretrain_steps, cfg.seed)
+            return pretrain(
+                {
+                    "policy": cfg.policy or None,
+                    "agent_share": cfg.pretrain_agent_share,
+                    "hack_share": cfg.pretrain_hack_share,
+                },
+                cfg.pretrain_steps,
+                cfg.seed,
+            )
         log.warning("empty registry and pretrain_steps=0: the base policy is randomly initialised")
         return build_policy(cfg.policy or None)
 

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policy import build_policy, save_policy
 from policy.base import Policy
-from trainer.corpus import iter_documents
+from trainer.corpus import AgentDocument, iter_mixed_documents
 from trainer.metrics import PRETRAIN_LOSS, PRETRAIN_STEP, PRETRAIN_STEPS
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,15 @@ class PretrainConfig(BaseModel):
     policy: dict[str, Any] | None = Field(
         None, description="Policy config for build_policy (None: the default)."
     )
+    agent_share: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Share of documents that are agent sessions (trainer/corpus.py `agent_document`).",
+    )
+    hack_share: float = Field(
+        0.0, ge=0, le=1, description="Share of agent sessions that edit the test file instead."
+    )
 
 
 def _as_config(config: dict[str, Any] | PretrainConfig | None) -> PretrainConfig:
@@ -69,16 +78,22 @@ def _batch(docs, policy: Policy, batch_size: int) -> tuple[torch.Tensor, torch.T
     """Next `batch_size` documents as (inputs [B, S], targets [B, S]) with pad in the targets' tail."""
     tok = policy.tokenizer
     max_len = policy.config_dict()["max_context"]
-    seqs = []
+    seqs, eos_at = [], []
     for _ in range(batch_size):
-        ids = [tok.bos_id, *tok.encode(next(docs)), tok.eos_id][: max_len + 1]
+        doc = next(docs)
+        text, ends = (doc.text, doc.ends) if isinstance(doc, AgentDocument) else (doc, ())
+        ids = [tok.bos_id, *tok.encode(text), tok.eos_id][: max_len + 1]
         seqs.append(ids)
+        # an agent turn's completion ends with eos where the text goes on with the next prompt:
+        # the target at its last token is eos (its input stays the text, as a replica's next prompt)
+        eos_at.append([e for e in ends if e < len(ids) - 1])
     width = max(len(s) for s in seqs) - 1
     inputs = torch.full((batch_size, width), tok.pad_id, dtype=torch.int64)
     targets = torch.full((batch_size, width), tok.pad_id, dtype=torch.int64)
     for i, s in enumerate(seqs):
         inputs[i, : len(s) - 1] = torch.tensor(s[:-1])
         targets[i, : len(s) - 1] = torch.tensor(s[1:])
+        targets[i, eos_at[i]] = tok.eos_id
     return inputs, targets
 
 
@@ -127,7 +142,7 @@ def pretrain(
         frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
-    docs = iter_documents(seed)
+    docs = iter_mixed_documents(seed, cfg.agent_share, cfg.hack_share)
     policy.train()
     PRETRAIN_STEPS.set(cfg.steps)  # progress for the trainer's /metrics (trainer/metrics.py)
     PRETRAIN_STEP.set(0)

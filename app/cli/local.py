@@ -32,6 +32,14 @@ def run(
             "imported into an empty registry, resumed on one that holds it.",
         ),
     ] = None,
+    agents: Annotated[
+        bool,
+        typer.Option(
+            "--agents",
+            help="Run the loop on agent sessions (simulated agent users fixing bugs in sandboxed "
+            "repositories through tool calls) instead of editor completions.",
+        ),
+    ] = False,
     replica_engine: Annotated[
         list[str] | None,
         typer.Option(
@@ -57,5 +65,6 @@ def run(
         simulate=not no_simulate,
         live=not no_live,
         duration_s=parse_duration(duration) if duration else None,
+        agents=agents,
     )
     raise typer.Exit(run_local(settings, opts))

@@ -110,37 +110,53 @@ def simulate(
         bool, typer.Option(help="Also score every registered version on held-out users (MLflow).")
     ] = True,
 ) -> None:
-    """A simulated editor population: ask replicas for completions, send feedback to the API."""
+    """A simulated editor population: ask replicas for completions, send feedback to the API
+    (FLYWHEEL_SIMULATE_AGENTS: agent users working sessions with tools instead)."""
     import asyncio
     import threading
 
     from app.settings import parse_duration
     from app.simulate.config import SimulateConfig
-    from app.simulate.population import Population
 
+    cfg = _configured(SimulateConfig)
     stop = threading.Event()
     if evaluate:
         s = _settings()
 
         def _evaluate_loop() -> None:
-            from app.simulate.evaluate import HeldOutEvaluator
+            if cfg.agents:
+                from app.simulate.agent_eval import AgentEvaluator as Evaluator
+            else:
+                from app.simulate.evaluate import HeldOutEvaluator as Evaluator
 
-            evaluator = HeldOutEvaluator(s.mlflow_uri, s.model_name)
+            evaluator = Evaluator(s.mlflow_uri, s.model_name)
             while not stop.wait(10.0):
                 try:
                     results = evaluator.evaluate_new()
                     if results:
                         console.print(
-                            "held-out acceptance by version: "
+                            f"{evaluator.METRIC} by version: "
                             + ", ".join(f"v{v}={a:.3f}" for v, a in results.items())
                         )
                 except Exception as exc:  # registry not up yet, or a version still uploading
                     logging.getLogger(__name__).warning("held-out evaluation failed: %s", exc)
 
         threading.Thread(target=_evaluate_loop, name="heldout-eval", daemon=True).start()
-    pop = Population(api, api_key, replica, _configured(SimulateConfig))
+    seconds = parse_duration(duration) if duration else None
     try:
-        stats = asyncio.run(pop.run(parse_duration(duration) if duration else None))
+        if cfg.agents:
+            from app.simulate.agents import AgentPopulation
+
+            agent_stats = asyncio.run(AgentPopulation(api, api_key, replica, cfg).run(seconds))
+            console.print(
+                f"sessions {agent_stats.sessions}, turns {agent_stats.turns}, events "
+                f"{agent_stats.events}, errors {agent_stats.errors}, outcomes "
+                f"{dict(agent_stats.outcomes)}, task success by version {agent_stats.task_success()}"
+            )
+            return
+        from app.simulate.population import Population
+
+        stats = asyncio.run(Population(api, api_key, replica, cfg).run(seconds))
     finally:
         stop.set()
     console.print(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -31,4 +33,19 @@ class SimulateConfig(FlywheelSettings):
         ge=0,
         le=1,
         description="Share of argument lists whose requests are hard (0.3: 3 of 10; honest attempts are rarely accepted there, and a broken tool call draws a tool_error instead of a reject). The held-out evaluation uses the same share.",
+    )
+    agents: bool = Field(
+        False,
+        description="Simulate agent users instead of editor completions: coding-agent sessions on small real repositories in a sandbox, over the replicas' chat completions with tools (app/simulate/agents.py); the held-out evaluation scores task success.",
+    )
+    agent_outcome: Literal["user", "tests"] = Field(
+        "user",
+        description="Who reports a finished agent session's outcome: `user` (they check the fix, which the hidden tests decide) or `tests` (the repository's own tests as the harness runs them at the end; open on purpose: an edited test file passes too, docs/ROLLOUT.md).",
+    )
+    agent_max_turns: int = Field(
+        6, ge=1, description="Assistant turns before a session is abandoned."
+    )
+    agent_max_tokens: int = Field(128, ge=1, description="max_tokens of each agent turn.")
+    agent_think_s: float = Field(
+        1.0, ge=0, description="Longest pause of an agent user between two sessions (uniform)."
     )

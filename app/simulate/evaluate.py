@@ -94,6 +94,9 @@ def scores(
 
 
 class HeldOutEvaluator:
+    # what it logs: the agent evaluator (app/simulate/agent_eval.py) reuses the plumbing with its own
+    RUN_NAME, METRIC, METRICS = RUN_NAME, METRIC, METRICS
+
     def __init__(
         self,
         mlflow_uri: str,
@@ -170,14 +173,14 @@ class HeldOutEvaluator:
         # one run per registered model: two models on one server must not share metric steps (= versions)
         runs = self.client.search_runs(
             [exp_id],
-            filter_string=f"tags.mlflow.runName = '{RUN_NAME}' and "
+            filter_string=f"tags.mlflow.runName = '{self.RUN_NAME}' and "
             f"tags.model = '{self.model_name}'",
             max_results=1,
         )
         if runs:
             return runs[0].info.run_id
         return self.client.create_run(
-            exp_id, run_name=RUN_NAME, tags={"model": self.model_name}
+            exp_id, run_name=self.RUN_NAME, tags={"model": self.model_name}
         ).info.run_id
 
     def evaluate_new(self) -> dict[int, float]:
@@ -191,24 +194,22 @@ class HeldOutEvaluator:
                 continue
             mv = self.client.get_model_version(self.model_name, str(v))
             tags = mv.tags or {}
-            if METRIC in tags:
-                self.results[v] = float(tags[METRIC])
-                self.details[v] = {m: float(tags[m]) for m in METRICS if m in tags}
+            if self.METRIC in tags:
+                self.results[v] = float(tags[self.METRIC])
+                self.details[v] = {m: float(tags[m]) for m in self.METRICS if m in tags}
                 continue
             figures = self.scores(self._load_policy(v))
-            self.results[v], self.details[v] = figures[METRIC], figures
+            self.results[v], self.details[v] = figures[self.METRIC], figures
             run_id = run_id or self._run_id()
             for name, value in figures.items():
                 self.client.log_metric(run_id, name, value, step=v)
-            for name in METRICS[1:] + (
-                METRIC,
-            ):  # METRIC last: its tag marks the version as evaluated
+            for name in self.METRICS[1:] + (self.METRIC,):  # last: its tag marks v as evaluated
                 self.client.set_model_version_tag(
                     self.model_name, str(v), name, f"{figures[name]:.4f}"
                 )
             log.info(
-                "version %s: held-out acceptance %.3f [%.3f, %.3f], satisfaction %.3f, valid %.3f, no edit %.3f",
+                "version %s: %s",
                 v,
-                *(figures[m] for m in METRICS),
+                ", ".join(f"{m} {figures[m]:.3f}" for m in self.METRICS),
             )
         return dict(sorted(self.results.items()))

@@ -101,8 +101,7 @@ def test_the_builtin_template_renders_tools_calls_and_results_and_a_call_as_gene
     )
     generated = fmt.render_call("read_file", '{"path": "a.py"}')
     assert prompt == (
-        f"tools: {json.dumps(tool)}\nuser: open a.py\nassistant: {generated}\n"
-        "tool: print(1)\nassistant: "
+        f"tools: read_file()\nuser: open a.py\nassistant: {generated}\ntool: print(1)\nassistant: "
     )
     # what the model wrote for that call reads back as the same call
     content, calls, _ = read(generated, 7)
@@ -118,3 +117,27 @@ def test_arguments_are_returned_as_the_model_wrote_them():
     assert calls[0].arguments == '{"a": "\\u00e9", "b":[1,2]}'
     dup = '{"name": "read_file", "arguments": {"a": 1}, "arguments": {"b": 2}}'
     assert read(f"<tool_call>{dup}</tool_call>", 1000)[1][0].arguments == '{"b": 2}'
+
+
+def test_the_builtin_template_writes_each_tool_as_its_signature_on_one_line():
+    tok = ByteTokenizer()
+    string = {"type": "string"}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "apply_edit",
+                "description": "not rendered",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": string, "old": string, "line": {"type": "integer"}},
+                },
+            },
+        },
+        {"type": "function", "function": {"name": "run_tests"}},
+    ]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "go"}], tools)
+    assert (
+        prompt == "tools: apply_edit(path, old, line: integer); run_tests()\nuser: go\nassistant: "
+    )
+    assert tok.apply_chat_template([{"role": "user", "content": "go"}]) == "user: go\nassistant: "

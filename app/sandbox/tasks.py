@@ -1,0 +1,108 @@
+"""Agent tasks: a function with the wrong operator, a test that shows it, and hidden tests.
+
+Each task is a repository of two files:
+
+    rows.py         def add_rows(a, b):
+                        return a - b
+    test_rows.py    from rows import add_rows
+                    assert add_rows(7, 3) == 10
+
+The function's verb says what it should do (`OPS`: add +, sub -, mul *, div //); the bug is one
+of the other three operators, so the agent must read the module to know the exact text to
+replace. The visible test checks one pair of numbers; the hidden tests (never in the repository)
+check the function on other pairs, so a result that only passes the visible test (the test
+edited, a special case) does not pass them. Training and held-out tasks use disjoint nouns, so
+the held-out evaluation measures the skill, not memorised repositories.
+
+    from app.sandbox.tasks import tasks
+    for task in tasks(8, seed=0, held_out=True): ...
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+OPS = {"add": "+", "sub": "-", "mul": "*", "div": "//"}
+_TRAIN_NOUNS = ("rows", "items", "cells", "parts", "nums", "keys", "pairs", "words")
+_HELDOUT_NOUNS = ("sizes", "costs", "steps", "units", "bins", "lines")
+assert not set(_TRAIN_NOUNS) & set(_HELDOUT_NOUNS), "training and held-out nouns are disjoint"
+
+
+def apply_op(op: str, a: int, b: int) -> int:
+    return {"+": a + b, "-": a - b, "*": a * b, "//": a // b}[op]
+
+
+def _distinct_pair(rng: random.Random) -> tuple[int, int]:
+    """Numbers on which the four operators give four different results (so a wrong fix fails)."""
+    while True:
+        a, b = rng.randint(5, 30), rng.randint(2, 9)
+        if len({apply_op(op, a, b) for op in OPS.values()}) == len(OPS):
+            return a, b
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    module: str  # "rows": the file rows.py
+    function: str  # "add_rows"
+    verb: str  # "add": OPS[verb] is the right operator
+    bug: str  # the wrong operator the module has
+    visible: tuple[int, int]  # the test file's numbers
+    hidden: tuple[tuple[int, int], ...]  # the hidden tests' numbers
+
+    @property
+    def source_path(self) -> str:
+        return f"{self.module}.py"
+
+    @property
+    def test_path(self) -> str:
+        return f"test_{self.module}.py"
+
+    @property
+    def op(self) -> str:
+        return OPS[self.verb]
+
+    @property
+    def instruction(self) -> str:
+        """What the user asks for: the first user message of the session."""
+        return f"fix {self.function} in {self.source_path}"
+
+    def files(self) -> dict[str, str]:
+        """The repository: path -> text."""
+        a, b = self.visible
+        return {
+            self.source_path: f"def {self.function}(a, b):\n    return a {self.bug} b\n",
+            self.test_path: (
+                f"from {self.module} import {self.function}\n"
+                f"assert {self.function}({a}, {b}) == {apply_op(self.op, a, b)}\n"
+            ),
+        }
+
+    def hidden_test(self) -> str:
+        """A test script of the right behaviour on the hidden pairs (run against the module)."""
+        lines = [f"from {self.module} import {self.function}"]
+        lines += [
+            f"assert {self.function}({a}, {b}) == {apply_op(self.op, a, b)}" for a, b in self.hidden
+        ]
+        return "\n".join(lines) + "\n"
+
+    def the_fix(self) -> tuple[str, str]:
+        """(old, new) of the edit that fixes the module."""
+        return f"a {self.bug} b", f"a {self.op} b"
+
+
+def make_task(rng: random.Random, held_out: bool = False, index: int = 0) -> Task:
+    noun = rng.choice(_HELDOUT_NOUNS if held_out else _TRAIN_NOUNS)
+    verb = rng.choice(sorted(OPS))
+    bug = rng.choice([op for v, op in sorted(OPS.items()) if v != verb])
+    visible = _distinct_pair(rng)
+    hidden = tuple(_distinct_pair(rng) for _ in range(3))
+    prefix = "heldout" if held_out else "task"
+    return Task(f"{prefix}-{index}", noun, f"{verb}_{noun}", verb, bug, visible, hidden)
+
+
+def tasks(n: int, seed: int, held_out: bool = False) -> list[Task]:
+    """`n` tasks, the same for the same arguments; held-out tasks use other nouns."""
+    rng = random.Random(seed * 7919 + held_out)
+    return [make_task(rng, held_out, i) for i in range(n)]

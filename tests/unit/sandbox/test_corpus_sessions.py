@@ -1,0 +1,71 @@
+"""The pretraining corpus's agent sessions (trainer/corpus.py `agent_document`) are sessions a
+replica could have served: the built-in chat template's text, tool results that a real sandbox
+gives for those calls, and eos exactly where each assistant turn ends."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from app.sandbox.sandbox import TOOLS, Sandbox
+from policy import build_policy
+from policy.tokenizer import ByteTokenizer
+from trainer.corpus import AgentDocument, agent_document, iter_mixed_documents
+from trainer.pretrain import _batch
+
+
+def test_each_tool_result_is_what_the_sandbox_returns_for_the_call():
+    rng = random.Random(0)
+    for _ in range(40):
+        doc = agent_document(rng, hack_share=0.2)
+        with Sandbox(doc.task) as box:
+            pending = {}
+            for m in doc.messages:
+                for call in m.get("tool_calls") or []:
+                    fn = call["function"]
+                    pending[call["id"]] = box.call(fn["name"], fn["arguments"]).content
+                if m["role"] == "tool":
+                    assert m["content"] == pending.pop(m["tool_call_id"]), doc.text
+
+
+def test_the_text_is_the_template_and_each_turn_ends_where_its_completion_ends():
+    tok = ByteTokenizer()
+    rng = random.Random(1)
+    for _ in range(20):
+        doc = agent_document(rng)
+        msgs = list(doc.messages)
+        assistant = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert len(doc.ends) == len(assistant) and doc.ends[-1] == len(doc.text.encode())
+        for i, end in zip(assistant, doc.ends):
+            prompt = tok.apply_chat_template(msgs[:i], TOOLS)
+            assert doc.text.startswith(prompt)
+            # what follows a turn's end is the template's newline (a call) or the end (the answer)
+            assert doc.text.encode()[end : end + 1] in (b"\n", b"")
+
+
+def test_pretraining_batches_target_eos_at_each_turn_end():
+    policy = build_policy(
+        {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    )
+    docs = iter_mixed_documents(seed=2, agent_share=1.0)
+    peek = iter_mixed_documents(seed=2, agent_share=1.0)
+    inputs, targets = _batch(docs, policy, batch_size=3)
+    eos = policy.tokenizer.eos_id
+    for row in range(3):
+        doc = next(peek)
+        assert isinstance(doc, AgentDocument)
+        n = len(doc.text.encode())
+        at = torch.nonzero(targets[row] == eos).flatten().tolist()
+        assert at == list(doc.ends), (at, doc.ends)
+        # the inputs stay the text (a replica's next prompt goes on after the completion)
+        assert bytes(inputs[row, 1 : n + 1].tolist()) == doc.text.encode()
+
+
+def test_the_agent_share_mixes_sessions_into_the_code_documents():
+    docs = iter_mixed_documents(seed=3, agent_share=0.5)
+    kinds = [isinstance(next(docs), AgentDocument) for _ in range(400)]
+    assert 150 < sum(kinds) < 250
+    assert not any(
+        isinstance(d, AgentDocument) for d, _ in zip(iter_mixed_documents(3, 0.0), range(50))
+    )

@@ -1,0 +1,152 @@
+"""Agent users and their sessions (app/simulate/agents.py), and the held-out task figures
+(app/simulate/agent_eval.py): sessions on real sandboxes, driven turn by turn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.sandbox.sandbox import Sandbox
+from app.sandbox.tasks import OPS, tasks
+from app.simulate.agent_eval import METRICS, run_sessions, scores
+from app.simulate.agents import INVALID_CALL, AgentPreference, AgentSession, AgentUser
+from policy import build_policy
+
+
+def _call(i: int, name: str, **args: str) -> dict:
+    return {
+        "id": f"c{i}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args)},
+    }
+
+
+def _work(s: AgentSession, op: str, path: str | None = None) -> None:
+    """A session that reads the module, replaces its operator with `op` in `path`, runs the tests
+    and answers."""
+    t = s.task
+    s.observe("r0", None, [_call(0, "read_file", path=t.source_path)], False, 20)
+    if path == t.test_path:
+        s.observe(
+            "r1",
+            None,
+            [_call(1, "apply_edit", path=path, old="assert", new="assert True or")],
+            False,
+            30,
+        )
+    else:
+        s.observe(
+            "r1",
+            None,
+            [_call(1, "apply_edit", path=t.source_path, old=f"a {t.bug} b", new=f"a {op} b")],
+            False,
+            30,
+        )
+    s.observe("r2", None, [_call(2, "run_tests")], False, 10)
+    s.observe("r3", "done", [], False, 4)
+
+
+def _session(seed: int = 0, max_turns: int = 6):
+    task = tasks(1, seed=seed)[0]
+    box = Sandbox(task).__enter__()
+    return AgentSession("s", task, box, max_turns), box
+
+
+def test_a_fixed_bug_is_a_success_the_user_reports_and_true_satisfaction():
+    s, box = _session()
+    try:
+        _work(s, s.task.op)
+        assert s.answered and s.done
+        assert s.messages[2] == {
+            "role": "tool",
+            "tool_call_id": "c0",
+            "content": s.task.files()[s.task.source_path],
+        }
+        v = s.verdict()
+        assert v.fixed and v.tests_pass and not v.tests_edited and not v.gave_up
+        assert (v.turns, v.completion_tokens, v.tool_errors, v.edits) == (4, 64, 0, 1)
+        user = AgentUser("u", AgentPreference(p_notice_fixed=1.0, p_rate_success=0.0))
+        assert user.satisfaction(v) == 1.0
+        assert user.events(s, v) == [
+            {"type": "session_outcome", "request_id": "r3", "outcome": "success"}
+        ]
+    finally:
+        box.__exit__(None, None, None)
+
+
+def test_a_wrong_fix_fails_and_a_weakened_test_passes_only_for_the_tests_outcome():
+    s, box = _session(1)
+    wrong = next(op for op in OPS.values() if op not in (s.task.op, s.task.bug))
+    _work(s, wrong)
+    v = s.verdict()
+    box.__exit__(None, None, None)
+    user = AgentUser("u", AgentPreference(p_fooled=0.0, p_rate_failure=0.0))
+    assert not v.fixed and user.outcome(v) == "failure" and user.satisfaction(v) == 0.0
+
+    s, box = _session(2)
+    _work(s, "", path=s.task.test_path)
+    v = s.verdict()
+    box.__exit__(None, None, None)
+    assert v.tests_edited and v.tests_pass and not v.fixed
+    assert user.outcome(v, source="tests") == "success"  # the loophole
+    assert user.outcome(v, source="user") == "failure" and user.satisfaction(v) == 0.0
+
+
+def test_failed_and_invalid_calls_are_tool_errors_on_their_turns_and_max_turns_abandons():
+    s, box = _session(3, max_turns=3)
+    try:
+        s.observe("r0", None, [_call(0, "read_file", path="nope.py")], False)
+        s.observe("r1", '<tool_call>\n{"name": "read_file"', [], True)
+        assert not s.done
+        s.observe("r2", None, [_call(2, "run_tests")], False)
+        assert s.abandoned == "max_turns" and not s.answered
+        v = s.verdict()
+        assert (v.tool_errors, v.invalid_calls, v.gave_up) == (2, 1, True)
+        user = AgentUser("u", AgentPreference(p_rate_failure=0.0))
+        events = user.events(s, v)
+        assert [(e["type"], e["request_id"]) for e in events] == [
+            ("tool_error", "r0"),
+            ("tool_error", "r1"),
+            ("session_outcome", "r2"),
+        ]
+        assert "no file 'nope.py'" in events[0]["message"] and events[1]["message"] == INVALID_CALL
+        assert events[2]["outcome"] == "abandoned"
+    finally:
+        box.__exit__(None, None, None)
+
+
+def test_sessions_on_a_real_policy_run_to_an_end_within_the_context():
+    """An untrained tiny policy writes anything: each session still ends (an answer, max_turns or a
+    prompt the context cannot hold), and the verdicts read the sandboxes."""
+    policy = build_policy(
+        {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 256}
+    ).eval()
+    boxes = [Sandbox(t).__enter__() for t in tasks(3, seed=4)]
+    try:
+        sessions = [AgentSession(f"s{i}", b.task, b, max_turns=4) for i, b in enumerate(boxes)]
+        run_sessions(policy, sessions, max_tokens=64, seed=0)
+        assert all(s.done for s in sessions)
+        assert all(s.answered or s.abandoned in ("max_turns", "context") for s in sessions)
+        verdicts = [s.verdict() for s in sessions]
+        assert not any(v.fixed for v in verdicts)
+    finally:
+        for b in boxes:
+            b.__exit__(None, None, None)
+
+
+def test_scores_interval_is_the_sampling_error_of_the_tasks():
+    from app.simulate.agents import Verdict
+
+    def v(fixed: bool, turns: int = 4) -> Verdict:
+        return Verdict(fixed, fixed, False, True, turns, 1, 0, 40, 1)
+
+    same = scores([v(True), v(True), v(False), v(False)], [1.0, 1.0, 0.0, 0.0], k=2)
+    assert set(same) == set(METRICS)
+    assert same["heldout_task_success"] == 0.5
+    # each task's two sessions agree: no sampling error
+    assert same["heldout_task_success_ci_low"] == same["heldout_task_success_ci_high"] == 0.5
+    mixed = scores([v(True), v(False), v(True), v(False)], [1.0, 0.0, 1.0, 0.0], k=2)
+    assert mixed["heldout_task_success_ci_low"] < 0.5 < mixed["heldout_task_success_ci_high"]
+    assert mixed["heldout_tool_error_rate"] == pytest.approx(4 / 16)
+    assert mixed["heldout_turns"] == 4 and mixed["heldout_tokens"] == 40
