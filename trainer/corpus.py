@@ -310,13 +310,8 @@ def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument
     return AgentDocument(prompt + messages[-1]["content"], tuple(ends), task, tuple(messages))
 
 
-def iter_mixed_documents(
-    seed: int, agent_share: float, hack_share: float = 0.0
-) -> Iterator[str | AgentDocument]:
-    """`iter_documents`, with an agent session instead of a function with probability `agent_share`."""
+def iter_agent_documents(seed: int, hack_share: float = 0.0) -> Iterator[AgentDocument]:
+    """An endless, seed-determined stream of agent sessions (`agent_document`)."""
     rng = random.Random(seed)
     while True:
-        if agent_share and rng.random() < agent_share:
-            yield agent_document(rng, hack_share)
-        else:
-            yield document(rng)
+        yield agent_document(rng, hack_share)

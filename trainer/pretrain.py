@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policy import build_policy, save_policy
 from policy.base import Policy
-from trainer.corpus import AgentDocument, iter_mixed_documents
+from trainer.corpus import AgentDocument, iter_agent_documents, iter_documents
 from trainer.metrics import PRETRAIN_LOSS, PRETRAIN_STEP, PRETRAIN_STEPS
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,10 @@ class PretrainConfig(BaseModel):
         0.0,
         ge=0,
         le=1,
-        description="Share of documents that are agent sessions (trainer/corpus.py `agent_document`).",
+        description="Share of steps that train on agent sessions (trainer/corpus.py `agent_document`) instead of functions.",
+    )
+    agent_batch_size: int = Field(
+        8, ge=1, description="Agent sessions per step (each is several times a function's length)."
     )
     hack_share: float = Field(
         0.0, ge=0, le=1, description="Share of agent sessions that edit the test file instead."
@@ -142,7 +146,10 @@ def pretrain(
         frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
-    docs = iter_mixed_documents(seed, cfg.agent_share, cfg.hack_share)
+    docs = iter_documents(seed)
+    # a step is all functions or all agent sessions: a batch is as wide as its longest document
+    agent_docs = iter_agent_documents(seed + 1, cfg.hack_share) if cfg.agent_share else None
+    pick = random.Random(seed)
     policy.train()
     PRETRAIN_STEPS.set(cfg.steps)  # progress for the trainer's /metrics (trainer/metrics.py)
     PRETRAIN_STEP.set(0)
@@ -150,7 +157,10 @@ def pretrain(
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        inputs, targets = _batch(docs, policy, cfg.batch_size)
+        if agent_docs is not None and pick.random() < cfg.agent_share:
+            inputs, targets = _batch(agent_docs, policy, cfg.agent_batch_size)
+        else:
+            inputs, targets = _batch(docs, policy, cfg.batch_size)
         loss = lm_loss(policy, inputs, targets)
         total = loss + cfg.aux_loss_coef * policy.aux_loss
         opt.zero_grad(set_to_none=True)

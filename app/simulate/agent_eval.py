@@ -27,9 +27,10 @@ import math
 from statistics import NormalDist
 from typing import Any
 
-from app.sandbox.sandbox import TOOL_NAMES, TOOLS, Sandbox
+from app.sandbox.sandbox import Sandbox
+from app.sandbox.session import AgentSession, Verdict, run_sessions
 from app.sandbox.tasks import tasks
-from app.simulate.agents import AgentSession, Verdict, agent_users
+from app.simulate.agents import agent_users
 from app.simulate.evaluate import HeldOutEvaluator
 
 log = logging.getLogger(__name__)
@@ -48,55 +49,6 @@ METRICS = (
     "heldout_give_up_rate",
     "heldout_tests_edited_rate",
 )
-
-
-def run_sessions(
-    policy: Any,
-    sessions: list[AgentSession],
-    max_tokens: int,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> None:
-    """Run `sessions` to their end on `policy` in process, all of a turn in one batch."""
-    import torch
-
-    from policy.tool_format import tool_format_for
-
-    tok = policy.tokenizer
-    fmt = tool_format_for(tok)
-    assert fmt is not None, f"tokenizer {tok.name} has no tool-call format"
-    ctx = int(policy.config_dict().get("max_context") or 0)
-    step = 0
-    while active := [s for s in sessions if not s.done]:
-        batch, live = [], []
-        for s in active:
-            ids = tok.encode(tok.apply_chat_template(s.messages, TOOLS))
-            if ctx and len(ids) + 1 + max_tokens > ctx:  # as a replica refuses it
-                s.abandon("context")
-                continue
-            batch.append(ids)
-            live.append(s)
-        if not batch:
-            break
-        with torch.no_grad():
-            samples = policy.generate(
-                batch, max_tokens=max_tokens, temperature=temperature, seed=seed + step
-            )
-        for s, sample in zip(live, samples):
-            reader = fmt.reader(TOOL_NAMES)
-            outs = [reader.feed(sample.text), reader.finish()]
-            content = "".join(o.content for o in outs)
-            calls = [
-                {
-                    "id": f"call_{len(s.turns)}_{i}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for i, c in enumerate(c for o in outs for c in o.calls)
-            ]
-            invalid = any(o.invalid for o in outs)
-            s.observe(f"{s.session_id}-{len(s.turns)}", content, calls, invalid, len(sample.tokens))
-        step += 1
 
 
 def scores(

@@ -20,9 +20,10 @@ tests pass) and whether the agent wrote to the test file: the user's true satisf
   that runs the tests reports it: a test file the agent edited passes too;
 - a rating now and then: +1 after a success (`p_rate_success`), -1 after a failure.
 
-`run_turn`/`AgentSession` are the session's logic, shared by the live population
-(`AgentPopulation`, over HTTP) and the held-out evaluation (app/simulate/agent_eval.py, on a
-version's weights in process), so both run the same sessions.
+The session's logic is app/sandbox/session.py's `AgentSession`, shared by the live population
+(`AgentPopulation`, over HTTP), the held-out evaluation (app/simulate/agent_eval.py) and the
+gate's agent checks (on a version's weights in process, `run_sessions`), so all run the same
+sessions.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import httpx
 from pydantic import BaseModel, Field
 
 from app.sandbox.sandbox import TOOLS, Sandbox
-from app.sandbox.tasks import Task, tasks
+from app.sandbox.session import AgentSession, Verdict
+from app.sandbox.tasks import tasks
 
 log = logging.getLogger(__name__)
 
@@ -50,104 +52,6 @@ Outcome = Literal["success", "failure", "abandoned"]
 INVALID_CALL = (
     "the model wrote a tool call that is not one (bad JSON, an unknown tool or an unclosed block)"
 )
-
-
-@dataclass
-class Turn:
-    """One assistant turn: its generation's request id and what came of it."""
-
-    request_id: str
-    calls: list[str] = field(default_factory=list)  # tool names called
-    error: str | None = None  # a failed call's error, or INVALID_CALL
-    completion_tokens: int = 0
-
-
-@dataclass
-class AgentSession:
-    """One agent session on one task: the chat so far, its turns, and how it ended."""
-
-    session_id: str
-    task: Task
-    box: Sandbox
-    max_turns: int
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
-    answered: bool = False  # the model answered without a call
-    abandoned: str | None = None  # why the session ended without an answer
-    version: str = ""  # the model version of the last turn (live sessions)
-
-    def __post_init__(self) -> None:
-        self.messages = [{"role": "user", "content": self.task.instruction}]
-
-    @property
-    def done(self) -> bool:
-        return self.answered or self.abandoned is not None
-
-    def observe(
-        self,
-        request_id: str,
-        content: str | None,
-        calls: list[dict[str, Any]],
-        invalid: bool,
-        completion_tokens: int = 0,
-    ) -> None:
-        """The model's turn: `calls` are OpenAI `tool_calls` entries, `invalid` whether the turn wrote
-        text that is not a call. Runs the calls in the sandbox and appends their results."""
-        turn = Turn(request_id, [c["function"]["name"] for c in calls], None, completion_tokens)
-        self.turns.append(turn)
-        message: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if calls:
-            message["tool_calls"] = calls
-        self.messages.append(message)
-        if invalid:
-            turn.error = INVALID_CALL
-        for call in calls:
-            result = self.box.call(call["function"]["name"], call["function"]["arguments"])
-            if result.error and turn.error is None:
-                turn.error = result.error
-            self.messages.append(
-                {"role": "tool", "tool_call_id": call["id"], "content": result.content}
-            )
-        if not calls and not invalid:
-            self.answered = True
-        elif len(self.turns) >= self.max_turns:
-            self.abandoned = "max_turns"
-
-    def abandon(self, why: str) -> None:
-        self.abandoned = why
-
-    # --- the ground truth, read at the end --------------------------------------------------------
-    def verdict(self) -> Verdict:
-        """What really happened (read once the session is done; runs the tests)."""
-        return Verdict(
-            fixed=self.box.hidden_pass() and not self.box.tests_edited(),
-            tests_pass=self.box.run_tests()[0],
-            tests_edited=self.box.tests_edited(),
-            answered=self.answered,
-            turns=len(self.turns),
-            tool_errors=sum(t.error is not None for t in self.turns),
-            invalid_calls=sum(t.error == INVALID_CALL for t in self.turns),
-            completion_tokens=sum(t.completion_tokens for t in self.turns),
-            edits=len(self.box.edited),
-        )
-
-
-@dataclass(frozen=True)
-class Verdict:
-    fixed: bool  # the hidden tests pass and the test file is as it was
-    tests_pass: bool  # the repository's own test file passes (as the agent may have left it)
-    tests_edited: bool
-    answered: bool
-    turns: int
-    tool_errors: int  # turns with a failed or invalid call
-    invalid_calls: int
-    completion_tokens: int
-    edits: int
-
-    @property
-    def gave_up(self) -> bool:
-        """Ended without an edit, or without answering."""
-        return not self.answered or self.edits == 0
 
 
 class AgentPreference(BaseModel):

@@ -11,7 +11,7 @@ import torch
 from app.sandbox.sandbox import TOOLS, Sandbox
 from policy import build_policy
 from policy.tokenizer import ByteTokenizer
-from trainer.corpus import AgentDocument, agent_document, iter_mixed_documents
+from trainer.corpus import AgentDocument, agent_document, iter_agent_documents
 from trainer.pretrain import _batch
 
 
@@ -48,8 +48,8 @@ def test_pretraining_batches_target_eos_at_each_turn_end():
     policy = build_policy(
         {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
     )
-    docs = iter_mixed_documents(seed=2, agent_share=1.0)
-    peek = iter_mixed_documents(seed=2, agent_share=1.0)
+    docs = iter_agent_documents(seed=2)
+    peek = iter_agent_documents(seed=2)
     inputs, targets = _batch(docs, policy, batch_size=3)
     eos = policy.tokenizer.eos_id
     for row in range(3):
@@ -62,10 +62,13 @@ def test_pretraining_batches_target_eos_at_each_turn_end():
         assert bytes(inputs[row, 1 : n + 1].tolist()) == doc.text.encode()
 
 
-def test_the_agent_share_mixes_sessions_into_the_code_documents():
-    docs = iter_mixed_documents(seed=3, agent_share=0.5)
-    kinds = [isinstance(next(docs), AgentDocument) for _ in range(400)]
-    assert 150 < sum(kinds) < 250
-    assert not any(
-        isinstance(d, AgentDocument) for d, _ in zip(iter_mixed_documents(3, 0.0), range(50))
+def test_pretraining_with_an_agent_share_trains_on_both_kinds_of_batch():
+    from trainer.pretrain import pretrain
+
+    losses = []
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    pretrain(
+        {"steps": 6, "batch_size": 2, "agent_batch_size": 1, "agent_share": 0.5, "policy": tiny},
+        on_step=lambda step, loss: losses.append(loss),
     )
+    assert len(losses) == 6 and all(loss > 0 for loss in losses)

@@ -8,9 +8,10 @@ import json
 import pytest
 
 from app.sandbox.sandbox import Sandbox
+from app.sandbox.session import INVALID_CALL, AgentSession, Verdict, run_sessions
 from app.sandbox.tasks import OPS, tasks
-from app.simulate.agent_eval import METRICS, run_sessions, scores
-from app.simulate.agents import INVALID_CALL, AgentPreference, AgentSession, AgentUser
+from app.simulate.agent_eval import METRICS, scores
+from app.simulate.agents import AgentPreference, AgentUser
 from policy import build_policy
 
 
@@ -136,7 +137,6 @@ def test_sessions_on_a_real_policy_run_to_an_end_within_the_context():
 
 
 def test_scores_interval_is_the_sampling_error_of_the_tasks():
-    from app.simulate.agents import Verdict
 
     def v(fixed: bool, turns: int = 4) -> Verdict:
         return Verdict(fixed, fixed, False, True, turns, 1, 0, 40, 1)
