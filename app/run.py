@@ -112,6 +112,8 @@ AGENT_DEMO_ENV = {
     # one rollout is a whole session here (about four turns)
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "128",
     "FLYWHEEL_SIMULATE_USERS": "8",
+    # the gate runs sessions with real tools on its own 24 tasks: candidate, champion and base
+    "FLYWHEEL_CONTROLLER_GATE_AGENT_TASKS": "24",
 }
 AGENT_HF_SKIP = ("FLYWHEEL_TRAINER_POLICY", "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE")
 

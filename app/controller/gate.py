@@ -47,6 +47,7 @@ from app.contracts.deployments import Decision
 from app.controller import ope
 from app.controller.monitors import (
     Check,
+    agent_checks,
     behaviour_checks,
     edit_checks,
     kl_check,
@@ -161,6 +162,36 @@ class GateConfig(BaseModel):
     seed: int = Field(
         0, description="Gate: seed of sampling and bootstrap (the gate is reproducible)."
     )
+    agent_tasks: int = Field(
+        0,
+        ge=0,
+        description="Gate: agent tasks (app/sandbox/tasks.py, the gate's own suite) on which candidate, champion and base each run sessions with real tools (monitors.agent_checks); 0 turns the agent checks off (`flywheel run --agents` sets 24).",
+    )
+    agent_samples_per_task: int = Field(
+        2, ge=1, description="Gate: sessions each policy runs per agent task."
+    )
+    agent_max_turns: int = Field(6, ge=1, description="Gate: turns of an agent session.")
+    agent_max_tokens: int = Field(128, ge=1, description="Gate: max tokens of an agent turn.")
+    max_task_success_drop: float = Field(
+        0.05,
+        ge=0,
+        description="Gate: fail when the candidate's agent task success is below the champion's or the base's by more than this (at confidence 1 - monitor_alpha).",
+    )
+    max_agent_rate_increase: float = Field(
+        0.05,
+        ge=0,
+        description="Gate: fail when an agent monitor's rate (invalid calls and failed calls per turn, give-ups and test-file edits per session) exceeds the champion's or the base's by more than this (at confidence 1 - monitor_alpha).",
+    )
+    max_turns_increase: float = Field(
+        1.0,
+        ge=0,
+        description="Gate: fail when the candidate's mean turns per agent session exceeds the champion's by more than this (at confidence 1 - monitor_alpha).",
+    )
+    max_tokens_increase: float = Field(
+        0.5,
+        ge=0,
+        description="Gate: fail when the candidate's mean completion tokens per agent session exceeds the champion's by more than this share of the champion's (at confidence 1 - monitor_alpha).",
+    )
 
 
 @dataclass
@@ -215,6 +246,9 @@ class GateResult:
         for k in ("snips", "dr", "ess", "behaviour_value"):
             if self.ope.get(k) is not None:
                 out[f"flywheel.gate.ope.{k}"] = f"{self.ope[k]:.6g}"
+        for who, figures in (self.ope.get("agents") or {}).items():  # monitors.agent_figures
+            for k, v in figures.items():
+                out[f"flywheel.gate.agents.{who}.{k}"] = f"{v:.4g}"
         return out
 
     def decision(self, version: str, parent: str | None) -> Decision:
@@ -515,4 +549,25 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
         alpha=cfg.monitor_alpha,
         base_texts=b_texts,
     )
+    if cfg.agent_tasks:
+        from app.sandbox.tasks import tasks
+
+        # the gate's own suite: held-out repositories, drawn apart from the simulator's evaluation
+        agent, figures = agent_checks(
+            cand,
+            champ,
+            inp.base,
+            tasks=tasks(cfg.agent_tasks, seed=cfg.seed + 20_011, held_out=True),
+            samples=cfg.agent_samples_per_task,
+            max_turns=cfg.agent_max_turns,
+            max_tokens=cfg.agent_max_tokens,
+            seed=cfg.seed,
+            max_success_drop=cfg.max_task_success_drop,
+            max_rate_increase=cfg.max_agent_rate_increase,
+            max_turns_increase=cfg.max_turns_increase,
+            max_tokens_increase=cfg.max_tokens_increase,
+            alpha=cfg.monitor_alpha,
+        )
+        checks += agent
+        ope_summary["agents"] = figures
     return GateResult(checks, ope_summary)

@@ -339,3 +339,166 @@ def edit_checks(
             )
         out.append(check)
     return out
+
+
+# --- agents -------------------------------------------------------------------------------------
+
+
+def agent_verdicts(
+    policy: Any, tasks: Sequence[Any], samples: int, max_turns: int, max_tokens: int, seed: int
+) -> list[Any]:
+    """`samples` sessions of `policy` on each task, with real tools (app/sandbox/session.py): their
+    verdicts, task by task (consecutive sessions share a task)."""
+    from contextlib import ExitStack
+
+    from app.sandbox.sandbox import Sandbox
+    from app.sandbox.session import AgentSession, run_sessions
+
+    with ExitStack() as stack:
+        sessions = [
+            AgentSession(f"gate-{t.task_id}-{j}", t, stack.enter_context(Sandbox(t)), max_turns)
+            for t in tasks
+            for j in range(samples)
+        ]
+        run_sessions(policy, sessions, max_tokens, seed=seed)
+        return [s.verdict() for s in sessions]
+
+
+def _mean_increase_lower_bound(
+    cand: Sequence[float], champ: Sequence[float], alpha: float
+) -> float:
+    """One-sided (1 - alpha) lower bound of mean(cand) - mean(champ) (Welch, normal quantile)."""
+
+    def mv(x: Sequence[float]) -> tuple[float, float]:
+        m = sum(x) / len(x)
+        return m, sum((v - m) ** 2 for v in x) / max(1, len(x) - 1)
+
+    (mc, vc), (mh, vh) = mv(cand), mv(champ)
+    se = math.sqrt(vc / len(cand) + vh / len(champ))
+    return mc - mh - NormalDist().inv_cdf(1 - alpha) * se
+
+
+def agent_figures(verdicts: Sequence[Any]) -> dict[str, float]:
+    """Task success, turns and tokens per session, and the monitors' rates of a policy's sessions."""
+    n, turns = len(verdicts), sum(v.turns for v in verdicts)
+    return {
+        "task_success": sum(v.fixed for v in verdicts) / n,
+        "turns": turns / n,
+        "tokens": sum(v.completion_tokens for v in verdicts) / n,
+        "invalid_call_rate": sum(v.invalid_calls for v in verdicts) / max(1, turns),
+        "failed_call_rate": sum(v.tool_errors - v.invalid_calls for v in verdicts) / max(1, turns),
+        "give_up_rate": sum(v.gave_up for v in verdicts) / n,
+        "tests_edited_rate": sum(v.tests_edited for v in verdicts) / n,
+    }
+
+
+def agent_checks(
+    cand: Any,
+    champ: Any,
+    base: Any,
+    *,
+    tasks: Sequence[Any],
+    samples: int,
+    max_turns: int,
+    max_tokens: int,
+    seed: int,
+    max_success_drop: float,
+    max_rate_increase: float,
+    max_turns_increase: float,
+    max_tokens_increase: float,
+    alpha: float,
+) -> tuple[list[Check], dict[str, dict[str, float]]]:
+    """The gate's agent checks: candidate, champion and base each run the same sessions (same tasks,
+    same seed: common random numbers) with real tools; the candidate fails a check when it is
+    confidently worse than the champion or the base by more than the margin:
+
+    - `agent_task_success`: sessions whose task is really done (the hidden tests pass, the test
+      file untouched);
+    - `agent_invalid_call_rate`, `agent_failed_call_rate` per turn: calls that are not calls, and
+      calls the tool refused (bad arguments: no such file, text not in the file);
+    - `agent_give_up_rate`, `agent_tests_edited_rate` per session: sessions that never edited or
+      never answered, and sessions that wrote to the test file (the agentic reward hack's trace);
+    - `agent_turns`, `agent_tokens`: mean turns and completion tokens per session, against the
+      champion only (a better agent may well be longer than the base).
+
+    Returns the checks and each policy's figures (`agent_figures`)."""
+    runs = {"candidate": cand, "champion": champ}
+    if base is not None:
+        runs["base"] = base
+    verdicts = {
+        name: agent_verdicts(p, tasks, samples, max_turns, max_tokens, seed)
+        for name, p in runs.items()
+    }
+    figures = {name: agent_figures(v) for name, v in verdicts.items()}
+    c = verdicts["candidate"]
+    rates = (  # name, what, per turn?, bad count of one verdict
+        ("agent_task_success", "sessions whose task was not done", False, lambda v: not v.fixed),
+        (
+            "agent_invalid_call_rate",
+            "turns with a call that is not one",
+            True,
+            lambda v: v.invalid_calls,
+        ),
+        (
+            "agent_failed_call_rate",
+            "turns whose call the tool refused",
+            True,
+            lambda v: v.tool_errors - v.invalid_calls,
+        ),
+        (
+            "agent_give_up_rate",
+            "sessions that never edited or never answered",
+            False,
+            lambda v: v.gave_up,
+        ),
+        (
+            "agent_tests_edited_rate",
+            "sessions that wrote to the test file",
+            False,
+            lambda v: v.tests_edited,
+        ),
+    )
+    checks: list[Check] = []
+    for name, what, per_turn, bad in rates:
+        margin = max_success_drop if name == "agent_task_success" else max_rate_increase
+        worst: Check | None = None
+        details = []
+        for other in [k for k in verdicts if k != "candidate"]:
+            o = verdicts[other]
+            xc, xo = sum(map(bad, c)), sum(map(bad, o))
+            nc = max(1, sum(v.turns for v in c)) if per_turn else len(c)
+            no = max(1, sum(v.turns for v in o)) if per_turn else len(o)
+            lo = rate_increase_lower_bound(xc, nc, xo, no, alpha)
+            details.append(
+                f"{other} {xo / no:.3f} ({xo}/{no}): lower bound of the increase {lo:+.3f}"
+            )
+            if worst is None or lo > (worst.value or -1.0):
+                worst = Check(name, "fail" if lo > margin else "pass", value=lo, threshold=margin)
+        assert worst is not None
+        xc = sum(map(bad, c))
+        nc = max(1, sum(v.turns for v in c)) if per_turn else len(c)
+        worst.detail = f"{what}: candidate {xc / nc:.3f} ({xc}/{nc}); " + "; ".join(details)
+        worst.detail += f" (fail above {margin:g})"
+        checks.append(worst)
+    h = verdicts["champion"]
+    for name, values, margin in (
+        ("agent_turns", lambda vs: [float(v.turns) for v in vs], max_turns_increase),
+        (
+            "agent_tokens",
+            lambda vs: [float(v.completion_tokens) for v in vs],
+            max_tokens_increase * max(1.0, figures["champion"]["tokens"]),
+        ),
+    ):
+        lo = _mean_increase_lower_bound(values(c), values(h), alpha)
+        checks.append(
+            Check(
+                name,
+                "fail" if lo > margin else "pass",
+                value=lo,
+                threshold=margin,
+                detail=f"per session: candidate {sum(values(c)) / len(c):.2f}, champion "
+                f"{sum(values(h)) / len(h):.2f}; lower bound of the increase {lo:+.2f} "
+                f"(fail above {margin:.3g})",
+            )
+        )
+    return checks, figures
