@@ -109,6 +109,34 @@ def test_with_a_model_the_trainer_gets_its_hf_policy_and_no_built_in_demo_tuning
         demo_env(model, {"FLYWHEEL_TRAINER_POLICY": '{"d_model": 32}'})
 
 
+def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
+    """`flywheel run --agents`: the agent users, the sessions spec, the gate's agent checks, and for
+    the built-in policy a 1,024-token context pretrained on agent sessions; a variable already set
+    wins, and `--model DIR` keeps its own context and weights."""
+    import json
+
+    from app.run import AGENT_DEMO_ENV, AGENT_HF_SKIP, demo_env
+
+    env = demo_env(None, {}, agents=True)
+    assert env["FLYWHEEL_SIMULATE_AGENTS"] == "true"
+    assert env["FLYWHEEL_STREAMS_REWARD_SPEC"] == "sessions-v1"
+    assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TASKS"] == "24"
+    assert json.loads(env["FLYWHEEL_TRAINER_POLICY"]) == {"max_context": 1024}
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.5"
+    assert {k: env[k] for k in DEMO_ENV if k not in AGENT_DEMO_ENV} == {
+        k: v for k, v in DEMO_ENV.items() if k not in AGENT_DEMO_ENV
+    }
+    assert "FLYWHEEL_SIMULATE_AGENTS" not in demo_env(None, {})
+    assert "FLYWHEEL_SIMULATE_USERS" not in demo_env(None, {"FLYWHEEL_SIMULATE_USERS": "3"}, True)
+    model = tmp_path / "my-model"
+    hf = demo_env(model, {}, agents=True)
+    assert json.loads(hf["FLYWHEEL_TRAINER_POLICY"]) == {"type": "hf", "model_dir": str(model)}
+    assert hf["FLYWHEEL_SIMULATE_AGENTS"] == "true"
+    assert "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE" not in hf and set(AGENT_HF_SKIP) <= set(
+        AGENT_DEMO_ENV
+    )
+
+
 def test_model_dir_must_be_a_model_directory(tmp_path, monkeypatch):
     import pytest
     from pydantic import ValidationError
