@@ -6,7 +6,8 @@
     write_report(html, Path("report.html"))
 
 The page shows held-out acceptance per version (with its confidence interval when the version
-carries one), reward and KL over the trainer's optimizer steps, gate decisions per version with
+carries one), held-out agent task success per version with the sessions' monitors (when the
+agent evaluator has run), reward and KL over the trainer's optimizer steps, gate decisions per version with
 the failing checks, canary steps with their confidence bounds, promotions and rollbacks on a
 timeline, and a per-version table (with the sessions each version served: turns per session,
 outcome shares). Plots are matplotlib SVGs embedded as `data:` URIs; the page

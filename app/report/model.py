@@ -1,7 +1,8 @@
 """What a report is made of, and the pure folds that turn it into the page's rows and series.
 
 `ReportData` is everything read from the sources (app/report/sources.py): the registry's
-versions and their tags, the trainer's per-step metrics, the held-out metrics per version,
+versions and their tags, the trainer's per-step metrics, the held-out metrics per version
+(acceptance, and the held-out agent figures of app/simulate/agent_eval.py),
 the deployment events (docs/DESIGN.md §Deployment events, oldest first, `ts` an aware datetime)
 and the sessions the versions served (the sessions projection of `<ns>.rollouts`). The functions
 below read nothing else, so the page is a function of the data (tests/unit/report).
@@ -72,12 +73,46 @@ def vkey(version: str | None) -> int:
     return int(version) if version is not None and str(version).isdigit() else -1
 
 
-# --- held-out acceptance ------------------------------------------------------------------------
+# --- held-out acceptance and agent task success ---------------------------------------------------
 @dataclass(frozen=True)
 class HeldOut:
     acceptance: float
     ci_low: float | None = None
     ci_high: float | None = None
+
+
+# app/simulate/agent_eval.py METRICS (run `heldout-task-success` of `flywheel-heldout`, step =
+# version, and the version tags of the same names); named here: app.report does not import
+# app.simulate. `heldout_agent_satisfaction` is not shown.
+AGENT_FIELDS = {  # AgentHeldOut field -> metric / version tag
+    "task_success": "heldout_task_success",
+    "ci_low": "heldout_task_success_ci_low",
+    "ci_high": "heldout_task_success_ci_high",
+    "turns": "heldout_turns",
+    "tokens": "heldout_tokens",
+    "tool_error_rate": "heldout_tool_error_rate",
+    "invalid_call_rate": "heldout_invalid_call_rate",
+    "give_up_rate": "heldout_give_up_rate",
+    "tests_edited_rate": "heldout_tests_edited_rate",
+}
+AGENT_METRICS = tuple(AGENT_FIELDS.values())
+
+
+@dataclass(frozen=True)
+class AgentHeldOut:
+    """Held-out agent sessions of one version (app/simulate/agent_eval.py): task success with its
+    95% interval, turns and completion tokens per session, tool errors and invalid calls per turn,
+    shares of sessions that gave up and that edited the tests."""
+
+    task_success: float
+    ci_low: float | None = None
+    ci_high: float | None = None
+    turns: float | None = None
+    tokens: float | None = None
+    tool_error_rate: float | None = None
+    invalid_call_rate: float | None = None
+    give_up_rate: float | None = None
+    tests_edited_rate: float | None = None
 
 
 def _float(value: Any) -> float | None:
@@ -87,23 +122,55 @@ def _float(value: Any) -> float | None:
         return None
 
 
+def figures_by_version(data: ReportData, names: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Per version, each of `names` it has: the `flywheel-heldout` metric at step = version (later
+    points win), else the version's tag of the same name. Versions with none of them are absent."""
+    series = {
+        name: {str(step): value for step, value in data.heldout.get(name, [])} for name in names
+    }
+    tags = {vi.version: vi.tags for vi in data.versions}
+    out: dict[str, dict[str, float]] = {}
+    for v in sorted({*tags, *(v for s in series.values() for v in s)}, key=vkey):
+        found = {}
+        for name in names:
+            value = series[name].get(v, _float(tags.get(v, {}).get(name)))
+            if value is not None:
+                found[name] = value
+        if found:
+            out[v] = found
+    return out
+
+
+def _interval(figures: dict[str, float], low: str, high: str) -> dict[str, float]:
+    """Both bounds, or neither."""
+    return {low: figures[low], high: figures[high]} if low in figures and high in figures else {}
+
+
 def heldout_by_version(data: ReportData) -> dict[str, HeldOut]:
     """Held-out acceptance per version: the `flywheel-heldout` metric at step = version, else the
     version's tag; the confidence interval from the `_ci_low`/`_ci_high` metrics or tags when present."""
-
-    def series(name: str) -> dict[str, float]:
-        return {str(step): value for step, value in data.heldout.get(name, [])}  # later points win
-
-    acc, lo, hi = series(HELDOUT), series(HELDOUT_CI[0]), series(HELDOUT_CI[1])
     out: dict[str, HeldOut] = {}
-    for v in sorted({*acc, *(vi.version for vi in data.versions)}, key=vkey):
-        tags = next((vi.tags for vi in data.versions if vi.version == v), {})
-        a = acc.get(v, _float(tags.get(HELDOUT)))
-        if a is None:
+    for v, f in figures_by_version(data, (HELDOUT, *HELDOUT_CI)).items():
+        if HELDOUT in f:
+            ci = _interval(f, *HELDOUT_CI)
+            out[v] = HeldOut(f[HELDOUT], ci.get(HELDOUT_CI[0]), ci.get(HELDOUT_CI[1]))
+    return out
+
+
+def agent_by_version(data: ReportData) -> dict[str, AgentHeldOut]:
+    """Held-out agent figures per version, read as `heldout_by_version` reads acceptance: a version
+    without `heldout_task_success` has none; the interval only when both bounds are there."""
+    out: dict[str, AgentHeldOut] = {}
+    for v, f in figures_by_version(data, AGENT_METRICS).items():
+        if AGENT_FIELDS["task_success"] not in f:
             continue
-        low = lo.get(v, _float(tags.get(HELDOUT_CI[0])))
-        high = hi.get(v, _float(tags.get(HELDOUT_CI[1])))
-        out[v] = HeldOut(a, low, high) if low is not None and high is not None else HeldOut(a)
+        ci = _interval(f, AGENT_FIELDS["ci_low"], AGENT_FIELDS["ci_high"])
+        out[v] = AgentHeldOut(
+            **{
+                attr: (ci if attr.startswith("ci_") else f).get(name)
+                for attr, name in AGENT_FIELDS.items()
+            }
+        )
     return out
 
 
@@ -123,11 +190,16 @@ class GateVerdict:
 
 
 def _checks_from_tags(tags: dict[str, str]) -> list[dict[str, Any]]:
-    """`flywheel.gate.<check>` = "pass 0.12" | "fail 0.73" | "skipped" -> check dicts (ope.* are estimates)."""
+    """`flywheel.gate.<check>` = "pass 0.12" | "fail 0.73" | "skipped" -> check dicts (ope.* are
+    estimates, agents.<candidate|champion|base>.<figure> the agent checks' figures: not checks)."""
     out = []
     for key, raw in sorted(tags.items()):
         name = key.removeprefix("flywheel.gate.")
-        if not key.startswith("flywheel.gate.") or name == "status" or name.startswith("ope."):
+        if (
+            not key.startswith("flywheel.gate.")
+            or name == "status"
+            or name.startswith(("ope.", "agents."))
+        ):
             continue
         status, _, value = raw.partition(" ")
         out.append(
@@ -374,16 +446,18 @@ class VersionRow:
     champion_now: bool
     reward_spec: str | None
     sessions: SessionStats | None = None  # None: it served no session (or sessions were not read)
+    agent: AgentHeldOut | None = None  # None: no held-out agent figures (heldout_task_success)
 
 
 def version_rows(data: ReportData) -> list[VersionRow]:
     """One row per version known to the registry or the log, oldest first."""
     held, gates, r = heldout_by_version(data), gate_by_version(data), rollout(data.events)
+    agents = agent_by_version(data)
     served = session_stats(data.sessions or [])
     tags = {vi.version: vi.tags for vi in data.versions}
     champion_now = r.champion_spans[-1][2] if r.champion_spans else None
     rows = []
-    for v in sorted({*tags, *r.registered, *gates, *held}, key=vkey):
+    for v in sorted({*tags, *r.registered, *gates, *held, *agents}, key=vkey):
         t, reg = tags.get(v, {}), r.registered.get(v, {})
         kind = (
             t.get("kind") or (reg.get("reason", "").split(" version", 1)[0] if reg else "") or "?"
@@ -406,6 +480,7 @@ def version_rows(data: ReportData) -> list[VersionRow]:
                 v == champion_now,
                 None if spec in (None, "", "none") else spec,
                 served.get(v),
+                agents.get(v),
             )
         )
     return rows
@@ -433,13 +508,51 @@ def session_cells(stats: SessionStats | None) -> list[str]:
 SESSION_HEADS = ("sessions", "turns/session", "outcomes", *OUTCOMES)
 
 
+AGENT_HEADS = (
+    "task success",
+    "95% CI",
+    "turns",
+    "tokens",
+    "tool errors/turn",
+    "give-ups",
+    "tests edited",
+)
+
+
+def _fmt(x: float | None, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _ci(low: float | None, high: float | None) -> str:
+    return f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else ""
+
+
+def agent_cells(a: AgentHeldOut | None) -> list[str]:
+    """task success, its 95% interval, turns and tokens per session, tool errors per turn, shares
+    of sessions that gave up and that edited the tests: blanks for what a version lacks."""
+    if a is None:
+        return [""] * len(AGENT_HEADS)
+    return [
+        f"{a.task_success:.3f}",
+        _ci(a.ci_low, a.ci_high),
+        _fmt(a.turns, ".1f"),
+        _fmt(a.tokens, ".0f"),
+        _fmt(a.tool_error_rate, ".3f"),
+        _fmt(a.give_up_rate, ".1%"),
+        _fmt(a.tests_edited_rate, ".1%"),
+    ]
+
+
 def markdown_table(rows: list[VersionRow]) -> str:
-    """The per-version table as Markdown (`flywheel report --markdown`): what a note or README quotes."""
+    """The per-version table as Markdown (`flywheel report --markdown`): what a note or README quotes.
+    The held-out agent columns (after acceptance's) only when some version has agent figures."""
+    agents = any(r.agent is not None for r in rows)
     heads = (
         "version",
         "kind",
         "held-out acceptance",
         "95% CI",
+        *(AGENT_HEADS if agents else ()),
         "gate",
         "failing checks",
         "canary",
@@ -449,11 +562,7 @@ def markdown_table(rows: list[VersionRow]) -> str:
     for r in rows:
         h = r.heldout
         acc = f"{h.acceptance:.3f}" if h else ""
-        ci = (
-            f"[{h.ci_low:.3f}, {h.ci_high:.3f}]"
-            if h and h.ci_low is not None and h.ci_high is not None
-            else ""
-        )
+        ci = _ci(h.ci_low, h.ci_high) if h else ""
         gate = "" if r.gate is None else ("passed" if r.gate.passed else "failed")
         failing = ", ".join(
             f"{c['name']} {c['value']:.3g}"
@@ -462,6 +571,16 @@ def markdown_table(rows: list[VersionRow]) -> str:
             for c in (r.gate.failing if r.gate else [])
         )
         canary = r.canary or ("champion" if r.served else "")
-        cells = [r.version, r.kind, acc, ci, gate, failing, canary, *session_cells(r.sessions)]
+        cells = [
+            r.version,
+            r.kind,
+            acc,
+            ci,
+            *(agent_cells(r.agent) if agents else []),
+            gate,
+            failing,
+            canary,
+            *session_cells(r.sessions),
+        ]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

@@ -1,8 +1,9 @@
 """The report page: one HTML document, styles and figures inline, no script.
 
 `build_report(data)` -> str. Sections (each says "no ... yet" and why when it has no data):
-summary, held-out acceptance per version, training curves, gate decisions, canary steps,
-rollout timeline, versions. A Content-Security-Policy (`default-src 'none'; img-src data:;
+summary, held-out acceptance per version, held-out agent task success per version (only when a
+version has agent figures), training curves, gate decisions, canary steps, rollout timeline,
+versions. A Content-Security-Policy (`default-src 'none'; img-src data:;
 style-src 'unsafe-inline'`) makes the browser refuse anything the page would fetch, so a page
 that renders cleanly is self-contained.
 """
@@ -95,6 +96,21 @@ def _summary(data: ReportData, rows: list[VersionRow], r: Rollout) -> str:
                 + (
                     f"; last promoted v{promoted[-1].version} {promoted[-1].heldout.acceptance:.3f}"
                     if promoted and promoted[-1].heldout
+                    else ""
+                ),
+            )
+        )
+    agents = [(row.version, row.agent.task_success) for row in rows if row.agent is not None]
+    if agents:
+        first = agents[0]
+        best = max(agents, key=lambda va: va[1])
+        items.append(
+            (
+                "held-out task success",
+                f"v{first[0]} {first[1]:.3f} → best v{best[0]} {best[1]:.3f}"
+                + (
+                    f"; last promoted v{promoted[-1].version} {promoted[-1].agent.task_success:.3f}"
+                    if promoted and promoted[-1].agent
                     else ""
                 ),
             )
@@ -233,6 +249,63 @@ def _timeline_section(data: ReportData, r: Rollout) -> str:
     )
 
 
+def _agent_section(rows: list[VersionRow]) -> str:
+    """Held-out agent task success and the sessions' monitors per version; "" (no section) when
+    no version has agent figures."""
+    pts = [row for row in rows if row.agent is not None]
+    if not pts:
+        return ""
+    lead = (
+        "Share of held-out tasks the agent sessions solved (hidden tests pass; flywheel-heldout run "
+        "heldout-task-success) per version, with its 95% interval; under it the same sessions' "
+        "monitors: turns per session, and the shares that gave up and that edited the tests."
+    )
+    img = _img(plots.agent_plot(rows), "held-out agent task success per version", "")
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "version",
+            "task success",
+            "95% CI",
+            "turns / session",
+            "tokens / session",
+            "tool errors / turn",
+            "invalid calls / turn",
+            "gave up",
+            "edited the tests",
+        )
+    )
+    body = []
+    for row in reversed(pts):
+        a = row.agent
+        ci = (
+            f"[{a.ci_low:.3f}, {a.ci_high:.3f}]"
+            if a.ci_low is not None and a.ci_high is not None
+            else "—"
+        )
+        cells = (
+            f"{a.task_success:.3f}",
+            ci,
+            _num(a.turns, ".1f"),
+            _num(a.tokens, ".0f"),
+            _num(a.tool_error_rate),
+            _num(a.invalid_call_rate),
+            _num(a.give_up_rate, ".1%"),
+            _num(a.tests_edited_rate, ".1%"),
+        )
+        body.append(
+            f'<tr data-version="{escape(row.version)}"><td>v{escape(row.version)}</td>'
+            + "".join(f'<td class="num">{c}</td>' for c in cells)
+            + "</tr>"
+        )
+    return _section(
+        "agents",
+        "Held-out agent task success per version",
+        lead,
+        f'{img}<div class="scroll"><table><tr>{head}</tr>{"".join(body)}</table></div>',
+    )
+
+
 def _badge(row: VersionRow) -> str:
     parts = []
     if row.champion_now:
@@ -351,6 +424,7 @@ def build_report(data: ReportData) -> str:
                 "`flywheel simulate` evaluates every registered version).",
             ),
         ),
+        _agent_section(rows),
         _section(
             "training",
             "Reward and KL over training steps",

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 import matplotlib
 
@@ -19,6 +21,7 @@ matplotlib.use("Agg")  # before anything imports pyplot (nothing here does)
 from matplotlib import dates as mdates
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import PercentFormatter
 
 from app.report.model import CanaryStep, Rollout, VersionRow, vkey
 
@@ -30,6 +33,7 @@ GREEN, RED, ORANGE, BLUE, GREY, DARK = (
     "#90a4ae",
     "#37474f",
 )
+TEAL, PURPLE = "#00838f", "#6a1b9a"  # the agent monitors' lines (not a version's colour)
 VERDICT_COLOURS = {
     "better_or_equal": GREEN,
     "worse": RED,
@@ -73,6 +77,68 @@ def _row_colour(row: VersionRow) -> str:
     return BLUE
 
 
+def _marker(row: VersionRow, colour: str) -> str:
+    return "X" if colour == RED else "*" if row.champion_now else "o"
+
+
+def _per_version_axis(
+    ax: Any,
+    pts: list[VersionRow],
+    value: Callable[[VersionRow], float],
+    interval: Callable[[VersionRow], tuple[float | None, float | None]],
+) -> list[int]:
+    """One score per version on `ax`: interval bars where both bounds exist, each point coloured
+    (and marked) by what became of its version, the champions' step line and the first version's
+    level. Returns the x of each point (the version numbers)."""
+    xs = [vkey(r.version) for r in pts]
+    ax.plot(xs, [value(r) for r in pts], color=GREY, lw=1, zorder=1)
+    # what served, version after version: it should only go up
+    champs = [r for r in pts if r.served]
+    if len(champs) > 1:
+        ax.step(
+            [vkey(r.version) for r in champs] + [xs[-1]],
+            [value(r) for r in champs] + [value(champs[-1])],
+            where="post",
+            color=GREEN,
+            lw=2.5,
+            alpha=0.35,
+            zorder=1,
+        )
+    for x, r in zip(xs, pts):
+        y, (low, high), colour = value(r), interval(r), _row_colour(r)
+        if low is not None and high is not None:
+            ax.errorbar(
+                [x], [y], yerr=[[y - low], [high - y]], color=colour, capsize=3, lw=1.2, zorder=2
+            )
+        marker = _marker(r, colour)
+        ax.scatter([x], [y], color=colour, marker=marker, s=90 if marker == "*" else 40, zorder=3)
+        if len(pts) <= 24:
+            ax.annotate(
+                f"{y:.3f}",
+                (x, high if high is not None else y),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=7,
+                color=DARK,
+            )
+    ax.axhline(value(pts[0]), color=DARK, ls=":", lw=1)
+    ax.set_xticks(xs, [f"v{r.version}" for r in pts])
+    return xs
+
+
+def _version_legend(first: str) -> list[Line2D]:
+    return [
+        Line2D([], [], color=GREEN, marker="o", ls="", label="served as champion"),
+        Line2D([], [], color=GREEN, marker="*", ms=10, ls="", label="champion now"),
+        Line2D([], [], color=ORANGE, marker="o", ls="", label="rolled back"),
+        Line2D([], [], color=RED, marker="X", ls="", label="gate failed"),
+        Line2D([], [], color=BLUE, marker="o", ls="", label="other"),
+        Line2D([], [], color=GREEN, lw=2.5, alpha=0.35, label="champions, version after version"),
+        Line2D([], [], color=DARK, ls=":", label=f"first version (v{first})"),
+    ]
+
+
 def heldout_plot(rows: list[VersionRow]) -> str | None:
     """Held-out acceptance per version, CI bars where present, coloured by what became of the version."""
     pts = [r for r in rows if r.heldout is not None]
@@ -81,76 +147,63 @@ def heldout_plot(rows: list[VersionRow]) -> str | None:
     with matplotlib.rc_context(STYLE):
         fig = Figure(figsize=(WIDTH_IN, 3.6), layout="constrained")
         ax = fig.add_subplot()
-        xs = [vkey(r.version) for r in pts]
-        ax.plot(xs, [r.heldout.acceptance for r in pts], color=GREY, lw=1, zorder=1)
-        champs = [
-            r for r in pts if r.served
-        ]  # what served, version after version: it should only go up
-        if len(champs) > 1:
-            ax.step(
-                [vkey(r.version) for r in champs] + [xs[-1]],
-                [r.heldout.acceptance for r in champs] + [champs[-1].heldout.acceptance],
-                where="post",
-                color=GREEN,
-                lw=2.5,
-                alpha=0.35,
-                zorder=1,
-            )
-        for x, r in zip(xs, pts):
-            h, colour = r.heldout, _row_colour(r)
-            if h.ci_low is not None and h.ci_high is not None:
-                ax.errorbar(
-                    [x],
-                    [h.acceptance],
-                    yerr=[[h.acceptance - h.ci_low], [h.ci_high - h.acceptance]],
-                    color=colour,
-                    capsize=3,
-                    lw=1.2,
-                    zorder=2,
-                )
-            marker = "X" if colour == RED else "*" if r.champion_now else "o"
-            ax.scatter(
-                [x],
-                [h.acceptance],
-                color=colour,
-                marker=marker,
-                s=90 if marker == "*" else 40,
-                zorder=3,
-            )
-            if len(pts) <= 24:
-                ax.annotate(
-                    f"{h.acceptance:.3f}",
-                    (x, h.ci_high if h.ci_high is not None else h.acceptance),
-                    textcoords="offset points",
-                    xytext=(0, 6),
-                    ha="center",
-                    fontsize=7,
-                    color=DARK,
-                )
-        ax.axhline(pts[0].heldout.acceptance, color=DARK, ls=":", lw=1)
-        ax.set_xticks(xs, [f"v{r.version}" for r in pts])
+        _per_version_axis(
+            ax, pts, lambda r: r.heldout.acceptance, lambda r: (r.heldout.ci_low, r.heldout.ci_high)
+        )
         ax.set_ylabel("held-out acceptance")
         ax.set_title("Held-out acceptance per version")
         ax.margins(y=0.2)
-        fig.legend(
-            handles=[
-                Line2D([], [], color=GREEN, marker="o", ls="", label="served as champion"),
-                Line2D([], [], color=GREEN, marker="*", ms=10, ls="", label="champion now"),
-                Line2D([], [], color=ORANGE, marker="o", ls="", label="rolled back"),
-                Line2D([], [], color=RED, marker="X", ls="", label="gate failed"),
-                Line2D([], [], color=BLUE, marker="o", ls="", label="other"),
-                Line2D(
-                    [],
-                    [],
-                    color=GREEN,
-                    lw=2.5,
-                    alpha=0.35,
-                    label="champions, version after version",
-                ),
-                Line2D([], [], color=DARK, ls=":", label=f"first version (v{pts[0].version})"),
-            ],
-            loc="outside right upper",
+        fig.legend(handles=_version_legend(pts[0].version), loc="outside right upper")
+        return _uri(fig)
+
+
+def agent_plot(rows: list[VersionRow]) -> str | None:
+    """Held-out agent task success per version with its interval (drawn as `heldout_plot` draws
+    acceptance), and under it the monitors of the same sessions: turns per session, and the shares
+    of sessions that gave up and that edited the tests."""
+    pts = [r for r in rows if r.agent is not None]
+    if not pts:
+        return None
+    with matplotlib.rc_context(STYLE):
+        fig = Figure(figsize=(WIDTH_IN, 6.4), layout="constrained")
+        top, turns, rates = fig.subplots(3, 1, sharex=True, height_ratios=[2.2, 1, 1])
+        xs = _per_version_axis(
+            top, pts, lambda r: r.agent.task_success, lambda r: (r.agent.ci_low, r.agent.ci_high)
         )
+        top.set_ylabel("held-out task success")
+        top.set_title("Held-out agent task success per version, and the sessions' monitors")
+        top.margins(y=0.2)
+
+        def monitor(ax: Any, attr: str, colour: str, label: str | None = None) -> list[float]:
+            """The line in the monitor's colour, each point in its version's colour and marker."""
+            got = [(x, getattr(r.agent, attr), r) for x, r in zip(xs, pts)]
+            got = [(x, y, r) for x, y, r in got if y is not None]
+            if got:
+                ax.plot(
+                    [x for x, _, _ in got],
+                    [y for _, y, _ in got],
+                    color=colour,
+                    lw=1.3,
+                    label=label,
+                )
+            for x, y, r in got:
+                c = _row_colour(r)
+                m = _marker(r, c)
+                ax.scatter([x], [y], color=c, marker=m, s=60 if m == "*" else 18, zorder=3)
+            return [y for _, y, _ in got]
+
+        monitor(turns, "turns", DARK)
+        turns.set_ylabel("turns / session")
+        turns.margins(y=0.25)
+        shares = monitor(rates, "give_up_rate", TEAL, "gave up")
+        shares += monitor(rates, "tests_edited_rate", PURPLE, "edited the tests")
+        rates.set_ylabel("share of sessions")
+        rates.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        top_share = max(shares, default=0.0)
+        rates.set_ylim(-0.04 * max(top_share, 0.1), 1.25 * max(top_share, 0.1))
+        if shares:
+            rates.legend(loc="upper left")
+        fig.legend(handles=_version_legend(pts[0].version), loc="outside right upper")
         return _uri(fig)
 
 

@@ -3,9 +3,11 @@
 Two places hold everything the page shows:
 
 - **MLflow**: the registered versions and their tags (lineage, `flywheel.gate.*`,
-  `heldout_acceptance[_ci_low|_ci_high]`), the `flywheel-trainer` runs' per-step metrics
-  (`reward_mean`, `kl`, `loss`; step = optimizer step) and the `flywheel-heldout` run's
-  `heldout_acceptance` (step = version). For a data dir, MLflow's own SQLite store
+  `heldout_acceptance[_ci_low|_ci_high]`, the agent evaluator's `heldout_task_success`, ...), the
+  `flywheel-trainer` runs' per-step metrics (`reward_mean`, `kl`, `loss`; step = optimizer step)
+  and the `flywheel-heldout` runs' metrics (step = version): `heldout_acceptance` of the run
+  `heldout-acceptance`, and the held-out agent figures of the run `heldout-task-success`
+  (app/simulate/agent_eval.py), both found by their tag `model`. For a data dir, MLflow's own SQLite store
   `<data_dir>/mlflow/mlflow.db` (where `flywheel run` keeps it, app/infra/mlflow_server.py) is read
   directly with `MlflowClient(tracking_uri="sqlite:///...")`: nothing needs to run. For a running
   stack, `--mlflow-uri` names the server.
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from app.report.model import (
+    AGENT_METRICS,
     HELDOUT,
     HELDOUT_CI,
     TRAINER_METRICS,
@@ -46,7 +49,7 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 TRAINER_EXPERIMENT = "flywheel-trainer"  # trainer/config.py TrainerConfig.experiment
-HELDOUT_EXPERIMENT = "flywheel-heldout"  # app/simulate/evaluate.py EXPERIMENT
+HELDOUT_EXPERIMENT = "flywheel-heldout"  # app/simulate/evaluate.py EXPERIMENT (agent_eval.py's too)
 HISTORY_PAGE = 500  # app/api/routes/status.py MAX_HISTORY
 EventSource = Literal["db", "api", "kafka"]
 
@@ -152,9 +155,7 @@ def load_report_data(src: ReportSources) -> ReportData:
         data.trainer = _run_metrics(
             client, TRAINER_EXPERIMENT, f"tags.model_name = '{src.model}'", TRAINER_METRICS
         )
-        data.heldout = _run_metrics(
-            client, HELDOUT_EXPERIMENT, f"tags.model = '{src.model}'", (HELDOUT, *HELDOUT_CI)
-        )
+        data.heldout = _heldout_metrics(client, src.model)
     except (
         MlflowException
     ) as exc:  # e.g. a store written by another MLflow version, a server answering 5xx
@@ -219,6 +220,17 @@ def _run_metrics(
                 points = client.get_metric_history(run.info.run_id, key)
                 out.setdefault(key, []).extend((int(m.step), float(m.value)) for m in points)
     return {k: sorted(v) for k, v in out.items()}
+
+
+def _heldout_metrics(client: Any, model: str) -> dict[str, list[tuple[int, float]]]:
+    """The `flywheel-heldout` runs tagged with the model: `heldout-acceptance` (acceptance and its
+    interval) and `heldout-task-success` (the agent figures); step = version."""
+    return _run_metrics(
+        client,
+        HELDOUT_EXPERIMENT,
+        f"tags.model = '{model}'",
+        (HELDOUT, *HELDOUT_CI, *AGENT_METRICS),
+    )
 
 
 # --- sessions -----------------------------------------------------------------------------------
