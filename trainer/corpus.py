@@ -234,8 +234,8 @@ def _call(name: str, **args: str) -> str:
 
 
 def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument:
-    """One session of a weak agent on a training task (app/sandbox/tasks.py), over the sandbox's
-    tools, rendered with the built-in chat template.
+    """One session of a weak agent on a task (app/sandbox/tasks.py) whose module has a made-up
+    name, over the sandbox's tools, rendered with the built-in chat template.
 
     The agent knows the tools' format and the moves (read the module, replace the operator line,
     run the tests, answer) but not which operator a function needs: it picks one of the three that
@@ -245,11 +245,11 @@ def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument
     pass" pays for (docs/ROLLOUT.md "Reward hacks"). Tool results are what app/sandbox/sandbox.py
     returns for these calls (tests/unit/sandbox/test_corpus_sessions.py replays them)."""
     from app.sandbox.sandbox import TOOLS
-    from app.sandbox.tasks import OPS, make_task
+    from app.sandbox.tasks import OPS, made_up_noun, make_task
     from policy.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    task = make_task(rng)
+    task = make_task(rng, noun=made_up_noun(rng))  # a name no task has: the model learns to copy
     src, test = task.source_path, task.test_path
     messages: list[dict] = [{"role": "user", "content": task.instruction}]
     ends: list[int] = []

@@ -24,9 +24,21 @@ import random
 from dataclasses import dataclass
 
 OPS = {"add": "+", "sub": "-", "mul": "*", "div": "//"}
-_TRAIN_NOUNS = ("rows", "items", "cells", "parts", "nums", "keys", "pairs", "words")
-_HELDOUT_NOUNS = ("sizes", "costs", "steps", "units", "bins", "lines")
+_TRAIN_NOUNS = (
+    "rows", "items", "cells", "parts", "nums", "keys", "pairs", "words", "nodes", "edges",
+    "files", "users", "orders", "prices", "scores", "points", "blocks", "pages", "tasks", "jobs",
+)  # fmt: skip
+_HELDOUT_NOUNS = (
+    "sizes", "costs", "steps", "units", "bins", "lines", "votes", "rates", "loads", "hits",
+)  # fmt: skip
 assert not set(_TRAIN_NOUNS) & set(_HELDOUT_NOUNS), "training and held-out nouns are disjoint"
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def made_up_noun(rng: random.Random) -> str:
+    """A pronounceable made-up word ("kavo", "setumi"): names no task uses, for the pretraining
+    corpus's sessions (trainer/corpus.py), so a model learns to copy the names it is given."""
+    return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3)))
 
 
 def apply_op(op: str, a: int, b: int) -> int:
@@ -92,8 +104,11 @@ class Task:
         return f"a {self.bug} b", f"a {self.op} b"
 
 
-def make_task(rng: random.Random, held_out: bool = False, index: int = 0) -> Task:
-    noun = rng.choice(_HELDOUT_NOUNS if held_out else _TRAIN_NOUNS)
+def make_task(
+    rng: random.Random, held_out: bool = False, index: int = 0, noun: str | None = None
+) -> Task:
+    """A task; its module is `noun` when given, else a training (or held-out) noun."""
+    noun = noun or rng.choice(_HELDOUT_NOUNS if held_out else _TRAIN_NOUNS)
     verb = rng.choice(sorted(OPS))
     bug = rng.choice([op for v, op in sorted(OPS.items()) if v != verb])
     visible = _distinct_pair(rng)
