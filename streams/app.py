@@ -12,7 +12,9 @@ Topology (N = partitions of `<ns>.interactions`):
     <ns>.streams-metric-partials ─▶ merge_metrics (table: metric_buckets) ─▶ <ns>.version-metrics
 
 A labelled chat turn (a rollout with `turn`) and a `session_outcome` event go to
-`<ns>.streams-turns` (key session_id) instead, for the session stage (its docstring).
+`<ns>.streams-turns` (key session_id) instead, for the session stage (its docstring), which
+sends the sums of the sessions that ended with an outcome to `<ns>.streams-metric-partials`
+too: `merge_metrics` adds them to the same version-metrics records.
 
 Why ticks go through a topic: Faust tables may only be changed inside a stream event (the
 changelog partition is the event's partition), and a single consumer of both topics keeps

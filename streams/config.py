@@ -118,7 +118,7 @@ class StreamsConfig(FlywheelSettings):
     session_retention: Duration = Field(
         3600.0,
         description="How long a closed or ended session is remembered (duplicate turns dropped, "
-        "late turns and outcomes routed to <ns>.late). At least session_idle.",
+        "late turns and outcomes routed to <ns>.late). At least session_idle and metrics_bucket.",
     )
     session_max_turns: int = Field(64, ge=1, description="Turns per segment.")
     session_max_tokens: int = Field(
@@ -145,6 +145,12 @@ class StreamsConfig(FlywheelSettings):
         self.ledger()
         if self.metrics_bucket <= 0:
             raise ValueError("FLYWHEEL_STREAMS_METRICS_BUCKET must be > 0, e.g. '60s'")
+        if self.session_retention < self.metrics_bucket:
+            raise ValueError(
+                f"FLYWHEEL_STREAMS_SESSION_RETENTION ({self.session_retention:g}s) must cover "
+                f"FLYWHEEL_STREAMS_METRICS_BUCKET ({self.metrics_bucket:g}s): an ended session is "
+                "remembered until its bucket's session sums went out"
+            )
         if self.batch_within <= 0:
             raise ValueError("FLYWHEEL_STREAMS_BATCH_WITHIN must be > 0, e.g. '50ms'")
         if self.tick_interval <= 0:

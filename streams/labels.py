@@ -36,7 +36,14 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.contracts.events import EventValidationError, parse_event
-from app.contracts.rollouts import SUM_FIELDS, add_sums, empty_sums, rollout_sums, version_metrics
+from app.contracts.rollouts import (
+    LABEL_SUM_FIELDS,
+    SUM_FIELDS,
+    add_sums,
+    empty_sums,
+    rollout_sums,
+    version_metrics,
+)
 from streams.reward import RewardSpec, compute_reward
 
 log = logging.getLogger(__name__)
@@ -249,10 +256,46 @@ class BucketMarker:
         return {"p": self.partition, "dl": self.forget_at}
 
 
+def bucket_of(t: float, bucket_s: float) -> float:
+    """Start of the version-metrics bucket that time `t` falls in."""
+    return math.floor(t / bucket_s) * bucket_s
+
+
+PartialStage = Literal["labels", "sessions"]
+
+
+def partial_record(
+    version: str,
+    bucket_start: float,
+    bucket_s: float,
+    partition: int,
+    reward_spec: str,
+    sums: dict[str, float],
+    stage: PartialStage = "labels",
+) -> dict[str, Any]:
+    """A record of `<ns>.streams-metric-partials` (`Partial`): one partition's sums of one bucket
+    and version, as the aggregate stage (closed labels, by interactions partition) or the session
+    stage (ended sessions, by turns partition: `stage` "sessions") writes it. Each replaces that
+    stage's and partition's earlier partial of the bucket in the merger."""
+    out: dict[str, Any] = {
+        "model_version": version,
+        "bucket_start": bucket_start,
+        "bucket_seconds": bucket_s,
+        "partition": partition,
+        "reward_spec": reward_spec,
+        "sums": sums,
+    }
+    if stage != "labels":  # the aggregate stage's partials keep their form
+        out["stage"] = stage
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class MergedBucket:
     """A value of the merger's `metric-buckets` table under '<version>|<bucket start>': the latest
-    partial sums of each partition (stored `{"parts": {"<partition>": sums}}`; JSON keys are strings)."""
+    partial sums of each partition (stored `{"parts": {"<partition>": sums}}`; JSON keys are
+    strings: `"3"` for interactions partition 3's closed labels, `"s3"` for turns partition 3's
+    ended sessions)."""
 
     sums_by_partition: dict[str, dict[str, float]]  # "parts"
 
@@ -260,9 +303,18 @@ class MergedBucket:
     def from_stored(cls, stored: Mapping[str, Any] | None) -> MergedBucket:
         return cls(stored["parts"] if stored else {})
 
-    def with_partial(self, partition: int, sums: dict[str, float]) -> MergedBucket:
-        """This bucket with `partition`'s sums replaced by (or, first from it, added as) `sums`."""
-        return MergedBucket({**self.sums_by_partition, str(partition): sums})
+    def with_partial(
+        self, partition: int, sums: dict[str, float], stage: PartialStage = "labels"
+    ) -> MergedBucket:
+        """This bucket with `partition`'s sums of `stage` replaced by (or, first from it, added as)
+        `sums`."""
+        key = str(partition) if stage == "labels" else f"s{partition}"
+        return MergedBucket({**self.sums_by_partition, key: sums})
+
+    def partitions(self) -> tuple[list[int], list[int]]:
+        """(interactions partitions, turns partitions) whose partials the bucket holds."""
+        keys = self.sums_by_partition
+        return [int(k) for k in keys if k[0] != "s"], [int(k[1:]) for k in keys if k[0] == "s"]
 
     def to_stored(self) -> dict[str, Any]:
         return {"parts": self.sums_by_partition}
@@ -556,7 +608,7 @@ class Aggregator:
         for key in ("turn", "tools_digest"):  # chat turns: what the session ledger segments by
             if gen.get(key) is not None:
                 rollout[key] = gen[key]
-        bucket = math.floor(label.deadline / self.bucket_s) * self.bucket_s
+        bucket = bucket_of(label.deadline, self.bucket_s)
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)
         del self.generations[rid]  # from here on nothing raises: the label is closed
         closed = label.retained(
@@ -605,22 +657,13 @@ class Aggregator:
                 label = self.label(rid)
                 close = label.close if label is not None else None
                 assert close is not None, f"{rid} is in bucket {b} but not a closed label"
-                add_sums(per_version.setdefault(close.model_version, empty_sums()), close.sums)
-            for version, sums in sorted(per_version.items()):
-                out.append(
-                    Emit(
-                        "partials",
-                        version,
-                        {
-                            "model_version": version,
-                            "bucket_start": b,
-                            "bucket_seconds": self.bucket_s,
-                            "partition": p,
-                            "reward_spec": self.spec.version,
-                            "sums": sums,
-                        },
-                    )
+                add_sums(
+                    per_version.setdefault(close.model_version, empty_sums(LABEL_SUM_FIELDS)),
+                    close.sums,
                 )
+            for version, sums in sorted(per_version.items()):
+                value = partial_record(version, b, self.bucket_s, p, self.spec.version, sums)
+                out.append(Emit("partials", version, value))
             key = f"{p}|{b!r}"
             if key not in self.buckets:
                 marker = BucketMarker(p, b + self.bucket_s + self.retention_s)
@@ -633,7 +676,9 @@ class MetricsMerger:
     """Second stage: merges per-partition partial sums into one record per (model_version, bucket).
 
     `state` maps "<version>|<bucket_start>" -> a stored `MergedBucket`; a partial replaces that
-    partition's earlier one (idempotent under redelivery).
+    stage's and partition's earlier one (idempotent under redelivery). The partials come from the
+    aggregate stage (closed labels) and from the session stage (ended agent sessions,
+    streams/session_stage.py); both add up in one record.
     """
 
     def __init__(self, state: MutableMapping[str, dict]):
@@ -645,25 +690,28 @@ class MetricsMerger:
         partial = Partial.model_validate(partial)
         key = f"{partial.model_version}|{partial.bucket_start!r}"
         merged = MergedBucket.from_stored(self.state.get(key)).with_partial(
-            partial.partition, partial.sums
+            partial.partition, partial.sums, partial.stage
         )
         total = empty_sums()
         for sums in merged.sums_by_partition.values():
             add_sums(total, sums)
+        labels, sessions = merged.partitions()
         rec = version_metrics(
             partial.model_version,
             partial.bucket_start,
             partial.bucket_seconds,
             partial.reward_spec,
-            [int(k) for k in merged.sums_by_partition],
+            labels,
             total,
+            sessions,
         )
         self.state[key] = merged.to_stored()
         return Emit("version-metrics", partial.model_version, rec.model_dump(mode="json"))
 
 
 class Partial(BaseModel):
-    """A record of `<ns>.streams-metric-partials` as `Aggregator._emit_buckets` writes it."""
+    """A record of `<ns>.streams-metric-partials` as `partial_record` builds it (the aggregate
+    stage's `Aggregator._emit_buckets`, the session stage's `Ledger._emit_bucket`)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -673,3 +721,8 @@ class Partial(BaseModel):
     partition: int = Field(ge=0)
     reward_spec: str
     sums: dict[Literal[SUM_FIELDS], float]  # type: ignore[valid-type]
+    stage: PartialStage = Field(
+        "labels",
+        description="who wrote it: the aggregate stage (closed labels of interactions partition "
+        "`partition`) or the session stage (sessions of turns partition `partition` that ended)",
+    )

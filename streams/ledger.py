@@ -52,6 +52,18 @@ Two clients sharing one session id interleave two histories: each one's turn bre
 other's segment (`history_rewritten`), and turns of the same number supersede each other, so
 the collision shows as many one-turn segments and `superseded` late records.
 
+Version metrics (with `LedgerMetrics`; the streams worker's session stage passes them, `flywheel
+streams relabel` does not). Each applied turn adds to its session's tallies (turns, completion
+tokens, turns with a tool error) and sets the session's version to its own. A session that ends
+(`_end`, `end_session`) with an outcome and at least one applied turn is counted once, in the
+bucket of the time it ended (the record that ended it, or the due time when time did: a replay
+counts it in the same bucket), and the bucket is stored in the session (`mb`). When the ledger's
+time passes a bucket's end, the bucket's sums per version (`session_sums` over the sessions that
+hold it) go out as partials of stage "sessions" (`Emit` topic `partials`, key the version), and a
+marker (`LedgerMetrics.markers`) records that they did and how many sessions they counted: a
+partial sent again is the same sums (the merger replaces it), a session that ends into a sent
+bucket sends it again. docs/STREAMS.md "Version metrics".
+
 State, per session id, one JSON value in `sessions` (a changelogged table in a worker), read
 and written through `Session.from_stored`/`to_stored` on every change; the heaps and the set of
 open sessions are derived from it (rebuilt at construction), so a ledger built on a restored
@@ -70,7 +82,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from app.contracts.rollouts import SESSION_SUM_FIELDS, add_sums, empty_sums, session_sums
 from app.contracts.topics import KAFKA_DERIVED_MAX_MESSAGE_BYTES
+from streams.labels import BucketMarker, bucket_of, partial_record
 from streams.reward import RewardSpec, outcome_reward
 from streams.segments import Segment, as_rollout, extension, record_size, segment_record
 
@@ -140,13 +154,28 @@ class LedgerConfig(BaseModel):
 
 @dataclass(frozen=True)
 class Emit:
-    """One output: `topic` rollouts | late. A rollout says why its segment opened and closed."""
+    """One output: `topic` rollouts | late | partials. A rollout says why its segment opened and
+    closed; a partial (keyed by model_version) is a bucket's session sums (`LedgerMetrics`)."""
 
     topic: str
     key: str
     value: dict[str, Any]
     opened_by: str | None = None  # OpenReason
     closed_by: str | None = None  # CloseReason
+
+
+@dataclass(frozen=True)
+class LedgerMetrics:
+    """Where a ledger counts its sessions' ends for the canary (docs/STREAMS.md "Version metrics"):
+    version-metrics buckets of `bucket_s` seconds (the aggregate stage's grid), sent as partials of
+    turns partition `partition` under `reward_spec`; `markers` is a mapping the ledger owns (keys
+    `repr(bucket start)`, values a `BucketMarker`'s stored form plus `"n"`: the sessions the
+    partial counted) that records which buckets' partials went out."""
+
+    bucket_s: float
+    partition: int
+    reward_spec: str
+    markers: MutableMapping[str, dict]
 
 
 @dataclass(slots=True)
@@ -195,6 +224,10 @@ class Session:
     outcome: Outcome | None = None  # "oc": its session_outcome event, once one arrived
     held: tuple[dict[str, Any], ...] = ()  # "h": segments' records held for the outcome
     last_generated: str | None = None  # "ag": the latest generated_at of its applied turns
+    version: str | None = None  # "sv": the model_version that served its last applied turn
+    # "sn": its applied turns, the completion tokens they sampled, the turns with a tool error
+    tally: tuple[int, int, int] = (0, 0, 0)
+    bucket: float | None = None  # "mb": the version-metrics bucket its end was counted in
 
     @property
     def ending(self) -> bool:
@@ -233,6 +266,9 @@ class Session:
             Outcome.from_stored(stored["oc"]) if "oc" in stored else None,
             tuple(stored.get("h", ())),
             stored.get("ag"),
+            stored.get("sv"),
+            tuple(stored["sn"]) if "sn" in stored else (0, 0, 0),  # type: ignore[arg-type]
+            stored.get("mb"),
         )
 
     def to_stored(self) -> dict[str, Any]:
@@ -251,6 +287,12 @@ class Session:
             out["h"] = list(self.held)
         if self.last_generated is not None:
             out["ag"] = self.last_generated
+        if self.version is not None:
+            out["sv"] = self.version
+        if self.tally != (0, 0, 0):
+            out["sn"] = list(self.tally)
+        if self.bucket is not None:
+            out["mb"] = self.bucket
         return out
 
 
@@ -268,7 +310,7 @@ BREAKS = frozenset(
 
 def state_bytes(sess: Session) -> int:
     """An upper bound of `sess`'s stored JSON (streams/segments.py `record_size`)."""
-    n = 512 + sum(len(rid) + 4 for rid in sess.seen)
+    n = 512 + len(sess.version or "") + sum(len(rid) + 4 for rid in sess.seen)
     n += sum(record_size(w.record) for w in sess.waiting) + sum(map(record_size, sess.held))
     return n + (sess.segment.size if sess.segment is not None else 0)
 
@@ -305,15 +347,38 @@ class Ledger:
         cfg: LedgerConfig,
         sessions: MutableMapping[str, dict],
         spec: RewardSpec | None = None,
+        metrics: LedgerMetrics | None = None,
     ):
-        self.cfg, self.sessions, self.spec = cfg, sessions, spec
+        self.cfg, self.sessions, self.spec, self.metrics = cfg, sessions, spec, metrics
         self.counts: Counter[str] = Counter()
         self._wm = -math.inf
         self._due: list[tuple[float, str]] = []  # (due, session id); stale entries skipped
         self._lru: list[tuple[float, str]] = []  # (last_at, session id) of open sessions
         self._open: set[str] = set()
+        self._counted: dict[float, set[str]] = {}  # bucket start -> sessions counted in it
+        self._dirty: set[float] = set()  # buckets counted into since their partial went out
+        self._markers: list[tuple[float, str]] = []  # (forget at, marker key); stale skipped
         for sid, stored in list(sessions.items()):
-            self._index(sid, Session.from_stored(stored))
+            sess = Session.from_stored(stored)
+            self._index(sid, sess)
+            if sess.bucket is not None:
+                self._counted.setdefault(sess.bucket, set()).add(sid)
+        if metrics is not None:
+            assert cfg.retention_s >= metrics.bucket_s, (
+                f"retention_s {cfg.retention_s} must cover a metrics bucket ({metrics.bucket_s}s): "
+                "a counted session is remembered until its bucket's partial went out"
+            )
+            for key, stored in list(metrics.markers.items()):
+                marker = BucketMarker.from_stored(stored)
+                if marker is not None:
+                    heapq.heappush(self._markers, (marker.forget_at, key))
+            # a bucket is due again when it holds more sessions than its partial counted: never
+            # sent, or a session ended into it after it went out (forgetting only removes sessions)
+            self._dirty = {
+                b
+                for b, sids in self._counted.items()
+                if len(sids) > (metrics.markers.get(repr(b)) or {}).get("n", -1)
+            }
 
     # --- state ---------------------------------------------------------------------------------
     def session(self, sid: str) -> Session | None:
@@ -363,7 +428,7 @@ class Ledger:
         else:
             sess = self._accept(sess, rec, now, out)
         if sess.ending and self._has_applied(sess, sess.outcome.request_id):  # type: ignore[union-attr]
-            sess = self._end(sess, now, out)
+            sess = self._end(sid, sess, now, out)
         self._put(sid, self._shed(sess, now, out))
         out += self._evict(keep=sid, now=now)
         return out
@@ -412,7 +477,7 @@ class Ledger:
         self.counts["outcomes"] += 1
         sess = replace(sess, outcome=Outcome(ev["outcome"], ev["request_id"], ev["event_id"], now))
         if self._has_applied(sess, ev["request_id"]):
-            sess = self._end(sess, now, out)
+            sess = self._end(sid, sess, now, out)
         self._put(sid, sess)
         out += self._evict(keep=sid, now=now)
         return out
@@ -420,9 +485,14 @@ class Ledger:
     def _has_applied(self, sess: Session, rid: str) -> bool:
         return rid in sess.seen and all(w.record["request_id"] != rid for w in sess.waiting)
 
-    def _end(self, sess: Session, now: float, out: list[Emit]) -> Session:
-        """Flush, close (`end`) and end `sess`. An outcome that reaches no open segment (the
-        session's segments closed before it came) goes to late (`after_close`)."""
+    def _end(
+        self, sid: str, sess: Session, now: float, out: list[Emit], at: float | None = None
+    ) -> Session:
+        """Flush, close (`end`) and end `sess`, and count it (`_count`) in the bucket of `at` (the
+        time it ended by: `now`, or the due time that ended it in `advance`). An outcome that
+        reaches no open segment (the session's segments closed before it came) goes to late
+        (`after_close`); the session is still counted: its outcome is known, and so is the version
+        that served its last turn."""
         sess = self._flush(sess, now, out)
         if sess.segment is not None or sess.held:
             sess = self._close(sess, "end", out)
@@ -430,16 +500,17 @@ class Ledger:
             o = sess.outcome
             ev = {"type": "session_outcome", "outcome": o.outcome, "request_id": o.request_id}
             out.append(self._late("after_close", {**ev, "event_id": o.event_id}, now))
-        return replace(sess, ended_at=now)
+        return self._count(sid, replace(sess, ended_at=now), now if at is None else at)
 
     def end_session(self, sid: str, now: float) -> list[Emit]:
         """The client ended session `sid`: its waiting turns are applied, its segment closes
-        (`end`), and later turns of it go to late (`session_ended`) until `retention_s` passes."""
+        (`end`), and later turns of it go to late (`session_ended`) until `retention_s` passes.
+        Counted (`_count`) when its outcome had arrived."""
         out = self.advance(now)
         sess = self.session(sid) or Session((), None, now)
         if sess.ended_at is None:
             sess = self._close(self._flush(sess, now, out), "end", out)
-            self._put(sid, replace(sess, ended_at=now))
+            self._put(sid, self._count(sid, replace(sess, ended_at=now), now))
         return out
 
     def advance(self, now: float) -> list[Emit]:
@@ -454,11 +525,11 @@ class Ledger:
             if sess is None or sess.due(self.cfg) != due:
                 continue  # stale entry: the session moved on
             if sess.ending and sess.outcome.at + self.cfg.idle_s <= now:  # type: ignore[union-attr]
-                self._put(sid, self._end(sess, now, out))  # the named turn never came
+                self._put(sid, self._end(sid, sess, now, out, due))  # the named turn never came
             elif sess.open:
                 sess = self._flush(sess, now, out)
                 if sess.ending and self._has_applied(sess, sess.outcome.request_id):  # type: ignore[union-attr]
-                    sess = self._end(sess, now, out)
+                    sess = self._end(sid, sess, now, out, due)
                 elif (
                     (sess.segment is not None or sess.held)
                     and not sess.ending
@@ -467,9 +538,10 @@ class Ledger:
                     sess = self._close(sess, "idle", out)
                 self._put(sid, sess)
             else:
+                out += self._uncount(sid, sess)
                 del self.sessions[sid]
                 self._open.discard(sid)
-        return out
+        return out + self._emit_buckets(now)
 
     # --- turns ---------------------------------------------------------------------------------
     def _late_reason(self, sess: Session, rec: dict[str, Any]) -> LateReason | None:
@@ -529,7 +601,20 @@ class Ledger:
                 self.counts["eos_dropped"] += int(drop_eos)
                 seg = seg.extended(rec, drop_eos)
         last = max(sess.last_generated or "", rec["generated_at"])
-        sess = replace(sess, applied=rec["turn"], segment=seg, last_generated=last)
+        turns, tokens, errors = sess.tally
+        tally = (
+            turns + 1,
+            tokens + len(rec["completion_tokens"]),
+            errors + (1 if rec.get("tool_errors") else 0),
+        )
+        sess = replace(
+            sess,
+            applied=rec["turn"],
+            segment=seg,
+            last_generated=last,
+            version=rec["model_version"],
+            tally=tally,
+        )
         if len(seg.parts) >= cfg.max_turns:
             return self._close(sess, "max_turns", out)
         if seg.length >= cfg.max_tokens:
@@ -582,13 +667,95 @@ class Ledger:
                 kept.append((last_at, sid))
                 continue
             if sess.ending:  # its outcome is in: it ends now, without the turn it names
-                sess = self._end(sess, now, out)
+                sess = self._end(sid, sess, now, out)
             else:
                 sess = self._close(self._flush(sess, now, out), "open_sessions", out)
             self._put(sid, sess)
         for entry in kept:
             heapq.heappush(self._lru, entry)
         return out
+
+    # --- version metrics ---------------------------------------------------------------------------
+    def _count(self, sid: str, sess: Session, at: float) -> Session:
+        """`sess`, which just ended, counted in the version-metrics bucket of `at` when it ended
+        with an outcome and served at least one turn; once per session (its stored `bucket` says
+        it was). Its sums (`session_sums`: outcome, turns, tokens, tool-error turns) go out in the
+        bucket's partial once the ledger's time passes the bucket's end (`_emit_buckets`)."""
+        m = self.metrics
+        if m is None or sess.outcome is None or sess.version is None or sess.bucket is not None:
+            return sess
+        b = bucket_of(at, m.bucket_s)
+        self._counted.setdefault(b, set()).add(sid)
+        self._dirty.add(b)
+        self.counts["sessions_counted"] += 1
+        return replace(sess, bucket=b)
+
+    def _uncount(self, sid: str, sess: Session) -> list[Emit]:
+        """`sess` is forgotten: its bucket's partial goes out first if it has not yet (it is due:
+        a session is kept `retention_s` >= one bucket after its end), then the session leaves the
+        bucket's index. (A session that ends later into a bucket whose sessions are all forgotten
+        would send a partial without them: it would have to arrive `retention_s` behind the ledger's
+        time.)"""
+        b = sess.bucket
+        if b is None or self.metrics is None:
+            return []
+        out = self._emit_bucket(b) if b in self._dirty else []
+        sids = self._counted.get(b)
+        if sids is not None:
+            sids.discard(sid)
+            if not sids:
+                del self._counted[b]
+        return out
+
+    def _emit_buckets(self, now: float) -> list[Emit]:
+        """The partials of every bucket counted into that ended at or before `now`, then the
+        markers past their time forgotten. Normally once per bucket; a session counted into a
+        bucket whose partial already went out (its end time behind the ledger's) sends the
+        bucket's whole partial again, which replaces the earlier one in the merger."""
+        m = self.metrics
+        if m is None:
+            return []
+        out: list[Emit] = []
+        for b in sorted(b for b in self._dirty if b + m.bucket_s <= now):
+            out += self._emit_bucket(b)
+        while self._markers and self._markers[0][0] <= now:
+            dl, key = heapq.heappop(self._markers)
+            marker = BucketMarker.from_stored(m.markers.get(key))
+            if marker is not None and marker.forget_at == dl:  # else rewritten later: stale entry
+                del m.markers[key]
+        return out
+
+    def _emit_bucket(self, b: float) -> list[Emit]:
+        """Bucket `b`'s partials (one per version: the sums of every session counted in it that the
+        ledger still holds) and its marker, kept until every one of those sessions is forgotten."""
+        m = self.metrics
+        assert m is not None
+        self._dirty.discard(b)
+        per_version: dict[str, dict[str, float]] = {}
+        forget, counted = b + m.bucket_s, 0
+        for sid in sorted(self._counted.get(b, ())):
+            sess = self.session(sid)
+            if sess is None or sess.bucket != b or sess.outcome is None or sess.version is None:
+                continue  # a stale index entry (a failed apply): the stored session rules
+            sums = session_sums(sess.outcome.outcome, *sess.tally)
+            add_sums(per_version.setdefault(sess.version, empty_sums(SESSION_SUM_FIELDS)), sums)
+            forget = max(forget, sess.ended_at if sess.ended_at is not None else b)
+            counted += 1
+        if not per_version:
+            return []
+        marker = BucketMarker(m.partition, forget + self.cfg.retention_s)
+        m.markers[repr(b)] = {**marker.to_stored(), "n": counted}
+        heapq.heappush(self._markers, (marker.forget_at, repr(b)))
+        return [
+            Emit(
+                "partials",
+                version,
+                partial_record(
+                    version, b, m.bucket_s, m.partition, m.reward_spec, sums, "sessions"
+                ),
+            )
+            for version, sums in sorted(per_version.items())
+        ]
 
     def _late(self, reason: LateReason, rec: dict[str, Any], now: float) -> Emit:
         self.counts[f"late.{reason}"] += 1

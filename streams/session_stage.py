@@ -3,9 +3,11 @@
     <ns>.interactions ─▶ aggregate ──(chat turns, labelled; session_outcome events)──▶ <ns>.streams-turns
                                                                           (internal, N, key session_id)
     <ns>.streams-turns ───────┐                                ┌─▶ <ns>.rollouts (a segment's record)
-                              ├─▶ assemble (concurrency 1) ────┤
-    <ns>.streams-ledger-ticks ┘   tables: sessions,            └─▶ <ns>.late     (ledger late reasons)
-      (internal, N)               session-progress (changelogs)
+                              ├─▶ assemble (concurrency 1) ────┼─▶ <ns>.late     (ledger late reasons)
+    <ns>.streams-ledger-ticks ┘   tables: sessions,            └─▶ <ns>.streams-metric-partials
+      (internal, N)               session-progress (changelogs)     (ended sessions' sums, stage
+                                                                     "sessions"; merged into
+                                                                     <ns>.version-metrics)
 
 Why a second topic. Interactions are keyed by request_id, so a session's turns land on many
 partitions; the ledger needs all of them in one place, in one order. The aggregate agent
@@ -28,6 +30,19 @@ One `Ledger` per turns partition, over that partition's sessions (table keys
 `<partition>|<session id>`, so a partition's sessions are found without a partitioner and
 every write lands on the changelog partition of the record that caused it). Time is the
 turns records' timestamps and the ticks' wall time minus `skew_margin`; it never goes back.
+
+Version metrics for the canary. A session that ends with an outcome is counted once, in the
+version that served its last turn, in the metrics bucket of the time it ended (`Ledger._count`):
+the count lives in the session's own stored value (`mb`), written in the same changelog record
+as the end, so a replay never counts it again and a crash cannot keep the end and lose the
+count. When the ledger's time passes a bucket's end, the bucket's session sums per version go to
+`<ns>.streams-metric-partials` as a partial of stage "sessions" and of this turns partition,
+recomputed from the sessions that hold the bucket; the aggregate stage's merger
+(`MetricsMerger`) replaces that stage's and partition's earlier partial, so a re-sent partial
+never double counts, and adds it to the bucket's closed labels in one `<ns>.version-metrics`
+record. A marker per emitted bucket (`<p>|<bucket>` in `session-progress`, written with the
+progress after the `sessions` changelog) keeps a restarted stage from sending it again; one lost
+in a crash only re-sends the same sums.
 """
 
 from __future__ import annotations
@@ -44,7 +59,7 @@ from prometheus_client import Counter, Gauge
 from app.contracts.topics import STREAMS_LEDGER_TICKS, STREAMS_TURNS
 from app.settings import Settings
 from streams.config import StreamsConfig
-from streams.ledger import Emit, Ledger, LedgerConfig
+from streams.ledger import Emit, Ledger, LedgerConfig, LedgerMetrics
 from streams.outbox import Outbox
 from streams.reward import RewardSpec
 from streams.runtime import OUT, RAW, Runtime, _failure, table_options
@@ -71,7 +86,9 @@ TURNS_IN = Counter(
 
 
 class PartitionSessions(MutableMapping[str, Any]):
-    """The sessions of one turns partition in the `sessions` table (keys `<p>|<session id>`)."""
+    """One turns partition's keys of a table (keys `<p>|<key>`): its sessions in `sessions`
+    (`<p>|<session id>`), its version-metrics bucket markers in `session-progress`
+    (`<p>|<bucket start>`, beside the progress keys `offset|<p>`)."""
 
     def __init__(self, view: BatchedTable, partition: int):
         self.view, self.partition, self.prefix = view, partition, f"{partition}|"
@@ -115,7 +132,8 @@ class SessionStage(Runtime):
         outputs: dict[str, Any],
     ) -> SessionStage:
         """The stage on `app`, writing to the aggregate stage's `outputs` topics (rollouts, late,
-        dlq) through the same `outbox`."""
+        dlq, and the metric partials its merger turns into version-metrics) through the same
+        `outbox`."""
         n, ns = settings.interactions_partitions, settings.topic_namespace
         turns, ticks = f"{ns}.{STREAMS_TURNS}", f"{ns}.{STREAMS_LEDGER_TICKS}"
         table = table_options(n)
@@ -123,7 +141,7 @@ class SessionStage(Runtime):
         progress = app.Table(
             "session-progress", help="'offset|<partition>' -> last turns offset reflected", **table
         )
-        topics = {name: outputs[name] for name in ("rollouts", "late", "dlq")}
+        topics = {name: outputs[name] for name in ("rollouts", "late", "dlq", "partials")}
         topics["ticks"] = app.topic(ticks, partitions=n, **RAW)
         stage = cls(
             settings,
@@ -146,8 +164,14 @@ class SessionStage(Runtime):
         """Partition `p`'s ledger, built from the (recovered) table on first use."""
         led = self.ledgers.get(p)
         if led is None:
+            metrics = LedgerMetrics(
+                self.cfg.metrics_bucket,
+                p,
+                self.spec.version if self.spec is not None else "",
+                PartitionSessions(self.views["buckets"], p),  # markers beside the progress
+            )
             led = self.ledgers[p] = Ledger(
-                self.ledger_cfg, PartitionSessions(self.views["sessions"], p), self.spec
+                self.ledger_cfg, PartitionSessions(self.views["sessions"], p), self.spec, metrics
             )
         return led
 

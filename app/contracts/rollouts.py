@@ -15,7 +15,10 @@
 - `VersionMetrics` on `flywheel.version-metrics` (key model_version): additive sums per
   model_version and time bucket plus derived means. `bucket_id` identifies the bucket; a
   later record with the same bucket_id supersedes an earlier one (it includes more
-  partitions: `partitions` lists those whose labels are counted).
+  partitions: `partitions` lists those whose labels are counted, `session_partitions` the
+  turns partitions whose ended sessions are). The per-completion sums come from closed labels
+  (`rollout_sums`), the session sums (`SESSION_SUM_FIELDS`) from sessions that ended with an
+  outcome (`session_sums`, docs/STREAMS.md "Version metrics"); a sum a record lacks is 0.
 """
 
 from __future__ import annotations
@@ -234,7 +237,17 @@ SUM_FIELDS = (
     "tool_error_count",
     "empty_completions",
     "completion_tokens_sum",
+    # agent sessions, added by the session stage when a session ends with an outcome (counted once
+    # per session, in the version that served its last turn; 0 in records written before them)
+    "sessions_n",
+    "session_success",
+    "session_give_up",
+    "session_turns_sum",
+    "session_tokens_sum",
+    "session_tool_error_turns",
 )
+LABEL_SUM_FIELDS = SUM_FIELDS[: SUM_FIELDS.index("sessions_n")]  # a closed label's (per completion)
+SESSION_SUM_FIELDS = SUM_FIELDS[len(LABEL_SUM_FIELDS) :]  # an ended session's
 
 
 class VersionMetrics(BaseModel):
@@ -251,7 +264,14 @@ class VersionMetrics(BaseModel):
     )
     bucket_seconds: float
     reward_spec: str
-    partitions: list[int]
+    partitions: list[int] = Field(
+        description="interactions partitions whose closed labels are counted so far"
+    )
+    session_partitions: list[int] = Field(
+        default_factory=list,
+        description="turns partitions whose ended sessions are counted so far (the session stage's "
+        "partials; empty in records written before it)",
+    )
     sums: dict[str, float]
     n: int
     accept_rate: float | None
@@ -268,6 +288,19 @@ class VersionMetrics(BaseModel):
     )
     empty_completion_rate: float | None
     mean_completion_length: float | None
+    task_success_rate: float | None = Field(
+        None, description="session_success / sessions_n: sessions that ended in success"
+    )
+    give_up_rate: float | None = Field(
+        None, description="session_give_up / sessions_n: sessions that ended abandoned"
+    )
+    mean_session_turns: float | None = Field(None, description="session_turns_sum / sessions_n")
+    mean_session_tokens: float | None = Field(
+        None, description="session_tokens_sum / sessions_n (completion tokens the model sampled)"
+    )
+    session_tool_error_rate: float | None = Field(
+        None, description="session_tool_error_turns / session_turns_sum: turns with a tool error"
+    )
 
 
 def _exact(x: float) -> str:
@@ -280,13 +313,16 @@ def _div(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def empty_sums() -> dict[str, float]:
-    return dict.fromkeys(SUM_FIELDS, 0.0)
+def empty_sums(fields: tuple[str, ...] = SUM_FIELDS) -> dict[str, float]:
+    return dict.fromkeys(fields, 0.0)
 
 
 def add_sums(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:
+    """`total` plus `part`, field by field (a field missing from one of them counts 0; a field in
+    neither stays out, so a closed label's sums and partials keep the per-completion fields only)."""
     for k in SUM_FIELDS:
-        total[k] = total.get(k, 0.0) + float(part.get(k, 0.0))
+        if k in total or k in part:
+            total[k] = total.get(k, 0.0) + float(part.get(k, 0.0))
     return total
 
 
@@ -297,9 +333,11 @@ def version_metrics(
     reward_spec: str,
     partitions: list[int],
     sums: dict[str, float],
+    session_partitions: list[int] | None = None,
 ) -> VersionMetrics:
-    """Derive the means and rates from additive sums."""
-    n = sums["n"]
+    """Derive the means and rates from additive sums (a session sum missing from `sums`: 0)."""
+    sums = {**empty_sums(), **sums}
+    n, sessions = sums["n"], sums["sessions_n"]
     mean = _div(sums["reward_sum"], n)
     var = None
     if mean is not None:
@@ -311,7 +349,8 @@ def version_metrics(
         bucket_seconds=bucket_seconds,
         reward_spec=reward_spec,
         partitions=sorted(partitions),
-        sums=dict(sums),
+        session_partitions=sorted(session_partitions or ()),
+        sums=sums,
         n=int(n),
         accept_rate=_div(sums["accepts"], n),
         reject_rate=_div(sums["rejects"], n),
@@ -323,14 +362,20 @@ def version_metrics(
         tool_error_rate=_div(sums["tool_error_rollouts"], n),
         empty_completion_rate=_div(sums["empty_completions"], n),
         mean_completion_length=_div(sums["completion_tokens_sum"], n),
+        task_success_rate=_div(sums["session_success"], sessions),
+        give_up_rate=_div(sums["session_give_up"], sessions),
+        mean_session_turns=_div(sums["session_turns_sum"], sessions),
+        mean_session_tokens=_div(sums["session_tokens_sum"], sessions),
+        session_tool_error_rate=_div(sums["session_tool_error_turns"], sums["session_turns_sum"]),
     )
 
 
 def rollout_sums(
     rollout: dict[str, Any], raw: dict[str, Any], empty_max_tokens: int
 ) -> dict[str, float]:
-    """One rollout's contribution to the version metrics (`raw`: unweighted values from the reward)."""
-    s = empty_sums()
+    """One rollout's contribution to the version metrics (`raw`: unweighted values from the reward):
+    the per-completion fields (`LABEL_SUM_FIELDS`)."""
+    s = empty_sums(LABEL_SUM_FIELDS)
     s["n"] = 1.0
     r = float(rollout["reward"])
     assert math.isfinite(r), f"non-finite reward {r} for {rollout['request_id']}"
@@ -350,4 +395,21 @@ def rollout_sums(
     length = len(rollout["completion_tokens"])
     s["empty_completions"] = 1.0 if length <= empty_max_tokens else 0.0
     s["completion_tokens_sum"] = float(length)
+    return s
+
+
+def session_sums(outcome: str, turns: int, tokens: int, tool_error_turns: int) -> dict[str, float]:
+    """One ended session's contribution to the version metrics: its outcome (success | failure |
+    abandoned), its applied turns, the completion tokens they sampled and the turns that got a
+    tool error: the session fields (`SESSION_SUM_FIELDS`) only; its turns were counted per
+    completion when their labels closed."""
+    assert outcome in ("success", "failure", "abandoned"), f"unknown outcome {outcome!r}"
+    assert 0 <= tool_error_turns <= turns and tokens >= 0, (turns, tokens, tool_error_turns)
+    s = empty_sums(SESSION_SUM_FIELDS)
+    s["sessions_n"] = 1.0
+    s["session_success"] = 1.0 if outcome == "success" else 0.0
+    s["session_give_up"] = 1.0 if outcome == "abandoned" else 0.0
+    s["session_turns_sum"] = float(turns)
+    s["session_tokens_sum"] = float(tokens)
+    s["session_tool_error_turns"] = float(tool_error_turns)
     return s

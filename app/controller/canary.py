@@ -38,12 +38,35 @@ x^2 <= x for values in [0, 1] and x^2 <= 1 for a sentiment in [-1, 1], which onl
 sequence, so its coverage holds. A candidate whose upper bound on a guardrail lies below
 -guardrail_margin is rolled back, whatever its reward; the reason and the event details name
 the guardrail.
+
+Guardrails on agent sessions. The session stage counts each agent session that ended with an
+outcome once, in the version that served its last turn (`sessions_n`, `session_success`,
+`session_give_up`, ... in the version-metrics sums; docs/STREAMS.md "Version metrics"). Two
+guardrails judge them, per **session**, not per completion: `task_success_rate` (the value is 1
+for a session that ended in success, else 0) and `give_up_rate` (lower is better, so the judged
+value is 1 - gave up: 1 unless the session was abandoned, and "worse" means more give-ups, as for
+every guardrail; delta and bounds are on that value, while the analysis reports each arm's
+give-up rate itself, `lower_is_better`). Each has its own sample count, sessions_n, and the
+confidence sequence runs on it: t = the sessions of both arms, p = the candidate's share of the
+sessions, each arm's mean over its sessions. That is the statistically right count, unlike
+`followup_sentiment`, which keeps n: its value is defined for every shown completion (0 without a
+follow-up), and `followup_n` only bounds its second moment. Using n for a per-session value would
+pretend to one sample per turn while only sessions are independent draws (a session's turns
+share its outcome), and so narrow the sequence far below its level. The values are 0/1, so x^2 = x
+is the sum of squares (exact). A session guardrail is judged only when each arm has at least
+`min_sessions` sessions in the window: with fewer (none at all, as for versions that serve no
+agents) it is skipped, recorded in `Analysis.guardrails_skipped` with the reason, and is neither a
+pass nor a fail (the reward and the other guardrails decide). Turns per session is not a
+guardrail: it is no [0, 1] quantity, the records carry no sum of squares of it to bound its
+variance with, and more turns is not worse in itself; its sums (`session_turns_sum`,
+`session_tokens_sum`, `session_tool_error_turns`) are carried in `ArmStats` and the
+version-metrics records for dashboards and the projections only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Literal
 
@@ -70,37 +93,52 @@ class ArmStats:
     followup_n: float = 0.0
     followup_sum: float = 0.0
     tool_error_rollouts: float = 0.0  # completions with at least one tool error
+    # agent sessions that ended with an outcome, counted in the version that served their last turn
+    sessions_n: int = 0
+    session_success: float = 0.0  # ... that ended in success
+    session_give_up: float = 0.0  # ... that were abandoned
+    session_turns_sum: float = 0.0  # their turns
+    session_tokens_sum: float = 0.0  # the completion tokens their turns sampled
+    session_tool_error_turns: float = 0.0  # their turns with a tool error
 
     def __add__(self, other: ArmStats) -> ArmStats:
-        return ArmStats(
-            self.n + other.n,
-            self.reward_sum + other.reward_sum,
-            self.reward_sumsq + other.reward_sumsq,
-            self.accepts + other.accepts,
-            self.persistence_sum + other.persistence_sum,
-            self.followup_n + other.followup_n,
-            self.followup_sum + other.followup_sum,
-            self.tool_error_rollouts + other.tool_error_rollouts,
-        )
+        return ArmStats(*(getattr(self, k) + getattr(other, k) for k in _ARM_FIELDS))
 
     @property
     def mean(self) -> float:
         return self.reward_sum / self.n if self.n else float("nan")
 
-    def guardrail_sums(self) -> dict[str, tuple[float, float]]:
-        """guardrail -> (sum, upper bound of the sum of squares) of its per-completion value."""
+    def guardrail_sums(self) -> dict[str, tuple[int, float, float]]:
+        """guardrail -> (samples, sum, upper bound of the sum of squares) of its per-sample value:
+        per shown completion (n samples) or per ended session (sessions_n samples)."""
+        n, sessions = self.n, self.sessions_n
+        kept = sessions - self.session_give_up
         return {
-            "acceptance_rate": (self.accepts, self.accepts),  # 0/1: x^2 = x
-            "kept_edit_rate": (self.persistence_sum, self.persistence_sum),  # [0, 1]: x^2 <= x
+            "acceptance_rate": (n, self.accepts, self.accepts),  # 0/1: x^2 = x
+            "kept_edit_rate": (n, self.persistence_sum, self.persistence_sum),  # [0, 1]: x^2 <= x
             "followup_sentiment": (
+                n,
                 self.followup_sum,
                 self.followup_n,
             ),  # [-1, 1], 0 without one: x^2 <= 1
-            "tool_call_success_rate": (self.n - self.tool_error_rollouts,) * 2,
-        }  # 0/1: no tool error
+            "tool_call_success_rate": (n, *(n - self.tool_error_rollouts,) * 2),  # 0/1
+            "task_success_rate": (sessions, self.session_success, self.session_success),  # 0/1
+            "give_up_rate": (sessions, kept, kept),  # judged on 1 - gave up (0/1)
+        }
 
 
-GUARDRAILS = ("acceptance_rate", "kept_edit_rate", "followup_sentiment", "tool_call_success_rate")
+_ARM_FIELDS = tuple(f.name for f in fields(ArmStats))
+
+GUARDRAILS = (
+    "acceptance_rate",
+    "kept_edit_rate",
+    "followup_sentiment",
+    "tool_call_success_rate",
+    "task_success_rate",
+    "give_up_rate",
+)
+SESSION_GUARDRAILS = frozenset(("task_success_rate", "give_up_rate"))  # per session: sessions_n
+LOWER_IS_BETTER = frozenset(("give_up_rate",))  # judged on 1 - the rate
 
 
 def cs_radius(sigma: float, t: int, alpha: float, target_n: int) -> float:
@@ -131,7 +169,10 @@ class Analysis(BaseModel):
     alpha: float | None = None
     margin: float | None = None
     # guardrail -> {"verdict", "delta", "lower", "upper", "candidate", "champion", "margin"}
+    # (a session guardrail also "samples" {"candidate", "champion"} and "lower_is_better")
     guardrails: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    # session guardrail -> why it was not judged (too few sessions in an arm): no verdict
+    guardrails_skipped: dict[str, str] = Field(default_factory=dict)
 
     def worst_guardrail(self) -> str | None:
         """The first guardrail on which the candidate is confidently worse, or None."""
@@ -167,29 +208,50 @@ def analyze(cand: ArmStats, champ: ArmStats, cfg: CanaryConfig) -> Analysis:
         champ.reward_sumsq,
         cfg,
     )
-    guardrails = {}
-    if cfg.guardrails:
-        c_sums, h_sums = cand.guardrail_sums(), champ.guardrail_sums()
-        for g in GUARDRAILS:
-            (cs, cq), (hs, hq) = c_sums[g], h_sums[g]
-            d, gl, gh = _aipw_bounds(cand.n, cs, cq, champ.n, hs, hq, cfg)
-            guardrails[g] = {
-                "verdict": _verdict(gl, gh, cfg.guardrail_margin),
-                "delta": d,
-                "lower": gl,
-                "upper": gh,
-                "candidate": cs / cand.n,
-                "champion": hs / champ.n,
-                "margin": cfg.guardrail_margin,
-            }
+    guardrails, skipped = _guardrails(cand, champ, cfg) if cfg.guardrails else ({}, {})
     return Analysis(
         verdict=_verdict(lo, hi, cfg.margin),
         delta=delta,
         lower=lo,
         upper=hi,
         guardrails=guardrails,
+        guardrails_skipped=skipped,
         **base,
     )
+
+
+def _guardrails(
+    cand: ArmStats, champ: ArmStats, cfg: CanaryConfig
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Every guardrail's comparison, each on its own samples (module docstring), and the session
+    guardrails skipped for want of sessions."""
+    judged: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    c_sums, h_sums = cand.guardrail_sums(), champ.guardrail_sums()
+    for g in GUARDRAILS:
+        (cn, cs, cq), (hn, hs, hq) = c_sums[g], h_sums[g]
+        if g in SESSION_GUARDRAILS and min(cn, hn) < cfg.min_sessions:
+            skipped[g] = (
+                f"{cn} candidate and {hn} champion sessions in the window; judged from "
+                f"{cfg.min_sessions} per arm"
+            )
+            continue
+        d, gl, gh = _aipw_bounds(cn, cs, cq, hn, hs, hq, cfg)
+        entry = {
+            "verdict": _verdict(gl, gh, cfg.guardrail_margin),
+            "delta": d,
+            "lower": gl,
+            "upper": gh,
+            "candidate": cs / cn,
+            "champion": hs / hn,
+            "margin": cfg.guardrail_margin,
+        }
+        if g in SESSION_GUARDRAILS:
+            entry["samples"] = {"candidate": cn, "champion": hn}
+        if g in LOWER_IS_BETTER:  # the arms' own rates; delta and bounds stay on 1 - rate
+            entry.update(candidate=1.0 - cs / cn, champion=1.0 - hs / hn, lower_is_better=True)
+        judged[g] = entry
+    return judged, skipped
 
 
 def _verdict(lo: float, hi: float, margin: float) -> Verdict:
@@ -294,7 +356,8 @@ def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decis
                 from_version=state.candidate,
                 traffic_pct=0.0,
                 reason=f"canary step {state.step} ({state.traffic_pct:g}%): guardrail {guard}: candidate "
-                f"{g['candidate']:.4f} vs champion {g['champion']:.4f}, worse by more than "
+                f"{g['candidate']:.4f} vs champion {g['champion']:.4f}"
+                f"{' (lower is better)' if g.get('lower_is_better') else ''}, worse by more than "
                 f"{cfg.guardrail_margin:g} (delta {g['delta']:+.4f}, CS [{g['lower']:+.4f}, "
                 f"{g['upper']:+.4f}]) whatever its reward ({stats})",
                 details={**details, "guardrail": guard},

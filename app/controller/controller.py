@@ -97,6 +97,15 @@ class MetricsRecord(BaseModel):
                 f"|sums.followup_sum| {abs(self.sums['followup_sum'])} exceeds sums.followup_n "
                 f"{self.sums.get('followup_n', 0.0)} (a sentiment lies in [-1, 1])"
             )
+        sessions = self.sums.get("sessions_n", 0.0)
+        tol = 1e-6 * (1.0 + abs(sessions))
+        if sessions < 0:
+            raise ValueError(f"sums.sessions_n {sessions} cannot be negative")
+        for name in ("session_success", "session_give_up"):  # the session guardrails rely on these
+            if not -tol <= self.sums.get(name, 0.0) <= sessions + tol:
+                raise ValueError(
+                    f"sums.{name} {self.sums[name]} must lie in [0, sums.sessions_n = {sessions}]"
+                )
         return self
 
 
@@ -240,7 +249,8 @@ class Controller:
         self.publish(decisions)
 
     def window(self, version: str | None, since: datetime | None) -> canary.ArmStats:
-        """Sufficient statistics of `version`'s rewards over buckets that started at or after `since`."""
+        """Sufficient statistics of `version`'s rewards, user outcomes and ended agent sessions over
+        buckets that started at or after `since` (a sum a record lacks counts 0)."""
         if version is None or since is None:
             return canary.ArmStats()
         t0 = since.timestamp()
@@ -257,6 +267,12 @@ class Controller:
                     float(s.get("followup_n", 0.0)),
                     float(s.get("followup_sum", 0.0)),
                     float(s.get("tool_error_rollouts", 0.0)),
+                    sessions_n=int(s.get("sessions_n", 0)),
+                    session_success=float(s.get("session_success", 0.0)),
+                    session_give_up=float(s.get("session_give_up", 0.0)),
+                    session_turns_sum=float(s.get("session_turns_sum", 0.0)),
+                    session_tokens_sum=float(s.get("session_tokens_sum", 0.0)),
+                    session_tool_error_turns=float(s.get("session_tool_error_turns", 0.0)),
                 )
         return total
 

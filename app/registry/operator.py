@@ -79,12 +79,17 @@ class CanaryConfig(BaseModel):
     )
     guardrails: bool = Field(
         True,
-        description="Roll back a canary confidently worse on a user-outcome guardrail (acceptance, kept-edit rate, follow-up sentiment, tool-call success rate), whatever its reward.",
+        description="Roll back a canary confidently worse on a user-outcome guardrail (acceptance, kept-edit rate, follow-up sentiment, tool-call success rate; agent sessions' task success and give-ups), whatever its reward.",
     )
     guardrail_margin: float = Field(
         0.02,
         ge=0,
         description="Non-inferiority margin of the canary's user-outcome guardrails (rate or sentiment units).",
+    )
+    min_sessions: int = Field(
+        50,
+        ge=2,
+        description="Agent sessions that ended with an outcome, per arm in a step's window, before the canary's session guardrails (task success, give-ups) are judged; with fewer they are skipped, neither passed nor failed.",
     )
 
     @field_validator("steps")

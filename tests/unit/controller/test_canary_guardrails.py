@@ -7,7 +7,14 @@ import random
 from dataclasses import replace
 from datetime import UTC, timedelta
 
-from app.controller.canary import GUARDRAILS, ArmStats, Observe, analyze, transition
+from app.controller.canary import (
+    GUARDRAILS,
+    SESSION_GUARDRAILS,
+    ArmStats,
+    Observe,
+    analyze,
+    transition,
+)
 from app.registry.operator import CanaryConfig
 from tests.unit.controller.test_canary import CFG, T0, arm, canary_state
 
@@ -40,7 +47,8 @@ def test_guardrail_means_come_from_the_sums():
         outcomes(400, 0.5, 0.6, 0.8, 0.2, -0.5), outcomes(400, 0.5, 0.4, 0.5, 0.1, -0.5), CFG
     )
     g = a.guardrails
-    assert set(g) == set(GUARDRAILS)
+    assert set(g) == set(GUARDRAILS) - SESSION_GUARDRAILS, "no sessions: those are skipped"
+    assert set(a.guardrails_skipped) == SESSION_GUARDRAILS
     assert (
         abs(g["acceptance_rate"]["candidate"] - 0.6) < 1e-12
         and abs(g["acceptance_rate"]["delta"] - 0.2) < 1e-12
@@ -193,6 +201,183 @@ def test_window_sums_carry_the_outcomes_and_old_records_read_as_zero():
         rec = dict(new, sums={**new["sums"], **bad})
         with pytest.raises(InvalidRecord) as err:
             decode_metrics(json.dumps(rec).encode())
+        assert (
+            err.value.reason == "invalid_metrics"
+            and next(iter(bad)) in err.value.errors[0]["message"]
+        )
+
+
+# --- agent sessions -----------------------------------------------------------------------------
+def with_sessions(
+    stats: ArmStats, sessions: int, success: float, give_up: float = 0.0, turns: float = 6.0
+) -> ArmStats:
+    """`stats` plus `sessions` ended agent sessions: a share `success` succeeded, a share
+    `give_up` was abandoned, `turns` turns each (one tool error in ten turns)."""
+    return replace(
+        stats,
+        sessions_n=sessions,
+        session_success=sessions * success,
+        session_give_up=sessions * give_up,
+        session_turns_sum=sessions * turns,
+        session_tokens_sum=sessions * turns * 40,
+        session_tool_error_turns=sessions * turns / 10,
+    )
+
+
+def test_a_candidate_whose_live_tasks_succeed_confidently_less_is_rolled_back_on_task_success():
+    # reward better and every per-completion outcome equal: only the sessions tell
+    cand = with_sessions(outcomes(2000, 0.6, 0.5, 0.8), 300, success=0.45)
+    champ = with_sessions(outcomes(2000, 0.4, 0.5, 0.8), 300, success=0.70)
+    s, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), cand, champ), CFG)
+    assert [(e["type"], e["version"], e["from_version"]) for e in out] == [
+        ("rolled_back", "1", "2")
+    ]
+    assert out[0]["details"]["guardrail"] == "task_success_rate", out[0]["reason"]
+    assert "guardrail task_success_rate: candidate 0.4500 vs champion 0.7000" in out[0]["reason"]
+    g = out[0]["details"]["analysis"]["guardrails"]["task_success_rate"]
+    assert g["verdict"] == "worse" and g["samples"] == {"candidate": 300, "champion": 300}
+    assert s.champion == "1" and "2" in s.failed
+
+
+def test_a_candidate_that_gives_up_confidently_more_is_rolled_back_on_give_ups():
+    cand = with_sessions(outcomes(2000, 0.6, 0.5, 0.8), 300, success=0.6, give_up=0.30)
+    champ = with_sessions(outcomes(2000, 0.4, 0.5, 0.8), 300, success=0.6, give_up=0.05)
+    _, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), cand, champ), CFG)
+    assert out[0]["type"] == "rolled_back" and out[0]["details"]["guardrail"] == "give_up_rate"
+    g = out[0]["details"]["analysis"]["guardrails"]["give_up_rate"]
+    # the arms' give-up rates; the difference and its bounds on 1 - rate: negative is worse
+    assert abs(g["candidate"] - 0.30) < 1e-12 and abs(g["champion"] - 0.05) < 1e-12
+    assert abs(g["delta"] - (-0.25)) < 1e-12 and g["upper"] < -CFG.guardrail_margin
+    assert g["lower_is_better"] and "(lower is better)" in out[0]["reason"], out[0]["reason"]
+    better = analyze(champ, cand, CFG).guardrails["give_up_rate"]  # fewer give-ups: not worse
+    assert better["verdict"] == "better_or_equal" and better["delta"] > 0
+
+
+def test_equal_sessions_are_not_rolled_back():
+    cand = with_sessions(outcomes(2000, 0.6, 0.5, 0.8), 300, success=0.6, give_up=0.1)
+    champ = with_sessions(outcomes(2000, 0.4, 0.5, 0.8), 300, success=0.6, give_up=0.1)
+    _, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), cand, champ), CFG)
+    assert [e["type"] for e in out] == ["traffic_shifted"]
+    g = analyze(cand, champ, CFG).guardrails
+    assert g["task_success_rate"]["delta"] == 0 and g["give_up_rate"]["delta"] == 0
+
+
+def test_arms_without_sessions_skip_the_session_guardrails_neither_pass_nor_fail():
+    """No sessions in an arm (a completion-only product, or a candidate no agent reached yet):
+    no verdict, whatever the other arm's sessions say; the reward and the other guardrails decide."""
+    cfg = CFG.model_copy(update={"min_sessions": 50})
+    good_reward = outcomes(2000, 0.6, 0.5, 0.8)
+    champ = with_sessions(outcomes(2000, 0.4, 0.5, 0.8), 300, success=0.9)
+    for cand, champion in (
+        (good_reward, champ),  # the candidate served no session
+        (with_sessions(good_reward, 300, success=0.1), outcomes(2000, 0.4, 0.5, 0.8)),
+        (with_sessions(good_reward, 49, success=0.0), champ),  # below min_sessions
+        (good_reward, outcomes(2000, 0.4, 0.5, 0.8)),
+    ):
+        a = analyze(cand, champion, cfg)
+        assert SESSION_GUARDRAILS.isdisjoint(a.guardrails) and a.worst_guardrail() is None
+        assert set(a.guardrails_skipped) == SESSION_GUARDRAILS
+        assert "judged from 50 per arm" in a.guardrails_skipped["task_success_rate"]
+        _, out = transition(
+            canary_state(), Observe(T0 + timedelta(seconds=100), cand, champion), cfg
+        )
+        assert [e["type"] for e in out] == ["traffic_shifted"], out
+    judged = analyze(with_sessions(good_reward, 50, success=0.0), champ, cfg)
+    assert (
+        judged.guardrails["task_success_rate"]["verdict"] == "worse"
+        and not judged.guardrails_skipped
+    )
+
+
+def test_a_session_guardrail_counts_sessions_not_completions():
+    """The same sessions behind 400 or 40,000 completions per arm give the same bounds: a session,
+    not a turn, is one sample of its outcome. Counted per completion, 40,000 samples would make
+    a 0.10 difference over 100 sessions per arm look certain."""
+    few, many = (outcomes(n, 0.5, 0.5, 0.8) for n in (400, 40_000))
+    bounds = [
+        analyze(with_sessions(x, 100, 0.5), with_sessions(y, 100, 0.6), CFG).guardrails[
+            "task_success_rate"
+        ]
+        for x, y in ((few, few), (many, many))
+    ]
+    assert bounds[0] == bounds[1] and bounds[0]["verdict"] == "inconclusive", bounds
+    from app.controller.canary import _aipw_bounds
+
+    d, lo, hi = _aipw_bounds(100, 50.0, 50.0, 100, 60.0, 60.0, CFG)
+    assert (bounds[0]["delta"], bounds[0]["lower"], bounds[0]["upper"]) == (d, lo, hi)
+
+
+def test_the_completion_guardrails_do_not_change_with_sessions():
+    cand, champ = outcomes(2000, 0.6, 0.45, 0.8, 0.2, -0.4, 0.1), outcomes(2000, 0.4, 0.5, 0.8)
+    plain = analyze(cand, champ, CFG).guardrails
+    sessions = analyze(with_sessions(cand, 300, 0.5), with_sessions(champ, 300, 0.9), CFG)
+    assert {g: sessions.guardrails[g] for g in plain} == plain
+    assert sessions.guardrails["task_success_rate"]["verdict"] == "worse"
+    first = analyze(cand, champ, CFG).worst_guardrail()  # a completion guardrail comes first
+    assert sessions.worst_guardrail() == (first or "task_success_rate")
+
+
+def test_false_session_guardrail_rollbacks_of_equal_arms_under_repeated_looks_are_rare():
+    """Sessions of both arms from one distribution (60% success, half the rest abandoned), 5% or
+    50% of them the candidate's (200 candidate sessions expected), looked at after every 20
+    sessions once each arm has min_sessions: neither session guardrail may call the candidate
+    worse at margin 0 in more than alpha of the runs (seed 11: 1 and 2 of 100)."""
+    cfg = CanaryConfig(min_step=0, min_samples=2, guardrail_margin=0.0, cs_target_n=1000)
+    rng = random.Random(11)
+    for share in (0.05, 0.5):
+        runs, tripped = 100, 0
+        for _ in range(runs):
+            c = h = outcomes(1000, 0.5, 0.5, 0.8)
+            for _ in range(int(200 / share) // 20):
+                for _ in range(20):
+                    ok = rng.random() < 0.6
+                    one = ArmStats(
+                        sessions_n=1,
+                        session_success=float(ok),
+                        session_give_up=float(not ok and rng.random() < 0.5),
+                    )
+                    c, h = (c + one, h) if rng.random() < share else (c, h + one)
+                if analyze(c, h, cfg).worst_guardrail() is not None:
+                    tripped += 1
+                    break
+        assert tripped / runs <= 0.05, f"share {share}: equal arms rolled back in {tripped}/{runs}"
+
+
+def test_window_sums_carry_the_sessions_and_refuse_impossible_ones():
+    import json
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    import pytest
+
+    from app.contracts.deployments import InvalidRecord
+    from app.controller.controller import Controller, decode_metrics
+
+    sums = {
+        "n": 0.0,
+        "sessions_n": 4.0,
+        "session_success": 3.0,
+        "session_give_up": 1.0,
+        "session_turns_sum": 20.0,
+        "session_tokens_sum": 800.0,
+        "session_tool_error_turns": 2.0,
+    }
+    rec = {"model_version": "2", "bucket_start": 100.0, "n": 0, "sums": sums}
+    decode_metrics(json.dumps(rec).encode())
+    w = Controller.window(
+        SimpleNamespace(buckets={"a": rec, "b": rec}), "2", datetime.fromtimestamp(50, tz=UTC)
+    )
+    assert w == ArmStats(
+        sessions_n=8,
+        session_success=6.0,
+        session_give_up=2.0,
+        session_turns_sum=40.0,
+        session_tokens_sum=1600.0,
+        session_tool_error_turns=4.0,
+    )
+    for bad in ({"session_success": 5.0}, {"session_give_up": -1.0}, {"sessions_n": -1.0}):
+        with pytest.raises(InvalidRecord) as err:
+            decode_metrics(json.dumps(dict(rec, sums={**sums, **bad})).encode())
         assert (
             err.value.reason == "invalid_metrics"
             and next(iter(bad)) in err.value.errors[0]["message"]

@@ -387,3 +387,53 @@ def test_the_faust_data_dir_is_inside_the_flywheel_data_dir(tmp_path):
     )
     assert app.conf.datadir == tmp_path / "unit-streams-data"
     assert app.conf.appdir.is_relative_to(tmp_path) and app.conf.tabledir.is_relative_to(tmp_path)
+
+
+def test_the_session_stage_counts_an_ended_session_once_after_its_outputs_and_before_its_marker():
+    """The `assemble` agent on labelled turns and an outcome: the session's sums go to the metric
+    partials (stage "sessions", its turns partition) with the batch's other outputs, before the
+    `sessions` changelog that records the end and the count; the bucket's marker follows in the
+    `session-progress` changelog before the progress. The aggregate stage's merger turns the
+    partial into the version's version-metrics record."""
+    from app.contracts.rollouts import VersionMetrics
+    from streams.labels import MetricsMerger
+    from streams.runtime import progress_key
+    from tests.unit.streams.test_ledger import agent_session, outcome_event
+
+    async def scenario():
+        app, rt, outbox = _setup(batch_max_events=1000, batch_within=0.3)
+        stage = app.flywheel_sessions
+        stage.outbox = outbox
+        agent = app.flywheel_agents["assemble"]
+        recs = [*agent_session("s1", 2), outcome_event("s1", "s1-t1", "success")]
+        [later] = agent_session("s2", 1)  # moves the ledger's time past the bucket of s1's end
+        async with agent.test_context() as ctx:
+            for t, rec in zip((1000.0, 1001.0, 1003.0, 1100.0), [*recs, later], strict=True):
+                key = rec["session_id"].encode()
+                await ctx.put(key=key, value=json.dumps(rec).encode(), timestamp=t, partition=1)
+            await _settle(stage, outbox, 4)
+        names = {n: v.changelog for n, v in stage.views.items()}
+        order = [(t, json.loads(k) if t in names.values() else k) for t, k, _, _ in outbox.sent]
+        [(partial_at, value)] = [
+            (i, v)
+            for i, (t, k, v, _) in enumerate(outbox.sent)
+            if t == "unit.streams-metric-partials"
+        ]
+        partial = json.loads(value)
+        assert (partial["stage"], partial["partition"], partial["bucket_start"]) == (
+            "sessions",
+            1,
+            960.0,
+        )
+        assert partial["sums"]["sessions_n"] == 1.0 and partial["sums"]["session_turns_sum"] == 2.0
+        ended = max(i for i, (t, k) in enumerate(order) if (t, k) == (names["sessions"], "1|s1"))
+        marker = order.index((names["buckets"], "1|960.0"))
+        progress = max(i for i, e in enumerate(order) if e == (names["buckets"], progress_key(1)))
+        assert partial_at < ended < marker < progress, order
+        assert stage.views["sessions"].table.data["1|s1"]["mb"] == 960.0
+        merged = MetricsMerger({}).on_partial(partial)  # the merge_metrics agent's logic
+        rec = VersionMetrics.model_validate(merged.value)
+        assert rec.bucket_id == "v7/960/60" and rec.session_partitions == [1] and rec.n == 0
+        assert rec.task_success_rate == 1.0 and rec.mean_session_turns == 2.0
+
+    asyncio.run(scenario())
