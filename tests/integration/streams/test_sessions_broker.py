@@ -5,7 +5,9 @@ on one turn and each session's outcome go to `<ns>.interactions`; the worker is 
 every session is half done (its first turns labelled and in the ledger's state, the rest not yet
 produced) and restarted. Every session must come out as exactly one segment holding each of its
 turns once, in order (re-emits after the restart are allowed, and must be identical), and no
-turn may go to late."""
+turn may go to late. Each session that ended with its outcome reaches the canary once: its sums
+on `<ns>.version-metrics`, in the version that served its last turn (v8 for half the sessions,
+whose last turn a canary served; v7 for the rest)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import signal
 
 import orjson
 
-from app.contracts.rollouts import Rollout
+from app.contracts.rollouts import Rollout, VersionMetrics
 from tests.integration.streams.conftest import (
     WINDOW,
     broker_timed_settings,
@@ -23,9 +25,15 @@ from tests.integration.streams.conftest import (
     read_until,
 )
 from tests.unit.streams.factories import feedback, generation, ts
+from tests.waiting import poll
 
 SESSIONS, TURNS = 24, 4
 TOOLS = "b" * 64
+
+
+def _version(s: int, k: int) -> str:
+    """The version that served turn `k` of session `s`: the last turn of every even session v8."""
+    return "v8" if k == TURNS - 1 and s % 2 == 0 else "v7"
 
 
 def _turn(s: int, k: int) -> dict:
@@ -36,6 +44,7 @@ def _turn(s: int, k: int) -> dict:
     return generation(
         f"s{s}-t{k}",
         t=10.0 * k + 0.01 * s,
+        version=_version(s, k),
         session_id=f"sess-{s}",
         prompt_tokens=prompt,
         completion_tokens=[100 + k, 101 + k, 102 + k],
@@ -119,3 +128,49 @@ def test_sigkill_mid_session_loses_and_duplicates_no_turn(make_settings, start_w
     log_text = restarted.log_path.read_text(errors="replace")
     assert "resuming from the state's progress" in log_text, restarted.tail()
     assert "records were skipped" not in log_text, restarted.tail()
+    _assert_sessions_reach_the_version_metrics_once(settings)
+
+
+def _session_sums(settings) -> dict[str, dict[str, float]]:
+    """version -> the session sums of its version-metrics records (the latest record of each
+    bucket, which supersedes the earlier ones, as the controller reads them)."""
+    latest: dict[str, VersionMetrics] = {}
+    for r in read_to_end(settings, settings.topic("version-metrics")):
+        rec = VersionMetrics.model_validate_json(r.value)
+        assert r.key == rec.model_version.encode(), (r.key, rec.bucket_id)
+        latest[rec.bucket_id] = rec
+    out: dict[str, dict[str, float]] = {}
+    for rec in latest.values():
+        if rec.sums.get("sessions_n", 0.0):
+            assert rec.session_partitions, rec
+            sums = out.setdefault(rec.model_version, {})
+            for k in (
+                "sessions_n",
+                "session_success",
+                "session_give_up",
+                "session_turns_sum",
+                "session_tokens_sum",
+            ):
+                sums[k] = sums.get(k, 0.0) + rec.sums[k]
+    return out
+
+
+def _assert_sessions_reach_the_version_metrics_once(settings) -> None:
+    half = SESSIONS / 2
+    per_version = {
+        "sessions_n": half,
+        "session_success": half,
+        "session_give_up": 0.0,
+        "session_turns_sum": half * TURNS,
+        "session_tokens_sum": half * TURNS * 3,
+    }
+    want = {"v7": per_version, "v8": per_version}
+    # a session's bucket goes out once the ledger's time passes its end (2 s buckets, ticks)
+    got = poll(
+        lambda: (sums := _session_sums(settings)) == want and sums,
+        90,
+        "every session's sums on the version-metrics topic",
+        every=1.0,
+        fail=False,
+    )
+    assert got == want, _session_sums(settings)
