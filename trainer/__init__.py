@@ -9,7 +9,7 @@ process or torchrun ranks) and ships a registered, lineage-tagged version to MLf
 - `pretrain.py`, `corpus.py`: the built-in base version; `model_import.py`, `model_export.py`:
   bring your own Hugging Face model, and take a version out.
 
-May import: app.contracts, app.infra, app.settings, kernels, policy
+May import: app.contracts, app.infra, app.sandbox, app.settings, kernels, policy
 Tests: tests/unit/trainer/, tests/integration/trainer/
 Docs: docs/TRAINER.md
 """

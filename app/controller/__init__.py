@@ -17,7 +17,7 @@ verification (`app/registry/webhooks.py`); the alias conventions
 
 docs/ROLLOUT.md explains the behaviour for operators.
 
-May import: app.contracts, app.edits, app.infra, app.registry, app.settings, policy
+May import: app.contracts, app.edits, app.infra, app.registry, app.sandbox, app.settings, policy
 Tests: tests/unit/controller/, tests/integration/controller/, tests/integration/rollout/
 Docs: docs/ROLLOUT.md
 """

@@ -34,6 +34,7 @@ PACKAGES = (
     "app.registry",
     "app.replica",
     "app.report",
+    "app.sandbox",
     "app.simulate",
     "streams",
     "trainer",
