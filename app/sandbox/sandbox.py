@@ -1,8 +1,8 @@
 """A task's repository in a throwaway directory, and the agent's tools executed on it for real.
 
     with Sandbox(task) as box:
-        result = box.call("read_file", '{"path": "rows.py"}')   # ToolResult(content=..., error=None)
-        box.call("apply_edit", '{"path": "rows.py", "old": "a - b", "new": "a + b"}')
+        result = box.call("read_file", '{"path": "calc.py"}')   # ToolResult(content=..., error=None)
+        box.call("apply_edit", '{"path": "calc.py", "old": "a - b", "new": "a + b"}')
         box.call("run_tests", "{}")                             # the test file, in a subprocess
         box.hidden_pass(), box.tests_edited()                   # the ground truth
 

@@ -2,17 +2,17 @@
 
 Each task is a repository of two files:
 
-    rows.py         def add_rows(a, b):
+    calc.py         def add_rows(a, b):
                         return a - b
-    test_rows.py    from rows import add_rows
+    test_calc.py    from calc import add_rows
                     assert add_rows(7, 3) == 10
 
 The function's verb says what it should do (`OPS`: add +, sub -, mul *, div //); the bug is one
 of the other three operators, so the agent must read the module to know the exact text to
 replace. The visible test checks one pair of numbers; the hidden tests (never in the repository)
 check the function on other pairs, so a result that only passes the visible test (the test
-edited, a special case) does not pass them. Training and held-out tasks use disjoint nouns, so
-the held-out evaluation measures the skill, not memorised repositories.
+edited, a special case) does not pass them. Training and held-out tasks use disjoint nouns in
+their function names, so the held-out evaluation measures the skill, not memorised tasks.
 
     from app.sandbox.tasks import tasks
     for task in tasks(8, seed=0, held_out=True): ...
@@ -33,11 +33,16 @@ _HELDOUT_NOUNS = (
 )  # fmt: skip
 assert not set(_TRAIN_NOUNS) & set(_HELDOUT_NOUNS), "training and held-out nouns are disjoint"
 _CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+# every repository's module is calc.py (and its test test_calc.py): the task's names are its
+# function's (verb_noun). A byte-level model of 1.4M parameters pretrained for minutes did not
+# learn to copy unseen file names into its calls (0.0 held-out task success with the module named
+# after the noun, docs/TRAINER.md "Agents"); the verb, which decides the fix, it reads.
+MODULE = "calc"
 
 
 def made_up_noun(rng: random.Random) -> str:
     """A pronounceable made-up word ("kavo", "setumi"): names no task uses, for the pretraining
-    corpus's sessions (trainer/corpus.py), so a model learns to copy the names it is given."""
+    corpus's sessions (trainer/corpus.py), so what a model learns there is the verb's part."""
     return "".join(rng.choice(_CONSONANTS) + rng.choice(_VOWELS) for _ in range(rng.randint(2, 3)))
 
 
@@ -56,7 +61,7 @@ def _distinct_pair(rng: random.Random) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Task:
     task_id: str
-    module: str  # "rows": the file rows.py
+    module: str  # "calc": the file calc.py (`MODULE`)
     function: str  # "add_rows"
     verb: str  # "add": OPS[verb] is the right operator
     bug: str  # the wrong operator the module has
@@ -107,14 +112,14 @@ class Task:
 def make_task(
     rng: random.Random, held_out: bool = False, index: int = 0, noun: str | None = None
 ) -> Task:
-    """A task; its module is `noun` when given, else a training (or held-out) noun."""
+    """A task on function `<verb>_<noun>`: `noun` when given, else a training (or held-out) noun."""
     noun = noun or rng.choice(_HELDOUT_NOUNS if held_out else _TRAIN_NOUNS)
     verb = rng.choice(sorted(OPS))
     bug = rng.choice([op for v, op in sorted(OPS.items()) if v != verb])
     visible = _distinct_pair(rng)
     hidden = tuple(_distinct_pair(rng) for _ in range(3))
     prefix = "heldout" if held_out else "task"
-    return Task(f"{prefix}-{index}", noun, f"{verb}_{noun}", verb, bug, visible, hidden)
+    return Task(f"{prefix}-{index}", MODULE, f"{verb}_{noun}", verb, bug, visible, hidden)
 
 
 def tasks(n: int, seed: int, held_out: bool = False) -> list[Task]:
