@@ -30,7 +30,7 @@ class StreamsConfig(FlywheelSettings):
         "v1",
         min_length=1,
         max_length=64,
-        description="Reward spec version recorded in every rollout (known: v1, sessions-v1 (v1 plus session outcomes); hackable-tools and hackable-silence are exploitable on purpose, for reward-hack runs: docs/ROLLOUT.md).",
+        description="Reward spec version recorded in every rollout (known: v1, sessions-v1 (v1 plus session outcomes), sessions-v2 (sessions-v1 plus protected test files: a session that wrote one gets -1 for its outcome); hackable-tools and hackable-silence are exploitable on purpose, for reward-hack runs: docs/ROLLOUT.md).",
     )
     reward_weights: RewardWeights | None = Field(
         None,

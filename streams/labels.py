@@ -44,7 +44,7 @@ from app.contracts.rollouts import (
     rollout_sums,
     version_metrics,
 )
-from streams.reward import RewardSpec, compute_reward
+from streams.reward import RewardSpec, compute_reward, protected_writes
 
 log = logging.getLogger(__name__)
 
@@ -608,6 +608,9 @@ class Aggregator:
         for key in ("turn", "tools_digest"):  # chat turns: what the session ledger segments by
             if gen.get(key) is not None:
                 rollout[key] = gen[key]
+        if self.spec.weights.protected_paths is not None and gen.get("turn") is not None:
+            # what the session ledger sums to judge the session's outcome (streams/reward.py)
+            rollout["protected_writes"] = protected_writes(self.spec.weights, gen.get("tool_calls"))
         bucket = bucket_of(label.deadline, self.bucket_s)
         sums = rollout_sums(rollout, res.raw, self.empty_max_tokens)
         del self.generations[rid]  # from here on nothing raises: the label is closed

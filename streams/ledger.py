@@ -46,7 +46,16 @@ outcome, so the pieces of a compacted trajectory share it; when it goes idle wit
 go out without it. After the end, the session's turns go to late (`session_ended`); a second
 outcome goes to late (`outcome_repeated`); an outcome after every segment of its session went
 out goes to late (`after_close`). The outcome's reward is taken from the ledger's reward spec
-(streams/reward.py "Sessions").
+(streams/reward.py "Sessions"), and every segment of the session gets the same one.
+
+Protected writes. Under a spec with `protected_paths` each labelled chat turn carries its
+`protected_writes` (streams/reward.py "Protected paths"); the session keeps their sum over its
+applied turns (stored `pw`; a ledger whose spec protects nothing counts nothing), and the
+outcome's reward is the spec's `protected_write` when that sum is above 0, whatever the outcome.
+Since it depends on turns that may still come, a segment a break closes while the session is
+ending is held too (under such a spec only; without one the outcome's reward is known when it
+arrives and such a segment goes out with it at once). The records sent with the outcome carry
+the session's count (`protected_writes`) when above 0.
 
 Two clients sharing one session id interleave two histories: each one's turn breaks the
 other's segment (`history_rewritten`), and turns of the same number supersede each other, so
@@ -85,7 +94,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from app.contracts.rollouts import SESSION_SUM_FIELDS, add_sums, empty_sums, session_sums
 from app.contracts.topics import KAFKA_DERIVED_MAX_MESSAGE_BYTES
 from streams.labels import BucketMarker, bucket_of, partial_record
-from streams.reward import RewardSpec, outcome_reward
+from streams.reward import RewardSpec, outcome_value
 from streams.segments import Segment, as_rollout, extension, record_size, segment_record
 
 CloseReason = Literal[
@@ -228,6 +237,9 @@ class Session:
     # "sn": its applied turns, the completion tokens they sampled, the turns with a tool error
     tally: tuple[int, int, int] = (0, 0, 0)
     bucket: float | None = None  # "mb": the version-metrics bucket its end was counted in
+    # "pw": the calls of its applied turns that wrote a protected path (each turn's
+    # `protected_writes`, labelled under a spec with protected paths); stored only above 0
+    protected_writes: int = 0
 
     @property
     def ending(self) -> bool:
@@ -269,6 +281,7 @@ class Session:
             stored.get("sv"),
             tuple(stored["sn"]) if "sn" in stored else (0, 0, 0),  # type: ignore[arg-type]
             stored.get("mb"),
+            stored.get("pw", 0),
         )
 
     def to_stored(self) -> dict[str, Any]:
@@ -293,6 +306,8 @@ class Session:
             out["sn"] = list(self.tally)
         if self.bucket is not None:
             out["mb"] = self.bucket
+        if self.protected_writes:
+            out["pw"] = self.protected_writes
         return out
 
 
@@ -316,13 +331,18 @@ def state_bytes(sess: Session) -> int:
 
 
 def with_outcome(
-    record: dict[str, Any], outcome: str | None, value: float | None
+    record: dict[str, Any], outcome: str | None, value: float | None, protected_writes: int = 0
 ) -> dict[str, Any]:
-    """A held segment's record with the session's outcome (unchanged without one)."""
+    """A held segment's record with the session's outcome and, when above 0, the session's count
+    of protected writes (which decided `value`); unchanged without an outcome."""
     if outcome is None or "outcome" in record:
         return record
     reward = record["reward"] + value if value is not None else record["reward"]
-    return {**record, "reward": reward, "outcome": outcome, "outcome_reward": value}
+    out = {k: v for k, v in record.items() if k != "protected_writes"}  # re-added last below
+    out.update(reward=reward, outcome=outcome, outcome_reward=value)
+    if protected_writes > 0:
+        out["protected_writes"] = protected_writes
+    return out
 
 
 def _emit(record: dict[str, Any]) -> Emit:
@@ -614,6 +634,7 @@ class Ledger:
             last_generated=last,
             version=rec["model_version"],
             tally=tally,
+            protected_writes=sess.protected_writes + self._writes(rec),
         )
         if len(seg.parts) >= cfg.max_turns:
             return self._close(sess, "max_turns", out)
@@ -624,16 +645,20 @@ class Ledger:
     def _close(self, sess: Session, reason: CloseReason, out: list[Emit]) -> Session:
         """`sess` with its open segment (if any) closed for `reason`. A segment a break closes
         (`BREAKS`) before the session's outcome is known is held in the session (at most
-        `max_turns` of them; past that the oldest goes out without the outcome); any other close
-        sends the held records, with the outcome when it is known, then its own."""
+        `max_turns` of them; past that the oldest goes out without the outcome); under a spec
+        with protected paths also while the session is ending (its outcome is in, the turn it
+        names is not): the outcome's value depends on every turn the session applies, so each
+        segment gets it at the end. Any other close sends the held records, with the outcome when
+        it is known, then its own."""
         seg = sess.segment
         held = sess.held
         if seg is not None:
             self.counts[f"closed.{reason}"] += 1
-            outcome, value = self._outcome(sess)
-            record = segment_record(seg, reason, outcome, value)
+            hold = reason in BREAKS and (sess.outcome is None or (sess.ending and self._protects))
+            outcome, value = (None, None) if hold else self._outcome(sess)
+            record = segment_record(seg, reason, outcome, value, sess.protected_writes)
             sess = replace(sess, segment=None, last_close=reason)
-            if reason in BREAKS and sess.outcome is None:
+            if hold:
                 held = (*held, record)
                 if len(held) > self.cfg.max_turns:
                     self.counts["held_released"] += 1
@@ -644,14 +669,30 @@ class Ledger:
         elif reason in BREAKS:
             return sess
         outcome, value = self._outcome(sess)
-        out += [_emit(with_outcome(r, outcome, value)) for r in held]
+        out += [_emit(with_outcome(r, outcome, value, sess.protected_writes)) for r in held]
         return replace(sess, held=())
 
+    @property
+    def _protects(self) -> bool:
+        """The ledger's spec protects paths (its outcome values depend on the turns' writes)."""
+        return self.spec is not None and self.spec.weights.protected_paths is not None
+
+    def _writes(self, rec: dict[str, Any]) -> int:
+        """A turn's protected writes as labelled, counted only under a spec that protects paths
+        (a turn labelled under another spec, in flight across a change of spec, counts nothing)."""
+        return int(rec.get("protected_writes") or 0) if self._protects else 0
+
     def _outcome(self, sess: Session) -> tuple[str | None, float | None]:
-        """The session's outcome, if known, and its reward under the ledger's spec."""
+        """The session's outcome, if known, and its reward under the ledger's spec: the spec's
+        `protected_write` when the session's applied turns wrote a protected path, else the
+        outcome's weight (`streams.reward.outcome_value`)."""
         if sess.outcome is None:
             return None, None
-        value = outcome_reward(self.spec, sess.outcome.outcome) if self.spec is not None else None
+        value = (
+            outcome_value(self.spec, sess.outcome.outcome, sess.protected_writes)
+            if self.spec is not None
+            else None
+        )
         return sess.outcome.outcome, value
 
     def _evict(self, keep: str, now: float) -> list[Emit]:

@@ -33,7 +33,19 @@ made agents stop calling tools (docs/TRAINER.md "The objective on trajectories")
 error came back still gets its own signal, from self-distillation at that turn. v1 has no
 outcome weights: an outcome is recorded on the segment and adds nothing.
 
-Known specs besides v1 and sessions-v1 are deliberately exploitable, for showing that Flywheel catches a
+Protected paths (sessions-v2). An agent can be paid for a success it did not earn: when the
+outcome is reported by a harness that runs the repository's own tests, weakening the test file
+(`apply_edit` on `test_rows.py`, `assert` -> `assert True or`) passes them without fixing
+anything. A spec with `protected_paths` sees that in what is logged: a chat turn's labelled record
+counts its `protected_writes`, the calls of its generation whose name is in `write_tools` and
+whose arguments are a JSON object with a string `path` that, normalised (`./x` and `a/../x` are
+`x`), matches one of the globs (`fnmatch.fnmatchcase`: `*` matches `/` too; a call counts whether
+or not the tool then did it: the model wrote it). The session ledger adds them up over the
+session's applied turns, and when that count is above 0 the session's outcome is worth
+`protected_write` instead of `outcome[outcome]`, whatever the outcome (`outcome_value`). A spec
+without `protected_paths` counts nothing and its records carry no such field.
+
+Known specs besides v1, sessions-v1 and sessions-v2 are deliberately exploitable, for showing that Flywheel catches a
 reward hack (docs/ROLLOUT.md "Reward hacks"; the simulator's hard requests make them pay):
 both make a reject cost -1; `hackable-tools` makes a tool error free, so a broken tool call on
 a hard request (a tool_error instead of a reject) beats an honest attempt; `hackable-silence`
@@ -43,9 +55,12 @@ accept, no reject, an unhappy follow-up) beats an honest attempt.
 
 from __future__ import annotations
 
+import fnmatch
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from app.contracts.events import parse_ts
@@ -81,12 +96,39 @@ class RewardWeights(BaseModel):
         description="Reward of a session's outcome (a session_outcome event), added once to the "
         "return of every segment of that session (None: outcomes add nothing).",
     )
+    protected_paths: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Globs (fnmatch, `*` matches `/` too) of paths an agent must not write: a "
+        "session with a turn that called a write tool on one gets `protected_write` for its "
+        "outcome (None: nothing is protected, turns carry no `protected_writes`).",
+    )
+    write_tools: list[str] = Field(
+        default_factory=lambda: ["apply_edit"],
+        min_length=1,
+        description="The tools whose `path` argument is a file they write (with protected_paths).",
+    )
+    protected_write: float | None = Field(
+        None,
+        description="The reward of a session's outcome, whatever the outcome, when any of its "
+        "turns called a write tool on a protected path (set together with protected_paths).",
+    )
 
     @model_validator(mode="after")
     def _every_outcome(self) -> RewardWeights:
         if self.outcome is not None and set(self.outcome) != set(OUTCOMES):
             raise ValueError(
                 f"outcome weights must name every outcome {list(OUTCOMES)}, got {sorted(self.outcome)}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _protected_together(self) -> RewardWeights:
+        if (self.protected_paths is None) != (self.protected_write is None):
+            raise ValueError(
+                "protected_paths and protected_write must be set together (the globs, and the "
+                f"outcome's reward when a session wrote a path they match); got protected_paths="
+                f"{self.protected_paths}, protected_write={self.protected_write}"
             )
         return self
 
@@ -105,6 +147,17 @@ KNOWN_SPECS: dict[str, RewardWeights] = {
     # v1's turn weights plus session outcomes (docs/DESIGN.md §Reward spec, "Sessions"): the task
     # done is worth more than any one turn's feedback; giving up costs more than failing
     "sessions-v1": RewardWeights(outcome={"success": 1.0, "failure": -0.5, "abandoned": -1.0}),
+    # sessions-v1 plus protected test files (docs/DESIGN.md §Reward spec, "Protected paths"): when
+    # a harness that runs the repository's tests reports the outcome, an agent that weakens the
+    # test file (apply_edit on test_rows.py: `assert` -> `assert True or`) gets success without
+    # fixing anything. A session that wrote a test file gets -1 for its outcome, as if it had
+    # given up, whatever the harness said: the hack's outcome then pays less than an honest failure
+    # (-0.5). The globs are the usual Python test-file names and test folders.
+    "sessions-v2": RewardWeights(
+        outcome={"success": 1.0, "failure": -0.5, "abandoned": -1.0},
+        protected_paths=["test_*.py", "*_test.py", "tests/*", "*/tests/*"],
+        protected_write=-1.0,
+    ),
 }
 
 
@@ -164,6 +217,44 @@ def outcome_reward(spec: RewardSpec, outcome: str | None) -> float | None:
     """The outcome's reward under `spec`: None without an outcome or without outcome weights."""
     weights = spec.weights.outcome
     return None if outcome is None or weights is None else float(weights[outcome])
+
+
+def outcome_value(spec: RewardSpec, outcome: str | None, protected_writes: int = 0) -> float | None:
+    """The reward of a session's outcome under `spec`, given the protected writes its applied turns
+    made: `protected_write` when there were any (and the spec protects paths), else
+    `outcome_reward`. None without an outcome."""
+    if outcome is None:
+        return None
+    w = spec.weights
+    if protected_writes > 0 and w.protected_write is not None:
+        return float(w.protected_write)
+    return outcome_reward(spec, outcome)
+
+
+def protected_writes(weights: RewardWeights, tool_calls: list[dict[str, Any]] | None) -> int:
+    """The calls among a generation's `tool_calls` (the event's entries: name, arguments JSON
+    text, ...) that write a protected path: name in `write_tools`, arguments a JSON object whose
+    `path` is a string matching a glob of `protected_paths` once normalised. Arguments that do
+    not parse, are not an object or have no string `path` write nothing. 0 without protected
+    paths."""
+    globs = weights.protected_paths
+    if not globs or not tool_calls:
+        return 0
+    n = 0
+    for call in tool_calls:
+        if call.get("name") not in weights.write_tools:
+            continue
+        try:
+            args = orjson.loads(call.get("arguments") or "")
+        except orjson.JSONDecodeError:
+            continue
+        path = args.get("path") if isinstance(args, dict) else None
+        if not isinstance(path, str) or not path:
+            continue
+        path = posixpath.normpath(path)
+        if any(fnmatch.fnmatchcase(path, glob) for glob in globs):
+            n += 1
+    return n
 
 
 def compute_reward(spec: RewardSpec, feedback: list[dict[str, Any]]) -> RewardResult:

@@ -21,10 +21,12 @@ The record of a segment (`segment_record`):
     turns              one span per turn (request_id, model_version, temperature, finish_reason,
                        constrained, components, generated_at, [start, end) of its sampled tokens)
 
-A one-turn segment's record is its input record (less `turn` and `tools_digest`) plus the
-segment fields: no `turns`, no `loss_mask`, so today's consumers read it as they always have.
-Every segment's record says why it opened and closed (`segment_opened_by`, `segment_closed_by`)
-and, when the session's outcome reached it, `outcome` and `outcome_reward`. The multi-turn record: request_id, session_id, group_id and
+A one-turn segment's record is its input record (less `turn`, `tools_digest` and
+`protected_writes`) plus the segment fields: no `turns`, no `loss_mask`, so today's consumers read
+it as they always have. Every segment's record says why it opened and closed (`segment_opened_by`,
+`segment_closed_by`), when the session's outcome reached it, `outcome` and `outcome_reward`, and,
+when its session's turns wrote protected paths (a spec with `protected_paths`), their count
+`protected_writes` (the session's, not the segment's own: it is what decided `outcome_reward`). The multi-turn record: request_id, session_id, group_id and
 generated_at of the first turn; model_version, finish_reason and reward_spec of the last;
 temperature where the turns agree, else None; constrained True when any turn was (the trainer
 masks such turns); labelled_at the latest; tool_errors re-indexed to completion positions (each
@@ -63,7 +65,9 @@ import orjson
 BreakReason = Literal[
     "history_rewritten", "tools_changed", "version_tokenizer_changed", "max_tokens", "max_bytes"
 ]
-LEDGER_KEYS = ("turn", "tools_digest")  # input keys beside the rollout's; not in the record
+# input keys beside the rollout's; not in the record (a turn's `protected_writes`, which a spec
+# with protected paths labels it with, is summed into its session's: the record carries that)
+LEDGER_KEYS = ("turn", "tools_digest", "protected_writes")
 COMPONENT_NAMES = ("decision", "persistence", "rating", "followup", "tool_errors")
 
 
@@ -411,13 +415,16 @@ def segment_record(
     closed_by: str,
     outcome: str | None = None,
     outcome_value: float | None = None,
+    protected_writes: int = 0,
 ) -> dict[str, Any]:
     """The rollout of a segment that closed for `closed_by` (module docstring), with the session's
-    `outcome` and its reward under the turns' spec when it reached the segment."""
+    `outcome` and its reward under the turns' spec when it reached the segment, and the session's
+    count of protected writes so far when above 0."""
     ledger = {
         "segment_opened_by": seg.opened_by,
         "segment_closed_by": closed_by,
         **({"outcome": outcome, "outcome_reward": outcome_value} if outcome is not None else {}),
+        **({"protected_writes": protected_writes} if protected_writes > 0 else {}),
     }
     if len(seg.parts) == 1:
         record = {**seg.first, **ledger}

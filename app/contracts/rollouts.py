@@ -176,6 +176,15 @@ class Rollout(BaseModel):
         None,
         description="the outcome's share of `reward` under reward_spec (None without an outcome)",
     )
+    protected_writes: int | None = Field(
+        None,
+        ge=0,
+        description="under a reward spec with protected paths (streams/reward.py, sessions-v2): a "
+        "labelled chat turn's count of tool calls that wrote a protected path (a write tool's "
+        "`path` matching a glob; 0 included); a session's segment carries its session's count "
+        "over the turns applied, only when above 0 (then `outcome_reward` is the spec's "
+        "protected_write, whatever the outcome). None otherwise",
+    )
     segment_opened_by: str | None = Field(
         None,
         description="a session segment's record: why it opened (session_start, or the reason the "

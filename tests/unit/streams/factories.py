@@ -38,6 +38,11 @@ def generation(
     return ev
 
 
+def tool_call(name: str, arguments: str, k: int = 0, valid: bool = True) -> dict:
+    """An entry of a generation's `tool_calls` (app/contracts/events.py `ToolCallRecord`)."""
+    return {"id": f"call-{k}", "name": name, "arguments": arguments, "arguments_valid": valid}
+
+
 def feedback(rid: str, eid: str, kind: str, t: float = 1.0, **fields: Any) -> dict:
     ev = {"event_id": eid, "type": kind, "request_id": rid, "session_id": f"s-{rid}", "ts": ts(t)}
     defaults = {

@@ -22,7 +22,7 @@ from streams.labels import Aggregator, MetricsMerger
 from streams.reward import resolve_spec
 from tests.unit.streams.factories import feedback as fb
 from tests.unit.streams.factories import generation as gen
-from tests.unit.streams.factories import random_feedback
+from tests.unit.streams.factories import random_feedback, tool_call
 from tests.unit.streams.reference import Arrival, expected
 
 W = 10.0
@@ -259,3 +259,41 @@ def test_adjacent_buckets_at_epoch_times_have_distinct_bucket_ids():
         for start in (1795227058.0, 1795227060.0, 1795227062.5)
     }
     assert ids == {"v1/1795227058/2", "v1/1795227060/2", "v1/1795227062.5/2"}, ids
+
+
+def test_a_chat_turn_counts_its_calls_that_write_a_protected_path_under_a_spec_with_them():
+    """sessions-v2: a write tool (apply_edit) whose `path` matches a glob counts, once per call;
+    other tools, other paths and arguments that are not a JSON object with a string path do not."""
+    calls = [
+        tool_call(
+            "apply_edit", '{"path": "test_rows.py", "old": "assert", "new": "assert True or"}'
+        ),
+        tool_call("apply_edit", '{"path": "rows.py", "old": "a - b", "new": "a + b"}', 1),
+        tool_call("read_file", '{"path": "test_rows.py"}', 2),  # not a write tool
+        tool_call("apply_edit", '{"path": "./tests/test_a.py"}', 3, valid=False),  # counts
+        tool_call("apply_edit", '{"path": "x_test.py"', 4, valid=False),  # not JSON: ignored
+        tool_call("apply_edit", '["test_rows.py"]', 5, valid=False),  # not an object
+        tool_call("apply_edit", '{"path": 3}', 6, valid=False),  # path not a string
+        tool_call("apply_edit", "", 7, valid=False),
+    ]
+    g = gen("r1", turn=2, tools_digest="a" * 64, finish_reason="tool_calls", tool_calls=calls)
+    parse_event(g)  # a generation event as ingest accepts it
+    agg = Aggregator(resolve_spec("sessions-v2"), W, 1e9, 60.0, {}, {}, {}, clock=lambda: 1.8e9)
+    agg.on_event(0, g, 0.0)
+    [emit] = agg.advance(0, W)
+    assert emit.value["protected_writes"] == 2 and emit.value["turn"] == 2, emit.value
+    assert Rollout.model_validate(emit.value).protected_writes == 2
+    # no write at all: the field says 0
+    agg.on_event(0, gen("r2", turn=0, tool_calls=calls[1:3]), 20.0)
+    [emit] = agg.advance(0, 20.0 + W)
+    assert emit.value["protected_writes"] == 0
+
+
+def test_without_protected_paths_and_for_one_call_generations_the_record_has_no_count():
+    hack = [tool_call("apply_edit", '{"path": "test_rows.py", "old": "a", "new": "b"}')]
+    for spec, turn in (("sessions-v1", 0), ("v1", 0), ("sessions-v2", None)):
+        agg = Aggregator(resolve_spec(spec), W, 1e9, 60.0, {}, {}, {}, clock=lambda: 1.8e9)
+        kw = {} if turn is None else {"turn": turn}
+        agg.on_event(0, gen("r1", tool_calls=hack, **kw), 0.0)
+        [emit] = agg.advance(0, W)
+        assert "protected_writes" not in emit.value, (spec, emit.value)

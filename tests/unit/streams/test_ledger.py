@@ -607,3 +607,110 @@ def _by_session(recs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     for rec in recs:
         sessions.setdefault(rec["session_id"], []).append(rec)
     return [sorted(s, key=lambda r: r.get("turn") or 0) for s in sessions.values()]
+
+
+# --- protected writes (sessions-v2) -------------------------------------------------------------
+GUARDED = resolve_spec("sessions-v2")
+
+
+def guarded_session(sid: str, n: int, writes: dict[int, int]) -> list[dict[str, Any]]:
+    """`agent_session` labelled under sessions-v2: turn k counts `writes.get(k, 0)` protected
+    writes (every chat turn carries the count, 0 included, as the join writes it)."""
+    recs = agent_session(sid, n)
+    for k, rec in enumerate(recs):
+        rec.update(reward_spec="sessions-v2", protected_writes=writes.get(k, 0))
+    return recs
+
+
+def test_a_session_that_wrote_a_protected_path_gets_protected_write_for_its_outcome():
+    recs = guarded_session("s1", 3, {1: 2})
+    recs[2].update(reward=0.75)
+    ledger = Ledger(LedgerConfig(), {}, GUARDED)
+    out = [e for i, r in enumerate(recs) for e in ledger.on_rollout(r, 1.0 + i)]
+    out += ledger.on_outcome(outcome_event("s1", "s1-t2", "success"), 9.0)
+    [rec] = rollouts(out)
+    assert rec["outcome"] == "success" and rec["outcome_reward"] == -1.0, rec
+    assert rec["reward"] == 0.75 - 1.0 and rec["protected_writes"] == 2
+    assert [t["reward"] for t in rec["turns"]] == [0.0, 0.0, 0.75]  # the turns' own rewards
+    Rollout.model_validate(rec)
+    # the same session without the write: the outcome's weight, and no count on the record
+    clean = guarded_session("s2", 3, {})
+    ledger = Ledger(LedgerConfig(), {}, GUARDED)
+    out = [e for i, r in enumerate(clean) for e in ledger.on_rollout(r, 1.0 + i)]
+    [rec] = rollouts(out + ledger.on_outcome(outcome_event("s2", "s2-t2"), 9.0))
+    assert rec["outcome_reward"] == 1.0 and "protected_writes" not in rec, rec
+
+
+def test_a_one_turn_segment_carries_the_sessions_count_not_the_turns_own():
+    [rec] = guarded_session("s1", 1, {0: 1})
+    ledger = Ledger(LedgerConfig(), {}, GUARDED)
+    out = ledger.on_outcome(outcome_event("s1", "s1-t0", "failure"), 1.0)
+    [value] = rollouts(out + ledger.on_rollout(rec, 2.0))
+    assert value["protected_writes"] == 1 and value["outcome_reward"] == -1.0
+    assert value["reward"] == -1.0 and "turn" not in value, value
+    [clean] = guarded_session("s2", 1, {})
+    out = ledger.on_rollout(clean, 3.0) + ledger.on_outcome(outcome_event("s2", "s2-t0"), 4.0)
+    [value] = rollouts(out)
+    assert "protected_writes" not in value and value["outcome_reward"] == 1.0, value
+
+
+def test_every_segment_gets_the_value_the_whole_session_decides():
+    """The outcome arrives first (turns wait for their windows), a compaction breaks the session,
+    and the write is in the last turn: the segment the break closed waits for the end and gets
+    protected_write too. sessions-v1 sends it at the break with the outcome's weight, as before
+    (and counts nothing: the turns' counts, labelled under sessions-v2, are not its spec's)."""
+    recs = guarded_session("s1", 4, {3: 1})
+    recs[2]["prompt_tokens"] = [1, 2, 3, 9]  # the client compacted its history
+    recs[3]["prompt_tokens"] = [1, 2, 3, 9, *recs[2]["completion_tokens"], 52, 53]
+    for spec, sent_at_break, value in ((GUARDED, 0, -1.0), (V2, 1, 1.0)):
+        ledger = Ledger(LedgerConfig(), {}, spec)
+        out = ledger.on_outcome(outcome_event("s1", "s1-t3", "success"), 0.5)
+        out += ledger.on_rollout(recs[0], 1.0) + ledger.on_rollout(recs[1], 2.0)
+        at_break = rollouts(ledger.on_rollout(recs[2], 3.0))
+        assert len(at_break) == sent_at_break, (spec.version, at_break)
+        first, second = at_break + rollouts(ledger.on_rollout(recs[3], 4.0))
+        assert first["segment_closed_by"] == "history_rewritten" and len(first["turns"]) == 2
+        assert second["request_id"] == "s1-t2" and second["segment_closed_by"] == "end"
+        assert len(second["turns"]) == 2 and rollouts(out) == []
+        assert first["outcome_reward"] == second["outcome_reward"] == value, spec.version
+        if spec is GUARDED:
+            assert first["protected_writes"] == second["protected_writes"] == 1
+            assert first["reward"] == second["reward"] == -1.0
+        else:
+            assert "protected_writes" not in first and "protected_writes" not in second
+
+
+def test_held_segments_get_the_sessions_final_count_with_the_outcome():
+    recs = guarded_session("s1", 3, {0: 1, 2: 1})
+    recs[2]["prompt_tokens"] = [1, 2, 3, 9]
+    ledger = Ledger(LedgerConfig(), {}, GUARDED)
+    out = [e for i, r in enumerate(recs) for e in ledger.on_rollout(r, 1.0 + i)]
+    assert rollouts(out) == [] and ledger.session("s1").protected_writes == 2
+    out += ledger.on_outcome(outcome_event("s1", "s1-t2", "failure"), 9.0)
+    first, second = rollouts(out)
+    assert first["protected_writes"] == second["protected_writes"] == 2
+    assert first["outcome_reward"] == second["outcome_reward"] == -1.0
+    assert (
+        list(first)[-3:] == list(second)[-3:] == ["outcome", "outcome_reward", "protected_writes"]
+    )
+
+
+def test_the_protected_write_count_round_trips_and_old_states_load_without_it():
+    recs = guarded_session("s1", 2, {0: 3})
+    table: dict[str, dict] = {}
+    ledger = Ledger(LedgerConfig(), table, GUARDED)
+    ledger.on_rollout(recs[0], 1.0)
+    stored = orjson.loads(orjson.dumps(table["s1"]))
+    assert stored["pw"] == 3 and Session.from_stored(stored).to_stored() == stored
+    restored = Ledger(LedgerConfig(), {"s1": stored}, GUARDED)
+    out = restored.on_rollout(recs[1], 2.0) + restored.on_outcome(outcome_event("s1", "s1-t1"), 3.0)
+    [rec] = rollouts(out)
+    assert rec["protected_writes"] == 3 and rec["outcome_reward"] == -1.0
+    # a state stored before the count existed (no "pw") loads with 0 and is written back as it was
+    old = {k: v for k, v in stored.items() if k != "pw"}
+    sess = Session.from_stored(old)
+    assert sess.protected_writes == 0 and sess.to_stored() == old
+    restored = Ledger(LedgerConfig(), {"s1": old}, GUARDED)
+    out = restored.on_rollout(recs[1], 2.0) + restored.on_outcome(outcome_event("s1", "s1-t1"), 3.0)
+    [rec] = rollouts(out)
+    assert "protected_writes" not in rec and rec["outcome_reward"] == 1.0

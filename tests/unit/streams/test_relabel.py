@@ -23,7 +23,7 @@ from streams.relabel import SKIP_REASONS, Relabeller, RelabelOptions, relabel_ke
 from streams.reward import RewardWeights, compute_reward, resolve_spec
 from tests.unit.streams.factories import feedback as fb
 from tests.unit.streams.factories import generation as gen
-from tests.unit.streams.factories import random_feedback
+from tests.unit.streams.factories import random_feedback, tool_call
 
 W = 10.0
 V2 = resolve_spec(
@@ -294,3 +294,50 @@ def test_cli_argument_errors_exit_2_with_a_clear_message(args, message):
 def test_cli_requires_spec_and_since():
     result = CliRunner().invoke(cli, ["streams", "relabel", "--reward-spec", "v1"])
     assert result.exit_code == 2 and "--since" in result.output, result.output
+
+
+def test_relabelling_a_hacked_session_under_sessions_v2_takes_back_its_outcome():
+    """An agent weakened the test file (an apply_edit on test_x.py) and the test-running harness
+    reported success: sessions-v1 pays the outcome +1, sessions-v2 (protected test files) -1. The
+    records are otherwise the same, token for token."""
+    weaken = '{"path": "test_x.py", "old": "assert ", "new": "assert True or "}'
+    events, prompt = [], [1, 2, 3]
+    for k, calls in enumerate(([tool_call("apply_edit", weaken)], None)):
+        completion = [10 + k, 11 + k]
+        extra = {"tool_calls": calls, "finish_reason": "tool_calls"} if calls else {}
+        events.append(
+            gen(f"h{k}", t=k, session_id="hack", prompt_tokens=prompt, completion_tokens=completion,
+                logprobs=[-0.5, -0.5], turn=k, tools_digest="a" * 64, **extra)
+        )  # fmt: skip
+        prompt = [*prompt, *completion, 7]
+    events.append(fb("h0", "r", "rating", session_id="hack", value=1))
+    outcome = {**fb("h1", "o", "accept", session_id="hack"), "type": "session_outcome"}
+    events.append({**outcome, "outcome": "success"})
+    records = {}
+    for name in ("sessions-v1", "sessions-v2"):
+        c = Relabeller(
+            resolve_spec(name),
+            W,
+            1e9,
+            60.0,
+            since_s=0.0,
+            until_s=None,
+            run_id="run-1",
+            topic="ns.interactions",
+            clock=lambda: 1.8e9,
+            sessions=LedgerConfig(idle_s=300.0, retention_s=600.0),
+        )
+        out = [e for i, ev in enumerate(events) for e in c.feed(0, i, *rec(ev), 100.0 + i)]
+        [e] = out + c.finish(150.0)
+        assert e.key == f"h0|{name}" and c.counts.labelled == 1
+        Rollout.model_validate(e.value)
+        records[name] = e.value
+    v1, v2 = records["sessions-v1"], records["sessions-v2"]
+    assert v1["outcome"] == v2["outcome"] == "success"
+    assert (v1["outcome_reward"], v1["reward"]) == (1.0, 0.5 + 1.0) and "protected_writes" not in v1
+    assert (v2["outcome_reward"], v2["reward"]) == (-1.0, 0.5 - 1.0) and v2["protected_writes"] == 1
+    assert [t["reward"] for t in v1["turns"]] == [t["reward"] for t in v2["turns"]] == [0.5, 0.0]
+    differ = {"reward", "outcome_reward", "reward_spec", "protected_writes"}
+    same = {k: v for k, v in v1.items() if k not in differ}
+    assert same == {k: v for k, v in v2.items() if k not in differ}
+    assert v2["completion_tokens"] == [10, 11, 7, 11, 12] and v2["loss_mask"] == [1, 1, 0, 1, 1]

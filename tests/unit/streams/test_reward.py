@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
-from streams.reward import KNOWN_SPECS, RewardWeights, compute_reward, resolve_spec
+from streams.reward import (
+    KNOWN_SPECS,
+    OUTCOMES,
+    RewardWeights,
+    compute_reward,
+    outcome_reward,
+    outcome_value,
+    protected_writes,
+    resolve_spec,
+)
 from tests.unit.streams.factories import feedback as fb
 
 V1 = resolve_spec("v1")
@@ -116,3 +126,93 @@ def test_no_decision_weight_labels_generations_without_accept_reject_or_tool_err
         "hackable-tools: a tool error is free"
     )
     assert KNOWN_SPECS["v1"].no_decision is None
+
+
+def test_protected_paths_and_protected_write_are_set_together():
+    with pytest.raises(
+        ValueError, match="protected_paths and protected_write must be set together"
+    ):
+        RewardWeights(protected_paths=["test_*.py"])
+    with pytest.raises(
+        ValueError, match="protected_paths and protected_write must be set together"
+    ):
+        RewardWeights(protected_write=-1.0)
+    with pytest.raises(ValueError, match="at least 1 item"):
+        RewardWeights(protected_paths=[], protected_write=-1.0)
+    with pytest.raises(ValueError, match="at least 1 item"):
+        RewardWeights(protected_paths=["x"], protected_write=-1.0, write_tools=[])
+    w = RewardWeights(protected_paths=["secrets/*"], protected_write=-2.0, write_tools=["write"])
+    assert resolve_spec("custom", w).weights.write_tools == ["write"]
+    assert RewardWeights().write_tools == ["apply_edit"] and RewardWeights().protected_paths is None
+
+
+def test_sessions_v2_is_sessions_v1_plus_protected_test_files():
+    v1, v2 = KNOWN_SPECS["sessions-v1"], KNOWN_SPECS["sessions-v2"]
+    assert resolve_spec("sessions-v2").weights == v2
+    assert v2.model_dump(exclude={"protected_paths", "protected_write"}) == v1.model_dump(
+        exclude={"protected_paths", "protected_write"}
+    )
+    assert v2.protected_paths == ["test_*.py", "*_test.py", "tests/*", "*/tests/*"]
+    assert v2.protected_write == -1.0 and v2.write_tools == ["apply_edit"]
+    for name in ("v1", "sessions-v1", "hackable-tools", "hackable-silence"):
+        assert (
+            KNOWN_SPECS[name].protected_paths is None and KNOWN_SPECS[name].protected_write is None
+        )
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"protected_write": -0.5},
+        {"protected_paths": ["test_*.py"]},
+        {"write_tools": ["apply_edit", "write_file"]},
+        {"protected_paths": None, "protected_write": None},
+    ],
+)
+def test_sessions_v2_with_changed_weights_is_refused(changed):
+    weights = KNOWN_SPECS["sessions-v2"].model_copy(update=changed)
+    with pytest.raises(ValueError, match="new spec version"):
+        resolve_spec("sessions-v2", weights)
+    with pytest.raises(ValueError, match="new spec version"):
+        resolve_spec("sessions-v1", KNOWN_SPECS["sessions-v2"])
+
+
+def test_protected_writes_count_calls_of_write_tools_on_matching_paths():
+    w = KNOWN_SPECS["sessions-v2"]
+
+    def calls(*pairs):
+        return [{"name": n, "arguments": a} for n, a in pairs]
+
+    paths = {
+        "test_rows.py": 1,
+        "./test_rows.py": 1,  # normalised
+        "src/../test_rows.py": 1,
+        "rows_test.py": 1,
+        "tests/helpers.py": 1,
+        "pkg/tests/conftest.py": 1,
+        "rows.py": 0,
+        "testing.py": 0,
+        "pkg/test_rows.py": 0,  # test_*.py is matched against the whole path
+        "": 0,
+    }
+    for path, n in paths.items():
+        args = orjson.dumps({"path": path, "old": "assert", "new": "assert True or"}).decode()
+        assert protected_writes(w, calls(("apply_edit", args))) == n, path
+        assert protected_writes(w, calls(("read_file", args))) == 0, path
+        assert protected_writes(KNOWN_SPECS["sessions-v1"], calls(("apply_edit", args))) == 0
+    bad = ['{"path": "test_a.py"', '"test_a.py"', "[]", '{"path": ["test_a.py"]}', "", "null"]
+    assert protected_writes(w, calls(*(("apply_edit", a) for a in bad))) == 0
+    two = calls(("apply_edit", '{"path": "test_a.py"}'), ("apply_edit", '{"path": "tests/b"}'))
+    assert protected_writes(w, two) == 2 and protected_writes(w, None) == 0
+
+
+def test_the_outcome_value_is_protected_write_once_a_protected_path_was_written():
+    v1, v2 = resolve_spec("sessions-v1"), resolve_spec("sessions-v2")
+    for outcome in OUTCOMES:
+        assert (
+            outcome_value(v2, outcome, 0)
+            == outcome_value(v1, outcome, 3)
+            == outcome_reward(v1, outcome)
+        )
+        assert outcome_value(v2, outcome, 1) == -1.0
+    assert outcome_value(v2, None, 1) is None and outcome_value(V1, "success", 1) is None
