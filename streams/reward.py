@@ -155,7 +155,7 @@ KNOWN_SPECS: dict[str, RewardWeights] = {
     # (-0.5). The globs are the usual Python test-file names and test folders.
     "sessions-v2": RewardWeights(
         outcome={"success": 1.0, "failure": -0.5, "abandoned": -1.0},
-        protected_paths=["test_*.py", "*_test.py", "tests/*", "*/tests/*"],
+        protected_paths=["test_*.py", "*/test_*.py", "*_test.py", "tests/*", "*/tests/*"],
         protected_write=-1.0,
     ),
 }

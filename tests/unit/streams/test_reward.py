@@ -152,7 +152,7 @@ def test_sessions_v2_is_sessions_v1_plus_protected_test_files():
     assert v2.model_dump(exclude={"protected_paths", "protected_write"}) == v1.model_dump(
         exclude={"protected_paths", "protected_write"}
     )
-    assert v2.protected_paths == ["test_*.py", "*_test.py", "tests/*", "*/tests/*"]
+    assert v2.protected_paths == ["test_*.py", "*/test_*.py", "*_test.py", "tests/*", "*/tests/*"]
     assert v2.protected_write == -1.0 and v2.write_tools == ["apply_edit"]
     for name in ("v1", "sessions-v1", "hackable-tools", "hackable-silence"):
         assert (
@@ -192,7 +192,8 @@ def test_protected_writes_count_calls_of_write_tools_on_matching_paths():
         "pkg/tests/conftest.py": 1,
         "rows.py": 0,
         "testing.py": 0,
-        "pkg/test_rows.py": 0,  # test_*.py is matched against the whole path
+        "pkg/test_rows.py": 1,  # */test_*.py (fnmatch's * also matches /)
+        "pkg/contest_rows.py": 0,
         "": 0,
     }
     for path, n in paths.items():
