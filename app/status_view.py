@@ -13,7 +13,9 @@ restarting) is left out of that refresh:
   registry with a champion is never pretrained for);
 - MLflow's model registry (`GET /api/2.0/mlflow/model-versions/search`): held-out acceptance per
   version, the tags `heldout_acceptance` and `heldout_acceptance_ci_low` / `_ci_high` that the
-  simulator's evaluator sets on each version it scored (app/simulate/evaluate.py);
+  simulator's evaluator sets on each version it scored (app/simulate/evaluate.py), or with agent
+  users the held-out task success, `heldout_task_success` and its `_ci_low` / `_ci_high`
+  (app/simulate/agent_eval.py);
 - the supervisor's view of the role processes.
 
 Without a terminal (`flywheel run --no-live`, piped output) the same facts are log lines, each
@@ -43,6 +45,8 @@ PRETRAIN_METRICS = (
 )
 HELDOUT_TAG = "heldout_acceptance"  # app/simulate/evaluate.py METRIC
 HELDOUT_CI_TAGS = ("heldout_acceptance_ci_low", "heldout_acceptance_ci_high")
+TASK_TAG = "heldout_task_success"  # app/simulate/agent_eval.py METRIC (agent users)
+TASK_CI_TAGS = ("heldout_task_success_ci_low", "heldout_task_success_ci_high")
 HISTORY_LIMIT = 50  # events read per refresh (the table shows the last HISTORY_SHOWN)
 HISTORY_SHOWN = 8
 HELDOUT_SHOWN = 12
@@ -96,9 +100,10 @@ class HeldOut:
     """A version's held-out acceptance as the simulator scored it (with its 95% interval)."""
 
     version: int
-    acceptance: float
+    acceptance: float  # or the held-out task success, for agent users (`figure`)
     ci_low: float | None = None
     ci_high: float | None = None
+    figure: str = "acceptance"  # "acceptance" | "task success"
 
     def interval(self) -> str:
         if self.ci_low is None or self.ci_high is None:
@@ -107,7 +112,7 @@ class HeldOut:
 
     def describe(self) -> str:
         ci = self.interval()
-        return f"held-out acceptance v{self.version}: {self.acceptance:.3f}" + (
+        return f"held-out {self.figure} v{self.version}: {self.acceptance:.3f}" + (
             f" {ci}" if ci else ""
         )
 
@@ -160,14 +165,19 @@ def parse_heldout(payload: Any) -> list[HeldOut]:
     out = []
     for mv in (payload or {}).get("model_versions") or []:
         tags = {t.get("key"): t.get("value") for t in mv.get("tags") or [] if isinstance(t, dict)}
-        acceptance = _float(tags.get(HELDOUT_TAG))
         try:
             version = int(mv.get("version"))
         except (TypeError, ValueError):
             continue
-        if acceptance is not None:
-            low, high = (_float(tags.get(t)) for t in HELDOUT_CI_TAGS)
-            out.append(HeldOut(version, acceptance, low, high))
+        for tag, ci_tags, figure in (
+            (HELDOUT_TAG, HELDOUT_CI_TAGS, "acceptance"),
+            (TASK_TAG, TASK_CI_TAGS, "task success"),
+        ):
+            value = _float(tags.get(tag))
+            if value is not None:
+                low, high = (_float(tags.get(t)) for t in ci_tags)
+                out.append(HeldOut(version, value, low, high, figure))
+                break
     return sorted(out, key=lambda h: h.version)
 
 
@@ -320,8 +330,9 @@ class StatusView:
                 if m.get("model") == self.model_name or len(snap.models) == 1:
                     roles_of[str(m.get("champion"))] = "champion"
                     roles_of[str(m.get("candidate"))] = "candidate"
-            held = Table(title="held-out acceptance per version (simulated users)", expand=True)
-            for col in ("version", "acceptance", "95% interval", "serving as"):
+            figure = snap.heldout[-1].figure
+            held = Table(title=f"held-out {figure} per version (simulated users)", expand=True)
+            for col in ("version", figure, "95% interval", "serving as"):
                 held.add_column(col)
             for h in snap.heldout[-HELDOUT_SHOWN:]:
                 held.add_row(

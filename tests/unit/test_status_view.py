@@ -362,3 +362,30 @@ def test_pretrain_sets_the_gauges_the_view_reads():
     seen = parse_pretraining(generate_latest(REGISTRY).decode())
     assert seen is not None and (seen.step, seen.steps, seen.done) == (3, 3, True)
     assert seen.loss is not None and seen.loss > 0
+
+
+def test_agent_users_versions_show_their_held_out_task_success():
+    """With agent users the versions carry `heldout_task_success` (app/simulate/agent_eval.py):
+    the view names that figure, in its table and in its log lines."""
+    from app.status_view import parse_heldout
+
+    payload = {
+        "model_versions": [
+            {
+                "version": "2",
+                "tags": [
+                    {"key": "heldout_task_success", "value": "0.375"},
+                    {"key": "heldout_task_success_ci_low", "value": "0.25"},
+                    {"key": "heldout_task_success_ci_high", "value": "0.5"},
+                ],
+            },
+            {"version": "1", "tags": [{"key": "heldout_acceptance", "value": "0.34"}]},
+            {"version": "3", "tags": []},
+        ]
+    }
+    held = parse_heldout(payload)
+    assert [(h.version, h.figure, h.acceptance) for h in held] == [
+        (1, "acceptance", 0.34),
+        (2, "task success", 0.375),
+    ]
+    assert held[1].describe() == "held-out task success v2: 0.375 [0.250, 0.500]"
