@@ -101,21 +101,27 @@ HF_DEMO_SKIP = (
 # `flywheel run --agents`: the loop on agent sessions (app/simulate/agents.py) instead of editor
 # completions. The reward is the sessions spec (turn feedback plus the session's outcome); the
 # built-in policy gets a 1,024-token context (a session with its tool line, calls and results
-# runs to about 600 bytes) and a base pretrained with agent sessions in half its documents
+# runs to about 600 bytes) and a base pretrained with agent sessions in 60% of its steps
 # (trainer/corpus.py `agent_document`: the format and the moves, not the tasks' answers). With
 # `--model DIR` only the first two apply (the model's context and weights are its own).
 AGENT_DEMO_ENV = {
     "FLYWHEEL_SIMULATE_AGENTS": "true",
     "FLYWHEEL_STREAMS_REWARD_SPEC": "sessions-v1",
     "FLYWHEEL_TRAINER_POLICY": json.dumps({"max_context": 1024}),
-    "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE": "0.5",
+    # 800 steps, 60% of them on agent sessions (docs/TRAINER.md "Agents")
+    "FLYWHEEL_TRAINER_PRETRAIN_STEPS": "800",
+    "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE": "0.6",
     # one rollout is a whole session here (about four turns)
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "128",
     "FLYWHEEL_SIMULATE_USERS": "8",
     # the gate runs sessions with real tools on its own 24 tasks: candidate, champion and base
     "FLYWHEEL_CONTROLLER_GATE_AGENT_TASKS": "24",
 }
-AGENT_HF_SKIP = ("FLYWHEEL_TRAINER_POLICY", "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE")
+AGENT_HF_SKIP = (
+    "FLYWHEEL_TRAINER_POLICY",
+    "FLYWHEEL_TRAINER_PRETRAIN_STEPS",
+    "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE",
+)
 
 
 class RunModelError(ValueError):

@@ -122,7 +122,8 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert env["FLYWHEEL_STREAMS_REWARD_SPEC"] == "sessions-v1"
     assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TASKS"] == "24"
     assert json.loads(env["FLYWHEEL_TRAINER_POLICY"]) == {"max_context": 1024}
-    assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.5"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.6"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_STEPS"] == "800"
     assert {k: env[k] for k in DEMO_ENV if k not in AGENT_DEMO_ENV} == {
         k: v for k, v in DEMO_ENV.items() if k not in AGENT_DEMO_ENV
     }
