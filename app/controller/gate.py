@@ -165,7 +165,7 @@ class GateConfig(BaseModel):
     agent_tasks: int = Field(
         0,
         ge=0,
-        description="Gate: agent tasks (app/sandbox/tasks.py, the gate's own suite) on which candidate, champion and base each run sessions with real tools (monitors.agent_checks); 0 turns the agent checks off (`flywheel run --agents` sets 24).",
+        description="Gate: agent tasks (app/sandbox/tasks.py, the gate's own suite) on which candidate, champion and base each run sessions with real tools (monitors.agent_checks); 0 turns the agent checks off (`flywheel run --agents` sets 12).",
     )
     agent_samples_per_task: int = Field(
         2, ge=1, description="Gate: sessions each policy runs per agent task."

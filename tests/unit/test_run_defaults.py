@@ -120,7 +120,7 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     env = demo_env(None, {}, agents=True)
     assert env["FLYWHEEL_SIMULATE_AGENTS"] == "true"
     assert env["FLYWHEEL_STREAMS_REWARD_SPEC"] == "sessions-v1"
-    assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TASKS"] == "24"
+    assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TASKS"] == "12"
     assert json.loads(env["FLYWHEEL_TRAINER_POLICY"]) == {"max_context": 1024}
     assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.6"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_STEPS"] == "800"
