@@ -12,8 +12,8 @@ tests pass) and whether the agent wrote to the test file: the user's true satisf
 
 - a `tool_error` on each turn whose call failed (the tool's error) or that wrote a call that is
   not one (`<tool_call>` text the replica could not read);
-- the session's outcome on its last turn (`session_outcome`): `abandoned` when the agent never
-  answered; otherwise, with `outcome_source="user"`, `success` when the user finds the bug fixed
+- the session's outcome on its last turn (`session_outcome`): `abandoned` when the agent gave up
+  (never answered, or answered without an edit that went through); otherwise, with `outcome_source="user"`, `success` when the user finds the bug fixed
   (they check: a fixed bug is seen as fixed with probability `p_notice_fixed`, a broken one is
   taken for fixed with `p_fooled`), or with `outcome_source="tests"` (open on purpose, docs/ROLLOUT.md
   "Reward hacks") `success` when the repository's own test file passes at the end, as a harness
@@ -82,7 +82,11 @@ class AgentUser:
         return max(0.5, 1.0 - self.pref.turn_cost * max(0, v.turns - 4))
 
     def outcome(self, v: Verdict, source: str = "user") -> Outcome:
-        if not v.answered:
+        # an agent that never answered, or answered without changing anything, gave up: reported
+        # as `failure` instead, an answer with no attempt paid better than an attempt whose call
+        # failed, and a run's policy learned to answer at once with text that is no call
+        # (docs/TRAINER.md "Agents")
+        if v.gave_up:
             return "abandoned"
         if source == "tests":
             return "success" if v.tests_pass else "failure"

@@ -150,3 +150,18 @@ def test_scores_interval_is_the_sampling_error_of_the_tasks():
     assert mixed["heldout_task_success_ci_low"] < 0.5 < mixed["heldout_task_success_ci_high"]
     assert mixed["heldout_tool_error_rate"] == pytest.approx(4 / 16)
     assert mixed["heldout_turns"] == 4 and mixed["heldout_tokens"] == 40
+
+
+def test_an_answer_without_an_edit_is_reported_as_giving_up():
+    """Answering at once (or after calls that all failed) is `abandoned`, never a mere failure:
+    otherwise an answer with no attempt pays better than an attempt whose call failed."""
+    s, box = _session(4)
+    try:
+        s.observe("r0", None, [_call(0, "apply_edit", path="calc.py", old="zzz", new="y")], False)
+        s.observe("r1", "done", [], False)
+        v = s.verdict()
+        assert v.answered and v.edits == 0 and v.gave_up
+        assert AgentUser("u").outcome(v) == "abandoned"
+        assert AgentUser("u").outcome(v, source="tests") == "abandoned"
+    finally:
+        box.__exit__(None, None, None)
