@@ -8,6 +8,7 @@ with `save_pretrained` (config.json + model.safetensors) next to the tokenizer f
     tok_dir = train_bpe_tokenizer("/tmp/tok")            # tokenizer.json, tokenizer_config.json, ...
     llama = tiny_llama_dir("/tmp/llama", tok_dir)          # + config.json, model.safetensors
     moe = tiny_qwen2_moe_dir("/tmp/moe", tok_dir)          # 2 MoE layers, 4 experts, top-2
+    chars = char_tokenizer("/tmp/chars")                   # ASCII characters, Qwen2.5's template
 
 The tokenizer: ByteLevel BPE (every string encodes), special tokens `<|bos|>`, `<|eos|>`,
 `<|pad|>`, and a chat template that renders each message as `<role>: <content>\\n` and ends with
@@ -69,6 +70,34 @@ def train_bpe_tokenizer(
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD
     )
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(out))
+    return out
+
+
+def char_tokenizer(out_dir: str | Path, chat_template: str = QWEN25_TEMPLATE) -> Path:
+    """A character-level tokenizer (printable ASCII, no merges) with eos `<|eos|>` as its only
+    special token and `<tool_call>` / `</tool_call>` as tokens of their own (as in Qwen2.5's
+    vocabulary), saved with `chat_template`.
+
+    For sessions of an untrained model (tests/e2e/test_hf_agents.py): any sequence it samples
+    decodes to text that encodes back to the same tokens, so a session's next prompt extends the
+    last one token for token (a BPE tokenizer's random samples re-encode otherwise, and the session
+    ledger breaks the trajectory there); and with about 100 tokens it writes `<tool_call>` now and
+    then, so some sessions go on past their first turn."""
+    import string
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out_dir)
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {EOS: 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(EOS, special=True)])
+    tok.add_tokens([AddedToken(t, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     fast.chat_template = chat_template
     fast.save_pretrained(str(out))
     return out

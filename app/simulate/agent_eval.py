@@ -89,21 +89,27 @@ class AgentEvaluator(HeldOutEvaluator):
         self,
         mlflow_uri: str,
         model_name: str,
-        n_tasks: int = 32,
+        n_tasks: int | None = None,
         samples_per_task: int = 2,
-        max_tokens: int = 128,
-        max_turns: int = 6,
+        max_tokens: int | None = None,
+        max_turns: int | None = None,
         n_users: int = 16,
         seed: int = 10_001,
     ):
+        """`n_tasks`, `max_tokens` and `max_turns` left None are the simulator's settings
+        (FLYWHEEL_SIMULATE_AGENT_EVAL_TASKS, _AGENT_MAX_TOKENS, _AGENT_MAX_TURNS): the held-out
+        sessions are the live users' sessions on other tasks."""
+        from app.simulate.config import SimulateConfig
+
         super().__init__(mlflow_uri, model_name, n_prompts=1, seed=seed)
-        self.tasks = tasks(n_tasks, seed=seed, held_out=True)
-        self.agent_users = agent_users(n_users, seed=seed, prefix="heldout-agent")
-        self.samples_per_task, self.max_tokens, self.max_turns = (
-            samples_per_task,
-            max_tokens,
-            max_turns,
+        cfg = SimulateConfig()
+        self.tasks = tasks(
+            cfg.agent_eval_tasks if n_tasks is None else n_tasks, seed=seed, held_out=True
         )
+        self.agent_users = agent_users(n_users, seed=seed, prefix="heldout-agent")
+        self.samples_per_task = samples_per_task
+        self.max_tokens = cfg.agent_max_tokens if max_tokens is None else max_tokens
+        self.max_turns = cfg.agent_max_turns if max_turns is None else max_turns
 
     def verdicts(self, policy: Any) -> list[Verdict]:
         from contextlib import ExitStack

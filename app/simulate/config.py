@@ -46,6 +46,11 @@ class SimulateConfig(FlywheelSettings):
         6, ge=1, description="Assistant turns before a session is abandoned."
     )
     agent_max_tokens: int = Field(128, ge=1, description="max_tokens of each agent turn.")
+    agent_eval_tasks: int = Field(
+        32,
+        ge=1,
+        description="Held-out tasks the agent evaluation runs 2 sessions on for every registered version (in process, with the agent turns' max_tokens and max turns above).",
+    )
     agent_think_s: float = Field(
         1.0, ge=0, description="Longest pause of an agent user between two sessions (uniform)."
     )

@@ -165,3 +165,21 @@ def test_an_answer_without_an_edit_is_reported_as_giving_up():
         assert AgentUser("u").outcome(v, source="tests") == "abandoned"
     finally:
         box.__exit__(None, None, None)
+
+
+def test_the_held_out_sessions_take_the_simulators_settings(monkeypatch):
+    """The held-out evaluation runs the live users' sessions (their max_tokens and turns) on
+    FLYWHEEL_SIMULATE_AGENT_EVAL_TASKS tasks: a short cadence (a test, a slow model) shortens it
+    too; arguments still win."""
+    from app.simulate.agent_eval import AgentEvaluator
+
+    uri = "http://127.0.0.1:9"  # never reached: nothing is evaluated here
+    default = AgentEvaluator(uri, "m")
+    assert (len(default.tasks), default.max_tokens, default.max_turns) == (32, 128, 6)
+    for name, value in (("EVAL_TASKS", "3"), ("MAX_TOKENS", "16"), ("MAX_TURNS", "2")):
+        monkeypatch.setenv(f"FLYWHEEL_SIMULATE_AGENT_{name}", value)
+    short = AgentEvaluator(uri, "m")
+    assert (len(short.tasks), short.max_tokens, short.max_turns) == (3, 16, 2)
+    assert short.tasks == default.tasks[:3]  # the same held-out suite, fewer of its tasks
+    given = AgentEvaluator(uri, "m", n_tasks=4, max_tokens=8, max_turns=5)
+    assert (len(given.tasks), given.max_tokens, given.max_turns) == (4, 8, 5)
