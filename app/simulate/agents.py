@@ -29,14 +29,12 @@ sessions.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import random
 import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 import httpx
@@ -45,6 +43,7 @@ from pydantic import BaseModel, Field
 from app.sandbox.sandbox import TOOLS, Sandbox
 from app.sandbox.session import AgentSession, Verdict
 from app.sandbox.tasks import tasks
+from app.simulate.population import Driver, now
 
 log = logging.getLogger(__name__)
 
@@ -138,22 +137,14 @@ class AgentStats:
         return {v: self.fixed[v] / n for v, n in self.finished.items() if n}
 
 
-def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
-
-class AgentPopulation:
+class AgentPopulation(Driver):
     """Agent users working sessions against replicas (round-robin) and reporting to the ingest API."""
 
     def __init__(self, api_url: str, api_key: str, replica_urls: list[str], cfg: Any):
-        assert replica_urls, "at least one replica URL is needed"
-        self.cfg, self.stats = cfg, AgentStats()
+        super().__init__(api_url, api_key, replica_urls, cfg)
+        self.stats = AgentStats()
         self.users = agent_users(cfg.users, seed=cfg.seed)
         self.tasks = tasks(512, seed=cfg.seed)
-        self.replicas = itertools.cycle(replica_urls)
-        self.api_url, self.api_key = api_url, api_key
-        self.rng = random.Random(cfg.seed)
-        self._outbox: list[dict[str, Any]] = []
         self._budget: int | None = None  # sessions left to start (run's max_sessions)
 
     async def _turn(self, http: httpx.AsyncClient, s: AgentSession) -> None:
@@ -211,7 +202,7 @@ class AgentPopulation:
             if e["type"] == "session_outcome":
                 self.stats.outcomes[e["outcome"]] += 1
             self._outbox.append(
-                {**e, "event_id": uuid.uuid4().hex, "session_id": s.session_id, "ts": _now()}
+                {**e, "event_id": uuid.uuid4().hex, "session_id": s.session_id, "ts": now()}
             )
 
     async def _user_loop(
@@ -225,18 +216,6 @@ class AgentPopulation:
                 self._budget -= 1
             await self._session(http, user)
             await asyncio.sleep(self.rng.random() * self.cfg.agent_think_s)
-
-    async def _flush(self, client: Any) -> None:
-        batch, self._outbox = self._outbox, []
-        if batch:
-
-            def _send() -> None:
-                for event in batch:
-                    client.send(event)
-                client.flush()
-
-            await asyncio.to_thread(_send)
-            self.stats.events += len(batch)
 
     async def _flush_loop(self, client: Any, done: asyncio.Event) -> None:
         while not done.is_set():
@@ -268,4 +247,5 @@ class AgentPopulation:
             await self._flush(client)
         finally:
             client.close()
+        self.stats.events = self.events_sent
         return self.stats

@@ -57,20 +57,43 @@ class Stats:
         return {v: self.satisfaction[v] / n for v, n in self.shown.items() if n}
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-class Population:
+class Driver:
+    """What the editor population and the agent users (app/simulate/agents.py) share: replicas in
+    turn, like a load balancer, and an outbox of feedback events sent in batches."""
+
     def __init__(self, api_url: str, api_key: str, replica_urls: list[str], cfg: SimulateConfig):
         assert replica_urls, "at least one replica URL is needed"
-        self.cfg, self.stats = cfg, Stats()
-        self.users = population(cfg.users, seed=cfg.seed)
-        self.prompts = prompts(512, seed=cfg.seed)
+        self.cfg = cfg
         self.replicas = itertools.cycle(replica_urls)
         self.api_url, self.api_key = api_url, api_key
         self.rng = random.Random(cfg.seed)
         self._outbox: list[dict[str, Any]] = []
+        self.events_sent = 0
+
+    async def _flush(self, client: Any) -> None:
+        """Send the outbox through the FeedbackClient `client` (in a thread: it blocks)."""
+        batch, self._outbox = self._outbox, []
+        if batch:
+
+            def _send() -> None:
+                for event in batch:
+                    client.send(event)
+                client.flush()
+
+            await asyncio.to_thread(_send)
+            self.events_sent += len(batch)
+
+
+class Population(Driver):
+    def __init__(self, api_url: str, api_key: str, replica_urls: list[str], cfg: SimulateConfig):
+        super().__init__(api_url, api_key, replica_urls, cfg)
+        self.stats = Stats()
+        self.users = population(cfg.users, seed=cfg.seed)
+        self.prompts = prompts(512, seed=cfg.seed)
 
     async def _complete(
         self, http: httpx.AsyncClient, user: SimulatedUser, prompt: str
@@ -111,7 +134,7 @@ class Population:
                         "event_id": uuid.uuid4().hex,
                         "request_id": rid,
                         "session_id": user.user_id,
-                        "ts": _now(),
+                        "ts": now(),
                         "model_version": version,
                     }
                 )
@@ -138,18 +161,6 @@ class Population:
             await asyncio.sleep(1.0)
             await self._flush(client)
 
-    async def _flush(self, client: Any) -> None:
-        batch, self._outbox = self._outbox, []
-        if batch:
-
-            def _send() -> None:
-                for event in batch:
-                    client.send(event)
-                client.flush()
-
-            await asyncio.to_thread(_send)
-            self.stats.events += len(batch)
-
     async def run(self, duration_s: float | None = None) -> Stats:
         from app.client import FeedbackClient
 
@@ -166,4 +177,5 @@ class Population:
             await self._flush(client)
         finally:
             client.close()
+        self.stats.events = self.events_sent
         return self.stats
