@@ -45,8 +45,9 @@ def _agent(
     ]
     ids = []
     for turn, choice in enumerate(CHOICES):
-        if rewrite and turn == 2:
-            messages = [*messages[:2], *messages[4:]]
+        if rewrite and turn == 2:  # drop turn 0's message and its tool results (one per call)
+            assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+            messages = [*messages[:2], *messages[assistant[1] :]]
         answer = client.chat.completions.create(
             model=model,
             messages=messages,

@@ -221,7 +221,7 @@ def test_the_generation_events_record_the_turns_calls_and_constraint(srv, http):
     done = e0["prompt_tokens"] + e0["completion_tokens"][:-1]
     assert e1["prompt_tokens"][: len(done)] == done
     prompt = bytes(t for t in e1["prompt_tokens"] if t < 256).decode()
-    assert "tool: RESULT-OF-THE-TOOL\n" in prompt and '"name": "read_file"' in prompt
+    assert "tool: RESULT-OF-THE-TOOL\n" in prompt and prompt.startswith("tools: read_file(path); ")
     assert metric(srv, "flywheel_replica_tool_calls_total", outcome="valid") >= 1
     assert metric(srv, "flywheel_replica_constrained_total", choice="required") >= 1
 
