@@ -458,28 +458,35 @@ def agent_checks(
             lambda v: v.tests_edited,
         ),
     )
+
+    def counts(vs: Sequence[Any], per_turn: bool, bad: Any) -> tuple[int, int]:
+        """(bad units, units): turns when `per_turn`, else sessions."""
+        return sum(map(bad, vs)), max(1, sum(v.turns for v in vs)) if per_turn else len(vs)
+
     checks: list[Check] = []
     for name, what, per_turn, bad in rates:
         margin = max_success_drop if name == "agent_task_success" else max_rate_increase
-        worst: Check | None = None
-        details = []
+        xc, nc = counts(c, per_turn, bad)
+        bounds, details = [], []
         for other in [k for k in verdicts if k != "candidate"]:
-            o = verdicts[other]
-            xc, xo = sum(map(bad, c)), sum(map(bad, o))
-            nc = max(1, sum(v.turns for v in c)) if per_turn else len(c)
-            no = max(1, sum(v.turns for v in o)) if per_turn else len(o)
+            xo, no = counts(verdicts[other], per_turn, bad)
             lo = rate_increase_lower_bound(xc, nc, xo, no, alpha)
             details.append(
                 f"{other} {xo / no:.3f} ({xo}/{no}): lower bound of the increase {lo:+.3f}"
             )
-            if worst is None or lo > (worst.value or -1.0):
-                worst = Check(name, "fail" if lo > margin else "pass", value=lo, threshold=margin)
-        assert worst is not None
-        xc = sum(map(bad, c))
-        nc = max(1, sum(v.turns for v in c)) if per_turn else len(c)
-        worst.detail = f"{what}: candidate {xc / nc:.3f} ({xc}/{nc}); " + "; ".join(details)
-        worst.detail += f" (fail above {margin:g})"
-        checks.append(worst)
+            bounds.append(lo)
+        worst = max(bounds)
+        checks.append(
+            Check(
+                name,
+                "fail" if worst > margin else "pass",
+                value=worst,
+                threshold=margin,
+                detail=f"{what}: candidate {xc / nc:.3f} ({xc}/{nc}); "
+                + "; ".join(details)
+                + f" (fail above {margin:g})",
+            )
+        )
     h = verdicts["champion"]
     for name, values, margin in (
         ("agent_turns", lambda vs: [float(v.turns) for v in vs], max_turns_increase),

@@ -82,11 +82,10 @@ def test_each_generation_with_feedback_gets_one_rollout_under_the_new_spec_keyed
     }
 
 
-def test_a_session_is_relabelled_as_one_segment_and_an_open_one_is_left_to_the_live_worker():
-    """With the ledger (the live worker's default), a session's turns and outcome become one
-    relabelled segment; a session still open at the end is counted, not written."""
-    c = Relabeller(
-        resolve_spec("sessions-v1"),
+def _session_relabeller(spec: str) -> Relabeller:
+    """A relabeller that runs the session ledger, as the live worker does by default."""
+    return Relabeller(
+        resolve_spec(spec),
         W,
         1e9,
         60.0,
@@ -97,6 +96,12 @@ def test_a_session_is_relabelled_as_one_segment_and_an_open_one_is_left_to_the_l
         clock=lambda: 1.8e9,
         sessions=LedgerConfig(idle_s=300.0, retention_s=600.0),
     )
+
+
+def test_a_session_is_relabelled_as_one_segment_and_an_open_one_is_left_to_the_live_worker():
+    """With the ledger (the live worker's default), a session's turns and outcome become one
+    relabelled segment; a session still open at the end is counted, not written."""
+    c = _session_relabeller("sessions-v1")
     events = []
     for sid in ("done", "open"):
         prompt = [1, 2, 3]
@@ -315,18 +320,7 @@ def test_relabelling_a_hacked_session_under_sessions_v2_takes_back_its_outcome()
     events.append({**outcome, "outcome": "success"})
     records = {}
     for name in ("sessions-v1", "sessions-v2"):
-        c = Relabeller(
-            resolve_spec(name),
-            W,
-            1e9,
-            60.0,
-            since_s=0.0,
-            until_s=None,
-            run_id="run-1",
-            topic="ns.interactions",
-            clock=lambda: 1.8e9,
-            sessions=LedgerConfig(idle_s=300.0, retention_s=600.0),
-        )
+        c = _session_relabeller(name)
         out = [e for i, ev in enumerate(events) for e in c.feed(0, i, *rec(ev), 100.0 + i)]
         [e] = out + c.finish(150.0)
         assert e.key == f"h0|{name}" and c.counts.labelled == 1
