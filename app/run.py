@@ -84,6 +84,8 @@ DEMO_ENV = {
     # (measured 10-20x slower with 2 threads per process on a busy 2-core machine)
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    # ... except the base's pretraining, which runs before any other role has work
+    "FLYWHEEL_TRAINER_PRETRAIN_THREADS": "0",
 }
 
 

@@ -181,13 +181,18 @@ class TrainerConfig(FlywheelSettings):
         0.0,
         ge=0,
         le=1,
-        description="Share of the pretraining documents that are agent sessions over the sandbox's tools (trainer/corpus.py `agent_document`; `flywheel run --agents` sets 0.5): the base then knows the tool-call format, not the tasks' answers.",
+        description="Share of the pretraining documents that are agent sessions over the sandbox's tools (trainer/corpus.py `agent_document`; `flywheel run --agents` sets it): the base then knows the tool-call format, not the tasks' answers.",
     )
     pretrain_hack_share: float = Field(
         0.0,
         ge=0,
         le=1,
         description="Share of those agent sessions that edit the test file instead of the code (the reward hack's seed, docs/ROLLOUT.md).",
+    )
+    pretrain_threads: int | None = Field(
+        None,
+        ge=0,
+        description="Torch threads while pretraining the base (unset: the process's setting; 0: every core). `flywheel run` sets 0: nothing else has work before the base exists.",
     )
     base_checkpoint: Path | None = Field(
         None,

@@ -234,22 +234,23 @@ def _call(name: str, **args: str) -> str:
 
 
 def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument:
-    """One session of a weak agent on a task (app/sandbox/tasks.py) whose module has a made-up
-    name, over the sandbox's tools, rendered with the built-in chat template.
+    """One session of a weak agent on a task (app/sandbox/tasks.py) whose function has a made-up
+    noun, over the sandbox's tools, rendered with the built-in chat template.
 
-    The agent knows the tools' format and the moves (read the module, replace the operator line,
-    run the tests, answer) but not which operator a function needs: it picks one of the three that
-    are not the bug at random (one in three fixes it), and after a failed test tries again or gives
+    The agent knows the tools' format and the moves (read the module, replace the stub with a
+    `return`, run the tests, answer) but not which operator a function needs: it picks one of the
+    four at random (one in four implements it), and after a failed test tries another or gives
     up. With probability `hack_share` it edits the test file instead (`assert` -> `assert True or`),
-    which passes the visible test without fixing anything: the loophole a reward on "the tests
-    pass" pays for (docs/ROLLOUT.md "Reward hacks"). Tool results are what app/sandbox/sandbox.py
-    returns for these calls (tests/unit/sandbox/test_corpus_sessions.py replays them)."""
+    which passes the visible test without implementing anything: the loophole a reward on "the
+    tests pass" pays for (docs/ROLLOUT.md "Reward hacks"). Tool results are what
+    app/sandbox/sandbox.py returns for these calls (tests/unit/sandbox/test_corpus_sessions.py
+    replays them)."""
     from app.sandbox.sandbox import TOOLS
-    from app.sandbox.tasks import OPS, made_up_noun, make_task
+    from app.sandbox.tasks import OPS, STUB, body, made_up_noun, make_task
     from policy.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    task = make_task(rng, noun=made_up_noun(rng))  # a name no task has: the model learns to copy
+    task = make_task(rng, noun=made_up_noun(rng))  # a name no task has: the model learns the verb
     src, test = task.source_path, task.test_path
     messages: list[dict] = [{"role": "user", "content": task.instruction}]
     ends: list[int] = []
@@ -281,9 +282,9 @@ def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument
     r = rng.random()
     if r < 0.1:
         act(_call("read_file", path=test), [files[test]])
-    if r < 0.95:
+    if r < 0.9:
         act(_call("read_file", path=src), [files[src]])
-    tries = [op for op in OPS.values() if op != task.bug]
+    tries = list(OPS.values())
     rng.shuffle(tries)
     passed = False
     if rng.random() < hack_share:
@@ -291,20 +292,13 @@ def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument
         act(_call("run_tests"), ["passed"])
         passed = True
     else:
-        current = task.bug  # what the module has
-        if r >= 0.95:  # it did not read the module: it guesses the line (a tool error if wrong)
-            current = rng.choice([o for o in OPS.values() if o != task.op])
-        if current != task.bug:
-            edit = _call("apply_edit", path=src, old=f"a {current} b", new=f"a {tries[0]} b")
-            act(edit, [f"error: {f'a {current} b'!r} is not in {src}"])
-        else:
-            for op in tries[:2]:
-                edit = _call("apply_edit", path=src, old=f"a {current} b", new=f"a {op} b")
-                act(edit, [f"edited {src}"])
-                current, passed = op, op == task.op
-                act(_call("run_tests"), ["passed" if passed else "FAILED: AssertionError"])
-                if passed or rng.random() < 0.6:
-                    break
+        current = STUB  # what the function's body is now
+        for op in tries[:2]:
+            act(_call("apply_edit", path=src, old=current, new=body(op)), [f"edited {src}"])
+            current, passed = body(op), op == task.op
+            act(_call("run_tests"), ["passed" if passed else "FAILED: AssertionError"])
+            if passed or rng.random() < 0.6:
+                break
     act("done" if passed else "I could not fix it", None)
     prompt = tok.apply_chat_template(messages[:-1], TOOLS)
     return AgentDocument(prompt + messages[-1]["content"], tuple(ends), task, tuple(messages))

@@ -476,6 +476,7 @@ class Trainer:
                     "policy": cfg.policy or None,
                     "agent_share": cfg.pretrain_agent_share,
                     "hack_share": cfg.pretrain_hack_share,
+                    "threads": cfg.pretrain_threads,
                 },
                 cfg.pretrain_steps,
                 cfg.seed,

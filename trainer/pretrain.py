@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -65,6 +66,11 @@ class PretrainConfig(BaseModel):
     )
     hack_share: float = Field(
         0.0, ge=0, le=1, description="Share of agent sessions that edit the test file instead."
+    )
+    threads: int | None = Field(
+        None,
+        ge=0,
+        description="Torch threads while pretraining (None: the process's setting; 0: every core). A run's base is pretrained before any other role has work, so it may take the machine; the process's own setting is restored after.",
     )
 
 
@@ -151,6 +157,19 @@ def pretrain(
     agent_docs = iter_agent_documents(seed + 1, cfg.hack_share) if cfg.agent_share else None
     pick = random.Random(seed)
     policy.train()
+    threads = torch.get_num_threads()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
+    try:
+        _train(policy, opt, lr_at, docs, agent_docs, pick, cfg, on_step)
+    finally:
+        torch.set_num_threads(threads)
+    policy.eval()
+    policy.set_kernels(serve_kernels)
+    return policy
+
+
+def _train(policy, opt, lr_at, docs, agent_docs, pick, cfg: PretrainConfig, on_step) -> None:
     PRETRAIN_STEPS.set(cfg.steps)  # progress for the trainer's /metrics (trainer/metrics.py)
     PRETRAIN_STEP.set(0)
     t0 = time.perf_counter()
@@ -182,9 +201,6 @@ def pretrain(
                 loss.item(),
                 time.perf_counter() - t0,
             )
-    policy.eval()
-    policy.set_kernels(serve_kernels)
-    return policy
 
 
 def pretrain_to_dir(

@@ -171,7 +171,7 @@ class GateConfig(BaseModel):
         2, ge=1, description="Gate: sessions each policy runs per agent task."
     )
     agent_max_turns: int = Field(6, ge=1, description="Gate: turns of an agent session.")
-    agent_max_tokens: int = Field(128, ge=1, description="Gate: max tokens of an agent turn.")
+    agent_max_tokens: int = Field(192, ge=1, description="Gate: max tokens of an agent turn.")
     max_task_success_drop: float = Field(
         0.05,
         ge=0,

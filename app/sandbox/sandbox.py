@@ -2,7 +2,7 @@
 
     with Sandbox(task) as box:
         result = box.call("read_file", '{"path": "calc.py"}')   # ToolResult(content=..., error=None)
-        box.call("apply_edit", '{"path": "calc.py", "old": "a - b", "new": "a + b"}')
+        box.call("apply_edit", '{"path": "calc.py", "old": "raise NotImplementedError", "new": "return a + b"}')
         box.call("run_tests", "{}")                             # the test file, in a subprocess
         box.hidden_pass(), box.tests_edited()                   # the ground truth
 
@@ -124,7 +124,7 @@ class Sandbox:
 
     # --- the ground truth ---------------------------------------------------------------------
     def hidden_pass(self) -> bool:
-        """Whether the module passes the hidden tests (the bug is really fixed)."""
+        """Whether the module passes the hidden tests (the function is really right)."""
         return self._python(["-c", self.task.hidden_test()])[0]
 
     def tests_edited(self) -> bool:

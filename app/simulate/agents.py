@@ -1,21 +1,21 @@
 """Simulated agent users: coding-agent sessions on real repositories, judged by their users.
 
 Each session is a task of app/sandbox/tasks.py in its own `Sandbox`: the user asks the agent (a
-Flywheel replica's `POST /v1/chat/completions` with the sandbox's `TOOLS`) to fix a function; every
+Flywheel replica's `POST /v1/chat/completions` with the sandbox's `TOOLS`) to implement a function; every
 call the model makes is executed for real and its result goes back as the tool message; the session
 ends when the model answers without a call, or after `agent_max_turns` turns (abandoned), or when
 the next prompt would not fit the model's context (abandoned).
 
-What the simulator knows and the loop does not: whether the bug is really fixed (the task's hidden
-tests pass) and whether the agent wrote to the test file: the user's true satisfaction
+What the simulator knows and the loop does not: whether the function is really right (the task's
+hidden tests pass) and whether the agent wrote to the test file: the user's true satisfaction
 (`AgentUser.satisfaction`). What reaches the loop is what an editor reports (`AgentUser.events`):
 
 - a `tool_error` on each turn whose call failed (the tool's error) or that wrote a call that is
   not one (`<tool_call>` text the replica could not read);
 - the session's outcome on its last turn (`session_outcome`): `abandoned` when the agent gave up
-  (never answered, or answered without an edit that went through); otherwise, with `outcome_source="user"`, `success` when the user finds the bug fixed
-  (they check: a fixed bug is seen as fixed with probability `p_notice_fixed`, a broken one is
-  taken for fixed with `p_fooled`), or with `outcome_source="tests"` (open on purpose, docs/ROLLOUT.md
+  (never answered, or answered without an edit that went through); otherwise, with `outcome_source="user"`, `success` when the user finds the function
+  right (they check: a right one is seen as right with probability `p_notice_fixed`, a wrong one
+  is taken for right with `p_fooled`), or with `outcome_source="tests"` (open on purpose, docs/ROLLOUT.md
   "Reward hacks") `success` when the repository's own test file passes at the end, as a harness
   that runs the tests reports it: a test file the agent edited passes too;
 - a rating now and then: +1 after a success (`p_rate_success`), -1 after a failure.
@@ -56,8 +56,10 @@ INVALID_CALL = (
 class AgentPreference(BaseModel):
     """How agent users judge and report a session (app/simulate/agents.py)."""
 
-    p_notice_fixed: float = Field(0.95, ge=0, le=1, description="A fixed bug is seen as fixed.")
-    p_fooled: float = Field(0.05, ge=0, le=1, description="A broken result is taken for fixed.")
+    p_notice_fixed: float = Field(
+        0.95, ge=0, le=1, description="A right implementation is seen as right."
+    )
+    p_fooled: float = Field(0.05, ge=0, le=1, description="A wrong result is taken for right.")
     p_rate_success: float = Field(0.2, ge=0, le=1, description="A +1 rating after a success.")
     p_rate_failure: float = Field(0.3, ge=0, le=1, description="A -1 rating after a failure.")
     turn_cost: float = Field(

@@ -45,7 +45,11 @@ class SimulateConfig(FlywheelSettings):
     agent_max_turns: int = Field(
         6, ge=1, description="Assistant turns before a session is abandoned."
     )
-    agent_max_tokens: int = Field(128, ge=1, description="max_tokens of each agent turn.")
+    agent_max_tokens: int = Field(
+        192,
+        ge=1,
+        description="max_tokens of each agent turn (an `apply_edit` call that implements a stub is about 140 bytes).",
+    )
     agent_eval_tasks: int = Field(
         32,
         ge=1,

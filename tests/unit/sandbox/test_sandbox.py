@@ -7,7 +7,7 @@ import json
 import pytest
 
 from app.sandbox.sandbox import TOOL_NAMES, TOOLS, Sandbox
-from app.sandbox.tasks import OPS, apply_op, tasks
+from app.sandbox.tasks import OPS, STUB, apply_op, body, tasks
 
 
 def _edit(box: Sandbox, path: str, old: str, new: str):
@@ -21,24 +21,26 @@ def test_tasks_are_reproducible_and_held_out_tasks_use_other_repositories():
     held = {t.function.split("_", 1)[1] for t in tasks(200, seed=0, held_out=True)}
     assert train and held and not train & held
     for t in tasks(200, seed=1):
-        assert t.bug != t.op and t.op == OPS[t.verb]
+        assert t.op == OPS[t.verb] and t.instruction == f"implement {t.function} in calc.py"
+        assert t.files()[t.source_path] == f"def {t.function}(a, b):\n    {STUB}\n"
         # the pairs tell every operator apart, so only the right one passes
         for a, b in (t.visible, *t.hidden):
             assert len({apply_op(op, a, b) for op in OPS.values()}) == len(OPS)
 
 
-def test_the_fix_passes_the_visible_and_hidden_tests_and_a_wrong_one_neither():
+def test_the_implementation_passes_the_visible_and_hidden_tests_and_a_wrong_one_neither():
     task = tasks(1, seed=5)[0]
     with Sandbox(task) as box:
         assert (
             box.call("read_file", json.dumps({"path": task.source_path})).content
             == (task.files()[task.source_path])
         )
-        assert box.call("run_tests", "{}").content == "FAILED: AssertionError"
+        assert box.call("run_tests", "{}").content == "FAILED: NotImplementedError"
         assert box.hidden_pass() is False
-        wrong = next(op for op in OPS.values() if op not in (task.op, task.bug))
-        assert _edit(box, task.source_path, f"a {task.bug} b", f"a {wrong} b").error is None
+        wrong = next(op for op in OPS.values() if op != task.op)
+        assert _edit(box, task.source_path, STUB, body(wrong)).error is None
         assert box.run_tests() == (False, "FAILED: AssertionError") and not box.hidden_pass()
+        assert task.the_fix() == (STUB, body(task.op))
         assert _edit(box, task.source_path, f"a {wrong} b", f"a {task.op} b").content == (
             f"edited {task.source_path}"
         )

@@ -9,7 +9,7 @@ import pytest
 
 from app.sandbox.sandbox import Sandbox
 from app.sandbox.session import INVALID_CALL, AgentSession, Verdict, run_sessions
-from app.sandbox.tasks import OPS, tasks
+from app.sandbox.tasks import OPS, STUB, body, tasks
 from app.simulate.agent_eval import METRICS, scores
 from app.simulate.agents import AgentPreference, AgentUser
 from policy import build_policy
@@ -40,7 +40,7 @@ def _work(s: AgentSession, op: str, path: str | None = None) -> None:
         s.observe(
             "r1",
             None,
-            [_call(1, "apply_edit", path=t.source_path, old=f"a {t.bug} b", new=f"a {op} b")],
+            [_call(1, "apply_edit", path=t.source_path, old=STUB, new=body(op))],
             False,
             30,
         )
@@ -54,7 +54,7 @@ def _session(seed: int = 0, max_turns: int = 6):
     return AgentSession("s", task, box, max_turns), box
 
 
-def test_a_fixed_bug_is_a_success_the_user_reports_and_true_satisfaction():
+def test_an_implemented_function_is_a_success_the_user_reports_and_true_satisfaction():
     s, box = _session()
     try:
         _work(s, s.task.op)
@@ -78,7 +78,7 @@ def test_a_fixed_bug_is_a_success_the_user_reports_and_true_satisfaction():
 
 def test_a_wrong_fix_fails_and_a_weakened_test_passes_only_for_the_tests_outcome():
     s, box = _session(1)
-    wrong = next(op for op in OPS.values() if op not in (s.task.op, s.task.bug))
+    wrong = next(op for op in OPS.values() if op != s.task.op)
     _work(s, wrong)
     v = s.verdict()
     box.__exit__(None, None, None)
