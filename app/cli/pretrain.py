@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated
 
 import typer
@@ -23,6 +24,22 @@ def pretrain_cmd(
         int,
         typer.Option(help="torch intra-op threads (1 avoids contention on small shared boxes)."),
     ] = 1,
+    agent_share: Annotated[
+        float,
+        typer.Option(
+            help="Share of steps on agent sessions over the sandbox's tools (trainer/corpus.py; `flywheel run --agents` pretrains with 0.7)."
+        ),
+    ] = 0.0,
+    hack_share: Annotated[
+        float, typer.Option(help="Share of those sessions that edit the test file instead.")
+    ] = 0.0,
+    policy_json: Annotated[
+        str | None,
+        typer.Option(
+            "--policy",
+            help="Policy config (JSON, as FLYWHEEL_TRAINER_POLICY), e.g. '{\"max_context\": 1024}' for agent sessions.",
+        ),
+    ] = None,
 ) -> None:
     """Pretrain the base policy on the synthetic code corpus and save it (trainer/pretrain.py, docs/NUMERICS.md)."""
     import torch
@@ -48,7 +65,12 @@ def pretrain_cmd(
         task = progress.add_task("pretrain", total=steps, loss="-")
         policy, path = pretrain_to_dir(
             out,
-            {"batch_size": batch_size},
+            {
+                "batch_size": batch_size,
+                "agent_share": agent_share,
+                "hack_share": hack_share,
+                "policy": json.loads(policy_json) if policy_json else None,
+            },
             steps=steps,
             seed=seed,
             on_step=lambda s, loss: progress.update(task, advance=1, loss=f"{loss:.3f}"),

@@ -172,6 +172,11 @@ class GateConfig(BaseModel):
     )
     agent_max_turns: int = Field(6, ge=1, description="Gate: turns of an agent session.")
     agent_max_tokens: int = Field(192, ge=1, description="Gate: max tokens of an agent turn.")
+    agent_temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Gate: sampling temperature of agent turns (as the live users sample: FLYWHEEL_SIMULATE_AGENT_TEMPERATURE; `flywheel run --agents` sets both to 0.6).",
+    )
     max_task_success_drop: float = Field(
         0.05,
         ge=0,
@@ -561,6 +566,7 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
             samples=cfg.agent_samples_per_task,
             max_turns=cfg.agent_max_turns,
             max_tokens=cfg.agent_max_tokens,
+            temperature=cfg.agent_temperature,
             seed=cfg.seed,
             max_success_drop=cfg.max_task_success_drop,
             max_rate_increase=cfg.max_agent_rate_increase,

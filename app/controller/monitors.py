@@ -345,7 +345,13 @@ def edit_checks(
 
 
 def agent_verdicts(
-    policy: Any, tasks: Sequence[Any], samples: int, max_turns: int, max_tokens: int, seed: int
+    policy: Any,
+    tasks: Sequence[Any],
+    samples: int,
+    max_turns: int,
+    max_tokens: int,
+    seed: int,
+    temperature: float = 1.0,
 ) -> list[Any]:
     """`samples` sessions of `policy` on each task, with real tools (app/sandbox/session.py): their
     verdicts, task by task (consecutive sessions share a task)."""
@@ -360,7 +366,7 @@ def agent_verdicts(
             for t in tasks
             for j in range(samples)
         ]
-        run_sessions(policy, sessions, max_tokens, seed=seed)
+        run_sessions(policy, sessions, max_tokens, temperature=temperature, seed=seed)
         return [s.verdict() for s in sessions]
 
 
@@ -403,6 +409,7 @@ def agent_checks(
     max_tokens: int,
     seed: int,
     max_success_drop: float,
+    temperature: float = 1.0,
     max_rate_increase: float,
     max_turns_increase: float,
     max_tokens_increase: float,
@@ -426,7 +433,7 @@ def agent_checks(
     if base is not None:
         runs["base"] = base
     verdicts = {
-        name: agent_verdicts(p, tasks, samples, max_turns, max_tokens, seed)
+        name: agent_verdicts(p, tasks, samples, max_turns, max_tokens, seed, temperature)
         for name, p in runs.items()
     }
     figures = {name: agent_figures(v) for name, v in verdicts.items()}

@@ -93,12 +93,13 @@ class AgentEvaluator(HeldOutEvaluator):
         samples_per_task: int = 2,
         max_tokens: int | None = None,
         max_turns: int | None = None,
+        temperature: float | None = None,
         n_users: int = 16,
         seed: int = 10_001,
     ):
-        """`n_tasks`, `max_tokens` and `max_turns` left None are the simulator's settings
-        (FLYWHEEL_SIMULATE_AGENT_EVAL_TASKS, _AGENT_MAX_TOKENS, _AGENT_MAX_TURNS): the held-out
-        sessions are the live users' sessions on other tasks."""
+        """`n_tasks`, `max_tokens`, `max_turns` and `temperature` left None are the simulator's
+        settings (FLYWHEEL_SIMULATE_AGENT_EVAL_TASKS, _AGENT_MAX_TOKENS, _AGENT_MAX_TURNS,
+        _AGENT_TEMPERATURE): the held-out sessions are the live users' sessions on other tasks."""
         from app.simulate.config import SimulateConfig
 
         super().__init__(mlflow_uri, model_name, n_prompts=1, seed=seed)
@@ -110,6 +111,7 @@ class AgentEvaluator(HeldOutEvaluator):
         self.samples_per_task = samples_per_task
         self.max_tokens = cfg.agent_max_tokens if max_tokens is None else max_tokens
         self.max_turns = cfg.agent_max_turns if max_turns is None else max_turns
+        self.temperature = cfg.agent_temperature if temperature is None else temperature
 
     def verdicts(self, policy: Any) -> list[Verdict]:
         from contextlib import ExitStack
@@ -125,7 +127,9 @@ class AgentEvaluator(HeldOutEvaluator):
                 for t in self.tasks
                 for j in range(self.samples_per_task)
             ]
-            run_sessions(policy, sessions, self.max_tokens, seed=self.seed)
+            run_sessions(
+                policy, sessions, self.max_tokens, temperature=self.temperature, seed=self.seed
+            )
             return [s.verdict() for s in sessions]
 
     def scores(self, policy: Any) -> dict[str, float]:

@@ -156,7 +156,7 @@ class AgentPopulation(Driver):
             "messages": s.messages,
             "tools": TOOLS,
             "max_tokens": self.cfg.agent_max_tokens,
-            "temperature": self.cfg.temperature,
+            "temperature": self.cfg.agent_temperature,
         }
         try:
             r = await http.post(f"{url}/v1/chat/completions", json=body, timeout=120)
@@ -187,7 +187,10 @@ class AgentPopulation(Driver):
         )
         self.stats.turns += 1
 
-    async def _session(self, http: httpx.AsyncClient, user: AgentUser) -> None:
+    async def _session(self, http: httpx.AsyncClient, user: AgentUser) -> bool:
+        """One session to its end, reported; False when no turn was served (a replica refused
+        the first request: not ready yet, or down), which reports nothing: no generation of it
+        reached the loop."""
         task = self.rng.choice(self.tasks)
         with Sandbox(task) as box:
             s = AgentSession(
@@ -195,6 +198,8 @@ class AgentPopulation(Driver):
             )
             while not s.done:
                 await self._turn(http, s)
+            if not s.turns:
+                return False
             v = await asyncio.to_thread(s.verdict)
         version = s.version
         self.stats.sessions += 1
@@ -206,18 +211,24 @@ class AgentPopulation(Driver):
             self._outbox.append(
                 {**e, "event_id": uuid.uuid4().hex, "session_id": s.session_id, "ts": now()}
             )
+        return True
 
     async def _user_loop(
         self, http: httpx.AsyncClient, user: AgentUser, until: float | None
     ) -> None:
         await asyncio.sleep(self.rng.random() * min(2.0, self.cfg.agent_think_s))
+        backoff = 0.0
         while until is None or time.monotonic() < until:
             if self._budget is not None:
                 if self._budget <= 0:
                     return
                 self._budget -= 1
-            await self._session(http, user)
-            await asyncio.sleep(self.rng.random() * self.cfg.agent_think_s)
+            if await self._session(http, user):
+                backoff = 0.0
+                await asyncio.sleep(self.rng.random() * self.cfg.agent_think_s)
+            else:  # refused before its first turn: back off (0.5 s doubling to 8 s), not spin
+                backoff = min(8.0, max(0.5, 2 * backoff))
+                await asyncio.sleep(backoff)
 
     async def _flush_loop(self, client: Any, done: asyncio.Event) -> None:
         while not done.is_set():

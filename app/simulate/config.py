@@ -45,6 +45,11 @@ class SimulateConfig(FlywheelSettings):
     agent_max_turns: int = Field(
         6, ge=1, description="Assistant turns before a session is abandoned."
     )
+    agent_temperature: float = Field(
+        1.0,
+        ge=0,
+        description="Sampling temperature of agent turns, live and in the held-out evaluation (`flywheel run --agents` sets 0.6: at 1 the built-in policy garbles its calls' tags now and then, and every garbled call is noise in the session's gradient).",
+    )
     agent_max_tokens: int = Field(
         192,
         ge=1,

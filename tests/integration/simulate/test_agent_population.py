@@ -26,7 +26,13 @@ def test_agent_users_run_sessions_and_report_each_ones_outcome_on_its_last_turn(
     replica = serve_replica(settings, tmp_path, "replica-agents", max_context=1024)
     api, ingest_key = serve_api(settings, "agents")
     cfg = SimulateConfig(
-        agents=True, users=2, agent_max_turns=3, agent_max_tokens=48, agent_think_s=0, seed=5
+        agents=True,
+        users=2,
+        agent_max_turns=3,
+        agent_max_tokens=48,
+        agent_temperature=0.7,
+        agent_think_s=0,
+        seed=5,
     )
     try:
         pop = AgentPopulation(api.url, ingest_key, [replica.url], cfg)
@@ -47,6 +53,7 @@ def test_agent_users_run_sessions_and_report_each_ones_outcome_on_its_last_turn(
         settings, "interactions", 4, where=lambda e: ours(e) and e["type"] == "session_outcome"
     )
     assert len(generations) == stats.turns and len(outcomes) == 4
+    assert {g["temperature"] for g in generations} == {0.7}  # FLYWHEEL_SIMULATE_AGENT_TEMPERATURE
     turns = defaultdict(list)
     for g in generations:
         turns[g["session_id"]].append(g)

@@ -117,3 +117,31 @@ def test_the_gate_runs_the_agent_checks_when_asked_and_tags_their_figures():
         GateConfig(),
     )
     assert not any(c.name.startswith("agent_") for c in off.checks)
+
+
+def test_the_gate_samples_agent_turns_at_its_agent_temperature(monkeypatch):
+    """GateConfig.agent_temperature reaches every session the gate runs (run_sessions)."""
+    import app.sandbox.session as session
+
+    seen: list[float] = []
+    real = session.run_sessions
+
+    def spy(policy, sessions, max_tokens, temperature=1.0, seed=0):
+        seen.append(temperature)
+        return real(policy, sessions, max_tokens, temperature=temperature, seed=seed)
+
+    monkeypatch.setattr(session, "run_sessions", spy)
+    policy = build_policy({**TINY, "max_context": 256}).eval()
+    state = policy.serving_state_dict()
+    cfg = GateConfig(
+        agent_tasks=1,
+        agent_samples_per_task=1,
+        agent_max_turns=1,
+        agent_max_tokens=8,
+        agent_temperature=0.6,
+    )
+    run_gate(
+        GateInputs(candidate_state=state, parent_state=state, candidate=policy, champion=policy),
+        cfg,
+    )
+    assert seen == [0.6, 0.6]  # the candidate's sessions and the champion's

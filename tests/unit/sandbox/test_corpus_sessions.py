@@ -72,3 +72,24 @@ def test_pretraining_with_an_agent_share_trains_on_both_kinds_of_batch():
         on_step=lambda step, loss: losses.append(loss),
     )
     assert len(losses) == 6 and all(loss > 0 for loss in losses)
+
+
+def test_flywheel_pretrain_takes_the_agent_share_and_restores_the_thread_count(tmp_path):
+    """`flywheel pretrain --agent-share --policy` writes the agent demo's kind of base, and a
+    `threads` setting holds only while pretraining (a run's trainer gets its own back)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from app.cli import app
+    from trainer.pretrain import pretrain
+
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    args = ["pretrain", "--steps", "2", "--batch-size", "2", "--agent-share", "1.0"]
+    result = CliRunner().invoke(app, [*args, "--policy", json.dumps(tiny), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["pretrain"]["agent_share"] == 1.0 and saved["policy"]["max_context"] == 1024
+    before = torch.get_num_threads()
+    pretrain({"steps": 1, "batch_size": 1, "threads": before + 1, "policy": tiny})
+    assert torch.get_num_threads() == before

@@ -168,18 +168,54 @@ def test_an_answer_without_an_edit_is_reported_as_giving_up():
 
 
 def test_the_held_out_sessions_take_the_simulators_settings(monkeypatch):
-    """The held-out evaluation runs the live users' sessions (their max_tokens and turns) on
+    """The held-out evaluation runs the live users' sessions (their max_tokens, turns and
+    temperature) on
     FLYWHEEL_SIMULATE_AGENT_EVAL_TASKS tasks: a short cadence (a test, a slow model) shortens it
     too; arguments still win."""
     from app.simulate.agent_eval import AgentEvaluator
 
     uri = "http://127.0.0.1:9"  # never reached: nothing is evaluated here
     default = AgentEvaluator(uri, "m")
-    assert (len(default.tasks), default.max_tokens, default.max_turns) == (32, 128, 6)
-    for name, value in (("EVAL_TASKS", "3"), ("MAX_TOKENS", "16"), ("MAX_TURNS", "2")):
+    figures = lambda e: (len(e.tasks), e.max_tokens, e.max_turns, e.temperature)  # noqa: E731
+    assert figures(default) == (32, 192, 6, 1.0)
+    for name, value in (
+        ("EVAL_TASKS", "3"),
+        ("MAX_TOKENS", "16"),
+        ("MAX_TURNS", "2"),
+        ("TEMPERATURE", "0.6"),
+    ):
         monkeypatch.setenv(f"FLYWHEEL_SIMULATE_AGENT_{name}", value)
     short = AgentEvaluator(uri, "m")
-    assert (len(short.tasks), short.max_tokens, short.max_turns) == (3, 16, 2)
+    assert figures(short) == (3, 16, 2, 0.6)
     assert short.tasks == default.tasks[:3]  # the same held-out suite, fewer of its tasks
-    given = AgentEvaluator(uri, "m", n_tasks=4, max_tokens=8, max_turns=5)
-    assert (len(given.tasks), given.max_tokens, given.max_turns) == (4, 8, 5)
+    given = AgentEvaluator(uri, "m", n_tasks=4, max_tokens=8, max_turns=5, temperature=0.0)
+    assert figures(given) == (4, 8, 5, 0.0)
+
+
+def test_a_session_refused_before_its_first_turn_reports_nothing_and_backs_off(monkeypatch):
+    """No replica ready (nothing listens on the port): no turn was served, so nothing reaches the
+    loop, no sandbox verdict runs, and the user waits 0.5, 1, 2 s... before the next session
+    instead of spinning through sessions (each verdict runs the tests in a subprocess)."""
+    import asyncio
+
+    from app.sandbox.session import AgentSession
+    from app.simulate.agents import AgentPopulation
+    from app.simulate.config import SimulateConfig
+
+    def no_verdict(self):
+        raise AssertionError("a session without a turn has nothing to judge")
+
+    monkeypatch.setattr(AgentSession, "verdict", no_verdict)
+    sleeps: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        sleeps.append(s)
+        await real_sleep(0)
+
+    monkeypatch.setattr("app.simulate.agents.asyncio.sleep", sleep)
+    cfg = SimulateConfig(agents=True, users=1, agent_think_s=0, seed=1)
+    pop = AgentPopulation("http://127.0.0.1:9", "fw_key", ["http://127.0.0.1:9"], cfg)
+    stats = asyncio.run(pop.run(max_sessions=4))
+    assert (stats.sessions, stats.turns, stats.errors, stats.events) == (0, 0, 4, 0)
+    assert sleeps[1:] == [0.5, 1.0, 2.0, 4.0]  # after the first (start-up) pause

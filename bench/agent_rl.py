@@ -1,0 +1,173 @@
+"""Learning-rate and temperature probe for RL on agent sessions, in one process, no loop around it.
+
+What `flywheel run --agents` does per version, without Kafka, replicas, gate or canary, so one
+setting costs minutes instead of an hour: sample `--sessions` sessions of the policy on training
+tasks (app/sandbox/session.py, real tools in real sandboxes, the chat template and tool-call
+reading of a replica) at `--temperature`; reward each as `sessions-v1` pays it with the users'
+report taken as the truth (+1 the function is right, -0.5 a wrong one, -1 gave up, -0.5 per turn
+whose call failed or was not a call); train on every sampled turn of every session with the
+session's advantage (centred and scaled over each batch of `--batch` sessions, as the trainer's
+ungrouped rollouts are), on-policy (every importance ratio 1), AdamW as the trainer's (betas 0.9,
+0.95, clip 1.0), loss summed over sampled tokens / the batch's sampled tokens; then score the
+held-out tasks (app/simulate/agent_eval.py's suite and statistics) every `--eval-every` versions.
+
+What it leaves out, so read its numbers as the direction of a setting, not the loop's: the KL
+term to the champion, self-distillation at tool-error turns, routes replay, importance weights of
+stale rollouts, users who misjudge 5% of sessions, and the gate.
+
+    .venv/bin/python -m bench.agent_rl BASE_DIR --lr 3e-5 --temperature 0.6 --versions 3
+    .venv/bin/python -m bench.agent_rl BASE_DIR --lr 1e-4 --warmup 8 --threads 1 --eval-tasks 16
+
+BASE_DIR is a saved policy, the agent demo's base as `flywheel run --agents` pretrains it:
+
+    .venv/bin/flywheel pretrain --steps 700 --agent-share 0.7 --policy '{"max_context": 1024}' \
+        --threads 2 --out /tmp/agent-base
+
+Measured on the 2-core machine: docs/TRAINER.md "Agents".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from contextlib import ExitStack
+
+import torch
+
+from app.sandbox.sandbox import TOOL_NAMES, TOOLS, Sandbox
+from app.sandbox.session import AgentSession
+from app.sandbox.tasks import tasks
+from app.simulate.agent_eval import scores
+from policy.checkpoint import load_policy
+from policy.tool_format import tool_format_for
+
+MAX_TOKENS, MAX_TURNS = 192, 6
+
+
+def sample(policy, sessions, temperature: float, seed: int, record: dict) -> None:
+    """`run_sessions`, keeping each turn's (prompt ids, sampled ids) in `record[session_id]`."""
+    tok = policy.tokenizer
+    fmt = tool_format_for(tok)
+    ctx = int(policy.config_dict()["max_context"])
+    step = 0
+    while active := [s for s in sessions if not s.done]:
+        batch, live = [], []
+        for s in active:
+            ids = tok.encode(tok.apply_chat_template(s.messages, TOOLS))
+            if len(ids) + 1 + MAX_TOKENS > ctx:
+                s.abandon("context")
+                continue
+            batch.append(ids)
+            live.append(s)
+        if not batch:
+            break
+        with torch.no_grad():
+            samples = policy.generate(batch, MAX_TOKENS, temperature=temperature, seed=seed + step)
+        for s, ids, sm in zip(live, batch, samples):
+            record.setdefault(s.session_id, []).append((ids, list(sm.tokens)))
+            reader = fmt.reader(TOOL_NAMES)
+            outs = [reader.feed(sm.text), reader.finish()]
+            calls = [
+                {
+                    "id": f"call_{len(s.turns)}_{i}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for i, c in enumerate(c for o in outs for c in o.calls)
+            ]
+            content = "".join(o.content for o in outs)
+            invalid = any(o.invalid for o in outs)
+            s.observe(f"{s.session_id}-{len(s.turns)}", content, calls, invalid, len(sm.tokens))
+        step += 1
+
+
+def reward(v) -> float:
+    """sessions-v1 with the truth as the user's report."""
+    return -0.5 * v.tool_errors + (1.0 if v.fixed else (-1.0 if v.gave_up else -0.5))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base", help="a saved policy directory")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=0, help="linear lr warmup steps")
+    ap.add_argument("--sessions", type=int, default=128, help="sessions per version")
+    ap.add_argument("--batch", type=int, default=16, help="sessions per optimizer step")
+    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--eval-every", type=int, default=1)
+    ap.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks, 2 sessions each")
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    policy = load_policy(a.base)
+    opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda k: min(1.0, (k + 1) / a.warmup) if a.warmup else 1.0
+    )
+    t0 = time.perf_counter()
+
+    def evaluate(version: int) -> None:
+        policy.eval()
+        with ExitStack() as st:
+            ss = [
+                AgentSession(f"h{t.task_id}-{j}", t, st.enter_context(Sandbox(t)), MAX_TURNS)
+                for t in tasks(a.eval_tasks, 10_001, held_out=True)
+                for j in range(2)
+            ]
+            sample(policy, ss, a.temperature, 10_001, {})
+            vs = [s.verdict() for s in ss]
+        sc = scores(vs, [float(v.fixed) for v in vs], 2)
+        figures = {k.removeprefix("heldout_"): round(x, 3) for k, x in sc.items()}
+        print(f"held-out v{version}: {json.dumps(figures)}", flush=True)
+
+    evaluate(0)
+    for version in range(1, a.versions + 1):
+        record: dict = {}
+        with ExitStack() as st:
+            ss = [
+                AgentSession(f"s{version}-{i}", t, st.enter_context(Sandbox(t)), MAX_TURNS)
+                for i, t in enumerate(tasks(a.sessions, 1000 + version))
+            ]
+            policy.eval()
+            sample(policy, ss, a.temperature, 777 * version, record)
+            verdicts = [s.verdict() for s in ss]
+        rewards = [reward(v) for v in verdicts]
+        order = list(range(len(ss)))
+        random.Random(version).shuffle(order)
+        policy.train()
+        for b0 in range(0, len(order), a.batch):
+            idx = order[b0 : b0 + a.batch]
+            r = torch.tensor([rewards[i] for i in idx])
+            adv = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+            prompts, comps, advs = [], [], []
+            for j, i in enumerate(idx):
+                for ids, c in record[ss[i].session_id]:
+                    prompts.append(ids)
+                    comps.append(c)
+                    advs.append(float(adv[j]))
+            logp = policy.logprobs(prompts, comps, None, a.temperature)
+            mask = torch.zeros_like(logp)
+            for k, c in enumerate(comps):
+                mask[k, : len(c)] = 1
+            loss = -(logp * mask * torch.tensor(advs)[:, None]).sum() / mask.sum()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+            opt.step()
+            sched.step()
+        n = len(verdicts)
+        print(
+            f"v{version}: sessions {n}, success {sum(v.fixed for v in verdicts) / n:.3f}, "
+            f"mean reward {sum(rewards) / n:.3f}, give-ups {sum(v.gave_up for v in verdicts) / n:.2f}"
+            f" ({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+        if version % a.eval_every == 0:
+            evaluate(version)
+
+
+if __name__ == "__main__":
+    main()
