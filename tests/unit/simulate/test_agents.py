@@ -176,7 +176,7 @@ def test_the_held_out_sessions_take_the_simulators_settings(monkeypatch):
 
     uri = "http://127.0.0.1:9"  # never reached: nothing is evaluated here
     default = AgentEvaluator(uri, "m")
-    figures = lambda e: (len(e.tasks), e.max_tokens, e.max_turns, e.temperature)  # noqa: E731
+    figures = lambda e: (len(e.tasks), e.max_tokens, e.max_turns, e.temperature)
     assert figures(default) == (32, 192, 6, 1.0)
     for name, value in (
         ("EVAL_TASKS", "3"),
