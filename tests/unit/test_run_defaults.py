@@ -122,8 +122,13 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert env["FLYWHEEL_STREAMS_REWARD_SPEC"] == "sessions-v1"
     assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TASKS"] == "12"
     assert json.loads(env["FLYWHEEL_TRAINER_POLICY"]) == {"max_context": 1024}
-    assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.6"
-    assert env["FLYWHEEL_TRAINER_PRETRAIN_STEPS"] == "800"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.7"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_STEPS"] == "700"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_THREADS"] == "0"  # the base takes the machine
+    # agent turns at 0.6 live, held-out and in the gate; steps of 16 whole sessions at 3e-5
+    assert env["FLYWHEEL_SIMULATE_AGENT_TEMPERATURE"] == "0.6"
+    assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TEMPERATURE"] == "0.6"
+    assert (env["FLYWHEEL_TRAINER_MAX_WAIT_S"], env["FLYWHEEL_TRAINER_LR"]) == ("60", "3e-5")
     assert {k: env[k] for k in DEMO_ENV if k not in AGENT_DEMO_ENV} == {
         k: v for k, v in DEMO_ENV.items() if k not in AGENT_DEMO_ENV
     }
@@ -136,6 +141,7 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE" not in hf and set(AGENT_HF_SKIP) <= set(
         AGENT_DEMO_ENV
     )
+    assert "FLYWHEEL_TRAINER_MAX_WAIT_S" not in hf and "FLYWHEEL_TRAINER_LR" not in hf
 
 
 def test_model_dir_must_be_a_model_directory(tmp_path, monkeypatch):
