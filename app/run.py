@@ -136,6 +136,9 @@ AGENT_DEMO_ENV = {
 AGENT_HF_SKIP = (
     "FLYWHEEL_TRAINER_POLICY",
     "FLYWHEEL_TRAINER_MAX_WAIT_S",  # a model far slower than the tiny policy steps on what it has
+    # the built-in policy's garbling at temperature 1 is why agent turns sample at 0.6
+    "FLYWHEEL_SIMULATE_AGENT_TEMPERATURE",
+    "FLYWHEEL_CONTROLLER_GATE_AGENT_TEMPERATURE",
     "FLYWHEEL_TRAINER_PRETRAIN_STEPS",
     "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE",
 )

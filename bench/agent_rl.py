@@ -7,7 +7,7 @@ reading of a replica) at `--temperature`; reward each as `sessions-v1` pays it w
 report taken as the truth (+1 the function is right, -0.5 a wrong one, -1 gave up, -0.5 per turn
 whose call failed or was not a call); train on every sampled turn of every session with the
 session's advantage (centred and scaled over each batch of `--batch` sessions, as the trainer's
-ungrouped rollouts are), on-policy (every importance ratio 1), AdamW as the trainer's (betas 0.9,
+ungrouped rollouts are, or over each `--group` of sessions on one task, as its groups are), on-policy (every importance ratio 1), AdamW as the trainer's (betas 0.9,
 0.95, clip 1.0), loss summed over sampled tokens / the batch's sampled tokens; then score the
 held-out tasks (app/simulate/agent_eval.py's suite and statistics) every `--eval-every` versions.
 
@@ -96,6 +96,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=0, help="linear lr warmup steps")
     ap.add_argument("--sessions", type=int, default=128, help="sessions per version")
     ap.add_argument("--batch", type=int, default=16, help="sessions per optimizer step")
+    ap.add_argument(
+        "--group",
+        type=int,
+        default=1,
+        help="sessions per task sharing a group baseline (GRPO; 1: the batch's mean, as the "
+        "trainer's ungrouped rollouts); a batch holds whole groups",
+    )
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--eval-every", type=int, default=1)
     ap.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks, 2 sessions each")
@@ -129,19 +136,25 @@ def main() -> None:
         with ExitStack() as st:
             ss = [
                 AgentSession(f"s{version}-{i}", t, st.enter_context(Sandbox(t)), MAX_TURNS)
-                for i, t in enumerate(tasks(a.sessions, 1000 + version))
+                for i, t in enumerate(
+                    t for t in tasks(a.sessions // a.group, 1000 + version) for _ in range(a.group)
+                )
             ]
             policy.eval()
             sample(policy, ss, a.temperature, 777 * version, record)
             verdicts = [s.verdict() for s in ss]
         rewards = [reward(v) for v in verdicts]
-        order = list(range(len(ss)))
-        random.Random(version).shuffle(order)
+        groups = [list(range(g, g + a.group)) for g in range(0, len(ss), a.group)]
+        random.Random(version).shuffle(groups)
+        order = [i for g in groups for i in g]
         policy.train()
         for b0 in range(0, len(order), a.batch):
             idx = order[b0 : b0 + a.batch]
-            r = torch.tensor([rewards[i] for i in idx])
-            adv = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+            r = torch.tensor([rewards[i] for i in idx]).view(
+                -1, a.group if a.group > 1 else len(idx)
+            )
+            adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)
+            adv = adv.flatten()
             prompts, comps, advs = [], [], []
             for j, i in enumerate(idx):
                 for ids, c in record[ss[i].session_id]:

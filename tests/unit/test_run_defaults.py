@@ -141,7 +141,8 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE" not in hf and set(AGENT_HF_SKIP) <= set(
         AGENT_DEMO_ENV
     )
-    assert "FLYWHEEL_TRAINER_MAX_WAIT_S" not in hf and "FLYWHEEL_TRAINER_LR" not in hf
+    for built_in_only in ("MAX_WAIT_S", "LR", "AGENT_TEMPERATURE"):
+        assert not [k for k in hf if k.endswith(f"_{built_in_only}")], built_in_only
 
 
 def test_model_dir_must_be_a_model_directory(tmp_path, monkeypatch):
