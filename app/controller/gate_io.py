@@ -134,17 +134,22 @@ class GateRunner:
 
     def reference_version(self, model: str, tags: dict[str, str]) -> str | None:
         """The version the weight-change check compares with: the nearest ancestor the gate did
-        not fail. A rejected parent (e.g. a corrupted checkpoint) is skipped, or every child
-        trained past it would fail for differing from the bad weights rather than for its own."""
+        not fail and that is not a planted bad version. A rejected parent (e.g. a corrupted
+        checkpoint) is skipped, or every child trained past it would fail for differing from the
+        bad weights rather than for its own; so is a planted one (`planted_bad`: the demo blew up
+        the weights it shipped, not the trainer's), which the gate may never have judged when a
+        newer version superseded it in the queue."""
         parent = tags.get("parent_version")
         seen: set[str] = set()
         while parent not in (None, "", "none") and parent not in seen:
             seen.add(parent)
             ptags = self.client.get_model_version(model, parent).tags or {}
-            if ptags.get("flywheel.gate.status") != "failed":
+            if ptags.get("flywheel.gate.status") != "failed" and ptags.get("planted_bad") != "true":
                 return parent
             log.info(
-                "parent v%s failed the gate; comparing weights with its own parent instead", parent
+                "parent v%s failed the gate or was planted bad; comparing weights with its own "
+                "parent instead",
+                parent,
             )
             parent = ptags.get("parent_version")
         return None

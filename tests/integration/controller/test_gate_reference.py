@@ -25,6 +25,11 @@ def test_weight_change_reference_skips_parents_that_failed_the_gate(registry, ml
     assert runner.reference_version(model, {"parent_version": v2}) == v1, (
         "a failed parent is skipped"
     )
+    client.delete_model_version_tag(model, v2, "flywheel.gate.status")
+    client.set_model_version_tag(model, v2, "planted_bad", "true")
+    assert runner.reference_version(model, {"parent_version": v2}) == v1, (
+        "a planted bad parent is skipped, gated or not (a newer version can supersede it)"
+    )
     client.set_model_version_tag(model, v1, "flywheel.gate.status", "failed")
     assert runner.reference_version(model, {"parent_version": v2}) is None, (
         "no passing ancestor: no reference"
