@@ -36,7 +36,7 @@ def run(
         bool,
         typer.Option(
             "--agents",
-            help="Run the loop on agent sessions (simulated agent users fixing bugs in sandboxed "
+            help="Run the loop on agent sessions (simulated agent users implementing functions in sandboxed "
             "repositories through tool calls) instead of editor completions.",
         ),
     ] = False,
