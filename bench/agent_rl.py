@@ -36,51 +36,27 @@ from contextlib import ExitStack
 
 import torch
 
-from app.sandbox.sandbox import TOOL_NAMES, TOOLS, Sandbox
-from app.sandbox.session import AgentSession
+from app.sandbox.sandbox import Sandbox
+from app.sandbox.session import AgentSession, run_sessions
 from app.sandbox.tasks import tasks
 from app.simulate.agent_eval import scores
 from policy.checkpoint import load_policy
-from policy.tool_format import tool_format_for
 
 MAX_TOKENS, MAX_TURNS = 192, 6
 
 
 def sample(policy, sessions, temperature: float, seed: int, record: dict) -> None:
     """`run_sessions`, keeping each turn's (prompt ids, sampled ids) in `record[session_id]`."""
-    tok = policy.tokenizer
-    fmt = tool_format_for(tok)
-    ctx = int(policy.config_dict()["max_context"])
-    step = 0
-    while active := [s for s in sessions if not s.done]:
-        batch, live = [], []
-        for s in active:
-            ids = tok.encode(tok.apply_chat_template(s.messages, TOOLS))
-            if len(ids) + 1 + MAX_TOKENS > ctx:
-                s.abandon("context")
-                continue
-            batch.append(ids)
-            live.append(s)
-        if not batch:
-            break
-        with torch.no_grad():
-            samples = policy.generate(batch, MAX_TOKENS, temperature=temperature, seed=seed + step)
-        for s, ids, sm in zip(live, batch, samples):
-            record.setdefault(s.session_id, []).append((ids, list(sm.tokens)))
-            reader = fmt.reader(TOOL_NAMES)
-            outs = [reader.feed(sm.text), reader.finish()]
-            calls = [
-                {
-                    "id": f"call_{len(s.turns)}_{i}",
-                    "type": "function",
-                    "function": {"name": c.name, "arguments": c.arguments},
-                }
-                for i, c in enumerate(c for o in outs for c in o.calls)
-            ]
-            content = "".join(o.content for o in outs)
-            invalid = any(o.invalid for o in outs)
-            s.observe(f"{s.session_id}-{len(s.turns)}", content, calls, invalid, len(sm.tokens))
-        step += 1
+    run_sessions(
+        policy,
+        sessions,
+        MAX_TOKENS,
+        temperature=temperature,
+        seed=seed,
+        on_sample=lambda s, ids, sm: record.setdefault(s.session_id, []).append(
+            (ids, list(sm.tokens))
+        ),
+    )
 
 
 def reward(v) -> float:

@@ -133,8 +133,11 @@ def run_sessions(
     max_tokens: int,
     temperature: float = 1.0,
     seed: int = 0,
+    on_sample: Any = None,
 ) -> None:
-    """Run `sessions` to their end on `policy` in process, all of a turn in one batch."""
+    """Run `sessions` to their end on `policy` in process, all of a turn in one batch.
+    `on_sample(session, prompt_ids, sample)` sees each turn's prompt and sample before the session
+    observes it (bench/agent_rl.py trains on them)."""
     import torch
 
     from policy.tool_format import tool_format_for
@@ -159,7 +162,9 @@ def run_sessions(
             samples = policy.generate(
                 batch, max_tokens=max_tokens, temperature=temperature, seed=seed + step
             )
-        for s, sample in zip(live, samples):
+        for s, ids, sample in zip(live, batch, samples):
+            if on_sample is not None:
+                on_sample(s, ids, sample)
             reader = fmt.reader(TOOL_NAMES)
             outs = [reader.feed(sample.text), reader.finish()]
             content = "".join(o.content for o in outs)
