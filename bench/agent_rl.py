@@ -41,6 +41,7 @@ from app.sandbox.session import AgentSession, run_sessions
 from app.sandbox.tasks import tasks
 from app.simulate.agent_eval import scores
 from policy.checkpoint import load_policy
+from streams.reward import KNOWN_SPECS
 
 MAX_TOKENS, MAX_TURNS = 192, 6
 
@@ -60,8 +61,11 @@ def sample(policy, sessions, temperature: float, seed: int, record: dict) -> Non
 
 
 def reward(v) -> float:
-    """sessions-v1 with the truth as the user's report."""
-    return -0.5 * v.tool_errors + (1.0 if v.fixed else (-1.0 if v.gave_up else -0.5))
+    """sessions-v1 (streams/reward.py `KNOWN_SPECS`) with the truth as the user's report: its
+    tool-error weight per turn whose call failed, plus the outcome's weight."""
+    w = KNOWN_SPECS["sessions-v1"]
+    outcome = "success" if v.fixed else ("abandoned" if v.gave_up else "failure")
+    return w.tool_error * v.tool_errors + w.outcome[outcome]
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -117,6 +118,18 @@ def lm_loss(policy: Policy, inputs: torch.Tensor, targets: torch.Tensor) -> torc
     )
 
 
+@contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to `n` (0: every core; None: left as they are), then restored."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n or os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def pretrain(
     config: dict[str, Any] | PretrainConfig | None = None,
     steps: int | None = None,
@@ -157,50 +170,41 @@ def pretrain(
     agent_docs = iter_agent_documents(seed + 1, cfg.hack_share) if cfg.agent_share else None
     pick = random.Random(seed)
     policy.train()
-    threads = torch.get_num_threads()
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads or os.cpu_count() or 1)
-    try:
-        _train(policy, opt, lr_at, docs, agent_docs, pick, cfg, on_step)
-    finally:
-        torch.set_num_threads(threads)
+    with _torch_threads(cfg.threads):
+        PRETRAIN_STEPS.set(cfg.steps)  # progress for the trainer's /metrics (trainer/metrics.py)
+        PRETRAIN_STEP.set(0)
+        t0 = time.perf_counter()
+        for step in range(cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            if agent_docs is not None and pick.random() < cfg.agent_share:
+                inputs, targets = _batch(agent_docs, policy, cfg.agent_batch_size)
+            else:
+                inputs, targets = _batch(docs, policy, cfg.batch_size)
+            loss = lm_loss(policy, inputs, targets)
+            total = loss + cfg.aux_loss_coef * policy.aux_loss
+            opt.zero_grad(set_to_none=True)
+            total.backward()
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
+            opt.step()
+            assert math.isfinite(loss.item()), (
+                f"pretraining diverged at step {step}: loss {loss.item()}"
+            )
+            PRETRAIN_STEP.set(step + 1)
+            PRETRAIN_LOSS.set(loss.item())
+            if on_step is not None:
+                on_step(step, loss.item())
+            if step % 50 == 0 or step == cfg.steps - 1:
+                log.info(
+                    "pretrain step %d/%d loss %.4f (%.0fs)",
+                    step + 1,
+                    cfg.steps,
+                    loss.item(),
+                    time.perf_counter() - t0,
+                )
     policy.eval()
     policy.set_kernels(serve_kernels)
     return policy
-
-
-def _train(policy, opt, lr_at, docs, agent_docs, pick, cfg: PretrainConfig, on_step) -> None:
-    PRETRAIN_STEPS.set(cfg.steps)  # progress for the trainer's /metrics (trainer/metrics.py)
-    PRETRAIN_STEP.set(0)
-    t0 = time.perf_counter()
-    for step in range(cfg.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        if agent_docs is not None and pick.random() < cfg.agent_share:
-            inputs, targets = _batch(agent_docs, policy, cfg.agent_batch_size)
-        else:
-            inputs, targets = _batch(docs, policy, cfg.batch_size)
-        loss = lm_loss(policy, inputs, targets)
-        total = loss + cfg.aux_loss_coef * policy.aux_loss
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.grad_clip)
-        opt.step()
-        assert math.isfinite(loss.item()), (
-            f"pretraining diverged at step {step}: loss {loss.item()}"
-        )
-        PRETRAIN_STEP.set(step + 1)
-        PRETRAIN_LOSS.set(loss.item())
-        if on_step is not None:
-            on_step(step, loss.item())
-        if step % 50 == 0 or step == cfg.steps - 1:
-            log.info(
-                "pretrain step %d/%d loss %.4f (%.0fs)",
-                step + 1,
-                cfg.steps,
-                loss.item(),
-                time.perf_counter() - t0,
-            )
 
 
 def pretrain_to_dir(

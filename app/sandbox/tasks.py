@@ -56,18 +56,20 @@ _CODAS = (
 )  # fmt: skip
 
 
+_TASK_NOUNS = frozenset(_TRAIN_NOUNS) | frozenset(_HELDOUT_NOUNS)
+
+
 def made_up_noun(rng: random.Random) -> str:
     """A pronounceable made-up noun ("kavo", "units"-like "ostems", "blands"): names no task uses,
     for the pretraining corpus's sessions (trainer/corpus.py), so what a model learns there is the
     verb's part and the moves, not the tasks' names."""
-    taken = set(_TRAIN_NOUNS) | set(_HELDOUT_NOUNS)
     while True:
         word = "".join(
             rng.choice(_ONSETS) + rng.choice(_NUCLEI) + rng.choice(_CODAS)
             for _ in range(rng.choice((1, 1, 2, 2, 2, 3)))
         )
         word += "s" if rng.random() < 0.5 and not word.endswith(("s", "x")) else ""
-        if 3 <= len(word) <= 9 and word not in taken:
+        if 3 <= len(word) <= 9 and word not in _TASK_NOUNS:
             return word
 
 
