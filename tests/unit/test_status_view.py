@@ -192,9 +192,13 @@ class Sup:
             )
         ]
         self.polls = 0
+        self.stop = threading.Event()  # set at poll `stop_after`, for a run that ends by count
+        self.stop_after: int | None = None
 
     def poll(self) -> list[str]:
         self.polls += 1
+        if self.polls == self.stop_after:
+            self.stop.set()
         return ["trainer exited with 1; see trainer.log"] if self.polls == 3 else []
 
 
@@ -258,11 +262,12 @@ def test_live_view_shows_pretraining_then_traffic_split_and_heldout(served):
 def test_no_live_prints_each_fact_once(served, capsys):
     fake, url = served
     view = _view(url, interval_s=0.01)
-    view.run(live=False, until=time.monotonic() + 2.0)
+    view.sup.stop_after = 16  # more refreshes than the fake has facts (they are done by read 8)
+    view.run(live=False, until=time.monotonic() + 120, stop=view.sup.stop)
     out = capsys.readouterr().out.splitlines()
     lines = [line.split(" ", 1)[1] for line in out]  # without the HH:MM:SS stamp
-    assert len(lines) == len(set(lines)), out
-    assert view.sup.polls > 12  # more refreshes than facts, yet every line once
+    assert view.sup.polls == 16, "the run ended by its poll count, not the 120 s bound"
+    assert len(lines) == len(set(lines)), out  # yet every line once
 
     pre = [line for line in lines if line.startswith("pretraining")]
     assert pre == [

@@ -160,14 +160,38 @@ def produce(settings, records: list[dict[str, Any]]) -> list[tuple[int, int]]:
     return produce_raw(settings, [(r["request_id"], dumps(r)) for r in records])
 
 
-def produce_raw(settings, records: list[tuple[str | None, bytes | None]]) -> list[tuple[int, int]]:
-    """(key, value) records as they are, bytes that are not JSON and tombstones included; their
-    (partition, offset), in order."""
+def produce_closers(settings, records: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """`records[i]` on partition i of `<ns>.rollouts`, one per partition: rollouts the trainer
+    trains on, after everything produced before them. A record the trainer skips (a duplicate,
+    garbage) has its offset committed by the first ship whose positions pass it, and no ship comes
+    without a trained rollout; a skipped record at a partition's tail would wait for one (the
+    ship due logs "waiting for rollouts"). A closer behind it makes every partition's end
+    committable, whatever the order the trainer reads the partitions in."""
+    assert len(records) == settings.rollouts_partitions, "one closer per partition"
+    return produce_raw(
+        settings,
+        [(r["request_id"], dumps(r)) for r in records],
+        partitions=list(range(len(records))),
+    )
+
+
+def produce_raw(
+    settings,
+    records: list[tuple[str | None, bytes | None]],
+    partitions: list[int] | None = None,
+) -> list[tuple[int, int]]:
+    """(key, value) records as they are, bytes that are not JSON and tombstones included, on
+    `partitions[i]` (default: by key); their (partition, offset), in order."""
     producer = make_producer(settings)
     try:
         sent = [
-            producer.send(settings.topic("rollouts"), key=key, value=value)
-            for key, value in records
+            producer.send(
+                settings.topic("rollouts"),
+                key=key,
+                value=value,
+                partition=None if partitions is None else partitions[i],
+            )
+            for i, (key, value) in enumerate(records)
         ]
         producer.flush(30)
         return [(m.partition, m.offset) for m in (f.get(timeout=30) for f in sent)]

@@ -46,6 +46,7 @@ from tests.integration.trainer.conftest import (
     listed_skipped_offsets,
     model_versions,
     produce,
+    produce_closers,
     produce_raw,
     read_dlq,
     rollout_records,
@@ -130,6 +131,9 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
     )
     untrained.append((meta.partition, meta.offset))
     prod.close(5)
+    closers = rollout_records(policy, 1, settings.rollouts_partitions, lambda t: 0.5, seed=4)
+    produce_closers(settings, closers)  # a trained tail behind the skipped records
+    records += closers
 
     # 4. a clean run: finishes ship 2 (commit), trains the rest, ships again
     p = start(2, None)
@@ -142,7 +146,7 @@ def test_sigkill_during_training_and_ship_loses_no_rollout_and_trains_none_twice
         "the crashed ship was finished, not redone"
     )
     skipped = check_lineage(client, final, [r["request_id"] for r in records], ends, tmp_path)
-    assert sum(int(mv.tags["rollouts_consumed"]) for mv in final) == 24
+    assert sum(int(mv.tags["rollouts_consumed"]) for mv in final) == 24 + len(closers)
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0
     # the finished crashed ship and the next list exactly the three skipped records' offsets
     assert listed_skipped_offsets(settings, final) == sorted(untrained)
@@ -172,6 +176,9 @@ def test_sigkill_while_training_on_trajectories_trains_each_once(trainer_env, tm
     assert [mv.version for mv in model_versions(client, settings.model_name)] == ["1"]
 
     produce(settings, [sessions[0]])  # a trajectory trained before the kill, delivered again
+    closers = rollout_records(policy, 1, settings.rollouts_partitions, lambda t: 0.5, seed=4)
+    produce_closers(settings, closers)  # a trained tail behind the duplicate
+    records += closers
     p = start(2, None)
     ends = wait_all_committed(settings, cfg, p.proc, log)
     assert p.terminate() == 0, log.read_text()[-3000:]
@@ -180,9 +187,9 @@ def test_sigkill_while_training_on_trajectories_trains_each_once(trainer_env, tm
     skipped = check_lineage(client, final, [r["request_id"] for r in records], ends, tmp_path)
     assert skipped["duplicate"] == 1 and skipped["invalid"] == 0 and skipped["stale"] == 0
     trained = final[1:]
-    assert sum(int(mv.tags["rollouts_consumed"]) for mv in trained) == 16
+    assert sum(int(mv.tags["rollouts_consumed"]) for mv in trained) == 16 + len(closers)
     assert sum(int(mv.tags["sessions_trained"]) for mv in trained) == 8, "each session once"
-    assert sum(int(mv.tags["turns_trained"]) for mv in trained) == 8 * 2 + 8
+    assert sum(int(mv.tags["turns_trained"]) for mv in trained) == 8 * 2 + 8 + len(closers)
 
 
 def test_a_step_that_raises_does_not_stop_the_trainer_and_nothing_untrained_counts_after_sigkill(
