@@ -20,6 +20,11 @@ hidden tests pass) and whether the agent wrote to the test file: the user's true
   that runs the tests reports it: a test file the agent edited passes too;
 - a rating now and then: +1 after a success (`p_rate_success`), -1 after a failure.
 
+With `agent_parallel` K > 1 a user runs K sessions on each task at once (parallel agents, each
+in its own sandbox and session) and sends them as one group (the `X-Flywheel-Group` header):
+their records share a `group_id`, so the trainer judges each attempt against the same task's
+other attempts (docs/TRAINER.md "Agents").
+
 The session's logic is app/sandbox/session.py's `AgentSession`, shared by the live population
 (`AgentPopulation`, over HTTP), the held-out evaluation (app/simulate/agent_eval.py) and the
 gate's agent checks (on a version's weights in process, `run_sessions`), so all run the same
@@ -42,7 +47,7 @@ from pydantic import BaseModel, Field
 
 from app.sandbox.sandbox import TOOLS, Sandbox
 from app.sandbox.session import AgentSession, Verdict
-from app.sandbox.tasks import tasks
+from app.sandbox.tasks import Task, tasks
 from app.simulate.population import Driver, now
 
 log = logging.getLogger(__name__)
@@ -149,8 +154,9 @@ class AgentPopulation(Driver):
         self.tasks = tasks(512, seed=cfg.seed)
         self._budget: int | None = None  # sessions left to start (run's max_sessions)
 
-    async def _turn(self, http: httpx.AsyncClient, s: AgentSession) -> None:
+    async def _turn(self, http: httpx.AsyncClient, s: AgentSession, group: str | None) -> None:
         url = next(self.replicas)
+        headers = {} if group is None else {"X-Flywheel-Group": group}
         body = {
             "user": s.session_id,
             "messages": s.messages,
@@ -159,7 +165,9 @@ class AgentPopulation(Driver):
             "temperature": self.cfg.agent_temperature,
         }
         try:
-            r = await http.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+            r = await http.post(
+                f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
+            )
         except httpx.HTTPError as exc:
             self.stats.errors += 1
             log.warning("chat completion from %s failed: %s", url, exc)
@@ -187,17 +195,27 @@ class AgentPopulation(Driver):
         )
         self.stats.turns += 1
 
-    async def _session(self, http: httpx.AsyncClient, user: AgentUser) -> bool:
+    async def _task(self, http: httpx.AsyncClient, user: AgentUser) -> bool:
+        """One task, worked by `agent_parallel` sessions at once (one group, X-Flywheel-Group, when
+        more than one); False when none was served."""
+        task = self.rng.choice(self.tasks)
+        k = self.cfg.agent_parallel
+        group = None if k == 1 else f"{user.user_id}-g{uuid.uuid4().hex[:8]}"
+        served = await asyncio.gather(*(self._session(http, user, task, group) for _ in range(k)))
+        return any(served)
+
+    async def _session(
+        self, http: httpx.AsyncClient, user: AgentUser, task: Task, group: str | None
+    ) -> bool:
         """One session to its end, reported; False when no turn was served (a replica refused
         the first request: not ready yet, or down), which reports nothing: no generation of it
         reached the loop."""
-        task = self.rng.choice(self.tasks)
         with Sandbox(task) as box:
             s = AgentSession(
                 f"{user.user_id}-{uuid.uuid4().hex[:8]}", task, box, self.cfg.agent_max_turns
             )
             while not s.done:
-                await self._turn(http, s)
+                await self._turn(http, s, group)
             if not s.turns:
                 return False
             v = await asyncio.to_thread(s.verdict)
@@ -222,8 +240,8 @@ class AgentPopulation(Driver):
             if self._budget is not None:
                 if self._budget <= 0:
                     return
-                self._budget -= 1
-            if await self._session(http, user):
+                self._budget -= self.cfg.agent_parallel
+            if await self._task(http, user):
                 backoff = 0.0
                 await asyncio.sleep(self.rng.random() * self.cfg.agent_think_s)
             else:  # refused before its first turn: back off (0.5 s doubling to 8 s), not spin
@@ -241,7 +259,8 @@ class AgentPopulation(Driver):
     async def run(
         self, duration_s: float | None = None, max_sessions: int | None = None
     ) -> AgentStats:
-        """Work sessions until `duration_s` passed or `max_sessions` were started (each finishes)."""
+        """Work sessions until `duration_s` passed or `max_sessions` were started (each finishes;
+        a task's `agent_parallel` sessions start together, so up to `agent_parallel - 1` more)."""
         from app.client import FeedbackClient
 
         until = None if duration_s is None else time.monotonic() + duration_s

@@ -42,6 +42,11 @@ class SimulateConfig(FlywheelSettings):
         "user",
         description="Who reports a finished agent session's outcome: `user` (they check the fix, which the hidden tests decide) or `tests` (the repository's own tests as the harness runs them at the end; open on purpose: an edited test file passes too, docs/ROLLOUT.md).",
     )
+    agent_parallel: int = Field(
+        1,
+        ge=1,
+        description="Sessions an agent user runs at once on each task (parallel agents, as an editor's best-of-N runs them): with more than one, the task's sessions are one group (the X-Flywheel-Group header), and the trainer judges each against the group's mean instead of the batch's.",
+    )
     agent_max_turns: int = Field(
         6, ge=1, description="Assistant turns before a session is abandoned."
     )

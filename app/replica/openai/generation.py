@@ -189,7 +189,6 @@ async def _record(
 ) -> None:
     """One generation event per choice that generated something, acknowledged by Kafka."""
     latency_ms = (time.perf_counter() - p.t_start) * 1000.0
-    group_id = None if p.n == 1 else p.top_id
     events = [
         replica.generation_event(
             request_id=rid,
@@ -198,7 +197,7 @@ async def _record(
             lv=p.lv,
             prompt=p.prompt,
             sample=s,
-            group_id=group_id,
+            group_id=p.group_id,
             latency_ms=latency_ms,
             finish_reason=reason,
             stream=p.stream,

@@ -6,6 +6,11 @@ its prompt encoded, before any model work.
   n > 1 each choice has its own and the top-level `id` is their `group_id`.
 - **Session.** `user`, else the `X-Flywheel-Session` header, is the session id (champion/candidate
   split, and the `session_id` of the events); a request with neither gets 400 naming `user`.
+- **Group.** The `X-Flywheel-Group` header puts the request's generations in a group: their
+  events' `group_id` (the trainer centres each group's rewards on the group's mean), for
+  attempts at one task in parallel sessions (an agent user's parallel agents). A grouped request
+  is served by the slot its group hashes to, so every attempt of a group meets the same version.
+  Without it, an n > 1 request's choices are a group (the top-level `id`).
 - **Model.** `model` may be the served model name (`FLYWHEEL_MODEL_NAME`) or absent; anything
   else is 404 `model_not_found`. `system_fingerprint` (`flywheel-v<version>`) and the headers
   `X-Flywheel-Model-Version` / `X-Flywheel-Slot` name the version and slot that answered.
@@ -47,6 +52,7 @@ from app.replica.routing import pick_slot
 from app.replica.weights import LoadedVersion
 
 SESSION_HEADER = "x-flywheel-session"
+GROUP_HEADER = "x-flywheel-group"
 
 
 @dataclass
@@ -74,11 +80,20 @@ class Plan:
     created: int = 0
     lease: Any = None  # the request's hold on lv (weights.Leases), released when it is done
     tools: ToolPlan | None = None  # chat: what the request asks of tool calling
+    group: str | None = None  # the X-Flywheel-Group header
 
     def __post_init__(self) -> None:
         self.top_id = uuid.uuid4().hex
         self.ids = [self.top_id] if self.n == 1 else [uuid.uuid4().hex for _ in range(self.n)]
         self.created = int(time.time())
+
+    @property
+    def group_id(self) -> str | None:
+        """The generation events' `group_id`: the X-Flywheel-Group header, else the top-level
+        id of n > 1 choices, else none."""
+        if self.group is not None:
+            return self.group
+        return None if self.n == 1 else self.top_id
 
     def release(self) -> None:
         if self.lease is not None:
@@ -135,6 +150,19 @@ def session_of(request: Request, user: str | None) -> str:
         raise bad_param("user", f"the {SESSION_HEADER} header {exc}") from None
 
 
+def group_of(request: Request) -> str | None:
+    """The X-Flywheel-Group header, checked as a session id is (valid Unicode, 1..MAX_ID_LEN)."""
+    header = request.headers.get(GROUP_HEADER)
+    if header is None:
+        return None
+    try:
+        return check_session_id(header)
+    except ValueError as exc:
+        raise bad_param(
+            None, f"the {GROUP_HEADER} header {str(exc).replace('session id', 'group id')}"
+        ) from None
+
+
 def stops_of(cfg: ReplicaConfig, stop: str | list[str] | None) -> list[str]:
     stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
     if len(stops) > cfg.max_stop_sequences:
@@ -180,14 +208,15 @@ def _logprobs_and_max_tokens(
     return logprobs, top, max_tokens
 
 
-def _pick_version(replica: Replica, session_id: str) -> tuple[str, LoadedVersion]:
-    """The session's slot and the version serving it, from one consistent snapshot."""
+def _pick_version(replica: Replica, key: str) -> tuple[str, LoadedVersion]:
+    """The slot of `key` (the session, or the group of a grouped request) and the version
+    serving it, from one consistent snapshot."""
     serving = replica.store.snapshot()  # one consistent snapshot for the whole request
     if serving.champion is None:
         raise unavailable(
             "no verified weights loaded yet; retry shortly", "not_ready", 2, "not_ready"
         )
-    slot = pick_slot(session_id, serving.traffic_pct, serving.candidate is not None)
+    slot = pick_slot(key, serving.traffic_pct, serving.candidate is not None)
     lv = serving.candidate if slot == "candidate" else serving.champion
     assert lv is not None
     return slot, lv
@@ -246,6 +275,7 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
     req = parse_request(await request.body(), model_cls)
     model = check_model(replica, req.model)
     session_id = session_of(request, req.user)
+    group = group_of(request)
     logprobs, top_logprobs, max_tokens = _logprobs_and_max_tokens(req)
     stops = stops_of(cfg, req.stop)
     n = req.n if req.n is not None else 1
@@ -264,7 +294,7 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
     if refused is not None:
         param = "messages" if refused[0] == "prompt" and messages is not None else refused[0]
         raise bad_param(param, refused[1])
-    slot, lv = _pick_version(replica, session_id)
+    slot, lv = _pick_version(replica, session_id if group is None else group)
     ctx = int(lv.config.get("max_context") or 0)
     if defaulted and ctx:
         max_tokens = min(max_tokens, max(1, (ctx - 1) // 2))
@@ -292,4 +322,5 @@ async def plan(request: Request, replica: Replica, endpoint: str) -> Plan:
         model=model,
         t_start=t_start,
         tools=tools,
+        group=group,
     )

@@ -92,6 +92,43 @@ def test_models_completions_and_chat_with_the_python_client(srv):
     assert _events(srv, [got.id])[got.id]["session_id"] == "sess-hdr"
 
 
+def test_the_group_header_groups_parallel_sessions_and_pins_their_slot(srv):
+    """X-Flywheel-Group: attempts at one task in parallel sessions share a `group_id` (the
+    trainer's group baseline) and one slot, whatever their sessions hash to; n > 1 without it
+    stays grouped by the top-level id; a bad header is a 400 naming it."""
+    name = srv.settings.model_name
+    champion = srv.replica.store.snapshot().champion
+    srv.replica.store.swap(candidate=champion, traffic_pct=50.0)  # a canary, same weights
+    client = _client(srv)
+    users = [f"sess-par-{i}" for i in range(12)]
+
+    def ask(user: str, **kw):
+        raw = client.chat.completions.with_raw_response.create(
+            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, user=user, **kw
+        )
+        return raw.headers["x-flywheel-slot"], raw.parse()
+
+    alone = {ask(u)[0] for u in users}
+    assert alone == {"champion", "candidate"}, "ungrouped, the sessions split over both slots"
+    grouped = [ask(u, extra_headers={"X-Flywheel-Group": "task-17"}) for u in users]
+    assert len({slot for slot, _ in grouped}) == 1, "a group meets one slot"
+    events = _events(srv, [out.id for _, out in grouped])
+    assert {e["group_id"] for e in events.values()} == {"task-17"}
+    assert sorted(e["session_id"] for e in events.values()) == sorted(users)
+
+    _, two = ask("sess-par-n", n=2, extra_headers={"X-Flywheel-Group": "task-18"})
+    ids = [c.model_extra["request_id"] for c in two.choices]
+    assert {e["group_id"] for e in _events(srv, ids).values()} == {"task-18"}
+    _, plain = ask("sess-par-n", n=2)
+    ids = [c.model_extra["request_id"] for c in plain.choices]
+    assert {e["group_id"] for e in _events(srv, ids).values()} == {plain.id}
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        ask("sess-par-x", extra_headers={"X-Flywheel-Group": "g" * 129})
+    assert "x-flywheel-group header must be 1..128 characters" in str(bad.value)
+    assert "group id" in str(bad.value)
+
+
 def test_a_stop_string_ends_the_text_before_it_and_the_event_keeps_the_tokens_generated(srv):
     client = _client(srv)
     name = srv.settings.model_name

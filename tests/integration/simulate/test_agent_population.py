@@ -1,6 +1,6 @@
 """Simulated agent users on the real parts: sessions over a real replica's chat completions with
 the sandbox's tools, and each session's feedback through the real ingest API onto the session's
-Kafka broker. The replica serves tiny version 7 (untrained, context 1,024), so what it writes is
+Kafka broker, each user running two sessions on each task at once (a group). The replica serves tiny version 7 (untrained, context 1,024), so what it writes is
 mostly not a call; the sessions still run to their end and report as an editor would. The tools'
 execution and the users' judgement are shown turn by turn in tests/unit/simulate/test_agents.py."""
 
@@ -31,6 +31,7 @@ def test_agent_users_run_sessions_and_report_each_ones_outcome_on_its_last_turn(
         agent_max_turns=3,
         agent_max_tokens=48,
         agent_temperature=0.7,
+        agent_parallel=2,
         agent_think_s=0,
         seed=5,
     )
@@ -58,6 +59,13 @@ def test_agent_users_run_sessions_and_report_each_ones_outcome_on_its_last_turn(
     for g in generations:
         turns[g["session_id"]].append(g)
     assert len(turns) == 4
+    groups = defaultdict(set)  # each task's two sessions: one group, the same first prompt
+    for g in generations:
+        groups[g["group_id"]].add(g["session_id"])
+    assert None not in groups and sorted(len(v) for v in groups.values()) == [2, 2], groups
+    for members in groups.values():
+        first = [next(g for g in turns[m] if g["turn"] == 0) for m in members]
+        assert first[0]["prompt_tokens"] == first[1]["prompt_tokens"]
     for o in outcomes:
         session = sorted(turns[o["session_id"]], key=lambda g: g["turn"])
         assert [g["turn"] for g in session] == list(range(len(session))) and len(session) <= 3
