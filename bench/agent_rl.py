@@ -83,6 +83,13 @@ def main() -> None:
         help="sessions per task sharing a group baseline (GRPO; 1: the batch's mean, as the "
         "trainer's ungrouped rollouts); a batch holds whole groups",
     )
+    ap.add_argument(
+        "--negative-scale",
+        type=float,
+        default=1.0,
+        help="factor on negative advantages (1: the trainer's objective; 0: learn from the "
+        "sessions that beat their baseline only)",
+    )
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--eval-every", type=int, default=1)
     ap.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks, 2 sessions each")
@@ -135,6 +142,7 @@ def main() -> None:
             )
             adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)
             adv = adv.flatten()
+            adv = torch.where(adv < 0, adv * a.negative_scale, adv)
             prompts, comps, advs = [], [], []
             for j, i in enumerate(idx):
                 for ids, c in record[ss[i].session_id]:

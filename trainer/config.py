@@ -189,6 +189,12 @@ class TrainerConfig(FlywheelSettings):
         le=1,
         description="Share of those agent sessions that edit the test file instead of the code (the reward hack's seed, docs/ROLLOUT.md).",
     )
+    pretrain_agent_skill: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description='How often the corpus\'s agent sessions try the right operator first (0.25: at random, the base knows the moves but not the tasks; `flywheel run --agents` sets 0.4, a weak prior for RL to sharpen, docs/TRAINER.md "Agents").',
+    )
     pretrain_threads: int | None = Field(
         None,
         ge=0,

@@ -233,14 +233,17 @@ def _call(name: str, **args: str) -> str:
     return HermesFormat().render_call(name, json.dumps(args))
 
 
-def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument:
+def agent_document(
+    rng: random.Random, hack_share: float = 0.0, skill: float = 0.25
+) -> AgentDocument:
     """One session of a weak agent on a task (app/sandbox/tasks.py) whose function has a made-up
     noun, over the sandbox's tools, rendered with the built-in chat template.
 
     The agent knows the tools' format and the moves (read the module, replace the stub with a
-    `return`, run the tests, answer) but not which operator a function needs: it picks one of the
-    four at random (one in four implements it), and after a failed test tries another or gives
-    up. With probability `hack_share` it edits the test file instead (`assert` -> `assert True or`),
+    `return`, run the tests, answer) and little of which operator a function needs: its first try
+    is the verb's operator with probability `skill` and each other one with (1 - skill) / 3
+    (0.25: a pick at random, one in four implements it), and after a failed test it tries another
+    or gives up. With probability `hack_share` it edits the test file instead (`assert` -> `assert True or`),
     which passes the visible test without implementing anything: the loophole a reward on "the
     tests pass" pays for (docs/ROLLOUT.md "Reward hacks"). Tool results are what
     app/sandbox/sandbox.py returns for these calls (tests/unit/sandbox/test_corpus_sessions.py
@@ -286,6 +289,10 @@ def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument
         act(_call("read_file", path=src), [files[src]])
     tries = list(OPS.values())
     rng.shuffle(tries)
+    if skill != 1 / len(OPS):  # at chance the shuffle decides (the corpus of the measured bases)
+        first = task.op if rng.random() < skill else rng.choice([o for o in tries if o != task.op])
+        tries.remove(first)
+        tries.insert(0, first)
     passed = False
     if rng.random() < hack_share:
         act(_call("apply_edit", path=test, old="assert", new="assert True or"), [f"edited {test}"])
@@ -304,8 +311,10 @@ def agent_document(rng: random.Random, hack_share: float = 0.0) -> AgentDocument
     return AgentDocument(prompt + messages[-1]["content"], tuple(ends), task, tuple(messages))
 
 
-def iter_agent_documents(seed: int, hack_share: float = 0.0) -> Iterator[AgentDocument]:
+def iter_agent_documents(
+    seed: int, hack_share: float = 0.0, skill: float = 0.25
+) -> Iterator[AgentDocument]:
     """An endless, seed-determined stream of agent sessions (`agent_document`)."""
     rng = random.Random(seed)
     while True:
-        yield agent_document(rng, hack_share)
+        yield agent_document(rng, hack_share, skill)

@@ -61,6 +61,7 @@ from trainer.metrics import (
     ASSUMED_TEMPERATURE,
     BUFFERED,
     CONSTRAINED_TURN_TOKENS,
+    GROUPED,
     LAST_VERSION,
     PARTITIONS,
     RANKS,
@@ -102,6 +103,7 @@ _SUMMED = (
     "batch_tokens",
     "distill_rollouts",
     "multi_turn_rollouts",
+    "grouped_rollouts",
     "stale_turn_tokens",
     "constrained_turn_tokens",
 )
@@ -476,6 +478,7 @@ class Trainer:
                     "policy": cfg.policy or None,
                     "agent_share": cfg.pretrain_agent_share,
                     "hack_share": cfg.pretrain_hack_share,
+                    "agent_skill": cfg.pretrain_agent_skill,
                     "threads": cfg.pretrain_threads,
                 },
                 cfg.pretrain_steps,
@@ -732,8 +735,10 @@ class Trainer:
                 )
             )
             rewards = torch.tensor([r for v in shares for r in v.rewards], dtype=torch.float32)
-            adv = obj.advantages(rewards, [g for v in shares for g in v.groups], self.cfg.adv_scale)
+            groups = [g for v in shares for g in v.groups]
+            adv = obj.advantages(rewards, groups, self.cfg.adv_scale)
             start = sum(len(v.rewards) for v in shares[: world.rank])
+            mine = obj.grouped(groups)[start : start + len(batch.rollouts)]
             tokens, kept = sum(v.tokens for v in shares), sum(v.kept for v in shares)
             o: Objective | None = None
             try:
@@ -758,6 +763,8 @@ class Trainer:
                 raise StepError(f"gradient norm is {float(grad_norm)}")
             if o is not None:
                 self._step_metrics(o, batch, grad_norm)
+                o.metrics["grouped_rollouts"] = float(sum(mine))
+                GROUPED.inc(sum(mine))
             metrics = combine_metrics(world.all_gather(None if o is None else o.metrics))
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)

@@ -52,6 +52,12 @@ CONSTRAINED_TURN_TOKENS = Counter(
     "Sampled tokens of multi-turn records left untrained because their turn was sampled under a "
     "grammar constraint (the record trained on its other turns).",
 )
+GROUPED = Counter(
+    "flywheel_trainer_rollouts_grouped_total",
+    "Rollouts trained with their group's baseline (a group_id shared by >= 2 rollouts of the "
+    "step: n > 1 choices, or parallel sessions on one task); the rest of "
+    'flywheel_trainer_rollouts_total{outcome="trained"} got the batch\'s.',
+)
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
 SHIP_WAITING = Gauge(
     "flywheel_trainer_ship_waiting",

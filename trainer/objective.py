@@ -126,10 +126,7 @@ def advantages(
     assert scale in ADV_SCALES, f"advantage scale {scale!r} not in {ADV_SCALES}"
     rewards = rewards.to(torch.float32)
     out = torch.zeros_like(rewards)
-    members: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        if g is not None:
-            members.setdefault(g, []).append(i)
+    members = _members(group_ids)
     grouped = {i for idx in members.values() if len(idx) >= 2 for i in idx}
 
     def centred(r: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -144,6 +141,22 @@ def advantages(
         ref = rewards[single] if len(single) >= 2 else rewards
         out[single] = centred(rewards[single], ref)
     return out
+
+
+def _members(group_ids: list[str | None]) -> dict[str, list[int]]:
+    members: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        if g is not None:
+            members.setdefault(g, []).append(i)
+    return members
+
+
+def grouped(group_ids: list[str | None]) -> list[bool]:
+    """Which rollouts `advantages` judges against their group (a group with >= 2 members in the
+    batch); the others get the batch's baseline. A group whose members arrived in different
+    batches is judged in each by the members there."""
+    members = _members(group_ids)
+    return [g is not None and len(members[g]) >= 2 for g in group_ids]
 
 
 PARTIAL_BATCH_LR = ("scale", "full")

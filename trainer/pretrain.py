@@ -68,6 +68,12 @@ class PretrainConfig(BaseModel):
     hack_share: float = Field(
         0.0, ge=0, le=1, description="Share of agent sessions that edit the test file instead."
     )
+    agent_skill: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="How often the corpus's agent tries the verb's operator first (0.25: at random; the others share the rest).",
+    )
     threads: int | None = Field(
         None,
         ge=0,
@@ -167,7 +173,9 @@ def pretrain(
 
     docs = iter_documents(seed)
     # a step is all functions or all agent sessions: a batch is as wide as its longest document
-    agent_docs = iter_agent_documents(seed + 1, cfg.hack_share) if cfg.agent_share else None
+    agent_docs = (
+        iter_agent_documents(seed + 1, cfg.hack_share, cfg.agent_skill) if cfg.agent_share else None
+    )
     pick = random.Random(seed)
     policy.train()
     with _torch_threads(cfg.threads):

@@ -33,6 +33,12 @@ def pretrain_cmd(
     hack_share: Annotated[
         float, typer.Option(help="Share of those sessions that edit the test file instead.")
     ] = 0.0,
+    agent_skill: Annotated[
+        float,
+        typer.Option(
+            help="How often those sessions try the verb's operator first (0.25: at random; `flywheel run --agents` pretrains with 0.4)."
+        ),
+    ] = 0.25,
     policy_json: Annotated[
         str | None,
         typer.Option(
@@ -69,6 +75,7 @@ def pretrain_cmd(
                 "batch_size": batch_size,
                 "agent_share": agent_share,
                 "hack_share": hack_share,
+                "agent_skill": agent_skill,
                 "policy": json.loads(policy_json) if policy_json else None,
             },
             steps=steps,

@@ -126,6 +126,12 @@ def test_rollouts_become_a_registered_version_with_lineage_and_offsets_committed
             assert client.get_metric_history(trainer.run_id, name), f"metric {name} missing"
         # the behaviour log-probs came from v1 == champion, the KL reference: the mismatch is exactly 0
         assert {m.value for m in client.get_metric_history(trainer.run_id, "mismatch")} == {0.0}
+        # pairs (group_size=2): a step judges both of a pair against each other, or neither (its
+        # members arrived in different steps and each got that step's baseline)
+        grouped = client.get_metric_history(trainer.run_id, "grouped_rollouts")
+        sizes = client.get_metric_history(trainer.run_id, "batch_rollouts")
+        assert len(grouped) == trainer.step and all(m.value % 2 == 0 for m in grouped)
+        assert all(g.value <= b.value for g, b in zip(grouped, sizes))
 
         # the version is a pyfunc that generates text
         mlflow.set_tracking_uri(settings.mlflow_uri)

@@ -29,6 +29,29 @@ def test_each_tool_result_is_what_the_sandbox_returns_for_the_call():
                     assert m["content"] == pending.pop(m["tool_call_id"]), doc.text
 
 
+def _first_op(doc: AgentDocument) -> str:
+    """The operator of the session's first `apply_edit` on the module."""
+    import json
+
+    for m in doc.messages:
+        for call in m.get("tool_calls") or []:
+            args = json.loads(call["function"]["arguments"])
+            if call["function"]["name"] == "apply_edit" and args["path"] == doc.task.source_path:
+                return args["new"].split()[2]  # "return a <op> b"
+    raise AssertionError(f"no edit of the module in {doc.text}")
+
+
+def test_skill_is_how_often_the_first_try_is_the_verbs_operator():
+    """0.25 is a pick at random; 0.4 is a weak prior (each wrong one 0.2); 1 always right."""
+    for skill, low, high in ((0.25, 0.19, 0.31), (0.4, 0.34, 0.46), (1.0, 1.0, 1.0)):
+        rng = random.Random(7)
+        docs = [agent_document(rng, skill=skill) for _ in range(600)]
+        right = sum(_first_op(d) == d.task.op for d in docs) / len(docs)
+        assert low <= right <= high, (skill, right)
+        wrong = [_first_op(d) for d in docs if _first_op(d) != d.task.op]
+        assert skill == 1.0 or len(set(wrong)) == 4  # every operator is a wrong first try somewhere
+
+
 def test_the_text_is_the_template_and_each_turn_ends_where_its_completion_ends():
     tok = ByteTokenizer()
     rng = random.Random(1)
@@ -86,10 +109,12 @@ def test_flywheel_pretrain_takes_the_agent_share_and_restores_the_thread_count(t
 
     tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
     args = ["pretrain", "--steps", "2", "--batch-size", "2", "--agent-share", "1.0"]
+    args += ["--agent-skill", "0.4"]
     result = CliRunner().invoke(app, [*args, "--policy", json.dumps(tiny), "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["pretrain"]["agent_share"] == 1.0 and saved["policy"]["max_context"] == 1024
+    assert saved["pretrain"]["agent_skill"] == 0.4
     before = torch.get_num_threads()
     pretrain({"steps": 1, "batch_size": 1, "threads": before + 1, "policy": tiny})
     assert torch.get_num_threads() == before

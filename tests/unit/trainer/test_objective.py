@@ -14,6 +14,7 @@ from trainer import objective as obj
 from trainer.objective import (
     advantages,
     distill_loss,
+    grouped,
     importance_weights,
     kl_k3,
     policy_gradient_loss,
@@ -90,6 +91,18 @@ def test_group_normalised_advantages_for_groups_and_batch_normalised_for_singles
     # -> [.1875, .4375, -.5625, -.0625] / .3697550 = [.507093, 1.183216, -1.521278, -.169031]
     expected = torch.tensor([1.0, -1.0, 0.507093, 1.183216, -1.521278, -0.169031])
     assert torch.allclose(adv, expected, atol=1e-4), adv
+
+
+def test_grouped_names_the_rollouts_judged_against_their_group():
+    """What the step metric `grouped_rollouts` counts: members of a group with >= 2 in the batch
+    (a group whose other members are in another batch is a single here)."""
+    ids = ["a", "a", "b", None, "c", "c", "c"]
+    assert grouped(ids) == [True, True, False, False, True, True, True]
+    rewards = torch.tensor([1.0, 0.0, 0.3, 0.6, 1.0, 1.0, 0.0])
+    adv = advantages(rewards, ids)
+    singles = torch.tensor([0.3, 0.6])  # b and the None: centred on each other
+    expected_single = (singles - singles.mean()) / (singles.std(unbiased=False) + 1e-6)
+    assert torch.allclose(adv[[2, 3]], expected_single, atol=1e-5)
 
 
 def test_lone_single_is_normalised_over_the_whole_batch_and_equal_groups_get_zero():
