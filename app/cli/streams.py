@@ -50,7 +50,7 @@ def streams_relabel(
         str,
         typer.Option(
             "--reward-spec",
-            help="Version of the spec to label with (known: v1, or any new name with --reward-weights).",
+            help="Version of the spec to label with (known: v1, hackable-tools, hackable-silence, sessions-v1, sessions-v2 in streams/reward.py KNOWN_SPECS; or any new name with --reward-weights).",
         ),
     ],
     since: Annotated[
