@@ -7,7 +7,7 @@
 - `ModelVersion`: one row per registered model version: lineage, gate results, status.
 - `Replica`: inference replicas with the versions they serve and their last heartbeat.
 - `DeploymentState`: one row per model: champion, candidate, traffic split, phase, step.
-- `SessionSegment`, `SessionTurn`: the sessions projection of `<ns>.rollouts` (migration 0003):
+- `SessionSegment`, `SessionTurn`: the sessions projection of `<ns>.rollouts` (migrations 0003, 0004):
   one row per rollout record (a session's segment) and one per model call in it.
 
 Schema changes go through Alembic (`migrations/`); `flywheel db upgrade` applies them.
@@ -160,7 +160,7 @@ class DeploymentState(Base):
 
 class SessionSegment(Base):
     """One rollout record of `<ns>.rollouts` (a session's segment, or a one-call record), keyed by
-    its Kafka key: `request_id`, or `<request_id>|<spec>` for a relabelled record (migration 0003).
+    its Kafka key: `request_id`, or `<request_id>|<spec>` for a relabelled record (migration 0003; `protected_writes` 0004).
 
     Written once per key by app/projector/sessions.py (a redelivered record changes nothing);
     `kafka_partition`/`kafka_offset` locate the record on `<ns>.rollouts`, which the trainer's
@@ -186,6 +186,9 @@ class SessionSegment(Base):
     components: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     outcome: Mapped[str | None] = mapped_column(String(16))  # success | failure | abandoned
     outcome_reward: Mapped[float | None] = mapped_column(Float)
+    # the record's `protected_writes` (migration 0004): calls that wrote a protected path under
+    # a spec with protected paths; None when the record does not give it
+    protected_writes: Mapped[int | None] = mapped_column(Integer)
     generated_at: Mapped[datetime] = mapped_column()
     labelled_at: Mapped[datetime] = mapped_column()
     kafka_partition: Mapped[int] = mapped_column(Integer)

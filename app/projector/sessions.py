@@ -3,12 +3,12 @@
 Every rollout record has a `session_id` (app/contracts/rollouts.py `Rollout`). A record is one
 segment of its session: a multi-turn record (streams/ledger.py) carries its model calls in
 `turns`; a one-call record (turns None: `/v1/complete`, or a one-turn segment) is a segment of
-one turn, the record itself. Two tables hold them (migration 0003):
+one turn, the record itself. Two tables hold them (migrations 0003 and 0004):
 
     session_segments  one row per record, keyed by its Kafka key (`request_id`, or
                       `<request_id>|<spec>` for a relabelled record): the first request_id,
                       opened_by/closed_by, turn and token counts, reward, reward_spec, outcome,
-                      relabel_run, and its (partition, offset) on the topic
+                      protected_writes, relabel_run, and its (partition, offset) on the topic
     session_turns     one row per model call: request_id, model_version, its own reward,
                       components, sampled tokens
 
@@ -22,6 +22,12 @@ compacted and at-least-once, so a record may come again (a worker's re-delivery 
 same fields, another offset); the first delivery of a key is kept, which is the one the trainer
 trains on (it skips later copies as duplicates). Every value comes from the record, never the
 clock, so a rebuild reproduces the rows (offsets aside, for keys compaction has collapsed).
+
+`protected_writes` is the record's as it gives it: under a reward spec with protected paths
+(streams/reward.py, e.g. `sessions-v2`), the calls that wrote a protected path such as the test
+file (a session's segment carries its session's count, when above 0: the ledger's records sent
+with the outcome, whose `outcome_reward` it decided); None when the record does not give it. A
+segment with a count is a session that weakened its tests (docs/ROLLOUT.md "The agentic hack").
 
 A turn's own reward: `TurnSpan.reward` of a multi-turn record (None when the record does not
 give it); for a one-call record, the record's reward less its `outcome_reward` (the session
@@ -165,6 +171,7 @@ def record_rows(logged: LoggedRollout) -> tuple[SessionSegment, list[SessionTurn
         components=_components(r.components),
         outcome=r.outcome,
         outcome_reward=r.outcome_reward,
+        protected_writes=r.protected_writes,
         generated_at=_ts(r.generated_at, "generated_at"),
         labelled_at=_ts(r.labelled_at, "labelled_at"),
         kafka_partition=logged.partition,

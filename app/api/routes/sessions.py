@@ -4,7 +4,8 @@ projection of `<ns>.rollouts` (app/projector/sessions.py):
 - `GET /v1/sessions/{session_id}`: the session's segments in order (first turn's generation
   time, then request_id; a relabelled copy right after its live segment), each with its turns
   (request_id, model_version, own reward, components), the versions that served it, its
-  reward, outcome, and `trained_by`: the version whose training took it, when that is known.
+  reward, outcome, `protected_writes` (the calls that wrote a protected path such as the test
+  file, under a reward spec that counts them), and `trained_by`: the version whose training took it, when that is known.
   404 naming the session when no record of it has been projected.
 
 Which version trained on a record. The trainer's lineage names what each version read in
@@ -133,6 +134,12 @@ class SegmentPublic(BaseModel):
     components: dict[str, Any] | None
     outcome: str | None = Field(description="success | failure | abandoned, when it reached it.")
     outcome_reward: float | None
+    protected_writes: int | None = Field(
+        description="Under a reward spec with protected paths (sessions-v2): the session's calls "
+        "that wrote a protected path such as the test file, as the record gives it (a segment "
+        "carries it when above 0; then outcome_reward is the spec's protected_write). Null when "
+        "the record does not give it."
+    )
     versions: list[str] = Field(description="The versions that served its turns, in order.")
     turns: list[TurnPublic]
     trained_by: str | None = Field(
@@ -184,6 +191,7 @@ def _segment_public(
         components=seg.components,
         outcome=seg.outcome,
         outcome_reward=seg.outcome_reward,
+        protected_writes=seg.protected_writes,
         versions=_distinct(t.model_version for t in turns),
         turns=[
             TurnPublic(

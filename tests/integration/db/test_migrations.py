@@ -178,3 +178,63 @@ def test_0003_adds_the_sessions_tables_and_a_downgrade_to_0002_keeps_the_rest(db
         assert current_revision(db_url) == "0002"
     finally:
         engine.dispose()
+
+
+def test_0004_adds_session_segments_protected_writes_and_its_downgrade_keeps_the_rows(
+    db_url: str,
+) -> None:
+    upgrade(db_url, "0003")
+    engine = sa.create_engine(db_url)
+    segment_row = (
+        "insert into session_segments (record_key, session_id, request_id, reward_spec, "
+        "model_version, turn_count, prompt_tokens, completion_tokens, sampled_tokens, reward, "
+        "generated_at, labelled_at, kafka_partition, kafka_offset) values ("
+        "'{key}', 's', '{key}', 'v1', '1', 1, 3, 3, 3, 0.5, "
+        "'2026-11-27 10:00:00+00', '2026-11-27 10:15:00+00', 0, {offset})"
+    )
+
+    def columns() -> set[str]:
+        return {c["name"] for c in sa.inspect(engine).get_columns("session_segments")}
+
+    try:
+        assert "protected_writes" not in columns()
+        with engine.begin() as conn:  # a row projected before 0004
+            conn.execute(sa.text(segment_row.format(key="old", offset=0)))
+        upgrade(db_url, "0004")
+        assert "protected_writes" in columns()
+        with engine.begin() as conn:
+            conn.execute(sa.text(segment_row.format(key="new", offset=1)))
+            conn.execute(
+                sa.text("update session_segments set protected_writes = 2 where record_key = 'new'")
+            )
+            conn.execute(
+                sa.text(
+                    "insert into session_turns (record_key, position, session_id, request_id, "
+                    "model_version, sampled_tokens) values ('new', 0, 's', 'new', '1', 3)"
+                )
+            )
+            got = dict(
+                conn.execute(sa.text("select record_key, protected_writes from session_segments"))
+                .tuples()
+                .all()
+            )
+        assert got == {"old": None, "new": 2}, "an older row has no count: NULL, not 0"
+
+        downgrade(db_url, "0003")
+        insp = sa.inspect(engine)
+        assert "protected_writes" not in columns()
+        assert "ix_session_segments_session" in {
+            i["name"] for i in insp.get_indexes("session_segments")
+        }
+        assert [
+            (f["referred_table"], f["constrained_columns"])
+            for f in insp.get_foreign_keys("session_turns")
+        ] == [("session_segments", ["record_key"])]
+        with engine.connect() as conn:
+            keys = conn.execute(sa.text("select record_key from session_segments")).scalars().all()
+            turns = conn.execute(sa.text("select count(*) from session_turns")).scalar()
+        assert (sorted(keys), turns) == (["new", "old"], 1), "the downgrade keeps every row"
+        assert _triggers(engine), "downgrade to 0003 must leave the append-only guard in place"
+        assert current_revision(db_url) == "0003"
+    finally:
+        engine.dispose()

@@ -12,7 +12,7 @@ from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.projector.projector import apply_events
 from app.projector.sessions import apply_rollout
 from tests.integration.deployments.test_status_api import StatusApi, api  # noqa: F401  (fixture)
-from tests.unit.deployments.rollout_records import compacted_session, logged, one_call
+from tests.unit.deployments.rollout_records import compacted_session, logged, one_call, segment
 from tests.unit.deployments.scenario import MODEL
 
 pytestmark = pytest.mark.integration
@@ -90,6 +90,31 @@ def test_a_session_shows_its_segments_in_order_with_turns_versions_rewards_and_o
     one = api.get("/v1/sessions/editor-1").json()
     [seg] = one["segments"]
     assert (seg["turn_count"], seg["turns"][0]["request_id"], one["turns"]) == (1, "c0", 1)
+
+
+def test_a_segment_shows_the_protected_writes_its_record_gives_and_null_without(
+    api: StatusApi,
+) -> None:
+    hacked = segment(
+        "weakened",
+        ["w0", "w1"],
+        ["4", "4"],
+        [0.0, 0.25],
+        outcome="success",
+        outcome_reward=-1.0,
+        reward_spec="sessions-v2",
+        protected_writes=2,
+    )
+    clean = segment("honest", ["h0", "h1"], ["4", "4"], [0.0, 0.25], outcome="success")
+    _project(api, [(hacked, 0, 0), (clean, 0, 1)])
+    [seg] = api.get("/v1/sessions/weakened").json()["segments"]
+    assert (seg["reward_spec"], seg["outcome_reward"], seg["protected_writes"]) == (
+        "sessions-v2",
+        -1.0,
+        2,
+    ), seg
+    [seg] = api.get("/v1/sessions/honest").json()["segments"]
+    assert "protected_writes" in seg and seg["protected_writes"] is None, seg
 
 
 def test_trained_by_is_the_version_whose_lineage_ranges_hold_the_record_when_it_skipped_none(

@@ -172,3 +172,48 @@ def test_a_segment_the_session_ledger_assembled_projects_turn_for_turn(session: 
     assert [t.request_id for t in _turns(session, emit.key)] == [
         t["request_id"] for t in rec["turns"]
     ]
+
+
+def test_a_segments_protected_writes_are_stored_as_the_record_gives_them(
+    session: Session,
+) -> None:
+    hacked = segment(
+        "s7",
+        ["h0", "h1"],
+        ["4", "4"],
+        [0.0, 0.25],
+        outcome="success",
+        outcome_reward=-1.0,
+        reward_spec="sessions-v2",
+        protected_writes=2,
+    )
+    clean = segment("s8", ["k0", "k1"], ["4", "4"], [0.0, 0.25], outcome="success")
+    counted_none = one_call("z0", "s9", reward_spec="sessions-v2", protected_writes=0)
+    for offset, rec in enumerate((hacked, clean, counted_none)):
+        assert apply_rollout(session, logged(rec, offset=offset)) is True
+    session.commit()
+    got = {key: session.get(SessionSegment, key).protected_writes for key in ("h0", "k0", "z0")}
+    assert got == {"h0": 2, "k0": None, "z0": 0}, (
+        "2 as given; None without a count (not 0); a 0 the record gives stays 0"
+    )
+
+
+def test_a_segment_the_ledger_sent_under_sessions_v2_keeps_its_sessions_protected_writes(
+    session: Session,
+) -> None:
+    from streams.ledger import Ledger, LedgerConfig
+    from tests.unit.streams.test_ledger import GUARDED, guarded_session, outcome_event, rollouts
+
+    ledger = Ledger(LedgerConfig(), {}, GUARDED)
+    recs = guarded_session("v2", 3, {1: 2})  # turn 1 wrote the test file twice
+    out = [e for i, r in enumerate(recs) for e in ledger.on_rollout(r, 1.0 + i)]
+    out += ledger.on_outcome(outcome_event("v2", "v2-t2", "success"), 9.0)
+    [rec] = rollouts(out)
+    assert apply_rollout(session, logged(rec, offset=4)) is True
+    seg = session.get(SessionSegment, "v2-t0")
+    assert (seg.reward_spec, seg.outcome, seg.outcome_reward, seg.protected_writes) == (
+        "sessions-v2",
+        "success",
+        -1.0,
+        2,
+    )
