@@ -7,7 +7,7 @@ Create Date: 2026-11-28 06:30:00
 - `session_segments.protected_writes` (nullable integer): the rollout record's
   `protected_writes` as it gives it (app/contracts/rollouts.py): under a reward spec with
   protected paths (streams/reward.py, e.g. `sessions-v2`), the calls of the session that wrote a
-  protected path such as the test file; NULL when the record's spec does not count them. Rows
+  protected path such as the test file, when above 0; NULL when the record does not give it. Rows
   projected before this revision keep NULL until `flywheel projections rebuild` replays them.
 
 Nothing else changes. SQLite adds the column in place; its downgrade recreates session_segments
