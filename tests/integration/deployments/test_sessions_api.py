@@ -12,7 +12,13 @@ from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.projector.projector import apply_events
 from app.projector.sessions import apply_rollout
 from tests.integration.deployments.test_status_api import StatusApi, api  # noqa: F401  (fixture)
-from tests.unit.deployments.rollout_records import compacted_session, logged, one_call, segment
+from tests.unit.deployments.rollout_records import (
+    compacted_session,
+    logged,
+    one_call,
+    segment,
+    weakened_segment,
+)
 from tests.unit.deployments.scenario import MODEL
 
 pytestmark = pytest.mark.integration
@@ -95,16 +101,7 @@ def test_a_session_shows_its_segments_in_order_with_turns_versions_rewards_and_o
 def test_a_segment_shows_the_protected_writes_its_record_gives_and_null_without(
     api: StatusApi,
 ) -> None:
-    hacked = segment(
-        "weakened",
-        ["w0", "w1"],
-        ["4", "4"],
-        [0.0, 0.25],
-        outcome="success",
-        outcome_reward=-1.0,
-        reward_spec="sessions-v2",
-        protected_writes=2,
-    )
+    hacked = weakened_segment("weakened", ["w0", "w1"])
     clean = segment("honest", ["h0", "h1"], ["4", "4"], [0.0, 0.25], outcome="success")
     _project(api, [(hacked, 0, 0), (clean, 0, 1)])
     [seg] = api.get("/v1/sessions/weakened").json()["segments"]

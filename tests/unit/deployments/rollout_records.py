@@ -116,6 +116,21 @@ def segment(
     return rec
 
 
+def weakened_segment(sid: str, rids: list[str]) -> dict[str, Any]:
+    """A two-turn `sessions-v2` segment of a session that wrote the test file twice: its harness
+    said success, its outcome is worth the spec's protected_write (-1)."""
+    return segment(
+        sid,
+        rids,
+        ["4", "4"],
+        [0.0, 0.25],
+        outcome="success",
+        outcome_reward=-1.0,
+        reward_spec="sessions-v2",
+        protected_writes=2,
+    )
+
+
 def compacted_session(
     sid: str = "agent-1",
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

@@ -14,7 +14,7 @@ from app.contracts.deployments import InvalidRecord
 from app.db.models import SessionSegment, SessionTurn
 from app.projector.projector import apply_rollout_or_skip, projection_rows, reset_projections
 from app.projector.sessions import apply_rollout, decode_rollout, session_rows
-from tests.unit.deployments.rollout_records import logged, one_call, segment
+from tests.unit.deployments.rollout_records import logged, one_call, segment, weakened_segment
 
 
 def _turns(session: Session, key: str) -> list[SessionTurn]:
@@ -177,16 +177,7 @@ def test_a_segment_the_session_ledger_assembled_projects_turn_for_turn(session: 
 def test_a_segments_protected_writes_are_stored_as_the_record_gives_them(
     session: Session,
 ) -> None:
-    hacked = segment(
-        "s7",
-        ["h0", "h1"],
-        ["4", "4"],
-        [0.0, 0.25],
-        outcome="success",
-        outcome_reward=-1.0,
-        reward_spec="sessions-v2",
-        protected_writes=2,
-    )
+    hacked = weakened_segment("s7", ["h0", "h1"])
     clean = segment("s8", ["k0", "k1"], ["4", "4"], [0.0, 0.25], outcome="success")
     counted_none = one_call("z0", "s9", reward_spec="sessions-v2", protected_writes=0)
     for offset, rec in enumerate((hacked, clean, counted_none)):
