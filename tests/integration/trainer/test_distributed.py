@@ -29,6 +29,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from app.infra.kafka import dumps
 from policy import build_policy
 from tests.integration.trainer.conftest import (
     REPO,
@@ -321,10 +322,18 @@ def test_hf_ranks_ship_a_version_a_replica_loads(trainer_env, tmp_path, mode):
     # the champion v1 is the directory's weights: sample rollouts from them as a replica would
     champion = build_policy({"type": "hf", "model_dir": str(model_dir)})
     champion.eval()
-    records = rollout_records(champion, 1, 12, lambda text: float(len(text) % 2), group_size=2)
-    for r in records:
+    records = rollout_records(champion, 1, 12, lambda text: 0.0, group_size=2)
+    # each group on one partition with one success and one failure: whichever batches the ranks
+    # form, every step has a group whose advantages are +-1 (a parity reward left some splits of
+    # the groups over partitions with no advantage at all, and v2 equal to v1)
+    for i, r in enumerate(records):
         r["tokenizer"] = champion.tokenizer.name
-    produce(settings, records)
+        r["reward"] = r["components"]["decision"] = float(i % 2)
+    produce_raw(
+        settings,
+        [(r["request_id"], dumps(r)) for r in records],
+        partitions=[(i // 2) % settings.rollouts_partitions for i in range(len(records))],
+    )
 
     env = trainer_env_vars(settings.model_copy(update={"ship_interval": 5}), cfg)
     p = Torchrun(env, log)
