@@ -9,7 +9,9 @@ whose call failed or was not a call); train on every sampled turn of every sessi
 session's advantage (centred and scaled over each batch of `--batch` sessions, as the trainer's
 ungrouped rollouts are, or over each `--group` of sessions on one task, as its groups are), on-policy (every importance ratio 1), AdamW as the trainer's (betas 0.9,
 0.95, clip 1.0), loss summed over sampled tokens / the batch's sampled tokens; then score the
-held-out tasks (app/simulate/agent_eval.py's suite and statistics) every `--eval-every` versions.
+held-out tasks (app/simulate/agent_eval.py's suite and statistics) every `--eval-every` versions,
+with the policy's probability of the right operator on 48 held-out tasks (`p_right_operator`,
+bench/agent_skill.py `probe`: the skill itself, without the sampling noise of 32 sessions).
 
 What it leaves out, so read its numbers as the direction of a setting, not the loop's: the KL
 term to the champion, self-distillation at tool-error turns, routes replay, importance weights of
@@ -40,6 +42,7 @@ from app.sandbox.sandbox import Sandbox
 from app.sandbox.session import AgentSession, run_sessions
 from app.sandbox.tasks import tasks
 from app.simulate.agent_eval import scores
+from bench.agent_skill import probe
 from policy.checkpoint import load_policy
 from streams.reward import KNOWN_SPECS
 
@@ -115,6 +118,7 @@ def main() -> None:
             vs = [s.verdict() for s in ss]
         sc = scores(vs, [float(v.fixed) for v in vs], 2)
         figures = {k.removeprefix("heldout_"): round(x, 3) for k, x in sc.items()}
+        figures["p_right_operator"] = probe(policy)["p_right"]  # bench/agent_skill.py
         print(f"held-out v{version}: {json.dumps(figures)}", flush=True)
 
     evaluate(0)

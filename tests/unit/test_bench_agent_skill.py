@@ -1,0 +1,57 @@
+"""bench/agent_skill.py: its probe reads the byte the pretraining corpus's sessions decide on, and
+its supervised bound trains, probes and saves (tiny policies, no broker)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from app.sandbox.tasks import OPS
+from bench.agent_skill import OPS_BYTES, probe, probe_context, sft
+from policy import build_policy
+from policy.checkpoint import load_policy
+from policy.tokenizer import ByteTokenizer
+from trainer.corpus import agent_document
+
+TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+
+
+def test_the_probe_context_is_what_a_corpus_session_has_read_when_it_writes_the_operator():
+    """A right corpus session that reads the module first goes on, byte for byte, from the probe's
+    context with the task's operator: the probe measures the decision the base was trained on."""
+    tok, rng, checked = ByteTokenizer(), random.Random(5), 0
+    while checked < 8:
+        doc = agent_document(rng, skill=1.0)
+        first = json.loads(doc.messages[1]["tool_calls"][0]["function"]["arguments"])
+        if first["path"] != doc.task.source_path:
+            continue  # this session read the test file first
+        context = probe_context(doc.task, tok)
+        assert doc.text.startswith(context), (context[-80:], doc.text[len(context) - 80 :][:120])
+        op = OPS[doc.task.verb]
+        assert doc.text[len(context) : len(context) + len(op)] == op
+        assert op[0] in OPS_BYTES
+        checked += 1
+
+
+def test_the_probe_is_a_distribution_per_verb_over_the_four_operators():
+    torch.manual_seed(0)
+    result = probe(build_policy(TINY), n_tasks=8)
+    assert result["tasks"] == 8 and set(result["by_verb"]) <= set(OPS)
+    for verb, row in result["by_verb"].items():
+        assert len(row) == 4 and abs(sum(row) - 1.0) < 0.01, (verb, row)
+    assert 0.0 < result["p_right"] < 1.0 and 0.0 < result["mass"] <= 1.0
+
+
+def test_the_supervised_bound_trains_probes_and_saves_each_step(tmp_path):
+    torch.manual_seed(0)
+    policy = build_policy(TINY)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    curve = sft(
+        policy, steps=2, every=1, lr=1e-2, save=str(tmp_path / "mid"), seed=3, probe_tasks=2
+    )
+    assert [step for step, _ in curve] == [0, 1, 2]
+    saved = load_policy(tmp_path / "mid-2")
+    assert any(not torch.equal(before[k], v) for k, v in saved.state_dict().items())
+    assert probe(saved, n_tasks=2) == curve[-1][1], "the saved policy is the one probed"
