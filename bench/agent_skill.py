@@ -9,8 +9,8 @@ the four; `mass` is what the four had before). A policy that ignores the verb pu
 distribution on every verb; one that holds the skill puts its mass on the verb's operator.
 
 `sft` is the supervised bound: it fine-tunes a saved policy on sessions of an agent that is always
-right (trainer/corpus.py `agent_document`, `skill` 1.0), 8 a step at `--lr` (AdamW as
-pretraining's), and probes every `--every` steps, saving the policy there with `--save PREFIX`
+right, 8 a step at `--lr` (trainer/pretrain.py `midtrain`, the mid-training of
+`flywheel pretrain --mid-steps`), and probes every `--every` steps, saving the policy there with `--save PREFIX`
 (`PREFIX-<step>`, a mid-trained base that `bench/agent_rl.py` or `flywheel run --agents` can start
 from). Measured on the 2-core machine: docs/TRAINER.md "Why it falls short".
 
@@ -95,34 +95,26 @@ def sft(
     seed: int,
     probe_tasks: int = PROBE_TASKS,
 ) -> list[tuple[int, dict]]:
-    """Fine-tune on always-right agent sessions; the probe at step 0 and every `every` steps."""
-    from trainer.corpus import iter_agent_documents
-    from trainer.pretrain import _batch, lm_loss
+    """Mid-train (trainer/pretrain.py `midtrain`); the probe at step 0 and every `every` steps."""
+    from trainer.pretrain import midtrain
 
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    docs = iter_agent_documents(seed, hack_share=0.0, skill=1.0)
     curve = [(0, probe(policy, probe_tasks))]
-    print(f"step 0: {json.dumps(curve[-1])}", flush=True)
+    print(f"step 0: {json.dumps(curve[-1][1])}", flush=True)
     t0 = time.perf_counter()
-    policy.train()
-    for step in range(1, steps + 1):
-        inputs, targets = _batch(docs, policy, 8)
-        loss = lm_loss(policy, inputs, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        if step % every == 0 or step == steps:
-            curve.append((step, probe(policy, probe_tasks)))
-            if save:
-                policy.eval()
-                save_policy(policy, Path(f"{save}-{step}"))
-                policy.train()
-            took = time.perf_counter() - t0
-            print(
-                f"step {step} (loss {loss.item():.3f}, {took:.0f}s): {json.dumps(curve[-1][1])}",
-                flush=True,
-            )
+
+    def on_step(k: int, loss: float) -> None:
+        step = k + 1
+        if step % every and step != steps:
+            return
+        curve.append((step, probe(policy, probe_tasks)))
+        if save:
+            policy.eval()
+            save_policy(policy, Path(f"{save}-{step}"))
+            policy.train()
+        took = time.perf_counter() - t0
+        print(f"step {step} (loss {loss:.3f}, {took:.0f}s): {json.dumps(curve[-1][1])}", flush=True)
+
+    midtrain(policy, steps, lr, seed, on_step=on_step)
     policy.eval()
     return curve
 

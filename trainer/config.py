@@ -79,6 +79,12 @@ class TrainerConfig(FlywheelSettings):
         "group",
         description="Advantage scale: `group` divides each group's centred rewards by the group's std (GRPO); `none` keeps them in reward units (Dr. GRPO), so two completions that differ by noise get a small advantage, not +-1 (docs/TRAINER.md).",
     )
+    adv_negative_scale: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description='Factor on advantages below 0 (1: the policy gradient; 0: learn only from the rollouts that beat their baseline). On agent sessions a negative advantage pushes down every token of a session that failed on one decision; docs/TRAINER.md "Why it falls short" measures 0 with groups keeping the format at a rate where the skill moves.',
+    )
     kl_coef: float = Field(
         0.01,
         ge=0,
@@ -194,6 +200,11 @@ class TrainerConfig(FlywheelSettings):
         ge=0,
         le=1,
         description='How often the corpus\'s agent sessions try the right operator first (0.25: at random, the base knows the moves but not the tasks; `flywheel run --agents` sets 0.4, a weak prior for RL to sharpen, docs/TRAINER.md "Agents").',
+    )
+    pretrain_mid_steps: int = Field(
+        0,
+        ge=0,
+        description='Mid-training steps after pretraining, on sessions of an agent that is always right (trainer/pretrain.py `midtrain`, 8 a step at 3e-4; first start only): a base that holds the agent tasks\' skill weakly, for RL to sharpen (docs/TRAINER.md "Why it falls short"). 0: none.',
     )
     pretrain_threads: int | None = Field(
         None,

@@ -479,6 +479,7 @@ class Trainer:
                     "agent_share": cfg.pretrain_agent_share,
                     "hack_share": cfg.pretrain_hack_share,
                     "agent_skill": cfg.pretrain_agent_skill,
+                    "mid_steps": cfg.pretrain_mid_steps,
                     "threads": cfg.pretrain_threads,
                 },
                 cfg.pretrain_steps,
@@ -736,7 +737,7 @@ class Trainer:
             )
             rewards = torch.tensor([r for v in shares for r in v.rewards], dtype=torch.float32)
             groups = [g for v in shares for g in v.groups]
-            adv = obj.advantages(rewards, groups, self.cfg.adv_scale)
+            adv = obj.advantages(rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale)
             start = sum(len(v.rewards) for v in shares[: world.rank])
             mine = obj.grouped(groups)[start : start + len(batch.rollouts)]
             tokens, kept = sum(v.tokens for v in shares), sum(v.kept for v in shares)
@@ -868,7 +869,13 @@ class Trainer:
         probe of a single rollout."""
         f = self._forward(batch)
         return self._assemble(
-            f, obj.advantages(f.batch.rewards, f.batch.group_ids, self.cfg.adv_scale)
+            f,
+            obj.advantages(
+                f.batch.rewards,
+                f.batch.group_ids,
+                self.cfg.adv_scale,
+                self.cfg.adv_negative_scale,
+            ),
         )
 
     # --- shipping ------------------------------------------------------------------------------------

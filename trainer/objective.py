@@ -110,7 +110,10 @@ ADV_SCALES = ("group", "none")
 
 
 def advantages(
-    rewards: torch.Tensor, group_ids: list[str | None], scale: str = "group"
+    rewards: torch.Tensor,
+    group_ids: list[str | None],
+    scale: str = "group",
+    negative_scale: float = 1.0,
 ) -> torch.Tensor:
     """Advantages: each reward minus its group's mean for groups of >= 2, minus the mean of the
     other rollouts of the batch for the rest. [B] -> [B].
@@ -119,7 +122,15 @@ def advantages(
     keeps the centred rewards in reward units. With groups of two, the group std turns any
     difference into +-1: once most groups are two accepted completions that differ only by
     persistence noise, that noise gets the full weight of a real preference (docs/TRAINER.md
-    "Where the drift came from")."""
+    "Where the drift came from").
+
+    `negative_scale` multiplies the advantages below 0 (1: the policy gradient; 0: learn only from
+    the rollouts that beat their baseline, pushing up what worked and nothing down). On agent
+    sessions, where one advantage is spread over every sampled token of a session, a negative one
+    pushes down the format and the moves of a session that failed on one byte; at a rate where the
+    skill moves, that collapsed the sessions into giving up (docs/TRAINER.md "Why it falls
+    short")."""
+    assert 0.0 <= negative_scale <= 1.0, f"negative_scale {negative_scale} not in [0, 1]"
     assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), (
         f"{rewards.shape} vs {len(group_ids)} group ids"
     )
@@ -140,7 +151,7 @@ def advantages(
     if single:
         ref = rewards[single] if len(single) >= 2 else rewards
         out[single] = centred(rewards[single], ref)
-    return out
+    return out if negative_scale == 1.0 else torch.where(out < 0, out * negative_scale, out)
 
 
 def _members(group_ids: list[str | None]) -> dict[str, list[int]]:

@@ -74,6 +74,12 @@ class PretrainConfig(BaseModel):
         le=1,
         description="How often the corpus's agent tries the verb's operator first (0.25: at random; the others share the rest).",
     )
+    mid_steps: int = Field(
+        0,
+        ge=0,
+        description="After pretraining, steps on sessions of an agent that is always right (`midtrain`; 0: none): mid-training to a base that holds the agent tasks' skill weakly, which the corpus's skill prior alone does not give (docs/TRAINER.md \"Why it falls short\").",
+    )
+    mid_lr: float = Field(3e-4, gt=0, description="AdamW learning rate of mid-training (constant).")
     threads: int | None = Field(
         None,
         ge=0,
@@ -179,7 +185,8 @@ def pretrain(
     pick = random.Random(seed)
     policy.train()
     with _torch_threads(cfg.threads):
-        PRETRAIN_STEPS.set(cfg.steps)  # progress for the trainer's /metrics (trainer/metrics.py)
+        # progress for the trainer's /metrics (trainer/metrics.py)
+        PRETRAIN_STEPS.set(cfg.steps + cfg.mid_steps)
         PRETRAIN_STEP.set(0)
         t0 = time.perf_counter()
         for step in range(cfg.steps):
@@ -210,8 +217,64 @@ def pretrain(
                     loss.item(),
                     time.perf_counter() - t0,
                 )
+        if cfg.mid_steps:
+            log.info("mid-training on always-right agent sessions for %d steps", cfg.mid_steps)
+            midtrain(
+                policy,
+                cfg.mid_steps,
+                cfg.mid_lr,
+                seed + 2,
+                on_step=lambda k, loss: _mid_step(cfg.steps + k, loss, on_step),
+            )
     policy.eval()
     policy.set_kernels(serve_kernels)
+    return policy
+
+
+def _mid_step(step: int, loss: float, on_step: Callable[[int, float], None] | None) -> None:
+    PRETRAIN_STEP.set(step + 1)
+    PRETRAIN_LOSS.set(loss)
+    if on_step is not None:
+        on_step(step, loss)
+
+
+def midtrain(
+    policy: Policy,
+    steps: int,
+    lr: float,
+    seed: int,
+    batch_size: int = 8,
+    on_step: Callable[[int, float], None] | None = None,
+) -> Policy:
+    """Fine-tune `policy` for `steps` on sessions of an agent that is always right
+    (trainer/corpus.py `agent_document` with skill 1.0, no hack), `batch_size` a step, AdamW at a
+    constant `lr` (betas 0.9, 0.95; no weight decay; clip 1.0); `on_step(step, loss)` after each.
+
+    The verb-to-operator choice appears all at once after about 150 such steps (docs/TRAINER.md
+    "Why it falls short" measures it with bench/agent_skill.py), so a few steps fewer leave a base
+    that holds it weakly: the agent demo's RL sharpens it from there. Leaves `policy` in train mode."""
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    docs = iter_agent_documents(seed, hack_share=0.0, skill=1.0)
+    policy.train()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        inputs, targets = _batch(docs, policy, batch_size)
+        loss = lm_loss(policy, inputs, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        assert math.isfinite(loss.item()), f"mid-training diverged at step {step}: {loss.item()}"
+        if on_step is not None:
+            on_step(step, loss.item())
+        if step % 50 == 0 or step == steps - 1:
+            log.info(
+                "mid-train step %d/%d loss %.4f (%.0fs)",
+                step + 1,
+                steps,
+                loss.item(),
+                time.perf_counter() - t0,
+            )
     return policy
 
 

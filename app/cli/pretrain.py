@@ -39,6 +39,12 @@ def pretrain_cmd(
             help="How often those sessions try the verb's operator first (0.25: at random; `flywheel run --agents` pretrains with 0.4)."
         ),
     ] = 0.25,
+    mid_steps: Annotated[
+        int,
+        typer.Option(
+            help="Then this many steps on sessions of an agent that is always right (mid-training to a base that holds the skill weakly; docs/TRAINER.md)."
+        ),
+    ] = 0,
     policy_json: Annotated[
         str | None,
         typer.Option(
@@ -68,7 +74,7 @@ def pretrain_cmd(
         TimeRemainingColumn(),
         console=console,
     ) as progress:
-        task = progress.add_task("pretrain", total=steps, loss="-")
+        task = progress.add_task("pretrain", total=steps + mid_steps, loss="-")
         policy, path = pretrain_to_dir(
             out,
             {
@@ -76,6 +82,7 @@ def pretrain_cmd(
                 "agent_share": agent_share,
                 "hack_share": hack_share,
                 "agent_skill": agent_skill,
+                "mid_steps": mid_steps,
                 "policy": json.loads(policy_json) if policy_json else None,
             },
             steps=steps,

@@ -109,12 +109,43 @@ def test_flywheel_pretrain_takes_the_agent_share_and_restores_the_thread_count(t
 
     tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
     args = ["pretrain", "--steps", "2", "--batch-size", "2", "--agent-share", "1.0"]
-    args += ["--agent-skill", "0.4"]
+    args += ["--agent-skill", "0.4", "--mid-steps", "1"]
     result = CliRunner().invoke(app, [*args, "--policy", json.dumps(tiny), "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["pretrain"]["agent_share"] == 1.0 and saved["policy"]["max_context"] == 1024
-    assert saved["pretrain"]["agent_skill"] == 0.4
+    assert saved["pretrain"]["agent_skill"] == 0.4 and saved["pretrain"]["mid_steps"] == 1
     before = torch.get_num_threads()
     pretrain({"steps": 1, "batch_size": 1, "threads": before + 1, "policy": tiny})
     assert torch.get_num_threads() == before
+
+
+def test_mid_training_follows_pretraining_on_sessions_of_an_agent_that_is_always_right():
+    """`mid_steps` steps after `steps`, reported to `on_step` after the pretraining steps, on
+    sessions of the corpus's agent at skill 1.0: each one edits the module once and passes."""
+    import random
+
+    from trainer.corpus import agent_document
+    from trainer.pretrain import midtrain, pretrain
+
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    seen: list[int] = []
+    pretrain(
+        {"steps": 2, "batch_size": 1, "agent_batch_size": 1, "mid_steps": 2, "policy": tiny},
+        on_step=lambda step, loss: seen.append(step),
+    )
+    assert seen == [0, 1, 2, 3]
+
+    rng = random.Random(4)
+    for _ in range(50):
+        doc = agent_document(rng, skill=1.0)
+        edits = [m for m in doc.messages if m.get("tool_calls") and "apply_edit" in str(m)]
+        assert len(edits) == 1 and doc.task.test_path not in str(edits), doc.text[-300:]
+        assert doc.messages[-1]["content"] == "done"
+
+    policy = build_policy(tiny)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    losses: list[float] = []
+    midtrain(policy, 2, 1e-2, seed=1, batch_size=1, on_step=lambda k, loss: losses.append(loss))
+    assert len(losses) == 2 and policy.training
+    assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())

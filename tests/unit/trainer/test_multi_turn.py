@@ -109,9 +109,9 @@ def parse(policy, records: list[dict]):
     return [rollout for rollout, _ in parsed]
 
 
-def stand_in(policy, ref_policy=None, ref_version=None, distill_coef=0.0):
+def stand_in(policy, ref_policy=None, ref_version=None, distill_coef=0.0, **config):
     """What `Trainer._loss` reads: config, policy, the KL reference and its controller."""
-    cfg = TrainerConfig(temperature=1.0, distill_coef=distill_coef)
+    cfg = TrainerConfig(temperature=1.0, distill_coef=distill_coef, **config)
     t = SimpleNamespace(
         cfg=cfg,
         policy=policy,
@@ -151,6 +151,23 @@ def test_the_sampled_tokens_are_scored_against_their_own_turn_s_behaviour_logpro
         float(f.logprobs[off].abs().max()) == 0.0
         and float(f.weights.weights[off].abs().max()) == 0.0
     )
+
+
+def test_the_step_takes_the_configured_scale_of_negative_advantages(policy):
+    """FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE reaches the step: its loss is the objective on the
+    advantages with the negative ones scaled (0 here: the failed sessions push nothing down)."""
+    rollouts = parse(policy, [session(policy, i, r) for i, r in enumerate((1.0, -0.5, -1.0))])
+    batch = Batch(rollouts=rollouts, staleness=[0] * 3)
+    full = obj.advantages(torch.tensor([1.0, -0.5, -1.0]), [None] * 3)
+    assert (full < 0).sum() == 2
+    t = stand_in(policy, adv_negative_scale=0.0)
+    with torch.no_grad():
+        got = Trainer._loss(t, batch)  # type: ignore[arg-type]
+        want = Trainer._assemble(t, Trainer._forward(t, batch), full.clamp(min=0))  # type: ignore[arg-type]
+        plain = Trainer._loss(stand_in(policy), batch)  # type: ignore[arg-type]
+    policy.eval()
+    assert torch.equal(got.pg_loss, want.pg_loss)
+    assert not torch.equal(got.pg_loss, plain.pg_loss), "the scale changed the step"
 
 
 def _reference(policy, ref_policy, rollouts, coef: float, ref_version: int):

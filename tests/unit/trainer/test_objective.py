@@ -129,6 +129,20 @@ def test_unscaled_advantages_keep_reward_units_so_noise_between_two_accepts_stay
         advantages(rewards, groups, scale="batch")
 
 
+def test_a_negative_scale_shrinks_only_the_advantages_below_the_baseline():
+    rewards = torch.tensor([1.0, -0.5, -0.5, -1.0, 0.3, 0.1])
+    groups = ["a", "a", "a", "a", None, None]
+    full = advantages(rewards, groups)
+    for scale in (0.0, 0.25):
+        adv = advantages(rewards, groups, negative_scale=scale)
+        expected = torch.where(full < 0, full * scale, full)
+        assert torch.equal(adv, expected), (scale, adv, full)
+    assert advantages(rewards, groups, negative_scale=0.0)[0] > 0, "what worked still counts"
+    assert torch.equal(advantages(rewards, groups, negative_scale=1.0), full)
+    with pytest.raises(AssertionError, match="negative_scale"):
+        advantages(rewards, groups, negative_scale=1.5)
+
+
 def test_kl_k3_to_the_champion_is_weighted_by_the_truncated_ratio():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
