@@ -199,7 +199,7 @@ class TrainerConfig(FlywheelSettings):
         0.25,
         ge=0,
         le=1,
-        description='How often the corpus\'s agent sessions try the right operator first (0.25: at random, the base knows the moves but not the tasks; `flywheel run --agents` sets 0.4, a weak prior for RL to sharpen, docs/TRAINER.md "Agents").',
+        description='How often the corpus\'s agent sessions try the right operator first (0.25, the default, as `flywheel run --agents` pretrains: at random, the base knows the moves but not the tasks; a higher prior is not picked up by pretraining, docs/TRAINER.md "Why it falls short").',
     )
     pretrain_mid_steps: int = Field(
         0,

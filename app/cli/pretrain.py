@@ -36,7 +36,7 @@ def pretrain_cmd(
     agent_skill: Annotated[
         float,
         typer.Option(
-            help="How often those sessions try the verb's operator first (0.25: at random; `flywheel run --agents` pretrains with 0.4)."
+            help="How often those sessions try the verb's operator first (0.25, the default and what `flywheel run --agents` pretrains with: at random)."
         ),
     ] = 0.25,
     mid_steps: Annotated[
