@@ -250,9 +250,10 @@ def midtrain(
     (trainer/corpus.py `agent_document` with skill 1.0, no hack), `batch_size` a step, AdamW at a
     constant `lr` (betas 0.9, 0.95; no weight decay; clip 1.0); `on_step(step, loss)` after each.
 
-    The verb-to-operator choice appears all at once after about 150 such steps (docs/TRAINER.md
-    "Why it falls short" measures it with bench/agent_skill.py), so a few steps fewer leave a base
-    that holds it weakly: the agent demo's RL sharpens it from there. Leaves `policy` in train mode."""
+    The verb-to-operator choice appears all at once, after 150 to over 200 such steps depending on
+    the base and the sessions' stream (docs/TRAINER.md "Why it falls short" measures it with
+    bench/agent_skill.py), so stopping at its onset leaves a base that holds it weakly, for the
+    agent demo's RL to sharpen. Leaves `policy` in train mode."""
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     docs = iter_agent_documents(seed, hack_share=0.0, skill=1.0)
     policy.train()
