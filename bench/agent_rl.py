@@ -45,6 +45,7 @@ from app.simulate.agent_eval import scores
 from bench.agent_skill import probe
 from policy.checkpoint import load_policy
 from streams.reward import KNOWN_SPECS
+from trainer.objective import advantages
 
 MAX_TOKENS, MAX_TURNS = 192, 6
 
@@ -141,12 +142,12 @@ def main() -> None:
         policy.train()
         for b0 in range(0, len(order), a.batch):
             idx = order[b0 : b0 + a.batch]
-            r = torch.tensor([rewards[i] for i in idx]).view(
-                -1, a.group if a.group > 1 else len(idx)
+            # the trainer's advantages (trainer/objective.py), on whole groups of one task
+            adv = advantages(
+                torch.tensor([rewards[i] for i in idx]),
+                [f"g{i // a.group}" if a.group > 1 else None for i in idx],
+                negative_scale=a.negative_scale,
             )
-            adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-6)
-            adv = adv.flatten()
-            adv = torch.where(adv < 0, adv * a.negative_scale, adv)
             prompts, comps, advs = [], [], []
             for j, i in enumerate(idx):
                 for ids, c in record[ss[i].session_id]:

@@ -737,7 +737,7 @@ class Trainer:
             )
             rewards = torch.tensor([r for v in shares for r in v.rewards], dtype=torch.float32)
             groups = [g for v in shares for g in v.groups]
-            adv = obj.advantages(rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale)
+            adv = self._advantages(rewards, groups)
             start = sum(len(v.rewards) for v in shares[: world.rank])
             mine = obj.grouped(groups)[start : start + len(batch.rollouts)]
             tokens, kept = sum(v.tokens for v in shares), sum(v.kept for v in shares)
@@ -868,15 +868,11 @@ class Trainer:
         """The objective on `batch` alone (no backward). One process's step, and every rank's
         probe of a single rollout."""
         f = self._forward(batch)
-        return self._assemble(
-            f,
-            obj.advantages(
-                f.batch.rewards,
-                f.batch.group_ids,
-                self.cfg.adv_scale,
-                self.cfg.adv_negative_scale,
-            ),
-        )
+        return self._assemble(f, self._advantages(f.batch.rewards, f.batch.group_ids))
+
+    def _advantages(self, rewards: torch.Tensor, groups: list[str | None]) -> torch.Tensor:
+        """The configured advantages (scale, negative scale) of a batch's rewards."""
+        return obj.advantages(rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale)
 
     # --- shipping ------------------------------------------------------------------------------------
     def ship_due(self) -> bool:

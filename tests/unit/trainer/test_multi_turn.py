@@ -121,6 +121,7 @@ def stand_in(policy, ref_policy=None, ref_version=None, distill_coef=0.0, **conf
     )
     t._forward = functools.partial(Trainer._forward, t)
     t._assemble = functools.partial(Trainer._assemble, t)
+    t._advantages = functools.partial(Trainer._advantages, t)
     return t
 
 
