@@ -113,12 +113,22 @@ AGENT_DEMO_ENV = {
     # 700 steps, 70% of them on agent sessions (docs/TRAINER.md "Agents")
     "FLYWHEEL_TRAINER_PRETRAIN_STEPS": "700",
     "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE": "0.7",
+    # ... then mid-training on sessions of an agent that is always right, stopped where the base
+    # starts to hold the tasks' skill: p(right) 0.35 on the probe (trainer/skill_probe.py), about
+    # half the held-out tasks at temperature 0.6. Pretraining alone leaves it at chance (0.25)
+    # whatever its length, and the skill then appears all at once, at a step that depends on the
+    # base (docs/TRAINER.md "Why it falls short"): a fixed 225 steps gave a base at 0.98
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET": "0.35",
     # one rollout is a whole session here (about four turns); 64 a version (four steps of 16)
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "64",
-    # at the demo's 1e-4 the policy garbled its calls within a version or two of 16-session steps
-    # (0.375 -> 0.219 held-out at temperature 0.6, 28% give-ups), and at 1e-5 it did not move
-    # (docs/TRAINER.md "Agents")
-    "FLYWHEEL_TRAINER_LR": "3e-5",
+    # each task worked by 4 sessions at once, one group, and only sessions above their group's
+    # mean pushed (negative advantages scaled by 0): at 1e-4 this lifted the bench's held-out
+    # success 0.531 -> 0.719 in three versions, where plain advantages at 1e-4 collapsed into
+    # give-ups (0.000 by v3) and 3e-5 did not move (docs/TRAINER.md "Why it falls short")
+    "FLYWHEEL_SIMULATE_AGENT_PARALLEL": "4",
+    "FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE": "0",
+    "FLYWHEEL_TRAINER_LR": "1e-4",
     # sessions end one at a time: a step waits for a whole batch of 16 instead of stepping on the
     # 1-4 that arrived within 2 s at a learning rate scaled down to match (run 2 of docs/TRAINER.md
     # "Agents": 3.5 sessions a step on average, about a fifth of the demo's rate, and no learning)
@@ -141,6 +151,10 @@ AGENT_HF_SKIP = (
     "FLYWHEEL_CONTROLLER_GATE_AGENT_TEMPERATURE",
     "FLYWHEEL_TRAINER_PRETRAIN_STEPS",
     "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET",
+    # tuned for the built-in policy's RL (the model keeps the trainer's own lr, HF_DEMO_SKIP)
+    "FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE",
 )
 
 

@@ -206,6 +206,12 @@ class TrainerConfig(FlywheelSettings):
         ge=0,
         description='Mid-training steps after pretraining, on sessions of an agent that is always right (trainer/pretrain.py `midtrain`, 8 a step at 3e-4; first start only): a base that holds the agent tasks\' skill weakly, for RL to sharpen (docs/TRAINER.md "Why it falls short"). 0: none.',
     )
+    pretrain_mid_target: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Stop mid-training at the first probe (every 5 steps) whose p(right), the base's mass on the verb's operator over 48 held-out agent tasks, reaches this (trainer/skill_probe.py); `PRETRAIN_MID_STEPS` is then a cap. The skill appears all at once, at a step that depends on the base: the target stops at its onset on any base (docs/TRAINER.md \"Why it falls short\"). Unset: all `PRETRAIN_MID_STEPS`.",
+    )
     pretrain_threads: int | None = Field(
         None,
         ge=0,

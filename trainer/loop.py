@@ -480,6 +480,7 @@ class Trainer:
                     "hack_share": cfg.pretrain_hack_share,
                     "agent_skill": cfg.pretrain_agent_skill,
                     "mid_steps": cfg.pretrain_mid_steps,
+                    "mid_target": cfg.pretrain_mid_target,
                     "threads": cfg.pretrain_threads,
                 },
                 cfg.pretrain_steps,

@@ -79,6 +79,10 @@ PRETRAIN_STEPS = Gauge(
     "flywheel_trainer_pretrain_steps",
     "Steps of the base policy's pretraining (its total; 0 while this process has not pretrained).",
 )
+MID_SKILL = Gauge(
+    "flywheel_trainer_mid_skill",
+    "p(right) of mid-training's last probe of the agent tasks' skill (trainer/skill_probe.py; 0 until it probes).",
+)
 PRETRAIN_STEP = Gauge(
     "flywheel_trainer_pretrain_step",
     "Pretraining steps done (equal to flywheel_trainer_pretrain_steps once pretraining finished).",

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from policy import build_policy, save_policy
 from policy.base import Policy
 from trainer.corpus import AgentDocument, iter_agent_documents, iter_documents
-from trainer.metrics import PRETRAIN_LOSS, PRETRAIN_STEP, PRETRAIN_STEPS
+from trainer.metrics import MID_SKILL, PRETRAIN_LOSS, PRETRAIN_STEP, PRETRAIN_STEPS
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,12 @@ class PretrainConfig(BaseModel):
         0,
         ge=0,
         description="After pretraining, steps on sessions of an agent that is always right (`midtrain`; 0: none): mid-training to a base that holds the agent tasks' skill weakly, which the corpus's skill prior alone does not give (docs/TRAINER.md \"Why it falls short\").",
+    )
+    mid_target: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Stop mid-training at the first probe (every 5 steps) whose p(right) reaches this (trainer/skill_probe.py); `mid_steps` is then a cap. None: all `mid_steps`.",
     )
     mid_lr: float = Field(3e-4, gt=0, description="AdamW learning rate of mid-training (constant).")
     threads: int | None = Field(
@@ -218,14 +224,23 @@ def pretrain(
                     time.perf_counter() - t0,
                 )
         if cfg.mid_steps:
-            log.info("mid-training on always-right agent sessions for %d steps", cfg.mid_steps)
-            midtrain(
+            log.info(
+                "mid-training on always-right agent sessions: %d steps%s",
+                cfg.mid_steps,
+                "" if cfg.mid_target is None else f" at most, to p(right) {cfg.mid_target}",
+            )
+            curve = midtrain(
                 policy,
                 cfg.mid_steps,
                 cfg.mid_lr,
                 seed + 2,
                 on_step=lambda k, loss: _mid_step(cfg.steps + k, loss, on_step),
+                target=cfg.mid_target,
             )
+            if curve:  # stopped at the target: the progress's total is what was done
+                log.info("mid-training stopped at step %d, p(right) %.3f", *curve[-1])
+                PRETRAIN_STEPS.set(cfg.steps + curve[-1][0])
+                PRETRAIN_STEP.set(cfg.steps + curve[-1][0])
     policy.eval()
     policy.set_kernels(serve_kernels)
     return policy
@@ -245,20 +260,43 @@ def midtrain(
     seed: int,
     batch_size: int = 8,
     on_step: Callable[[int, float], None] | None = None,
-) -> Policy:
-    """Fine-tune `policy` for `steps` on sessions of an agent that is always right
+    target: float | None = None,
+    probe_every: int = 5,
+) -> list[tuple[int, float]]:
+    """Fine-tune `policy` for up to `steps` on sessions of an agent that is always right
     (trainer/corpus.py `agent_document` with skill 1.0, no hack), `batch_size` a step, AdamW at a
     constant `lr` (betas 0.9, 0.95; no weight decay; clip 1.0); `on_step(step, loss)` after each.
 
+    With a `target`, it probes the skill (trainer/skill_probe.py `probe`: p(right), the policy's
+    mass on the verb's operator) before the first step and every `probe_every` steps, and stops at
+    the first probe at or above `target`; `steps` is then a cap. Returns the probes as
+    (steps taken, p(right)); none without a target.
+
     The verb-to-operator choice appears all at once, after 150 to over 200 such steps depending on
     the base and the sessions' stream (docs/TRAINER.md "Why it falls short" measures it with
-    bench/agent_skill.py), so stopping at its onset leaves a base that holds it weakly, for the
-    agent demo's RL to sharpen. Leaves `policy` in train mode."""
+    bench/agent_skill.py): a fixed step count lands before the onset on one base and past it on
+    another, and the target stops at the onset on both, leaving a base that holds the skill weakly
+    for the agent demo's RL to sharpen. Leaves `policy` in train mode."""
+    from trainer.skill_probe import probe
+
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     docs = iter_agent_documents(seed, hack_share=0.0, skill=1.0)
+    curve: list[tuple[int, float]] = []
+
+    def reached(step: int) -> bool:
+        if target is None or (step % probe_every and step != steps):
+            return False
+        p = probe(policy)["p_right"]
+        curve.append((step, p))
+        MID_SKILL.set(p)
+        log.info("mid-training step %d: p(right) %.3f (target %.3f)", step, p, target)
+        return p >= target
+
     policy.train()
     t0 = time.perf_counter()
     for step in range(steps):
+        if reached(step):
+            break
         inputs, targets = _batch(docs, policy, batch_size)
         loss = lm_loss(policy, inputs, targets)
         opt.zero_grad(set_to_none=True)
@@ -276,7 +314,10 @@ def midtrain(
                 loss.item(),
                 time.perf_counter() - t0,
             )
-    return policy
+    else:
+        reached(steps)
+    policy.train()
+    return curve
 
 
 def pretrain_to_dir(

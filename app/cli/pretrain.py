@@ -45,6 +45,12 @@ def pretrain_cmd(
             help="Then this many steps on sessions of an agent that is always right (mid-training to a base that holds the skill weakly; docs/TRAINER.md)."
         ),
     ] = 0,
+    mid_target: Annotated[
+        float | None,
+        typer.Option(
+            help="Stop mid-training once the probe's p(right) reaches this (probed every 5 steps; --mid-steps is then a cap)."
+        ),
+    ] = None,
     policy_json: Annotated[
         str | None,
         typer.Option(
@@ -83,12 +89,14 @@ def pretrain_cmd(
                 "hack_share": hack_share,
                 "agent_skill": agent_skill,
                 "mid_steps": mid_steps,
+                "mid_target": mid_target,
                 "policy": json.loads(policy_json) if policy_json else None,
             },
             steps=steps,
             seed=seed,
             on_step=lambda s, loss: progress.update(task, advance=1, loss=f"{loss:.3f}"),
         )
+        progress.update(task, total=progress.tasks[0].completed)  # a mid-target stops early
     sample = policy.generate(
         [policy.tokenizer.encode("def ")], max_tokens=160, temperature=0.7, seed=seed
     )[0]

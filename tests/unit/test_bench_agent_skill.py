@@ -9,11 +9,12 @@ import random
 import torch
 
 from app.sandbox.tasks import OPS
-from bench.agent_skill import OPS_BYTES, probe, probe_context, sft
+from bench.agent_skill import sft
 from policy import build_policy
 from policy.checkpoint import load_policy
 from policy.tokenizer import ByteTokenizer
 from trainer.corpus import agent_document
+from trainer.skill_probe import OPS_BYTES, probe, probe_context
 
 TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
 

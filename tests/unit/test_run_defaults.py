@@ -125,10 +125,15 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.7"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_STEPS"] == "700"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_THREADS"] == "0"  # the base takes the machine
-    # agent turns at 0.6 live, held-out and in the gate; steps of 16 whole sessions at 3e-5
+    # mid-trained to the skill's onset, then groups of 4 with positive-only advantages at 1e-4
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET"] == "0.35"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS"] == "400"
+    assert env["FLYWHEEL_SIMULATE_AGENT_PARALLEL"] == "4"
+    assert env["FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE"] == "0"
+    # agent turns at 0.6 live, held-out and in the gate; steps of 16 whole sessions at 1e-4
     assert env["FLYWHEEL_SIMULATE_AGENT_TEMPERATURE"] == "0.6"
     assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TEMPERATURE"] == "0.6"
-    assert (env["FLYWHEEL_TRAINER_MAX_WAIT_S"], env["FLYWHEEL_TRAINER_LR"]) == ("60", "3e-5")
+    assert (env["FLYWHEEL_TRAINER_MAX_WAIT_S"], env["FLYWHEEL_TRAINER_LR"]) == ("60", "1e-4")
     assert {k: env[k] for k in DEMO_ENV if k not in AGENT_DEMO_ENV} == {
         k: v for k, v in DEMO_ENV.items() if k not in AGENT_DEMO_ENV
     }
@@ -141,7 +146,7 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE" not in hf and set(AGENT_HF_SKIP) <= set(
         AGENT_DEMO_ENV
     )
-    for built_in_only in ("MAX_WAIT_S", "LR", "AGENT_TEMPERATURE"):
+    for built_in_only in ("MAX_WAIT_S", "LR", "AGENT_TEMPERATURE", "MID_TARGET", "NEGATIVE_SCALE"):
         assert not [k for k in hf if k.endswith(f"_{built_in_only}")], built_in_only
 
 

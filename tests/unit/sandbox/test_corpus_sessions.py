@@ -149,3 +149,41 @@ def test_mid_training_follows_pretraining_on_sessions_of_an_agent_that_is_always
     midtrain(policy, 2, 1e-2, seed=1, batch_size=1, on_step=lambda k, loss: losses.append(loss))
     assert len(losses) == 2 and policy.training
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def test_mid_training_with_a_target_stops_at_the_first_probe_that_reaches_it():
+    """With a target, mid-training probes p(right) before its first step and every `probe_every`
+    steps (and at its cap), and stops at the first probe at or above the target: a base already
+    there takes no step, and one that never gets there trains to the cap with every probe kept;
+    the pretraining progress's total is then what was done."""
+    from trainer.metrics import MID_SKILL, PRETRAIN_STEP, PRETRAIN_STEPS
+    from trainer.pretrain import midtrain, pretrain
+    from trainer.skill_probe import probe
+
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    torch.manual_seed(0)
+    policy = build_policy(tiny)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    p0 = probe(policy)["p_right"]
+    steps: list[int] = []
+    curve = midtrain(policy, 5, 1e-2, seed=1, batch_size=1, on_step=lambda k, _: steps.append(k))
+    assert curve == [], "no target: no probe"
+    assert steps == [0, 1, 2, 3, 4]
+
+    policy.load_state_dict(before)
+    curve = midtrain(policy, 5, 1e-2, seed=1, batch_size=1, target=p0 / 2)
+    assert curve == [(0, p0)] and MID_SKILL._value.get() == p0
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+    steps.clear()
+    curve = midtrain(
+        policy, 5, 1e-2, seed=1, batch_size=1, target=1.0, probe_every=2,
+        on_step=lambda k, _: steps.append(k),
+    )  # fmt: skip
+    assert [k for k, _ in curve] == [0, 2, 4, 5] and all(p < 1.0 for _, p in curve)
+    assert steps == [0, 1, 2, 3, 4]
+
+    pretrain(
+        {"steps": 2, "batch_size": 1, "mid_steps": 50, "mid_target": 0.01, "policy": tiny},
+    )
+    assert PRETRAIN_STEPS._value.get() == 2 and PRETRAIN_STEP._value.get() == 2
