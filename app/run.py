@@ -118,7 +118,7 @@ AGENT_DEMO_ENV = {
     # half the held-out tasks at temperature 0.6. Pretraining alone leaves it at chance (0.25)
     # whatever its length, and the skill then appears all at once, at a step that depends on the
     # base (docs/TRAINER.md "Why it falls short"): a fixed 225 steps gave a base at 0.98
-    "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",  # a cap: the onset came at 120-130 steps at 1e-3
     "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET": "0.35",
     # one rollout is a whole session here (about four turns); 64 a version (four steps of 16)
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "64",

@@ -204,7 +204,7 @@ class TrainerConfig(FlywheelSettings):
     pretrain_mid_steps: int = Field(
         0,
         ge=0,
-        description='Mid-training steps after pretraining, on sessions of an agent that is always right (trainer/pretrain.py `midtrain`, 8 a step at 3e-4; first start only): a base that holds the agent tasks\' skill weakly, for RL to sharpen (docs/TRAINER.md "Why it falls short"). 0: none.',
+        description='Mid-training steps after pretraining, on sessions of an agent that is always right (trainer/pretrain.py `midtrain`, 8 a step at 1e-3; first start only): a base that holds the agent tasks\' skill weakly, for RL to sharpen (docs/TRAINER.md "Why it falls short"). 0: none.',
     )
     pretrain_mid_target: float | None = Field(
         None,

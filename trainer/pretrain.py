@@ -85,7 +85,11 @@ class PretrainConfig(BaseModel):
         le=1,
         description="Stop mid-training at the first probe (every 5 steps) whose p(right) reaches this (trainer/skill_probe.py); `mid_steps` is then a cap. None: all `mid_steps`.",
     )
-    mid_lr: float = Field(3e-4, gt=0, description="AdamW learning rate of mid-training (constant).")
+    mid_lr: float = Field(
+        1e-3,
+        gt=0,
+        description="AdamW learning rate of mid-training (constant): at 3e-4 the skill appeared after 175 steps on one base and not in 400 on another; at 1e-3 after about 120 on two streams.",
+    )
     threads: int | None = Field(
         None,
         ge=0,
@@ -272,11 +276,12 @@ def midtrain(
     the first probe at or above `target`; `steps` is then a cap. Returns the probes as
     (steps taken, p(right)); none without a target.
 
-    The verb-to-operator choice appears all at once, after 150 to over 200 such steps depending on
-    the base and the sessions' stream (docs/TRAINER.md "Why it falls short" measures it with
-    bench/agent_skill.py): a fixed step count lands before the onset on one base and past it on
-    another, and the target stops at the onset on both, leaving a base that holds the skill weakly
-    for the agent demo's RL to sharpen. Leaves `policy` in train mode."""
+    The verb-to-operator choice appears all at once, at a step that depends on the base and the
+    sessions' stream (docs/TRAINER.md "Why it falls short" measures it with bench/agent_skill.py;
+    at 3e-4 after 175 steps on one base and not within 400 on another): a fixed step count lands
+    before the onset on one base and past it on another, and the target stops at the onset on
+    both, leaving a base that holds the skill weakly for the agent demo's RL to sharpen. Leaves
+    `policy` in train mode."""
     from trainer.skill_probe import probe
 
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
