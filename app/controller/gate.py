@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,10 @@ class GateInputs:
     # held-out rollouts' prompts): gate_io takes the newest distinct logged prompts, since a
     # trainer that keeps up leaves only a handful of rollouts it has not trained on
     prompts: Sequence[Sequence[int]] | None = None
+    # the agent checks' sessions already run, by version, and each policy's version (candidate,
+    # champion, base): a version's sessions run once (monitors.agent_checks `cache`)
+    agent_verdicts: MutableMapping[str, list[Any]] | None = None
+    versions: Mapping[str, str] | None = None
 
 
 @dataclass
@@ -573,6 +577,8 @@ def run_gate(inp: GateInputs, cfg: GateConfig) -> GateResult:
             max_turns_increase=cfg.max_turns_increase,
             max_tokens_increase=cfg.max_tokens_increase,
             alpha=cfg.monitor_alpha,
+            cache=inp.agent_verdicts,
+            versions=inp.versions,
         )
         checks += agent
         ope_summary["agents"] = figures

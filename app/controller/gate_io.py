@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 
 BASE_VERSION = "1"  # the pretrained base or the imported model: what every version descends from
+AGENT_VERDICTS_KEPT = 16  # versions whose gate sessions a GateRunner keeps (GateRunner.run)
 
 
 def _download(client, model: str, version: str, rel: str, dst: str) -> str:
@@ -131,6 +132,9 @@ class GateRunner:
         self.settings, self.client, self.cfg, self.n_rollouts = settings, client, cfg, n_rollouts
         self.n_reward_rollouts = n_reward_rollouts
         self._base: dict[str, Any] = {}  # model -> BASE_VERSION's policy (a version never changes)
+        # model -> version -> its agent sessions' verdicts under this gate's config: the newest
+        # AGENT_VERDICTS_KEPT versions (a champion and the base are usually among them)
+        self._agent_verdicts: dict[str, dict[str, list[Any]]] = {}
 
     def reference_version(self, model: str, tags: dict[str, str]) -> str | None:
         """The version the weight-change check compares with: the nearest ancestor the gate did
@@ -196,7 +200,8 @@ class GateRunner:
             len(prompts),
             len(fit_on),
         )
-        return run_gate(
+        verdicts = self._agent_verdicts.setdefault(model, {})
+        result = run_gate(
             GateInputs(
                 candidate_state=cand_state,
                 parent_state=parent_state,
@@ -206,6 +211,14 @@ class GateRunner:
                 rollouts=rolls,
                 reward_rollouts=fit_on,
                 prompts=prompts or None,
+                agent_verdicts=verdicts,
+                versions={"candidate": version, "champion": champion or "", "base": BASE_VERSION},
             ),
             self.cfg,
         )
+        keep = {version, champion, BASE_VERSION}
+        for old in [v for v in verdicts if v not in keep][
+            : max(0, len(verdicts) - AGENT_VERDICTS_KEPT)
+        ]:
+            del verdicts[old]  # oldest first: dicts keep insertion order
+        return result

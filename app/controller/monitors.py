@@ -26,7 +26,7 @@ can turn results into MLflow version tags and a `gate_passed` / `gate_failed` ev
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass
 from statistics import NormalDist
 from typing import Any, Literal
@@ -414,6 +414,8 @@ def agent_checks(
     max_turns_increase: float,
     max_tokens_increase: float,
     alpha: float,
+    cache: MutableMapping[str, list[Any]] | None = None,
+    versions: Mapping[str, str] | None = None,
 ) -> tuple[list[Check], dict[str, dict[str, float]]]:
     """The gate's agent checks: candidate, champion and base each run the same sessions (same tasks,
     same seed: common random numbers) with real tools; the candidate fails a check when it is
@@ -428,14 +430,24 @@ def agent_checks(
     - `agent_turns`, `agent_tokens`: mean turns and completion tokens per session, against the
       champion only (a better agent may well be longer than the base).
 
+    A version's weights never change, and the sessions are the same for the same arguments, so
+    with a `cache` (version -> its verdicts, owned by the caller for one set of arguments) and
+    `versions` (role -> version) a policy whose version's sessions ran before, as the candidate of
+    an earlier gate or its champion, is not run again: a gate runs the candidate's sessions only.
+
     Returns the checks and each policy's figures (`agent_figures`)."""
     runs = {"candidate": cand, "champion": champ}
     if base is not None:
         runs["base"] = base
-    verdicts = {
-        name: agent_verdicts(p, tasks, samples, max_turns, max_tokens, seed, temperature)
-        for name, p in runs.items()
-    }
+    verdicts = {}
+    for name, p in runs.items():
+        version = (versions or {}).get(name)
+        if cache is not None and version is not None and version in cache:
+            verdicts[name] = cache[version]
+            continue
+        verdicts[name] = agent_verdicts(p, tasks, samples, max_turns, max_tokens, seed, temperature)
+        if cache is not None and version is not None:
+            cache[version] = verdicts[name]
     figures = {name: agent_figures(v) for name, v in verdicts.items()}
     c = verdicts["candidate"]
     rates = (  # name, what, per turn?, bad count of one verdict

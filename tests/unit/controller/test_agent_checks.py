@@ -145,3 +145,35 @@ def test_the_gate_samples_agent_turns_at_its_agent_temperature(monkeypatch):
         cfg,
     )
     assert seen == [0.6, 0.6]  # the candidate's sessions and the champion's
+
+
+def test_a_versions_sessions_run_once_across_gates(monkeypatch):
+    """With the runner's cache, a version's sessions run once: the next gate's champion (this
+    gate's candidate) and the base are read back, and only the new candidate runs."""
+    runs = {
+        "v1": [_verdict(True)] * 24,
+        "v2": [_verdict(True)] * 20 + [_verdict(False)] * 4,
+        "v3": [_verdict(True)] * 22 + [_verdict(False)] * 2,
+    }
+    ran: list[str] = []
+
+    def sessions(policy, *args):
+        ran.append(policy)
+        return runs[policy]
+
+    monkeypatch.setattr(monitors, "agent_verdicts", sessions)
+    cache: dict[str, list[Verdict]] = {}
+    first, _ = monitors.agent_checks(
+        "v2", "v1", None, tasks=[], cache=cache, versions={"candidate": "2", "champion": "1"}, **KW
+    )
+    assert ran == ["v2", "v1"] and set(cache) == {"1", "2"}
+    second, figures = monitors.agent_checks(
+        "v3", "v2", "v1", tasks=[], cache=cache,
+        versions={"candidate": "3", "champion": "2", "base": "1"}, **KW,
+    )  # fmt: skip
+    assert ran == ["v2", "v1", "v3"], "the champion's and the base's sessions are read back"
+    assert figures["champion"]["task_success"] == pytest.approx(20 / 24)
+    assert figures["base"]["task_success"] == 1.0
+    uncached, _ = monitors.agent_checks("v3", "v2", "v1", tasks=[], **KW)
+    assert ran[3:] == ["v3", "v2", "v1"]
+    assert [c.as_dict() for c in second] == [c.as_dict() for c in uncached]
