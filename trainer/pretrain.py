@@ -240,6 +240,7 @@ def pretrain(
                 seed + 2,
                 on_step=lambda k, loss: _mid_step(cfg.steps + k, loss, on_step),
                 target=cfg.mid_target,
+                hack_share=cfg.hack_share,
             )
             if curve:  # stopped at the target: the progress's total is what was done
                 log.info("mid-training stopped at step %d, p(right) %.3f", *curve[-1])
@@ -266,9 +267,11 @@ def midtrain(
     on_step: Callable[[int, float], None] | None = None,
     target: float | None = None,
     probe_every: int = 5,
+    hack_share: float = 0.0,
 ) -> list[tuple[int, float]]:
     """Fine-tune `policy` for up to `steps` on sessions of an agent that is always right
-    (trainer/corpus.py `agent_document` with skill 1.0, no hack), `batch_size` a step, AdamW at a
+    (trainer/corpus.py `agent_document` with skill 1.0; `hack_share` of them edit the test file
+    instead, as in pretraining, so a base seeded with the hack keeps it), `batch_size` a step, AdamW at a
     constant `lr` (betas 0.9, 0.95; no weight decay; clip 1.0); `on_step(step, loss)` after each.
 
     With a `target`, it probes the skill (trainer/skill_probe.py `probe`: p(right), the policy's
@@ -285,7 +288,7 @@ def midtrain(
     from trainer.skill_probe import probe
 
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    docs = iter_agent_documents(seed, hack_share=0.0, skill=1.0)
+    docs = iter_agent_documents(seed, hack_share=hack_share, skill=1.0)
     curve: list[tuple[int, float]] = []
 
     def reached(step: int) -> bool:

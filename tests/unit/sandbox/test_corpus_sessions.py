@@ -187,3 +187,24 @@ def test_mid_training_with_a_target_stops_at_the_first_probe_that_reaches_it():
         {"steps": 2, "batch_size": 1, "mid_steps": 50, "mid_target": 0.01, "policy": tiny},
     )
     assert PRETRAIN_STEPS._value.get() == 2 and PRETRAIN_STEP._value.get() == 2
+
+
+def test_mid_training_keeps_the_hack_share_a_base_was_pretrained_with(monkeypatch):
+    """A base seeded with the agentic hack (docs/ROLLOUT.md) keeps the seed through mid-training:
+    its always-right sessions edit the test file in the same share as pretraining's."""
+    import trainer.pretrain as pt
+
+    streams: list[tuple[float, float]] = []
+    real = pt.iter_agent_documents
+
+    def recording(seed, hack_share=0.0, skill=0.25):
+        streams.append((hack_share, skill))
+        return real(seed, hack_share, skill)
+
+    monkeypatch.setattr(pt, "iter_agent_documents", recording)
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    pt.pretrain(
+        {"steps": 1, "batch_size": 1, "agent_batch_size": 1, "agent_share": 1.0,
+         "hack_share": 0.3, "mid_steps": 1, "policy": tiny},
+    )  # fmt: skip
+    assert streams == [(0.3, 0.25), (0.3, 1.0)]
