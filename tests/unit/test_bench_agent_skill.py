@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
 import torch
 
 from app.sandbox.tasks import OPS
@@ -43,6 +44,9 @@ def test_the_probe_is_a_distribution_per_verb_over_the_four_operators():
     for verb, row in result["by_verb"].items():
         assert len(row) == 4 and abs(sum(row) - 1.0) < 0.01, (verb, row)
     assert 0.0 < result["p_right"] < 1.0 and 0.0 < result["mass"] <= 1.0
+    right = [row[OPS_BYTES.index(OPS[verb][0])] for verb, row in result["by_verb"].items()]
+    assert result["p_right_min"] == pytest.approx(min(right), abs=1e-3)
+    assert result["p_right_min"] <= result["p_right"]
 
 
 def test_the_supervised_bound_trains_probes_and_saves_each_step(tmp_path):
