@@ -114,11 +114,12 @@ AGENT_DEMO_ENV = {
     "FLYWHEEL_TRAINER_PRETRAIN_STEPS": "700",
     "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE": "0.7",
     # ... then mid-training on sessions of an agent that is always right, stopped where the base
-    # starts to hold the tasks' skill: p(right) 0.35 on the probe (trainer/skill_probe.py), about
-    # half the held-out tasks at temperature 0.6. Pretraining alone leaves it at chance (0.25)
-    # whatever its length, and the skill then appears all at once, at a step that depends on the
-    # base (docs/TRAINER.md "Why it falls short"): a fixed 225 steps gave a base at 0.98
-    "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",  # a cap: the onset came at 120-130 steps at 1e-3
+    # starts to hold the tasks' skill: p(right) 0.35 on the probe (trainer/skill_probe.py; a run's
+    # base: step 95, held-out task success 0.359 at temperature 0.6). Pretraining alone leaves it
+    # at chance (0.25) whatever its length, and the skill then appears all at once, at a step that
+    # depends on the base (docs/TRAINER.md "Why it falls short"): a fixed 225 steps gave a base
+    # at 0.98, and the onset came at 80-130 steps at 1e-3; 400 is a cap
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET": "0.35",
     # one rollout is a whole session here (about four turns); 64 a version (four steps of 16)
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "64",
