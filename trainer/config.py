@@ -210,7 +210,7 @@ class TrainerConfig(FlywheelSettings):
         None,
         gt=0,
         le=1,
-        description="Stop mid-training at the first probe (every 5 steps) whose p(right), the base's mass on the verb's operator over 48 held-out agent tasks, reaches this (trainer/skill_probe.py); `PRETRAIN_MID_STEPS` is then a cap. The skill appears all at once, at a step that depends on the base: the target stops at its onset on any base (docs/TRAINER.md \"Why it falls short\"). Unset: all `PRETRAIN_MID_STEPS`.",
+        description="Stop mid-training at the first probe (every 5 steps) whose p(right), the base's mass on the verb's operator over 48 held-out agent tasks, reaches this (trainer/skill_probe.py); `PRETRAIN_MID_STEPS` is then a cap. The skill appears all at once, at a step that depends on the base, so a target stops near its onset on any base; the mean can reach it on one verb while the others are at chance (docs/TRAINER.md \"Why it falls short\"). Unset: all `PRETRAIN_MID_STEPS`.",
     )
     pretrain_threads: int | None = Field(
         None,

@@ -242,7 +242,7 @@ def pretrain(
                 target=cfg.mid_target,
                 hack_share=cfg.hack_share,
             )
-            if curve:  # stopped at the target: the progress's total is what was done
+            if curve:  # probed: the progress's total is the steps taken (fewer at the target)
                 log.info("mid-training stopped at step %d, p(right) %.3f", *curve[-1])
                 PRETRAIN_STEPS.set(cfg.steps + curve[-1][0])
                 PRETRAIN_STEP.set(cfg.steps + curve[-1][0])
@@ -282,9 +282,10 @@ def midtrain(
     The verb-to-operator choice appears all at once, at a step that depends on the base and the
     sessions' stream (docs/TRAINER.md "Why it falls short" measures it with bench/agent_skill.py;
     at 3e-4 after 175 steps on one base and not within 400 on another): a fixed step count lands
-    before the onset on one base and past it on another, and the target stops at the onset on
-    both, leaving a base that holds the skill weakly for the agent demo's RL to sharpen. Leaves
-    `policy` in train mode."""
+    before the onset on one base and past it on another, and the target stops near the onset on
+    both. The mean can reach the target on one verb while the others are at chance (measured:
+    `sub` 0.64, the rest near 0.27 at a mean of 0.361), which the probe's `p_right_min` shows.
+    Leaves `policy` in train mode."""
     from trainer.skill_probe import probe
 
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -324,7 +325,6 @@ def midtrain(
             )
     else:
         reached(steps)
-    policy.train()
     return curve
 
 
