@@ -36,27 +36,29 @@ def test_roles_started_together_have_distinct_default_ports():
     )
 
 
-# a stand-in for `flywheel run`: installs its signal handling, then waits in a try/except KeyboardInterrupt
+# a stand-in for `flywheel run`: installs its signal handling, then waits as the run's view does
+# (on STOP, in a try/except KeyboardInterrupt). A signal that lands while the interpreter runs a
+# finaliser has its KeyboardInterrupt swallowed; the handler's STOP still ends the wait, as in the run.
 _RUN_LIKE = (
-    "import time\nfrom app.run import _stop_on_signals\n_stop_on_signals()\n"
-    "try:\n    print('ready', flush=True)\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n"
+    "from app.run import STOP, _stop_on_signals\n_stop_on_signals()\n"
+    "try:\n    print('ready', flush=True)\n    STOP.wait(120)\n"
+    "    print('cleanup ran' if STOP.is_set() else 'no signal came', flush=True)\n"
+    "except KeyboardInterrupt:\n    print('cleanup ran', flush=True)\n"
 )
 
 
 def _signal_a_run(sig, preexec_fn=None):
-    """Start the stand-in, send `sig` once it is ready; (stdout, return code, seconds to exit)."""
+    """Start the stand-in, send `sig` once it is ready; (stdout, return code)."""
     import subprocess
     import sys
-    import time
 
     proc = subprocess.Popen(
         [sys.executable, "-c", _RUN_LIKE], stdout=subprocess.PIPE, text=True, preexec_fn=preexec_fn
     )
     assert proc.stdout.readline().strip() == "ready"
-    t0 = time.monotonic()
     proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=30)
-    return out, proc.returncode, time.monotonic() - t0
+    out, _ = proc.communicate(timeout=180)  # the stand-in gives up waiting after 120 s
+    return out, proc.returncode
 
 
 def test_sigterm_stops_the_run_like_ctrl_c():
@@ -64,9 +66,8 @@ def test_sigterm_stops_the_run_like_ctrl_c():
     role, which run in their own sessions) instead of dying and orphaning them."""
     import signal
 
-    out, rc, took = _signal_a_run(signal.SIGTERM)
+    out, rc = _signal_a_run(signal.SIGTERM)
     assert "cleanup ran" in out and rc == 0, (out, rc)
-    assert took < 30
 
 
 def test_ctrl_c_stops_the_run_even_when_sigint_was_inherited_as_ignored():
@@ -74,7 +75,7 @@ def test_ctrl_c_stops_the_run_even_when_sigint_was_inherited_as_ignored():
     (the test suite launched that way once, and `flywheel run` then ignored the e2e test's Ctrl-C)."""
     import signal
 
-    out, rc, _ = _signal_a_run(
+    out, rc = _signal_a_run(
         signal.SIGINT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
     )
     assert "cleanup ran" in out and rc == 0, (out, rc)
