@@ -113,14 +113,16 @@ AGENT_DEMO_ENV = {
     # 700 steps, 70% of them on agent sessions (docs/TRAINER.md "Agents")
     "FLYWHEEL_TRAINER_PRETRAIN_STEPS": "700",
     "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE": "0.7",
-    # ... then mid-training on sessions of an agent that is always right, stopped where the base
-    # starts to hold the tasks' skill: p(right) 0.35 on the probe (trainer/skill_probe.py; a run's
-    # base: step 95, held-out task success 0.359 at temperature 0.6). Pretraining alone leaves it
-    # at chance (0.25) whatever its length, and the skill then appears all at once, at a step that
-    # depends on the base (docs/TRAINER.md "Why it falls short"): a fixed 225 steps gave a base
-    # at 0.98, and the onset came at 80-130 steps at 1e-3; 400 is a cap
+    # ... then mid-training on sessions of an agent that is always right: pretraining alone leaves
+    # the tasks' skill at chance (p(right) 0.25 on the probe, trainer/skill_probe.py) whatever its
+    # length, and mid-training learns it late and one verb at a time, so stopping at a mean of 0.35
+    # gave a base holding one verb, which the loop did not spread. It trains on to 0.7, past the
+    # onset of every verb (about 200 steps at 1e-3; 400 is a cap), and is scaled back along the
+    # line to the pretrained weights to 0.4: a base holding all four about equally (measured: 0.37
+    # / 0.37 / 0.48 / 0.36, held-out task success 0.484; docs/TRAINER.md "Why it falls short")
     "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",
-    "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET": "0.35",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET": "0.4",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK": "0.7",
     # one rollout is a whole session here (about four turns); 64 a version (four steps of 16)
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "64",
     # each task worked by 4 sessions at once, one group, and only sessions above their group's
@@ -154,6 +156,7 @@ AGENT_HF_SKIP = (
     "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK",
     # tuned for the built-in policy's RL (the model keeps the trainer's own lr, HF_DEMO_SKIP)
     "FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE",
 )

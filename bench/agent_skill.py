@@ -61,6 +61,31 @@ def sft(
     return curve
 
 
+def line(
+    base: Policy,
+    mid: Policy,
+    shares: list[float],
+    save: str | None,
+    probe_tasks: int = PROBE_TASKS,
+) -> list[tuple[float, dict]]:
+    """The probe at each share `a` of the line base + a × (mid − base); `base` ends at the last."""
+    start, end = base.state_dict(), mid.state_dict()
+    start = {k: v.clone() for k, v in start.items()}
+    out = []
+    for a in shares:
+        base.load_state_dict(
+            {
+                k: start[k] + a * (v - start[k]) if v.is_floating_point() else v
+                for k, v in end.items()
+            }
+        )
+        out.append((a, probe(base, probe_tasks)))
+        print(f"a={a}: {json.dumps(out[-1][1])}", flush=True)
+        if save:
+            save_policy(base, Path(f"{save}-{a}"))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -73,12 +98,20 @@ def main() -> None:
     s.add_argument("--lr", type=float, default=3e-4)
     s.add_argument("--seed", type=int, default=12345, help="the sessions' seed")
     s.add_argument("--save", default=None, help="save the policy at each probe as SAVE-<step>")
+    li = sub.add_parser("line", help="probe the line from a base to a mid-trained policy")
+    li.add_argument("base", help="a saved policy directory")
+    li.add_argument("mid", help="a saved policy of the same architecture, e.g. an `sft --save`")
+    li.add_argument("--at", default="0,0.5,0.6,0.7,0.8,1", help="shares, comma-separated")
+    li.add_argument("--save", default=None, help="save the policy at each share as SAVE-<a>")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.cmd == "probe":
         for path in a.policies:
             print(f"{path}: {json.dumps(probe(load_policy(path)))}", flush=True)
+    elif a.cmd == "line":
+        shares = [float(x) for x in a.at.split(",")]
+        line(load_policy(a.base), load_policy(a.mid), shares, a.save)
     else:
         sft(load_policy(a.base), a.steps, a.every, a.lr, a.save, a.seed)
 

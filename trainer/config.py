@@ -210,7 +210,13 @@ class TrainerConfig(FlywheelSettings):
         None,
         gt=0,
         le=1,
-        description="Stop mid-training at the first probe (every 5 steps) whose p(right), the base's mass on the verb's operator over 48 held-out agent tasks, reaches this (trainer/skill_probe.py); `PRETRAIN_MID_STEPS` is then a cap. The skill appears all at once, at a step that depends on the base, so a target stops near its onset on any base; the mean can reach it on one verb while the others are at chance (docs/TRAINER.md \"Why it falls short\"). Unset: all `PRETRAIN_MID_STEPS`.",
+        description="The base's p(right) after mid-training: its mass on the verb's operator over 48 held-out agent tasks (trainer/skill_probe.py, probed every 5 steps; `PRETRAIN_MID_STEPS` is then a cap). Mid-training stops at the first probe that reaches it, which can be a base holding one verb with the others at chance, or, with `PRETRAIN_MID_PEAK`, is scaled back to it (docs/TRAINER.md \"Why it falls short\"). Unset: all `PRETRAIN_MID_STEPS`.",
+    )
+    pretrain_mid_peak: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="With `PRETRAIN_MID_TARGET` below it: mid-train on to the first probe at this p(right), past the onset of every verb, then scale the mid-training's update back along the straight line to the pretrained weights until the probe is at the target (trainer/pretrain.py `scale_back`): a base that holds every verb about equally.",
     )
     pretrain_threads: int | None = Field(
         None,
@@ -354,6 +360,16 @@ class TrainerConfig(FlywheelSettings):
             raise ValueError(
                 f"sequence mask range [{self.seq_mask_low}, {self.seq_mask_high}] must contain 1.0 "
                 "(set FLYWHEEL_TRAINER_SEQ_MASK_LOW <= 1 <= FLYWHEEL_TRAINER_SEQ_MASK_HIGH)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _mid_peak_above_target(self) -> TrainerConfig:
+        peak, target = self.pretrain_mid_peak, self.pretrain_mid_target
+        if peak is not None and (target is None or peak <= target):
+            raise ValueError(
+                f"FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK ({peak}) is where mid-training is scaled back "
+                f"from, so it needs FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET set below it (it is {target})"
             )
         return self
 

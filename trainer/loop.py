@@ -481,6 +481,7 @@ class Trainer:
                     "agent_skill": cfg.pretrain_agent_skill,
                     "mid_steps": cfg.pretrain_mid_steps,
                     "mid_target": cfg.pretrain_mid_target,
+                    "mid_peak": cfg.pretrain_mid_peak,
                     "threads": cfg.pretrain_threads,
                 },
                 cfg.pretrain_steps,

@@ -21,12 +21,13 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policy import build_policy, save_policy
 from policy.base import Policy
@@ -83,7 +84,16 @@ class PretrainConfig(BaseModel):
         None,
         gt=0,
         le=1,
-        description="Stop mid-training at the first probe (every 5 steps) whose p(right) reaches this (trainer/skill_probe.py); `mid_steps` is then a cap. None: all `mid_steps`.",
+        description="The base's p(right) after mid-training (trainer/skill_probe.py, probed every `mid_probe_every` steps; `mid_steps` is then a cap): mid-training stops at the first probe that reaches it, or, with `mid_peak`, is scaled back to it. None: all `mid_steps`, no probe.",
+    )
+    mid_peak: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="With `mid_target`: mid-train on to the first probe whose p(right) reaches this, past the onset of every verb, then scale the mid-training's update back to `mid_target` (`scale_back`), a base that holds every verb about equally. None: stop at the first probe at `mid_target`, which can hold one verb only.",
+    )
+    mid_probe_every: int = Field(
+        5, ge=1, description="Mid-training steps between probes (each 2.4 s on the 1.4M policy)."
     )
     mid_lr: float = Field(
         1e-3,
@@ -95,6 +105,16 @@ class PretrainConfig(BaseModel):
         ge=0,
         description="Torch threads while pretraining (None: the process's setting; 0: every core). A run's base is pretrained before any other role has work, so it may take the machine; the process's own setting is restored after.",
     )
+
+    @model_validator(mode="after")
+    def _peak_above_target(self) -> PretrainConfig:
+        if self.mid_peak is not None and (
+            self.mid_target is None or self.mid_peak <= self.mid_target
+        ):
+            raise ValueError(
+                f"mid_peak ({self.mid_peak}) needs a mid_target below it (mid_target: {self.mid_target})"
+            )
+        return self
 
 
 def _as_config(config: dict[str, Any] | PretrainConfig | None) -> PretrainConfig:
@@ -229,23 +249,30 @@ def pretrain(
                 )
         if cfg.mid_steps:
             log.info(
-                "mid-training on always-right agent sessions: %d steps%s",
+                "mid-training on always-right agent sessions: %d steps%s%s%s",
                 cfg.mid_steps,
-                "" if cfg.mid_target is None else f" at most, to p(right) {cfg.mid_target}",
+                "" if cfg.mid_target is None else " at most",
+                "" if cfg.mid_peak is None else f" to p(right) {cfg.mid_peak}, scaled back to",
+                "" if cfg.mid_target is None else f" p(right) {cfg.mid_target}",
             )
-            curve = midtrain(
+            mid = midtrain(
                 policy,
                 cfg.mid_steps,
                 cfg.mid_lr,
                 seed + 2,
                 on_step=lambda k, loss: _mid_step(cfg.steps + k, loss, on_step),
                 target=cfg.mid_target,
+                probe_every=cfg.mid_probe_every,
                 hack_share=cfg.hack_share,
+                peak=cfg.mid_peak,
             )
-            if curve:  # probed: the progress's total is the steps taken (fewer at the target)
-                log.info("mid-training stopped at step %d, p(right) %.3f", *curve[-1])
-                PRETRAIN_STEPS.set(cfg.steps + curve[-1][0])
-                PRETRAIN_STEP.set(cfg.steps + curve[-1][0])
+            if mid.skill is not None:  # probed: the progress's total is the steps taken
+                log.info(
+                    "mid-training: %d steps, %.3f of its update kept, p(right) %.3f (least verb %.3f)",
+                    mid.steps, mid.scale, mid.skill["p_right"], mid.skill["p_right_min"],
+                )  # fmt: skip
+                PRETRAIN_STEPS.set(cfg.steps + mid.steps)
+                PRETRAIN_STEP.set(cfg.steps + mid.steps)
     policy.eval()
     policy.set_kernels(serve_kernels)
     return policy
@@ -258,6 +285,18 @@ def _mid_step(step: int, loss: float, on_step: Callable[[int, float], None] | No
         on_step(step, loss)
 
 
+@dataclass
+class MidTraining:
+    """What `midtrain` did: its probes as (steps taken, p(right)), the steps it took, the share of
+    its update the policy kept (`scale`: 1.0 unless scaled back to the target) and the policy's last
+    probe (trainer/skill_probe.py `probe`; None when it did not probe)."""
+
+    probes: list[tuple[int, float]] = field(default_factory=list)
+    steps: int = 0
+    scale: float = 1.0
+    skill: dict | None = None
+
+
 def midtrain(
     policy: Policy,
     steps: int,
@@ -268,38 +307,42 @@ def midtrain(
     target: float | None = None,
     probe_every: int = 5,
     hack_share: float = 0.0,
-) -> list[tuple[int, float]]:
+    peak: float | None = None,
+) -> MidTraining:
     """Fine-tune `policy` for up to `steps` on sessions of an agent that is always right
     (trainer/corpus.py `agent_document` with skill 1.0; `hack_share` of them edit the test file
     instead, as in pretraining, so a base seeded with the hack keeps it), `batch_size` a step, AdamW at a
     constant `lr` (betas 0.9, 0.95; no weight decay; clip 1.0); `on_step(step, loss)` after each.
 
     With a `target`, it probes the skill (trainer/skill_probe.py `probe`: p(right), the policy's
-    mass on the verb's operator) before the first step and every `probe_every` steps, and stops at
-    the first probe at or above `target`; `steps` is then a cap. Returns the probes as
-    (steps taken, p(right)); none without a target.
+    mass on the verb's operator) before the first step and every `probe_every` steps; `steps` is
+    then a cap. Without a `peak` it stops at the first probe at or above `target`. The verb-to-
+    operator choice appears late and one verb at a time (docs/TRAINER.md "Why it falls short"), so
+    the mean can reach the target on one verb while the others are at chance (measured: `sub` 0.64,
+    the rest near 0.27 at a mean of 0.361).
 
-    The verb-to-operator choice appears all at once, at a step that depends on the base and the
-    sessions' stream (docs/TRAINER.md "Why it falls short" measures it with bench/agent_skill.py;
-    at 3e-4 after 175 steps on one base and not within 400 on another): a fixed step count lands
-    before the onset on one base and past it on another, and the target stops near the onset on
-    both. The mean can reach the target on one verb while the others are at chance (measured:
-    `sub` 0.64, the rest near 0.27 at a mean of 0.361), which the probe's `p_right_min` shows.
-    Leaves `policy` in train mode."""
+    With a `peak` as well, it trains on to the first probe at or above `peak`, past the onset of
+    every verb, and then scales its update back (`scale_back`) until the probe is at `target`: the
+    straight line from the weights it started from to those it reached passes through bases that
+    hold every verb about equally (measured: 0.37 / 0.37 / 0.48 / 0.36 at a mean of 0.39, from an
+    end point at 0.71). Leaves `policy` in train mode."""
     from trainer.skill_probe import probe
 
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     docs = iter_agent_documents(seed, hack_share=hack_share, skill=1.0)
-    curve: list[tuple[int, float]] = []
+    done = MidTraining()
+    start = {k: v.detach().clone() for k, v in policy.state_dict().items()} if peak else None
+    stop_at = peak if peak is not None else target
 
     def reached(step: int) -> bool:
-        if target is None or (step % probe_every and step != steps):
+        if stop_at is None or (step % probe_every and step != steps):
             return False
-        p = probe(policy)["p_right"]
-        curve.append((step, p))
+        done.skill = probe(policy)
+        p = done.skill["p_right"]
+        done.probes.append((step, p))
         MID_SKILL.set(p)
-        log.info("mid-training step %d: p(right) %.3f (target %.3f)", step, p, target)
-        return p >= target
+        log.info("mid-training step %d: p(right) %.3f (stops at %.3f)", step, p, stop_at)
+        return p >= stop_at
 
     policy.train()
     t0 = time.perf_counter()
@@ -312,6 +355,7 @@ def midtrain(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
+        done.steps = step + 1
         assert math.isfinite(loss.item()), f"mid-training diverged at step {step}: {loss.item()}"
         if on_step is not None:
             on_step(step, loss.item())
@@ -325,7 +369,60 @@ def midtrain(
             )
     else:
         reached(steps)
-    return curve
+    if start is not None and target is not None and done.skill is not None:
+        if done.skill["p_right"] < peak:
+            log.warning(
+                "mid-training reached p(right) %.3f in %d steps, short of its peak %.3f",
+                done.skill["p_right"], steps, peak,
+            )  # fmt: skip
+        done.scale, done.skill = scale_back(policy, start, target, done.skill)
+        MID_SKILL.set(done.skill["p_right"])
+    return done
+
+
+def scale_back(
+    policy: Policy,
+    start: dict[str, torch.Tensor],
+    target: float,
+    reached: dict,
+    tol: float = 0.01,
+    max_probes: int = 8,
+) -> tuple[float, dict]:
+    """Move `policy` back along the straight line to the weights `start` (start + a × (now − start))
+    to the `a` whose probe's p(right) is nearest `target`, by bisection on [0, 1] (p(right) rises
+    along it: docs/TRAINER.md "Why it falls short"): at most `max_probes` probes, done within `tol`.
+    `reached` is the probe at a = 1; a policy at or below the target is left where it is. Returns
+    (a, the probe there)."""
+    from trainer.skill_probe import probe
+
+    if reached["p_right"] <= target:
+        return 1.0, reached
+    end = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+
+    def at(a: float) -> dict:
+        policy.load_state_dict(
+            {
+                k: start[k] + a * (v - start[k]) if v.is_floating_point() else v
+                for k, v in end.items()
+            }
+        )
+        return probe(policy)
+
+    best, lo, hi = (1.0, reached), 0.0, 1.0
+    for _ in range(max_probes):
+        a = (lo + hi) / 2
+        skill = at(a)
+        log.info(
+            "mid-training scaled back to %.3f of its update: p(right) %.3f", a, skill["p_right"]
+        )
+        if abs(skill["p_right"] - target) < abs(best[1]["p_right"] - target):
+            best = (a, skill)
+        if abs(skill["p_right"] - target) <= tol:
+            break
+        lo, hi = (a, hi) if skill["p_right"] < target else (lo, a)
+    if best[0] != a:
+        at(best[0])
+    return best
 
 
 def pretrain_to_dir(

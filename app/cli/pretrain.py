@@ -48,7 +48,13 @@ def pretrain_cmd(
     mid_target: Annotated[
         float | None,
         typer.Option(
-            help="Stop mid-training once the probe's p(right) reaches this (probed every 5 steps; --mid-steps is then a cap)."
+            help="The base's p(right) after mid-training (probed every 5 steps; --mid-steps is then a cap): it stops at the first probe there, or, with --mid-peak, is scaled back to it."
+        ),
+    ] = None,
+    mid_peak: Annotated[
+        float | None,
+        typer.Option(
+            help="With --mid-target: mid-train on to this p(right), past the onset of every verb, then scale the update back to --mid-target (a base that holds every verb about equally)."
         ),
     ] = None,
     policy_json: Annotated[
@@ -90,6 +96,7 @@ def pretrain_cmd(
                 "agent_skill": agent_skill,
                 "mid_steps": mid_steps,
                 "mid_target": mid_target,
+                "mid_peak": mid_peak,
                 "policy": json.loads(policy_json) if policy_json else None,
             },
             steps=steps,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from app.sandbox.tasks import OPS
-from bench.agent_skill import sft
+from bench.agent_skill import line, sft
 from policy import build_policy
 from policy.checkpoint import load_policy
 from policy.tokenizer import ByteTokenizer
@@ -60,3 +60,20 @@ def test_the_supervised_bound_trains_probes_and_saves_each_step(tmp_path):
     saved = load_policy(tmp_path / "mid-2")
     assert any(not torch.equal(before[k], v) for k, v in saved.state_dict().items())
     assert probe(saved, n_tasks=2) == curve[-1][1], "the saved policy is the one probed"
+
+
+def test_the_line_from_a_base_to_a_mid_trained_policy_probes_and_saves_each_share(tmp_path):
+    """Share 0 is the base, 1 the mid-trained policy, and a share between is neither; each is saved."""
+    torch.manual_seed(0)
+    base, mid = build_policy(TINY), build_policy(TINY)  # the same weights: build_policy seeds
+    with torch.no_grad():
+        for w in mid.parameters():
+            w.add_(torch.randn_like(w))
+    at_base, at_mid = probe(base, n_tasks=4), probe(mid, n_tasks=4)
+    out = line(base, mid, [0.0, 0.5, 1.0], str(tmp_path / "line"), probe_tasks=4)
+    assert [a for a, _ in out] == [0.0, 0.5, 1.0]
+    p = [r["p_right"] for _, r in out]  # base + 1 × (mid − base) is mid up to rounding
+    assert p[0] == pytest.approx(at_base["p_right"], abs=2e-3)
+    assert p[2] == pytest.approx(at_mid["p_right"], abs=2e-3)
+    assert out[1][1]["by_verb"] not in (at_base["by_verb"], at_mid["by_verb"])
+    assert probe(load_policy(tmp_path / "line-0.5"), n_tasks=4) == out[1][1]

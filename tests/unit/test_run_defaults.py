@@ -126,8 +126,10 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert env["FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE"] == "0.7"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_STEPS"] == "700"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_THREADS"] == "0"  # the base takes the machine
-    # mid-trained to the skill's onset, then groups of 4 with positive-only advantages at 1e-4
-    assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET"] == "0.35"
+    # mid-trained past every verb's onset and scaled back to 0.4, then groups of 4 with
+    # positive-only advantages at 1e-4
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET"] == "0.4"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK"] == "0.7"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS"] == "400"
     assert env["FLYWHEEL_SIMULATE_AGENT_PARALLEL"] == "4"
     assert env["FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE"] == "0"
@@ -147,7 +149,14 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert "FLYWHEEL_TRAINER_PRETRAIN_AGENT_SHARE" not in hf and set(AGENT_HF_SKIP) <= set(
         AGENT_DEMO_ENV
     )
-    for built_in_only in ("MAX_WAIT_S", "LR", "AGENT_TEMPERATURE", "MID_TARGET", "NEGATIVE_SCALE"):
+    for built_in_only in (
+        "MAX_WAIT_S",
+        "LR",
+        "AGENT_TEMPERATURE",
+        "MID_TARGET",
+        "MID_PEAK",
+        "NEGATIVE_SCALE",
+    ):
         assert not [k for k in hf if k.endswith(f"_{built_in_only}")], built_in_only
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from app.sandbox.sandbox import TOOLS, Sandbox
@@ -166,27 +167,85 @@ def test_mid_training_with_a_target_stops_at_the_first_probe_that_reaches_it():
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     p0 = probe(policy)["p_right"]
     steps: list[int] = []
-    curve = midtrain(policy, 5, 1e-2, seed=1, batch_size=1, on_step=lambda k, _: steps.append(k))
-    assert curve == [], "no target: no probe"
-    assert steps == [0, 1, 2, 3, 4]
+    done = midtrain(policy, 5, 1e-2, seed=1, batch_size=1, on_step=lambda k, _: steps.append(k))
+    assert done.probes == [] and done.skill is None, "no target: no probe"
+    assert steps == [0, 1, 2, 3, 4] and done.steps == 5 and done.scale == 1.0
 
     policy.load_state_dict(before)
-    curve = midtrain(policy, 5, 1e-2, seed=1, batch_size=1, target=p0 / 2)
-    assert curve == [(0, p0)] and MID_SKILL._value.get() == p0
+    done = midtrain(policy, 5, 1e-2, seed=1, batch_size=1, target=p0 / 2)
+    assert done.probes == [(0, p0)] and done.steps == 0 and MID_SKILL._value.get() == p0
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
     steps.clear()
-    curve = midtrain(
+    done = midtrain(
         policy, 5, 1e-2, seed=1, batch_size=1, target=1.0, probe_every=2,
         on_step=lambda k, _: steps.append(k),
     )  # fmt: skip
-    assert [k for k, _ in curve] == [0, 2, 4, 5] and all(p < 1.0 for _, p in curve)
-    assert steps == [0, 1, 2, 3, 4]
+    assert [k for k, _ in done.probes] == [0, 2, 4, 5] and all(p < 1.0 for _, p in done.probes)
+    assert steps == [0, 1, 2, 3, 4] and done.skill == probe(policy)
 
     pretrain(
         {"steps": 2, "batch_size": 1, "mid_steps": 50, "mid_target": 0.01, "policy": tiny},
     )
     assert PRETRAIN_STEPS._value.get() == 2 and PRETRAIN_STEP._value.get() == 2
+
+
+def _on_the_line(policy, start, end, a):
+    return all(
+        torch.allclose(v, start[k] + a * (end[k] - start[k]), atol=1e-6)
+        for k, v in policy.state_dict().items()
+        if v.is_floating_point()
+    )
+
+
+def test_mid_training_to_a_peak_is_scaled_back_toward_the_target():
+    """With a peak, mid-training trains to it (here: never reached, so to the cap) and then moves
+    the policy back along the line from its starting weights (`scale_back`, bisection): the policy
+    ends on that line at the returned share, its probe is the one returned, and it is nearer the
+    target than the end point was. A policy already at or below the target stays where it is."""
+    from trainer.metrics import MID_SKILL
+    from trainer.pretrain import PretrainConfig, midtrain, scale_back
+    from trainer.skill_probe import probe
+
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    torch.manual_seed(0)
+    policy = build_policy(tiny)
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    done = midtrain(policy, 4, 5e-2, seed=1, batch_size=1, target=0.01, peak=1.0, probe_every=2)
+    assert [k for k, _ in done.probes] == [0, 2, 4] and done.steps == 4
+    assert 0.0 < done.scale < 1.0 and done.skill == probe(policy) and policy.training
+    assert MID_SKILL._value.get() == done.skill["p_right"]
+    # the end point: the same 4 steps again from the start
+    policy.load_state_dict(start)
+    midtrain(policy, 4, 5e-2, seed=1, batch_size=1)
+    end = {k: v.clone() for k, v in policy.state_dict().items()}
+    reached = probe(policy)
+    policy.load_state_dict({k: start[k] + done.scale * (end[k] - start[k]) if v.is_floating_point() else v for k, v in end.items()})  # fmt: skip
+    assert probe(policy) == done.skill, "the scaled-back policy is that share of the update"
+    assert abs(done.skill["p_right"] - 0.01) <= abs(reached["p_right"] - 0.01)
+
+    policy.load_state_dict(end)
+    assert scale_back(policy, start, 1.0, reached) == (1.0, reached)
+    assert _on_the_line(policy, start, end, 1.0), "at or below the target: not moved"
+    target = _probe_at(policy, start, end)["p_right"]  # reachable, at the line's start
+    a, skill = scale_back(policy, start, target, reached, tol=0.0, max_probes=3)
+    assert _on_the_line(policy, start, end, a) and skill == probe(policy)
+    assert a in (0.125, 0.25, 0.375, 0.5, 0.75, 1.0), "a bisection point of [0, 1], or not moved"
+
+    with pytest.raises(ValueError, match="mid_peak"):
+        PretrainConfig(mid_target=0.4, mid_peak=0.3)
+    with pytest.raises(ValueError, match="mid_peak"):
+        PretrainConfig(mid_peak=0.7)
+
+
+def _probe_at(policy, start, end):
+    """The probe at the start of the line, leaving the policy at its end."""
+    from trainer.skill_probe import probe
+
+    policy.load_state_dict(start)
+    p = probe(policy)
+    policy.load_state_dict(end)
+    return p
 
 
 def test_mid_training_keeps_the_hack_share_a_base_was_pretrained_with(monkeypatch):

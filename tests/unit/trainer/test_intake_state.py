@@ -138,6 +138,11 @@ def test_config_reads_env_prefix_and_rejects_bad_values(monkeypatch):
         TrainerConfig(seq_mask_low=1.5)
     with pytest.raises(ValidationError, match="PAUSE_AT"):
         TrainerConfig(pause_at="somewhere")
+    with pytest.raises(ValidationError, match="PRETRAIN_MID_TARGET set below it"):
+        TrainerConfig(pretrain_mid_peak=0.7)  # scaled back to what?
+    with pytest.raises(ValidationError, match="PRETRAIN_MID_TARGET set below it"):
+        TrainerConfig(pretrain_mid_peak=0.4, pretrain_mid_target=0.5)
+    assert TrainerConfig(pretrain_mid_peak=0.7, pretrain_mid_target=0.4).pretrain_mid_peak == 0.7
     monkeypatch.setenv("FLYWHEEL_TRAINER_POLICY", "{not json")
     with pytest.raises(ValidationError, match="JSON object"):
         TrainerConfig()
