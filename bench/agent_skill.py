@@ -25,6 +25,7 @@ import torch
 
 from policy.base import Policy
 from policy.checkpoint import load_policy, save_policy
+from trainer.pretrain import on_line
 from trainer.skill_probe import PROBE_TASKS, probe
 
 
@@ -73,12 +74,7 @@ def line(
     start = {k: v.clone() for k, v in start.items()}
     out = []
     for a in shares:
-        base.load_state_dict(
-            {
-                k: start[k] + a * (v - start[k]) if v.is_floating_point() else v
-                for k, v in end.items()
-            }
-        )
+        base.load_state_dict(on_line(start, end, a))
         out.append((a, probe(base, probe_tasks)))
         print(f"a={a}: {json.dumps(out[-1][1])}", flush=True)
         if save:

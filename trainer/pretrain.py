@@ -380,6 +380,16 @@ def midtrain(
     return done
 
 
+def on_line(
+    start: dict[str, torch.Tensor], end: dict[str, torch.Tensor], a: float
+) -> dict[str, torch.Tensor]:
+    """The state dict at share `a` of the straight line from `start` to `end` (start + a × (end −
+    start)); non-float entries are `end`'s."""
+    return {
+        k: start[k] + a * (v - start[k]) if v.is_floating_point() else v for k, v in end.items()
+    }
+
+
 def scale_back(
     policy: Policy,
     start: dict[str, torch.Tensor],
@@ -400,12 +410,7 @@ def scale_back(
     end = {k: v.detach().clone() for k, v in policy.state_dict().items()}
 
     def at(a: float) -> dict:
-        policy.load_state_dict(
-            {
-                k: start[k] + a * (v - start[k]) if v.is_floating_point() else v
-                for k, v in end.items()
-            }
-        )
+        policy.load_state_dict(on_line(start, end, a))
         return probe(policy)
 
     best, lo, hi = (1.0, reached), 0.0, 1.0

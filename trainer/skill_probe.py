@@ -8,8 +8,9 @@ and reads the policy's next-byte distribution over `+ - * /` (normalised over th
 what the four had before). A policy that ignores the verb puts the same distribution on every
 verb; one that holds the skill puts its mass on the verb's operator.
 
-Mid-training (trainer/pretrain.py `midtrain`) probes as it goes and stops at a target p(right);
-bench/agent_skill.py measures saved policies with it (docs/TRAINER.md "Why it falls short").
+Mid-training (trainer/pretrain.py `midtrain`) probes as it goes: it stops at a target p(right),
+or trains to a peak and is scaled back to the target (`scale_back`); bench/agent_skill.py measures
+saved policies with it (docs/TRAINER.md "Why it falls short").
 """
 
 from __future__ import annotations

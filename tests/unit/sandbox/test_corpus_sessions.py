@@ -191,11 +191,10 @@ def test_mid_training_with_a_target_stops_at_the_first_probe_that_reaches_it():
 
 
 def _on_the_line(policy, start, end, a):
-    return all(
-        torch.allclose(v, start[k] + a * (end[k] - start[k]), atol=1e-6)
-        for k, v in policy.state_dict().items()
-        if v.is_floating_point()
-    )
+    from trainer.pretrain import on_line
+
+    at = on_line(start, end, a)
+    return all(torch.allclose(v, at[k], atol=1e-6) for k, v in policy.state_dict().items())
 
 
 def test_mid_training_to_a_peak_is_scaled_back_toward_the_target():
@@ -204,7 +203,7 @@ def test_mid_training_to_a_peak_is_scaled_back_toward_the_target():
     ends on that line at the returned share, its probe is the one returned, and it is nearer the
     target than the end point was. A policy already at or below the target stays where it is."""
     from trainer.metrics import MID_SKILL
-    from trainer.pretrain import PretrainConfig, midtrain, scale_back
+    from trainer.pretrain import PretrainConfig, midtrain, on_line, scale_back
     from trainer.skill_probe import probe
 
     tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
@@ -220,7 +219,7 @@ def test_mid_training_to_a_peak_is_scaled_back_toward_the_target():
     midtrain(policy, 4, 5e-2, seed=1, batch_size=1)
     end = {k: v.clone() for k, v in policy.state_dict().items()}
     reached = probe(policy)
-    policy.load_state_dict({k: start[k] + done.scale * (end[k] - start[k]) if v.is_floating_point() else v for k, v in end.items()})  # fmt: skip
+    policy.load_state_dict(on_line(start, end, done.scale))
     assert probe(policy) == done.skill, "the scaled-back policy is that share of the update"
     assert abs(done.skill["p_right"] - 0.01) <= abs(reached["p_right"] - 0.01)
 
