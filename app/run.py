@@ -118,8 +118,8 @@ AGENT_DEMO_ENV = {
     # length, and mid-training learns it late and one verb at a time, so stopping at a mean of 0.35
     # gave a base holding one verb, which the loop did not spread. It trains on to 0.7, past the
     # onset of every verb (about 200 steps at 1e-3; 400 is a cap), and is scaled back along the
-    # line to the pretrained weights to 0.4: a base holding all four about equally (measured: 0.37
-    # / 0.37 / 0.48 / 0.36, held-out task success 0.484; docs/TRAINER.md "Why it falls short")
+    # line to the pretrained weights to 0.4: a base holding all four (measured on two: 0.37 / 0.37
+    # / 0.48 / 0.36 and 0.29 / 0.54 / 0.45 / 0.37; docs/TRAINER.md "Why it falls short")
     "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET": "0.4",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK": "0.7",
