@@ -132,6 +132,10 @@ AGENT_DEMO_ENV = {
     "FLYWHEEL_SIMULATE_AGENT_PARALLEL": "4",
     "FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE": "0",
     "FLYWHEEL_TRAINER_LR": "1e-4",
+    # no self-distillation on tool errors: from the same base, with it the held-out tool errors
+    # per turn doubled (0.079 -> 0.168) and task success fell to 0.266 by v3; without it they
+    # fell (0.079 -> 0.039) and task success held (0.422 at v3; docs/TRAINER.md "Why it falls short")
+    "FLYWHEEL_TRAINER_DISTILL_COEF": "0",
     # sessions end one at a time: a step waits for a whole batch of 16 instead of stepping on the
     # 1-4 that arrived within 2 s at a learning rate scaled down to match (run 2 of docs/TRAINER.md
     # "Agents": 3.5 sessions a step on average, about a fifth of the demo's rate, and no learning)
@@ -159,6 +163,7 @@ AGENT_HF_SKIP = (
     "FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK",
     # tuned for the built-in policy's RL (the model keeps the trainer's own lr, HF_DEMO_SKIP)
     "FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE",
+    "FLYWHEEL_TRAINER_DISTILL_COEF",
 )
 
 
