@@ -216,7 +216,7 @@ class TrainerConfig(FlywheelSettings):
         None,
         gt=0,
         le=1,
-        description="With `PRETRAIN_MID_TARGET` below it: mid-train on to the first probe at this p(right), past the onset of every verb, then scale the mid-training's update back along the straight line to the pretrained weights until the probe is at the target (trainer/pretrain.py `scale_back`): a base that holds every verb about equally.",
+        description='With `PRETRAIN_MID_TARGET` below it: mid-train on to the first probe at this p(right), past the onset of every verb, then scale the mid-training\'s update back along the straight line to the pretrained weights until the probe is at the target (trainer/pretrain.py `scale_back`): a base that holds every verb above chance (docs/TRAINER.md "Why it falls short").',
     )
     pretrain_threads: int | None = Field(
         None,

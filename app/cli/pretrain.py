@@ -54,7 +54,7 @@ def pretrain_cmd(
     mid_peak: Annotated[
         float | None,
         typer.Option(
-            help="With --mid-target: mid-train on to this p(right), past the onset of every verb, then scale the update back to --mid-target (a base that holds every verb about equally)."
+            help="With --mid-target: mid-train on to this p(right), past the onset of every verb, then scale the update back to --mid-target (a base that holds every verb above chance)."
         ),
     ] = None,
     policy_json: Annotated[
