@@ -426,8 +426,8 @@ def scale_back(
         if abs(skill["p_right"] - target) <= tol:
             break
         lo, hi = (a, hi) if skill["p_right"] < target else (lo, a)
-    if best[0] != a:
-        at(best[0])
+    if best[0] != a:  # the best was an earlier probe: its weights, without probing again
+        policy.load_state_dict(on_line(start, end, best[0]))
     return best
 
 
