@@ -389,7 +389,7 @@ class FeedbackClient:
         except httpx.TransportError as exc:
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         if resp.status_code in RETRY_STATUSES:
-            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}", _retry_after(resp))
+            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}", retry_after(resp))
         return resp
 
     def _wait(self, state: RetryCallState) -> float:
@@ -461,7 +461,8 @@ def _merge(refused: list[FeedbackRejected], accepted: int) -> FeedbackRejected:
     return FeedbackRejected(refused[0].status_code, errors, events, accepted)
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
+def retry_after(resp: httpx.Response) -> float | None:
+    """A response's Retry-After in seconds (at most MAX_RETRY_AFTER_S); None when absent or a date."""
     value = resp.headers.get("retry-after")
     try:
         return min(MAX_RETRY_AFTER_S, max(0.0, float(value))) if value is not None else None

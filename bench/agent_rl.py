@@ -14,8 +14,11 @@ with the policy's probability of the right operator on 48 held-out tasks (`p_rig
 bench/agent_skill.py `probe`: the skill itself, without the sampling noise of 32 sessions).
 
 What it leaves out, so read its numbers as the direction of a setting, not the loop's: the KL
-term to the champion, self-distillation at tool-error turns, routes replay, importance weights of
-stale rollouts, users who misjudge 5% of sessions, and the gate.
+term to the champion, self-distillation at tool-error turns, importance weights of stale
+rollouts, and the gate. `--reported` rewards what the loop's agent users report (an outcome they
+misjudge now and then, ratings now and then) instead of the truth; `--replay-routes` replays the
+experts each sampled token was routed to, as the trainer does; `--probe-every K` prints the skill
+every K optimizer steps.
 
     .venv/bin/python -m bench.agent_rl BASE_DIR --lr 3e-5 --temperature 0.6 --versions 3
     .venv/bin/python -m bench.agent_rl BASE_DIR --lr 1e-4 --warmup 8 --threads 1 --eval-tasks 16
@@ -42,16 +45,18 @@ from app.sandbox.sandbox import Sandbox
 from app.sandbox.session import AgentSession, run_sessions
 from app.sandbox.tasks import tasks
 from app.simulate.agent_eval import scores
+from app.simulate.agents import AgentUser
 from bench.agent_skill import probe
 from policy.checkpoint import load_policy
-from streams.reward import KNOWN_SPECS
-from trainer.objective import advantages
+from streams.reward import KNOWN_SPECS, compute_reward, outcome_value, resolve_spec
+from trainer.objective import ADV_SCALES, advantages
 
 MAX_TOKENS, MAX_TURNS = 192, 6
 
 
 def sample(policy, sessions, temperature: float, seed: int, record: dict) -> None:
-    """`run_sessions`, keeping each turn's (prompt ids, sampled ids) in `record[session_id]`."""
+    """`run_sessions`, keeping each turn's (prompt ids, sampled ids, routes) in
+    `record[session_id]`."""
     run_sessions(
         policy,
         sessions,
@@ -59,7 +64,7 @@ def sample(policy, sessions, temperature: float, seed: int, record: dict) -> Non
         temperature=temperature,
         seed=seed,
         on_sample=lambda s, ids, sm: record.setdefault(s.session_id, []).append(
-            (ids, list(sm.tokens))
+            (ids, list(sm.tokens), sm.routes)
         ),
     )
 
@@ -70,6 +75,23 @@ def reward(v) -> float:
     w = KNOWN_SPECS["sessions-v1"]
     outcome = "success" if v.fixed else ("abandoned" if v.gave_up else "failure")
     return w.tool_error * v.tool_errors + w.outcome[outcome]
+
+
+def reported_reward(user: AgentUser, session: AgentSession, v) -> float:
+    """sessions-v1 on what an agent user of the loop reports (app/simulate/agents.py `events`:
+    tool errors, an outcome the user misjudges now and then, a rating now and then), labelled as
+    the streams label it: each turn's `compute_reward` plus the session's `outcome_value`."""
+    spec = resolve_spec("sessions-v1")
+    events = user.events(session, v)
+    outcome = next((e["outcome"] for e in events if e["type"] == "session_outcome"), None)
+    by_turn: dict[str, list[dict]] = {}
+    for k, e in enumerate(events):
+        if e["type"] != "session_outcome":
+            by_turn.setdefault(e["request_id"], []).append(
+                {**e, "ts": "2026-01-01T00:00:00Z", "event_id": f"{k:06d}"}
+            )
+    turns = sum(compute_reward(spec, fb).reward for fb in by_turn.values())
+    return turns + (outcome_value(spec, outcome) or 0.0)
 
 
 def main() -> None:
@@ -93,6 +115,30 @@ def main() -> None:
         default=1.0,
         help="factor on negative advantages (1: the trainer's objective; 0: learn from the "
         "sessions that beat their baseline only)",
+    )
+    ap.add_argument(
+        "--adv-scale",
+        choices=ADV_SCALES,
+        default="group",
+        help="the trainer's FLYWHEEL_TRAINER_ADV_SCALE: group (GRPO, / group std) or none",
+    )
+    ap.add_argument(
+        "--reported",
+        action="store_true",
+        help="reward what the loop's agent users report (misjudged outcomes, ratings) instead of "
+        "the truth",
+    )
+    ap.add_argument(
+        "--replay-routes",
+        action="store_true",
+        help="replay the experts each sampled token was routed to, as the trainer does "
+        "(FLYWHEEL_TRAINER_REPLAY_ROUTES), instead of routing with the current router",
+    )
+    ap.add_argument(
+        "--probe-every",
+        type=int,
+        default=0,
+        help="print p(right operator) on the held-out probe every K optimizer steps (0: never)",
     )
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--eval-every", type=int, default=1)
@@ -123,6 +169,7 @@ def main() -> None:
         print(f"held-out v{version}: {json.dumps(figures)}", flush=True)
 
     evaluate(0)
+    steps = 0
     for version in range(1, a.versions + 1):
         record: dict = {}
         with ExitStack() as st:
@@ -135,7 +182,11 @@ def main() -> None:
             policy.eval()
             sample(policy, ss, a.temperature, 777 * version, record)
             verdicts = [s.verdict() for s in ss]
-        rewards = [reward(v) for v in verdicts]
+        if a.reported:
+            user = AgentUser(f"bench-{version}", seed=version)
+            rewards = [reported_reward(user, s, v) for s, v in zip(ss, verdicts, strict=True)]
+        else:
+            rewards = [reward(v) for v in verdicts]
         groups = [list(range(g, g + a.group)) for g in range(0, len(ss), a.group)]
         random.Random(version).shuffle(groups)
         order = [i for g in groups for i in g]
@@ -146,15 +197,19 @@ def main() -> None:
             adv = advantages(
                 torch.tensor([rewards[i] for i in idx]),
                 [f"g{i // a.group}" if a.group > 1 else None for i in idx],
+                a.adv_scale,
                 negative_scale=a.negative_scale,
             )
-            prompts, comps, advs = [], [], []
+            prompts, comps, routes, advs = [], [], [], []
             for j, i in enumerate(idx):
-                for ids, c in record[ss[i].session_id]:
+                for ids, c, r in record[ss[i].session_id]:
                     prompts.append(ids)
                     comps.append(c)
+                    routes.append(r)
                     advs.append(float(adv[j]))
-            logp = policy.logprobs(prompts, comps, None, a.temperature)
+            logp = policy.logprobs(
+                prompts, comps, routes if a.replay_routes else None, a.temperature
+            )
             mask = torch.zeros_like(logp)
             for k, c in enumerate(comps):
                 mask[k, : len(c)] = 1
@@ -164,6 +219,10 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
             opt.step()
             sched.step()
+            steps += 1
+            if a.probe_every and steps % a.probe_every == 0:
+                print(f"step {steps}: p_right_operator {probe(policy)['p_right']:.3f}", flush=True)
+                policy.train()
         n = len(verdicts)
         print(
             f"v{version}: sessions {n}, success {sum(v.fixed for v in verdicts) / n:.3f}, "

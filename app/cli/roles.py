@@ -150,7 +150,8 @@ def simulate(
             agent_stats = asyncio.run(AgentPopulation(api, api_key, replica, cfg).run(seconds))
             console.print(
                 f"sessions {agent_stats.sessions}, turns {agent_stats.turns}, events "
-                f"{agent_stats.events}, errors {agent_stats.errors}, outcomes "
+                f"{agent_stats.events}, retried turns {agent_stats.retries}, sessions interrupted "
+                f"{agent_stats.interrupted}, outcomes "
                 f"{dict(agent_stats.outcomes)}, task success by version {agent_stats.task_success()}"
             )
             return

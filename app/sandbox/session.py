@@ -39,6 +39,10 @@ class Turn:
     completion_tokens: int = 0
 
 
+# why a session ended when a replica could not serve a turn (app/simulate/agents.py)
+INTERRUPTED = "service_error"
+
+
 @dataclass
 class AgentSession:
     """One agent session on one task: the chat so far, its turns, and how it ended."""
@@ -92,6 +96,11 @@ class AgentSession:
 
     def abandon(self, why: str) -> None:
         self.abandoned = why
+
+    @property
+    def interrupted(self) -> bool:
+        """The service ended the session (a turn it could not serve), not the agent."""
+        return self.abandoned == INTERRUPTED
 
     # --- the ground truth, read at the end --------------------------------------------------------
     def verdict(self) -> Verdict:

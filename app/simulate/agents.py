@@ -44,13 +44,42 @@ from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, Field
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
+from app.client import retry_after
 from app.sandbox.sandbox import TOOLS, Sandbox
-from app.sandbox.session import AgentSession, Verdict
+from app.sandbox.session import INTERRUPTED, AgentSession, Verdict
 from app.sandbox.tasks import Task, tasks
 from app.simulate.population import Driver, now
 
 log = logging.getLogger(__name__)
+
+# a replica's answers that mean "not now, nothing generated" (queue full, no weights yet, rate limit)
+REFUSED = frozenset({429, 503})
+
+
+class _Refused(Exception):
+    """A replica refused a turn before generating anything: retried."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+_backoff = wait_exponential_jitter(initial=0.5, max=8.0)
+
+
+def _wait_retry_after(state: RetryCallState) -> float:
+    """Exponential backoff with jitter, and never less than the refusal's Retry-After."""
+    exc = state.outcome.exception() if state.outcome else None
+    return max(_backoff(state), getattr(exc, "retry_after_s", None) or 0.0)
+
 
 Outcome = Literal["success", "failure", "abandoned"]
 INVALID_CALL = (
@@ -100,7 +129,10 @@ class AgentUser:
         return "success" if self.rng.random() < p else "failure"
 
     def events(self, session: AgentSession, v: Verdict, source: str = "user") -> list[dict]:
-        """The editor's events for a finished session (without envelope fields but request_id)."""
+        """The editor's events for a finished session (without envelope fields but request_id).
+
+        A session the service interrupted (`AgentSession.interrupted`) reports its tool errors and
+        nothing else: the user saw the service fail, not the agent give up."""
         out: list[dict[str, Any]] = [
             {
                 "type": "tool_error",
@@ -111,7 +143,7 @@ class AgentUser:
             for t in session.turns
             if t.error is not None
         ]
-        if not session.turns:
+        if not session.turns or session.interrupted:
             return out
         last = session.turns[-1].request_id
         outcome = self.outcome(v, source)
@@ -134,7 +166,9 @@ def agent_users(n: int, seed: int, prefix: str = "agent-user") -> list[AgentUser
 class AgentStats:
     sessions: int = 0
     turns: int = 0
-    errors: int = 0  # HTTP errors
+    errors: int = 0  # turns that failed for good (each interrupted its session)
+    retries: int = 0  # refused turns tried again
+    interrupted: int = 0  # sessions the service ended: reported without an outcome
     events: int = 0
     fixed: Counter = field(default_factory=Counter)  # per model_version of the last turn
     finished: Counter = field(default_factory=Counter)
@@ -154,8 +188,39 @@ class AgentPopulation(Driver):
         self.tasks = tasks(512, seed=cfg.seed)
         self._budget: int | None = None  # sessions left to start (run's max_sessions)
 
+    async def _post(self, http: httpx.AsyncClient, body: dict, headers: dict) -> httpx.Response:
+        """The replicas' answer to one turn (round-robin), retrying what was refused before anything
+        was generated (503 or 429, after at least their Retry-After, or no connection) for up to
+        `agent_retry_s`, with exponential backoff and jitter. Raises `_Refused` when every try was
+        refused, `httpx.HTTPError` when a sent request failed (not retried: the replica may have
+        generated and logged the turn)."""
+        retrying = AsyncRetrying(
+            stop=stop_after_delay(self.cfg.agent_retry_s),
+            wait=_wait_retry_after,
+            retry=retry_if_exception_type(_Refused),
+            reraise=True,
+            before_sleep=self._count_retry,
+        )
+        async for attempt in retrying:
+            with attempt:
+                url = next(self.replicas)
+                try:
+                    r = await http.post(
+                        f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
+                    )
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    raise _Refused(f"{url}: {exc}") from exc
+                if r.status_code in REFUSED:
+                    raise _Refused(f"{url}: {r.status_code} {r.text[:200]}", retry_after(r))
+                return r
+        raise AssertionError("unreachable: tenacity reraises the last refusal")
+
+    def _count_retry(self, state: RetryCallState) -> None:
+        self.stats.retries += 1
+        exc = state.outcome.exception() if state.outcome else None
+        log.debug("agent turn refused (%s); retry %d", exc, state.attempt_number)
+
     async def _turn(self, http: httpx.AsyncClient, s: AgentSession, group: str | None) -> None:
-        url = next(self.replicas)
         headers = {} if group is None else {"X-Flywheel-Group": group}
         body = {
             "user": s.session_id,
@@ -165,21 +230,19 @@ class AgentPopulation(Driver):
             "temperature": self.cfg.agent_temperature,
         }
         try:
-            r = await http.post(
-                f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
-            )
-        except httpx.HTTPError as exc:
+            r = await self._post(http, body, headers)
+        except (_Refused, httpx.HTTPError) as exc:
             self.stats.errors += 1
-            log.warning("chat completion from %s failed: %s", url, exc)
-            s.abandon("http_error")
+            log.warning("chat completion failed, session %s interrupted: %s", s.session_id, exc)
+            s.abandon(INTERRUPTED)
             return
         if r.status_code == 400 and "context_length_exceeded" in r.text:
             s.abandon("context")  # the next prompt does not fit the model's context
             return
         if r.status_code != 200:
             self.stats.errors += 1
-            log.warning("chat completion from %s: %s %s", url, r.status_code, r.text[:300])
-            s.abandon("http_error")
+            log.warning("chat completion: %s %s", r.status_code, r.text[:300])
+            s.abandon(INTERRUPTED)
             return
         out = r.json()
         msg = out["choices"][0]["message"]
@@ -221,8 +284,11 @@ class AgentPopulation(Driver):
             v = await asyncio.to_thread(s.verdict)
         version = s.version
         self.stats.sessions += 1
-        self.stats.finished[version] += 1
-        self.stats.fixed[version] += v.fixed
+        if s.interrupted:  # not the agent's doing: out of its task success
+            self.stats.interrupted += 1
+        else:
+            self.stats.finished[version] += 1
+            self.stats.fixed[version] += v.fixed
         for e in user.events(s, v, self.cfg.agent_outcome):
             if e["type"] == "session_outcome":
                 self.stats.outcomes[e["outcome"]] += 1

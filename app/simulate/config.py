@@ -55,6 +55,11 @@ class SimulateConfig(FlywheelSettings):
         ge=0,
         description="Sampling temperature of agent turns, live and in the held-out evaluation (`flywheel run --agents` sets 0.6: at 1 the built-in policy garbles its calls' tags now and then, and every garbled call is noise in the session's gradient).",
     )
+    agent_retry_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long an agent session retries a turn that a replica refused before generating anything (503 or 429, honouring Retry-After, or no connection), with exponential backoff, as an editor's OpenAI client retries them. A turn still refused then, or that failed after the request was sent, interrupts the session: it reports its tool errors but no outcome and no rating (the service failed, not the agent; reported as `abandoned`, those sessions dragged their groups' baselines down, docs/TRAINER.md \"Why it falls short\").",
+    )
     agent_max_tokens: int = Field(
         192,
         ge=1,

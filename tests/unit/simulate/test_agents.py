@@ -193,9 +193,11 @@ def test_the_held_out_sessions_take_the_simulators_settings(monkeypatch):
 
 
 def test_a_session_refused_before_its_first_turn_reports_nothing_and_backs_off(monkeypatch):
-    """No replica ready (nothing listens on the port): no turn was served, so nothing reaches the
-    loop, no sandbox verdict runs, and the user waits 0.5, 1, 2 s... before the next session
-    instead of spinning through sessions (each verdict runs the tests in a subprocess)."""
+    """No replica ready (nothing listens on the port, and no retry of the refused turn:
+    `agent_retry_s` 0; the retries are tests/unit/simulate/test_agent_retries.py): no turn was
+    served, so nothing reaches the loop, no sandbox verdict runs, and the user waits 0.5, 1, 2 s...
+    before the next session instead of spinning through sessions (each verdict runs the tests in a
+    subprocess)."""
     import asyncio
 
     from app.sandbox.session import AgentSession
@@ -214,7 +216,7 @@ def test_a_session_refused_before_its_first_turn_reports_nothing_and_backs_off(m
         await real_sleep(0)
 
     monkeypatch.setattr("app.simulate.agents.asyncio.sleep", sleep)
-    cfg = SimulateConfig(agents=True, users=1, agent_think_s=0, seed=1)
+    cfg = SimulateConfig(agents=True, users=1, agent_think_s=0, agent_retry_s=0, seed=1)
     pop = AgentPopulation("http://127.0.0.1:9", "fw_key", ["http://127.0.0.1:9"], cfg)
     stats = asyncio.run(pop.run(max_sessions=4))
     assert (stats.sessions, stats.turns, stats.errors, stats.events) == (0, 0, 4, 0)
