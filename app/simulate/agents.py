@@ -233,7 +233,12 @@ class AgentPopulation(Driver):
             r = await self._post(http, body, headers)
         except (_Refused, httpx.HTTPError) as exc:
             self.stats.errors += 1
-            log.warning("chat completion failed, session %s interrupted: %s", s.session_id, exc)
+            log.warning(
+                "chat completion failed, session %s interrupted: %s %s",
+                s.session_id,
+                type(exc).__name__,  # a timeout's message is empty
+                exc,
+            )
             s.abandon(INTERRUPTED)
             return
         if r.status_code == 400 and "context_length_exceeded" in r.text:
