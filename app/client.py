@@ -34,6 +34,7 @@ import json
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -106,10 +107,27 @@ class _Unsent(Exception):
         self.error, self.events, self.accepted, self.refused = error, events, accepted, refused
 
 
-class _Retryable(Exception):
+class Retryable(Exception):
+    """A request the server refused for now, or that never reached it: worth trying again, after at
+    least `retry_after_s` (the server's Retry-After; None: the backoff alone)."""
+
     def __init__(self, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+def wait_retry_after(
+    backoff: Callable[[RetryCallState], float],
+) -> Callable[[RetryCallState], float]:
+    """A tenacity wait: `backoff`, and never less than the failed attempt's `retry_after_s`."""
+
+    def wait(state: RetryCallState) -> float:
+        b = backoff(state)
+        exc = state.outcome.exception() if state.outcome else None
+        retry_after = getattr(exc, "retry_after_s", None)
+        return max(b, retry_after) if retry_after is not None else b
+
+    return wait
 
 
 def now_rfc3339() -> str:
@@ -150,7 +168,9 @@ class FeedbackClient:
         )
         self.batch_size, self.max_retries = batch_size, max_retries
         self.errors: list[FeedbackError] = []  # failures of background flushes (also logged)
-        self._backoff = wait_exponential_jitter(initial=backoff_initial_s, max=backoff_max_s)
+        self._wait = wait_retry_after(
+            wait_exponential_jitter(initial=backoff_initial_s, max=backoff_max_s)
+        )
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"),
             timeout=timeout_s,
@@ -369,7 +389,7 @@ class FeedbackClient:
         retrying = Retrying(
             stop=stop_after_attempt(self.max_retries + 1),
             wait=self._wait,
-            retry=retry_if_exception_type(_Retryable),
+            retry=retry_if_exception_type(Retryable),
             reraise=True,
             before_sleep=self._log_retry,
         )
@@ -377,7 +397,7 @@ class FeedbackClient:
             for attempt in retrying:
                 with attempt:
                     resp = self._post_once(body)
-        except _Retryable as exc:
+        except Retryable as exc:
             raise FeedbackUnavailable(
                 f"{len(batch)} events not accepted after {self.max_retries} retries: {exc}"
             ) from exc
@@ -387,16 +407,10 @@ class FeedbackClient:
         try:
             resp = self._http.post("/v1/events", content=body)
         except httpx.TransportError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+            raise Retryable(f"{type(exc).__name__}: {exc}") from exc
         if resp.status_code in RETRY_STATUSES:
-            raise _Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}", retry_after(resp))
+            raise Retryable(f"HTTP {resp.status_code}: {resp.text[:300]}", retry_after(resp))
         return resp
-
-    def _wait(self, state: RetryCallState) -> float:
-        backoff = self._backoff(state)
-        exc = state.outcome.exception() if state.outcome else None
-        retry_after = getattr(exc, "retry_after_s", None)
-        return max(backoff, retry_after) if retry_after is not None else backoff
 
     @staticmethod
     def _log_retry(state: RetryCallState) -> None:

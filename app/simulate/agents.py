@@ -52,7 +52,7 @@ from tenacity import (
     wait_exponential_jitter,
 )
 
-from app.client import retry_after
+from app.client import Retryable, retry_after, wait_retry_after
 from app.sandbox.sandbox import TOOLS, Sandbox
 from app.sandbox.session import INTERRUPTED, AgentSession, Verdict
 from app.sandbox.tasks import Task, tasks
@@ -64,21 +64,8 @@ log = logging.getLogger(__name__)
 REFUSED = frozenset({429, 503})
 
 
-class _Refused(Exception):
-    """A replica refused a turn before generating anything: retried."""
-
-    def __init__(self, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-_backoff = wait_exponential_jitter(initial=0.5, max=8.0)
-
-
-def _wait_retry_after(state: RetryCallState) -> float:
-    """Exponential backoff with jitter, and never less than the refusal's Retry-After."""
-    exc = state.outcome.exception() if state.outcome else None
-    return max(_backoff(state), getattr(exc, "retry_after_s", None) or 0.0)
+# between tries of a refused turn: exponential backoff with jitter, at least the Retry-After
+_WAIT = wait_retry_after(wait_exponential_jitter(initial=0.5, max=8.0))
 
 
 Outcome = Literal["success", "failure", "abandoned"]
@@ -191,13 +178,13 @@ class AgentPopulation(Driver):
     async def _post(self, http: httpx.AsyncClient, body: dict, headers: dict) -> httpx.Response:
         """The replicas' answer to one turn (round-robin), retrying what was refused before anything
         was generated (503 or 429, after at least their Retry-After, or no connection) for up to
-        `agent_retry_s`, with exponential backoff and jitter. Raises `_Refused` when every try was
+        `agent_retry_s`, with exponential backoff and jitter. Raises `Retryable` when every try was
         refused, `httpx.HTTPError` when a sent request failed (not retried: the replica may have
         generated and logged the turn)."""
         retrying = AsyncRetrying(
             stop=stop_after_delay(self.cfg.agent_retry_s),
-            wait=_wait_retry_after,
-            retry=retry_if_exception_type(_Refused),
+            wait=_WAIT,
+            retry=retry_if_exception_type(Retryable),
             reraise=True,
             before_sleep=self._count_retry,
         )
@@ -209,9 +196,9 @@ class AgentPopulation(Driver):
                         f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
                     )
                 except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    raise _Refused(f"{url}: {exc}") from exc
+                    raise Retryable(f"{url}: {exc}") from exc
                 if r.status_code in REFUSED:
-                    raise _Refused(f"{url}: {r.status_code} {r.text[:200]}", retry_after(r))
+                    raise Retryable(f"{url}: {r.status_code} {r.text[:200]}", retry_after(r))
                 return r
         raise AssertionError("unreachable: tenacity reraises the last refusal")
 
@@ -231,7 +218,7 @@ class AgentPopulation(Driver):
         }
         try:
             r = await self._post(http, body, headers)
-        except (_Refused, httpx.HTTPError) as exc:
+        except (Retryable, httpx.HTTPError) as exc:
             self.stats.errors += 1
             log.warning(
                 "chat completion failed, session %s interrupted: %s %s",

@@ -6,7 +6,7 @@ failed after it was sent, or stayed refused for `agent_retry_s`, interrupts the 
 reports its tool errors and no outcome and no rating: reported as `abandoned`, the service's failures
 were charged to the agent and dragged its group's baseline down (docs/TRAINER.md "Why it falls short").
 
-The replica here is a stand-in HTTP server on a real socket (uvicorn): a real replica's queue
+The replica here is a stand-in HTTP server on a real socket (uvicorn, `ServerThread`): a real replica's queue
 cannot be made full at a chosen request, and this one answers each request as the test scripts it
 (503 with the replica's Retry-After, 500, or a chat completion).
 """
@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from app.api.server import ServerThread
 from app.sandbox.sandbox import Sandbox
 from app.sandbox.session import INTERRUPTED, AgentSession, Verdict
 from app.sandbox.tasks import tasks
 from app.simulate.agents import AgentPopulation, AgentUser
 from app.simulate.config import SimulateConfig
-from tests.conftest import free_port
 
 QUEUE_FULL = {"error": {"message": "generation queue full", "type": "server_error", "code": None}}
 
@@ -47,50 +45,36 @@ def _completion(content: str | None, calls: list[dict] | None = None) -> dict:
     }
 
 
-class StandInReplica:
-    """Answers the n-th POST /v1/chat/completions with `script[n]` (status, body), then 200s."""
+def stand_in_replica(script: list[tuple[int, dict]]) -> tuple[ServerThread, list[int]]:
+    """A server that answers the n-th POST /v1/chat/completions with `script[n]` (status, body),
+    then 200s; and the list its requests are counted in."""
+    script, seen = list(script), []
+    app = FastAPI()
 
-    def __init__(self, script: list[tuple[int, dict]]):
-        self.script, self.seen = list(script), 0
-        app = FastAPI()
+    @app.post("/v1/chat/completions")
+    def chat() -> JSONResponse:
+        seen.append(1)
+        status, body = script.pop(0) if script else (200, _completion("done"))
+        headers = {"x-flywheel-model-version": "3"}
+        if status == 503:
+            headers["Retry-After"] = "0"
+        return JSONResponse(body, status_code=status, headers=headers)
 
-        @app.post("/v1/chat/completions")
-        def chat() -> JSONResponse:
-            self.seen += 1
-            status, body = self.script.pop(0) if self.script else (200, _completion("done"))
-            headers = {"x-flywheel-model-version": "3"}
-            if status == 503:
-                headers["Retry-After"] = "0"
-            return JSONResponse(body, status_code=status, headers=headers)
-
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start within 30 s"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+    return ServerThread(app).start(), seen
 
 
 @pytest.fixture()
 def replica() -> Iterator:
-    started: list[StandInReplica] = []
+    started: list[ServerThread] = []
 
-    def _start(script: list[tuple[int, dict]]) -> StandInReplica:
-        started.append(StandInReplica(script))
-        return started[-1]
+    def _start(script: list[tuple[int, dict]]) -> tuple[ServerThread, list[int]]:
+        server, seen = stand_in_replica(script)
+        started.append(server)
+        return server, seen
 
     yield _start
-    for r in started:
-        r.stop()
+    for server in started:
+        server.stop()
 
 
 def _turns(url: str, retry_s: float, n: int) -> tuple[AgentPopulation, AgentSession, Verdict]:
@@ -113,16 +97,16 @@ def _turns(url: str, retry_s: float, n: int) -> tuple[AgentPopulation, AgentSess
 
 
 def test_refused_turns_are_retried_and_the_session_goes_on(replica) -> None:
-    r = replica([(503, QUEUE_FULL), (503, QUEUE_FULL), (429, QUEUE_FULL)])
+    r, seen = replica([(503, QUEUE_FULL), (503, QUEUE_FULL), (429, QUEUE_FULL)])
     pop, s, v = _turns(r.url, retry_s=30, n=1)
-    assert r.seen == 4 and pop.stats.retries == 3 and pop.stats.errors == 0
+    assert len(seen) == 4 and pop.stats.retries == 3 and pop.stats.errors == 0
     assert len(s.turns) == 1 and s.answered and not s.interrupted, (s.turns, s.abandoned)
 
 
 def test_a_turn_refused_past_agent_retry_s_interrupts_the_session(replica) -> None:
-    r = replica([(503, QUEUE_FULL)] * 50)
+    r, seen = replica([(503, QUEUE_FULL)] * 50)
     pop, s, v = _turns(r.url, retry_s=0, n=1)
-    assert r.seen == 1 and pop.stats.errors == 1
+    assert len(seen) == 1 and pop.stats.errors == 1
     assert s.abandoned == INTERRUPTED and s.interrupted and not s.turns
 
 
@@ -134,9 +118,9 @@ def test_an_interrupted_session_reports_its_tool_errors_but_no_outcome_or_rating
         "type": "function",
         "function": {"name": "read_file", "arguments": json.dumps({"path": "missing.py"})},
     }
-    r = replica([(200, _completion(None, [bad_read])), (500, {"error": {"message": "boom"}})])
+    r, seen = replica([(200, _completion(None, [bad_read])), (500, {"error": {"message": "boom"}})])
     pop, s, v = _turns(r.url, retry_s=30, n=3)
-    assert r.seen == 2 and pop.stats.retries == 0 and pop.stats.errors == 1
+    assert len(seen) == 2 and pop.stats.retries == 0 and pop.stats.errors == 1
     assert s.interrupted and len(s.turns) == 1 and s.turns[0].error is not None
     assert v.gave_up, "by the session's own verdict it ended without an answer"
     for seed in range(20):  # every outcome and rating draw
