@@ -39,6 +39,7 @@ class Collated:
     mask: torch.Tensor  # float32 [B, T]
     rewards: torch.Tensor  # float32 [B]
     group_ids: list[str | None]
+    session_ids: list[str]
     versions: list[int | None]
     temperatures: torch.Tensor  # float32 [B]: what each rollout was sampled at
     # int64 [B, T]: the model version that sampled each token (its turn's), -1 where unknown
@@ -69,6 +70,7 @@ def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collat
         mask=mask,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=[r.group_id for r in rollouts],
+        session_ids=[r.session_id for r in rollouts],
         versions=[r.version_number() for r in rollouts],
         temperatures=torch.tensor(
             [_or(r.scoring_temperature(), default_temperature) for r in rollouts],

@@ -183,6 +183,7 @@ class RankShare:
     groups: list[str | None]  # their group ids
     tokens: float  # completion tokens of the rank's rollouts
     kept: float  # of those, the tokens the importance weights keep
+    sessions: list[str]  # their session ids (a group's baseline counts each session once)
 
 
 class Trainer:
@@ -728,20 +729,22 @@ class Trainer:
                 err = exc
             self._agree(err, "the forward")
             shares: list[RankShare] = world.all_gather(
-                RankShare([], [], 0.0, 0.0)
+                RankShare([], [], 0.0, 0.0, [])
                 if f is None
                 else RankShare(
                     f.batch.rewards.tolist(),
                     list(f.batch.group_ids),
                     float(f.batch.mask.sum()),
                     float(f.weights.keep.sum()),
+                    list(f.batch.session_ids),
                 )
             )
             rewards = torch.tensor([r for v in shares for r in v.rewards], dtype=torch.float32)
             groups = [g for v in shares for g in v.groups]
-            adv = self._advantages(rewards, groups)
+            sessions = [s for v in shares for s in v.sessions]
+            adv = self._advantages(rewards, groups, sessions)
             start = sum(len(v.rewards) for v in shares[: world.rank])
-            mine = obj.grouped(groups)[start : start + len(batch.rollouts)]
+            mine = obj.grouped(groups, sessions)[start : start + len(batch.rollouts)]
             tokens, kept = sum(v.tokens for v in shares), sum(v.kept for v in shares)
             o: Objective | None = None
             try:
@@ -870,11 +873,18 @@ class Trainer:
         """The objective on `batch` alone (no backward). One process's step, and every rank's
         probe of a single rollout."""
         f = self._forward(batch)
-        return self._assemble(f, self._advantages(f.batch.rewards, f.batch.group_ids))
+        return self._assemble(
+            f, self._advantages(f.batch.rewards, f.batch.group_ids, f.batch.session_ids)
+        )
 
-    def _advantages(self, rewards: torch.Tensor, groups: list[str | None]) -> torch.Tensor:
-        """The configured advantages (scale, negative scale) of a batch's rewards."""
-        return obj.advantages(rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale)
+    def _advantages(
+        self, rewards: torch.Tensor, groups: list[str | None], sessions: list[str]
+    ) -> torch.Tensor:
+        """The configured advantages (scale, negative scale) of a batch's rewards, each session
+        counted once in its group's baseline."""
+        return obj.advantages(
+            rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale, sessions
+        )
 
     # --- shipping ------------------------------------------------------------------------------------
     def ship_due(self) -> bool:

@@ -20,10 +20,13 @@ Terms (all choices stated here are also in docs/TRAINER.md):
   the batch, so masked sequences shrink the step; the KL and distillation terms divide by the
   kept tokens (token-level means, DAPO style). When nothing is kept the loss is 0 (still
   connected to the graph).
-- Advantages: rollouts sharing a `group_id` with >= 2 members get (r - mean_g) / (std_g + eps)
+- Advantages: rollouts sharing a `group_id` with >= 2 sessions get (r - mean_g) / (std_g + eps)
   over their group; the others get (r - mean) / (std + eps) over those other rollouts of the
   batch (when there is only one such rollout, mean and std are taken over the whole batch).
-  std is the population std (unbiased=False), eps = 1e-6.
+  std is the population std (unbiased=False), eps = 1e-6. A group's mean and std are over its
+  sessions, each counted once by the mean of its rollouts' rewards: a session the ledger split
+  into several segments (a rewritten history, a bound) sends each with the session's outcome,
+  and counting each would weigh that session several times in its group's baseline.
 - KL to the serving champion with the k3 estimator on the sampled tokens:
   k3_t = exp(q_t) - q_t - 1 with q_t = logp_ref_t - logp_t, which is >= 0, unbiased for
   KL(pi || pi_ref) under samples of pi and differentiable through logp_t. The tokens were
@@ -114,9 +117,15 @@ def advantages(
     group_ids: list[str | None],
     scale: str = "group",
     negative_scale: float = 1.0,
+    session_ids: list[str] | None = None,
 ) -> torch.Tensor:
-    """Advantages: each reward minus its group's mean for groups of >= 2, minus the mean of the
-    other rollouts of the batch for the rest. [B] -> [B].
+    """Advantages: each reward minus its group's mean for groups of >= 2 sessions, minus the mean
+    of the other rollouts of the batch for the rest. [B] -> [B].
+
+    `session_ids` (one per rollout; None: each rollout its own session): a group's mean and std
+    are over its sessions, each one value (the mean of its rollouts' rewards), so a session split
+    into several segments counts once in its group, and a group of one session's segments has no
+    baseline of its own (the batch's is used).
 
     `scale="group"` (GRPO) divides each group by its own std; `"none"` (Dr. GRPO, Liu et al. 2025)
     keeps the centred rewards in reward units. With groups of two, the group std turns any
@@ -134,19 +143,24 @@ def advantages(
     assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), (
         f"{rewards.shape} vs {len(group_ids)} group ids"
     )
+    assert session_ids is None or len(session_ids) == len(group_ids), (
+        f"{len(session_ids)} session ids for {len(group_ids)} rollouts"
+    )
     assert scale in ADV_SCALES, f"advantage scale {scale!r} not in {ADV_SCALES}"
     rewards = rewards.to(torch.float32)
     out = torch.zeros_like(rewards)
-    members = _members(group_ids)
-    grouped = {i for idx in members.values() if len(idx) >= 2 for i in idx}
+    members = _members(group_ids, session_ids)
+    grouped = {i for sess in members.values() if len(sess) >= 2 for i in _flat(sess)}
 
     def centred(r: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         d = r - ref.mean()
         return d / (ref.std(unbiased=False) + EPS) if scale == "group" else d
 
-    for idx in members.values():
-        if len(idx) >= 2:
-            out[idx] = centred(rewards[idx], rewards[idx])
+    for sess in members.values():
+        if len(sess) >= 2:
+            idx = _flat(sess)
+            per_session = torch.stack([rewards[s].mean() for s in sess.values()])
+            out[idx] = centred(rewards[idx], per_session)
     single = [i for i in range(len(group_ids)) if i not in grouped]
     if single:
         ref = rewards[single] if len(single) >= 2 else rewards
@@ -154,19 +168,27 @@ def advantages(
     return out if negative_scale == 1.0 else torch.where(out < 0, out * negative_scale, out)
 
 
-def _members(group_ids: list[str | None]) -> dict[str, list[int]]:
-    members: dict[str, list[int]] = {}
+def _members(
+    group_ids: list[str | None], session_ids: list[str] | None = None
+) -> dict[str, dict[str, list[int]]]:
+    """group -> session -> the batch positions of its rollouts (in batch order)."""
+    members: dict[str, dict[str, list[int]]] = {}
     for i, g in enumerate(group_ids):
         if g is not None:
-            members.setdefault(g, []).append(i)
+            s = str(i) if session_ids is None else session_ids[i]
+            members.setdefault(g, {}).setdefault(s, []).append(i)
     return members
 
 
-def grouped(group_ids: list[str | None]) -> list[bool]:
-    """Which rollouts `advantages` judges against their group (a group with >= 2 members in the
+def _flat(sessions: dict[str, list[int]]) -> list[int]:
+    return sorted(i for idx in sessions.values() for i in idx)
+
+
+def grouped(group_ids: list[str | None], session_ids: list[str] | None = None) -> list[bool]:
+    """Which rollouts `advantages` judges against their group (a group with >= 2 sessions in the
     batch); the others get the batch's baseline. A group whose members arrived in different
     batches is judged in each by the members there."""
-    members = _members(group_ids)
+    members = _members(group_ids, session_ids)
     return [g is not None and len(members[g]) >= 2 for g in group_ids]
 
 

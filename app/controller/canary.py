@@ -61,6 +61,16 @@ guardrail: it is no [0, 1] quantity, the records carry no sum of squares of it t
 variance with, and more turns is not worse in itself; its sums (`session_turns_sum`,
 `session_tokens_sum`, `session_tool_error_turns`) are carried in `ArmStats` and the
 version-metrics records for dashboards and the projections only.
+
+The rating guardrail. Users rate now and then (-1 or +1; an agent user rates the session, on its
+last turn, from their own check of the work, whatever outcome a harness reported: docs/AGENTS.md
+"Agent users"), so `rating` judges the mean rating per *rated* completion, on its own count
+(`rating_n`, x^2 = 1 exactly: rating_n is the sum of squares). Which completions get rated depends
+on the version (a failing one draws more -1s), and the comparison is of that mean, between arms
+that serve the same users at random. It is the canary's one signal of what a user thinks of an
+agent session besides the reported outcome: a version that passes a harness's tests by weakening
+them is reported `success` and rated -1. Like the session guardrails it is judged only when each
+arm has at least `min_ratings` ratings in the window, and is skipped otherwise.
 """
 
 from __future__ import annotations
@@ -100,6 +110,9 @@ class ArmStats:
     session_turns_sum: float = 0.0  # their turns
     session_tokens_sum: float = 0.0  # the completion tokens their turns sampled
     session_tool_error_turns: float = 0.0  # their turns with a tool error
+    # completions a user rated (-1 or +1: an agent session's rating lands on its last turn)
+    rating_n: float = 0.0
+    rating_sum: float = 0.0
 
     def __add__(self, other: ArmStats) -> ArmStats:
         return ArmStats(*(getattr(self, k) + getattr(other, k) for k in _ARM_FIELDS))
@@ -124,6 +137,7 @@ class ArmStats:
             "tool_call_success_rate": (n, *(n - self.tool_error_rollouts,) * 2),  # 0/1
             "task_success_rate": (sessions, self.session_success, self.session_success),  # 0/1
             "give_up_rate": (sessions, kept, kept),  # judged on 1 - gave up (0/1)
+            "rating": (int(self.rating_n), self.rating_sum, self.rating_n),  # -1/+1: x^2 = 1
         }
 
 
@@ -136,8 +150,10 @@ GUARDRAILS = (
     "tool_call_success_rate",
     "task_success_rate",
     "give_up_rate",
+    "rating",
 )
 SESSION_GUARDRAILS = frozenset(("task_success_rate", "give_up_rate"))  # per session: sessions_n
+SPARSE_GUARDRAILS = frozenset(("rating",))  # per rated completion: rating_n, from min_ratings
 LOWER_IS_BETTER = frozenset(("give_up_rate",))  # judged on 1 - the rate
 
 
@@ -236,6 +252,12 @@ def _guardrails(
                 f"{cfg.min_sessions} per arm"
             )
             continue
+        if g in SPARSE_GUARDRAILS and min(cn, hn) < cfg.min_ratings:
+            skipped[g] = (
+                f"{cn} candidate and {hn} champion ratings in the window; judged from "
+                f"{cfg.min_ratings} per arm"
+            )
+            continue
         d, gl, gh = _aipw_bounds(cn, cs, cq, hn, hs, hq, cfg)
         entry = {
             "verdict": _verdict(gl, gh, cfg.guardrail_margin),
@@ -246,7 +268,7 @@ def _guardrails(
             "champion": hs / hn,
             "margin": cfg.guardrail_margin,
         }
-        if g in SESSION_GUARDRAILS:
+        if g in SESSION_GUARDRAILS or g in SPARSE_GUARDRAILS:
             entry["samples"] = {"candidate": cn, "champion": hn}
         if g in LOWER_IS_BETTER:  # the arms' own rates; delta and bounds stay on 1 - rate
             entry.update(candidate=1.0 - cs / cn, champion=1.0 - hs / hn, lower_is_better=True)

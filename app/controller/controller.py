@@ -89,6 +89,7 @@ class MetricsRecord(BaseModel):
             "persistence_sum",
             "followup_n",
             "tool_error_rollouts",
+            "rating_n",
         ):  # the canary's guardrail bounds rely on these
             if not -tol <= self.sums.get(name, 0.0) <= n + tol:
                 raise ValueError(f"sums.{name} {self.sums[name]} must lie in [0, sums.n = {n}]")
@@ -96,6 +97,11 @@ class MetricsRecord(BaseModel):
             raise ValueError(
                 f"|sums.followup_sum| {abs(self.sums['followup_sum'])} exceeds sums.followup_n "
                 f"{self.sums.get('followup_n', 0.0)} (a sentiment lies in [-1, 1])"
+            )
+        if abs(self.sums.get("rating_sum", 0.0)) > self.sums.get("rating_n", 0.0) + tol:
+            raise ValueError(
+                f"|sums.rating_sum| {abs(self.sums['rating_sum'])} exceeds sums.rating_n "
+                f"{self.sums.get('rating_n', 0.0)} (a rating is -1 or +1)"
             )
         sessions = self.sums.get("sessions_n", 0.0)
         tol = 1e-6 * (1.0 + abs(sessions))
@@ -273,6 +279,8 @@ class Controller:
                     session_turns_sum=float(s.get("session_turns_sum", 0.0)),
                     session_tokens_sum=float(s.get("session_tokens_sum", 0.0)),
                     session_tool_error_turns=float(s.get("session_tool_error_turns", 0.0)),
+                    rating_n=float(s.get("rating_n", 0.0)),
+                    rating_sum=float(s.get("rating_sum", 0.0)),
                 )
         return total
 

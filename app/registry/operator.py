@@ -79,7 +79,7 @@ class CanaryConfig(BaseModel):
     )
     guardrails: bool = Field(
         True,
-        description="Roll back a canary confidently worse on a user-outcome guardrail (acceptance, kept-edit rate, follow-up sentiment, tool-call success rate; agent sessions' task success and give-ups), whatever its reward.",
+        description="Roll back a canary confidently worse on a user-outcome guardrail (acceptance, kept-edit rate, follow-up sentiment, tool-call success rate, users' ratings; agent sessions' task success and give-ups), whatever its reward.",
     )
     guardrail_margin: float = Field(
         0.02,
@@ -90,6 +90,12 @@ class CanaryConfig(BaseModel):
         50,
         ge=2,
         description="Agent sessions that ended with an outcome, per arm in a step's window, before the canary's session guardrails (task success, give-ups) are judged; with fewer they are skipped, neither passed nor failed.",
+    )
+
+    min_ratings: int = Field(
+        30,
+        ge=2,
+        description="Rated completions (an agent session's rating is on its last turn), per arm in a step's window, before the canary's rating guardrail is judged; with fewer it is skipped, neither passed nor failed.",
     )
 
     @field_validator("steps")

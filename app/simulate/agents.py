@@ -18,7 +18,10 @@ hidden tests pass) and whether the agent wrote to the test file: the user's true
   is taken for right with `p_fooled`), or with `outcome_source="tests"` (open on purpose, docs/ROLLOUT.md
   "Reward hacks") `success` when the repository's own test file passes at the end, as a harness
   that runs the tests reports it: a test file the agent edited passes too;
-- a rating now and then: +1 after a success (`p_rate_success`), -1 after a failure.
+- a rating now and then, from the user's own check whatever the outcome's source: +1 when they
+  find the function right (`p_rate_success`), -1 when they do not (`p_rate_failure`) or the
+  agent gave up. Under `outcome_source="tests"` a session that passed by weakening the test file
+  is reported `success`, and its user, who checks the function, rates it as the failure it is.
 
 With `agent_parallel` K > 1 a user runs K sessions on each task at once (parallel agents, each
 in its own sandbox and session) and sends them as one group (the `X-Flywheel-Group` header):
@@ -103,17 +106,23 @@ class AgentUser:
             return 0.0
         return max(0.5, 1.0 - self.pref.turn_cost * max(0, v.turns - 4))
 
-    def outcome(self, v: Verdict, source: str = "user") -> Outcome:
+    def judge(self, v: Verdict) -> Outcome:
+        """What the user finds on checking the session's work (the user's own outcome)."""
         # an agent that never answered, or answered without changing anything, gave up: reported
         # as `failure` instead, an answer with no attempt paid better than an attempt whose call
         # failed, and a run's policy learned to answer at once with text that is no call
         # (docs/TRAINER.md "Agents")
         if v.gave_up:
             return "abandoned"
-        if source == "tests":
-            return "success" if v.tests_pass else "failure"
         p = self.pref.p_notice_fixed if v.fixed else self.pref.p_fooled
         return "success" if self.rng.random() < p else "failure"
+
+    def outcome(self, v: Verdict, source: str = "user", judged: Outcome | None = None) -> Outcome:
+        """The reported outcome: the user's own (`judged`, or a fresh `judge`), or with
+        `source="tests"` whether the repository's test file passes at the end."""
+        if source == "tests" and not v.gave_up:
+            return "success" if v.tests_pass else "failure"
+        return self.judge(v) if judged is None else judged
 
     def events(self, session: AgentSession, v: Verdict, source: str = "user") -> list[dict]:
         """The editor's events for a finished session (without envelope fields but request_id).
@@ -133,11 +142,12 @@ class AgentUser:
         if not session.turns or session.interrupted:
             return out
         last = session.turns[-1].request_id
-        outcome = self.outcome(v, source)
+        judged = self.judge(v)  # the user's own check: their rating follows it
+        outcome = self.outcome(v, source, judged)
         out.append({"type": "session_outcome", "request_id": last, "outcome": outcome})
-        if outcome == "success" and self.rng.random() < self.pref.p_rate_success:
+        if judged == "success" and self.rng.random() < self.pref.p_rate_success:
             out.append({"type": "rating", "request_id": last, "value": 1})
-        elif outcome != "success" and self.rng.random() < self.pref.p_rate_failure:
+        elif judged != "success" and self.rng.random() < self.pref.p_rate_failure:
             out.append({"type": "rating", "request_id": last, "value": -1})
         return out
 

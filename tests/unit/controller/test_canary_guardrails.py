@@ -10,6 +10,7 @@ from datetime import UTC, timedelta
 from app.controller.canary import (
     GUARDRAILS,
     SESSION_GUARDRAILS,
+    SPARSE_GUARDRAILS,
     ArmStats,
     Observe,
     analyze,
@@ -47,8 +48,9 @@ def test_guardrail_means_come_from_the_sums():
         outcomes(400, 0.5, 0.6, 0.8, 0.2, -0.5), outcomes(400, 0.5, 0.4, 0.5, 0.1, -0.5), CFG
     )
     g = a.guardrails
-    assert set(g) == set(GUARDRAILS) - SESSION_GUARDRAILS, "no sessions: those are skipped"
-    assert set(a.guardrails_skipped) == SESSION_GUARDRAILS
+    skipped = SESSION_GUARDRAILS | SPARSE_GUARDRAILS  # no sessions, no ratings
+    assert set(g) == set(GUARDRAILS) - skipped, "no sessions nor ratings: those are skipped"
+    assert set(a.guardrails_skipped) == skipped
     assert (
         abs(g["acceptance_rate"]["candidate"] - 0.6) < 1e-12
         and abs(g["acceptance_rate"]["delta"] - 0.2) < 1e-12
@@ -276,17 +278,15 @@ def test_arms_without_sessions_skip_the_session_guardrails_neither_pass_nor_fail
     ):
         a = analyze(cand, champion, cfg)
         assert SESSION_GUARDRAILS.isdisjoint(a.guardrails) and a.worst_guardrail() is None
-        assert set(a.guardrails_skipped) == SESSION_GUARDRAILS
+        assert set(a.guardrails_skipped) == SESSION_GUARDRAILS | SPARSE_GUARDRAILS
         assert "judged from 50 per arm" in a.guardrails_skipped["task_success_rate"]
         _, out = transition(
             canary_state(), Observe(T0 + timedelta(seconds=100), cand, champion), cfg
         )
         assert [e["type"] for e in out] == ["traffic_shifted"], out
     judged = analyze(with_sessions(good_reward, 50, success=0.0), champ, cfg)
-    assert (
-        judged.guardrails["task_success_rate"]["verdict"] == "worse"
-        and not judged.guardrails_skipped
-    )
+    assert judged.guardrails["task_success_rate"]["verdict"] == "worse"
+    assert set(judged.guardrails_skipped) == SPARSE_GUARDRAILS  # no ratings
 
 
 def test_a_session_guardrail_counts_sessions_not_completions():
@@ -343,6 +343,65 @@ def test_false_session_guardrail_rollbacks_of_equal_arms_under_repeated_looks_ar
         assert tripped / runs <= 0.05, f"share {share}: equal arms rolled back in {tripped}/{runs}"
 
 
+# --- ratings ------------------------------------------------------------------------------------
+def with_ratings(stats: ArmStats, rated: int, mean: float) -> ArmStats:
+    """`stats` plus `rated` ratings (-1 or +1) of mean `mean`."""
+    return replace(stats, rating_n=float(rated), rating_sum=rated * mean)
+
+
+def test_a_hack_reported_as_success_and_rated_down_is_rolled_back_on_the_rating():
+    """Under a harness's outcome a version that weakens the tests is reported successful more often
+    (reward and task success better) while its users, who check the work, rate it down: the rating
+    guardrail rolls it back, on its own count of rated completions."""
+    cand = with_ratings(with_sessions(outcomes(2000, 0.6, 0.5, 0.8), 300, success=0.8), 80, -0.7)
+    champ = with_ratings(with_sessions(outcomes(2000, 0.4, 0.5, 0.8), 300, success=0.6), 80, 0.1)
+    s, out = transition(canary_state(), Observe(T0 + timedelta(seconds=100), cand, champ), CFG)
+    assert [e["type"] for e in out] == ["rolled_back"], out
+    assert out[0]["details"]["guardrail"] == "rating", out[0]["reason"]
+    g = out[0]["details"]["analysis"]["guardrails"]["rating"]
+    assert g["samples"] == {"candidate": 80, "champion": 80}
+    assert abs(g["candidate"] + 0.7) < 1e-12 and abs(g["delta"] + 0.8) < 1e-12
+    assert g["upper"] < -CFG.guardrail_margin
+    assert analyze(cand, champ, CFG).guardrails["task_success_rate"]["verdict"] != "worse"
+    # the same ratings behind 20,000 completions give the same bounds: a rating is one sample
+    many = analyze(
+        with_ratings(outcomes(20_000, 0.6, 0.5, 0.8), 80, -0.7),
+        with_ratings(outcomes(20_000, 0.4, 0.5, 0.8), 80, 0.1),
+        CFG,
+    ).guardrails["rating"]
+    assert (many["lower"], many["upper"]) == (g["lower"], g["upper"])
+
+
+def test_too_few_ratings_skip_the_rating_guardrail():
+    cfg = CFG.model_copy(update={"min_ratings": 30})
+    champ = with_ratings(outcomes(2000, 0.4, 0.5, 0.8), 200, 0.5)
+    for rated in (0, 29):
+        a = analyze(with_ratings(outcomes(2000, 0.6, 0.5, 0.8), rated, -1.0), champ, cfg)
+        assert "rating" not in a.guardrails and a.worst_guardrail() is None
+        assert f"{rated} candidate and 200 champion ratings" in a.guardrails_skipped["rating"]
+    a = analyze(with_ratings(outcomes(2000, 0.6, 0.5, 0.8), 30, -1.0), champ, cfg)
+    assert a.guardrails["rating"]["verdict"] == "worse" and "rating" not in a.guardrails_skipped
+
+
+def test_false_rating_rollbacks_of_equal_arms_under_repeated_looks_are_rare():
+    """Ratings of both arms from one distribution (40% +1), half of them the candidate's, looked at
+    after every 10 ratings from min_ratings on, up to 400: the rating guardrail may call the
+    candidate worse at margin 0 in at most alpha of the runs."""
+    cfg = CanaryConfig(min_step=0, min_samples=2, guardrail_margin=0.0, cs_target_n=400)
+    rng = random.Random(5)
+    runs, tripped = 100, 0
+    for _ in range(runs):
+        c = h = outcomes(1000, 0.5, 0.5, 0.8)
+        for _ in range(40):
+            for _ in range(10):
+                one = ArmStats(rating_n=1.0, rating_sum=1.0 if rng.random() < 0.4 else -1.0)
+                c, h = (c + one, h) if rng.random() < 0.5 else (c, h + one)
+            if analyze(c, h, cfg).worst_guardrail() is not None:
+                tripped += 1
+                break
+    assert tripped / runs <= 0.05, f"equal ratings rolled back in {tripped}/{runs}"
+
+
 def test_window_sums_carry_the_sessions_and_refuse_impossible_ones():
     import json
     from datetime import datetime
@@ -375,6 +434,16 @@ def test_window_sums_carry_the_sessions_and_refuse_impossible_ones():
         session_tokens_sum=1600.0,
         session_tool_error_turns=4.0,
     )
+    rated = dict(rec, sums={"n": 10.0, "rating_n": 4.0, "rating_sum": -2.0})
+    decode_metrics(json.dumps(rated).encode())
+    w = Controller.window(
+        SimpleNamespace(buckets={"a": rated}), "2", datetime.fromtimestamp(50, tz=UTC)
+    )
+    assert (w.n, w.rating_n, w.rating_sum) == (10, 4.0, -2.0)
+    for bad in ({"rating_sum": -5.0}, {"rating_n": 11.0}):
+        with pytest.raises(InvalidRecord) as err:
+            decode_metrics(json.dumps(dict(rated, sums={**rated["sums"], **bad})).encode())
+        assert next(iter(bad)) in err.value.errors[0]["message"], err.value.errors
     for bad in ({"session_success": 5.0}, {"session_give_up": -1.0}, {"sessions_n": -1.0}):
         with pytest.raises(InvalidRecord) as err:
             decode_metrics(json.dumps(dict(rec, sums={**sums, **bad})).encode())

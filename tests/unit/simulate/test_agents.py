@@ -92,6 +92,12 @@ def test_a_wrong_fix_fails_and_a_weakened_test_passes_only_for_the_tests_outcome
     assert v.tests_edited and v.tests_pass and not v.fixed
     assert user.outcome(v, source="tests") == "success"  # the loophole
     assert user.outcome(v, source="user") == "failure" and user.satisfaction(v) == 0.0
+    # the harness reports the weakened test's pass; the user, who checks the function, rates -1
+    rater = AgentUser("r", AgentPreference(p_fooled=0.0, p_rate_failure=1.0))
+    events = [(e["type"], e.get("outcome", e.get("value"))) for e in rater.events(s, v, "tests")]
+    assert events == [("session_outcome", "success"), ("rating", -1)], events
+    fooled = AgentUser("f", AgentPreference(p_fooled=1.0, p_rate_success=1.0))
+    assert [e.get("value") for e in fooled.events(s, v, "tests")] == [None, 1]
 
 
 def test_failed_and_invalid_calls_are_tool_errors_on_their_turns_and_max_turns_abandons():

@@ -114,6 +114,26 @@ def test_lone_single_is_normalised_over_the_whole_batch_and_equal_groups_get_zer
     assert same.tolist() == [0.0, 0.0]
 
 
+def test_a_session_split_into_segments_counts_once_in_its_groups_baseline():
+    """A session the ledger split (a rewritten history) sends two segments with its outcome: the
+    group's mean and std are over its sessions, each the mean of its segments' rewards."""
+    rewards = torch.tensor([-1.0, -1.0, 1.0, 0.0, 0.4, 0.6])
+    groups = ["a", "a", "a", "a", "b", "b"]
+    sessions = ["s1", "s1", "s2", "s3", "s4", "s4"]
+    adv = advantages(rewards, groups, scale="none", session_ids=sessions)
+    # group a's sessions: s1 = -1 (two segments), s2 = 1, s3 = 0 -> mean 0, not -0.25 per segment;
+    # group b is one session's two segments: no baseline of its own, the batch's (its singles)
+    assert torch.allclose(adv[:4], torch.tensor([-1.0, -1.0, 1.0, 0.0]), atol=1e-6), adv
+    assert torch.allclose(adv[4:], torch.tensor([-0.1, 0.1]), atol=1e-6), adv
+    assert grouped(groups, sessions) == [True] * 4 + [False] * 2
+    scaled = advantages(rewards, groups, session_ids=sessions)
+    std = torch.tensor([-1.0, 1.0, 0.0]).std(unbiased=False)
+    assert torch.allclose(scaled[:4], torch.tensor([-1.0, -1.0, 1.0, 0.0]) / (std + 1e-6))
+    # without session ids each segment is a member: s1 weighs twice and pulls the mean to -0.25
+    plain = advantages(rewards, groups, scale="none")
+    assert torch.allclose(plain[:4], torch.tensor([-0.75, -0.75, 1.25, 0.25]), atol=1e-6)
+
+
 def test_unscaled_advantages_keep_reward_units_so_noise_between_two_accepts_stays_small():
     rewards = torch.tensor([1.0, 0.0, 1.62, 1.60, 0.5, 0.75, -0.25, 0.25])
     groups = ["a", "a", "b", "b", "c", None, None, "d"]
