@@ -43,7 +43,7 @@ import torch
 
 from app.sandbox.sandbox import Sandbox
 from app.sandbox.session import AgentSession, run_sessions
-from app.sandbox.tasks import tasks
+from app.sandbox.tasks import OPS, tasks
 from app.simulate.agent_eval import scores
 from app.simulate.agents import AgentUser
 from bench.agent_skill import probe
@@ -67,6 +67,14 @@ def sample(policy, sessions, temperature: float, seed: int, record: dict) -> Non
             (ids, list(sm.tokens), sm.routes)
         ),
     )
+
+
+def skill(policy) -> dict:
+    """p(right operator) on the held-out probe (bench/agent_skill.py), and per verb: the skill
+    itself, without the sampling noise of 32 sessions; a verb the loop lets fall shows here."""
+    p = probe(policy)
+    right = {verb: dist[list(OPS).index(verb)] for verb, dist in p["by_verb"].items()}
+    return {"p_right_operator": p["p_right"], "p_right_by_verb": right}
 
 
 def reward(v) -> float:
@@ -165,7 +173,7 @@ def main() -> None:
             vs = [s.verdict() for s in ss]
         sc = scores(vs, [float(v.fixed) for v in vs], 2)
         figures = {k.removeprefix("heldout_"): round(x, 3) for k, x in sc.items()}
-        figures["p_right_operator"] = probe(policy)["p_right"]  # bench/agent_skill.py
+        figures.update(skill(policy))
         print(f"held-out v{version}: {json.dumps(figures)}", flush=True)
 
     evaluate(0)
@@ -221,7 +229,7 @@ def main() -> None:
             sched.step()
             steps += 1
             if a.probe_every and steps % a.probe_every == 0:
-                print(f"step {steps}: p_right_operator {probe(policy)['p_right']:.3f}", flush=True)
+                print(f"step {steps}: {json.dumps(skill(policy))}", flush=True)
                 policy.train()
         n = len(verdicts)
         print(

@@ -47,3 +47,21 @@ def test_reported_reward_is_the_streams_label_of_what_the_user_reported() -> Non
         assert reported_reward(AgentUser("u", seed=seed), s, v) == expected, (seed, events)
         seen.add((outcome, rating))
     assert ("success", 0) in seen and ("success", 1) in seen, seen  # the dice were rolled
+
+
+def test_skill_reads_each_verbs_right_operator_off_the_probe() -> None:
+    from bench.agent_rl import skill
+    from policy import build_policy
+    from trainer.skill_probe import probe
+
+    policy = build_policy(
+        {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    ).eval()
+    p, s = probe(policy), skill(policy)
+    assert s["p_right_operator"] == p["p_right"]
+    assert s["p_right_by_verb"] == {
+        "add": p["by_verb"]["add"][0],
+        "sub": p["by_verb"]["sub"][1],
+        "mul": p["by_verb"]["mul"][2],
+        "div": p["by_verb"]["div"][3],
+    }
