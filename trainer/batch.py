@@ -39,12 +39,20 @@ class Collated:
     mask: torch.Tensor  # float32 [B, T]
     rewards: torch.Tensor  # float32 [B]
     group_ids: list[str | None]
-    session_ids: list[str]
+    session_ids: list[str]  # `baseline_key`: what a group's baseline counts once
     versions: list[int | None]
     temperatures: torch.Tensor  # float32 [B]: what each rollout was sampled at
     # int64 [B, T]: the model version that sampled each token (its turn's), -1 where unknown
     token_versions: torch.Tensor
     masked: bool  # some rollout trains on part of its completion only (a loss mask)
+
+
+def baseline_key(r: Rollout) -> str:
+    """What a group's baseline counts once (`objective.advantages`' session ids): a session's
+    segments (records the ledger assembled, with `turns`) share their session id; any other
+    record is one of its own, by request id (the choices of one request are as many attempts,
+    though the editor's session id is the same)."""
+    return f"session:{r.session_id}" if r.turns is not None else f"request:{r.request_id}"
 
 
 def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collated:
@@ -70,7 +78,7 @@ def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collat
         mask=mask,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=[r.group_id for r in rollouts],
-        session_ids=[r.session_id for r in rollouts],
+        session_ids=[baseline_key(r) for r in rollouts],
         versions=[r.version_number() for r in rollouts],
         temperatures=torch.tensor(
             [_or(r.scoring_temperature(), default_temperature) for r in rollouts],

@@ -122,7 +122,8 @@ def advantages(
     """Advantages: each reward minus its group's mean for groups of >= 2 sessions, minus the mean
     of the other rollouts of the batch for the rest. [B] -> [B].
 
-    `session_ids` (one per rollout; None: each rollout its own session): a group's mean and std
+    `session_ids` (one per rollout, trainer/batch.py `baseline_key`: a ledger segment's session,
+    any other record's request; None: each rollout its own session): a group's mean and std
     are over its sessions, each one value (the mean of its rollouts' rewards), so a session split
     into several segments counts once in its group, and a group of one session's segments has no
     baseline of its own (the batch's is used).

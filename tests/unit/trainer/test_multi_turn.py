@@ -459,3 +459,21 @@ def test_sessions_sharing_a_task_are_centred_on_their_group_and_every_sampled_to
     # the policy-gradient weight of each sampled token of a session is its one advantage
     rows = c.mask[:2] > 0
     assert int(rows[0].sum()) == sum(task[0]["loss_mask"])
+
+
+def test_a_groups_baseline_counts_a_sessions_segments_once_and_each_choice_of_a_request(policy):
+    """The baseline keys `collate` gives `objective.advantages`: a session's segments share one
+    (the ledger split it: one attempt), two choices of one request do not (two attempts), though
+    an editor's records carry the same session id."""
+    split = [dict(session(policy, i, -1.0), group_id="g1") for i in range(2)]  # session "s"
+    other = dict(session(policy, 2, 1.0), group_id="g1", session_id="t")
+    choices = [dict(one_call(policy, i, r), group_id="g2") for i, r in enumerate((1.0, 0.0))]
+    lone = [dict(session(policy, 3 + i, r), group_id="g3") for i, r in enumerate((1.0, 0.0))]
+    c = collate(parse(policy, [*split, other, *choices, *lone]))
+    assert c.session_ids[:3] == ["session:s", "session:s", "session:t"]
+    assert c.session_ids[3:5] == ["request:o0", "request:o1"]
+    assert obj.grouped(c.group_ids, c.session_ids) == [True] * 5 + [False] * 2
+    adv = obj.advantages(c.rewards, c.group_ids, "none", session_ids=c.session_ids)
+    # g1: sessions s (-1, in two segments) and t (+1): mean 0, not -1/3 per segment
+    assert adv[:3].tolist() == [-1.0, -1.0, 1.0]
+    assert adv[3:5].tolist() == [0.5, -0.5]  # g2: two attempts of one request
