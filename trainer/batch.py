@@ -39,7 +39,7 @@ class Collated:
     mask: torch.Tensor  # float32 [B, T]
     rewards: torch.Tensor  # float32 [B]
     group_ids: list[str | None]
-    session_ids: list[str]  # `baseline_key`: what a group's baseline counts once
+    baseline_keys: list[str]  # `baseline_key`: what a group's baseline counts once
     versions: list[int | None]
     temperatures: torch.Tensor  # float32 [B]: what each rollout was sampled at
     # int64 [B, T]: the model version that sampled each token (its turn's), -1 where unknown
@@ -48,7 +48,7 @@ class Collated:
 
 
 def baseline_key(r: Rollout) -> str:
-    """What a group's baseline counts once (`objective.advantages`' session ids): a session's
+    """What a group's baseline counts once (`objective.advantages`' baseline keys): a session's
     segments (records the ledger assembled, with `turns`) share their session id; any other
     record is one of its own, by request id (the choices of one request are as many attempts,
     though the editor's session id is the same)."""
@@ -78,7 +78,7 @@ def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collat
         mask=mask,
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=[r.group_id for r in rollouts],
-        session_ids=[baseline_key(r) for r in rollouts],
+        baseline_keys=[baseline_key(r) for r in rollouts],
         versions=[r.version_number() for r in rollouts],
         temperatures=torch.tensor(
             [_or(r.scoring_temperature(), default_temperature) for r in rollouts],

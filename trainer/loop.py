@@ -183,7 +183,7 @@ class RankShare:
     groups: list[str | None]  # their group ids
     tokens: float  # completion tokens of the rank's rollouts
     kept: float  # of those, the tokens the importance weights keep
-    sessions: list[str]  # their session ids (a group's baseline counts each session once)
+    baseline_keys: list[str]  # theirs (batch.baseline_key: a group's baseline counts each once)
 
 
 class Trainer:
@@ -736,15 +736,15 @@ class Trainer:
                     list(f.batch.group_ids),
                     float(f.batch.mask.sum()),
                     float(f.weights.keep.sum()),
-                    list(f.batch.session_ids),
+                    list(f.batch.baseline_keys),
                 )
             )
             rewards = torch.tensor([r for v in shares for r in v.rewards], dtype=torch.float32)
             groups = [g for v in shares for g in v.groups]
-            sessions = [s for v in shares for s in v.sessions]
-            adv = self._advantages(rewards, groups, sessions)
+            keys = [k for v in shares for k in v.baseline_keys]
+            adv = self._advantages(rewards, groups, keys)
             start = sum(len(v.rewards) for v in shares[: world.rank])
-            mine = obj.grouped(groups, sessions)[start : start + len(batch.rollouts)]
+            mine = obj.grouped(groups, keys)[start : start + len(batch.rollouts)]
             tokens, kept = sum(v.tokens for v in shares), sum(v.kept for v in shares)
             o: Objective | None = None
             try:
@@ -874,16 +874,16 @@ class Trainer:
         probe of a single rollout."""
         f = self._forward(batch)
         return self._assemble(
-            f, self._advantages(f.batch.rewards, f.batch.group_ids, f.batch.session_ids)
+            f, self._advantages(f.batch.rewards, f.batch.group_ids, f.batch.baseline_keys)
         )
 
     def _advantages(
-        self, rewards: torch.Tensor, groups: list[str | None], sessions: list[str]
+        self, rewards: torch.Tensor, groups: list[str | None], keys: list[str]
     ) -> torch.Tensor:
         """The configured advantages (scale, negative scale) of a batch's rewards, each session
         counted once in its group's baseline."""
         return obj.advantages(
-            rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale, sessions
+            rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale, keys
         )
 
     # --- shipping ------------------------------------------------------------------------------------

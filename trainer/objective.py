@@ -117,13 +117,13 @@ def advantages(
     group_ids: list[str | None],
     scale: str = "group",
     negative_scale: float = 1.0,
-    session_ids: list[str] | None = None,
+    baseline_keys: list[str] | None = None,
 ) -> torch.Tensor:
     """Advantages: each reward minus its group's mean for groups of >= 2 sessions, minus the mean
     of the other rollouts of the batch for the rest. [B] -> [B].
 
-    `session_ids` (one per rollout, trainer/batch.py `baseline_key`: a ledger segment's session,
-    any other record's request; None: each rollout its own session): a group's mean and std
+    `baseline_keys` (one per rollout, trainer/batch.py `baseline_key`: a ledger segment's session,
+    any other record's request; None: each rollout its own): a group's mean and std
     are over its sessions, each one value (the mean of its rollouts' rewards), so a session split
     into several segments counts once in its group, and a group of one session's segments has no
     baseline of its own (the batch's is used).
@@ -144,14 +144,13 @@ def advantages(
     assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), (
         f"{rewards.shape} vs {len(group_ids)} group ids"
     )
-    assert session_ids is None or len(session_ids) == len(group_ids), (
-        f"{len(session_ids)} session ids for {len(group_ids)} rollouts"
+    assert baseline_keys is None or len(baseline_keys) == len(group_ids), (
+        f"{len(baseline_keys)} baseline keys for {len(group_ids)} rollouts"
     )
     assert scale in ADV_SCALES, f"advantage scale {scale!r} not in {ADV_SCALES}"
     rewards = rewards.to(torch.float32)
     out = torch.zeros_like(rewards)
-    members = _members(group_ids, session_ids)
-    grouped = {i for sess in members.values() if len(sess) >= 2 for i in _flat(sess)}
+    members = _members(group_ids, baseline_keys)
 
     def centred(r: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
         d = r - ref.mean()
@@ -162,7 +161,7 @@ def advantages(
             idx = _flat(sess)
             per_session = torch.stack([rewards[s].mean() for s in sess.values()])
             out[idx] = centred(rewards[idx], per_session)
-    single = [i for i in range(len(group_ids)) if i not in grouped]
+    single = [i for i, judged in enumerate(_in_group(members, group_ids)) if not judged]
     if single:
         ref = rewards[single] if len(single) >= 2 else rewards
         out[single] = centred(rewards[single], ref)
@@ -170,27 +169,30 @@ def advantages(
 
 
 def _members(
-    group_ids: list[str | None], session_ids: list[str] | None = None
+    group_ids: list[str | None], baseline_keys: list[str] | None = None
 ) -> dict[str, dict[str, list[int]]]:
-    """group -> session -> the batch positions of its rollouts (in batch order)."""
+    """group -> baseline key (a session) -> the batch positions of its rollouts (in batch order)."""
     members: dict[str, dict[str, list[int]]] = {}
     for i, g in enumerate(group_ids):
         if g is not None:
-            s = str(i) if session_ids is None else session_ids[i]
+            s = str(i) if baseline_keys is None else baseline_keys[i]
             members.setdefault(g, {}).setdefault(s, []).append(i)
     return members
+
+
+def _in_group(members: dict[str, dict[str, list[int]]], group_ids: list[str | None]) -> list[bool]:
+    return [g is not None and len(members[g]) >= 2 for g in group_ids]
 
 
 def _flat(sessions: dict[str, list[int]]) -> list[int]:
     return sorted(i for idx in sessions.values() for i in idx)
 
 
-def grouped(group_ids: list[str | None], session_ids: list[str] | None = None) -> list[bool]:
+def grouped(group_ids: list[str | None], baseline_keys: list[str] | None = None) -> list[bool]:
     """Which rollouts `advantages` judges against their group (a group with >= 2 sessions in the
     batch); the others get the batch's baseline. A group whose members arrived in different
     batches is judged in each by the members there."""
-    members = _members(group_ids, session_ids)
-    return [g is not None and len(members[g]) >= 2 for g in group_ids]
+    return _in_group(_members(group_ids, baseline_keys), group_ids)
 
 
 PARTIAL_BATCH_LR = ("scale", "full")

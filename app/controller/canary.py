@@ -76,6 +76,7 @@ arm has at least `min_ratings` ratings in the window, and is skipped otherwise.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Literal
@@ -113,6 +114,11 @@ class ArmStats:
     # completions a user rated (-1 or +1: an agent session's rating lands on its last turn)
     rating_n: float = 0.0
     rating_sum: float = 0.0
+
+    @classmethod
+    def from_sums(cls, sums: Mapping[str, Any]) -> ArmStats:
+        """A version-metrics record's sums (its fields share their names; a sum it lacks is 0)."""
+        return cls(*(type(f.default)(sums.get(f.name, 0)) for f in fields(cls)))
 
     def __add__(self, other: ArmStats) -> ArmStats:
         return ArmStats(*(getattr(self, k) + getattr(other, k) for k in _ARM_FIELDS))
@@ -246,16 +252,11 @@ def _guardrails(
     c_sums, h_sums = cand.guardrail_sums(), champ.guardrail_sums()
     for g in GUARDRAILS:
         (cn, cs, cq), (hn, hs, hq) = c_sums[g], h_sums[g]
-        if g in SESSION_GUARDRAILS and min(cn, hn) < cfg.min_sessions:
+        floor = _own_count(g, cfg)
+        if floor is not None and min(cn, hn) < floor[0]:
             skipped[g] = (
-                f"{cn} candidate and {hn} champion sessions in the window; judged from "
-                f"{cfg.min_sessions} per arm"
-            )
-            continue
-        if g in SPARSE_GUARDRAILS and min(cn, hn) < cfg.min_ratings:
-            skipped[g] = (
-                f"{cn} candidate and {hn} champion ratings in the window; judged from "
-                f"{cfg.min_ratings} per arm"
+                f"{cn} candidate and {hn} champion {floor[1]} in the window; judged from "
+                f"{floor[0]} per arm"
             )
             continue
         d, gl, gh = _aipw_bounds(cn, cs, cq, hn, hs, hq, cfg)
@@ -268,12 +269,22 @@ def _guardrails(
             "champion": hs / hn,
             "margin": cfg.guardrail_margin,
         }
-        if g in SESSION_GUARDRAILS or g in SPARSE_GUARDRAILS:
+        if floor is not None:
             entry["samples"] = {"candidate": cn, "champion": hn}
         if g in LOWER_IS_BETTER:  # the arms' own rates; delta and bounds stay on 1 - rate
             entry.update(candidate=1.0 - cs / cn, champion=1.0 - hs / hn, lower_is_better=True)
         judged[g] = entry
     return judged, skipped
+
+
+def _own_count(g: str, cfg: CanaryConfig) -> tuple[int, str] | None:
+    """A guardrail judged on its own count, not on the completions: the fewest per arm it is
+    judged from, and what it counts; None for the per-completion ones."""
+    if g in SESSION_GUARDRAILS:
+        return cfg.min_sessions, "sessions"
+    if g in SPARSE_GUARDRAILS:
+        return cfg.min_ratings, "ratings"
+    return None
 
 
 def _verdict(lo: float, hi: float, margin: float) -> Verdict:

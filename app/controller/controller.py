@@ -264,24 +264,7 @@ class Controller:
         for rec in self.buckets.values():
             if str(rec.get("model_version")) == version and float(rec.get("bucket_start", 0)) >= t0:
                 s = rec.get("sums") or {}
-                total = total + canary.ArmStats(
-                    int(s.get("n", rec.get("n", 0))),
-                    float(s.get("reward_sum", 0.0)),
-                    float(s.get("reward_sumsq", 0.0)),
-                    float(s.get("accepts", 0.0)),
-                    float(s.get("persistence_sum", 0.0)),
-                    float(s.get("followup_n", 0.0)),
-                    float(s.get("followup_sum", 0.0)),
-                    float(s.get("tool_error_rollouts", 0.0)),
-                    sessions_n=int(s.get("sessions_n", 0)),
-                    session_success=float(s.get("session_success", 0.0)),
-                    session_give_up=float(s.get("session_give_up", 0.0)),
-                    session_turns_sum=float(s.get("session_turns_sum", 0.0)),
-                    session_tokens_sum=float(s.get("session_tokens_sum", 0.0)),
-                    session_tool_error_turns=float(s.get("session_tool_error_turns", 0.0)),
-                    rating_n=float(s.get("rating_n", 0.0)),
-                    rating_sum=float(s.get("rating_sum", 0.0)),
-                )
+                total = total + canary.ArmStats.from_sums({"n": rec.get("n", 0), **s})
         return total
 
     # --- periodic work ----------------------------------------------------------------------------

@@ -470,10 +470,10 @@ def test_a_groups_baseline_counts_a_sessions_segments_once_and_each_choice_of_a_
     choices = [dict(one_call(policy, i, r), group_id="g2") for i, r in enumerate((1.0, 0.0))]
     lone = [dict(session(policy, 3 + i, r), group_id="g3") for i, r in enumerate((1.0, 0.0))]
     c = collate(parse(policy, [*split, other, *choices, *lone]))
-    assert c.session_ids[:3] == ["session:s", "session:s", "session:t"]
-    assert c.session_ids[3:5] == ["request:o0", "request:o1"]
-    assert obj.grouped(c.group_ids, c.session_ids) == [True] * 5 + [False] * 2
-    adv = obj.advantages(c.rewards, c.group_ids, "none", session_ids=c.session_ids)
+    assert c.baseline_keys[:3] == ["session:s", "session:s", "session:t"]
+    assert c.baseline_keys[3:5] == ["request:o0", "request:o1"]
+    assert obj.grouped(c.group_ids, c.baseline_keys) == [True] * 5 + [False] * 2
+    adv = obj.advantages(c.rewards, c.group_ids, "none", baseline_keys=c.baseline_keys)
     # g1: sessions s (-1, in two segments) and t (+1): mean 0, not -1/3 per segment
     assert adv[:3].tolist() == [-1.0, -1.0, 1.0]
     assert adv[3:5].tolist() == [0.5, -0.5]  # g2: two attempts of one request

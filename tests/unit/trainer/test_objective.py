@@ -120,13 +120,13 @@ def test_a_session_split_into_segments_counts_once_in_its_groups_baseline():
     rewards = torch.tensor([-1.0, -1.0, 1.0, 0.0, 0.4, 0.6])
     groups = ["a", "a", "a", "a", "b", "b"]
     sessions = ["s1", "s1", "s2", "s3", "s4", "s4"]
-    adv = advantages(rewards, groups, scale="none", session_ids=sessions)
+    adv = advantages(rewards, groups, scale="none", baseline_keys=sessions)
     # group a's sessions: s1 = -1 (two segments), s2 = 1, s3 = 0 -> mean 0, not -0.25 per segment;
     # group b is one session's two segments: no baseline of its own, the batch's (its singles)
     assert torch.allclose(adv[:4], torch.tensor([-1.0, -1.0, 1.0, 0.0]), atol=1e-6), adv
     assert torch.allclose(adv[4:], torch.tensor([-0.1, 0.1]), atol=1e-6), adv
     assert grouped(groups, sessions) == [True] * 4 + [False] * 2
-    scaled = advantages(rewards, groups, session_ids=sessions)
+    scaled = advantages(rewards, groups, baseline_keys=sessions)
     std = torch.tensor([-1.0, 1.0, 0.0]).std(unbiased=False)
     assert torch.allclose(scaled[:4], torch.tensor([-1.0, -1.0, 1.0, 0.0]) / (std + 1e-6))
     # without session ids each segment is a member: s1 weighs twice and pulls the mean to -0.25
