@@ -34,6 +34,7 @@ Measured on the 2-core machine: docs/TRAINER.md "Agents".
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import time
@@ -49,7 +50,13 @@ from app.simulate.agents import AgentUser
 from bench.agent_skill import probe
 from policy.checkpoint import load_policy
 from streams.reward import KNOWN_SPECS, compute_reward, outcome_value, resolve_spec
-from trainer.objective import ADV_SCALES, advantages
+from trainer.objective import (
+    ADV_SCALES,
+    advantages,
+    importance_weights,
+    policy_gradient_loss,
+    trust_keep,
+)
 
 MAX_TOKENS, MAX_TURNS = 192, 6
 
@@ -148,6 +155,25 @@ def main() -> None:
         default=0,
         help="print p(right operator) on the held-out probe every K optimizer steps (0: never)",
     )
+    ap.add_argument(
+        "--lag",
+        type=int,
+        default=0,
+        help="sample each version's sessions with the policy as it was LAG versions earlier and "
+        "train on them with the trainer's importance weights (trainer/objective.py: truncated "
+        "token ratios, the sequence mask): the loop's stale behaviour, where the champion serves "
+        "while the trainer runs ahead (0: on-policy)",
+    )
+    ap.add_argument(
+        "--trunc-c", type=float, default=2.0, help="the trainer's FLYWHEEL_TRAINER_TRUNC_C"
+    )
+    ap.add_argument(
+        "--clip-high",
+        type=float,
+        default=0.0,
+        help="the trainer's FLYWHEEL_TRAINER_CLIP_HIGH: a token with a positive advantage whose "
+        "ratio to the behaviour policy is above 1 + this gets no gradient (0: off)",
+    )
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--eval-every", type=int, default=1)
     ap.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks, 2 sessions each")
@@ -155,6 +181,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     policy = load_policy(a.base)
+    behaviour = copy.deepcopy(policy) if a.lag else policy
+    snapshots = [copy.deepcopy(policy.state_dict())]  # [k]: the policy at the end of version k
     opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: min(1.0, (k + 1) / a.warmup) if a.warmup else 1.0
@@ -187,8 +215,10 @@ def main() -> None:
                     t for t in tasks(a.sessions // a.group, 1000 + version) for _ in range(a.group)
                 )
             ]
-            policy.eval()
-            sample(policy, ss, a.temperature, 777 * version, record)
+            if a.lag:
+                behaviour.load_state_dict(snapshots[max(0, version - 1 - a.lag)])
+            behaviour.eval()
+            sample(behaviour, ss, a.temperature, 777 * version, record)
             verdicts = [s.verdict() for s in ss]
         if a.reported:
             user = AgentUser(f"bench-{version}", seed=version)
@@ -221,7 +251,17 @@ def main() -> None:
             mask = torch.zeros_like(logp)
             for k, c in enumerate(comps):
                 mask[k, : len(c)] = 1
-            loss = -(logp * mask * torch.tensor(advs)[:, None]).sum() / mask.sum()
+            if a.lag:
+                with torch.no_grad():
+                    logp_b = behaviour.logprobs(
+                        prompts, comps, routes if a.replay_routes else None, a.temperature
+                    )
+                w = importance_weights(logp, logp_b, mask, trunc_c=a.trunc_c)
+                adv_t = torch.tensor(advs)
+                keep = trust_keep(w, adv_t, 0.0, a.clip_high)
+                loss = policy_gradient_loss(logp, adv_t, w, mask, pg_keep=keep)
+            else:
+                loss = -(logp * mask * torch.tensor(advs)[:, None]).sum() / mask.sum()
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -231,6 +271,8 @@ def main() -> None:
             if a.probe_every and steps % a.probe_every == 0:
                 print(f"step {steps}: {json.dumps(skill(policy))}", flush=True)
                 policy.train()
+        if a.lag:
+            snapshots.append(copy.deepcopy(policy.state_dict()))
         n = len(verdicts)
         print(
             f"v{version}: sessions {n}, success {sum(v.fixed for v in verdicts) / n:.3f}, "

@@ -70,6 +70,17 @@ class TrainerConfig(FlywheelSettings):
         gt=0,
         description="Sequences whose geometric-mean token ratio is above this are masked.",
     )
+    clip_high: float = Field(
+        0.0,
+        ge=0,
+        description='PPO\'s clip against the behaviour policy, positive side: a token of a rollout with a positive advantage whose ratio pi/pi_behav is above 1 + this gets no policy gradient, so stale rollouts stop pushing what the trainer has already learned from them (docs/TRAINER.md "Stale rollouts and the trust clip"; 0: off).',
+    )
+    clip_low: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="PPO's clip, negative side: a token with a negative advantage whose ratio is below 1 - this gets no policy gradient (0: off).",
+    )
     max_staleness: int = Field(
         4,
         ge=0,

@@ -846,11 +846,15 @@ class Trainer:
         """The objective from a forward; `adv`: float32 [B] advantages of its rollouts.
         `tokens`/`kept`: the global batch's completion and kept tokens (ranks); None = this batch's."""
         c, logp, w = f.batch, f.logprobs, f.weights
+        keep = obj.trust_keep(w, adv, self.cfg.clip_low, self.cfg.clip_high)
         pg = obj.policy_gradient_loss(
-            logp, adv, w, c.mask, total=tokens
+            logp, adv, w, c.mask, total=tokens, pg_keep=keep
         )  # masked sequences shrink the step (objective.py)
         loss = pg
-        m: dict[str, float] = {}
+        n_tok = float(c.mask.sum())
+        m: dict[str, float] = {
+            "trust_clip_fraction": float((w.keep - keep).sum()) / max(n_tok, 1.0)
+        }
         if f.ref_logprobs is not None:
             ref_lp = f.ref_logprobs
             kl = obj.kl_k3(logp, ref_lp, w, total=kept)

@@ -97,6 +97,7 @@ STEP_GAUGES = {
         "kl_coef",
         "ess",
         "clip_fraction",
+        "trust_clip_fraction",
         "masked_fraction",
         "staleness_mean",
         "mismatch",

@@ -66,6 +66,7 @@ class ISWeights:
     clip_fraction: float  # fraction of real tokens with rho > C
     masked_fraction: float  # fraction of sequences (with >= 1 token) masked by the sequence ratio
     ess: float  # normalised effective sample size of the untruncated token ratios, in (0, 1]
+    ratio: torch.Tensor | None = None  # float32 [B, T]: untruncated token ratios, 0 off the mask
 
 
 def importance_weights(
@@ -106,6 +107,7 @@ def importance_weights(
         clip_fraction=clipped / n_real if n_real else 0.0,
         masked_fraction=masked / n_seq if n_seq else 0.0,
         ess=ess,
+        ratio=ratio,
     )
 
 
@@ -225,12 +227,35 @@ def _token_mean(x: torch.Tensor, keep: torch.Tensor, total: float | None = None)
     return (x * keep).sum() / n if float(n) > 0 else (x * keep).sum() * 0.0
 
 
+def trust_keep(
+    w: ISWeights, adv: torch.Tensor, clip_low: float = 0.0, clip_high: float = 0.0
+) -> torch.Tensor:
+    """The kept tokens left after PPO's clip against the behaviour policy (float32 [B, T]).
+
+    PPO's clipped surrogate min(rho A, clip(rho, 1 - lo, 1 + hi) A) has no gradient where the
+    clip binds: a token with A > 0 whose ratio is already above 1 + hi, or with A < 0 below
+    1 - lo. On stale rollouts that is what stops the trainer pushing, again and again, what the
+    serving champion did well and the trainer has already learned (docs/TRAINER.md "Stale
+    rollouts and the trust clip"). 0 turns a side off (DAPO's clip-higher sets them apart)."""
+    keep = w.keep
+    if not (clip_low or clip_high) or w.ratio is None:
+        return keep
+    a = adv.to(torch.float32).unsqueeze(1)
+    bound = torch.zeros_like(keep, dtype=torch.bool)
+    if clip_high:
+        bound |= (a > 0) & (w.ratio > 1.0 + clip_high)
+    if clip_low:
+        bound |= (a < 0) & (w.ratio < 1.0 - clip_low)
+    return keep * (~bound).to(torch.float32)
+
+
 def policy_gradient_loss(
     logp: torch.Tensor,
     adv: torch.Tensor,
     w: ISWeights,
     mask: torch.Tensor | None = None,
     total: float | None = None,
+    pg_keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Truncated-IS policy gradient: -sg(min(rho, C)) * A * logp summed over kept tokens, divided by
     the completion tokens of the whole batch (`mask`; kept tokens when None).
@@ -240,8 +265,9 @@ def policy_gradient_loss(
     proportion instead of letting the few kept sequences move the weights as much as a full
     on-policy batch would (measured in the demo: with 81% masked and the kept-token mean, held-out
     acceptance collapsed from 0.36 to 0.08 within one version)."""
+    keep = w.keep if pg_keep is None else pg_keep  # `trust_keep`: PPO's clip
     x = (
-        -w.weights * adv.to(torch.float32).unsqueeze(1) * logp * w.keep
+        -w.weights * adv.to(torch.float32).unsqueeze(1) * logp * keep
     )  # kept tokens only (keep is within mask)
     return _token_mean(x, w.keep if mask is None else mask.to(torch.float32), total)
 

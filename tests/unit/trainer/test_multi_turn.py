@@ -171,6 +171,30 @@ def test_the_step_takes_the_configured_scale_of_negative_advantages(policy):
     assert not torch.equal(got.pg_loss, plain.pg_loss), "the scale changed the step"
 
 
+def test_the_trust_clip_reaches_the_step_and_counts_the_tokens_it_drops(policy):
+    """FLYWHEEL_TRAINER_CLIP_HIGH: tokens of a positive-advantage session that the trainer already
+    favours past 1 + clip_high over its behaviour (here: the behaviour log-probs of each first turn
+    lowered by 0.4, ratio e^0.4 = 1.49) leave the policy gradient, and the step says how many."""
+    recs = [session(policy, i, r) for i, r in enumerate((1.0, -0.5, -1.0))]
+    for rec in recs:
+        a = rec["turns"][0]["end"]
+        rec["logprobs"] = [x - 0.4 for x in rec["logprobs"][:a]] + rec["logprobs"][a:]
+    rollouts = parse(policy, recs)
+    batch = Batch(rollouts=rollouts, staleness=[2] * 3)
+    with torch.no_grad():
+        clipped = Trainer._loss(stand_in(policy, clip_high=0.2), batch)  # type: ignore[arg-type]
+        plain = Trainer._loss(stand_in(policy), batch)  # type: ignore[arg-type]
+        wide = Trainer._loss(stand_in(policy, clip_high=0.6), batch)  # type: ignore[arg-type]
+    policy.eval()
+    c = clipped.forward.batch
+    first = len(rollouts[0].completion_tokens[: rollouts[0].turns[0].end])
+    # only the positive session's first turn is past the clip (the others push nothing up)
+    assert clipped.metrics["trust_clip_fraction"] == pytest.approx(first / float(c.mask.sum()))
+    assert plain.metrics["trust_clip_fraction"] == 0.0 == wide.metrics["trust_clip_fraction"]
+    assert not torch.equal(clipped.pg_loss, plain.pg_loss), "the clip changed the step"
+    assert torch.equal(wide.pg_loss, plain.pg_loss), "a clip past every ratio changes nothing"
+
+
 def _reference(policy, ref_policy, rollouts, coef: float, ref_version: int):
     """The objective written out over the sampled tokens only: truncated-IS policy gradient over
     them / their count, the IS-weighted k3 KL / their count, and the mismatch over the tokens

@@ -74,6 +74,26 @@ def test_policy_gradient_loss_masked_tokens_leave_denominator():
     assert torch.allclose(logp.grad, expected, atol=1e-6), logp.grad
 
 
+def test_the_trust_clip_drops_the_tokens_already_pushed_past_it_in_the_advantages_direction():
+    logp, behav, mask = _batch()
+    w = importance_weights(logp, behav, mask)
+    # seq 0 (A > 0) has ratios [3, 0.5]: the 3 is past 1 + 0.2, so it leaves the gradient; the 0.5
+    # stays (a positive advantage below its behaviour is what the clip lets through)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    keep = obj.trust_keep(w, adv, clip_low=0.0, clip_high=0.2)
+    assert keep.tolist() == [[0, 1, 0], [0, 0, 0], [1, 0, 0]]
+    loss = policy_gradient_loss(logp, adv, w, pg_keep=keep)
+    loss.backward()
+    # d loss / d logp = -w*A/3 on the kept tokens left; the denominator is still the 3 kept tokens
+    expected = torch.tensor([[0.0, -1 / 6, 0.0], [0.0, 0.0, 0.0], [-1 / 6, 0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6), logp.grad
+    # the other side: seq 0 with A < 0 keeps its 3 and drops its 0.5 (below 1 - 0.2)
+    neg = obj.trust_keep(w, torch.tensor([-1.0, -2.0, 0.5]), clip_low=0.2, clip_high=0.2)
+    assert neg.tolist() == [[1, 0, 0], [0, 0, 0], [1, 0, 0]]
+    # off by default: the kept tokens of the importance weights
+    assert torch.equal(obj.trust_keep(w, adv), w.keep)
+
+
 def test_policy_gradient_loss_is_zero_and_connected_when_everything_is_masked():
     logp = torch.tensor([[LN(0.1) - 3.0]], requires_grad=True)  # ratio 0.1 < 0.5
     w = importance_weights(logp, torch.tensor([[-3.0]]), torch.ones(1, 1))

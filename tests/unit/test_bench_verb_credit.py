@@ -1,0 +1,82 @@
+"""bench/verb_credit.py: a rollout record's verb and operator, the trainer's positive advantage
+per (verb, operator) with the part from groups where no session succeeded, and records read back
+from a Kafka log segment as the embedded broker writes it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.sandbox.tasks import STUB, body
+from bench.verb_credit import Session, credit, log_records, parse
+
+
+def record(i: int, verb: str, op: str | None, reward: float, outcome: str, group: str) -> bytes:
+    prompt = f"tools: read_file(path)\nuser: implement {verb}_rows in calc.py\nassistant: "
+    edit = f'{{"old": "{STUB}", "new": "{body(op)}"}}' if op else "no edit"
+    return json.dumps(
+        {
+            "request_id": f"r{i}",
+            "session_id": f"s{i}",
+            "group_id": group,
+            "model_version": "3",
+            "prompt_tokens": list(prompt.encode()),
+            "completion_tokens": [*edit.encode(), 300],  # an id past the bytes is skipped
+            "reward": reward,
+            "outcome": outcome,
+            "tokenizer": "byte-v1",
+        }
+    ).encode()
+
+
+def test_a_record_s_verb_and_the_operator_its_edit_wrote() -> None:
+    s = parse(record(0, "mul", "+", -0.5, "failure", "g"))
+    assert s == Session(3, "mul", "+", -0.5, False, "g", "s0")
+    assert parse(record(1, "div", "//", 1.0, "success", "g")).op == "//"
+    assert parse(record(2, "sub", None, -1.0, "abandoned", "g")).op == "?"
+    other = json.loads(record(3, "add", "+", 1.0, "success", "g"))
+    other["prompt_tokens"] = list(b"user: write a poem\nassistant: ")
+    assert parse(json.dumps(other).encode()) is None
+    hf = dict(other, tokenizer="hf:tiny")
+    with pytest.raises(SystemExit, match="tokenizer 'hf:tiny'"):
+        parse(json.dumps(hf).encode())
+
+
+def test_the_positive_advantage_per_verb_and_operator_and_where_no_session_succeeded() -> None:
+    # group a (mul): all failed; the failure without a tool error (-0.5, wrote +) beats the two
+    # with one (-1.0): mean -5/6, +1/3 above it, the group's std 0.2357 -> advantage 1.414
+    # group b (add): one success (+1, wrote +) against a failure (-0.5, wrote *): +0.75, or 1.0
+    rows = [
+        Session(1, "mul", "+", -0.5, False, "a", "s1"),
+        Session(1, "mul", "*", -1.0, False, "a", "s2"),
+        Session(1, "mul", "-", -1.0, False, "a", "s3"),
+        Session(1, "add", "+", 1.0, True, "b", "s4"),
+        Session(1, "add", "*", -0.5, False, "b", "s5"),
+        Session(1, "sub", "-", 1.0, True, "c", "s6"),  # alone in its group: no baseline
+    ]
+    total, failed = credit(rows, "group")
+    assert total[("mul", "+")] == pytest.approx(2**0.5, rel=1e-4)
+    assert failed[("mul", "+")] == total[("mul", "+")]
+    assert total[("add", "+")] == pytest.approx(1.0, rel=1e-4) and failed[("add", "+")] == 0
+    assert set(total) == {("mul", "+"), ("add", "+")}
+    none, _ = credit(rows, "none")
+    assert none[("mul", "+")] == pytest.approx(1 / 3) and none[("add", "+")] == pytest.approx(0.75)
+
+
+def test_records_are_read_back_from_a_log_segment(tmp_path: Path) -> None:
+    from kafka.record import MemoryRecordsBuilder
+
+    values = [record(i, "add", "+", 1.0, "success", "g") for i in range(3)]
+    for part, vs in enumerate((values[:2], values[2:])):
+        b = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20)
+        for v in vs:
+            b.append(timestamp=0, key=None, value=v)
+        b.close()
+        seg = tmp_path / "kafka" / "data" / f"flywheel.rollouts-{part}"
+        seg.mkdir(parents=True)
+        (seg / "00000000000000000000.log").write_bytes(bytes(b.buffer()))
+    assert list(log_records(tmp_path)) == values
+    with pytest.raises(SystemExit, match="not a run's data dir"):
+        list(log_records(tmp_path / "elsewhere"))
