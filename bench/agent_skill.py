@@ -12,6 +12,11 @@ from). Measured on the 2-core machine: docs/TRAINER.md "Why it falls short".
 
     .venv/bin/python -m bench.agent_skill probe /tmp/agent-base [/tmp/other-base ...]
     .venv/bin/python -m bench.agent_skill sft /tmp/agent-base --steps 200 --every 25 --save /tmp/mid
+
+`save` writes registered versions of a running loop (its MLflow, `flywheel run` serves it on
+127.0.0.1:5000) as saved policies, to probe or to start a bench from:
+
+    .venv/bin/python -m bench.agent_skill save 1 /tmp/run-v1 --mlflow http://127.0.0.1:5000
 """
 
 from __future__ import annotations
@@ -99,12 +104,24 @@ def main() -> None:
     li.add_argument("mid", help="a saved policy of the same architecture, e.g. an `sft --save`")
     li.add_argument("--at", default="0,0.5,0.6,0.7,0.8,1", help="shares, comma-separated")
     li.add_argument("--save", default=None, help="save the policy at each share as SAVE-<a>")
+    sv = sub.add_parser("save", help="save a registered version of a running loop as a policy")
+    sv.add_argument("version", help="the registered version")
+    sv.add_argument("out", help="the directory to write")
+    sv.add_argument("--mlflow", default="http://127.0.0.1:5000", help="the loop's MLflow")
+    sv.add_argument("--model", default="flywheel-policy", help="the registered model's name")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.cmd == "probe":
         for path in a.policies:
             print(f"{path}: {json.dumps(probe(load_policy(path)))}", flush=True)
+    elif a.cmd == "save":
+        from mlflow.tracking import MlflowClient
+
+        from app.controller.gate_io import load_version
+
+        save_policy(load_version(MlflowClient(a.mlflow), a.model, a.version)[0], a.out)
+        print(f"saved {a.model} v{a.version} to {a.out}")
     elif a.cmd == "line":
         shares = [float(x) for x in a.at.split(",")]
         line(load_policy(a.base), load_policy(a.mid), shares, a.save)

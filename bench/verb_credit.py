@@ -13,6 +13,15 @@ fewer tool errors, is pushed up):
 
     .venv/bin/python -m bench.verb_credit /tmp/run-dir
 
+`--replay BASE` then trains the saved policy BASE (the run's base, saved while the run is up:
+`python -m bench.agent_skill save 1 BASE`) on those same records offline, in the order the
+streams wrote them (`--whole-groups`: each group's sessions together, in the order groups
+first appear), in batches of 16 with the bench's on-policy loss (bench/agent_rl.py: the
+advantage on every sampled token, no importance weights, no KL, AdamW at `--lr`), with the
+trainer's advantages at `--adv-scale` and `--negative-scale`, and prints the held-out probe by
+verb (bench/agent_skill.py) every `--probe-every` steps: whether the run's data alone, under one
+objective or another, loses a verb.
+
 Reads records of the built-in policy's byte tokenizer (`byte-v1`); other tokenizers are refused
 by name. docs/TRAINER.md "Why it falls short" has what it found in a run.
 """
@@ -31,7 +40,7 @@ from pathlib import Path
 import torch
 
 from app.sandbox.tasks import OPS
-from trainer.objective import advantages
+from trainer.objective import ADV_SCALES, advantages
 
 TOPIC = "flywheel.rollouts"
 _VERB = re.compile(r"implement (" + "|".join(OPS) + r")_\w+ in ")
@@ -52,8 +61,9 @@ class Session:
     key: str  # the session (a split session's segments share it)
 
 
-def log_records(data_dir: Path, topic: str = TOPIC) -> Iterator[bytes]:
-    """Every record value of `topic` in an embedded broker's log segments, partition by partition."""
+def log_records(data_dir: Path, topic: str = TOPIC) -> Iterator[tuple[int, bytes]]:
+    """(timestamp in ms, value) of every record of `topic` in an embedded broker's log segments,
+    partition by partition."""
     from kafka.record import MemoryRecords
 
     parts = sorted(glob.glob(str(data_dir / "kafka" / "data" / f"{topic}-*")))
@@ -67,7 +77,7 @@ def log_records(data_dir: Path, topic: str = TOPIC) -> Iterator[bytes]:
             while (batch := records.next_batch()) is not None:
                 for r in batch:
                     if r.value is not None:
-                        yield r.value
+                        yield r.timestamp, r.value
 
 
 def parse(value: bytes) -> Session | None:
@@ -118,11 +128,97 @@ def credit(sessions: list[Session], scale: str) -> tuple[Counter, Counter]:
     return total, all_failed
 
 
+def replay(
+    values: list[bytes],
+    base: str,
+    adv_scale: str,
+    negative_scale: float,
+    lr: float,
+    whole_groups: bool,
+    probe_every: int,
+) -> dict:
+    """Train `base` on the records (`values`, in the order written) offline; the last probe."""
+    from bench.agent_skill import probe
+    from policy.checkpoint import load_policy
+
+    recs = [json.loads(v) for v in values]
+    if whole_groups:
+        by: dict[str, list[dict]] = {}
+        for r in recs:
+            by.setdefault(r.get("group_id") or r["request_id"], []).append(r)
+        recs = [r for g in by.values() for r in g]
+    torch.manual_seed(0)
+    policy = load_policy(base)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def show(step: int) -> dict:
+        p = probe(policy)
+        verbs = " ".join(
+            f"{verb} " + "/".join(f"{x:.2f}" for x in dist) for verb, dist in p["by_verb"].items()
+        )
+        print(
+            f"step {step}: p(right) {p['p_right']:.3f}; p(op | verb) over {' '.join(OPS.values())}: {verbs}",
+            flush=True,
+        )
+        return p
+
+    last = show(0)
+    steps = len(recs) // 16
+    for step in range(steps):
+        batch = recs[step * 16 : (step + 1) * 16]
+        adv = advantages(
+            torch.tensor([float(r["reward"]) for r in batch]),
+            [r.get("group_id") for r in batch],
+            adv_scale,
+            negative_scale=negative_scale,
+            baseline_keys=[f"session:{r['session_id']}" for r in batch],
+        )
+        policy.train()
+        logp = policy.logprobs(
+            [r["prompt_tokens"] for r in batch],
+            [r["completion_tokens"] for r in batch],
+            None,
+            torch.tensor([float(r["temperature"]) for r in batch]),
+        )
+        mask = torch.zeros_like(logp)
+        for k, r in enumerate(batch):
+            m = r.get("loss_mask") or [1] * len(r["completion_tokens"])
+            mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
+        loss = -(logp * mask * adv[:, None]).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        opt.step()
+        if (step + 1) % probe_every == 0 or step + 1 == steps:
+            last = show(step + 1)
+    return last
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("data_dir", type=Path, help="a run's FLYWHEEL_DATA_DIR (the run stopped)")
+    ap.add_argument("--replay", metavar="BASE", help="train this saved policy on the records")
+    ap.add_argument("--adv-scale", choices=ADV_SCALES, default="group")
+    ap.add_argument("--negative-scale", type=float, default=0.0)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--whole-groups", action="store_true")
+    ap.add_argument("--probe-every", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
-    sessions = [s for v in log_records(a.data_dir) if (s := parse(v)) is not None]
+    records = list(log_records(a.data_dir))
+    if a.replay:
+        torch.set_num_threads(a.threads)
+        replay(
+            [v for _, v in sorted(records, key=lambda tv: tv[0])],  # stable: written order
+            a.replay,
+            a.adv_scale,
+            a.negative_scale,
+            a.lr,
+            a.whole_groups,
+            a.probe_every,
+        )
+        return
+    sessions = [s for _, v in records if (s := parse(v)) is not None]
     print(f"{len(sessions)} agent rollouts")
     by: dict[tuple[int, str], list[Session]] = defaultdict(list)
     for s in sessions:

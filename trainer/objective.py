@@ -13,6 +13,9 @@ Terms (all choices stated here are also in docs/TRAINER.md):
   its gradient is min(rho_t, C) * A * grad logp_t. Because we never take more than one
   optimizer step on a rollout, the proximal policy of decoupled PPO is the current policy
   itself and this is exactly its gradient.
+- Trust clip (`trust_keep`, off by default): PPO's clip against the behaviour policy. A token
+  with A > 0 whose ratio is above 1 + clip_high, or with A < 0 below 1 - clip_low, leaves the
+  policy gradient (it stays in the denominator): where min(rho A, clip(rho) A) has no gradient.
 - Sequence mask: the sequence ratio is the GEOMETRIC MEAN of the token ratios,
   exp(mean_t(logp_t - logp_behav_t)). A sequence whose ratio falls outside
   [mask_low, mask_high] = [0.5, 2] is masked: its tokens contribute nothing. The policy

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from app.sandbox.tasks import STUB, body
-from bench.verb_credit import Session, credit, log_records, parse
+from bench.verb_credit import Session, credit, log_records, parse, replay
 
 
 def record(i: int, verb: str, op: str | None, reward: float, outcome: str, group: str) -> bytes:
@@ -72,11 +72,33 @@ def test_records_are_read_back_from_a_log_segment(tmp_path: Path) -> None:
     for part, vs in enumerate((values[:2], values[2:])):
         b = MemoryRecordsBuilder(magic=2, compression_type=0, batch_size=1 << 20)
         for v in vs:
-            b.append(timestamp=0, key=None, value=v)
+            b.append(timestamp=len(vs), key=None, value=v)
         b.close()
         seg = tmp_path / "kafka" / "data" / f"flywheel.rollouts-{part}"
         seg.mkdir(parents=True)
         (seg / "00000000000000000000.log").write_bytes(bytes(b.buffer()))
-    assert list(log_records(tmp_path)) == values
+    assert list(log_records(tmp_path)) == [(2, values[0]), (2, values[1]), (1, values[2])]
     with pytest.raises(SystemExit, match="not a run's data dir"):
         list(log_records(tmp_path / "elsewhere"))
+
+
+def test_replay_trains_a_saved_policy_on_the_records_and_probes_it(tmp_path: Path, capsys) -> None:
+    """`--replay`: the records' sessions above their group's mean move the policy (a tiny one
+    here, saved as a run's base is), and the probe is printed before and after."""
+    from policy import build_policy
+    from policy.checkpoint import save_policy
+    from tests.unit.policy.conftest import TINY
+
+    save_policy(build_policy({**TINY, "max_context": 1024}), tmp_path / "base")
+    values = []
+    for i in range(16):
+        rec = json.loads(
+            record(i, "mul", "*" if i % 2 else "+", 1.0 if i % 2 else -0.5, "x", f"g{i // 4}")
+        )
+        rec["completion_tokens"] = rec["completion_tokens"][:-1]  # bytes only: the tiny vocabulary
+        values.append(json.dumps(dict(rec, temperature=0.6)).encode())
+    last = replay(values, str(tmp_path / "base"), "none", 0.0, 1e-2, False, probe_every=1)
+    out = capsys.readouterr().out
+    assert "step 0: p(right)" in out and "step 1: p(right)" in out
+    before = float(out.split("step 0: p(right) ")[1].split(";")[0])
+    assert abs(last["p_right"] - before) > 1e-3, "a step of lr 1e-2 moved the probe"
