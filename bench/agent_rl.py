@@ -109,7 +109,7 @@ def reported_reward(user: AgentUser, session: AgentSession, v) -> float:
     return turns + (outcome_value(spec, outcome) or 0.0)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("base", help="a saved policy directory")
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -178,7 +178,11 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=1)
     ap.add_argument("--eval-tasks", type=int, default=16, help="held-out tasks, 2 sessions each")
     ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
     torch.set_num_threads(a.threads)
     policy = load_policy(a.base)
     behaviour = copy.deepcopy(policy) if a.lag else policy
