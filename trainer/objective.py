@@ -69,7 +69,7 @@ class ISWeights:
     clip_fraction: float  # fraction of real tokens with rho > C
     masked_fraction: float  # fraction of sequences (with >= 1 token) masked by the sequence ratio
     ess: float  # normalised effective sample size of the untruncated token ratios, in (0, 1]
-    ratio: torch.Tensor | None = None  # float32 [B, T]: untruncated token ratios, 0 off the mask
+    ratio: torch.Tensor  # float32 [B, T]: untruncated token ratios, 0 off the mask
 
 
 def importance_weights(
@@ -241,7 +241,7 @@ def trust_keep(
     serving champion did well and the trainer has already learned (docs/TRAINER.md "Stale
     rollouts and the trust clip"). 0 turns a side off (DAPO's clip-higher sets them apart)."""
     keep = w.keep
-    if not (clip_low or clip_high) or w.ratio is None:
+    if not (clip_low or clip_high):
         return keep
     a = adv.to(torch.float32).unsqueeze(1)
     bound = torch.zeros_like(keep, dtype=torch.bool)
