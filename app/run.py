@@ -134,9 +134,9 @@ AGENT_DEMO_ENV = {
     # ... in reward units, not divided by the group's std: in a group where every session failed,
     # the std turned a tool error's difference (-0.5 against -1.0) into an advantage of +1.4, as
     # large as a success's, and the verb failed most (`mul`) got more of that credit on its wrong
-    # operators than on its right one (run 9: 60.0 against 47.7; in reward units 29.3 against
-    # 41.4). Trained offline on run 9's own records, `mul` fell 0.34 -> 0.17 with the std and held
-    # at 0.29 without it (docs/TRAINER.md "Why it falls short", bench/verb_credit.py)
+    # operators than on its right one (run 9: 59.5 against 50.2; in reward units 29.5 against
+    # 42.7). Trained offline on run 9's own records, `mul` fell 0.34 -> 0.17 with the std and held
+    # at 0.31 without it (docs/TRAINER.md "Why it falls short", bench/verb_credit.py)
     "FLYWHEEL_TRAINER_ADV_SCALE": "none",
     "FLYWHEEL_TRAINER_LR": "1e-4",
     # no self-distillation on tool errors: from the same base, with it the held-out tool errors

@@ -181,13 +181,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def optimizer(policy, lr: float) -> torch.optim.Optimizer:
+    """AdamW as the trainer's (betas 0.9, 0.95, no weight decay)."""
+    return torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def pg_step(
+    opt: torch.optim.Optimizer,
+    policy,
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    adv: torch.Tensor,
+    logp_behav: torch.Tensor | None = None,
+    trunc_c: float = 2.0,
+    clip_high: float = 0.0,
+) -> None:
+    """One step of the trainer's policy gradient (trainer/objective.py) on rows `logp` [B, T]
+    with advantages `adv` [B], the gradient clipped to norm 1 as the trainer's. Without
+    `logp_behav` the rows are on-policy: every ratio is 1, so the loss is the advantage times
+    each sampled token's log-prob over the batch's sampled tokens."""
+    behav = logp.detach() if logp_behav is None else logp_behav
+    w = importance_weights(logp, behav, mask, trunc_c=trunc_c)
+    loss = policy_gradient_loss(logp, adv, w, mask, pg_keep=trust_keep(w, adv, 0.0, clip_high))
+    opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    opt.step()
+
+
 def main() -> None:
     a = parse_args()
     torch.set_num_threads(a.threads)
     policy = load_policy(a.base)
     behaviour = copy.deepcopy(policy) if a.lag else policy
     snapshots = [copy.deepcopy(policy.state_dict())]  # [k]: the policy at the end of version k
-    opt = torch.optim.AdamW(policy.parameters(), lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = optimizer(policy, a.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda k: min(1.0, (k + 1) / a.warmup) if a.warmup else 1.0
     )
@@ -255,21 +283,13 @@ def main() -> None:
             mask = torch.zeros_like(logp)
             for k, c in enumerate(comps):
                 mask[k, : len(c)] = 1
+            logp_b = None
             if a.lag:
                 with torch.no_grad():
                     logp_b = behaviour.logprobs(
                         prompts, comps, routes if a.replay_routes else None, a.temperature
                     )
-                w = importance_weights(logp, logp_b, mask, trunc_c=a.trunc_c)
-                adv_t = torch.tensor(advs)
-                keep = trust_keep(w, adv_t, 0.0, a.clip_high)
-                loss = policy_gradient_loss(logp, adv_t, w, mask, pg_keep=keep)
-            else:
-                loss = -(logp * mask * torch.tensor(advs)[:, None]).sum() / mask.sum()
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-            opt.step()
+            pg_step(opt, policy, logp, mask, torch.tensor(advs), logp_b, a.trunc_c, a.clip_high)
             sched.step()
             steps += 1
             if a.probe_every and steps % a.probe_every == 0:

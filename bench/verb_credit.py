@@ -16,9 +16,9 @@ fewer tool errors, is pushed up):
 `--replay BASE` then trains the saved policy BASE (the run's base, saved while the run is up:
 `python -m bench.agent_skill save 1 BASE`) on those same records offline, in the order the
 streams wrote them (`--whole-groups`: each group's sessions together, in the order groups
-first appear), in batches of 16 with the bench's on-policy loss (bench/agent_rl.py: the
-advantage on every sampled token, no importance weights, no KL, AdamW at `--lr`), with the
-trainer's advantages at `--adv-scale` and `--negative-scale`, and prints the held-out probe by
+first appear), read and batched as the trainer reads them, 16 a step, with the trainer's policy
+gradient on-policy (bench/agent_rl.py `pg_step`: no importance weights, no KL, AdamW at `--lr`)
+and its advantages at `--adv-scale` and `--negative-scale`, and prints the held-out probe by
 verb (bench/agent_skill.py) every `--probe-every` steps: whether the run's data alone, under one
 objective or another, loses a verb.
 
@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from app.sandbox.tasks import OPS
+from policy.tokenizer import ByteTokenizer
 from trainer.objective import ADV_SCALES, advantages
 
 TOPIC = "flywheel.rollouts"
@@ -58,7 +59,7 @@ class Session:
     reward: float
     success: bool
     group: str | None
-    key: str  # the session (a split session's segments share it)
+    key: str  # trainer/batch.py `baseline_key`: a split session's segments share it
 
 
 def log_records(data_dir: Path, topic: str = TOPIC) -> Iterator[tuple[int, bytes]]:
@@ -81,24 +82,32 @@ def log_records(data_dir: Path, topic: str = TOPIC) -> Iterator[tuple[int, bytes
 
 
 def parse(value: bytes) -> Session | None:
-    """The session of one rollout record; None for a record that is no agent task's."""
+    """The session of one rollout record; None for a record that is no agent task's. The record
+    is read as the trainer reads it (trainer/rollouts.py `parse_rollout`), and its baseline key
+    is the trainer's (trainer/batch.py `baseline_key`)."""
+    from trainer.batch import baseline_key
+    from trainer.rollouts import parse_rollout
+
     d = json.loads(value)
     if d.get("tokenizer", "byte-v1") != "byte-v1":
         raise SystemExit(f"record {d.get('request_id')}: tokenizer {d['tokenizer']!r}, not byte-v1")
-    text = lambda ids: bytes(t for t in ids if t < 256).decode(errors="replace")  # noqa: E731
-    verb = _VERB.search(text(d["prompt_tokens"]))
+    r, refusal = parse_rollout(value)
+    if r is None:
+        raise SystemExit(f"record {d.get('request_id')} is no rollout record: {refusal.message}")
+    text = ByteTokenizer().decode
+    verb = _VERB.search(text(r.prompt_tokens))
     if verb is None:
         return None
-    ops = _OP.findall(text(d["completion_tokens"]))
+    ops = _OP.findall(text(r.completion_tokens))
     op = ops[-1] if ops and ops[-1] in OPS.values() else "?"
     return Session(
-        version=int(d["model_version"]),
+        version=int(r.model_version),
         verb=verb.group(1),
         op=op,
-        reward=float(d["reward"]),
-        success=d.get("outcome") == "success",
-        group=d.get("group_id"),
-        key=d["session_id"],
+        reward=r.reward,
+        success=d.get("outcome") == "success",  # the trainer's record does not keep the outcome
+        group=r.group_id,
+        key=baseline_key(r),
     )
 
 
@@ -137,19 +146,36 @@ def replay(
     whole_groups: bool,
     probe_every: int,
 ) -> dict:
-    """Train `base` on the records (`values`, in the order written) offline; the last probe."""
+    """Train `base` on the records (`values`, in the order written) offline; the last probe.
+
+    The records are read as the trainer reads them (trainer/rollouts.py `parse_rollout` against
+    the base's tokenizer and context; a refused one is counted and left out) and batched by
+    trainer/batch.py `collate` (the loss mask, each record's temperature, its baseline key)."""
+    from bench.agent_rl import optimizer, pg_step
     from bench.agent_skill import probe
     from policy.checkpoint import load_policy
+    from trainer.batch import collate
+    from trainer.rollouts import parse_rollout
+    from trainer.validate import ModelSpec
 
-    recs = [json.loads(v) for v in values]
-    if whole_groups:
-        by: dict[str, list[dict]] = {}
-        for r in recs:
-            by.setdefault(r.get("group_id") or r["request_id"], []).append(r)
-        recs = [r for g in by.values() for r in g]
     torch.manual_seed(0)
     policy = load_policy(base)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    spec = ModelSpec.of(policy, replay_routes=False, max_abs_reward=1e6)
+    rollouts, refused = [], Counter()
+    for v in values:
+        r, refusal = parse_rollout(v, spec)
+        if refusal is not None:
+            refused[refusal.reason] += 1
+        else:
+            rollouts.append(r)
+    if refused:
+        print(f"left out {sum(refused.values())} refused records: {dict(refused)}")
+    if whole_groups:
+        by: dict[str, list] = {}
+        for r in rollouts:
+            by.setdefault(r.group_id or r.request_id, []).append(r)
+        rollouts = [r for g in by.values() for r in g]
+    opt = optimizer(policy, lr)
 
     def show(step: int) -> dict:
         p = probe(policy)
@@ -163,32 +189,13 @@ def replay(
         return p
 
     last = show(0)
-    steps = len(recs) // 16
+    steps = len(rollouts) // 16
     for step in range(steps):
-        batch = recs[step * 16 : (step + 1) * 16]
-        adv = advantages(
-            torch.tensor([float(r["reward"]) for r in batch]),
-            [r.get("group_id") for r in batch],
-            adv_scale,
-            negative_scale=negative_scale,
-            baseline_keys=[f"session:{r['session_id']}" for r in batch],
-        )
+        c = collate(rollouts[step * 16 : (step + 1) * 16])
+        adv = advantages(c.rewards, c.group_ids, adv_scale, negative_scale, c.baseline_keys)
         policy.train()
-        logp = policy.logprobs(
-            [r["prompt_tokens"] for r in batch],
-            [r["completion_tokens"] for r in batch],
-            None,
-            torch.tensor([float(r["temperature"]) for r in batch]),
-        )
-        mask = torch.zeros_like(logp)
-        for k, r in enumerate(batch):
-            m = r.get("loss_mask") or [1] * len(r["completion_tokens"])
-            mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
-        loss = -(logp * mask * adv[:, None]).sum() / mask.sum()
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
+        logp = policy.logprobs(c.prompts, c.completions, None, c.temperatures)
+        pg_step(opt, policy, logp, c.mask, adv)
         if (step + 1) % probe_every == 0 or step + 1 == steps:
             last = show(step + 1)
     return last

@@ -11,29 +11,34 @@ import pytest
 
 from app.sandbox.tasks import STUB, body
 from bench.verb_credit import Session, credit, log_records, parse, replay
+from tests.unit.trainer.test_validate import record as validate_record
 
 
 def record(i: int, verb: str, op: str | None, reward: float, outcome: str, group: str) -> bytes:
     prompt = f"tools: read_file(path)\nuser: implement {verb}_rows in calc.py\nassistant: "
     edit = f'{{"old": "{STUB}", "new": "{body(op)}"}}' if op else "no edit"
+    completion = [*edit.encode(), 300]  # an id past the bytes is skipped
     return json.dumps(
-        {
-            "request_id": f"r{i}",
-            "session_id": f"s{i}",
-            "group_id": group,
-            "model_version": "3",
-            "prompt_tokens": list(prompt.encode()),
-            "completion_tokens": [*edit.encode(), 300],  # an id past the bytes is skipped
-            "reward": reward,
-            "outcome": outcome,
-            "tokenizer": "byte-v1",
-        }
+        validate_record(  # a record of the topic's contract (trainer/validate.py's tests)
+            request_id=f"r{i}",
+            session_id=f"s{i}",
+            group_id=group,
+            model_version="3",
+            prompt_tokens=list(prompt.encode()),
+            completion_tokens=completion,
+            logprobs=[-0.1] * len(completion),
+            routes=None,
+            route_shape=None,
+            reward=reward,
+            outcome=outcome,
+            tokenizer="byte-v1",
+        )
     ).encode()
 
 
 def test_a_record_s_verb_and_the_operator_its_edit_wrote() -> None:
     s = parse(record(0, "mul", "+", -0.5, "failure", "g"))
-    assert s == Session(3, "mul", "+", -0.5, False, "g", "s0")
+    assert s == Session(3, "mul", "+", -0.5, False, "g", "request:r0")  # a one-call record
     assert parse(record(1, "div", "//", 1.0, "success", "g")).op == "//"
     assert parse(record(2, "sub", None, -1.0, "abandoned", "g")).op == "?"
     other = json.loads(record(3, "add", "+", 1.0, "success", "g"))
@@ -92,13 +97,25 @@ def test_replay_trains_a_saved_policy_on_the_records_and_probes_it(tmp_path: Pat
     save_policy(build_policy({**TINY, "max_context": 1024}), tmp_path / "base")
     values = []
     for i in range(16):
+        ok = i % 2 == 1
         rec = json.loads(
-            record(i, "mul", "*" if i % 2 else "+", 1.0 if i % 2 else -0.5, "x", f"g{i // 4}")
+            record(
+                i,
+                "mul",
+                "*" if ok else "+",
+                1.0 if ok else -0.5,
+                "success" if ok else "failure",
+                f"g{i // 4}",
+            )
         )
         rec["completion_tokens"] = rec["completion_tokens"][:-1]  # bytes only: the tiny vocabulary
+        rec["logprobs"] = rec["logprobs"][:-1]
         values.append(json.dumps(dict(rec, temperature=0.6)).encode())
+    # the trainer's validation reads the records: one past the vocabulary is refused, left out
+    values.append(record(99, "mul", "*", 1.0, "success", "g9"))
     last = replay(values, str(tmp_path / "base"), "none", 0.0, 1e-2, False, probe_every=1)
     out = capsys.readouterr().out
+    assert "left out 1 refused records: {'token_out_of_vocab': 1}" in out
     assert "step 0: p(right)" in out and "step 1: p(right)" in out
     before = float(out.split("step 0: p(right) ")[1].split(";")[0])
     assert abs(last["p_right"] - before) > 1e-3, "a step of lr 1e-2 moved the probe"
