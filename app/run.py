@@ -123,6 +123,11 @@ AGENT_DEMO_ENV = {
     "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS": "400",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET": "0.4",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK": "0.7",
+    # ... on three lines from the pretrained weights, keeping the base that tells the verbs apart
+    # most: from one pretrained base three lines' bases at 0.4 told them apart by 0.003, -0.011
+    # and 0.101, and run 11's base (0.002, `sub` and `mul` read as one verb) left both at chance
+    # for 15 versions (docs/TRAINER.md "Why it falls short"); about 2 minutes a line
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_LINES": "3",
     # one rollout is a whole session here (about four turns); 64 a version (four steps of 16)
     "FLYWHEEL_TRAINER_MIN_ROLLOUTS": "64",
     # each task worked by 4 sessions at once, one group, and only sessions above their group's
@@ -138,6 +143,12 @@ AGENT_DEMO_ENV = {
     # 42.7). Trained offline on run 9's own records, `mul` fell 0.34 -> 0.17 with the std and held
     # at 0.31 without it (docs/TRAINER.md "Why it falls short", bench/verb_credit.py)
     "FLYWHEEL_TRAINER_ADV_SCALE": "none",
+    # ... and only sessions that succeeded pushed up: in a group where every session failed, the
+    # one that failed with fewer tool errors was above the mean, and run 13 credited `*` after
+    # `add` 18.1 (8.6 of it from such groups) against 40.1 for `+`; the first run with the rule
+    # (run 14, its base the best-separated yet) reached +46.9 by v10 (docs/TRAINER.md "Why it
+    # falls short")
+    "FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS": "true",
     "FLYWHEEL_TRAINER_LR": "1e-4",
     # no self-distillation on tool errors: from the same base, with it the held-out tool errors
     # per turn doubled (0.079 -> 0.168) and task success fell to 0.266 by v3; without it they
@@ -168,6 +179,7 @@ AGENT_HF_SKIP = (
     "FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET",
     "FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK",
+    "FLYWHEEL_TRAINER_PRETRAIN_MID_LINES",
     # tuned for the built-in policy's RL (the model keeps the trainer's own lr, HF_DEMO_SKIP)
     "FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE",
     "FLYWHEEL_TRAINER_DISTILL_COEF",

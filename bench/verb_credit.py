@@ -7,8 +7,8 @@ broker's log segments (no broker needed), finds each session's verb and the oper
 `apply_edit` wrote, and prints per version the operators written and their mean reward, then
 the positive advantage the trainer's rule gives each (verb, operator) pair
 (trainer/objective.py `advantages` over each group's sessions, a session counted once; only the
-positive side, as `FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE=0` trains) under both advantage scales,
-with the share that came from groups where no session succeeded (there a "least bad" failure,
+positive side, as `FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE=0` trains) under both advantage scales
+(and in reward units with only successes pushed up), with the share that came from groups where no session succeeded (there a "least bad" failure,
 fewer tool errors, is pushed up):
 
     .venv/bin/python -m bench.verb_credit /tmp/run-dir
@@ -18,7 +18,8 @@ fewer tool errors, is pushed up):
 streams wrote them (`--whole-groups`: each group's sessions together, in the order groups
 first appear), read and batched as the trainer reads them, 16 a step, with the trainer's policy
 gradient on-policy (bench/agent_rl.py `pg_step`: no importance weights, no KL, AdamW at `--lr`)
-and its advantages at `--adv-scale` and `--negative-scale`, and prints the held-out probe by
+and its advantages at `--adv-scale` and `--negative-scale` (`--positive-needs-success`: only
+sessions that succeeded pushed up, FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS), and prints the held-out probe by
 verb (bench/agent_skill.py) every `--probe-every` steps: whether the run's data alone, under one
 objective or another, loses a verb.
 
@@ -41,7 +42,7 @@ import torch
 
 from app.sandbox.tasks import OPS
 from policy.tokenizer import ByteTokenizer
-from trainer.objective import ADV_SCALES, advantages
+from trainer.objective import ADV_SCALES, advantages, unsuccessful
 
 TOPIC = "flywheel.rollouts"
 _VERB = re.compile(r"implement (" + "|".join(OPS) + r")_\w+ in ")
@@ -111,9 +112,13 @@ def parse(value: bytes) -> Session | None:
     )
 
 
-def credit(sessions: list[Session], scale: str) -> tuple[Counter, Counter]:
+def credit(
+    sessions: list[Session], scale: str, needs_success: bool = False
+) -> tuple[Counter, Counter]:
     """The positive advantage each (verb, op) gets over its group's sessions, and the part of it
-    from groups where none succeeded. A group with one session has no baseline: left out."""
+    from groups where none succeeded. A group with one session has no baseline: left out.
+    `needs_success`: FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS (a session that did not succeed
+    gets none)."""
     total, all_failed = Counter(), Counter()
     groups: dict[str, list[Session]] = defaultdict(list)
     for s in sessions:
@@ -127,6 +132,7 @@ def credit(sessions: list[Session], scale: str) -> tuple[Counter, Counter]:
             [s.group for s in members],
             scale,
             baseline_keys=[s.key for s in members],
+            unsuccessful=[not s.success for s in members] if needs_success else None,
         )
         failed = not any(s.success for s in members)
         for s, a in zip(members, adv.tolist(), strict=True):
@@ -142,6 +148,7 @@ def replay(
     base: str,
     adv_scale: str,
     negative_scale: float,
+    needs_success: bool,
     lr: float,
     whole_groups: bool,
     probe_every: int,
@@ -192,7 +199,8 @@ def replay(
     steps = len(rollouts) // 16
     for step in range(steps):
         c = collate(rollouts[step * 16 : (step + 1) * 16])
-        adv = advantages(c.rewards, c.group_ids, adv_scale, negative_scale, c.baseline_keys)
+        held = unsuccessful(c.outcomes) if needs_success else None
+        adv = advantages(c.rewards, c.group_ids, adv_scale, negative_scale, c.baseline_keys, held)
         policy.train()
         logp = policy.logprobs(c.prompts, c.completions, None, c.temperatures)
         pg_step(opt, policy, logp, c.mask, adv)
@@ -207,6 +215,11 @@ def main() -> None:
     ap.add_argument("--replay", metavar="BASE", help="train this saved policy on the records")
     ap.add_argument("--adv-scale", choices=ADV_SCALES, default="group")
     ap.add_argument("--negative-scale", type=float, default=0.0)
+    ap.add_argument(
+        "--positive-needs-success",
+        action="store_true",
+        help="FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS: only sessions that succeeded are pushed up",
+    )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--whole-groups", action="store_true")
     ap.add_argument("--probe-every", type=int, default=10)
@@ -220,6 +233,7 @@ def main() -> None:
             a.replay,
             a.adv_scale,
             a.negative_scale,
+            a.positive_needs_success,
             a.lr,
             a.whole_groups,
             a.probe_every,
@@ -242,9 +256,10 @@ def main() -> None:
             )
             cells.append(f"{verb} {ops or '-'}")
         print(f"v{v:<3} " + " | ".join(cells))
-    for scale in ("group", "none"):
-        total, failed = credit(sessions, scale)
-        print(f"positive advantage, scale {scale} (of it from groups where none succeeded)")
+    for scale, needs in (("group", False), ("none", False), ("none", True)):
+        total, failed = credit(sessions, scale, needs)
+        rule = ", successes only" if needs else ""
+        print(f"positive advantage, scale {scale}{rule} (of it from groups where none succeeded)")
         for verb in OPS:
             right = OPS[verb]
             cells = [

@@ -4,12 +4,15 @@ Validates the config (reward spec guard), serves Prometheus metrics, waits for t
 (app/infra/wait.py: started first, it stays up and says so), creates missing topics, then
 runs the Faust worker until SIGTERM/SIGINT. Start more processes with the
 same settings to split the partitions (one Kafka consumer group). `kill -USR2 <pid>` writes every
-thread's stack to the worker's stderr (a stuck start-up names its own line).
+asyncio task's stack, then every thread's, to the worker's stderr (a stuck start-up names its own
+line; a stuck agent its await). Mode's Worker would open pdb on SIGUSR2 once it runs
+(`_on_sigusr2`): `run_worker`'s Worker keeps the dump.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 from app.settings import Settings, get_settings
 from streams.config import StreamsConfig
@@ -17,16 +20,40 @@ from streams.config import StreamsConfig
 log = logging.getLogger(__name__)
 
 
+def dump_stacks(fd: int = 2) -> None:
+    """Every asyncio task's stack of the running loop, then every thread's (faulthandler), to `fd`.
+
+    The threads come last and the signalled (main) thread last among them, so a reader knows the
+    dump is complete when the main thread's frames end (tests/integration/streams/conftest.py)."""
+    import asyncio
+    import faulthandler
+    import io
+
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no running loop (still starting)
+        tasks = set()
+    buf = io.StringIO()
+    for task in sorted(tasks, key=lambda t: t.get_name()):
+        buf.write(f"--- asyncio {task!r}\n")
+        task.print_stack(limit=12, file=buf)
+    os.write(fd, buf.getvalue().encode(errors="replace"))
+    faulthandler.dump_traceback(file=fd, all_threads=True)
+
+
 def run_worker(
     settings: Settings | None = None, cfg: StreamsConfig | None = None, loglevel: str | None = None
 ) -> None:
     import faulthandler
-    import os
     import signal
 
-    from faust.worker import Worker
+    import faust.worker
 
-    faulthandler.register(signal.SIGUSR2, all_threads=True)
+    class Worker(faust.worker.Worker):  # the name is the logs' "[^Worker]"
+        def _on_sigusr2(self) -> None:  # mode's: pdb.set_trace(), on a worker nobody attaches to
+            dump_stacks()
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # until the worker takes the signal
     from prometheus_client import start_http_server
 
     from streams.app import build_app, ensure_internal_topics

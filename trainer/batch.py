@@ -40,6 +40,7 @@ class Collated:
     rewards: torch.Tensor  # float32 [B]
     group_ids: list[str | None]
     baseline_keys: list[str]  # `baseline_key`: what a group's baseline counts once
+    outcomes: list[str | None]  # each agent session's outcome where it reached the record
     versions: list[int | None]
     temperatures: torch.Tensor  # float32 [B]: what each rollout was sampled at
     # int64 [B, T]: the model version that sampled each token (its turn's), -1 where unknown
@@ -79,6 +80,7 @@ def collate(rollouts: list[Rollout], default_temperature: float = 1.0) -> Collat
         rewards=torch.tensor([r.reward for r in rollouts], dtype=torch.float32),
         group_ids=[r.group_id for r in rollouts],
         baseline_keys=[baseline_key(r) for r in rollouts],
+        outcomes=[r.outcome for r in rollouts],
         versions=[r.version_number() for r in rollouts],
         temperatures=torch.tensor(
             [_or(r.scoring_temperature(), default_temperature) for r in rollouts],

@@ -96,6 +96,10 @@ class TrainerConfig(FlywheelSettings):
         le=1,
         description='Factor on advantages below 0 (1: the policy gradient; 0: learn only from the rollouts that beat their baseline). On agent sessions a negative advantage pushes down every token of a session that failed on one decision; docs/TRAINER.md "Why it falls short" measures 0 with groups keeping the format at a rate where the skill moves.',
     )
+    adv_positive_needs_success: bool = Field(
+        False,
+        description='Push up only agent sessions that succeeded: a rollout whose session outcome is `failure` or `abandoned` gets an advantage of at most 0 (records without an outcome are unaffected). In a group where every session failed, the one that failed with fewer tool errors is above the mean and its wrong moves are pushed up like a success\'s (docs/TRAINER.md "Why it falls short").',
+    )
     kl_coef: float = Field(
         0.01,
         ge=0,
@@ -228,6 +232,11 @@ class TrainerConfig(FlywheelSettings):
         gt=0,
         le=1,
         description='With `PRETRAIN_MID_TARGET` below it: mid-train on to the first probe at this p(right), past the onset of every verb, then scale the mid-training\'s update back along the straight line to the pretrained weights until the probe is at the target (trainer/pretrain.py `scale_back`): a base that holds every verb above chance (docs/TRAINER.md "Why it falls short").',
+    )
+    pretrain_mid_lines: int = Field(
+        1,
+        ge=1,
+        description='With `PRETRAIN_MID_PEAK`: mid-train this many lines from the pretrained weights (each its own stream of sessions, scaled back to the target) and keep the base that tells the verbs apart most (trainer/pretrain.py `midtrain_lines`, trainer/skill_probe.py `separation`): which line a run gets is otherwise chance, and a base that read two verbs as one left them at chance for a whole run (docs/TRAINER.md "Why it falls short"). About 2 minutes a line on 2 cores (run 13).',
     )
     pretrain_threads: int | None = Field(
         None,
@@ -381,6 +390,12 @@ class TrainerConfig(FlywheelSettings):
             raise ValueError(
                 f"FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK ({peak}) is where mid-training is scaled back "
                 f"from, so it needs FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET set below it (it is {target})"
+            )
+        if self.pretrain_mid_lines > 1 and peak is None:
+            raise ValueError(
+                f"FLYWHEEL_TRAINER_PRETRAIN_MID_LINES ({self.pretrain_mid_lines}) picks among "
+                "scaled-back mid-training lines by their probe: it needs "
+                "FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK and FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET"
             )
         return self
 

@@ -104,6 +104,7 @@ _SUMMED = (
     "distill_rollouts",
     "multi_turn_rollouts",
     "grouped_rollouts",
+    "positive_held_back",
     "stale_turn_tokens",
     "constrained_turn_tokens",
 )
@@ -184,6 +185,7 @@ class RankShare:
     tokens: float  # completion tokens of the rank's rollouts
     kept: float  # of those, the tokens the importance weights keep
     baseline_keys: list[str]  # theirs (batch.baseline_key: a group's baseline counts each once)
+    outcomes: list[str | None]  # their agent sessions' outcomes (batch.Collated.outcomes)
 
 
 class Trainer:
@@ -483,6 +485,7 @@ class Trainer:
                     "mid_steps": cfg.pretrain_mid_steps,
                     "mid_target": cfg.pretrain_mid_target,
                     "mid_peak": cfg.pretrain_mid_peak,
+                    "mid_lines": cfg.pretrain_mid_lines,
                     "threads": cfg.pretrain_threads,
                 },
                 cfg.pretrain_steps,
@@ -729,7 +732,7 @@ class Trainer:
                 err = exc
             self._agree(err, "the forward")
             shares: list[RankShare] = world.all_gather(
-                RankShare([], [], 0.0, 0.0, [])
+                RankShare([], [], 0.0, 0.0, [], [])
                 if f is None
                 else RankShare(
                     f.batch.rewards.tolist(),
@@ -737,14 +740,16 @@ class Trainer:
                     float(f.batch.mask.sum()),
                     float(f.weights.keep.sum()),
                     list(f.batch.baseline_keys),
+                    list(f.batch.outcomes),
                 )
             )
             rewards = torch.tensor([r for v in shares for r in v.rewards], dtype=torch.float32)
             groups = [g for v in shares for g in v.groups]
             keys = [k for v in shares for k in v.baseline_keys]
-            adv = self._advantages(rewards, groups, keys)
+            adv = self._advantages(rewards, groups, keys, [o for v in shares for o in v.outcomes])
             start = sum(len(v.rewards) for v in shares[: world.rank])
             mine = obj.grouped(groups, keys)[start : start + len(batch.rollouts)]
+            held = self._held_back(rewards, groups, keys, adv)[start : start + len(batch.rollouts)]
             tokens, kept = sum(v.tokens for v in shares), sum(v.kept for v in shares)
             o: Objective | None = None
             try:
@@ -770,6 +775,8 @@ class Trainer:
             if o is not None:
                 self._step_metrics(o, batch, grad_norm)
                 o.metrics["grouped_rollouts"] = float(sum(mine))
+                if cfg.adv_positive_needs_success:
+                    o.metrics["positive_held_back"] = float(held.sum())
                 GROUPED.inc(sum(mine))
             metrics = combine_metrics(world.all_gather(None if o is None else o.metrics))
         except BaseException:
@@ -878,17 +885,35 @@ class Trainer:
         probe of a single rollout."""
         f = self._forward(batch)
         return self._assemble(
-            f, self._advantages(f.batch.rewards, f.batch.group_ids, f.batch.baseline_keys)
+            f,
+            self._advantages(
+                f.batch.rewards, f.batch.group_ids, f.batch.baseline_keys, f.batch.outcomes
+            ),
         )
 
     def _advantages(
-        self, rewards: torch.Tensor, groups: list[str | None], keys: list[str]
+        self,
+        rewards: torch.Tensor,
+        groups: list[str | None],
+        keys: list[str],
+        outcomes: list[str | None],
     ) -> torch.Tensor:
-        """The configured advantages (scale, negative scale) of a batch's rewards, each session
-        counted once in its group's baseline."""
-        return obj.advantages(
-            rewards, groups, self.cfg.adv_scale, self.cfg.adv_negative_scale, keys
-        )
+        """The configured advantages (scale, negative scale, positive ones for successes only) of
+        a batch's rewards, each session counted once in its group's baseline."""
+        cfg = self.cfg
+        held = obj.unsuccessful(outcomes) if cfg.adv_positive_needs_success else None
+        return obj.advantages(rewards, groups, cfg.adv_scale, cfg.adv_negative_scale, keys, held)
+
+    def _held_back(
+        self, rewards: torch.Tensor, groups: list[str | None], keys: list[str], adv: torch.Tensor
+    ) -> torch.Tensor:
+        """Per rollout, 1.0 where `adv_positive_needs_success` held a positive advantage at 0 (a
+        session that did not succeed, above its baseline), else 0.0."""
+        if not self.cfg.adv_positive_needs_success:
+            return torch.zeros_like(adv)
+        cfg = self.cfg
+        raw = obj.advantages(rewards, groups, cfg.adv_scale, cfg.adv_negative_scale, keys)
+        return ((raw > 0) & (adv <= 0)).float()
 
     # --- shipping ------------------------------------------------------------------------------------
     def ship_due(self) -> bool:

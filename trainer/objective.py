@@ -123,6 +123,7 @@ def advantages(
     scale: str = "group",
     negative_scale: float = 1.0,
     baseline_keys: list[str] | None = None,
+    unsuccessful: list[bool] | None = None,
 ) -> torch.Tensor:
     """Advantages: each reward minus its group's mean for groups of >= 2 sessions, minus the mean
     of the other rollouts of the batch for the rest. [B] -> [B].
@@ -144,13 +145,22 @@ def advantages(
     sessions, where one advantage is spread over every sampled token of a session, a negative one
     pushes down the format and the moves of a session that failed on one byte; at a rate where the
     skill moves, that collapsed the sessions into giving up (docs/TRAINER.md "Why it falls
-    short")."""
+    short").
+
+    `unsuccessful` (one per rollout; None: off): True for a rollout of an agent session whose
+    outcome is known and is not `success`; its advantage is at most 0. In a group where every
+    session failed, the one that failed with fewer tool errors, or without giving up, is above
+    the group's mean, and its wrong moves were pushed up like a success's (docs/TRAINER.md "Why it
+    falls short": `*` after `add`). The baselines are unchanged: only what is pushed up is."""
     assert 0.0 <= negative_scale <= 1.0, f"negative_scale {negative_scale} not in [0, 1]"
     assert rewards.dim() == 1 and rewards.shape[0] == len(group_ids), (
         f"{rewards.shape} vs {len(group_ids)} group ids"
     )
     assert baseline_keys is None or len(baseline_keys) == len(group_ids), (
         f"{len(baseline_keys)} baseline keys for {len(group_ids)} rollouts"
+    )
+    assert unsuccessful is None or len(unsuccessful) == len(group_ids), (
+        f"{len(unsuccessful)} outcomes for {len(group_ids)} rollouts"
     )
     assert scale in ADV_SCALES, f"advantage scale {scale!r} not in {ADV_SCALES}"
     rewards = rewards.to(torch.float32)
@@ -170,7 +180,15 @@ def advantages(
     if single:
         ref = rewards[single] if len(single) >= 2 else rewards
         out[single] = centred(rewards[single], ref)
+    if unsuccessful is not None and any(unsuccessful):
+        out = torch.where(torch.tensor(unsuccessful) & (out > 0), torch.zeros_like(out), out)
     return out if negative_scale == 1.0 else torch.where(out < 0, out * negative_scale, out)
+
+
+def unsuccessful(outcomes: list[str | None]) -> list[bool]:
+    """`advantages`' `unsuccessful` from the rollouts' session outcomes (None: not an agent
+    session's, or its outcome has not reached it: not held back)."""
+    return [o is not None and o != "success" for o in outcomes]
 
 
 def _members(

@@ -92,6 +92,11 @@ class PretrainConfig(BaseModel):
         le=1,
         description="With `mid_target`: mid-train on to the first probe whose p(right) reaches this, past the onset of every verb, then scale the mid-training's update back to `mid_target` (`scale_back`), a base that holds every verb above chance. None: stop at the first probe at `mid_target`, which can hold one verb only.",
     )
+    mid_lines: int = Field(
+        1,
+        ge=1,
+        description='With `mid_peak`: mid-train this many lines from the pretrained weights (document seeds seed+2, seed+3, ...), each scaled back to `mid_target`, and keep the base that tells the verbs apart most (the largest `separation_min`, trainer/skill_probe.py). Which line a run gets is otherwise chance, and a base that reads two verbs as one left them stuck for a whole run (docs/TRAINER.md "Why it falls short"). Each line is about 2 minutes on 2 cores (run 13).',
+    )
     mid_probe_every: int = Field(
         5, ge=1, description="Mid-training steps between probes (each 2.4 s on the 1.4M policy)."
     )
@@ -113,6 +118,11 @@ class PretrainConfig(BaseModel):
         ):
             raise ValueError(
                 f"mid_peak ({self.mid_peak}) needs a mid_target below it (mid_target: {self.mid_target})"
+            )
+        if self.mid_lines > 1 and self.mid_peak is None:
+            raise ValueError(
+                f"mid_lines ({self.mid_lines}) picks among scaled-back lines: it needs mid_peak "
+                "and mid_target (without them there is no probe to pick by)"
             )
         return self
 
@@ -216,7 +226,7 @@ def pretrain(
     policy.train()
     with _torch_threads(cfg.threads):
         # progress for the trainer's /metrics (trainer/metrics.py)
-        PRETRAIN_STEPS.set(cfg.steps + cfg.mid_steps)
+        PRETRAIN_STEPS.set(cfg.steps + cfg.mid_steps * cfg.mid_lines)
         PRETRAIN_STEP.set(0)
         t0 = time.perf_counter()
         for step in range(cfg.steps):
@@ -249,30 +259,28 @@ def pretrain(
                 )
         if cfg.mid_steps:
             log.info(
-                "mid-training on always-right agent sessions: %d steps%s%s%s",
+                "mid-training on always-right agent sessions: %d steps%s%s%s%s",
                 cfg.mid_steps,
                 "" if cfg.mid_target is None else " at most",
                 "" if cfg.mid_peak is None else f" to p(right) {cfg.mid_peak}, scaled back to",
                 "" if cfg.mid_target is None else f" p(right) {cfg.mid_target}",
+                ""
+                if cfg.mid_lines == 1
+                else f", on {cfg.mid_lines} lines (the best-separated kept)",
             )
-            mid = midtrain(
-                policy,
-                cfg.mid_steps,
-                cfg.mid_lr,
-                seed + 2,
-                on_step=lambda k, loss: _mid_step(cfg.steps + k, loss, on_step),
-                target=cfg.mid_target,
-                probe_every=cfg.mid_probe_every,
-                hack_share=cfg.hack_share,
-                peak=cfg.mid_peak,
-            )
+            lines, kept = midtrain_lines(policy, cfg, seed, on_step)
+            mid = lines[kept]
             if mid.skill is not None:  # probed: the progress's total is the steps taken
                 log.info(
-                    "mid-training: %d steps, %.3f of its update kept, p(right) %.3f (least verb %.3f)",
+                    "mid-training: %d steps, %.3f of its update kept, p(right) %.3f (least verb "
+                    "%.3f), verbs told apart by %.3f (trainer/skill_probe.py `separation`)%s",
                     mid.steps, mid.scale, mid.skill["p_right"], mid.skill["p_right_min"],
+                    mid.skill["separation_min"],
+                    "" if len(lines) == 1 else f": line {kept + 1} of {len(lines)}",
                 )  # fmt: skip
-                PRETRAIN_STEPS.set(cfg.steps + mid.steps)
-                PRETRAIN_STEP.set(cfg.steps + mid.steps)
+                taken = cfg.steps + sum(line.steps for line in lines)
+                PRETRAIN_STEPS.set(taken)
+                PRETRAIN_STEP.set(taken)
     policy.eval()
     policy.set_kernels(serve_kernels)
     return policy
@@ -283,6 +291,61 @@ def _mid_step(step: int, loss: float, on_step: Callable[[int, float], None] | No
     PRETRAIN_LOSS.set(loss)
     if on_step is not None:
         on_step(step, loss)
+
+
+def midtrain_lines(
+    policy: Policy,
+    cfg: PretrainConfig,
+    seed: int,
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[list[MidTraining], int]:
+    """Mid-train `policy` (pretrained, `cfg.steps` steps taken) on `cfg.mid_lines` lines, each from
+    the pretrained weights with its own stream of sessions (`midtrain` with seed `seed + 2 + k`
+    for line k, so one line is the plain mid-training), and leave `policy` at the line whose
+    scaled-back base tells the verbs apart most (the largest `separation_min`; ties: the earlier
+    line). `on_step` counts the lines' steps on from `cfg.steps`. Returns (every line, the index of
+    the one kept).
+
+    Why pick: from one pretrained base, three lines' scaled-back bases (the same target, 0.4)
+    told the verbs apart by 0.003, -0.011 and 0.101, and a base that read two verbs as one
+    (run 11, 0.002) left both at chance for 15 versions (docs/TRAINER.md "Why it falls short")."""
+    start = (
+        {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        if cfg.mid_lines > 1
+        else None
+    )
+    lines: list[MidTraining] = []
+    kept, kept_state = 0, None
+    for k in range(cfg.mid_lines):
+        if k:
+            policy.load_state_dict(start)
+        offset = cfg.steps + sum(line.steps for line in lines)
+        line = midtrain(
+            policy,
+            cfg.mid_steps,
+            cfg.mid_lr,
+            seed + 2 + k,
+            on_step=lambda j, loss, o=offset: _mid_step(o + j, loss, on_step),
+            target=cfg.mid_target,
+            probe_every=cfg.mid_probe_every,
+            hack_share=cfg.hack_share,
+            peak=cfg.mid_peak,
+        )
+        lines.append(line)
+        if cfg.mid_lines == 1:
+            break
+        sep = line.skill["separation_min"]
+        log.info(
+            "mid-training line %d of %d: p(right) %.3f, verbs told apart by %.3f (%s)",
+            k + 1, cfg.mid_lines, line.skill["p_right"], sep,
+            ", ".join(f"{v} {d:+.3f}" for v, d in line.skill["separation"].items()),
+        )  # fmt: skip
+        if k == 0 or sep > lines[kept].skill["separation_min"]:
+            kept, kept_state = k, {n: v.detach().clone() for n, v in policy.state_dict().items()}
+    if kept_state is not None and kept != len(lines) - 1:
+        policy.load_state_dict(kept_state)
+        MID_SKILL.set(lines[kept].skill["p_right"])
+    return lines, kept
 
 
 @dataclass

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import (
@@ -152,6 +152,8 @@ class Rollout(BaseModel):
     temperature: float | None = None  # the generation's sampling temperature
     constrained: bool | None = None  # sampled under a grammar mask (trainer/validate.py refuses it)
     relabel_run: str | None = None  # set by `flywheel streams relabel` (exempt from max_staleness)
+    # how the agent session ended (a session_outcome that reached this segment); None: no outcome
+    outcome: Literal["success", "failure", "abandoned"] | None = None
     # a multi-turn record (module docstring): each model call's span; None for one call
     turns: list[TurnSpan] | None = None
     # 1 on completion tokens the model sampled (trained on), 0 elsewhere; None: all sampled

@@ -46,9 +46,33 @@ def probe_context(task: Task, tok: Tokenizer) -> str:
     return tok.apply_chat_template(messages, TOOLS) + edit[: edit.index("+")]
 
 
+def operator_index(verb: str) -> int:
+    """Where `verb`'s operator is in `OPS_BYTES` (and so in a probe's distribution)."""
+    return OPS_BYTES.index(OPS[verb][0])
+
+
+def separation(by_verb: dict[str, torch.Tensor]) -> dict:
+    """How far the policy tells the verbs apart: per verb, its operator's p under the verb less the
+    most any other verb puts on that operator (`by_verb`: verb -> [p(+), p(-), p(*), p(/)]), and
+    the least of those. A policy that reads two verbs as one puts the same distribution on both:
+    their separations are near 0 (or below, when the other verb's operator wins on both), and the
+    loop's RL moves the two together, to the operator of the one that succeeds more (measured:
+    docs/TRAINER.md "Why it falls short")."""
+    sep = {}
+    for v, d in by_verb.items():
+        i = operator_index(v)
+        others = [float(o[i]) for u, o in by_verb.items() if u != v]
+        sep[v] = float(d[i]) - max(others, default=0.0)
+    return {
+        "separation": {v: round(x, 3) for v, x in sep.items()},
+        "separation_min": round(min(sep.values()), 3) if sep else 0.0,
+    }
+
+
 def probe(policy: Policy, n_tasks: int = PROBE_TASKS) -> dict:
     """{"by_verb": {verb: [p(+), p(-), p(*), p(/)] averaged over its tasks}, "p_right": mean p of
-    the verb's operator, "p_right_min": the least of the verbs' p of their operator, "mass": mean
+    the verb's operator, "p_right_min": the least of the verbs' p of their operator,
+    "separation" / "separation_min": how far it tells the verbs apart (`separation`), "mass": mean
     mass of the four bytes before normalising, "tasks": n}."""
     tok = policy.tokenizer
     ids = [tok.encode(o) for o in OPS_BYTES]
@@ -67,16 +91,15 @@ def probe(policy: Policy, n_tasks: int = PROBE_TASKS) -> dict:
         mass.append(float(row.sum()))
         dist = row / row.sum()
         by_verb[t.verb].append(dist)
-        right.append(float(dist[OPS_BYTES.index(OPS[t.verb][0])]))
+        right.append(float(dist[operator_index(t.verb)]))
     verbs = {v: torch.stack(d).mean(0) for v, d in by_verb.items() if d}
     return {
+        **separation(verbs),
         "by_verb": {v: [round(x, 3) for x in d.tolist()] for v, d in verbs.items()},
         "p_right": round(sum(right) / len(right), 3),
         # the verb held least: a base whose mean is one verb learned and the others at chance
         # holds a skill the loop's RL does not spread (docs/TRAINER.md "Why it falls short")
-        "p_right_min": round(
-            min(float(d[OPS_BYTES.index(OPS[v][0])]) for v, d in verbs.items()), 3
-        ),
+        "p_right_min": round(min(float(d[operator_index(v)]) for v, d in verbs.items()), 3),
         "mass": round(sum(mass) / len(mass), 3),
         "tasks": len(right),
     }

@@ -113,12 +113,17 @@ def simulate(
     """A simulated editor population: ask replicas for completions, send feedback to the API
     (FLYWHEEL_SIMULATE_AGENTS: agent users working sessions with tools instead)."""
     import asyncio
+    import signal
     import threading
 
     from app.settings import parse_duration
     from app.simulate.config import SimulateConfig
 
     cfg = _configured(SimulateConfig)
+    # `flywheel run` stops its roles with SIGTERM: stop as on Ctrl-C (asyncio.run cancels the
+    # sessions in flight, and each removes its sandbox), not by the signal's default action, which
+    # leaves every open sandbox behind (tests/integration/simulate/test_stop.py)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     stop = threading.Event()
     if evaluate:
         s = _settings()

@@ -68,6 +68,10 @@ def test_the_positive_advantage_per_verb_and_operator_and_where_no_session_succe
     assert set(total) == {("mul", "+"), ("add", "+")}
     none, _ = credit(rows, "none")
     assert none[("mul", "+")] == pytest.approx(1 / 3) and none[("add", "+")] == pytest.approx(0.75)
+    # only successes pushed up: group a's least bad failure gets nothing, group b is as it was
+    held, held_failed = credit(rows, "none", needs_success=True)
+    assert set(held) == {("add", "+")} and held[("add", "+")] == pytest.approx(0.75)
+    assert not +held_failed
 
 
 def test_records_are_read_back_from_a_log_segment(tmp_path: Path) -> None:
@@ -113,7 +117,7 @@ def test_replay_trains_a_saved_policy_on_the_records_and_probes_it(tmp_path: Pat
         values.append(json.dumps(dict(rec, temperature=0.6)).encode())
     # the trainer's validation reads the records: one past the vocabulary is refused, left out
     values.append(record(99, "mul", "*", 1.0, "success", "g9"))
-    last = replay(values, str(tmp_path / "base"), "none", 0.0, 1e-2, False, probe_every=1)
+    last = replay(values, str(tmp_path / "base"), "none", 0.0, True, 1e-2, False, probe_every=1)
     out = capsys.readouterr().out
     assert "left out 1 refused records: {'token_out_of_vocab': 1}" in out
     assert "step 0: p(right)" in out and "step 1: p(right)" in out

@@ -131,9 +131,11 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_TARGET"] == "0.4"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_PEAK"] == "0.7"
     assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_STEPS"] == "400"
+    assert env["FLYWHEEL_TRAINER_PRETRAIN_MID_LINES"] == "3"  # the best-separated of three kept
     assert env["FLYWHEEL_SIMULATE_AGENT_PARALLEL"] == "4"
     assert env["FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE"] == "0"
     assert env["FLYWHEEL_TRAINER_ADV_SCALE"] == "none"  # in reward units (Dr. GRPO)
+    assert env["FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS"] == "true"  # only successes pushed up
     assert env["FLYWHEEL_TRAINER_DISTILL_COEF"] == "0"  # self-distillation on tool errors off
     # agent turns at 0.6 live, held-out and in the gate; steps of 16 whole sessions at 1e-4
     assert env["FLYWHEEL_SIMULATE_AGENT_TEMPERATURE"] == "0.6"

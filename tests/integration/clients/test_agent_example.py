@@ -82,7 +82,14 @@ def test_the_agent_runs_its_tools_and_reports_feedback(seeded_replica, api_facto
             max_tokens=1024,
         )
         # A budget no call fits in: every turn's call is cut off, a failed action to report.
-        cut = agent.run_agent(client, fc, model=srv.settings.model_name, max_turns=2, max_tokens=24)
+        cut = agent.run_agent(
+            client,
+            fc,
+            model=srv.settings.model_name,
+            workdir=tmp_path / "cut" / "repo",
+            max_turns=2,
+            max_tokens=24,
+        )
 
     # The copy was worked on, the original was not.
     assert out.workdir == tmp_path / "work" / "repo" and _digest(agent.SAMPLE_REPO) == original

@@ -37,12 +37,12 @@ from tests.integration.replica.conftest import (  # noqa: F401  (fixtures)
 from tests.integration.rollout.stack import wait_for
 from tests.integration.streams.conftest import (  # noqa: F401  (fixture)
     STALL_S,
+    metric,
     produce,
     read_topic,
     read_until,
     start_worker,
 )
-from tests.integration.streams.test_worker_broker import metric
 
 pytestmark = pytest.mark.integration
 

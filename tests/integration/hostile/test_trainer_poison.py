@@ -36,6 +36,7 @@ from tests.integration.trainer.conftest import (
     TINY_POLICY,
     TrainerProcess,
     drain,
+    produce_closers,
     produce_raw,
     read_dlq,
     refused_count,
@@ -171,6 +172,9 @@ def test_the_trainer_process_keeps_running_and_exports_the_refusals(trainer_env,
         if b[0] != "step_failed"
     ]
     produce_raw(settings, [(k, v) for _, k, v in bad] + [(r["request_id"], dumps(r)) for r in good])
+    # a trained tail behind the bad records, whatever partition they landed on
+    closers = rollout_records(policy, 1, settings.rollouts_partitions, lambda t: 0.5, seed=4)
+    produce_closers(settings, closers)
 
     log = tmp_path / "trainer.log"
     env = trainer_env_vars(settings.model_copy(update={"ship_interval": 2}), cfg)
@@ -212,4 +216,4 @@ def test_the_trainer_process_keeps_running_and_exports_the_refusals(trainer_env,
                 )
             ).read_text()
         )
-    assert sorted(trained) == sorted(r["request_id"] for r in good)
+    assert sorted(trained) == sorted(r["request_id"] for r in good + closers)

@@ -3,7 +3,9 @@
 `streams_env(settings, **extra)` builds the environment of a worker; `start_worker` runs
 `python -m streams.worker` with it (stopped at teardown); `produce` writes records to the
 interactions topic; `collect` reads an output topic; `scenario` builds a few thousand
-events in random order with duplicates, orphans, late feedback and invalid records.
+events in random order with duplicates, orphans, late feedback and invalid records;
+`metric` / `scrape` read a worker's Prometheus series and `wait_for_assignment` waits until its
+group's rebalance gave it partitions.
 """
 
 from __future__ import annotations
@@ -116,9 +118,27 @@ class WorkerProc:
     def tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
 
+    def metrics(self) -> str:
+        """The worker's non-zero `flywheel_streams_*` samples (what it consumed, sent, dropped, waits
+        for), or why they could not be read."""
+        import httpx
+
+        port = self.env["FLYWHEEL_STREAMS_METRICS_PORT"]
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5.0).text
+        except httpx.HTTPError as exc:
+            return f"(no metrics: {type(exc).__name__}: {exc})"
+        return "\n".join(
+            line
+            for line in text.splitlines()
+            if line.startswith("flywheel_streams_")
+            and not line.endswith((" 0.0", " 0"))
+            and "_bucket{" not in line
+        )
+
     def stacks(self) -> str:
-        """Every thread's stack of the running worker (it dumps them on SIGUSR2, streams/worker.py),
-        read from its log; '' once it has exited."""
+        """Every asyncio task's and thread's stack of the running worker (it dumps them on SIGUSR2,
+        streams/worker.py `dump_stacks`), read from its log; '' once it has exited."""
         if self.proc.poll() is not None:
             return ""
         before = self.log_path.stat().st_size
@@ -136,7 +156,7 @@ class WorkerProc:
             return text if "in <module>" in main else ""
 
         # a worker too stuck to finish its dump still shows what it wrote
-        return (poll(complete, 5.0, "the stack dump", every=0.05, fail=False) or dumped())[-6000:]
+        return (poll(complete, 5.0, "the stack dump", every=0.05, fail=False) or dumped())[-12000:]
 
 
 @pytest.fixture()
@@ -151,6 +171,56 @@ def start_worker(tmp_path: Path):
     yield _start
     for w in procs:
         w.kill(signal.SIGTERM)
+
+
+def metric(worker, series: str, retry: bool = True) -> float:
+    """The sum of a series (name, optionally with its labels as the exposition prints them, e.g.
+    'x_total{reason="a"}') from the worker's Prometheus endpoint. A connection reset or a slow
+    answer (a loaded machine) is retried while the worker lives, up to conftest.STALL_S."""
+    import httpx
+
+    url = f"http://127.0.0.1:{worker.env['FLYWHEEL_STREAMS_METRICS_PORT']}/metrics"
+    start = time.monotonic()
+    while True:
+        try:
+            text = httpx.get(url, timeout=STALL_S).text
+            break
+        except httpx.TransportError:
+            if not retry or worker.proc.poll() is not None or time.monotonic() - start > STALL_S:
+                raise
+    total = 0.0
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            if name == series or ("{" not in series and name.startswith(series + "{")):
+                total += float(value)
+    return total
+
+
+def scrape(worker, series: str) -> float | None:
+    """`metric`, or None while the worker's metrics endpoint is not up yet."""
+    import httpx
+
+    try:
+        return metric(worker, series, retry=False)
+    except httpx.HTTPError:
+        return None
+
+
+def wait_for_assignment(worker, workers) -> None:
+    """Until `worker` owns interactions partitions (flywheel_streams_assigned_partitions > 0): its
+    group's rebalance completed. Fails when a worker exits, or after conftest.STALL_S without it."""
+
+    def assigned() -> bool:
+        for w in workers:
+            assert w.proc.poll() is None, f"a worker exited:\n{w.tail()}"
+        return bool(scrape(worker, "flywheel_streams_assigned_partitions"))
+
+    if not poll(assigned, STALL_S, "partitions assigned", every=0.2, fail=False):
+        raise AssertionError(
+            f"no partitions assigned {STALL_S:.0f} s after its start: the rebalance never "
+            f"completed\n{worker.tail()}"
+        )
 
 
 def produce(settings, records: list[tuple[bytes | None, bytes]]) -> None:
@@ -255,7 +325,8 @@ def read_until(
                     f"{topic}: {len(seen)} of {want} distinct records after {now - start:.0f} s; "
                     f"nothing new for the last {now - last_new:.0f} s"
                     + "".join(
-                        f"\n--- alive worker {w.log_path.name}:\n{w.tail()}\n--- its stacks:\n{w.stacks()}"
+                        f"\n--- alive worker {w.log_path.name}:\n{w.tail()}"
+                        f"\n--- its metrics:\n{w.metrics()}\n--- its stacks:\n{w.stacks()}"
                         for w in alive
                     )
                 )

@@ -21,62 +21,17 @@ from tests.integration.streams.conftest import (
     WINDOW,
     arrivals,
     broker_timed_settings,
+    metric,
     produce,
     read_to_end,
     read_until,
     scenario,
+    scrape,
+    wait_for_assignment,
 )
 from tests.unit.streams.reference import expected
 
 pytestmark = pytest.mark.integration
-
-
-def metric(worker, series: str, retry: bool = True) -> float:
-    """The sum of a series (name, optionally with its labels as the exposition prints them, e.g.
-    'x_total{reason="a"}') from the worker's Prometheus endpoint. A connection reset or a slow
-    answer (a loaded machine) is retried while the worker lives, up to conftest.STALL_S."""
-    import httpx
-
-    url = f"http://127.0.0.1:{worker.env['FLYWHEEL_STREAMS_METRICS_PORT']}/metrics"
-    start = time.monotonic()
-    while True:
-        try:
-            text = httpx.get(url, timeout=STALL_S).text
-            break
-        except httpx.TransportError:
-            if not retry or worker.proc.poll() is not None or time.monotonic() - start > STALL_S:
-                raise
-    total = 0.0
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            if name == series or ("{" not in series and name.startswith(series + "{")):
-                total += float(value)
-    return total
-
-
-def scrape(worker, series: str) -> float | None:
-    """`metric`, or None while the worker's metrics endpoint is not up yet."""
-    import httpx
-
-    try:
-        return metric(worker, series, retry=False)
-    except httpx.HTTPError:
-        return None
-
-
-def wait_for_assignment(worker, workers) -> None:
-    """Until `worker` owns interactions partitions (flywheel_streams_assigned_partitions > 0): its
-    group's rebalance completed. Fails when a worker exits, or after conftest.STALL_S without it."""
-    start = time.monotonic()
-    while not (scrape(worker, "flywheel_streams_assigned_partitions") or 0):
-        for w in workers:
-            assert w.proc.poll() is None, f"a worker exited:\n{w.tail()}"
-        assert time.monotonic() - start < STALL_S, (
-            f"no partitions assigned {STALL_S:.0f} s after its start: the rebalance never "
-            f"completed\n{worker.tail()}"
-        )
-        time.sleep(0.2)
 
 
 def events_in(worker) -> float:

@@ -39,6 +39,7 @@ from tests.integration.trainer.conftest import (
     listed_skipped_offsets,
     model_versions,
     produce,
+    produce_closers,
     produce_raw,
     rollout_records,
     trainer_env_vars,
@@ -226,6 +227,9 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
     extra = rollout_records(policy, newest, 8, lambda t: float("(" in t), seed=5, prefix="x-")
     *_, dup0, dup1 = produce(settings, extra + [records[0], records[1]])
     untrained = [dup0, dup1, *produce_raw(settings, [("garbage", b'{"request_id": "x"}')])]
+    # a trained tail behind the skipped records, whatever partition they landed on
+    closers = rollout_records(policy, newest, settings.rollouts_partitions, lambda t: 0.5, seed=6)
+    produce_closers(settings, closers)
 
     # 3. rank 0 killed after registering a version, before any rank committed its offsets
     before = versions()
@@ -255,7 +259,7 @@ def test_sigkill_of_either_rank_then_elastic_restart_loses_nothing_and_trains_no
     assert final[int(crashed.version) - 1].tags["ship_id"] == crashed.tags["ship_id"], (
         "the crashed ship was finished, not redone"
     )
-    produced = [r["request_id"] for r in records + extra]
+    produced = [r["request_id"] for r in records + extra + closers]
     skipped = check_lineage(client, final, produced, ends, tmp_path)
     assert skipped["duplicate"] == 2 and skipped["invalid"] == 1 and skipped["stale"] == 0, skipped
     # the ranks' skipped offsets, merged into the versions' events: exactly those three records'

@@ -237,6 +237,43 @@ def test_mid_training_to_a_peak_is_scaled_back_toward_the_target():
         PretrainConfig(mid_peak=0.7)
 
 
+def test_mid_training_on_several_lines_keeps_the_base_that_tells_the_verbs_apart_most():
+    """`mid_lines` lines, each from the pretrained weights with its own sessions (line k is plain
+    `midtrain` with seed + 2 + k), each scaled back; the policy ends at the line with the largest
+    `separation_min` (its probe is the kept line's), the progress counts every line's steps on
+    from pretraining, and a config with lines but no peak is refused."""
+    from trainer.config import TrainerConfig
+    from trainer.pretrain import PretrainConfig, midtrain, midtrain_lines
+    from trainer.skill_probe import probe
+
+    tiny = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
+    cfg = PretrainConfig(  # a target above what 4 steps reach: each line kept whole
+        steps=3, mid_steps=4, mid_lr=5e-2, mid_target=0.99, mid_peak=1.0, mid_probe_every=2,
+        mid_lines=3, policy=tiny,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    policy = build_policy(tiny)
+    start = {k: v.clone() for k, v in policy.state_dict().items()}
+    seen: list[int] = []
+    lines, kept = midtrain_lines(policy, cfg, seed=9, on_step=lambda k, _: seen.append(k))
+    assert len(lines) == 3 and seen == list(range(3, 3 + 12))
+    seps = [line.skill["separation_min"] for line in lines]
+    assert kept == seps.index(max(seps)) and len(set(seps)) == 3, seps
+    assert 0 < kept < 2, f"seed 9's best line is the middle one, restored after the last: {seps}"
+    assert probe(policy) == lines[kept].skill, "the policy is the kept line's base"
+    for k, line in enumerate(lines):  # each line from the pretrained weights, its own seed
+        policy.load_state_dict(start)
+        alone = midtrain(
+            policy, 4, 5e-2, seed=9 + 2 + k, batch_size=8, target=0.99, peak=1.0, probe_every=2
+        )
+        assert (alone.scale, alone.skill) == (line.scale, line.skill), k
+
+    with pytest.raises(ValueError, match="mid_lines"):
+        PretrainConfig(mid_lines=2, mid_target=0.4)
+    with pytest.raises(ValueError, match="MID_LINES"):
+        TrainerConfig(pretrain_mid_lines=2)
+
+
 def _probe_at(policy, start, end):
     """The probe at the start of the line, leaving the policy at its end."""
     from trainer.skill_probe import probe

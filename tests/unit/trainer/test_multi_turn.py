@@ -171,6 +171,35 @@ def test_the_step_takes_the_configured_scale_of_negative_advantages(policy):
     assert not torch.equal(got.pg_loss, plain.pg_loss), "the scale changed the step"
 
 
+def test_the_step_pushes_up_only_sessions_that_succeeded_when_configured(policy):
+    """FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS reaches the step through the records'
+    `outcome`: of two failed sessions in one group, the one above the mean (-0.5 against -1.0)
+    is pushed up without it and not with it."""
+    recs = [session(policy, i, r) for i, r in enumerate((-0.5, -1.0))]
+    for rec, outcome in zip(recs, ("failure", "abandoned"), strict=True):
+        rec.update(group_id="g", outcome=outcome)
+    rollouts = parse(policy, recs)
+    assert [r.outcome for r in rollouts] == ["failure", "abandoned"]
+    batch = Batch(rollouts=rollouts, staleness=[0] * 2)
+    on = stand_in(policy, adv_scale="none", adv_positive_needs_success=True)
+    with torch.no_grad():
+        got = Trainer._loss(on, batch)  # type: ignore[arg-type]
+        want = Trainer._assemble(on, Trainer._forward(on, batch), torch.tensor([0.0, -0.25]))  # type: ignore[arg-type]
+        plain = Trainer._loss(stand_in(policy, adv_scale="none"), batch)  # type: ignore[arg-type]
+    policy.eval()
+    assert torch.equal(got.pg_loss, want.pg_loss)
+    assert not torch.equal(got.pg_loss, plain.pg_loss), "holding the failure changed the step"
+    # the step metric `positive_held_back` counts the one held
+    c = got.forward.batch
+    adv = Trainer._advantages(on, c.rewards, c.group_ids, c.baseline_keys, c.outcomes)  # type: ignore[arg-type]
+    held = Trainer._held_back(on, c.rewards, c.group_ids, c.baseline_keys, adv)  # type: ignore[arg-type]
+    assert held.tolist() == [1.0, 0.0]
+    bad = dict(recs[0], outcome="won")
+    spec = ModelSpec.of(policy, replay_routes=True, max_abs_reward=1e6)
+    _, refusal = parse_rollout(json.dumps(bad).encode(), spec)
+    assert refusal is not None and "outcome" in str(refusal), refusal
+
+
 def test_the_trust_clip_reaches_the_step_and_counts_the_tokens_it_drops(policy):
     """FLYWHEEL_TRAINER_CLIP_HIGH: tokens of a positive-advantage session that the trainer already
     favours past 1 + clip_high over its behaviour (here: the behaviour log-probs of each first turn

@@ -183,6 +183,34 @@ def test_a_negative_scale_shrinks_only_the_advantages_below_the_baseline():
         advantages(rewards, groups, negative_scale=1.5)
 
 
+def test_a_session_that_did_not_succeed_is_pushed_up_by_nothing_and_the_baselines_stay():
+    """`unsuccessful` (FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS): in a group where every
+    session failed, the one with fewer tool errors (-0.5 against -1.0) is above the mean and
+    would be pushed up; held, it gets 0. A success keeps its advantage against the same mean,
+    and a record without an outcome (a single completion) is not held."""
+    rewards = torch.tensor([-0.5, -1.0, 1.0, -0.5, -1.0, 0.3, 0.1])
+    groups = ["a", "a", "b", "b", "b", None, None]
+    outcomes = ["failure", "abandoned", "success", "failure", "abandoned", None, None]
+    held = obj.unsuccessful(outcomes)
+    assert held == [True, True, False, True, True, False, False]
+    plain = advantages(rewards, groups, scale="none")
+    adv = advantages(rewards, groups, scale="none", unsuccessful=held)
+    # group a: mean -0.75 -> [+0.25, -0.25], the +0.25 held at 0; group b: mean -1/6
+    assert torch.allclose(plain[:2], torch.tensor([0.25, -0.25]), atol=1e-6)
+    assert torch.allclose(adv[:2], torch.tensor([0.0, -0.25]), atol=1e-6), adv
+    assert torch.allclose(adv[2:5], plain[2:5]), "the success and the failures below the mean"
+    assert float(adv[2]) == pytest.approx(1.0 + 1 / 6, abs=1e-6)
+    assert torch.equal(adv[5:], plain[5:]), "no outcome: nothing held"
+    # with the group std and the negative scale, held still means at most 0
+    both = advantages(rewards, groups, "group", 0.0, unsuccessful=held)
+    assert float(both[:2].abs().sum()) == 0.0 and float(both[2]) > 0
+    assert torch.equal(
+        advantages(rewards, groups, unsuccessful=[False] * 7), advantages(rewards, groups)
+    )
+    with pytest.raises(AssertionError, match="outcomes for"):
+        advantages(rewards, groups, unsuccessful=[True])
+
+
 def test_kl_k3_to_the_champion_is_weighted_by_the_truncated_ratio():
     logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
     ref = torch.tensor([[-1.5, -1.0]])
