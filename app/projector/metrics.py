@@ -20,3 +20,9 @@ SESSION_RECORDS = Counter(
     "Records of <ns>.rollouts applied to the sessions projection.",
     ["result"],
 )
+COMMITS_FAILED = Counter(
+    "flywheel_projector_commits_failed_total",
+    "Offset commits of the projector's follower that failed (the group rebalanced, or the commit "
+    "timed out); the batch is re-delivered and its records are no-ops.",
+    ["reason"],
+)

@@ -59,7 +59,7 @@ from app.contracts.deployments import (
 from app.contracts.replica_status import ReplicaStatusLog
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica, SessionSegment, SessionTurn
-from app.projector.metrics import PROJECTED, PROJECTED_OFFSET, SESSION_RECORDS
+from app.projector.metrics import COMMITS_FAILED, PROJECTED, PROJECTED_OFFSET, SESSION_RECORDS
 from app.projector.sessions import (
     SESSION_TABLES,
     LoggedRollout,
@@ -499,10 +499,28 @@ def follow(
                 continue
             for rec, reason, errors in bad:
                 dead.send(rec, reason, errors)
-            consumer.commit()
+            _commit(consumer)
     finally:
         consumer.close()
         dead.close()
+
+
+def _commit(consumer: Any) -> None:
+    """Commit the follower's consumed offsets. A commit the group refuses because it rebalanced
+    (this member was too slow to heartbeat on a loaded machine, or another member joined), or that
+    times out, does not end the follower: the batch is already in the database, the next poll
+    rejoins the group, and whoever owns the partitions then re-reads the batch, whose records the
+    event_id / offset dedupe turns into no-ops (a bad record is dead-lettered again)."""
+    from kafka.errors import CommitFailedError, KafkaTimeoutError
+
+    try:
+        consumer.commit()
+    except (CommitFailedError, KafkaTimeoutError) as exc:
+        reason = "rebalanced" if isinstance(exc, CommitFailedError) else "timeout"
+        COMMITS_FAILED.labels(reason).inc()
+        log.warning(
+            "projector: offset commit failed (%s), the batch will be re-read: %s", reason, exc
+        )
 
 
 def _apply_record(

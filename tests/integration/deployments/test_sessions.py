@@ -85,7 +85,11 @@ def test_followed_sessions_equal_a_rebuild_and_a_bad_record_is_dead_lettered(
         again = {**records[0], "labelled_at": "2026-11-27T12:00:00.000000Z"}  # re-delivered
         producer.send(topic, key=kafka_key(again), value=json.dumps(again).encode()).get(10)
         producer.send(topic, key="bad", value=b'{"request_id": "bad"}').get(10)
-        poll(lambda: _caught_up(settings), 120, "the follower to commit the rollouts topic")
+        poll(
+            lambda: errors or not follower.is_alive() or _caught_up(settings),
+            120,
+            "the follower to commit the rollouts topic",
+        )
     finally:
         producer.close()
         stop.set()

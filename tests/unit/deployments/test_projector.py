@@ -7,12 +7,25 @@ from datetime import UTC
 
 import pytest
 import sqlalchemy as sa
+from kafka.errors import (
+    CommitFailedError,
+    GroupAuthorizationFailedError,
+    KafkaTimeoutError,
+    RebalanceInProgressError,
+)
+from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session
 
 from app.contracts.deployments import DeploymentEvent, LoggedEvent
 from app.db.models import DeploymentEvent as EventRow
 from app.db.models import DeploymentState, ModelVersion, Replica
-from app.projector.projector import apply_event, apply_events, projection_rows, reset_projections
+from app.projector.projector import (
+    _commit,
+    apply_event,
+    apply_events,
+    projection_rows,
+    reset_projections,
+)
 from tests.unit.deployments.scenario import EXPECTED_STATUS, MODEL, OTHER, scenario_events
 
 
@@ -313,3 +326,36 @@ def test_a_failed_reset_rolls_back_and_the_guard_stays(sqlite_url: str) -> None:
             == 2
         )
     engine.dispose()
+
+
+class _Refusing:
+    """A consumer whose commit raises `exc`. Stands in for a group that rebalanced between the
+    follower's poll and its commit, which the real broker does only on timing we cannot pin."""
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def commit(self) -> None:
+        raise self.exc
+
+
+@pytest.mark.parametrize(
+    ("exc", "reason"),
+    [
+        (CommitFailedError(RebalanceInProgressError()), "rebalanced"),
+        (KafkaTimeoutError("commit timed out"), "timeout"),
+    ],
+)
+def test_a_commit_the_group_refuses_does_not_end_the_follower(exc, reason, caplog) -> None:
+    before = REGISTRY.get_sample_value(
+        "flywheel_projector_commits_failed_total", {"reason": reason}
+    )
+    _commit(_Refusing(exc))
+    after = REGISTRY.get_sample_value("flywheel_projector_commits_failed_total", {"reason": reason})
+    assert after == (before or 0) + 1
+    assert "offset commit failed" in caplog.text and "re-read" in caplog.text
+
+
+def test_a_commit_error_that_is_not_the_groups_moving_on_is_raised() -> None:
+    with pytest.raises(GroupAuthorizationFailedError):
+        _commit(_Refusing(GroupAuthorizationFailedError("flywheel-projector")))
