@@ -73,23 +73,20 @@ def test_the_agent_runs_its_tools_and_reports_feedback(seeded_replica, api_facto
     original = _digest(agent.SAMPLE_REPO)
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key=KEY, max_retries=0, timeout=120)
     with FeedbackClient(api.url, api.ingest_key, flush_interval_s=0) as fc:
-        out = agent.run_agent(
-            client,
-            fc,
-            model=srv.settings.model_name,
-            workdir=tmp_path / "work" / "repo",
-            max_turns=4,
-            max_tokens=1024,
-        )
+
+        def run(name: str, max_turns: int, max_tokens: int):
+            return agent.run_agent(
+                client,
+                fc,
+                model=srv.settings.model_name,
+                workdir=tmp_path / name / "repo",
+                max_turns=max_turns,
+                max_tokens=max_tokens,
+            )
+
+        out = run("work", max_turns=4, max_tokens=1024)
         # A budget no call fits in: every turn's call is cut off, a failed action to report.
-        cut = agent.run_agent(
-            client,
-            fc,
-            model=srv.settings.model_name,
-            workdir=tmp_path / "cut" / "repo",
-            max_turns=2,
-            max_tokens=24,
-        )
+        cut = run("cut", max_turns=2, max_tokens=24)
 
     # The copy was worked on, the original was not.
     assert out.workdir == tmp_path / "work" / "repo" and _digest(agent.SAMPLE_REPO) == original
