@@ -8,6 +8,15 @@ version) and re-labels history under it. This module replays `<ns>.interactions`
   `streams.labels.Aggregator` (the live worker's code, on plain dicts), with the live worker's
   wait window and closed-label retention, on record time. So the same interactions give the
   same joins; only the reward spec differs.
+- **In record-time order across partitions.** A session's events are keyed by request, so
+  they sit on several partitions, and the ledger ends a session at its outcome: replayed a
+  partition at a time, an outcome read before its session's turns on another partition ends
+  the session, its later turns go to late (`turn_session_ended`) and the segment is written
+  without them, paid the outcome under the new spec (measured on a `flywheel run --agents`
+  log: 337 turns lost, half the sessions that wrote the test file relabelled without that
+  turn). `TimeMerge` releases the partitions' records in record-time order, as the live
+  worker reads them, and at the end the clock steps through the open windows' deadlines, so a
+  session's last turns reach the ledger before its outcome's idle deadline.
 - **Beside the live worker.** A plain consumer with manual assignment (no group, no offset
   commits), in-memory state (no tables, no changelogs), and no writes to `<ns>.late`, the
   ticks or the metric partials. It writes only relabelled rollouts and dead letters.
@@ -51,8 +60,8 @@ import math
 import re
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -88,6 +97,38 @@ SKIP_REASONS = (
 )
 _LATE = {"orphan": "orphan_feedback", "after_close": "feedback_after_close"}
 SETTLE_EVERY = 10_000  # records sent between waits for the broker's acknowledgements
+MERGE_BUFFER = 10_000  # records held per partition for the time merge before it is paused
+
+
+class TimeMerge:
+    """Records of several partitions, released in record-time order (ties: partition order).
+
+    A record is released only while every partition still being read has one buffered: its
+    records come in offset order, so the earliest head is the earliest record left of every
+    partition. A partition that is done (`done`) no longer holds the others back."""
+
+    def __init__(self, partitions: Any) -> None:
+        self.buffers: dict[Any, deque] = {p: deque() for p in partitions}
+        self.reading = set(self.buffers)
+
+    def add(self, partition: Any, record: Any) -> None:
+        self.buffers[partition].append(record)
+
+    def done(self, partition: Any) -> None:
+        self.reading.discard(partition)
+
+    def held(self, partition: Any) -> int:
+        return len(self.buffers[partition])
+
+    def ready(self) -> Iterator[tuple[Any, Any]]:
+        """(partition, record) in record-time order, as far as every partition being read allows."""
+        order = {p: i for i, p in enumerate(self.buffers)}
+        while all(self.buffers[p] for p in self.reading):
+            heads = [p for p, b in self.buffers.items() if b]
+            if not heads:
+                return
+            p = min(heads, key=lambda q: (self.buffers[q][0].timestamp, order[q]))
+            yield p, self.buffers[p].popleft()
 
 
 def relabel_key(request_id: str, reward_spec: str) -> str:
@@ -226,10 +267,20 @@ class Relabeller:
     def finish(self, watermark: float) -> list[Emit]:
         """Close every label whose window ended by `watermark`; count the ones still open as skipped."""
         out: list[Emit] = []
-        for p in sorted(self.partitions):
-            out += self._route(p, self.agg.advance(p, watermark), self.topic, watermark)
+        # the clock steps through the open labels' deadlines, as the live worker's ticks move it:
+        # a session's last turns reach the ledger when their windows close, before its outcome's
+        # idle deadline, instead of all at the watermark, after it (`turn_session_ended`)
+        steps = {
+            label.deadline
+            for _, label in self.agg.label_items()
+            if label.status == "open" and label.deadline < watermark
+        }
+        for t in [*sorted(steps), watermark]:
+            for p in sorted(self.partitions):
+                out += self._route(p, self.agg.advance(p, t), self.topic, t)
+            if self.ledger is not None:
+                out += self._from_ledger(self.ledger.advance(t))
         if self.ledger is not None:
-            out += self._from_ledger(self.ledger.advance(watermark))
             self.counts.skipped["session_open"] += self.ledger.open_sessions
         for rid, label in self.agg.label_items():
             if label.status == "open":
@@ -446,6 +497,7 @@ def relabel(
             for tp, (start, _) in todo.items():
                 consumer.seek(tp, start)
         done, last_progress = 0, time.monotonic()
+        merge = TimeMerge(sorted(todo, key=lambda tp: tp.partition))
 
         def emit(out: list[Emit]) -> None:
             for e in out:
@@ -468,20 +520,23 @@ def relabel(
                 for rec in records:
                     if rec.offset >= stop:
                         break
-                    done += 1
-                    emit(
-                        core.feed(
-                            tp.partition, rec.offset, rec.key, rec.value, rec.timestamp / 1000.0
-                        )
-                    )
+                    merge.add(tp, rec)
             if batch:
                 last_progress = time.monotonic()
-                if progress is not None:
-                    progress(done, total)
             for tp in list(todo):
                 if consumer.position(tp) >= todo[tp][1]:
                     del todo[tp]
                     consumer.pause(tp)
+                    merge.done(tp)
+            for tp in todo:  # bounded memory: a partition far ahead of the others waits
+                (consumer.pause if merge.held(tp) >= MERGE_BUFFER else consumer.resume)(tp)
+            for tp, rec in merge.ready():
+                done += 1
+                emit(
+                    core.feed(tp.partition, rec.offset, rec.key, rec.value, rec.timestamp / 1000.0)
+                )
+            if batch and progress is not None:
+                progress(done, total)
             if todo and time.monotonic() - last_progress > opts.idle_timeout_s:
                 raise RuntimeError(
                     f"no interactions record arrived for {opts.idle_timeout_s:.0f}s while partitions "

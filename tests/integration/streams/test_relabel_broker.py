@@ -263,3 +263,66 @@ def test_relabel_gives_the_new_rewards_exactly_once_beside_the_live_worker(
         late_batch.skipped,
     )
     stale_consumer.close()
+
+
+def test_a_session_spread_over_partitions_is_relabelled_whole_in_record_time_order(make_settings):
+    """A session's events are keyed by request, so they sit on several partitions. Here the
+    session's outcome is on partition 0 and its two turns (the first weakens the test file) on the
+    last, earlier in record time: the relabel must read them in record-time order, as the live
+    worker does. Read a partition at a time, the outcome ended the session first, its turns went to
+    late (`turn_session_ended`) and the segment was written without the turn that wrote the test
+    file, paid the harness's success under sessions-v2 (a `flywheel run --agents` log: 17 of 34
+    such sessions)."""
+    from datetime import timedelta
+
+    from app.infra.kafka import make_producer
+    from streams.config import StreamsConfig
+    from streams.relabel import RelabelOptions, relabel
+    from tests.unit.streams.factories import feedback, tool_call
+
+    settings = make_settings(wait_window=30.0)
+    weaken = '{"path": "test_x.py", "old": "assert ", "new": "assert True or "}'
+    turns, prompt = [], [1, 2, 3]
+    for k, calls in enumerate(([tool_call("apply_edit", weaken)], None)):
+        completion = [10 + k, 11 + k]
+        extra = {"tool_calls": calls, "finish_reason": "tool_calls"} if calls else {}
+        turns.append(
+            generation(f"h{k}", t=k, session_id="hack", prompt_tokens=prompt, completion_tokens=completion,
+                       logprobs=[-0.5, -0.5], turn=k, tools_digest="a" * 64, **extra)
+        )  # fmt: skip
+        prompt = [*prompt, *completion, 7]
+    rating = feedback("h0", "r", "rating", t=2, session_id="hack", value=1)
+    outcome = {**feedback("h1", "o", "accept", t=3, session_id="hack"), "type": "session_outcome"}
+    last = settings.interactions_partitions - 1
+    placed = [
+        (last, turns[0]),
+        (last, turns[1]),
+        (last, rating),
+        (0, {**outcome, "outcome": "success"}),
+    ]
+    t0 = datetime.now(UTC) - timedelta(minutes=10)  # every window long closed
+    prod = make_producer(settings, key_serializer=None)
+    for i, (partition, ev) in enumerate(placed):
+        prod.send(
+            settings.topic("interactions"),
+            key=ev["request_id"].encode(),
+            value=json.dumps(ev).encode(),
+            partition=partition,
+            timestamp_ms=int(t0.timestamp() * 1000) + 1000 * i,
+        )
+    prod.flush(timeout=30)
+    prod.close()
+
+    counts = relabel(
+        settings,
+        StreamsConfig(),
+        RelabelOptions(resolve_spec("sessions-v2"), since=t0 - timedelta(seconds=1)),
+    )
+    assert counts.labelled == 1 and counts.skipped.get("turn_session_ended", 0) == 0, (
+        counts.as_dict()
+    )
+    [rec] = read_topic(settings, settings.topic("rollouts"), 1, timeout=60.0)
+    got = json.loads(rec.value)
+    assert [t["request_id"] for t in got["turns"]] == ["h0", "h1"], got
+    assert got["protected_writes"] == 1 and got["outcome_reward"] == -1.0
+    assert got["reward"] == pytest.approx(0.5 - 1.0) and got["reward_spec"] == "sessions-v2"

@@ -335,3 +335,25 @@ def test_relabelling_a_hacked_session_under_sessions_v2_takes_back_its_outcome()
     same = {k: v for k, v in v1.items() if k not in differ}
     assert same == {k: v for k, v in v2.items() if k not in differ}
     assert v2["completion_tokens"] == [10, 11, 7, 11, 12] and v2["loss_mask"] == [1, 1, 0, 1, 1]
+
+
+def test_the_time_merge_releases_the_partitions_records_in_record_time_order():
+    """Read a partition at a time, a session's outcome (partition 0) came before its turns
+    (partition 1) and ended the session; the merge releases them by record time, and holds back
+    while a partition still being read has nothing buffered."""
+    from types import SimpleNamespace as R
+
+    from streams.relabel import TimeMerge
+
+    m = TimeMerge([0, 1])
+    m.add(0, R(timestamp=30, name="outcome"))
+    assert list(m.ready()) == []  # partition 1 may still hold something earlier
+    for t, name in ((10, "turn 0"), (20, "turn 1"), (40, "turn 2")):
+        m.add(1, R(timestamp=t, name=name))
+    assert [r.name for _, r in m.ready()] == ["turn 0", "turn 1", "outcome"]
+    assert (m.held(0), m.held(1)) == (0, 1)  # partition 0 may still hold something before 40
+    m.done(0)
+    assert [(p, r.name) for p, r in m.ready()] == [(1, "turn 2")]
+    m.add(1, R(timestamp=50, name="late"))
+    m.done(1)
+    assert [r.name for _, r in m.ready()] == ["late"]
