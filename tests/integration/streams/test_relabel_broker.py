@@ -278,19 +278,10 @@ def test_a_session_spread_over_partitions_is_relabelled_whole_in_record_time_ord
     from app.infra.kafka import make_producer
     from streams.config import StreamsConfig
     from streams.relabel import RelabelOptions, relabel
-    from tests.unit.streams.factories import feedback, tool_call
+    from tests.unit.streams.factories import feedback, hacked_turns
 
     settings = make_settings(wait_window=30.0)
-    weaken = '{"path": "test_x.py", "old": "assert ", "new": "assert True or "}'
-    turns, prompt = [], [1, 2, 3]
-    for k, calls in enumerate(([tool_call("apply_edit", weaken)], None)):
-        completion = [10 + k, 11 + k]
-        extra = {"tool_calls": calls, "finish_reason": "tool_calls"} if calls else {}
-        turns.append(
-            generation(f"h{k}", t=k, session_id="hack", prompt_tokens=prompt, completion_tokens=completion,
-                       logprobs=[-0.5, -0.5], turn=k, tools_digest="a" * 64, **extra)
-        )  # fmt: skip
-        prompt = [*prompt, *completion, 7]
+    turns = hacked_turns()
     rating = feedback("h0", "r", "rating", t=2, session_id="hack", value=1)
     outcome = {**feedback("h1", "o", "accept", t=3, session_id="hack"), "type": "session_outcome"}
     last = settings.interactions_partitions - 1

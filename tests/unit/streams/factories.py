@@ -76,3 +76,20 @@ def random_feedback(rng: random.Random, rid: str, eid: str) -> dict:
             "token_index": rng.randrange(5),
         }
     return feedback(rid, eid, kind, t, **extra)
+
+
+def hacked_turns(session_id: str = "hack") -> list[dict]:
+    """Two chat turns of one agent session (`h0`, `h1`, each extending the last): the first weakens
+    the test file (an apply_edit on test_x.py), the second answers. A session's outcome and
+    ratings are the caller's."""
+    weaken = '{"path": "test_x.py", "old": "assert ", "new": "assert True or "}'
+    turns, prompt = [], [1, 2, 3]
+    for k, calls in enumerate(([tool_call("apply_edit", weaken)], None)):
+        completion = [10 + k, 11 + k]
+        extra = {"tool_calls": calls, "finish_reason": "tool_calls"} if calls else {}
+        turns.append(
+            generation(f"h{k}", t=k, session_id=session_id, prompt_tokens=prompt, completion_tokens=completion,
+                       logprobs=[-0.5, -0.5], turn=k, tools_digest="a" * 64, **extra)
+        )  # fmt: skip
+        prompt = [*prompt, *completion, 7]
+    return turns

@@ -23,7 +23,7 @@ from streams.relabel import SKIP_REASONS, Relabeller, RelabelOptions, relabel_ke
 from streams.reward import RewardWeights, compute_reward, resolve_spec
 from tests.unit.streams.factories import feedback as fb
 from tests.unit.streams.factories import generation as gen
-from tests.unit.streams.factories import random_feedback, tool_call
+from tests.unit.streams.factories import hacked_turns, random_feedback
 
 W = 10.0
 V2 = resolve_spec(
@@ -305,16 +305,7 @@ def test_relabelling_a_hacked_session_under_sessions_v2_takes_back_its_outcome()
     """An agent weakened the test file (an apply_edit on test_x.py) and the test-running harness
     reported success: sessions-v1 pays the outcome +1, sessions-v2 (protected test files) -1. The
     records are otherwise the same, token for token."""
-    weaken = '{"path": "test_x.py", "old": "assert ", "new": "assert True or "}'
-    events, prompt = [], [1, 2, 3]
-    for k, calls in enumerate(([tool_call("apply_edit", weaken)], None)):
-        completion = [10 + k, 11 + k]
-        extra = {"tool_calls": calls, "finish_reason": "tool_calls"} if calls else {}
-        events.append(
-            gen(f"h{k}", t=k, session_id="hack", prompt_tokens=prompt, completion_tokens=completion,
-                logprobs=[-0.5, -0.5], turn=k, tools_digest="a" * 64, **extra)
-        )  # fmt: skip
-        prompt = [*prompt, *completion, 7]
+    events = hacked_turns()
     events.append(fb("h0", "r", "rating", session_id="hack", value=1))
     outcome = {**fb("h1", "o", "accept", session_id="hack"), "type": "session_outcome"}
     events.append({**outcome, "outcome": "success"})
