@@ -12,9 +12,8 @@ version) and re-labels history under it. This module replays `<ns>.interactions`
   they sit on several partitions, and the ledger ends a session at its outcome: replayed a
   partition at a time, an outcome read before its session's turns on another partition ends
   the session, its later turns go to late (`turn_session_ended`) and the segment is written
-  without them, paid the outcome under the new spec (measured on a `flywheel run --agents`
-  log: 337 turns lost, half the sessions that wrote the test file relabelled without that
-  turn). `TimeMerge` releases the partitions' records in record-time order, as the live
+  without them, paid the outcome under the new spec (docs/STREAMS.md has what it cost on a
+  run's log). `TimeMerge` releases the partitions' records in record-time order, as the live
   worker reads them, and at the end the clock steps through the open windows' deadlines, so a
   session's last turns reach the ledger before its outcome's idle deadline.
 - **Beside the live worker.** A plain consumer with manual assignment (no group, no offset
@@ -194,7 +193,8 @@ class RelabelCounts:
 class Relabeller:
     """The pure core: interactions records in, relabelled rollouts and dead letters out (no Kafka).
 
-    `feed` one record at a time in partition order (record time `rt` in seconds), then `finish`
+    `feed` one record at a time in record-time order across partitions (`TimeMerge`; record time
+    `rt` in seconds), then `finish`
     with the watermark up to which windows are known to be complete."""
 
     def __init__(

@@ -268,11 +268,12 @@ def test_relabel_gives_the_new_rewards_exactly_once_beside_the_live_worker(
 def test_a_session_spread_over_partitions_is_relabelled_whole_in_record_time_order(make_settings):
     """A session's events are keyed by request, so they sit on several partitions. Here the
     session's outcome is on partition 0 and its two turns (the first weakens the test file) on the
-    last, earlier in record time: the relabel must read them in record-time order, as the live
-    worker does. Read a partition at a time, the outcome ended the session first, its turns went to
-    late (`turn_session_ended`) and the segment was written without the turn that wrote the test
-    file, paid the harness's success under sessions-v2 (a `flywheel run --agents` log: 17 of 34
-    such sessions)."""
+    last, earlier in record time, and no later record closes the turns' windows: the relabel must
+    apply them before the outcome ends the session, as the live worker does. The old relabel (a
+    partition at a time, then one jump to the watermark) sent both turns to late
+    (`turn_session_ended`) and labelled nothing; on a `flywheel run --agents` log it relabelled 17
+    of 34 sessions that wrote the test file without that turn, paid the harness's success. The
+    merge's own order is unit-tested in tests/unit/streams/test_relabel.py."""
     from datetime import timedelta
 
     from app.infra.kafka import make_producer
