@@ -171,6 +171,18 @@ def distill_spans(r: Rollout) -> list[tuple[int, int, list[ToolErrorInfo]]]:
     return out
 
 
+def error_mask(rollouts: list[Rollout], shape: tuple[int, int]) -> torch.Tensor:
+    """float32 [B, T], 1 on every `distill_spans` span of each rollout (a call that came back as
+    a tool error, from the error to the end of that call), 0 elsewhere: where
+    `error_turn_advantage` replaces the session's advantage (trainer/objective.py
+    `token_advantages`)."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, r in enumerate(rollouts):
+        for k, end, _ in distill_spans(r):
+            out[i, k:end] = 1.0
+    return out
+
+
 def teacher_inputs(
     rollouts: list[Rollout], tokenizer: Tokenizer, max_context: int | None
 ) -> TeacherInputs:

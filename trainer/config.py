@@ -121,6 +121,11 @@ class TrainerConfig(FlywheelSettings):
         ge=0,
         description="Weight of self-distillation on rollouts with tool_error feedback (0 disables it).",
     )
+    error_turn_advantage: float = Field(
+        0.0,
+        le=0,
+        description="Advantage of the tokens of a call that came back as a tool error (from the error to the end of that call, the self-distillation span), in place of its session's: a broken call is pushed down even in a session that succeeded and when negative advantages are scaled by 0 (0: off, every token keeps its session's; docs/TRAINER.md \"Error turns\").",
+    )
     temperature: float = Field(
         1.0,
         gt=0,

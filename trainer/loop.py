@@ -52,7 +52,7 @@ from app.infra.kafka import make_consumer, make_producer
 from app.settings import Settings
 from policy import Policy, build_policy
 from trainer import objective as obj
-from trainer.batch import Collated, collate, scatter_teacher, teacher_inputs
+from trainer.batch import Collated, collate, error_mask, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
 from trainer.config import TrainerConfig
 from trainer.distributed import PeerFailure, World, allocate, owned_partitions
@@ -61,6 +61,7 @@ from trainer.metrics import (
     ASSUMED_TEMPERATURE,
     BUFFERED,
     CONSTRAINED_TURN_TOKENS,
+    ERROR_TURN_TOKENS,
     GROUPED,
     LAST_VERSION,
     PARTITIONS,
@@ -107,6 +108,7 @@ _SUMMED = (
     "positive_held_back",
     "stale_turn_tokens",
     "constrained_turn_tokens",
+    "error_turn_tokens",
 )
 _BY_ROLLOUTS = ("reward_mean", "ess", "clip_fraction", "masked_fraction", "staleness_mean")
 
@@ -163,6 +165,9 @@ class ForwardPass:
     weights: obj.ISWeights  # importance weights of `logprobs` vs the behaviour's (detached)
     ref_logprobs: torch.Tensor | None  # float32 [B, T], no grad: the KL reference's; None: no KL
     teacher: DistillTeacher | None  # None: distillation off, or no rollout with a teacher
+    # float32 [B, T]: 1 on the tokens of calls that came back as tool errors (trainer/batch.py
+    # `error_mask`); None: `error_turn_advantage` is off
+    error_mask: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -778,6 +783,7 @@ class Trainer:
                 if cfg.adv_positive_needs_success:
                     o.metrics["positive_held_back"] = float(held.sum())
                 GROUPED.inc(sum(mine))
+                ERROR_TURN_TOKENS.inc(o.metrics.get("error_turn_tokens", 0.0))
             metrics = combine_metrics(world.all_gather(None if o is None else o.metrics))
         except BaseException:
             self.optimizer.zero_grad(set_to_none=True)
@@ -841,7 +847,10 @@ class Trainer:
 
                 with torch.no_grad():
                     idle_participation_loss(policy)
-        return ForwardPass(c, logp, w, ref_lp, teacher)
+        errors = None
+        if cfg.error_turn_advantage:
+            errors = error_mask(batch.rollouts, tuple(logp.shape)) * c.mask
+        return ForwardPass(c, logp, w, ref_lp, teacher, errors)
 
     def _assemble(
         self,
@@ -853,15 +862,17 @@ class Trainer:
         """The objective from a forward; `adv`: float32 [B] advantages of its rollouts.
         `tokens`/`kept`: the global batch's completion and kept tokens (ranks); None = this batch's."""
         c, logp, w = f.batch, f.logprobs, f.weights
+        n_tok = float(c.mask.sum())
+        m: dict[str, float] = {}
+        if f.error_mask is not None:  # a call the tools could not run: pushed down on its own
+            adv = obj.token_advantages(adv, f.error_mask, self.cfg.error_turn_advantage)
+            m["error_turn_tokens"] = float(f.error_mask.sum())
         keep = obj.trust_keep(w, adv, self.cfg.clip_low, self.cfg.clip_high)
         pg = obj.policy_gradient_loss(
             logp, adv, w, c.mask, total=tokens, pg_keep=keep
         )  # masked sequences shrink the step (objective.py)
         loss = pg
-        n_tok = float(c.mask.sum())
-        m: dict[str, float] = {
-            "trust_clip_fraction": float((w.keep - keep).sum()) / max(n_tok, 1.0)
-        }
+        m["trust_clip_fraction"] = float((w.keep - keep).sum()) / max(n_tok, 1.0)
         if f.ref_logprobs is not None:
             ref_lp = f.ref_logprobs
             kl = obj.kl_k3(logp, ref_lp, w, total=kept)

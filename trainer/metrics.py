@@ -58,6 +58,11 @@ GROUPED = Counter(
     "step: n > 1 choices, or parallel sessions on one task); the rest of "
     'flywheel_trainer_rollouts_total{outcome="trained"} got the batch\'s.',
 )
+ERROR_TURN_TOKENS = Counter(
+    "flywheel_trainer_error_turn_tokens_total",
+    "Tokens of calls that came back as tool errors, trained at FLYWHEEL_TRAINER_ERROR_TURN_ADVANTAGE "
+    "instead of their session's advantage (0 while it is off).",
+)
 LAST_VERSION = Gauge("flywheel_trainer_last_shipped_version", "Last registered model version.")
 SHIP_WAITING = Gauge(
     "flywheel_trainer_ship_waiting",

@@ -46,6 +46,10 @@ Terms (all choices stated here are also in docs/TRAINER.md):
   sg(min(rho_t, C)) * sg(logp_s_t - logp_teacher_t) * logp_s_t, averaged over the distilled
   tokens (on-policy distillation: the per-token reverse KL acts as a negative advantage).
   The logged value is the k1 estimate mean(logp_s - logp_teacher).
+- Error turns (`token_advantages`, off by default): the tokens of a call that came back as a tool
+  error (the same span as self-distillation's) get a fixed advantage in place of their
+  session's, so a broken call is pushed down even in a session that succeeded, and even when
+  negative advantages are scaled by 0.
 """
 
 from __future__ import annotations
@@ -248,6 +252,33 @@ def _token_mean(x: torch.Tensor, keep: torch.Tensor, total: float | None = None)
     return (x * keep).sum() / n if float(n) > 0 else (x * keep).sum() * 0.0
 
 
+def _per_token(adv: torch.Tensor) -> torch.Tensor:
+    """Advantages [B] (one a rollout, broadcast over its tokens) or [B, T] (per token) as float32
+    broadcastable against [B, T]."""
+    adv = adv.to(torch.float32)
+    return adv.unsqueeze(1) if adv.dim() == 1 else adv
+
+
+def token_advantages(adv: torch.Tensor, error_mask: torch.Tensor, value: float) -> torch.Tensor:
+    """Per-token advantages [B, T]: each rollout's `adv` [B] on its tokens, and `value` instead on
+    the tokens of `error_mask` [B, T] (1 on a call that came back as a tool error, from the error to
+    the end of that call: trainer/batch.py `distill_spans`).
+
+    A session's one advantage is copied to every token it sampled, so a session that succeeded
+    after a call the tools could not run pushes that call up with the rest, and with negative
+    advantages scaled by 0 (the agent demo) a call that failed is never pushed down: the built-in
+    policy's `//` edits dropped their last brace in one call of eight at every version of a run
+    (docs/TRAINER.md "Why it falls short"). Here the broken call alone gets `value` (< 0), and the
+    session's other turns keep the session's advantage. The gradient of -A log p on a token is
+    A (1 - p) on its logit, so the push lands on the tokens the policy was unsure of (the byte it
+    got wrong), hardly on the call's format it samples at p ~ 1."""
+    assert adv.dim() == 1 and error_mask.shape[0] == adv.shape[0], (
+        f"advantages {tuple(adv.shape)} vs error mask {tuple(error_mask.shape)}"
+    )
+    tok = adv.to(torch.float32).unsqueeze(1).expand(error_mask.shape)
+    return torch.where(error_mask > 0, torch.full_like(tok, float(value)), tok)
+
+
 def trust_keep(
     w: ISWeights, adv: torch.Tensor, clip_low: float = 0.0, clip_high: float = 0.0
 ) -> torch.Tensor:
@@ -261,7 +292,7 @@ def trust_keep(
     keep = w.keep
     if not (clip_low or clip_high):
         return keep
-    a = adv.to(torch.float32).unsqueeze(1)
+    a = _per_token(adv)
     bound = torch.zeros_like(keep, dtype=torch.bool)
     if clip_high:
         bound |= (a > 0) & (w.ratio > 1.0 + clip_high)
@@ -279,7 +310,8 @@ def policy_gradient_loss(
     pg_keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Truncated-IS policy gradient: -sg(min(rho, C)) * A * logp summed over kept tokens, divided by
-    the completion tokens of the whole batch (`mask`; kept tokens when None).
+    the completion tokens of the whole batch (`mask`; kept tokens when None). `adv`: [B], one a
+    rollout, or [B, T] per token (`token_advantages`).
 
     With `mask`, a masked sequence still counts in the denominator: when the policy has drifted
     from the one that generated the batch and most sequences are masked, the step shrinks in
@@ -287,9 +319,7 @@ def policy_gradient_loss(
     on-policy batch would (measured in the demo: with 81% masked and the kept-token mean, held-out
     acceptance collapsed from 0.36 to 0.08 within one version)."""
     keep = w.keep if pg_keep is None else pg_keep  # `trust_keep`: PPO's clip
-    x = (
-        -w.weights * adv.to(torch.float32).unsqueeze(1) * logp * keep
-    )  # kept tokens only (keep is within mask)
+    x = -w.weights * _per_token(adv) * logp * keep  # kept tokens only (keep is within mask)
     return _token_mean(x, w.keep if mask is None else mask.to(torch.float32), total)
 
 

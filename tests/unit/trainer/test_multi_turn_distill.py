@@ -142,3 +142,45 @@ def test_no_tool_result_token_is_ever_distilled_in_a_mixed_batch(policy):
         untrained = torch.tensor([1 - m for m in r.loss_mask], dtype=torch.float32)
         assert float((f.teacher.mask[i, :n] * untrained).sum()) == 0.0
         assert float(f.teacher.mask[i, :n].sum()) == sum(r.loss_mask), "both whole turns"
+
+
+def test_a_broken_call_is_pushed_down_in_a_session_that_was_pushed_up(policy):
+    """`error_turn_advantage`: the tokens of the turn a tool error came back to, from the error
+    on (the distilled span), take that advantage instead of their session's; everything else in
+    the batch keeps its own. The loss difference is the surrogate written out over that span."""
+    rec = with_errors(policy, 7, [(0, 1)])  # reward 1.0: above the batch's other session
+    other = session(policy, 8, -1.0)
+    rollouts = parse(policy, [rec, other])
+    r = rollouts[0]
+    t0 = r.turns[0]
+    batch = Batch(rollouts=rollouts, staleness=[0, 0])
+    on = stand_in(policy, error_turn_advantage=-1.0)
+    o = Trainer._loss(on, batch)  # type: ignore[arg-type]
+    off = Trainer._loss(stand_in(policy), batch)  # type: ignore[arg-type]
+    policy.eval()
+    expect = torch.zeros(o.forward.logprobs.shape)
+    expect[0, t0.start + 1 : t0.end] = 1.0
+    assert o.forward.error_mask.tolist() == expect.tolist(), "turn 0 from its error on, alone"
+    assert off.forward.error_mask is None
+    assert o.metrics["error_turn_tokens"] == float(t0.end - t0.start - 1)
+    adv = Trainer._advantages(on, o.forward.batch.rewards, [None, None], ["a", "b"], [None, None])
+    assert float(adv[0]) > 0, adv  # the session's own advantage would push the broken call up
+    span = slice(t0.start + 1, t0.end)
+    w, logp = o.forward.weights, o.forward.logprobs
+    # -w * A * logp per token: the span's A goes from the session's adv[0] to -1
+    surrogate = (w.weights[0, span] * (adv[0] + 1.0) * logp[0, span]).sum()
+    n = float(o.forward.batch.mask.sum())
+    assert float((o.loss - off.loss).detach()) == pytest.approx(
+        float(surrogate) / n, rel=1e-5, abs=1e-7
+    )
+    # and its gradient lowers the broken call's log-probs where the session's raised them
+    params = [p for p in policy.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(o.loss, params)
+    with torch.no_grad():
+        for p, g in zip(params, grads):
+            p -= 0.05 * g
+        after = Trainer._forward(stand_in(policy), batch).logprobs  # type: ignore[arg-type]
+        for p, g in zip(params, grads):
+            p += 0.05 * g
+    policy.eval()
+    assert float(after[0, span].sum()) < float(logp[0, span].detach().sum())

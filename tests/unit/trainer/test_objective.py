@@ -94,6 +94,31 @@ def test_the_trust_clip_drops_the_tokens_already_pushed_past_it_in_the_advantage
     assert torch.equal(obj.trust_keep(w, adv), w.keep)
 
 
+def test_an_error_turn_s_tokens_take_their_own_advantage_and_the_rest_keep_the_rollout_s():
+    logp, behav, mask = _batch()
+    w = importance_weights(logp, behav, mask)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    # seq 0's second token and seq 2's only token were a call the tools could not run
+    errors = torch.tensor([[0, 1, 0], [0, 0, 0], [1, 0, 0]], dtype=torch.float32)
+    tok = obj.token_advantages(adv, errors, -1.0)
+    assert tok.tolist() == [[1.0, -1.0, 1.0], [-2.0, -2.0, -2.0], [-1.0, 0.5, 0.5]]
+    loss = policy_gradient_loss(logp, tok, w)
+    # kept tokens: seq0 (w=2, A=1, logp=-1.901388), (w=.5, A=-1, logp=-3.693147), seq2 (w=1, A=-1,
+    # logp=-3): sum w*A*logp = -3.802776 + 1.846574 + 3 = 1.043798; / 3 kept -> loss -0.347933
+    assert float(loss.detach()) == pytest.approx(-0.347933, abs=1e-5)
+    loss.backward()
+    # d loss / d logp = -w*A/3: the error tokens' sign flips against the rollout's advantage
+    expected = torch.tensor([[-2 / 3, 1 / 6, 0.0], [0.0, 0.0, 0.0], [1 / 3, 0.0, 0.0]])
+    assert torch.allclose(logp.grad, expected, atol=1e-6), logp.grad
+    # the trust clip reads each token's own advantage: seq 0's 0.5 ratio with A = -1 is below
+    # 1 - 0.2 and leaves; with the rollout's A = +1 it stayed
+    keep = obj.trust_keep(w, tok, clip_low=0.2, clip_high=0.0)
+    assert keep.tolist() == [[1, 0, 0], [0, 0, 0], [1, 0, 0]]
+    assert obj.trust_keep(w, adv, clip_low=0.2).tolist() == [[1, 1, 0], [0, 0, 0], [1, 0, 0]]
+    with pytest.raises(AssertionError, match="error mask"):
+        obj.token_advantages(adv, errors[:2], -1.0)
+
+
 def test_policy_gradient_loss_is_zero_and_connected_when_everything_is_masked():
     logp = torch.tensor([[LN(0.1) - 3.0]], requires_grad=True)  # ratio 0.1 < 0.5
     w = importance_weights(logp, torch.tensor([[-3.0]]), torch.ones(1, 1))
