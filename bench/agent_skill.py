@@ -2,7 +2,9 @@
 
 `probe` (trainer/skill_probe.py) reads a saved policy's next-byte distribution over `+ - * /` where
 an agent session writes the operator that decides its task, on 48 held-out tasks, without sampling
-noise: p(right) is the mass on the verb's operator.
+noise: p(right) is the mass on the verb's operator; `mass` is what the four operators had before
+normalising (1 - mass: the bytes that are no operator, a garbled call); `closes`, per verb, the p of
+the brace that closes the edit call after `"return a OP b"}` (`call_closing`).
 
 `sft` is the supervised bound: it fine-tunes a saved policy on sessions of an agent that is always
 right, 8 a step at `--lr` (trainer/pretrain.py `midtrain`, the mid-training of
@@ -31,7 +33,7 @@ import torch
 from policy.base import Policy
 from policy.checkpoint import load_policy, save_policy
 from trainer.pretrain import on_line
-from trainer.skill_probe import PROBE_TASKS, probe
+from trainer.skill_probe import PROBE_TASKS, call_closing, probe
 
 
 def sft(
@@ -114,7 +116,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     if a.cmd == "probe":
         for path in a.policies:
-            print(f"{path}: {json.dumps(probe(load_policy(path)))}", flush=True)
+            policy = load_policy(path)
+            read = {**probe(policy), "closes": call_closing(policy)}
+            print(f"{path}: {json.dumps(read)}", flush=True)
     elif a.cmd == "save":
         from mlflow.tracking import MlflowClient
 

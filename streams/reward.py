@@ -30,8 +30,9 @@ advantage per trajectory, copied to every token the model sampled in it, with gr
 over sessions that share a task (`group_id`). Why not per-turn advantages: a baseline per turn
 rewards length (every extra turn is another draw above its baseline), and per-turn GRPO groups
 made agents stop calling tools (docs/TRAINER.md "The objective on trajectories"); the turn a tool
-error came back still gets its own signal, from self-distillation at that turn. v1 has no
-outcome weights: an outcome is recorded on the segment and adds nothing.
+error came back still gets its own signal, from self-distillation at that turn or from the
+trainer's error-turn advantage (docs/TRAINER.md "Error turns"). v1 has no outcome weights: an
+outcome is recorded on the segment and adds nothing.
 
 Protected paths (sessions-v2). An agent can be paid for a success it did not earn: when the
 outcome is reported by a harness that runs the repository's own tests, weakening the test file

@@ -11,6 +11,11 @@ verb; one that holds the skill puts its mass on the verb's operator.
 Mid-training (trainer/pretrain.py `midtrain`) probes as it goes: it stops at a target p(right),
 or trains to a peak and is scaled back to the target (`scale_back`); bench/agent_skill.py measures
 saved policies with it (docs/TRAINER.md "Why it falls short").
+
+`call_closing` reads the other byte the built-in policy was seen to get wrong: after the edit's
+`"new": "return a OP b"}`, the brace that closes the call. A policy that ends its calls by length
+rather than by the braces it opened puts mass on a newline there for `//`, the one operator of two
+bytes (docs/TRAINER.md "Why it falls short", run 15).
 """
 
 from __future__ import annotations
@@ -44,6 +49,39 @@ def probe_context(task: Task, tok: Tokenizer) -> str:
         "apply_edit", json.dumps({"path": src, "old": STUB, "new": "return a + b"})
     )
     return tok.apply_chat_template(messages, TOOLS) + edit[: edit.index("+")]
+
+
+def closing_context(task: Task, tok: Tokenizer) -> tuple[str, str]:
+    """(the text a replica has given the policy when the edit call's `new` argument and its
+    object are written, with the verb's right operator; the byte that closes the call)."""
+    edit = HermesFormat().render_call(
+        "apply_edit",
+        json.dumps({"path": task.source_path, "old": STUB, "new": f"return a {OPS[task.verb]} b"}),
+    )
+    at = edit.index(' b"}') + len(' b"}')
+    # probe_context is this call written up to "return a " (the operator's byte comes next)
+    return probe_context(task, tok) + edit[edit.index("return a ") + len("return a ") : at], edit[
+        at
+    ]
+
+
+def call_closing(policy: Policy, n_tasks: int = PROBE_TASKS) -> dict[str, float]:
+    """Per verb, the mean p of the byte that closes the edit call (`closing_context`) on the held-out
+    probe tasks: 1 minus it is how often the call ends one brace short."""
+    tok = policy.tokenizer
+    probed = tasks(n_tasks, PROBE_SEED, held_out=True)
+    heads = [closing_context(t, tok) for t in probed]
+    nxt = [tok.encode(b) for _, b in heads]
+    assert all(len(i) == 1 for i in nxt), "the probe reads one byte-level token"
+    was_training = policy.training
+    policy.eval()
+    with torch.no_grad():
+        logp, _, _ = policy.completion_log_probs([tok.encode(h) for h, _ in heads], nxt)
+    policy.train(was_training)
+    by_verb: dict[str, list[float]] = {}
+    for t, row, i in zip(probed, logp[:, 0].exp(), nxt, strict=True):
+        by_verb.setdefault(t.verb, []).append(float(row[i[0]]))
+    return {v: round(sum(x) / len(x), 3) for v, x in by_verb.items()}
 
 
 def operator_index(verb: str) -> int:

@@ -15,7 +15,15 @@ from policy import build_policy
 from policy.checkpoint import load_policy
 from policy.tokenizer import ByteTokenizer
 from trainer.corpus import agent_document
-from trainer.skill_probe import OPS_BYTES, operator_index, probe, probe_context, separation
+from trainer.skill_probe import (
+    OPS_BYTES,
+    call_closing,
+    closing_context,
+    operator_index,
+    probe,
+    probe_context,
+    separation,
+)
 
 TINY = {"d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16, "max_context": 1024}
 
@@ -35,6 +43,25 @@ def test_the_probe_context_is_what_a_corpus_session_has_read_when_it_writes_the_
         assert doc.text[len(context) : len(context) + len(op)] == op
         assert op[0] in OPS_BYTES
         checked += 1
+
+
+def test_the_closing_probe_reads_the_brace_a_right_corpus_session_writes_after_the_edit():
+    """A right corpus session that reads the module first goes on from the closing probe's context
+    with the byte it reads: the brace that closes the edit call, for `//` as for one-byte operators."""
+    tok, rng, seen = ByteTokenizer(), random.Random(7), set()
+    while len(seen) < len(OPS):
+        doc = agent_document(rng, skill=1.0)
+        first = json.loads(doc.messages[1]["tool_calls"][0]["function"]["arguments"])
+        if first["path"] != doc.task.source_path:
+            continue
+        head, closing = closing_context(doc.task, tok)
+        assert closing == "}" and doc.text.startswith(head + closing), head[-60:]
+        assert head.startswith(probe_context(doc.task, tok))
+        assert head.endswith(f'return a {OPS[doc.task.verb]} b"}}')
+        seen.add(doc.task.verb)
+    torch.manual_seed(0)
+    closes = call_closing(build_policy(TINY), n_tasks=8)
+    assert closes and set(closes) <= set(OPS) and all(0.0 < p < 1.0 for p in closes.values())
 
 
 def test_the_probe_is_a_distribution_per_verb_over_the_four_operators():
