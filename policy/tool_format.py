@@ -96,6 +96,12 @@ class ToolFormat(ABC):
     def render_call(self, name: str, arguments: str) -> str:
         """A call as the model writes it (the built-in chat template renders history with it)."""
 
+    def first_break(self, text: str) -> int | None:
+        """Where in `text` (one turn's generated text) its first malformed call stops being one, as
+        a character offset; None when it has no malformed call. The trainer pushes a broken call
+        down from there (trainer/batch.py `error_spans`). The base format knows no calls: None."""
+        return None
+
 
 class HermesFormat(ToolFormat):
     name = "hermes"
@@ -104,6 +110,40 @@ class HermesFormat(ToolFormat):
 
     def reader(self, tool_names: Iterable[str]) -> ToolReader:
         return _HermesReader(self, frozenset(tool_names))
+
+    def first_break(self, text: str) -> int | None:
+        """The first block whose body is not one JSON object with a string `name` and an object
+        `arguments`: where the JSON stops parsing, moved back over the whitespace before it (a
+        call one brace short, `..."b"}` then a newline and the close tag, breaks at the newline:
+        that is where the model ended the object); the end of the object when text follows it in
+        the block, or the block never closes; the block's open tag when the JSON is whole but not
+        a call. Which functions exist is the request's, not known here: a call to an unknown
+        function is not a break."""
+        pos = 0
+        while (start := text.find(self.open_tag, pos)) >= 0:
+            at = start + len(self.open_tag)
+            end = text.find(self.close_tag, at)
+            body = text[at : len(text) if end < 0 else end]
+            lead = len(body) - len(body.lstrip())
+            try:
+                obj, n = json.JSONDecoder().raw_decode(body, lead)
+            except json.JSONDecodeError as exc:
+                p = exc.pos
+                while p > lead and body[p - 1].isspace():
+                    p -= 1
+                return at + p
+            except RecursionError:
+                return start
+            if body[n:].strip() or end < 0:
+                return at + n
+            if not (
+                isinstance(obj, dict)
+                and isinstance(obj.get("name"), str)
+                and isinstance(obj.get("arguments", {}), dict)
+            ):
+                return start
+            pos = end + len(self.close_tag)
+        return None
 
     def grammar(
         self, tools: list[dict[str, Any]], choice: str | None, parallel: bool, max_calls: int

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from policy.base import UNROUTED, Tokenizer
+from policy.tool_format import ToolFormat
 from trainer.rollout_record import Rollout, ToolErrorInfo, version_number
 
 
@@ -171,14 +172,47 @@ def distill_spans(r: Rollout) -> list[tuple[int, int, list[ToolErrorInfo]]]:
     return out
 
 
-def error_mask(rollouts: list[Rollout], shape: tuple[int, int]) -> torch.Tensor:
-    """float32 [B, T], 1 on every `distill_spans` span of each rollout (a call that came back as
-    a tool error, from the error to the end of that call), 0 elsewhere: where
+def _token_at(tokens: list[int], tokenizer: Tokenizer, offset: int) -> int:
+    """The index of the token of `tokens` whose decoded text holds character `offset` (the
+    shortest prefix that decodes past it, by bisection; len(tokens) when none does)."""
+    lo, hi = 1, len(tokens)
+    if hi == 0 or len(tokenizer.decode(tokens)) <= offset:
+        return len(tokens)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(tokens[:mid])) > offset:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo - 1
+
+
+def error_spans(r: Rollout, tokenizer: Tokenizer, fmt: ToolFormat | None) -> list[tuple[int, int]]:
+    """(start, end) per call that came back as a tool error: `distill_spans`' span, from where
+    the call broke when the turn's text holds a malformed call in `fmt` (`ToolFormat.first_break`:
+    a call one brace short breaks at the byte that ended it, not at its first token), else from
+    the error's position (a well-formed call whose tool failed: the whole call from there).
+
+    A span from the error position would hold the whole broken call: in an agent run the `//` of
+    every `div` edit that dropped its last brace was pushed down with it, and the verb's right
+    operator fell from 0.33 to 0.05 in five versions (docs/TRAINER.md "Error turns")."""
+    out = []
+    for k, end, _ in distill_spans(r):
+        tokens = list(r.completion_tokens[k:end])
+        at = None if fmt is None else fmt.first_break(tokenizer.decode(tokens))
+        out.append((k if at is None else min(k + _token_at(tokens, tokenizer, at), end - 1), end))
+    return out
+
+
+def error_mask(
+    rollouts: list[Rollout], shape: tuple[int, int], tokenizer: Tokenizer, fmt: ToolFormat | None
+) -> torch.Tensor:
+    """float32 [B, T], 1 on every `error_spans` span of each rollout, 0 elsewhere: where
     `error_turn_advantage` replaces the session's advantage (trainer/objective.py
     `token_advantages`)."""
     out = torch.zeros(shape, dtype=torch.float32)
     for i, r in enumerate(rollouts):
-        for k, end, _ in distill_spans(r):
+        for k, end in error_spans(r, tokenizer, fmt):
             out[i, k:end] = 1.0
     return out
 

@@ -51,6 +51,7 @@ import torch
 from app.infra.kafka import make_consumer, make_producer
 from app.settings import Settings
 from policy import Policy, build_policy
+from policy.tool_format import tool_format_for
 from trainer import objective as obj
 from trainer.batch import Collated, collate, error_mask, scatter_teacher, teacher_inputs
 from trainer.checkpoint import load_state, save_state
@@ -849,7 +850,8 @@ class Trainer:
                     idle_participation_loss(policy)
         errors = None
         if cfg.error_turn_advantage:
-            errors = error_mask(batch.rollouts, tuple(logp.shape)) * c.mask
+            fmt = tool_format_for(policy.tokenizer)
+            errors = error_mask(batch.rollouts, tuple(logp.shape), policy.tokenizer, fmt) * c.mask
         return ForwardPass(c, logp, w, ref_lp, teacher, errors)
 
     def _assemble(

@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from policy import build_policy
+from policy.tool_format import HermesFormat, tool_format_for
 from tests.unit.policy.conftest import TINY
-from tests.unit.trainer.test_multi_turn import one_call, parse, session, stand_in
-from trainer.batch import distill_spans, feedback_text, teacher_inputs
+from tests.unit.trainer.test_multi_turn import TOOL, _base, one_call, parse, session, stand_in
+from trainer.batch import distill_spans, error_mask, error_spans, feedback_text, teacher_inputs
 from trainer.loop import Trainer
 from trainer.rollouts import Batch
 
@@ -184,3 +185,82 @@ def test_a_broken_call_is_pushed_down_in_a_session_that_was_pushed_up(policy):
             p += 0.05 * g
     policy.eval()
     assert float(after[0, span].sum()) < float(logp[0, span].detach().sum())
+
+
+CALL = (
+    '<tool_call>\n{"name": "apply_edit", "arguments": {"path": "calc.py", "old": "raise '
+    'NotImplementedError", "new": "return a // b"}}\n</tool_call>'
+)
+
+
+def call_session(policy, calls: list[str], errors: list[int]) -> dict:
+    """A session whose turns sampled `calls` (text, in the policy's tokens) around tool results,
+    with a tool error at the first token of each turn in `errors`, as the agent simulator reports
+    them (token_index 0 of the turn, re-indexed by the ledger)."""
+    enc = policy.tokenizer.encode
+    completion, turns, mask = [], [], []
+    for j, text in enumerate(calls):
+        if j:
+            completion += TOOL
+            mask += [0] * len(TOOL)
+        toks = enc(text)
+        turns.append({"request_id": f"c-{j}", "model_version": "4", "temperature": 0.8,
+                      "start": len(completion), "end": len(completion) + len(toks)})  # fmt: skip
+        completion += toks
+        mask += [1] * len(toks)
+    rec = dict(
+        _base("c", enc("implement div_rows"), 1.0),
+        model_version="4",
+        completion_tokens=completion,
+        logprobs=[-0.5 if m else 0.0 for m in mask],
+        turns=turns,
+        loss_mask=mask,
+    )
+    return dict(rec, tool_errors=[dict(ERR, token_index=turns[j]["start"]) for j in errors])
+
+
+@pytest.fixture(scope="module")
+def wide():
+    """The tiny policy with room for three calls of an agent session."""
+    torch.manual_seed(0)
+    return build_policy(dict(TINY, max_context=1024)).eval()
+
+
+def test_a_broken_call_is_pushed_down_from_where_it_broke_and_a_failed_call_whole(wide):
+    """`error_spans`: a call one brace short is pushed down from the newline that ended it, never
+    on its `//`; a well-formed call whose tool failed, from the error on, whole; a turn without an
+    error, not at all. Without a tool format, every span is `distill_spans`'."""
+    short = CALL.replace('b"}}', 'b"}')
+    [r] = parse(wide, [call_session(wide, [short, CALL, CALL], [0, 1])])
+    t0, t1, _ = r.turns
+    tok = wide.tokenizer
+    fmt = tool_format_for(tok)
+    (k0, e0), (k1, e1) = error_spans(r, tok, fmt)
+    assert tok.decode(r.completion_tokens[t0.start : k0]) == short[: short.index('b"}') + 3]
+    assert tok.decode(r.completion_tokens[k0:e0]) == "\n</tool_call>" and e0 == t0.end
+    assert (k1, e1) == (t1.start, t1.end), "a well-formed call: the whole call"
+    assert error_spans(r, tok, None) == [(t0.start, t0.end), (t1.start, t1.end)]
+    mask = error_mask([r], (1, len(r.completion_tokens)), tok, fmt)
+    assert float(mask.sum()) == (e0 - k0) + (e1 - k1)
+
+
+@pytest.mark.parametrize(
+    ("text", "breaks_at"),
+    [
+        (CALL, None),
+        (CALL.replace('b"}}', 'b"}'), 'b"}'),  # one brace short: at the newline after it
+        (CALL[: CALL.index("// b")] + "rntumpl_cal_cal>", '"new":'),  # an unterminated string
+        (CALL.replace("}}\n", "}} xx\n"), 'b"}}'),  # text after the object
+        (CALL[: -len("</tool_call>")], 'b"}}'),  # a block that never closes
+        ("<tool_call>\n[1, 2]\n</tool_call>", ""),  # JSON, not a call: the whole block
+        ("no call at all", None),
+        (CALL + "\n" + CALL.replace('b"}}', 'b"}'), CALL + "\n" + CALL[: CALL.index('b"}') + 3]),
+    ],
+)
+def test_the_hermes_format_finds_where_a_call_stops_being_one(text, breaks_at):
+    at = HermesFormat().first_break(text)
+    if breaks_at is None:
+        assert at is None
+    else:  # everything before the break is what the call got right
+        assert at is not None and text[:at].endswith(breaks_at), (text[:at][-30:], breaks_at)
+        assert breaks_at or at == 0
