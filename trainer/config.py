@@ -124,7 +124,7 @@ class TrainerConfig(FlywheelSettings):
     error_turn_advantage: float = Field(
         0.0,
         le=0,
-        description="Advantage of the tokens of a call that came back as a tool error (from the error to the end of that call, the self-distillation span), in place of its session's: a broken call is pushed down even in a session that succeeded and when negative advantages are scaled by 0 (0: off, every token keeps its session's; docs/TRAINER.md \"Error turns\").",
+        description="Advantage of the tokens of a call that came back as a tool error (from the byte where a malformed call broke, else from the error, to the end of that call), in place of its session's: a broken call is pushed down even in a session that succeeded and when negative advantages are scaled by 0 (0: off, every token keeps its session's; docs/TRAINER.md \"Error turns\").",
     )
     temperature: float = Field(
         1.0,

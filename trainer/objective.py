@@ -47,7 +47,7 @@ Terms (all choices stated here are also in docs/TRAINER.md):
   tokens (on-policy distillation: the per-token reverse KL acts as a negative advantage).
   The logged value is the k1 estimate mean(logp_s - logp_teacher).
 - Error turns (`token_advantages`, off by default): the tokens of a call that came back as a tool
-  error (the same span as self-distillation's) get a fixed advantage in place of their
+  error, from where it broke (trainer/batch.py `error_spans`), get a fixed advantage in place of their
   session's, so a broken call is pushed down even in a session that succeeded, and even when
   negative advantages are scaled by 0.
 """
@@ -261,8 +261,8 @@ def _per_token(adv: torch.Tensor) -> torch.Tensor:
 
 def token_advantages(adv: torch.Tensor, error_mask: torch.Tensor, value: float) -> torch.Tensor:
     """Per-token advantages [B, T]: each rollout's `adv` [B] on its tokens, and `value` instead on
-    the tokens of `error_mask` [B, T] (1 on a call that came back as a tool error, from the error to
-    the end of that call: trainer/batch.py `distill_spans`).
+    the tokens of `error_mask` [B, T] (1 on a call that came back as a tool error, from where it
+    broke to the end of that call: trainer/batch.py `error_spans`).
 
     A session's one advantage is copied to every token it sampled, so a session that succeeded
     after a call the tools could not run pushes that call up with the rest, and with negative
