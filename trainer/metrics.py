@@ -58,6 +58,11 @@ GROUPED = Counter(
     "step: n > 1 choices, or parallel sessions on one task); the rest of "
     'flywheel_trainer_rollouts_total{outcome="trained"} got the batch\'s.',
 )
+POSITIVE_HELD_BACK = Counter(
+    "flywheel_trainer_positive_held_back_total",
+    "Rollouts of agent sessions that did not succeed whose advantage was above 0 and held at 0 "
+    "(FLYWHEEL_TRAINER_ADV_POSITIVE_NEEDS_SUCCESS; 0 while it is off).",
+)
 ERROR_TURN_TOKENS = Counter(
     "flywheel_trainer_error_turn_tokens_total",
     "Tokens of calls that came back as tool errors, trained at FLYWHEEL_TRAINER_ERROR_TURN_ADVANTAGE "
