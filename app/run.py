@@ -154,15 +154,6 @@ AGENT_DEMO_ENV = {
     # per turn doubled (0.079 -> 0.168) and task success fell to 0.266 by v3; without it they
     # fell (0.079 -> 0.039) and task success held (0.422 at v3; docs/TRAINER.md "Why it falls short")
     "FLYWHEEL_TRAINER_DISTILL_COEF": "0",
-    # ... but a call the tools could not run is pushed down on its own, from the byte where it
-    # broke, at -1 (what giving up costs), whatever its session's advantage: with negative
-    # advantages at 0 nothing pushed a broken call down, and a session that succeeded after one
-    # pushed it up. In run 15 the base's `//` edits dropped their last brace in one call of eight
-    # at every version (p 0.23 on the newline after `// b"}`), and from v13 the edit calls garbled
-    # across verbs (held-out tool errors per turn 0.016 -> 0.077). From the break, not the whole
-    # call: pushing the whole call down took `div`'s `//` with its missing brace, 0.33 -> 0.03 by
-    # v8 of run 16 (docs/TRAINER.md "Error turns")
-    "FLYWHEEL_TRAINER_ERROR_TURN_ADVANTAGE": "-1",
     # sessions end one at a time: a step waits for a whole batch of 16 instead of stepping on the
     # 1-4 that arrived within 2 s at a learning rate scaled down to match (run 2 of docs/TRAINER.md
     # "Agents": 3.5 sessions a step on average, about a fifth of the demo's rate, and no learning)
@@ -192,7 +183,6 @@ AGENT_HF_SKIP = (
     # tuned for the built-in policy's RL (the model keeps the trainer's own lr, HF_DEMO_SKIP)
     "FLYWHEEL_TRAINER_ADV_NEGATIVE_SCALE",
     "FLYWHEEL_TRAINER_DISTILL_COEF",
-    "FLYWHEEL_TRAINER_ERROR_TURN_ADVANTAGE",
 )
 
 
