@@ -136,11 +136,7 @@ class HermesFormat(ToolFormat):
                 return start
             if body[n:].strip() or end < 0:
                 return at + n
-            if not (
-                isinstance(obj, dict)
-                and isinstance(obj.get("name"), str)
-                and isinstance(obj.get("arguments", {}), dict)
-            ):
+            if _not_a_call(obj) is not None:
                 return start
             pos = end + len(self.close_tag)
         return None
@@ -187,23 +183,32 @@ def _raw_member(body: str, key: str) -> str | None:
             i += 1
 
 
+def _not_a_call(obj: Any, tool_names: frozenset[str] | None = None) -> str | None:
+    """Why parsed JSON `obj` is not a call (None: it is one): an object with a string `name`, one
+    of `tool_names` (None: any name), and an object `arguments`."""
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    name, args = obj.get("name"), obj.get("arguments", {})
+    if not isinstance(name, str):
+        return "no string `name`"
+    if tool_names is not None and name not in tool_names:
+        return f"unknown function {name[:100]!r}"
+    if not isinstance(args, dict):
+        return "`arguments` is not a JSON object"
+    return None
+
+
 def parse_call(body: str, tool_names: frozenset[str]) -> ParsedCall | InvalidCall:
     """A Hermes block's body as a call, or why it is not one."""
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError) as exc:
         return InvalidCall(body[:MAX_INVALID_TEXT], f"not JSON: {exc}")
-    if not isinstance(obj, dict):
-        return InvalidCall(body[:MAX_INVALID_TEXT], "not a JSON object")
-    name, args = obj.get("name"), obj.get("arguments", {})
-    if not isinstance(name, str):
-        return InvalidCall(body[:MAX_INVALID_TEXT], "no string `name`")
-    if name not in tool_names:
-        return InvalidCall(body[:MAX_INVALID_TEXT], f"unknown function {name[:100]!r}")
-    if not isinstance(args, dict):
-        return InvalidCall(body[:MAX_INVALID_TEXT], "`arguments` is not a JSON object")
+    error = _not_a_call(obj, tool_names)
+    if error is not None:
+        return InvalidCall(body[:MAX_INVALID_TEXT], error)
     raw = _raw_member(body, "arguments")
-    return ParsedCall(name, "{}" if raw is None else raw)
+    return ParsedCall(obj["name"], "{}" if raw is None else raw)
 
 
 class _HermesReader(ToolReader):

@@ -173,11 +173,9 @@ def distill_spans(r: Rollout) -> list[tuple[int, int, list[ToolErrorInfo]]]:
 
 
 def _token_at(tokens: list[int], tokenizer: Tokenizer, offset: int) -> int:
-    """The index of the token of `tokens` whose decoded text holds character `offset` (the
-    shortest prefix that decodes past it, by bisection; len(tokens) when none does)."""
+    """The index of the token of `tokens` whose decoded text holds character `offset`, which is
+    inside their decoded text: the shortest prefix that decodes past it, by bisection."""
     lo, hi = 1, len(tokens)
-    if hi == 0 or len(tokenizer.decode(tokens)) <= offset:
-        return len(tokens)
     while lo < hi:
         mid = (lo + hi) // 2
         if len(tokenizer.decode(tokens[:mid])) > offset:
@@ -190,8 +188,9 @@ def _token_at(tokens: list[int], tokenizer: Tokenizer, offset: int) -> int:
 def error_spans(r: Rollout, tokenizer: Tokenizer, fmt: ToolFormat | None) -> list[tuple[int, int]]:
     """(start, end) per call that came back as a tool error: `distill_spans`' span, from where
     the call broke when the turn's text holds a malformed call in `fmt` (`ToolFormat.first_break`:
-    a call one brace short breaks at the byte that ended it, not at its first token), else from
-    the error's position (a well-formed call whose tool failed: the whole call from there).
+    a call one brace short breaks at the byte that ended it, not at its first token; a break at
+    the very end of the text, its last token), else from the error's position (a well-formed call
+    whose tool failed: the whole call from there).
 
     A span from the error position would hold the whole broken call: in an agent run the `//` of
     every `div` edit that dropped its last brace was pushed down with it, and the verb's right
@@ -199,8 +198,11 @@ def error_spans(r: Rollout, tokenizer: Tokenizer, fmt: ToolFormat | None) -> lis
     out = []
     for k, end, _ in distill_spans(r):
         tokens = list(r.completion_tokens[k:end])
-        at = None if fmt is None else fmt.first_break(tokenizer.decode(tokens))
-        out.append((k if at is None else min(k + _token_at(tokens, tokenizer, at), end - 1), end))
+        text = tokenizer.decode(tokens)
+        at = None if fmt is None else fmt.first_break(text)
+        if at is not None:
+            k += len(tokens) - 1 if at >= len(text) else _token_at(tokens, tokenizer, at)
+        out.append((k, end))
     return out
 
 

@@ -784,7 +784,7 @@ class Trainer:
                 o.metrics["grouped_rollouts"] = float(sum(mine))
                 if cfg.adv_positive_needs_success:
                     o.metrics["positive_held_back"] = float(held.sum())
-                    POSITIVE_HELD_BACK.inc(float(held.sum()))
+                    POSITIVE_HELD_BACK.inc(o.metrics["positive_held_back"])
                 GROUPED.inc(sum(mine))
                 ERROR_TURN_TOKENS.inc(o.metrics.get("error_turn_tokens", 0.0))
             metrics = combine_metrics(world.all_gather(None if o is None else o.metrics))

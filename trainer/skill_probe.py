@@ -45,19 +45,33 @@ def probe_context(task: Task, tok: Tokenizer) -> str:
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "call_0_0", "content": task.files()[src]},
     ]
-    edit = HermesFormat().render_call(
-        "apply_edit", json.dumps({"path": src, "old": STUB, "new": "return a + b"})
-    )
+    edit = _edit_call(task, "+")
     return tok.apply_chat_template(messages, TOOLS) + edit[: edit.index("+")]
+
+
+def _edit_call(task: Task, op: str) -> str:
+    """The `apply_edit` call that writes `op` into `task`'s stub, as the model writes it."""
+    return HermesFormat().render_call(
+        "apply_edit",
+        json.dumps({"path": task.source_path, "old": STUB, "new": f"return a {op} b"}),
+    )
+
+
+def _next_token_logprobs(policy: Policy, contexts: list[list[int]]) -> torch.Tensor:
+    """[B, V] log-probs of the token after each context, in one eval-mode forward (the policy's
+    train/eval mode is put back)."""
+    was_training = policy.training
+    policy.eval()
+    with torch.no_grad():
+        logp, _, _ = policy.completion_log_probs(contexts, [[0]] * len(contexts))
+    policy.train(was_training)
+    return logp[:, 0]
 
 
 def closing_context(task: Task, tok: Tokenizer) -> tuple[str, str]:
     """(the text a replica has given the policy when the edit call's `new` argument and its
     object are written, with the verb's right operator; the byte that closes the call)."""
-    edit = HermesFormat().render_call(
-        "apply_edit",
-        json.dumps({"path": task.source_path, "old": STUB, "new": f"return a {OPS[task.verb]} b"}),
-    )
+    edit = _edit_call(task, OPS[task.verb])
     at = edit.index(' b"}') + len(' b"}')
     # probe_context is this call written up to "return a " (the operator's byte comes next)
     return probe_context(task, tok) + edit[edit.index("return a ") + len("return a ") : at], edit[
@@ -73,13 +87,9 @@ def call_closing(policy: Policy, n_tasks: int = PROBE_TASKS) -> dict[str, float]
     heads = [closing_context(t, tok) for t in probed]
     nxt = [tok.encode(b) for _, b in heads]
     assert all(len(i) == 1 for i in nxt), "the probe reads one byte-level token"
-    was_training = policy.training
-    policy.eval()
-    with torch.no_grad():
-        logp, _, _ = policy.completion_log_probs([tok.encode(h) for h, _ in heads], nxt)
-    policy.train(was_training)
+    logp = _next_token_logprobs(policy, [tok.encode(h) for h, _ in heads])
     by_verb: dict[str, list[float]] = {}
-    for t, row, i in zip(probed, logp[:, 0].exp(), nxt, strict=True):
+    for t, row, i in zip(probed, logp.exp(), nxt, strict=True):
         by_verb.setdefault(t.verb, []).append(float(row[i[0]]))
     return {v: round(sum(x) / len(x), 3) for v, x in by_verb.items()}
 
@@ -119,13 +129,9 @@ def probe(policy: Policy, n_tasks: int = PROBE_TASKS) -> dict:
     right, mass = [], []
     probed = tasks(n_tasks, PROBE_SEED, held_out=True)
     contexts = [tok.encode(probe_context(t, tok)) for t in probed]
-    was_training = policy.training
-    policy.eval()
-    with torch.no_grad():  # one forward of all the contexts: the distribution at the operator
-        logp, _, _ = policy.completion_log_probs(contexts, [ids[0]] * len(contexts))
-    policy.train(was_training)
+    logp = _next_token_logprobs(policy, contexts)  # the distribution at the operator
     ops = [i[0] for i in ids]
-    for t, row in zip(probed, logp[:, 0, ops].exp(), strict=True):
+    for t, row in zip(probed, logp[:, ops].exp(), strict=True):
         mass.append(float(row.sum()))
         dist = row / row.sum()
         by_verb[t.verb].append(dist)
