@@ -162,6 +162,10 @@ AGENT_DEMO_ENV = {
     # garbles about one call in eight, and each garbled call is noise in its session's gradient)
     "FLYWHEEL_SIMULATE_AGENT_TEMPERATURE": "0.6",
     "FLYWHEEL_CONTROLLER_GATE_AGENT_TEMPERATURE": "0.6",
+    # training waits for the verdict on a version 3 ahead of the champion: runs 12 and 15 garbled
+    # their calls on versions trained on rollouts 4-5 versions behind the trainer, while the
+    # versions before trained at 2-3.9 (docs/TRAINER.md "Waiting for a verdict")
+    "FLYWHEEL_TRAINER_VERDICT_WAIT_AHEAD": "3",
     "FLYWHEEL_SIMULATE_USERS": "8",
     # the gate runs sessions with real tools on its own 12 tasks (2 sessions each): candidate,
     # champion and base. With 24 tasks a gate took 4 minutes for two policies, against a version

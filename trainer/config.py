@@ -267,6 +267,11 @@ class TrainerConfig(FlywheelSettings):
         gt=0,
         description="How often the trainer reads the gate's verdicts on its versions (MLflow version tags).",
     )
+    verdict_wait_ahead: int = Field(
+        0,
+        ge=0,
+        description='When the last shipped version is this many versions ahead of the serving champion and is still awaiting its verdict (no gate verdict yet, or in its canary), stop training until it has one or the champion moves: bounds how far the weights run ahead of the policy that samples the rollouts (0: never wait; docs/TRAINER.md "Waiting for a verdict").',
+    )
     plant_bad_version: int = Field(
         0,
         ge=0,

@@ -76,6 +76,8 @@ from trainer.metrics import (
     STEP_FAILURES,
     STEP_GAUGES,
     STEPS,
+    VERDICT_WAIT,
+    VERDICT_WAIT_SECONDS,
 )
 from trainer.registry import CHAMPION, Registry
 from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake, dedupe_key
@@ -113,6 +115,14 @@ _SUMMED = (
     "error_turn_tokens",
 )
 _BY_ROLLOUTS = ("reward_mean", "ess", "clip_fraction", "masked_fraction", "staleness_mean")
+
+
+def awaiting_verdict(tags: dict[str, str], candidate: int | None, version: int) -> bool:
+    """Whether `version` still awaits its verdict: the gate has not judged it, or it passed and
+    is in its canary (the `candidate` alias). A failed gate, a promotion or a canary that ended
+    without one is a verdict."""
+    status = tags.get("flywheel.gate.status")
+    return status is None or (status == "passed" and candidate == version)
 
 
 def combine_metrics(parts: list[dict[str, float] | None]) -> dict[str, float]:
@@ -232,6 +242,11 @@ class Trainer:
             state.get("verdicts_seen", 0)
         )  # versions up to this one were checked for a rejection
         self._verdict_checked_at = 0.0
+        # waiting for the verdict on a version far ahead of the champion (verdict_wait_ahead):
+        # rank 0's last reading of the registry, when it was read, and since when training waits
+        self._waiting = False
+        self._standing_read_at = -float("inf")
+        self._wait_since: float | None = None
         # while a due ship waits for `min_rollouts`: the step it last found too few at
         self._ship_wait_step: int | None = None
         self.run_id = self.registry.start_run(state.get("run_id")) if self.world.is_main else None
@@ -530,7 +545,14 @@ class Trainer:
         BUFFERED.set(self.intake.buffered())
 
     def train_step(self) -> dict[str, float] | None:
-        """Poll; when a batch is ready, run one optimizer step on it. Returns the step metrics."""
+        """Poll; when a batch is ready, run one optimizer step on it. Returns the step metrics.
+
+        While waiting for a verdict (`waits_for_verdict`) the partitions are paused and nothing trains."""
+        if self.waits_for_verdict():
+            self.intake.hold(True)
+            self.poll()  # keeps the group membership; the paused partitions return nothing
+            return None
+        self.intake.hold(False)
         self.poll()
         if not self.world.distributed:
             if not self.intake.ready(self.cfg.batch_size, self.cfg.max_wait_s):
@@ -1041,6 +1063,59 @@ class Trainer:
         self.save()
         self._refresh_champion()
         return version
+
+    # --- waiting for a verdict -----------------------------------------------------------------------
+    def waits_for_verdict(self, now: float | None = None) -> bool:
+        """Whether training waits for the verdict on the last shipped version (`verdict_wait_ahead`).
+
+        It waits while that version is `verdict_wait_ahead` or more versions ahead of the serving
+        champion and still awaiting its verdict (`awaiting_verdict`): each step trains on the
+        champion's rollouts, and without a bound the weights run as far ahead of the policy that
+        sampled them as the gate and canary are slow. The wait ends when the champion moves (a
+        promotion), when the gate fails the version (`maybe_rebase` then goes back to the
+        champion) or when its canary ends without a promotion. Rank 0 reads the registry every
+        `verdict_check_s`; every rank takes its answer. The champion is re-read when the wait ends.
+        """
+        now = time.monotonic() if now is None else now
+        waiting = self.world.broadcast(self._wait_decision(now) if self.world.is_main else None)
+        if waiting and self._wait_since is None:
+            self._wait_since = now
+            VERDICT_WAIT.set(1)
+        elif not waiting and self._wait_since is not None:
+            waited = now - self._wait_since
+            self._wait_since = None
+            VERDICT_WAIT.set(0)
+            VERDICT_WAIT_SECONDS.inc(max(waited, 0.0))
+            log.info("verdict wait over after %.0f s: training on", waited)
+            self._refresh_champion()
+        return bool(waiting)
+
+    def _wait_decision(self, now: float) -> bool:
+        ahead = self.cfg.verdict_wait_ahead
+        if ahead <= 0 or self.last_shipped is None:
+            return False
+        if now - self._standing_read_at < self.cfg.verdict_check_s:
+            return self._waiting
+        self._standing_read_at = now
+        try:
+            champion, candidate, tags = self.registry.standing(self.last_shipped)
+        except Exception as exc:  # MLflow away: keep the last answer, read again next time
+            self._warn.warning("standing", "version standing not read: %r", exc)
+            return self._waiting
+        waiting = (
+            champion is not None
+            and self.last_shipped - champion >= ahead
+            and awaiting_verdict(tags, candidate, self.last_shipped)
+        )
+        if waiting and not self._waiting:
+            log.info(
+                "v%d is %d versions ahead of champion v%d and awaits its verdict: training waits",
+                self.last_shipped,
+                self.last_shipped - champion,
+                champion,
+            )
+        self._waiting = waiting
+        return waiting
 
     # --- rebasing on a rejection -----------------------------------------------------------------------
     def maybe_rebase(self, now: float | None = None) -> int | None:

@@ -73,6 +73,15 @@ SHIP_WAITING = Gauge(
     "flywheel_trainer_ship_waiting",
     "1 while a due ship waits for FLYWHEEL_TRAINER_MIN_ROLLOUTS trained rollouts, else 0.",
 )
+VERDICT_WAIT = Gauge(
+    "flywheel_trainer_verdict_wait",
+    "1 while training waits for the verdict on a version FLYWHEEL_TRAINER_VERDICT_WAIT_AHEAD "
+    "versions ahead of the champion, else 0.",
+)
+VERDICT_WAIT_SECONDS = Counter(
+    "flywheel_trainer_verdict_wait_seconds_total",
+    "Seconds training waited for a verdict (FLYWHEEL_TRAINER_VERDICT_WAIT_AHEAD).",
+)
 RANKS = Gauge(
     "flywheel_trainer_ranks", "Ranks of the trainer (torchrun's WORLD_SIZE; 1 = one process)."
 )

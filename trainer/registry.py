@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 CHAMPION = "champion"
+CANDIDATE = "candidate"  # the version in its canary (app/contracts/aliases.py)
 TAG_SHIP_ID = "ship_id"
 
 
@@ -141,6 +142,18 @@ class Registry:
             return int(self.client.get_model_version_by_alias(self.name, alias).version)
         except MlflowException:
             return None
+
+    def standing(self, version: int) -> tuple[int | None, int | None, dict[str, str]]:
+        """(champion, candidate, `version`'s tags): where a version stands in its rollout.
+
+        `get_registered_model` carries the aliases (`search_model_versions` leaves them empty)."""
+        aliases = dict(self.client.get_registered_model(self.name).aliases or {})
+        mv = self.client.get_model_version(self.name, str(version))
+
+        def as_int(alias: str) -> int | None:
+            return int(aliases[alias]) if aliases.get(alias) is not None else None
+
+        return as_int(CHAMPION), as_int(CANDIDATE), dict(mv.tags or {})
 
     def set_alias(self, alias: str, version: int) -> None:
         self.client.set_registered_model_alias(self.name, alias, str(version))

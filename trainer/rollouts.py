@@ -402,5 +402,15 @@ class RolloutIntake:
                 kept.append(e)
         self.buffer = kept
 
+    def hold(self, on: bool) -> None:
+        """Stop (`on`) or restart fetching: paused partitions keep their records in Kafka, and
+        `poll` keeps this member in its group. Paused again on every call while held, since a
+        rebalance assigns partitions unpaused."""
+        parts = self.consumer.assignment()
+        if on and parts:
+            self.consumer.pause(*parts)
+        elif not on and self.consumer.paused():
+            self.consumer.resume(*self.consumer.paused())
+
     def buffered(self) -> int:
         return len(self.buffer)

@@ -139,6 +139,8 @@ def test_agents_run_the_loop_on_agent_sessions_with_their_defaults(tmp_path):
     assert env["FLYWHEEL_TRAINER_DISTILL_COEF"] == "0"  # self-distillation on tool errors off
     # broken calls are not pushed down on their own: measured in runs 16 and 17, not adopted
     assert "FLYWHEEL_TRAINER_ERROR_TURN_ADVANTAGE" not in env
+    # training waits for the verdict on a version 3 ahead of the champion
+    assert env["FLYWHEEL_TRAINER_VERDICT_WAIT_AHEAD"] == "3"
     # agent turns at 0.6 live, held-out and in the gate; steps of 16 whole sessions at 1e-4
     assert env["FLYWHEEL_SIMULATE_AGENT_TEMPERATURE"] == "0.6"
     assert env["FLYWHEEL_CONTROLLER_GATE_AGENT_TEMPERATURE"] == "0.6"

@@ -120,3 +120,54 @@ def test_a_planted_version_does_not_trigger_a_rebase(trainer_env):
         assert all(torch.equal(before[k], v) for k, v in trainer.policy.state_dict().items())
     finally:
         trainer.close()
+
+
+def test_training_waits_for_the_verdict_on_a_version_far_ahead_of_the_champion(trainer_env):
+    """`verdict_wait_ahead`: with the last shipped version 2 ahead of the champion and not judged,
+    nothing trains and nothing is fetched (the records wait in Kafka); a canary is still a wait; a
+    promotion, a failed gate and a canary ended without a promotion each end it."""
+    from trainer.metrics import VERDICT_WAIT
+
+    settings, cfg_kw = trainer_env
+    trainer = Trainer(settings, TrainerConfig(**cfg_kw, verdict_check_s=1.0, verdict_wait_ahead=2))
+    client, name = MlflowClient(settings.mlflow_uri), settings.model_name
+    try:
+        assert trainer.champion == 1
+        assert _train_and_ship(trainer, settings, 1) == 2
+        assert not trainer.waits_for_verdict(now=1e9), "1 ahead of the champion"
+        assert _train_and_ship(trainer, settings, 2) == 3
+        assert trainer.waits_for_verdict(now=2e9), "2 ahead, no gate verdict"
+        assert VERDICT_WAIT._value.get() == 1
+
+        produce(settings, rollout_records(trainer.policy, 1, 4, lambda t: float(len(t)), seed=9))
+        step = trainer.step
+        for _ in range(10):  # 10 polls of poll_timeout_ms each
+            assert trainer.train_step() is None
+        assert (trainer.step, trainer.intake.buffered()) == (step, 0), "paused: nothing fetched"
+
+        client.set_model_version_tag(name, "3", "flywheel.gate.status", "passed")
+        client.set_registered_model_alias(name, "candidate", "3")
+        assert trainer.waits_for_verdict(now=3e9), "in its canary: still awaiting the verdict"
+
+        # promoted: the champion moved, the wait ends, the KL reference and staleness follow
+        client.set_registered_model_alias(name, "champion", "3")
+        client.delete_registered_model_alias(name, "candidate")
+        assert not trainer.waits_for_verdict(now=4e9)
+        assert trainer.champion == 3 and VERDICT_WAIT._value.get() == 0
+        drain(trainer, 4)  # the records that waited in Kafka train now
+        assert trainer.pending.rollouts == 4
+        assert trainer.maybe_ship(force=True) == 4
+
+        # v5, 2 ahead of v3: the gate fails it, which is a verdict (maybe_rebase goes back to v3)
+        assert _train_and_ship(trainer, settings, 3) == 5
+        assert trainer.waits_for_verdict(now=5e9)
+        client.set_model_version_tag(name, "5", "flywheel.gate.status", "failed")
+        assert not trainer.waits_for_verdict(now=6e9)
+
+        # v6 passes the gate and its canary ends without a promotion (no candidate, champion v3)
+        assert _train_and_ship(trainer, settings, 4) == 6
+        assert trainer.waits_for_verdict(now=7e9)
+        client.set_model_version_tag(name, "6", "flywheel.gate.status", "passed")
+        assert not trainer.waits_for_verdict(now=8e9), "passed, not in a canary, not promoted"
+    finally:
+        trainer.close()
