@@ -79,7 +79,7 @@ from trainer.metrics import (
     VERDICT_WAIT,
     VERDICT_WAIT_SECONDS,
 )
-from trainer.registry import CHAMPION, Registry
+from trainer.registry import CHAMPION, GATE_STATUS, Registry
 from trainer.rollouts import SKIP_REASONS, Batch, DedupeSet, RolloutIntake, dedupe_key
 from trainer.ship_state import Pending, ShipIntent
 from trainer.shipping import execute_ship
@@ -121,7 +121,7 @@ def awaiting_verdict(tags: dict[str, str], candidate: int | None, version: int) 
     """Whether `version` still awaits its verdict: the gate has not judged it, or it passed and
     is in its canary (the `candidate` alias). A failed gate, a promotion or a canary that ended
     without one is a verdict."""
-    status = tags.get("flywheel.gate.status")
+    status = tags.get(GATE_STATUS)
     return status is None or (status == "passed" and candidate == version)
 
 
@@ -552,7 +552,6 @@ class Trainer:
             self.intake.hold(True)
             self.poll()  # keeps the group membership; the paused partitions return nothing
             return None
-        self.intake.hold(False)
         self.poll()
         if not self.world.distributed:
             if not self.intake.ready(self.cfg.batch_size, self.cfg.max_wait_s):
@@ -1073,8 +1072,10 @@ class Trainer:
         champion's rollouts, and without a bound the weights run as far ahead of the policy that
         sampled them as the gate and canary are slow. The wait ends when the champion moves (a
         promotion), when the gate fails the version (`maybe_rebase` then goes back to the
-        champion) or when its canary ends without a promotion. Rank 0 reads the registry every
-        `verdict_check_s`; every rank takes its answer. The champion is re-read when the wait ends.
+        champion) or when its canary ends without a promotion. Once a ship has taken the trainer that
+        far ahead of the champion as last read, rank 0 reads the registry every `verdict_check_s`;
+        every rank takes its answer. The partitions resume and the champion is re-read when the
+        wait ends.
         """
         now = time.monotonic() if now is None else now
         waiting = self.world.broadcast(self._wait_decision(now) if self.world.is_main else None)
@@ -1087,12 +1088,21 @@ class Trainer:
             VERDICT_WAIT.set(0)
             VERDICT_WAIT_SECONDS.inc(max(waited, 0.0))
             log.info("verdict wait over after %.0f s: training on", waited)
+            self.intake.hold(False)
             self._refresh_champion()
         return bool(waiting)
 
     def _wait_decision(self, now: float) -> bool:
         ahead = self.cfg.verdict_wait_ahead
-        if ahead <= 0 or self.last_shipped is None:
+        # the champion as last read (start, ship, rebase, end of a wait): a promotion only brings
+        # it closer, so the registry is read only once a ship has taken the trainer `ahead` away
+        if (
+            ahead <= 0
+            or self.last_shipped is None
+            or self.champion is None
+            or self.last_shipped - self.champion < ahead
+        ):
+            self._waiting = False
             return False
         if now - self._standing_read_at < self.cfg.verdict_check_s:
             return self._waiting
@@ -1159,10 +1169,10 @@ class Trainer:
         rejected, newest_verdict = None, self.verdicts_seen
         for mv in self.registry.versions():
             v, tags = int(mv.version), dict(mv.tags or {})
-            if v <= self.verdicts_seen or "flywheel.gate.status" not in tags:
+            if v <= self.verdicts_seen or GATE_STATUS not in tags:
                 continue
             newest_verdict = max(newest_verdict, v)
-            if tags.get("flywheel.gate.status") == "failed" and tags.get("planted_bad") != "true":
+            if tags.get(GATE_STATUS) == "failed" and tags.get("planted_bad") != "true":
                 rejected = v
         if newest_verdict == self.verdicts_seen:
             return None

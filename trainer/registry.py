@@ -40,11 +40,14 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 
+from app.contracts.aliases import read_snapshot
+
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[1]
 CHAMPION = "champion"
 CANDIDATE = "candidate"  # the version in its canary (app/contracts/aliases.py)
+GATE_STATUS = "flywheel.gate.status"  # the gate's verdict on a version: passed / failed
 TAG_SHIP_ID = "ship_id"
 
 
@@ -144,10 +147,8 @@ class Registry:
             return None
 
     def standing(self, version: int) -> tuple[int | None, int | None, dict[str, str]]:
-        """(champion, candidate, `version`'s tags): where a version stands in its rollout.
-
-        `get_registered_model` carries the aliases (`search_model_versions` leaves them empty)."""
-        aliases = dict(self.client.get_registered_model(self.name).aliases or {})
+        """(champion, candidate, `version`'s tags): where a version stands in its rollout."""
+        aliases = read_snapshot(self.client, self.name).aliases
         mv = self.client.get_model_version(self.name, str(version))
 
         def as_int(alias: str) -> int | None:
