@@ -49,6 +49,9 @@ VersionStatus = Literal[
     "rolled_back",
     "aborted",
 ]
+# `details` key of a canary_resumed the controller publishes when it starts with a step running
+# (app/controller/canary.py restart_step): the step starts again, window and deadline
+STEP_RESTART = "step_restart"
 # `details` keys of version_registered that have their own field (the rest is lineage)
 _REGISTRATION_FIELDS = ("run_id", "rollouts_consumed", "reward_spec")
 # events whose `details.analysis` becomes the last analysis and the versions' online metrics
@@ -290,7 +293,7 @@ def fold(state: DeploymentState, ev: DeploymentEvent) -> DeploymentState:
             u["phase"] = "paused"
         _take_analysis(u, vs, ev, state.candidate, state.champion)
     elif t == "canary_resumed":
-        if state.phase == "paused":
+        if state.phase == "paused" or (state.phase == "canary" and d.get(STEP_RESTART)):
             u.update(phase="canary", step_started_at=ev.ts)
         _take_analysis(u, vs, ev, state.candidate, state.champion)
     elif t == "promoted":

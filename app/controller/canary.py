@@ -83,6 +83,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from app.contracts.deployment_state import STEP_RESTART
 from app.contracts.deployments import Decision
 from app.controller.state import DeploymentState, apply_event, vkey
 from app.registry.operator import CanaryConfig, advance
@@ -327,7 +328,14 @@ class Tick:
     now: datetime
 
 
-Input = Observe | Event | Tick
+@dataclass(frozen=True)
+class Restart:
+    """The controller has replayed the log after a start, at `now` (before its first tick)."""
+
+    now: datetime
+
+
+Input = Observe | Event | Tick | Restart
 
 
 def _emit(
@@ -352,6 +360,8 @@ def transition(
     if isinstance(inp, Tick):
         decisions = reconcile(state, cfg) + _deadline(state, None, inp.now, cfg)
         return _emit(state, decisions, inp.now)
+    if isinstance(inp, Restart):
+        return _emit(state, restart_step(state, inp.now), inp.now)
     assert isinstance(inp, Observe), f"unknown input {inp!r}"
     decisions = reconcile(state, cfg)
     if decisions:
@@ -368,6 +378,35 @@ def _now_of(ev: dict[str, Any]) -> datetime:
 def _step_age(state: DeploymentState, now: datetime) -> float:
     assert state.step_started_at is not None, f"canary of {state.candidate} has no step start"
     return (now - state.step_started_at).total_seconds()
+
+
+def restart_step(state: DeploymentState, now: datetime) -> list[Decision]:
+    """A canary step found running when the controller starts starts again, window and deadline.
+
+    Between the last controller's stop and this start nobody judged the step, and when the whole
+    loop was stopped (`flywheel run` ended by `--duration`, a host restart) no replica served
+    it either: counted from its old start, the step would be paused as inconclusive at the first
+    tick for the minutes nobody ran it. Its window restarts with it, so the evidence it is judged
+    on is evidence this controller watched arrive (the confidence sequence is valid from any
+    start). A paused canary stays paused (an operator's to resume)."""
+    if state.phase != "canary" or state.candidate is None or state.step_started_at is None:
+        return []
+    age = _step_age(state, now)
+    return [
+        Decision(
+            type="canary_resumed",
+            version=state.candidate,
+            traffic_pct=state.traffic_pct,
+            reason=f"the controller started with step {state.step} ({state.traffic_pct:g}%) "
+            f"begun {age:.0f}s ago and unjudged since its last stop: the step starts again "
+            "(its window and deadline)",
+            details={
+                "step": state.step,
+                STEP_RESTART: True,
+                "step_started_at": state.step_started_at.isoformat(),
+            },
+        )
+    ]
 
 
 def judge(state: DeploymentState, obs: Observe, cfg: CanaryConfig) -> list[Decision]:

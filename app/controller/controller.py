@@ -15,7 +15,9 @@ MLflow server and the registered model (the trainer creates it). It
    skipped when they come back from the topic), then makes MLflow's aliases match the state
    (aliases.sync_aliases, under the same lock as the alias reconciler); while the log names no
    champion it first records the one MLflow's `champion` alias names (`record_serving_champion`),
-   so what replicas serve is always what the log says;
+   so what replicas serve is always what the log says; a canary step the replayed log shows
+   running starts again first (`restart`: its window and deadline), since no controller judged it
+   while this one was not running;
 6. runs the polling alias reconciler in a thread and registers the MLflow webhook, so alias
    moves made in the MLflow UI come back as `alias_changed` events, which step 4 answers;
 7. exposes Prometheus metrics (gauges of champion/candidate/traffic/phase, decision counters).
@@ -268,6 +270,14 @@ class Controller:
         return total
 
     # --- periodic work ----------------------------------------------------------------------------
+    def restart(self) -> None:
+        """Once the log is replayed, before the first tick: a canary step the log shows running
+        starts again (canary.restart_step), so the minutes this controller was not running are
+        not held against it."""
+        now = datetime.fromtimestamp(self.clock(), tz=UTC)
+        self.state, out = canary.transition(self.state, canary.Restart(now), self.cfg)
+        self.publish(out)
+
     def tick(self) -> None:
         now = datetime.fromtimestamp(self.clock(), tz=UTC)
         self.run_gates()
@@ -521,6 +531,7 @@ class Controller:
                     )
                     if not self._wait_for_registry(stop):
                         break
+                    self.restart()
                     reconciler = self._start_alias_watch()
                     if on_ready is not None:
                         on_ready()

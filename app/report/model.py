@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from app.contracts.deployment_state import STEP_RESTART
+
 HELDOUT = "heldout_acceptance"
 HELDOUT_CI = ("heldout_acceptance_ci_low", "heldout_acceptance_ci_high")
 TRAINER_METRICS = ("reward_mean", "kl", "loss")
@@ -364,7 +366,12 @@ def rollout(events: list[dict[str, Any]]) -> Rollout:
             r.marks.append(Mark(ts, v, t, f"v{v} to {ev.get('traffic_pct') or 0:g}%"))
         elif t in ("canary_paused", "canary_resumed") and v:
             r.canary[v] = "paused" if t == "canary_paused" else "in canary"
-            r.marks.append(Mark(ts, v, t, f"v{v} canary {t.removeprefix('canary_')}"))
+            what = (
+                f"step {(ev.get('details') or {}).get('step', 0)} restarted with the controller"
+                if (ev.get("details") or {}).get(STEP_RESTART)
+                else t.removeprefix("canary_")
+            )
+            r.marks.append(Mark(ts, v, t, f"v{v} canary {what}"))
         elif t == "promoted" and v:
             if v in r.canary or candidate == v:
                 r.canary[v] = "promoted"

@@ -1,5 +1,6 @@
 """The controller loop on the real broker and MLflow server: a better candidate walks every step
-and is promoted, a worse one is rolled back automatically, aliases follow, a UI move is obeyed."""
+and is promoted, a worse one is rolled back automatically, aliases follow, a UI move is obeyed; a
+controller started again with a step running restarts the step instead of pausing it."""
 
 from __future__ import annotations
 
@@ -132,6 +133,79 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
         assert (ac["version"], ac["from_version"], ac["source"]) == ("1", "2", "mlflow-ui")
         time.sleep(2)  # several ticks: the controller must not move the alias back
         assert read_snapshot(client, model).aliases["champion"] == "1"
+    finally:
+        stop.set()
+        th.join(30)
+        feed.producer.close()
+    assert not th.is_alive()
+
+
+def test_a_controller_started_again_restarts_the_running_step_instead_of_pausing_it(
+    registry, make_settings
+):
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
+
+    client, model = registry.client, registry.model
+    settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)
+    cs = ControllerSettings(
+        min_step=0.5,
+        min_samples=50,
+        step_deadline=600,
+        tick_interval=0.2,
+        poll_interval=0.5,
+        webhooks_enabled=False,
+        metrics_port=0,
+    )
+    down = 1300.0  # the second controller starts 1,300 s later: past the step's 600 s deadline
+
+    def start(clock):
+        ctl = Controller(settings, cs, client, gate=gate, clock=clock)
+        stop, ready = threading.Event(), threading.Event()
+        th = threading.Thread(target=ctl.run, args=(stop, ready.set), daemon=True)
+        th.start()
+        assert ready.wait(60), "controller did not catch up"
+        return ctl, stop, th
+
+    ctl, stop, th = start(time.time)
+    try:
+        with DeploymentLog(settings) as dlog:
+            for v in ("1", "2"):
+                dlog.publish(
+                    DeploymentEvent.model_validate(
+                        Decision(
+                            type="version_registered", version=v, source="trainer", actor="trainer"
+                        ).to_event(model)
+                    )
+                )
+        wait_for(lambda: ("canary_started", "2", 5.0) in types(settings), 30, "canary of v2")
+    finally:
+        stop.set()
+        th.join(30)
+    assert not th.is_alive()
+    assert ctl.state.phase == "canary" and not any(
+        e["type"] == "canary_resumed" for e in deployment_events(settings)
+    ), "a controller that saw the step start does not restart it"
+
+    ctl, stop, th = start(lambda: time.time() + down)
+    feed = Feeder(settings)
+    try:
+        [r] = wait_for(
+            lambda: [e for e in deployment_events(settings) if e["type"] == "canary_resumed"],
+            30,
+            "the step's restart",
+        )
+        assert (r["version"], r["source"], r["traffic_pct"]) == ("2", "controller", 5.0)
+        assert r["details"]["step_restart"] is True and r["details"]["step"] == 0
+        assert ctl.state.phase == "canary"
+        assert ctl.state.step_started_at.timestamp() >= time.time() + down - 60
+
+        def judged():  # buckets on the second controller's clock, candidate 0.7 vs champion 0.3
+            feed.bucket("2", 100, 0.7, at=time.time() + down)
+            feed.bucket("1", 100, 0.3, at=time.time() + down)
+            return ("traffic_shifted", "2", 25.0) in types(settings)
+
+        wait_for(judged, 60, "v2's restarted step to pass", every=0.5)
+        assert "canary_paused" not in [t[0] for t in types(settings)]
     finally:
         stop.set()
         th.join(30)

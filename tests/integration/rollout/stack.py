@@ -216,10 +216,13 @@ class MetricsFeed:
         self.producer = make_producer(settings)
         self.topic = settings.topic("version-metrics")
 
-    def bucket(self, version: str, n: int, mean: float, sd: float = 0.5) -> None:
+    def bucket(
+        self, version: str, n: int, mean: float, sd: float = 0.5, at: float | None = None
+    ) -> None:
+        """One bucket of `n` rewards with this mean and sd, starting `at` (default: now)."""
         from app.infra.kafka import dumps
 
-        start = time.time()
+        start = time.time() if at is None else at
         sums = {"n": float(n), "reward_sum": n * mean, "reward_sumsq": n * (sd * sd + mean * mean)}
         rec = {
             "bucket_id": f"{version}/{start!r}/1.0",

@@ -14,6 +14,7 @@ from app.controller.canary import (
     ArmStats,
     Event,
     Observe,
+    Restart,
     Tick,
     analyze,
     cs_radius,
@@ -54,14 +55,25 @@ def run(state, inputs):
     return state, events
 
 
-def canary_state():
-    """Champion 1, version 2 in canary at 5% since T0."""
+def canary_events():
+    """The log of canary_state(): champion 1, version 2 gated and its canary started at T0."""
     s = fold(
         "m", [ev("promoted", "1", t=-100), ev("version_registered", "2", source="trainer", t=-10)]
     )
-    s, out = transition(s, Event(ev("gate_passed", "2", t=0)), CFG)
+    gated = ev("gate_passed", "2", t=0)
+    _, out = transition(s, Event(gated), CFG)
     assert [e["type"] for e in out] == ["canary_started"]
-    return s
+    return [
+        ev("promoted", "1", t=-100),
+        ev("version_registered", "2", source="trainer", t=-10),
+        gated,
+        *out,
+    ]
+
+
+def canary_state():
+    """Champion 1, version 2 in canary at 5% since T0."""
+    return fold("m", canary_events())
 
 
 def test_gate_pass_starts_canary_at_first_step():
@@ -140,6 +152,43 @@ def test_inconclusive_at_deadline_pauses_and_resume_restarts_the_window():
 def test_tick_past_deadline_pauses_without_metrics():
     s, out = transition(canary_state(), Tick(T0 + timedelta(seconds=601)), CFG)
     assert [e["type"] for e in out] == ["canary_paused"]
+
+
+def test_a_restart_starts_the_running_step_again_and_does_not_hold_the_stop_against_it():
+    s = canary_state()
+    s, out = transition(s, Observe(T0 + timedelta(seconds=30), arm(40, 0.6), arm(40, 0.5)), CFG)
+    assert out == [] and s.step_started_at == T0
+    back = T0 + timedelta(seconds=3000)  # the whole loop was stopped 50 minutes, past the deadline
+    s, out = transition(s, Restart(back), CFG)
+    [e] = out
+    assert (e["type"], e["version"], e["traffic_pct"]) == ("canary_resumed", "2", 5.0)
+    assert e["details"]["step_restart"] and e["details"]["step"] == s.step == 0
+    assert "3000s ago" in e["reason"]
+    assert s.phase == "canary" and s.step_started_at == back
+    assert fold("m", [*canary_events(), e]) == s, "the published event replays to the same state"
+    s2, out = transition(s, Tick(back + timedelta(seconds=599)), CFG)
+    assert out == [], "the deadline counts from the restart"
+    _, out = transition(s2, Tick(back + timedelta(seconds=601)), CFG)
+    assert [e["type"] for e in out] == ["canary_paused"]
+    _, out = transition(s, Observe(back + timedelta(seconds=30), arm(400, 0.9), arm(400, 0.1)), CFG)
+    assert out == [], "min_step counts from the restart too"
+    _, out = transition(s, Observe(back + timedelta(seconds=61), arm(400, 0.9), arm(400, 0.1)), CFG)
+    assert [e["type"] for e in out] == ["traffic_shifted"]
+
+
+def test_a_restart_leaves_a_paused_canary_and_no_canary_alone():
+    s = canary_state()
+    s, _ = transition(s, Tick(T0 + timedelta(seconds=601)), CFG)
+    assert s.phase == "paused"
+    assert transition(s, Restart(T0 + timedelta(seconds=3000)), CFG) == (s, [])
+    idle = fold("m", [ev("promoted", "1")])
+    assert transition(idle, Restart(T0 + timedelta(seconds=3000)), CFG) == (idle, [])
+
+
+def test_a_resume_without_the_restart_mark_does_not_restart_a_running_step():
+    s = canary_state()
+    after = fold("m", [*canary_events(), ev("canary_resumed", "2", t=300)])
+    assert after.phase == "canary" and after.step_started_at == s.step_started_at == T0
 
 
 def test_a_running_canary_finishes_before_a_newer_gated_version_starts():

@@ -143,6 +143,23 @@ def test_rollout_follows_the_champion_and_each_versions_outcome():
     ]
 
 
+def test_a_step_restarted_by_the_controller_is_marked_apart_from_an_operators_resume():
+    log = [
+        ev(0, "promoted", "1", traffic_pct=100),
+        ev(1, "canary_started", "2", "1", 5.0, step=0),
+        ev(2, "canary_resumed", "2", None, 5.0, step=0, step_restart=True),
+        ev(3, "canary_paused", "2", None, 5.0),
+        ev(4, "canary_resumed", "2", None, 5.0),
+    ]
+    r = rollout(log)
+    assert [m.label for m in r.marks if m.kind.startswith("canary_")][1:] == [
+        "v2 canary step 0 restarted with the controller",
+        "v2 canary paused",
+        "v2 canary resumed",
+    ]
+    assert r.canary == {"2": "in canary"}
+
+
 def test_a_rollback_without_from_version_rolls_back_the_candidate():
     log = [
         ev(0, "promoted", "1", traffic_pct=100),
