@@ -51,13 +51,16 @@ METRICS = (
 )
 
 
-def scores(
-    verdicts: list[Verdict], satisfaction: list[float], k: int, level: float = 0.95
-) -> dict[str, float]:
-    """The held-out figures of sessions run `k` (>= 2) consecutive ones per task."""
-    n = len(verdicts)
+def success_interval(
+    success: list[float], k: int, level: float = 0.95
+) -> tuple[float, float, float]:
+    """(mean, low, high) of sessions' 0/1 successes run `k` (>= 2) consecutive ones per task.
+
+    The estimand is the mean success probability over these fixed tasks, so the interval is the
+    sampling error of the sessions on them: the within-task variance, estimated from each task's
+    `k` sessions (a normal interval; bench/heldout_interval.py measures its coverage)."""
+    n = len(success)
     assert n and n % k == 0 and k >= 2, f"{n} sessions, {k} per task (at least 2)"
-    success = [float(v.fixed) for v in verdicts]
     mean = sum(success) / n
     var = 0.0
     for i in range(0, n, k):
@@ -65,11 +68,20 @@ def scores(
         m = sum(a) / k
         var += sum((x - m) ** 2 for x in a) / (k - 1) / k
     half = NormalDist().inv_cdf(0.5 + level / 2) * math.sqrt(var) / (n // k)
+    return mean, max(0.0, mean - half), min(1.0, mean + half)
+
+
+def scores(
+    verdicts: list[Verdict], satisfaction: list[float], k: int, level: float = 0.95
+) -> dict[str, float]:
+    """The held-out figures of sessions run `k` (>= 2) consecutive ones per task."""
+    n = len(verdicts)
+    mean, low, high = success_interval([float(v.fixed) for v in verdicts], k, level)
     turns = sum(v.turns for v in verdicts)
     return {
         METRIC: mean,
-        "heldout_task_success_ci_low": max(0.0, mean - half),
-        "heldout_task_success_ci_high": min(1.0, mean + half),
+        "heldout_task_success_ci_low": low,
+        "heldout_task_success_ci_high": high,
         "heldout_agent_satisfaction": sum(satisfaction) / n,
         "heldout_turns": turns / n,
         "heldout_tokens": sum(v.completion_tokens for v in verdicts) / n,

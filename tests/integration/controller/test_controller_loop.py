@@ -28,18 +28,9 @@ def gate(version, champion):
     return GateResult([Check("synthetic", "pass", detail=f"v{version} vs champion {champion}")])
 
 
-def types(settings, since=0):
-    return [(e["type"], e["version"], e["traffic_pct"]) for e in deployment_events(settings)][
-        since:
-    ]
-
-
-def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, make_settings):
-    from app.contracts.deployments import DeploymentEvent, DeploymentLog
-
-    client, model = registry.client, registry.model
-    settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)
-    cs = ControllerSettings(
+def fast_settings() -> ControllerSettings:
+    """Steps of half a second, a 600 s deadline, a tick every 0.2 s; no webhooks, no metrics port."""
+    return ControllerSettings(
         min_step=0.5,
         min_samples=50,
         step_deadline=600,
@@ -48,6 +39,33 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
         webhooks_enabled=False,
         metrics_port=0,
     )
+
+
+def register(settings, *versions: str) -> None:
+    """The trainer's version_registered events for `versions`, on the deployment log."""
+    from app.contracts.deployments import DeploymentEvent, DeploymentLog
+
+    with DeploymentLog(settings) as dlog:
+        for v in versions:
+            dlog.publish(
+                DeploymentEvent.model_validate(
+                    Decision(
+                        type="version_registered", version=v, source="trainer", actor="trainer"
+                    ).to_event(settings.model_name)
+                )
+            )
+
+
+def types(settings, since=0):
+    return [(e["type"], e["version"], e["traffic_pct"]) for e in deployment_events(settings)][
+        since:
+    ]
+
+
+def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, make_settings):
+    client, model = registry.client, registry.model
+    settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)
+    cs = fast_settings()
     ctl = Controller(
         settings, cs, client, gate=gate, background_gate=True
     )  # as `flywheel controller` runs it
@@ -58,15 +76,7 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
     feed = Feeder(settings)
     try:
         assert ready.wait(60), "controller did not catch up"
-        with DeploymentLog(settings) as dlog:
-            for v in ("1", "2"):
-                dlog.publish(
-                    DeploymentEvent.model_validate(
-                        Decision(
-                            type="version_registered", version=v, source="trainer", actor="trainer"
-                        ).to_event(model)
-                    )
-                )
+        register(settings, "1", "2")
         wait_for(lambda: ("canary_started", "2", 5.0) in types(settings), 30, "canary of v2")
         assert ("promoted", "1", 100.0) in types(settings), (
             "the first gated version becomes champion"
@@ -97,14 +107,7 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
             "champion alias on 2",
         )
 
-        with DeploymentLog(settings) as dlog:
-            dlog.publish(
-                DeploymentEvent.model_validate(
-                    Decision(
-                        type="version_registered", version="3", source="trainer", actor="trainer"
-                    ).to_event(model)
-                )
-            )
+        register(settings, "3")
         wait_for(lambda: ("canary_started", "3", 5.0) in types(settings), 30, "canary of v3")
 
         def worse():
@@ -143,19 +146,9 @@ def test_better_candidate_promoted_worse_rolled_back_ui_move_obeyed(registry, ma
 def test_a_controller_started_again_restarts_the_running_step_instead_of_pausing_it(
     registry, make_settings
 ):
-    from app.contracts.deployments import DeploymentEvent, DeploymentLog
-
     client, model = registry.client, registry.model
     settings = make_settings(model_name=model, mlflow_uri=client.tracking_uri)
-    cs = ControllerSettings(
-        min_step=0.5,
-        min_samples=50,
-        step_deadline=600,
-        tick_interval=0.2,
-        poll_interval=0.5,
-        webhooks_enabled=False,
-        metrics_port=0,
-    )
+    cs = fast_settings()
     down = 1300.0  # the second controller starts 1,300 s later: past the step's 600 s deadline
 
     def start(clock):
@@ -168,15 +161,7 @@ def test_a_controller_started_again_restarts_the_running_step_instead_of_pausing
 
     ctl, stop, th = start(time.time)
     try:
-        with DeploymentLog(settings) as dlog:
-            for v in ("1", "2"):
-                dlog.publish(
-                    DeploymentEvent.model_validate(
-                        Decision(
-                            type="version_registered", version=v, source="trainer", actor="trainer"
-                        ).to_event(model)
-                    )
-                )
+        register(settings, "1", "2")
         wait_for(lambda: ("canary_started", "2", 5.0) in types(settings), 30, "canary of v2")
     finally:
         stop.set()
