@@ -511,12 +511,14 @@ def _commit(consumer: Any) -> None:
     times out, does not end the follower: the batch is already in the database, the next poll
     rejoins the group, and whoever owns the partitions then re-reads the batch, whose records the
     event_id / offset dedupe turns into no-ops (a bad record is dead-lettered again)."""
-    from kafka.errors import CommitFailedError, KafkaTimeoutError
+    from kafka.errors import CommitFailedError, KafkaTimeoutError, RebalanceInProgressError
 
     try:
         consumer.commit()
-    except (CommitFailedError, KafkaTimeoutError) as exc:
-        reason = "rebalanced" if isinstance(exc, CommitFailedError) else "timeout"
+    except (CommitFailedError, RebalanceInProgressError, KafkaTimeoutError) as exc:
+        # kafka-python raises RebalanceInProgressError itself, unwrapped, when the member knows
+        # its group is rebalancing at the commit, and CommitFailedError when it was left out
+        reason = "timeout" if isinstance(exc, KafkaTimeoutError) else "rebalanced"
         COMMITS_FAILED.labels(reason).inc()
         log.warning(
             "projector: offset commit failed (%s), the batch will be re-read: %s", reason, exc

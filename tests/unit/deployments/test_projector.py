@@ -343,6 +343,14 @@ class _Refusing:
     ("exc", "reason"),
     [
         (CommitFailedError(RebalanceInProgressError()), "rebalanced"),
+        # as kafka-python 3 raises it, unwrapped, when the member knows the group is rebalancing
+        # (seen on the real broker: tests/integration/deployments/test_sessions.py)
+        (
+            RebalanceInProgressError(
+                "Offset commit cannot be completed since the consumer is undergoing a rebalance"
+            ),
+            "rebalanced",
+        ),
         (KafkaTimeoutError("commit timed out"), "timeout"),
     ],
 )
