@@ -403,9 +403,9 @@ class RolloutIntake:
         self.buffer = kept
 
     def hold(self, on: bool) -> None:
-        """Stop (`on`) or restart fetching: paused partitions keep their records in Kafka, and
-        `poll` keeps this member in its group. Paused again on every call while held, since a
-        rebalance assigns partitions unpaused."""
+        """Stop (`on`) or restart fetching: paused partitions keep their records in Kafka while
+        `poll` goes on (an intake that subscribed stays in its group). Paused again on every call
+        while held, since a rebalance of a subscribed intake assigns partitions unpaused."""
         parts = self.consumer.assignment()
         if on and parts:
             self.consumer.pause(*parts)
