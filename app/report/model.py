@@ -550,15 +550,23 @@ def agent_cells(a: AgentHeldOut | None) -> list[str]:
     ]
 
 
+def shows_acceptance(rows: list[VersionRow]) -> bool:
+    """Whether the report shows held-out acceptance: some version has it, or no version has agent
+    figures either (a completion loop not yet evaluated). An agent loop's report (`flywheel run
+    --agents`: task success, no acceptance) leaves it out."""
+    return any(r.heldout is not None for r in rows) or not any(r.agent is not None for r in rows)
+
+
 def markdown_table(rows: list[VersionRow]) -> str:
     """The per-version table as Markdown (`flywheel report --markdown`): what a note or README quotes.
-    The held-out agent columns (after acceptance's) only when some version has agent figures."""
+    The held-out agent columns (after acceptance's) only when some version has agent figures; the
+    acceptance columns unless only agent figures are there (`shows_acceptance`)."""
     agents = any(r.agent is not None for r in rows)
+    acceptance = shows_acceptance(rows)
     heads = (
         "version",
         "kind",
-        "held-out acceptance",
-        "95% CI",
+        *(("held-out acceptance", "95% CI") if acceptance else ()),
         *(AGENT_HEADS if agents else ()),
         "gate",
         "failing checks",
@@ -581,8 +589,7 @@ def markdown_table(rows: list[VersionRow]) -> str:
         cells = [
             r.version,
             r.kind,
-            acc,
-            ci,
+            *((acc, ci) if acceptance else ()),
             *(agent_cells(r.agent) if agents else []),
             gate,
             failing,

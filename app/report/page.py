@@ -1,8 +1,9 @@
 """The report page: one HTML document, styles and figures inline, no script.
 
 `build_report(data)` -> str. Sections (each says "no ... yet" and why when it has no data):
-summary, held-out acceptance per version, held-out agent task success per version (only when a
-version has agent figures), training curves, gate decisions, canary steps, rollout timeline,
+summary, held-out acceptance per version (left out of an agent loop's report, which has task
+success and no acceptance), held-out agent task success per version (only when a version has
+agent figures), training curves, gate decisions, canary steps, rollout timeline,
 versions. A Content-Security-Policy (`default-src 'none'; img-src data:;
 style-src 'unsafe-inline'`) makes the browser refuse anything the page would fetch, so a page
 that renders cleanly is self-contained.
@@ -27,6 +28,7 @@ from app.report.model import (
     gate_by_version,
     rollout,
     ship_steps,
+    shows_acceptance,
     version_rows,
     vkey,
 )
@@ -411,7 +413,9 @@ def build_report(data: ReportData) -> str:
                 "No held-out results yet: no version has been evaluated (no heldout_acceptance metric or tag; "
                 "`flywheel simulate` evaluates every registered version).",
             ),
-        ),
+        )
+        if shows_acceptance(rows)
+        else "",
         _agent_section(rows),
         _section(
             "training",

@@ -118,6 +118,28 @@ def test_the_markdown_table_without_agent_figures_has_no_agent_column():
     assert lines[2] == "| 1 | base |  |  |  |  |  |" + "  |" * 6
 
 
+def test_an_agent_loops_report_leaves_out_the_acceptance_it_does_not_have():
+    data = ReportData(
+        "m",
+        T0,
+        versions=[
+            VersionInfo("1", {"kind": "base", **V2_TAGS}),
+            VersionInfo("2", {"kind": "trained"}),
+        ],
+    )
+    rows = version_rows(data)
+    lines = markdown_table(rows).splitlines()
+    assert lines[0] == (
+        "| version | kind | task success | 95% CI | turns | tokens | tool errors/turn | give-ups "
+        "| tests edited | gate | failing checks | canary "
+        "| sessions | turns/session | outcomes | success | failure | abandoned |"
+    ), lines[0]
+    assert lines[2].startswith("| 1 | base | 0.500 | [0.400, 0.600] | 3.2 |"), lines[2]
+    html = build_report(data)
+    assert '<section id="agents">' in html and 'id="heldout"' not in html
+    assert "No held-out results yet" not in html
+
+
 def test_the_gates_agent_figure_tags_are_not_checks():
     tags = {
         "flywheel.gate.status": "failed",
