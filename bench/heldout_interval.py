@@ -85,7 +85,7 @@ def scenario(
         p = [rng.betavariate(m * c, (1 - m) * c) for _ in range(tasks)]
         truth = sum(p) / tasks
         first, second = sessions(p, k, rng), sessions(p, k, rng)
-        mean, low, high = success_interval(first, k)
+        _, low, high = success_interval(first, k)
         other = sum(second) / n
         ours.add(low, high, truth, other)
         theirs.add(*wilson(sum(first), n), truth, other)

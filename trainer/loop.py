@@ -550,7 +550,7 @@ class Trainer:
         While waiting for a verdict (`waits_for_verdict`) the partitions are paused and nothing trains."""
         if self.waits_for_verdict():
             self.intake.hold(True)
-            self.poll()  # keeps the group membership; the paused partitions return nothing
+            self.poll()  # the paused partitions return nothing; their records wait in Kafka
             return None
         self.poll()
         if not self.world.distributed:

@@ -274,12 +274,14 @@ class Controller:
         """Once the log is replayed, before the first tick: a canary step the log shows running
         starts again (canary.restart_step), so the minutes this controller was not running are
         not held against it."""
-        now = datetime.fromtimestamp(self.clock(), tz=UTC)
-        self.state, out = canary.transition(self.state, canary.Restart(now), self.cfg)
+        self.state, out = canary.transition(self.state, canary.Restart(self._now()), self.cfg)
         self.publish(out)
 
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock(), tz=UTC)
+
     def tick(self) -> None:
-        now = datetime.fromtimestamp(self.clock(), tz=UTC)
+        now = self._now()
         self.run_gates()
         s = self.state
         if s.phase == "canary" and s.candidate is not None:

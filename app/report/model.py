@@ -366,9 +366,10 @@ def rollout(events: list[dict[str, Any]]) -> Rollout:
             r.marks.append(Mark(ts, v, t, f"v{v} to {ev.get('traffic_pct') or 0:g}%"))
         elif t in ("canary_paused", "canary_resumed") and v:
             r.canary[v] = "paused" if t == "canary_paused" else "in canary"
+            details = ev.get("details") or {}
             what = (
-                f"step {(ev.get('details') or {}).get('step', 0)} restarted with the controller"
-                if (ev.get("details") or {}).get(STEP_RESTART)
+                f"step {details.get('step', 0)} restarted with the controller"
+                if details.get(STEP_RESTART)
                 else t.removeprefix("canary_")
             )
             r.marks.append(Mark(ts, v, t, f"v{v} canary {what}"))
